@@ -1,0 +1,49 @@
+"""jaxcomp: compressed collectives for data-parallel JAX training.
+
+Codecs (``jc.sign()``, ``jc.int_quant(8)``, ...) compress a vector; ``jc.psum`` / ``jc.pmean``
+reduce a pytree over a mesh axis through a codec; ``jc.compressed_allreduce`` is the optax
+transform that adds error feedback; ``jc.comm_report`` reads the bytes on the wire from the
+compiled program.
+"""
+
+from jaxcomp.accounting import CommReport, comm_report
+from jaxcomp.codecs import (
+    Codec,
+    cast,
+    identity,
+    int_quant,
+    natural,
+    qsgd,
+    sign,
+    terngrad,
+    threshold_2bit,
+)
+from jaxcomp.collectives import STRATEGIES, choose_strategy, pmean, psum, strategy_bytes
+from jaxcomp.sharding import replicate, sharded_init, state_specs
+from jaxcomp.transforms import CompressedAllreduceState, compressed_allreduce
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "STRATEGIES",
+    "Codec",
+    "CommReport",
+    "CompressedAllreduceState",
+    "cast",
+    "choose_strategy",
+    "comm_report",
+    "compressed_allreduce",
+    "identity",
+    "int_quant",
+    "natural",
+    "pmean",
+    "psum",
+    "qsgd",
+    "replicate",
+    "sharded_init",
+    "sign",
+    "state_specs",
+    "strategy_bytes",
+    "terngrad",
+    "threshold_2bit",
+]

@@ -1,0 +1,733 @@
+"""Communication accounting: how many bytes does a jitted step put on the wire?
+
+:func:`comm_report` lowers and compiles a function, then reads every collective out of
+two texts of the same program:
+
+* the **compiled** program (``lowered.compile().as_text()``, optimized HLO): what XLA
+  will actually run on this backend, and
+* the **logical** program (``lowered.as_text()``, StableHLO): what the JAX code asked
+  for, before any backend rewrites.
+
+Ring model
+----------
+Each collective is costed as the bytes *one device sends* per call under the classic
+ring (bandwidth-optimal) algorithms, with ``n`` the size of the replica group and ``S``
+the array bytes of the op (summed over the arrays of a tuple-shaped op):
+
+==================  ===========================  =======================================
+kind                bytes sent per device        ``S`` is
+==================  ===========================  =======================================
+all-reduce          ``2 (n - 1) / n * S``        the reduced arrays (input = output)
+all-gather          ``(n - 1) / n * S``          the gathered **output**
+reduce-scatter      ``(n - 1) / n * S``          the **input** (= output * n)
+all-to-all          ``(n - 1) / n * S``          the operands (= the results)
+collective-permute  ``S``                        the permuted arrays
+==================  ===========================  =======================================
+
+A group of one device sends nothing. The model ignores latency, topology and the
+trip count of loops: a collective inside a ``while`` body is counted once and flagged
+``in_loop=True``.
+
+Why logical and compiled numbers differ
+---------------------------------------
+* XLA:CPU has no bf16 reduction kernels for collectives: it widens a bf16 all-reduce to
+  f32 in the compiled program (``convert -> all-reduce f32 -> convert``), doubling its
+  bytes. GPU/TPU backends keep bf16. The logical numbers show what a fast interconnect
+  would carry; the compiled numbers show what this backend really sends.
+* XLA combines several small all-reduces of one group into one all-reduce whose result
+  is a tuple (``AllReduceCombiner``), so compiled *counts* are lower than logical ones
+  while the bytes stay the same.
+* Collectives can be rewritten (e.g. all-reduce into reduce-scatter + all-gather) or
+  made asynchronous (``all-gather-start`` / ``all-gather-done`` pairs; only the
+  ``-start`` is counted).
+
+The parsers :func:`parse_hlo_collectives` and :func:`parse_stablehlo_collectives` work
+on plain strings, so saved dumps can be analysed without the program that made them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "KINDS",
+    "Collective",
+    "CommReport",
+    "array_nbytes",
+    "comm_report",
+    "dtype_bits",
+    "format_bytes",
+    "parse_hlo_collectives",
+    "parse_stablehlo_collectives",
+    "ring_bytes",
+]
+
+#: The collective kinds this module knows, in HLO spelling.
+KINDS: tuple[str, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+Shape = tuple[int, ...]
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op found in a program.
+
+    Attributes:
+      kind: one of :data:`KINDS` (``-start`` suffixes of async ops are dropped).
+      dtypes: HLO element type of each array of the op's result (``"f32"``, ``"bf16"``...).
+      shapes: the dimensions of each result array, aligned with ``dtypes``. For async
+        ``-start`` ops these are the output buffers only.
+      array_bytes: ``S`` of the ring model: output bytes for all-gather, input bytes for
+        reduce-scatter, result bytes otherwise.
+      group_size: ``n``, the number of devices in each replica group (for
+        collective-permute: the number of distinct devices named in the pairs).
+      bytes_per_device: ring-model bytes each device sends per call.
+      name: instruction name in the program (``"psum_invariant.7"``, ``"%5"``).
+      in_loop: whether the op sits in a ``while`` body/condition (or a computation
+        called from one), so its true cost is ``bytes_per_device`` times the trip count.
+        Only detected in compiled HLO.
+    """
+
+    kind: str
+    dtypes: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    array_bytes: int
+    group_size: int
+    bytes_per_device: float
+    name: str = ""
+    in_loop: bool = False
+
+    @property
+    def dtype(self) -> str:
+        """The element types joined by ``,`` with duplicates dropped (for display)."""
+        return ",".join(dict.fromkeys(self.dtypes))
+
+    def shape_str(self) -> str:
+        """Shapes in HLO style: ``"[1024]"``, ``"[1,3]x8"`` (repeated), long tuples elided."""
+        parts = ["[" + ",".join(map(str, s)) + "]" for s in self.shapes]
+        if len(parts) > 1 and len(set(parts)) == 1:
+            return f"{parts[0]}x{len(parts)}"
+        if len(parts) > 4:
+            return " ".join(parts[:3]) + f" ... ({len(parts)} arrays)"
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommReport:
+    """Collectives of one compiled program, with ring-model byte counts.
+
+    Attributes:
+      collectives: collectives of the compiled (optimized) HLO, in program order.
+      logical: collectives of the logical StableHLO program, in program order.
+      hlo_text: the compiled HLO text that was parsed.
+      stablehlo_text: the StableHLO text that was parsed.
+    """
+
+    collectives: tuple[Collective, ...]
+    logical: tuple[Collective, ...]
+    hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+    stablehlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+
+    @property
+    def bytes_per_device(self) -> float:
+        """Ring-model bytes each device sends per call, summed over compiled collectives."""
+        return float(sum(c.bytes_per_device for c in self.collectives))
+
+    @property
+    def logical_bytes_per_device(self) -> float:
+        """Like :attr:`bytes_per_device`, over the logical (StableHLO) collectives."""
+        return float(sum(c.bytes_per_device for c in self.logical))
+
+    @property
+    def count(self) -> int:
+        """Number of collectives in the compiled program."""
+        return len(self.collectives)
+
+    def by_kind(self) -> dict[str, float]:
+        """Compiled bytes per device grouped by kind (only kinds that occur)."""
+        return _sum_by_kind(self.collectives)
+
+    def logical_by_kind(self) -> dict[str, float]:
+        """Logical bytes per device grouped by kind (only kinds that occur)."""
+        return _sum_by_kind(self.logical)
+
+    def largest(self, k: int = 5) -> list[Collective]:
+        """The ``k`` compiled collectives sending the most bytes, largest first."""
+        return sorted(self.collectives, key=lambda c: c.bytes_per_device, reverse=True)[:k]
+
+    def ratio_to(self, other: CommReport) -> float:
+        """``other.bytes_per_device / self.bytes_per_device``: the saving of ``self``.
+
+        E.g. ``compressed.ratio_to(baseline) == 4.0`` means the compressed step sends a
+        quarter of the baseline's bytes. Returns ``inf`` when only ``self`` sends nothing
+        and ``nan`` when neither sends anything.
+        """
+        mine, theirs = self.bytes_per_device, other.bytes_per_device
+        if mine == 0:
+            return math.nan if theirs == 0 else math.inf
+        return theirs / mine
+
+    def __str__(self) -> str:
+        return _format_report(self)
+
+
+# --------------------------------------------------------------------------- dtypes, shapes
+
+_DTYPE_BITS: dict[str, int] = {
+    "pred": 8,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "s4": 4,
+    "u4": 4,
+    "s2": 2,
+    "u2": 2,
+    "s1": 1,
+    "u1": 1,
+    "f4e2m1fn": 4,
+    "token": 0,
+}
+
+
+def dtype_bits(dtype: str) -> int:
+    """Bits per element of an HLO element type (``"f32"`` -> 32, ``"s4"`` -> 4).
+
+    Every ``f8*`` type is 8 bits. Raises ``KeyError`` for unknown types.
+    """
+    d = dtype.lower()
+    if d.startswith("f8"):
+        return 8
+    if d.startswith("f6"):
+        return 6
+    return _DTYPE_BITS[d]
+
+
+def array_nbytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of one dense array: ``ceil(numel * bits / 8)`` (so ``s4[3]`` is 2 bytes)."""
+    return math.ceil(math.prod(shape) * dtype_bits(dtype) / 8)
+
+
+def ring_bytes(kind: str, array_bytes: float, group_size: int) -> float:
+    """Ring-model bytes one device sends for one call (see the module docstring).
+
+    Args:
+      kind: one of :data:`KINDS`.
+      array_bytes: ``S``: output bytes for all-gather, input bytes for reduce-scatter,
+        the arrays' bytes otherwise.
+      group_size: ``n``, devices per replica group.
+    """
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (n - 1) / n * array_bytes
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * array_bytes
+    if kind == "collective-permute":
+        return float(array_bytes)
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: ``112 B``, ``7.00 KiB``, ``1.50 MiB``."""
+    if not math.isfinite(n):
+        return str(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n < 1024:
+        return f"{sign}{n:g} B" if n == int(n) else f"{sign}{n:.1f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- group modes
+
+
+def _group_size_from_mode(
+    groups_size: int | None,
+    *,
+    has_channel: bool,
+    global_ids: bool,
+    kind: str,
+    replicas: int | None,
+    partitions: int | None,
+    fallback: int,
+) -> int:
+    """Devices per group, following XLA's ``CollectiveOpGroupMode``.
+
+    ``groups_size`` is the size of the listed groups (``None`` when the list is empty,
+    meaning "every participant"). Without a channel the ids are replicas; with a channel
+    all-to-all and collective-permute work across partitions, while all-reduce,
+    all-gather and reduce-scatter either use flattened global ids
+    (``use_global_device_ids``) or replica ids spanning all partitions.
+    """
+    if replicas is None and partitions is None:
+        return fallback if groups_size is None else groups_size
+    r, p = replicas or 1, partitions or 1
+    if not has_channel:
+        mode_total, factor = r, 1
+    elif kind in ("all-to-all", "collective-permute"):
+        mode_total, factor = p, 1
+    elif global_ids:
+        mode_total, factor = r * p, 1
+    else:  # cross-replica-and-partition: each listed replica brings all its partitions
+        mode_total, factor = r * p, p
+    return mode_total if groups_size is None else groups_size * factor
+
+
+# --------------------------------------------------------------------------- HLO parsing
+
+_KIND_ALT = "|".join(re.escape(k) for k in KINDS)
+_HLO_OP_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>[^%\"]*?)\s*"
+    rf"(?<![\w\-])(?P<kind>{_KIND_ALT})(?P<start>-start)?\("
+)
+_HLO_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_HLO_HEADER_RE = re.compile(r"^HloModule\b.*$", re.MULTILINE)
+_HLO_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_HLO_CALLEE_RE = re.compile(
+    r"\b(?:to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_HLO_BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_HLO_LOOP_RE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+_COMMENT_RE = re.compile(r"/\*.*?\*/")
+
+
+def _split_top_level(s: str) -> list[str]:
+    """Split ``s`` at commas that are not nested in (), [] or {}."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _parse_hlo_shape(s: str) -> Any:
+    """Parse an HLO shape into ``(dtype, dims)`` or a (nested) list of those."""
+    s = s.strip()
+    if s.startswith("(") and s.endswith(")"):
+        return [_parse_hlo_shape(p) for p in _split_top_level(s[1:-1])]
+    m = _HLO_ARRAY_RE.match(s)
+    if m is None:
+        raise ValueError(f"cannot parse HLO shape {s!r}")
+    dims = tuple(int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip())
+    return (m.group(1), dims)
+
+
+def _flatten_shape(shape: Any) -> list[tuple[str, Shape]]:
+    if isinstance(shape, tuple):
+        return [shape]
+    return [leaf for sub in shape for leaf in _flatten_shape(sub)]
+
+
+def _async_output(shape: Any, kind: str) -> Any:
+    """The output part of an async ``-start`` op's result shape.
+
+    ``all-reduce-start`` has the same shape as ``all-reduce``. The other ``-start`` ops
+    return ``(operands, outputs, context...)``: element 1 is the output (for
+    ``collective-permute-start`` the trailing ``u32[]`` entries are context, not data).
+    """
+    if kind == "all-reduce" or isinstance(shape, tuple):
+        return shape
+    if len(shape) >= 2:
+        return shape[1]
+    return shape[-1]
+
+
+def _parse_int_groups(s: str) -> list[list[int]]:
+    """``{{0,1},{2,3}}`` -> ``[[0, 1], [2, 3]]`` (``{}`` -> ``[]``)."""
+    return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", s)]
+
+
+def _hlo_replica_group_size(attrs: str) -> int | None:
+    """Group size from an op's attributes, or ``None`` for empty/missing groups."""
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
+    if m:  # iota form [num_groups,group_size]<=[dims]T(perm)
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{((?:\{[^{}]*\},?)*)\}", attrs)
+    if m is None:
+        return None
+    groups = [g for g in _parse_int_groups(m.group(1)) if g]
+    return max(len(g) for g in groups) if groups else None
+
+
+def _hlo_permute_size(attrs: str) -> tuple[int, bool]:
+    """(distinct devices in ``source_target_pairs``, whether any pair moves data)."""
+    m = re.search(r"source_target_pairs=\{((?:\{[^{}]*\},?)*)\}", attrs)
+    pairs = _parse_int_groups(m.group(1)) if m else []
+    devices = {d for p in pairs for d in p}
+    return len(devices), any(len(p) == 2 and p[0] != p[1] for p in pairs)
+
+
+def _hlo_header(text: str) -> tuple[int | None, int | None]:
+    """``(replica_count, num_partitions)`` from the ``HloModule`` line (None if absent)."""
+    m = _HLO_HEADER_RE.search(text)
+    if m is None:
+        return None, None
+    rep = re.search(r"\breplica_count=(\d+)", m.group(0))
+    par = re.search(r"\bnum_partitions=(\d+)", m.group(0))
+    return (int(rep.group(1)) if rep else None, int(par.group(1)) if par else None)
+
+
+def _hlo_loop_computations(lines: Iterable[str]) -> set[str]:
+    """Names of computations run inside a while loop (bodies, conditions, their callees)."""
+    callees: dict[str, set[str]] = {}
+    roots: set[str] = set()
+    current = ""
+    for line in lines:
+        head = _HLO_COMPUTATION_RE.match(line)
+        if head and not line[:1].isspace():
+            current = head.group("name")
+            callees.setdefault(current, set())
+            continue
+        if " while(" in line:
+            roots.update(_HLO_LOOP_RE.findall(line))
+        found = set(_HLO_CALLEE_RE.findall(line))
+        for branches in _HLO_BRANCHES_RE.findall(line):
+            found.update(b.strip().lstrip("%") for b in branches.split(",") if b.strip())
+        callees.setdefault(current, set()).update(found)
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(callees.get(name, ()))
+    return seen
+
+
+def parse_hlo_collectives(text: str, num_devices: int | None = None) -> list[Collective]:
+    """Every collective in an HLO module's text (compiled or not), in text order.
+
+    Handles tuple results (combined all-reduces, all-to-all over several arrays), async
+    ``-start`` ops (``-done`` ops are ignored), ops in nested computations, and the
+    replica-group spellings ``{{0,1},{2,3}}``, ``[2,4]<=[8]``, ``[2,4]<=[4,2]T(1,0)`` and
+    ``{}``.
+
+    Args:
+      text: HLO text, e.g. ``jax.jit(f).lower(x).compile().as_text()``.
+      num_devices: size of an empty replica group when the ``HloModule`` header names
+        neither ``replica_count`` nor ``num_partitions``; defaults to
+        ``jax.device_count()``.
+    """
+    replicas, partitions = _hlo_header(text)
+    fallback = num_devices if num_devices is not None else jax.device_count()
+    lines = _COMMENT_RE.sub("", text).splitlines()
+    loop_comps = _hlo_loop_computations(lines)
+    out: list[Collective] = []
+    current = ""
+    for line in lines:
+        head = _HLO_COMPUTATION_RE.match(line)
+        if head and not line[:1].isspace():
+            current = head.group("name")
+            continue
+        m = _HLO_OP_RE.match(line)
+        if m is None:
+            continue
+        kind = m.group("kind")
+        shape = _parse_hlo_shape(m.group("shape"))
+        if m.group("start"):
+            shape = _async_output(shape, kind)
+        arrays = _flatten_shape(shape)
+        attrs = line[m.end() :]
+        if kind == "collective-permute":
+            n, moves = _hlo_permute_size(attrs)
+            group = n
+        else:
+            moves = True
+            group = _group_size_from_mode(
+                _hlo_replica_group_size(attrs),
+                has_channel="channel_id=" in attrs,
+                global_ids="use_global_device_ids=true" in attrs,
+                kind=kind,
+                replicas=replicas,
+                partitions=partitions,
+                fallback=fallback,
+            )
+        out.append(
+            _make_collective(kind, arrays, group, m.group("name"), current in loop_comps, moves)
+        )
+    return out
+
+
+def _make_collective(
+    kind: str,
+    arrays: Sequence[tuple[str, Shape]],
+    group: int,
+    name: str,
+    in_loop: bool,
+    moves: bool = True,
+    input_bytes: int | None = None,
+) -> Collective:
+    """Build a :class:`Collective` from its result arrays (``input_bytes`` overrides S_in)."""
+    result_bytes = sum(array_nbytes(d, s) for d, s in arrays)
+    if kind == "reduce-scatter":
+        size = input_bytes if input_bytes is not None else result_bytes * max(group, 1)
+    else:
+        size = result_bytes
+    return Collective(
+        kind=kind,
+        dtypes=tuple(d for d, _ in arrays),
+        shapes=tuple(s for _, s in arrays),
+        array_bytes=size,
+        group_size=group,
+        bytes_per_device=ring_bytes(kind, size, group) if moves else 0.0,
+        name=name,
+        in_loop=in_loop,
+    )
+
+
+# --------------------------------------------------------------------------- StableHLO parsing
+
+_SHLO_KINDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "collective_permute": "collective-permute",
+}
+_SHLO_OP_RE = re.compile(
+    r"(?P<lhs>%[\w#:.\-]+(?:\s*,\s*%[\w#:.\-]+)*)\s*=\s*\"?stablehlo\."
+    r"(?P<op>all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute)\b\"?"
+)
+_SHLO_TENSOR_RE = re.compile(r"tensor<((?:[0-9?]+x)*)([a-zA-Z][\w]*(?:<\w+>)?)[^<>]*>")
+_MLIR_DTYPES = {
+    "i1": "pred",
+    "complex<f32>": "c64",
+    "complex<f64>": "c128",
+}
+
+
+def _mlir_dtype(t: str) -> str:
+    """MLIR element type -> HLO spelling (``ui32`` -> ``u32``, ``f8E4M3FN`` -> ``f8e4m3fn``)."""
+    if t in _MLIR_DTYPES:
+        return _MLIR_DTYPES[t]
+    if re.fullmatch(r"ui\d+", t):
+        return "u" + t[2:]
+    if re.fullmatch(r"si?\d+|i\d+", t):
+        return "s" + t.lstrip("si")
+    return t.lower()
+
+
+def _mlir_tensors(s: str) -> list[tuple[str, Shape]]:
+    """All ``tensor<AxBxT>`` types in ``s`` as ``(hlo_dtype, dims)``; ``?`` dims count 0."""
+    out = []
+    for dims, elt in _SHLO_TENSOR_RE.findall(s):
+        shape = tuple(0 if d == "?" else int(d) for d in dims.split("x") if d)
+        out.append((_mlir_dtype(elt), shape))
+    return out
+
+
+def _op_signature(text: str, start: int) -> tuple[str, str, int]:
+    """Find the op's trailing ``: (operands) -> results`` signature.
+
+    Scans from ``start`` (just after the op name) for the first ``:`` outside (), [] and
+    {} (attribute dictionaries and regions hold their own colons) and returns the
+    operand part, the result part and the end offset of the signature line.
+    """
+    depth = 0
+    i, n = start, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == '"':  # skip string literals
+            i = text.find('"', i + 1)
+            if i < 0:
+                break
+        elif ch == ":" and depth == 0:
+            end = text.find("\n", i)
+            end = n if end < 0 else end
+            sig = text[i + 1 : end]
+            lhs, arrow, rhs = sig.partition("->")
+            return (lhs, rhs, end) if arrow else ("", lhs, end)
+        i += 1
+    return "", "", n
+
+
+def _dense_groups(attr: str, text: str) -> tuple[list[list[int]] | None, Shape]:
+    """Parse ``<attr> = dense<...> : tensor<GxNxi64>`` -> (groups or None, (G, N))."""
+    m = re.search(rf"{attr}\s*=\s*dense<(.*?)>\s*:\s*tensor<([0-9x]*)x?i64>", text)
+    if m is None:
+        return None, ()
+    dims = tuple(int(d) for d in m.group(2).split("x") if d)
+    body = m.group(1).strip()
+    if body.startswith("["):
+        groups = [
+            [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\[([^\[\]]*)\]", body)
+        ]
+        return groups, dims
+    if body and len(dims) == 2:  # splat, e.g. dense<0> : tensor<8x1xi64>
+        return [[int(body)] * dims[1] for _ in range(dims[0])], dims
+    return [], dims
+
+
+def _module_attr(text: str, name: str) -> int | None:
+    m = re.search(rf"{name}\s*=\s*(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> list[Collective]:
+    """Every collective in a StableHLO/MLIR module's text, in text order.
+
+    Understands both ``"stablehlo.all_reduce"(...)`` (generic, as JAX prints it) and the
+    unquoted spelling, multi-line ops whose type signature follows a region
+    (``}) : (tensor<8xf16>) -> tensor<8xf16>``), several operands per op, and
+    ``replica_groups`` / ``source_target_pairs`` given as ``dense<...>`` attributes.
+
+    Args:
+      text: MLIR text, e.g. ``jax.jit(f).lower(x).as_text()``.
+      num_devices: size of an empty replica group when the module names neither
+        ``mhlo.num_replicas`` nor ``mhlo.num_partitions``; defaults to
+        ``jax.device_count()``.
+    """
+    replicas = _module_attr(text, "mhlo.num_replicas")
+    partitions = _module_attr(text, "mhlo.num_partitions")
+    fallback = num_devices if num_devices is not None else jax.device_count()
+    out: list[Collective] = []
+    for m in _SHLO_OP_RE.finditer(text):
+        kind = _SHLO_KINDS[m.group("op")]
+        operands_sig, results_sig, end = _op_signature(text, m.end())
+        # attributes live between the op name and the region / signature
+        attrs = text[m.end() : end]
+        region = attrs.find("({")
+        attrs_head = attrs if region < 0 else attrs[:region]
+        operands, results = _mlir_tensors(operands_sig), _mlir_tensors(results_sig)
+        moves = True
+        if kind == "collective-permute":
+            pairs, _ = _dense_groups("source_target_pairs", attrs_head)
+            pairs = pairs or []
+            group = len({d for p in pairs for d in p if d >= 0})
+            moves = any(len(p) == 2 and p[0] != p[1] for p in pairs)
+        else:
+            groups, dims = _dense_groups("replica_groups", attrs_head)
+            sizes = [sum(1 for d in g if d >= 0) for g in groups or []]
+            listed = max(sizes) if sizes and max(sizes) > 0 else None
+            group = _group_size_from_mode(
+                listed,
+                has_channel="channel_handle" in attrs_head,
+                global_ids="use_global_device_ids" in attrs_head,
+                kind=kind,
+                replicas=replicas,
+                partitions=partitions,
+                fallback=fallback,
+            )
+        in_bytes = sum(array_nbytes(d, s) for d, s in operands) if operands else None
+        name = m.group("lhs").split(",")[0].strip()
+        out.append(_make_collective(kind, results, group, name, False, moves, input_bytes=in_bytes))
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _lower(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    lower = getattr(fn, "lower", None)
+    if lower is None:
+        return jax.jit(fn).lower(*args, **kwargs)
+    return lower(*args, **kwargs)
+
+
+def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport:
+    """Lower and compile ``fn(*args, **kwargs)`` and account for its collectives.
+
+    ``fn`` may be a ``jax.jit``-ed function (including ``jax.jit(jax.shard_map(...))``),
+    a ``jax.pmap``-ed function, or a plain callable (it is wrapped in ``jax.jit``).
+    Nothing is executed; arrays only provide shapes and shardings.
+
+    Example::
+
+        step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+        print(comm_report(step, x))
+    """
+    lowered = _lower(fn, *args, **kwargs)
+    hlo = lowered.compile().as_text() or ""
+    logical = lowered.as_text() or ""
+    ndev = jax.device_count()
+    return CommReport(
+        collectives=tuple(parse_hlo_collectives(hlo, ndev)),
+        logical=tuple(parse_stablehlo_collectives(logical, ndev)),
+        hlo_text=hlo,
+        stablehlo_text=logical,
+    )
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _sum_by_kind(cs: Iterable[Collective]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in cs:
+        out[c.kind] = out.get(c.kind, 0.0) + c.bytes_per_device
+    return out
+
+
+def _table(title: str, cs: Sequence[Collective]) -> list[str]:
+    header = ("kind", "dtype", "shape", "group", "bytes/device")
+    rows = [
+        (
+            c.kind + (" (loop)" if c.in_loop else ""),
+            c.dtype,
+            c.shape_str(),
+            str(c.group_size),
+            format_bytes(c.bytes_per_device),
+        )
+        for c in cs
+    ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(r: Sequence[str]) -> str:
+        cells = [r[i].ljust(widths[i]) for i in range(4)] + [r[4].rjust(widths[4])]
+        return "  ".join(cells).rstrip()
+
+    lines = [f"{title}: {len(cs)} collective(s)"]
+    if rows:
+        lines += ["  " + fmt(header), "  " + "  ".join("-" * w for w in widths)]
+        lines += ["  " + fmt(r) for r in rows]
+    return lines
+
+
+def _format_report(r: CommReport) -> str:
+    lines = _table("compiled", r.collectives)
+    lines.append(f"  total: {format_bytes(r.bytes_per_device)} per device per call")
+    lines += _table("logical", r.logical)
+    lines.append(f"  total: {format_bytes(r.logical_bytes_per_device)} per device per call")
+    if any(c.in_loop for c in r.collectives):
+        lines.append("  (loop): inside a while loop, counted once; multiply by the trip count")
+    return "\n".join(lines)

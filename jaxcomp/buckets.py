@@ -1,0 +1,137 @@
+"""Pytrees <-> flat float32 vectors, and which leaves get compressed.
+
+Every leaf of a gradient tree falls in one of three groups:
+
+* ``compressed`` — floating leaves with at least ``min_size`` elements that the mask allows;
+* ``plain`` — floating leaves that are small (biases, norms) or masked out: plain ``pmean``;
+* ``passthrough`` — integer/bool leaves: returned untouched.
+
+Compressed leaves are worked on as one float32 vector (their concatenation, in tree
+order); :class:`Layout` holds the static offsets to split it back by leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+COMPRESSED, PLAIN, PASSTHROUGH = "compressed", "plain", "passthrough"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static description of how a tree's leaves are grouped (hashable: safe under jit)."""
+
+    treedef: Any
+    groups: tuple[str, ...]  # per leaf
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+
+    @property
+    def compressed_sizes(self) -> tuple[int, ...]:
+        return tuple(
+            int(np.prod(s))
+            for s, g in zip(self.shapes, self.groups, strict=True)
+            if g == COMPRESSED
+        )
+
+    @property
+    def compressed_size(self) -> int:
+        """``d``: the number of elements that go through the codec."""
+        return sum(self.compressed_sizes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(np.cumsum((0,) + self.compressed_sizes[:-1]).tolist()) if self.groups else ()
+
+
+def resolve_mask(mask: Any, tree: Any) -> Any:
+    """``mask`` as a tree of bools: None (all True), a tree of bools, or a callable on the tree."""
+    if mask is None:
+        return jax.tree.map(lambda _: True, tree)
+    m = mask(tree) if callable(mask) else mask
+    try:
+        return jax.tree.map(lambda _, b: bool(b), tree, m)
+    except ValueError as e:
+        raise ValueError(f"`mask` must have the structure of the gradient tree: {e}") from None
+
+
+def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
+    """Group the leaves of ``tree`` (arrays or ShapeDtypeStructs)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    flags = jax.tree.leaves(resolve_mask(mask, tree))
+    groups = []
+    for leaf, allowed in zip(leaves, flags, strict=True):
+        dtype = jnp.dtype(leaf.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            groups.append(PASSTHROUGH)
+        elif allowed and int(np.prod(leaf.shape)) >= max(min_size, 1):
+            groups.append(COMPRESSED)
+        else:
+            groups.append(PLAIN)
+    return Layout(
+        treedef,
+        tuple(groups),
+        tuple(tuple(leaf.shape) for leaf in leaves),
+        tuple(jnp.dtype(leaf.dtype) for leaf in leaves),
+    )
+
+
+def check_structure(tree: Any, layout: Layout, what: str = "updates") -> None:
+    """Raise a clear error when ``tree`` does not match the layout the state was built for."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != layout.treedef:
+        raise ValueError(
+            f"`{what}` has tree structure {treedef}, but the compression state was initialized "
+            f"for {layout.treedef}"
+        )
+    for i, (leaf, shape) in enumerate(zip(leaves, layout.shapes, strict=True)):
+        if tuple(leaf.shape) != shape:
+            raise ValueError(
+                f"`{what}` leaf {i} has shape {tuple(leaf.shape)}, but the compression state was "
+                f"initialized for {shape}"
+            )
+
+
+def flatten_compressed(tree: Any, layout: Layout) -> jax.Array:
+    """Concatenate the compressed leaves as one float32 vector of size ``layout.compressed_size``."""
+    leaves = jax.tree.leaves(tree)
+    parts = [
+        jnp.ravel(leaf).astype(jnp.float32)
+        for leaf, g in zip(leaves, layout.groups, strict=True)
+        if g == COMPRESSED
+    ]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+
+
+def split_compressed(vector: jax.Array, layout: Layout) -> list[jax.Array]:
+    """Split a compressed vector back into per-leaf flat segments."""
+    return [vector[o : o + s] for o, s in zip(layout.offsets, layout.compressed_sizes, strict=True)]
+
+
+def rebuild(
+    tree: Any,
+    layout: Layout,
+    compressed: jax.Array,
+    plain_fn: Callable[[jax.Array], jax.Array],
+) -> Any:
+    """The output tree: compressed leaves from ``compressed`` (a vector), plain leaves through
+    ``plain_fn`` (in float32), passthrough leaves as they were; each leaf in its own dtype."""
+    leaves = jax.tree.leaves(tree)
+    segments = iter(split_compressed(compressed, layout))
+    out = []
+    for leaf, g, shape, dtype in zip(
+        leaves, layout.groups, layout.shapes, layout.dtypes, strict=True
+    ):
+        if g == COMPRESSED:
+            out.append(next(segments).reshape(shape).astype(dtype))
+        elif g == PLAIN:
+            out.append(plain_fn(leaf.astype(jnp.float32)).astype(dtype))
+        else:
+            out.append(leaf)
+    return jax.tree.unflatten(layout.treedef, out)

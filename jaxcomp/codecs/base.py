@@ -1,0 +1,136 @@
+"""The Codec type: a compressor is data (its hyperparameters) plus two pure functions.
+
+A codec maps a 1-D float vector ``x`` of static size ``d`` to a *payload* (a pytree of
+arrays whose shapes depend only on ``d``) and back. Codecs know nothing of devices or
+axes: how payloads travel is the business of :mod:`jaxcomp.collectives`.
+
+Conventions every codec follows:
+
+* ``encode(x, key)`` works in float32 and never produces NaN from finite input; an
+  all-zero ``x`` decodes to exactly zero.
+* ``decode(payload, d)`` returns ``float32[d]``.
+* ``payload_bytes(d)`` is an analytic formula and equals the summed ``nbytes`` of the
+  payload arrays (tested for every codec and many sizes).
+* ``unbiased``: ``E_key[decode(encode(x, key))] == x``.
+* ``summable``: payloads of several devices can be added leaf-wise (``psum``) and decode
+  to the sum of their decodings. Floating leaves are summed; integer leaves of a
+  summable payload must be identical on every device (e.g. shared random indices) and
+  are passed through unsummed.
+* ``shared_randomness``: the key must be the same on every device (random-k), instead
+  of independent noise per device (stochastic rounding).
+* ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
+  (None where no such bound holds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Payload = Any
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """Base class of every codec. Subclasses are frozen (hashable, static under jit)."""
+
+    # Class-level properties; subclasses override.
+    unbiased = False
+    summable = False
+    stochastic = False
+    shared_randomness = False
+
+    @property
+    def name(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields})"
+
+    def delta(self, d: int) -> float | None:
+        """Contraction factor for a vector of size ``d``: ``||C(x)-x||^2 <= (1-delta)||x||^2``.
+
+        None where the codec gives no such guarantee (unbiased codecs instead bound variance).
+        """
+        return None
+
+    def encode(self, x: jax.Array, key: jax.Array | None = None) -> Payload:
+        raise NotImplementedError
+
+    def decode(self, payload: Payload, d: int) -> jax.Array:
+        raise NotImplementedError
+
+    def payload_bytes(self, d: int) -> int:
+        raise NotImplementedError
+
+    def decode_sum(self, payloads: Payload, d: int) -> jax.Array:
+        """Sum of the decodings of a stack of payloads (leading axis = devices).
+
+        The default decodes each and adds; sparse codecs override it with one scatter-add
+        into a single dense buffer.
+        """
+        return jnp.sum(jax.vmap(lambda p: self.decode(p, d))(payloads), axis=0)
+
+    def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        """``decode(encode(x))``: what the receivers will see of ``x``."""
+        return self.decode(self.encode(x, key), x.shape[0])
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def check_vector(x: jax.Array, codec: Codec) -> jax.Array:
+    """Validate a codec input: 1-D, floating; return it as float32."""
+    if x.ndim != 1:
+        raise ValueError(f"{codec.name}.encode expects a 1-D vector `x`, got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{codec.name}.encode expects a floating `x`, got dtype {x.dtype}")
+    return x.astype(jnp.float32)
+
+
+def require_key(key: jax.Array | None, codec: Codec) -> jax.Array:
+    if key is None:
+        raise ValueError(f"{codec.name} is stochastic: pass a PRNG `key` to encode")
+    return key
+
+
+def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    """Construction-time check of an integer argument, naming it in the error."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"`{name}` must be in {rng}, got {value}")
+    return int(value)
+
+
+def check_positive_float(name: str, value: Any, *, upper: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not np.isfinite(value) or value <= 0 or (upper is not None and value > upper):
+        rng = f"(0, {upper}]" if upper is not None else "> 0 and finite"
+        raise ValueError(f"`{name}` must be in {rng}, got {value}")
+    return value
+
+
+def blocks(x: jax.Array, block_size: int) -> jax.Array:
+    """Zero-pad ``x`` to whole blocks and view it as ``[num_blocks, block_size]``."""
+    d = x.shape[0]
+    nb = ceil_div(d, block_size)
+    return jnp.pad(x, (0, nb * block_size - d)).reshape(nb, block_size)
+
+
+def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
+    """``num / den`` with 0 where ``den == 0`` (a zero block stays zero, never NaN).
+
+    A non-finite ``den`` still propagates: only exact zeros are guarded.
+    """
+    zero = den == 0
+    return jnp.where(zero, 0.0, num / jnp.where(zero, 1.0, den))

@@ -1,0 +1,167 @@
+"""Optax transforms: compressed all-reduce with error feedback, chained before any optimizer."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import buckets, collectives, feedback
+from jaxcomp.codecs.base import Codec, check_int
+
+
+class CompressedAllreduceState(NamedTuple):
+    """State of :func:`compressed_allreduce`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
+
+    ``d`` is the number of elements of the compressed leaves (see :mod:`jaxcomp.buckets`).
+    """
+
+    memory: (
+        jax.Array
+    )  # f32[d] per device: residual e_i ("residual") or estimate h_i ("ef21"); f32[0] if none
+    server_residual: (
+        jax.Array
+    )  # f32[d] per device: chunk owner's re-encoding error (two_phase); f32[0] if unused
+    estimate: (
+        jax.Array
+    )  # f32[d], identical on every device: EF21's global estimate h; f32[0] otherwise
+    key: chex.PRNGKey  # uint32[2], identical on every device; split every step
+    count: jax.Array  # int32[]: number of updates applied
+
+    PER_DEVICE_FIELDS = ("memory", "server_residual")
+
+
+def _uses_server_residual(codec: Codec, strategy: str, error_feedback) -> bool:
+    if error_feedback is None:
+        return False
+    return strategy == "two_phase" or (strategy == "auto" and not codec.summable)
+
+
+def _freeze_if(bad: jax.Array, old: Any, new: Any) -> Any:
+    """Keep the old state on a non-finite step, so nothing in memory is corrupted."""
+    return jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
+
+
+def compressed_allreduce(
+    codec: Codec,
+    axis_name: Any,
+    *,
+    error_feedback: str | None = "auto",
+    strategy: str = "auto",
+    min_size: int = 1024,
+    mask: Any = None,
+    granularity: str = "leaf",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
+
+    Replaces the data-parallel ``pmean`` of the gradients: put it first in an optax chain,
+    inside ``jax.shard_map`` (or ``jax.pmap``), and pass it the per-device gradients::
+
+        tx = optax.chain(jc.compressed_allreduce(jc.sign(), "data"), optax.sgd(0.1, momentum=0.9))
+
+    With ``error_feedback="residual"`` each device sends ``C(g_i + e_i)`` and keeps
+    ``e_i <- g_i + e_i - C(g_i + e_i)``; the output is ``mean_i C(g_i + e_i)``, so
+    ``sum_t out_t + mean_i e_i = sum_t mean_i g_i`` (Karimireddy et al., 2019, "Error Feedback
+    Fixes SignSGD"). ``"ef21"`` keeps estimates instead (Richtarik et al., 2021); ``None`` keeps
+    nothing (for unbiased codecs). With ``two_phase`` (also under ``"auto"`` for codecs that
+    are not summable) the owner of each chunk keeps its own re-encoding error too.
+
+    Leaves smaller than ``min_size`` or masked out go through plain ``pmean``; integer leaves
+    pass through. The output keeps each leaf's dtype; the work is in float32. A non-finite
+    gradient on any device makes the compressed output NaN on every device and leaves the
+    whole state unchanged, so ``optax.apply_if_finite`` can skip the step and lose nothing.
+
+    Args:
+      codec: a jaxcomp codec, e.g. ``jc.int_quant(8)``, ``jc.sign()``.
+      axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
+      error_feedback: ``"auto"`` (default: ``"residual"`` for biased codecs, ``None`` for
+        unbiased ones, whose variance makes residual memory grow), ``"residual"``,
+        ``"ef21"`` or ``None``.
+      strategy: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"two_phase"``
+        (see :mod:`jaxcomp.collectives`).
+      min_size: leaves with fewer elements go through plain ``pmean``.
+      mask: None, a pytree of bools like the params, or a callable params -> such a tree;
+        False leaves go through plain ``pmean``.
+      granularity: ``"leaf"`` (default: one codec call per leaf, so scales and selections are
+        per layer, as in the papers) or ``"flat"`` (all compressed leaves as one vector).
+      seed: seeds the PRNG key kept in the state (stochastic codecs).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
+    """
+    collectives.check_codec(codec)
+    collectives.check_strategy(strategy)
+    collectives.check_granularity(granularity)
+    error_feedback = feedback.resolve(error_feedback, codec)
+    min_size = check_int("min_size", min_size, 0)
+    seed = check_int("seed", seed, 0)
+    if strategy == "allreduce" and not codec.summable:
+        collectives.choose_strategy(codec, 1, 1, strategy)  # raises the explanatory error
+    server = _uses_server_residual(codec, strategy, error_feedback)
+
+    def init_fn(params):
+        layout = buckets.layout_of(params, min_size, mask)
+        d = layout.compressed_size
+        zeros = lambda used: jnp.zeros((d if used else 0,), jnp.float32)  # noqa: E731
+        return CompressedAllreduceState(
+            memory=zeros(error_feedback is not None),
+            server_residual=zeros(server),
+            estimate=zeros(error_feedback == "ef21"),
+            key=jax.random.PRNGKey(seed),
+            count=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        collectives.axis_size(axis_name)
+        layout = buckets.layout_of(updates, min_size, mask)
+        buckets.check_structure(updates, layout)
+        g = buckets.flatten_compressed(updates, layout)
+        _check_state(state, g.shape[0], error_feedback, server)
+
+        key, step_key = jax.random.split(state.key)
+        target = feedback.to_send(g, state.memory, error_feedback)
+        reduced = collectives.reduce_segments(
+            collectives.segments_of(target, layout, granularity),
+            axis_name,
+            codec,
+            strategy,
+            step_key,
+            state.server_residual if server else None,
+        )
+        bad = collectives.any_nonfinite(updates, axis_name)
+        out = collectives.poison(feedback.output(reduced.mean, state.estimate, error_feedback), bad)
+        new_state = CompressedAllreduceState(
+            memory=feedback.next_memory(state.memory, target, reduced.sent, error_feedback),
+            server_residual=reduced.server_residual if server else state.server_residual,
+            estimate=out if error_feedback == "ef21" else state.estimate,
+            key=key,
+            count=state.count + 1,
+        )
+        new_state = _freeze_if(bad, state, new_state)
+        mean_tree = buckets.rebuild(updates, layout, out, lambda a: jax.lax.pmean(a, axis_name))
+        return mean_tree, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_state(state: CompressedAllreduceState, d: int, error_feedback, server: bool) -> None:
+    expected = {
+        "memory": d if error_feedback is not None else 0,
+        "server_residual": d if server else 0,
+        "estimate": d if error_feedback == "ef21" else 0,
+    }
+    for field, size in expected.items():
+        shape = getattr(state, field).shape
+        if shape != (size,):
+            raise ValueError(
+                f"compressed_allreduce state field `{field}` has shape {shape} but the "
+                f"compressed gradient needs ({size},). Was the state initialized for other "
+                "params, or split wrongly over devices? Under shard_map, initialize with "
+                "jc.sharded_init(tx, params, mesh, axis_name) and use jc.state_specs(state, "
+                "axis_name) as its specs; under pmap, give every state leaf a leading device axis."
+            )

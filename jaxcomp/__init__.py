@@ -8,6 +8,8 @@ compiled program.
 
 from jaxcomp.accounting import CommReport, comm_report
 from jaxcomp.codecs import (
+    CODECS,
+    get_codec,
     Codec,
     cast,
     identity,
@@ -25,6 +27,8 @@ from jaxcomp.transforms import CompressedAllreduceState, compressed_allreduce
 __version__ = "0.1.0"
 
 __all__ = [
+    "CODECS",
+    "get_codec",
     "STRATEGIES",
     "Codec",
     "CommReport",

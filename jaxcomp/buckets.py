@@ -82,22 +82,6 @@ def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
     )
 
 
-def check_structure(tree: Any, layout: Layout, what: str = "updates") -> None:
-    """Raise a clear error when ``tree`` does not match the layout the state was built for."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if treedef != layout.treedef:
-        raise ValueError(
-            f"`{what}` has tree structure {treedef}, but the compression state was initialized "
-            f"for {layout.treedef}"
-        )
-    for i, (leaf, shape) in enumerate(zip(leaves, layout.shapes, strict=True)):
-        if tuple(leaf.shape) != shape:
-            raise ValueError(
-                f"`{what}` leaf {i} has shape {tuple(leaf.shape)}, but the compression state was "
-                f"initialized for {shape}"
-            )
-
-
 def flatten_compressed(tree: Any, layout: Layout) -> jax.Array:
     """Concatenate the compressed leaves as one float32 vector of size ``layout.compressed_size``."""
     leaves = jax.tree.leaves(tree)

@@ -22,6 +22,10 @@ average, ``all_gather`` the re-encoded chunks, decode. The second encode adds a 
 compression error; the optax transform keeps it in a server-side residual (as 1-bit Adam's
 server error), the stateless :func:`psum` cannot.
 
+With ``allreduce`` the payload is also *added* in its own type (fp16 sums round at
+~2^-11 of the running sum): error feedback cannot see that rounding, it happens in the
+network. Integer payloads are never summed in their narrow type (int8 sums overflow).
+
 ``auto`` picks, per vector, the strategy with the fewest bytes in the table above; a
 summable codec always uses ``allreduce`` (same bytes as two-phase, exact sums).
 Non-finite input anywhere makes the output non-finite everywhere: one scalar flag is

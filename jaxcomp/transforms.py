@@ -74,6 +74,10 @@ def compressed_allreduce(
     pass through. The output keeps each leaf's dtype; the work is in float32. A non-finite
     gradient on any device makes the compressed output NaN on every device and leaves the
     whole state unchanged, so ``optax.apply_if_finite`` can skip the step and lose nothing.
+    Put it around the optimizer that follows (``optax.chain(jc.compressed_allreduce(...),
+    optax.apply_if_finite(optax.sgd(...), 3))``): wrapped around the whole chain under
+    ``shard_map``, its reject branch returns the per-device gradients, which do not match the
+    replicated mean and fail the vma check.
 
     Args:
       codec: a jaxcomp codec, e.g. ``jc.int_quant(8)``, ``jc.sign()``.
@@ -119,7 +123,6 @@ def compressed_allreduce(
         del params, extra_args
         collectives.axis_size(axis_name)
         layout = buckets.layout_of(updates, min_size, mask)
-        buckets.check_structure(updates, layout)
         g = buckets.flatten_compressed(updates, layout)
         _check_state(state, g.shape[0], error_feedback, server)
 

@@ -2,12 +2,19 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "")
+# 8 virtual devices share 2 cores in CI: a device thread can wait long for a core, and
+# XLA:CPU aborts the process when a collective's rendezvous takes over 40 s. Give it time.
+_FLAGS = (
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=120 "
+    "--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+    "--xla_cpu_collective_timeout_seconds=900"
+)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_threefry_partitionable", True)
-# 8 virtual devices on a 2-core machine: with async dispatch, steps queue up ahead and the
-# devices of two steps can starve each other's collective rendezvous (an XLA:CPU deadlock
-# seen here). Synchronous dispatch on CPU avoids it.
+# With async dispatch, steps queue up ahead and the devices of two steps can starve each
+# other's collective rendezvous on few cores (an XLA:CPU deadlock seen here).
 jax.config.update("jax_cpu_enable_async_dispatch", False)

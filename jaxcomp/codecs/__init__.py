@@ -10,9 +10,13 @@ from jaxcomp.codecs.quantize import (
     terngrad,
     threshold_2bit,
 )
+from jaxcomp.codecs.registry import CODECS, get_codec, register
 from jaxcomp.codecs.sign import sign
 
 __all__ = [
+    "CODECS",
+    "get_codec",
+    "register",
     "Codec",
     "cast",
     "identity",

@@ -127,6 +127,12 @@ def blocks(x: jax.Array, block_size: int) -> jax.Array:
     return jnp.pad(x, (0, nb * block_size - d)).reshape(nb, block_size)
 
 
+def per_value(per_block: jax.Array, block_size: int, d: int) -> jax.Array:
+    """Broadcast one value per block back to the ``d`` coordinates it covers."""
+    nb = per_block.shape[0]
+    return jnp.broadcast_to(per_block[:, None], (nb, block_size)).reshape(-1)[:d]
+
+
 def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
     """``num / den`` with 0 where ``den == 0`` (a zero block stays zero, never NaN).
 

@@ -22,16 +22,10 @@ from jaxcomp.codecs.base import (
     check_int,
     check_positive_float,
     check_vector,
+    per_value,
     require_key,
     safe_divide,
 )
-
-
-def _repeat_blocks(per_block: jax.Array, block_size: int, d: int) -> jax.Array:
-    """Broadcast one value per block back to the ``d`` coordinates."""
-    return jnp.repeat(per_block, block_size, total_repeat_length=per_block.shape[0] * block_size)[
-        :d
-    ]
 
 
 def _effective_block(block_size: int | None, d: int) -> int:
@@ -212,7 +206,7 @@ class IntQuant(Codec):
             q = (2 * code - 1).astype(jnp.float32)
         else:
             q = (code - self.levels).astype(jnp.float32)
-        return q * _repeat_blocks(scale, self.block_size, d)
+        return q * per_value(scale, self.block_size, d)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, self.bits) + 4 * ceil_div(d, self.block_size)
@@ -271,7 +265,7 @@ class QSGD(Codec):
     def decode(self, payload, d):
         words, norm = payload
         code = packing.unpack(words, self.bits, d).astype(jnp.int32) - self.levels
-        return code.astype(jnp.float32) / self.levels * _repeat_blocks(norm, self.bucket_size, d)
+        return code.astype(jnp.float32) / self.levels * per_value(norm, self.bucket_size, d)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, self.bits) + 4 * ceil_div(d, self.bucket_size)
@@ -316,7 +310,7 @@ class TernGrad(Codec):
         words, scale = payload
         code = packing.unpack(words, 2, d)
         tern = jnp.where(code == 1, 1.0, jnp.where(code == 2, -1.0, 0.0))
-        return tern * _repeat_blocks(scale, _effective_block(self.block_size, d), d)
+        return tern * per_value(scale, _effective_block(self.block_size, d), d)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, 2) + 4 * ceil_div(

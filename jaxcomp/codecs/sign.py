@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import Codec, blocks, ceil_div, check_int, check_vector
+from jaxcomp.codecs.base import Codec, blocks, ceil_div, check_int, check_vector, per_value
 
 _SCALES = (None, "mean")
 
@@ -53,10 +53,7 @@ class Sign(Codec):
     def decode(self, payload, d):
         words, scale = payload
         negative = packing.unpack(words, 1, d)
-        per_value = jnp.repeat(
-            scale, self._block(d), total_repeat_length=scale.shape[0] * self._block(d)
-        )
-        return jnp.where(negative == 1, -1.0, 1.0) * per_value[:d]
+        return jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))

@@ -1,0 +1,55 @@
+"""Named codec configurations: one place for CLIs, benchmarks and the parameterized tests.
+
+A new codec is tested everywhere by adding one line to :data:`CODECS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxcomp.codecs.base import Codec
+from jaxcomp.codecs.quantize import (
+    cast,
+    identity,
+    int_quant,
+    natural,
+    qsgd,
+    terngrad,
+    threshold_2bit,
+)
+from jaxcomp.codecs.sign import sign
+
+CODECS: dict[str, Callable[[], Codec]] = {
+    "identity": identity,
+    "bf16": lambda: cast("bf16"),
+    "fp16": lambda: cast("fp16"),
+    "fp8": lambda: cast("fp8_e4m3"),
+    "fp8_e5m2": lambda: cast("fp8_e5m2"),
+    "int8": lambda: int_quant(8),
+    "int8_sr": lambda: int_quant(8, stochastic=True),
+    "int4": lambda: int_quant(4),
+    "int3_sr": lambda: int_quant(3, block_size=100, stochastic=True),
+    "int2": lambda: int_quant(2),
+    "int1": lambda: int_quant(1),
+    "int1_sr": lambda: int_quant(1, stochastic=True),
+    "qsgd": lambda: qsgd(16),
+    "qsgd4": lambda: qsgd(4, bucket_size=128),
+    "terngrad": terngrad,
+    "natural": natural,
+    "sign": lambda: sign("mean"),
+    "sign_block": lambda: sign("mean", block_size=128),
+    "signsgd": lambda: sign(None),
+    "2bit": lambda: threshold_2bit(0.5),
+}
+
+
+def register(name: str, factory: Callable[[], Codec]) -> None:
+    """Add a named codec configuration (used by codec families defined in other modules)."""
+    CODECS[name] = factory
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered as ``name`` (e.g. ``"int8"``, ``"sign"``, ``"topk1%"``)."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec name {name!r}; known: {', '.join(sorted(CODECS))}")
+    return CODECS[name]()

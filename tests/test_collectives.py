@@ -1,0 +1,117 @@
+"""jc.psum / jc.pmean: every strategy against the exact mean, on 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import N, per_device, rel_err, shard, stacked_normal
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+# Relative error of the mean allowed per codec (gradients with mean 1, noise 1).
+TOLERANCE = {"identity": 1e-6, "fp16": 2e-3, "bf16": 1e-2, "int8": 2e-2, "int4": 0.25}
+CODEC_NAMES = ["identity", "fp16", "bf16", "int8", "int4", "sign", "qsgd", "natural"]
+
+
+def pmean_fn(codec, strategy, **kw):
+    def f(t, key):
+        return jc.pmean(
+            jax.tree.map(lambda a: a[0], t), "data", codec, key=key, strategy=strategy, **kw
+        )
+
+    return per_device(f, (P("data"), P()), P())
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("strategy", ["auto", "allgather", "two_phase", "allreduce"])
+def test_pmean_matches_mean(name, strategy):
+    codec = jc.get_codec(name)
+    if strategy == "allreduce" and not codec.summable:
+        pytest.skip("not summable")
+    x = stacked_normal(0, (3000,), offset=1.0)
+    out = pmean_fn(codec, strategy)(shard(x), jax.random.PRNGKey(1))
+    err = rel_err(out, x.mean(0))
+    assert err <= TOLERANCE.get(name, 1.0), (name, strategy, err)
+    assert out.dtype == jnp.float32 and out.shape == (3000,)
+
+
+def test_psum_is_n_times_pmean_and_dtypes_kept():
+    x = stacked_normal(2, (500,), offset=1.0)
+    tree = {"w": x, "h": x[:, :100].astype(jnp.bfloat16), "i": jnp.arange(N * 3).reshape(N, 3)}
+
+    def f(t):
+        t = jax.tree.map(lambda a: a[0], t)
+        return jc.psum(t, "data", jc.identity()), jc.pmean(t, "data", jc.int_quant(8))
+
+    total, mean = per_device(f, P("data"), ({"w": P(), "h": P(), "i": P("data")},) * 2)(shard(tree))
+    np.testing.assert_allclose(total["w"], x.sum(0), rtol=1e-5)
+    assert total["h"].dtype == jnp.bfloat16 and mean["h"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(mean["i"], tree["i"].reshape(-1))  # integer leaves untouched
+
+
+def test_bf16_and_fp16_leaves_any_shape():
+    x = stacked_normal(3, (4, 5, 6), offset=1.0).astype(jnp.float16)
+    out = pmean_fn(jc.int_quant(8), "auto")(shard(x), jax.random.PRNGKey(0))
+    assert out.dtype == jnp.float16 and out.shape == (4, 5, 6)
+    assert rel_err(out.astype(jnp.float32), x.astype(jnp.float32).mean(0)) < 2e-2
+
+
+def test_zero_in_zero_out_all_strategies():
+    for strategy in ("allgather", "two_phase"):
+        for name in ("sign", "signsgd", "int4", "qsgd", "terngrad", "natural"):
+            out = pmean_fn(jc.get_codec(name), strategy)(
+                shard(jnp.zeros((N, 100))), jax.random.PRNGKey(0)
+            )
+            np.testing.assert_array_equal(out, 0.0)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_nonfinite_on_one_device_poisons_every_device(strategy, bad):
+    x = stacked_normal(4, (200,)).at[3, 17].set(bad)
+    f = per_device(
+        lambda t: jc.pmean(t[0], "data", jc.threshold_2bit(10.0), strategy=strategy),
+        P("data"),
+        P("data"),
+    )
+    out = f(shard(x)).reshape(N, 200)
+    # 2-bit thresholding would silently drop the NaN; jaxcomp must not.
+    assert bool(jnp.all(~jnp.isfinite(out).all(axis=1)))
+
+
+def test_unbound_axis_and_bad_arguments():
+    with pytest.raises(ValueError, match="'batch'"):
+        per_device(lambda t: jc.pmean(t, "batch", jc.sign()), P("data"), P())(
+            shard(jnp.ones((N, 4)))
+        )
+    with pytest.raises(ValueError, match="strategy"):
+        jc.pmean(jnp.ones(3), "data", jc.sign(), strategy="ring")
+    with pytest.raises(ValueError, match="summable"):
+        per_device(lambda t: jc.pmean(t, "data", jc.sign(), strategy="allreduce"), P("data"), P())(
+            shard(jnp.ones((N,)))
+        )
+    with pytest.raises(TypeError, match="codec"):
+        jc.pmean(jnp.ones(3), "data", "int8")
+    with pytest.raises(ValueError, match="key"):
+        per_device(lambda t: jc.pmean(t, "data", jc.qsgd()), P("data"), P())(shard(jnp.ones((N,))))
+
+
+def test_pmap_works():
+    x = stacked_normal(5, (1000,), offset=1.0)
+    f = jax.pmap(
+        lambda t, k: jc.pmean(t, "i", jc.int_quant(8), key=k), axis_name="i", in_axes=(0, None)
+    )
+    out = f(x, jax.random.PRNGKey(0))
+    assert rel_err(out[0], x.mean(0)) < 2e-2
+    np.testing.assert_array_equal(out[0], out[5])
+
+
+def test_auto_strategy_choices():
+    d = 1 << 20
+    assert jc.choose_strategy(jc.cast("fp16"), d, 8) == "allreduce"
+    assert jc.choose_strategy(jc.sign(), d, 8) == "two_phase"
+    assert jc.choose_strategy(jc.int_quant(8), d, 8) == "two_phase"
+    assert jc.choose_strategy(jc.int_quant(8), d, 2) == "allgather"  # a tie: fewer encodes
+    costs = jc.strategy_bytes(jc.sign(), d, 8)
+    assert costs["allgather"] / costs["two_phase"] == pytest.approx(4.0, rel=0.01)

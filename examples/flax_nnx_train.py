@@ -145,9 +145,8 @@ def train(
 
 def print_table(results: list[Result]) -> None:
     base = next((r.accuracy for r in results if r.codec == "none"), None)
-    print(
-        f"\n{'codec':10s} {'bytes/step/device':>18s} {'vs pmean':>9s} {'test acc':>9s} {'delta':>7s}"
-    )
+    header = ("codec", "bytes/step/device", "vs pmean", "test acc", "delta")
+    print("\n{:10s} {:>18s} {:>9s} {:>9s} {:>7s}".format(*header))
     for r in results:
         delta = "" if base is None else f"{100 * (r.accuracy - base):+.1f}"
         print(

@@ -83,7 +83,7 @@ def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
 
 
 def flatten_compressed(tree: Any, layout: Layout) -> jax.Array:
-    """Concatenate the compressed leaves as one float32 vector of size ``layout.compressed_size``."""
+    """The compressed leaves concatenated: float32[layout.compressed_size]."""
     leaves = jax.tree.leaves(tree)
     parts = [
         jnp.ravel(leaf).astype(jnp.float32)

@@ -54,7 +54,7 @@ def state_specs(state: Any, axis_name: Any) -> Any:
 def sharded_init(
     tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh, axis_name: Any
 ) -> Any:
-    """``tx.init(params)`` run on every device of ``mesh``, per-device fields sharded on ``axis_name``.
+    """``tx.init(params)`` on every device of ``mesh``; per-device fields sharded on ``axis_name``.
 
     The result feeds a ``shard_map`` step whose state specs are :func:`state_specs` of it.
     """

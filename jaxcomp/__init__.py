@@ -9,9 +9,9 @@ compiled program.
 from jaxcomp.accounting import CommReport, comm_report
 from jaxcomp.codecs import (
     CODECS,
-    get_codec,
     Codec,
     cast,
+    get_codec,
     identity,
     int_quant,
     natural,
@@ -20,7 +20,10 @@ from jaxcomp.codecs import (
     terngrad,
     threshold_2bit,
 )
+from jaxcomp.codecs.sparse import random_k, threshold, top_k
 from jaxcomp.collectives import STRATEGIES, choose_strategy, pmean, psum, strategy_bytes
+from jaxcomp.dgc import DGCState, dgc
+from jaxcomp.powersgd import PowerSGDState, powersgd
 from jaxcomp.sharding import replicate, sharded_init, state_specs
 from jaxcomp.transforms import CompressedAllreduceState, compressed_allreduce
 
@@ -31,6 +34,13 @@ __all__ = [
     "get_codec",
     "STRATEGIES",
     "Codec",
+    "DGCState",
+    "PowerSGDState",
+    "dgc",
+    "powersgd",
+    "random_k",
+    "threshold",
+    "top_k",
     "CommReport",
     "CompressedAllreduceState",
     "cast",

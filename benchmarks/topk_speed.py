@@ -1,0 +1,195 @@
+"""Top-k selection speed on CPU, and the wire bytes of top-k / DGC on 2, 4 and 8 devices.
+
+Part 1 — selecting 0.1% of 16M float32 values (k = 16,778), one run, median of ``--reps``:
+
+* ``copy``: ``jnp.copy`` of the array, the memory-bound floor every method is compared to;
+* ``exact``: ``jc.top_k(0.001).encode`` — ``jax.lax.top_k`` over all of ``|x|``;
+* ``approx``: ``jc.top_k(0.001, approx=True).encode`` — the two-stage block-max selection;
+* ``approx_max_k``: ``jax.lax.approx_max_k`` (fast on TPU; an exact sort elsewhere);
+* ``dgc_sampled``: DGC's method with static shapes — threshold from a 1% random sample, then
+  the first ``k`` indices over it with ``jnp.nonzero(size=k)`` (a cumsum over all of ``x``).
+
+Part 2 — ring-model bytes per device of one step (``jc.comm_report`` on the compiled step) for
+a 1,001,000-parameter tree (a 1000x1000 matrix and a 1000 bias) against plain ``pmean``.
+Meshes of n = 2 and 4 use the first n of the 8 CPU devices.
+
+Writes ``benchmarks/results/topk_speed.json`` and ``benchmarks/results/sparse_wire_bytes.json``::
+
+    python benchmarks/topk_speed.py [--size 16777216] [--ratio 0.001] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_cpu_enable_async_dispatch", False)  # XLA:CPU collectives on few cores
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from jaxcomp.accounting import comm_report  # noqa: E402
+from jaxcomp.codecs import sparse  # noqa: E402
+from jaxcomp.dgc import dgc  # noqa: E402
+from jaxcomp.sharding import state_specs  # noqa: E402
+from jaxcomp.transforms import compressed_allreduce  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+def median_ms(fn, x, reps: int) -> float:
+    jax.block_until_ready(fn(x))  # compile and warm up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def dgc_sampled_select(x: jax.Array, k: int, key: jax.Array, sample_ratio: float = 0.01):
+    """DGC's selection with static shapes: sampled threshold, then the first k indices over it."""
+    d = x.shape[0]
+    m = max(1, math.ceil(sample_ratio * d))
+    sample = jnp.abs(x[jax.random.randint(key, (m,), 0, d)])
+    threshold = jax.lax.top_k(sample, max(1, math.ceil(k * m / d)))[0][-1]
+    (indices,) = jnp.nonzero(jnp.abs(x) >= threshold, size=k, fill_value=d)
+    return indices, x[jnp.minimum(indices, d - 1)]
+
+
+def speed(size: int, ratio: float, reps: int) -> dict:
+    x = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
+    k = sparse.count_for(ratio, size)
+    key = jax.random.PRNGKey(1)
+    methods = {
+        "copy": jax.jit(jnp.copy),
+        "exact": jax.jit(lambda x: sparse.top_k(ratio).encode(x)),
+        "approx": jax.jit(lambda x: sparse.top_k(ratio, approx=True).encode(x)),
+        "approx_max_k": jax.jit(lambda x: jax.lax.approx_max_k(jnp.abs(x), k)),
+        "dgc_sampled": jax.jit(lambda x: dgc_sampled_select(x, k, key)),
+    }
+    ms = {name: median_ms(fn, x, reps) for name, fn in methods.items()}
+    exact = set(np.asarray(methods["exact"](x)[0]).tolist())
+    approx = set(np.asarray(methods["approx"](x)[0]).tolist())
+    sampled = set(np.asarray(methods["dgc_sampled"](x)[0]).tolist()) - {size}
+    return {
+        "size": size,
+        "ratio": ratio,
+        "k": k,
+        "block_size": sparse._block_size(size, k),
+        "reps": reps,
+        "median_ms": {name: round(v, 2) for name, v in ms.items()},
+        "in_copies": {name: round(v / ms["copy"], 2) for name, v in ms.items()},
+        "approx_speedup_vs_exact": round(ms["exact"] / ms["approx"], 2),
+        "approx_recall": len(approx & exact) / k,
+        "dgc_sampled_recall": len(sampled & exact) / k,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+    }
+
+
+def wire_bytes(sizes=(2, 4, 8)) -> list[dict]:
+    params = {"w": jnp.zeros((1000, 1000)), "b": jnp.zeros((1000,))}
+    d = sum(a.size for a in jax.tree.leaves(params))
+    rows = []
+    for n in sizes:
+        mesh = Mesh(np.array(jax.devices()[:n]), ("data",), axis_types=(AxisType.Explicit,))
+
+        def abstract(tree, specs, mesh=mesh, stacked=False, n=n):
+            def one(leaf, spec):
+                shape = leaf.shape
+                if spec == P("data"):
+                    shape = (n, *shape) if stacked else (n * shape[0], *shape[1:])
+                return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+            return jax.tree.map(one, tree, specs)
+
+        grads = abstract(params, jax.tree.map(lambda _: P("data"), params), stacked=True)
+        plain = jax.jit(
+            jax.shard_map(
+                lambda g: jax.tree.map(lambda a: jax.lax.pmean(a[0], "data"), g),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P(),
+            )
+        )
+        baseline = comm_report(plain, grads).bytes_per_device
+        transforms = {
+            "top_k 1% allgather": compressed_allreduce(
+                sparse.top_k(0.01, approx=True), "data", strategy="allgather"
+            ),
+            "top_k 1% two_phase": compressed_allreduce(
+                sparse.top_k(0.01, approx=True), "data", strategy="two_phase"
+            ),
+            "dgc 0.1% allgather": dgc(0.001, "data", strategy="allgather"),
+            "dgc 0.1% two_phase": dgc(0.001, "data", strategy="two_phase"),
+        }
+        for name, tx in transforms.items():
+            state = jax.eval_shape(tx.init, params)
+            specs = state_specs(state, "data")
+            step = jax.jit(
+                jax.shard_map(
+                    lambda g, s, tx=tx: tx.update(jax.tree.map(lambda a: a[0], g), s),
+                    mesh=mesh,
+                    in_specs=(P("data"), specs),
+                    out_specs=(P(), specs),
+                )
+            )
+            report = comm_report(step, grads, abstract(state, specs))
+            rows.append(
+                {
+                    "devices": n,
+                    "method": name,
+                    "params": d,
+                    "bytes_per_device": report.bytes_per_device,
+                    "pmean_bytes_per_device": baseline,
+                    "saving": round(baseline / report.bytes_per_device, 1),
+                    "by_kind": report.by_kind(),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", type=int, default=1 << 24)
+    parser.add_argument("--ratio", type=float, default=0.001)
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    result = speed(args.size, args.ratio, args.reps)
+    (RESULTS / "topk_speed.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"top-k of {args.ratio:g} of {args.size:,} floats (k = {result['k']:,}), median ms:")
+    for name, ms in result["median_ms"].items():
+        print(f"  {name:<14}{ms:>10.1f} ms  {result['in_copies'][name]:>6.2f} copies")
+    print(
+        f"  approx is {result['approx_speedup_vs_exact']:.2f}x faster than exact "
+        f"(recall {result['approx_recall']:.3f}; DGC sampled: {result['dgc_sampled_recall']:.3f})"
+    )
+
+    rows = wire_bytes()
+    (RESULTS / "sparse_wire_bytes.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"\nwire bytes per device per step, {rows[0]['params']:,} params (ring model):")
+    print(f"  {'n':>2}  {'method':<20}{'bytes':>12}{'pmean':>12}{'saving':>9}")
+    for r in rows:
+        print(
+            f"  {r['devices']:>2}  {r['method']:<20}{r['bytes_per_device']:>12,.0f}"
+            f"{r['pmean_bytes_per_device']:>12,.0f}{r['saving']:>8.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Deep Gradient Compression (Lin et al., 2018) as an optax transform.
+
+Top-k sparsification at 0.1% made to train like dense momentum SGD, with the paper's four
+corrections: momentum correction, momentum factor masking, local gradient clipping and a
+warm-up of the sparsity. Chain it before a plain ``optax.sgd(learning_rate)`` (no momentum
+there: DGC applies it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp import buckets, collectives
+from jaxcomp.codecs.base import check_int
+from jaxcomp.codecs.sparse import check_ratio, top_k
+from jaxcomp.transforms import _freeze_if
+
+DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
+
+
+class DGCState(NamedTuple):
+    """State of :func:`dgc`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
+
+    ``d`` is the number of elements of the compressed leaves, ``p`` that of the plain ones
+    (small or 1-D leaves, averaged with plain ``pmean``).
+    """
+
+    velocity: jax.Array  # f32[d] per device: u, the momentum-corrected local velocity
+    accumulation: jax.Array  # f32[d] per device: v, accumulated velocity not yet sent
+    server_residual: jax.Array  # f32[d] per device (two_phase/auto), else f32[0]
+    momentum: jax.Array  # f32[p], identical on every device: momentum of the plain leaves
+    key: chex.PRNGKey  # uint32[2], identical on every device; split every step
+    count: jax.Array  # int32[]: number of updates applied
+
+    PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual")
+
+
+def _check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    ok = (0.0 < value if lo_open else 0.0 <= value) and value < 1.0
+    if not ok or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be in {'(0' if lo_open else '[0'}, 1), got {value}")
+    return value
+
+
+def _plain_vector(tree: Any, layout: buckets.Layout) -> jax.Array:
+    """The plain (pmean-ed, uncompressed) floating leaves as one float32 vector."""
+    parts = [
+        jnp.ravel(leaf).astype(jnp.float32)
+        for leaf, g in zip(jax.tree.leaves(tree), layout.groups, strict=True)
+        if g == buckets.PLAIN
+    ]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+
+
+def _plain_size(layout: buckets.Layout) -> int:
+    return sum(
+        math.prod(s)
+        for s, g in zip(layout.shapes, layout.groups, strict=True)
+        if g == buckets.PLAIN
+    )
+
+
+def _rebuild(tree: Any, layout: buckets.Layout, compressed: jax.Array, plain: jax.Array) -> Any:
+    """Output tree: compressed and plain leaves from their vectors, integer leaves as they were."""
+    sources = {buckets.COMPRESSED: compressed, buckets.PLAIN: plain}
+    offsets = {buckets.COMPRESSED: 0, buckets.PLAIN: 0}
+    out = []
+    for leaf, g, shape, dtype in zip(
+        jax.tree.leaves(tree), layout.groups, layout.shapes, layout.dtypes, strict=True
+    ):
+        if g == buckets.PASSTHROUGH:
+            out.append(leaf)
+            continue
+        size = math.prod(shape)
+        start = offsets[g]
+        out.append(sources[g][start : start + size].reshape(shape).astype(dtype))
+        offsets[g] = start + size
+    return jax.tree.unflatten(layout.treedef, out)
+
+
+def _matrix_mask(tree: Any) -> Any:
+    """DGC compresses only tensors with more than one dimension."""
+    return jax.tree.map(lambda leaf: len(leaf.shape) > 1, tree)
+
+
+def dgc(
+    ratio: float = 0.001,
+    axis_name: Any = None,
+    *,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    momentum_masking: bool = True,
+    clip_norm: float | None = None,
+    warmup_steps: int = 0,
+    warmup_schedule: Sequence[float] = DEFAULT_WARMUP_SCHEDULE,
+    min_size: int = 1024,
+    strategy: str = "allgather",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Deep Gradient Compression: top-k at ``ratio`` with momentum correction and masking.
+
+    Each device ``i`` with local gradient ``g_i`` keeps a velocity ``u_i`` and an accumulation
+    ``v_i`` (per compressed leaf, in float32)::
+
+        g_i <- g_i * min(1, (clip_norm / sqrt(n)) / ||g_i||)     # local clipping (optional)
+        u_i <- m * u_i + g_i                                     # momentum correction
+        v_i <- v_i + u_i                                         # (nesterov: u_i <- m (u_i + g_i),
+                                                                 #  v_i <- v_i + u_i + g_i)
+        S_i  = top-k(|v_i|), k = ceil(ratio_t * d_leaf)          # per leaf
+        out  = mean_i v_i * 1[S_i]                               # all-gather of (values, indices)
+        v_i <- v_i * 1[not S_i],  u_i <- u_i * 1[not S_i]        # momentum factor masking
+
+    and ``out`` goes to ``optax.sgd(learning_rate)``, so ``w <- w - lr * out``. What is not
+    sent waits in ``v_i``: nothing is lost, only delayed. Momentum correction accumulates the
+    *velocity* rather than the gradient, so a coordinate sent after ``T`` quiet steps carries
+    the momentum-SGD update of those steps. Momentum factor masking stops the stale momentum
+    of a coordinate that was just sent from pushing it again. (So at ``ratio = 1`` masking
+    zeroes every ``u_i`` each step and DGC is plain SGD on the compressed leaves; with
+    ``momentum_masking=False`` it is exactly momentum SGD on the mean gradient.)
+
+    ``warmup_steps > 0``: the density ``ratio_t`` follows ``1 - warmup_schedule[j]`` (the
+    paper's 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity), stage ``j`` lasting
+    ``warmup_steps / len(warmup_schedule)`` steps, then ``ratio``; a stage sparser than
+    ``ratio`` uses ``ratio``. Payload shapes are static, so each stage is its own branch of a
+    ``jax.lax.switch`` (compiled once; ``comm_report`` counts every branch's collectives, an
+    upper bound for one step).
+
+    Local gradient clipping (``clip_norm``) rescales each device's gradient, over all of its
+    floating leaves, to global norm at most ``clip_norm / sqrt(n)`` before it is accumulated:
+    the sum of ``n`` such gradients then has norm ``~ clip_norm`` as in ordinary clipping.
+
+    Only leaves with more than one dimension and at least ``min_size`` elements are sparsified
+    (the paper: "only tensors with dim > 1"). Biases, norms and small leaves go through plain
+    ``pmean`` of the clipped gradient followed by ordinary momentum (optax's ``trace``, same
+    ``momentum`` and ``nesterov``), so every leaf sees momentum SGD. Integer leaves pass through.
+
+    The top-k selection is the fast two-stage one (``jc.top_k(ratio_t, approx=True)``, exact
+    for distinct magnitudes). It replaces DGC's sampled threshold, which under XLA's static
+    shapes needs a compaction of the whole vector that is slower than exact top-k on CPU (see
+    :class:`jaxcomp.codecs.sparse.TopK` and ``benchmarks/topk_speed.py``).
+
+    Measured on digits (64-256-10 MLP, 8 devices, 300 steps, 3 seeds): momentum SGD 97.5%,
+    DGC at 0.1% 96.8% (97.2% with a 60-step warm-up), while top-k at 0.1% with residual
+    error feedback and the optimizer's momentum reaches 86.1% and without feedback 92.8%.
+
+    A non-finite gradient on any device makes the compressed output NaN on every device and
+    leaves the whole state as it was, so ``optax.apply_if_finite`` can skip the step.
+
+    Args:
+      ratio: density after warm-up: the fraction of each compressed leaf sent per step.
+      axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
+      momentum: the momentum ``m`` in [0, 1).
+      nesterov: Nesterov momentum.
+      momentum_masking: zero ``u_i`` where ``v_i`` was sent (the paper's default, True).
+      clip_norm: global-norm threshold of the (summed) gradient; None: no clipping.
+      warmup_steps: steps of the sparsity warm-up (0: ``ratio`` from the first step).
+      warmup_schedule: sparsities of the warm-up stages, each in [0, 1).
+      min_size: leaves with fewer elements go through plain ``pmean``.
+      strategy: ``"allgather"`` (default: the paper's exchange, one round; the output is
+        the mean over devices of the values each sent), ``"two_phase"`` (chunked, gTop-k
+        style: each chunk owner re-selects the top-k of the summed chunk and keeps the rest in
+        a per-device server residual; bytes per device do not grow with ``n``: 21 KB instead
+        of 63 KB per step for 1M parameters on 8 devices) or ``"auto"`` (the fewest bytes by
+        the ring model: two_phase from 4 devices). Measured on digits (8 devices, 3 seeds) both
+        train equally well (96.8% / 96.9%), but on XLA:CPU a two_phase step of a top-k payload
+        is ~20x slower (48.7 vs 2.5 ms for a 64-256-10 MLP), hence the default.
+      seed: seeds the PRNG key kept in the state.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its update returns the averaged sparse
+      momentum update, to be scaled by ``optax.sgd(learning_rate)``.
+
+    Example::
+
+        tx = optax.chain(jc.dgc(0.001, "data", momentum=0.9, warmup_steps=500), optax.sgd(0.1))
+        opt_state = jc.sharded_init(tx, params, mesh, "data")
+
+    References:
+      Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the Communication
+      Bandwidth for Distributed Training", ICLR 2018. https://arxiv.org/abs/1712.01887
+    """
+    ratio = check_ratio(ratio)
+    if axis_name is None:
+        raise ValueError("`axis_name` is required: the data-parallel mesh axis, e.g. 'data'")
+    momentum = _check_fraction("momentum", momentum)
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
+    if not isinstance(momentum_masking, bool):
+        raise TypeError(f"`momentum_masking` must be a bool, got {momentum_masking!r}")
+    if clip_norm is not None:
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
+            raise TypeError(f"`clip_norm` must be a number or None, got {clip_norm!r}")
+        if not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"`clip_norm` must be > 0 and finite, got {clip_norm}")
+    warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+    schedule = tuple(warmup_schedule)
+    if warmup_steps and not schedule:
+        raise ValueError("`warmup_schedule` must have at least one stage when warmup_steps > 0")
+    schedule = tuple(_check_fraction("warmup_schedule", s) for s in schedule)
+    min_size = check_int("min_size", min_size, 0)
+    collectives.check_strategy(strategy)
+    if strategy == "allreduce":
+        raise ValueError(
+            "`strategy`='allreduce' needs a summable codec; DGC's top-k is not "
+            "(use 'allgather', 'two_phase' or 'auto')"
+        )
+    seed = check_int("seed", seed, 0)
+
+    stage_ratios = tuple(max(1.0 - s, ratio) for s in schedule) if warmup_steps else ()
+    codecs = [top_k(r, approx=True) for r in (*stage_ratios, ratio)]
+    server = strategy != "allgather"
+
+    def init_fn(params):
+        layout = buckets.layout_of(params, min_size, _matrix_mask)
+        d = layout.compressed_size
+        return DGCState(
+            velocity=jnp.zeros((d,), jnp.float32),
+            accumulation=jnp.zeros((d,), jnp.float32),
+            server_residual=jnp.zeros((d if server else 0,), jnp.float32),
+            momentum=jnp.zeros((_plain_size(layout),), jnp.float32),
+            key=jax.random.PRNGKey(seed),
+            count=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        n = collectives.axis_size(axis_name)
+        layout = buckets.layout_of(updates, min_size, _matrix_mask)
+        g = buckets.flatten_compressed(updates, layout)
+        p = _plain_vector(updates, layout)
+        _check_state(state, g.shape[0], p.shape[0], server)
+        bad = collectives.any_nonfinite(updates, axis_name)
+
+        if clip_norm is not None:
+            norm = jnp.sqrt(jnp.sum(g * g) + jnp.sum(p * p))
+            limit = clip_norm / math.sqrt(n)
+            scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
+            g, p = g * scale, p * scale
+
+        if nesterov:
+            u = momentum * (state.velocity + g)
+            v = state.accumulation + u + g
+        else:
+            u = momentum * state.velocity + g
+            v = state.accumulation + u
+
+        key, step_key = jax.random.split(state.key)
+        segments = collectives.segments_of(v, layout, "leaf")
+
+        def reduce_with(codec):
+            def branch(server_residual):
+                return collectives.reduce_segments(
+                    segments,
+                    axis_name,
+                    codec,
+                    strategy,
+                    step_key,
+                    server_residual if server else None,
+                )
+
+            return branch
+
+        if len(codecs) == 1:
+            reduced = reduce_with(codecs[0])(state.server_residual)
+        else:
+            stage = (jnp.minimum(state.count, warmup_steps) * len(schedule)) // warmup_steps
+            reduced = jax.lax.switch(stage, [reduce_with(c) for c in codecs], state.server_residual)
+
+        sent = reduced.sent != 0
+        out = collectives.poison(reduced.mean, bad) if g.shape[0] else reduced.mean
+
+        plain_mean = jax.lax.pmean(p, axis_name) if p.shape[0] else p
+        trace = momentum * state.momentum + plain_mean
+        plain_out = plain_mean + momentum * trace if nesterov else trace
+
+        new_state = DGCState(
+            velocity=jnp.where(sent, 0.0, u) if momentum_masking else u,
+            accumulation=v - reduced.sent,
+            server_residual=reduced.server_residual if server else state.server_residual,
+            momentum=trace,
+            key=key,
+            count=state.count + 1,
+        )
+        new_state = _freeze_if(bad, state, new_state)
+        return _rebuild(updates, layout, out, plain_out), new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_state(state: DGCState, d: int, p: int, server: bool) -> None:
+    expected = {
+        "velocity": d,
+        "accumulation": d,
+        "server_residual": d if server else 0,
+        "momentum": p,
+    }
+    for field, size in expected.items():
+        shape = getattr(state, field).shape
+        if shape != (size,):
+            raise ValueError(
+                f"dgc state field `{field}` has shape {shape} but the gradient needs ({size},). "
+                "Was the state initialized for other params, or split wrongly over devices? "
+                "Under shard_map, initialize with jc.sharded_init(tx, params, mesh, axis_name) "
+                "and use jc.state_specs(state, axis_name) as its specs."
+            )

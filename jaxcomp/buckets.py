@@ -47,7 +47,8 @@ class Layout:
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        return tuple(np.cumsum((0,) + self.compressed_sizes[:-1]).tolist()) if self.groups else ()
+        sizes = self.compressed_sizes
+        return tuple(np.cumsum((0,) + sizes[:-1]).tolist()) if sizes else ()
 
 
 def resolve_mask(mask: Any, tree: Any) -> Any:

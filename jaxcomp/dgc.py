@@ -255,7 +255,7 @@ def dgc(
             v = state.accumulation + u
 
         key, step_key = jax.random.split(state.key)
-        segments = collectives.segments_of(v, layout, "leaf")
+        segments = collectives.segments_of(v, layout, "leaf") if v.shape[0] else []
 
         def reduce_with(codec):
             def branch(server_residual):

@@ -417,6 +417,18 @@ def test_dgc_warmup_zero_and_nonfinite(mesh):
         _assert_same(new_state, state)
 
 
+def test_dgc_without_compressed_leaves(mesh):
+    # Nothing to sparsify (1-D and small leaves only): ordinary momentum on the pmean.
+    params = {"b": jnp.zeros((64,)), "w": jnp.zeros((4, 4))}
+    f, state = _update_fn(dgc(0.01, "data", momentum=0.5, min_size=100), params, mesh)
+    g = {"b": normal(N, 64), "w": normal(N, 4, 4, seed=1)}
+    for _ in range(2):
+        out, state = f(_stack(g, mesh), state)
+    for name in ("b", "w"):
+        np.testing.assert_allclose(out[name], 1.5 * g[name].mean(0), rtol=1e-5, atol=1e-6)
+    assert state.velocity.shape == (0,)
+
+
 def test_dgc_state_specs_and_sharded_init(mesh):
     params = {"w": jnp.zeros((32, 64)), "b": jnp.zeros((64,)), "small": jnp.zeros((4, 4))}
     tx = optax.chain(dgc(0.01, "data", min_size=100, strategy="two_phase"), optax.sgd(0.1))

@@ -224,3 +224,12 @@ def _assert_no_full_precision_gradient_allreduce(report):
     for c in report.collectives:
         if "f32" in c.dtypes:
             assert c.array_bytes < 0.01 * 4 * BIG_SIZE, str(report)
+
+
+def test_tree_of_only_small_leaves_goes_through_plain_pmean():
+    tx = jc.compressed_allreduce(jc.sign(), "data", min_size=5000)  # nothing compressed
+    step, state = make_step(tx)
+    g = grads(0)
+    out, state = step(shard(g), state)
+    np.testing.assert_allclose(out["w"], g["w"].mean(0), atol=1e-6)
+    assert state.memory.shape == (0,)

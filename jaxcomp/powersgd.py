@@ -157,29 +157,45 @@ def plan_of(
     return Plan(layout, tuple(groups))
 
 
-def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
-    """Orthonormal columns spanning the leading columns of ``p`` (``(..., n, r)``), in float32.
+def orthogonalize(p: jax.Array, epsilon: float = 1e-3) -> jax.Array:
+    """Gram-Schmidt: orthonormal columns spanning the leading columns of ``p`` (``(..., n, r)``).
 
-    The Gram-Schmidt basis, computed by Householder QR (backward stable: orthonormal to
-    float32 precision even when ``p`` is rank deficient, and never NaN for finite input;
-    signs as Gram-Schmidt's); rank 1 is plain normalization. Column
-    ``j`` is zeroed when ``|R_jj| <= epsilon * ||p||_F``, i.e. when it is (numerically)
-    linearly dependent on the columns before it: a zero matrix gives zeros, and
-    fp16/bf16 inputs (cast to float32 here) never give NaN. The input is scaled by its
-    largest entry first, so tiny or huge gradients neither underflow nor overflow.
+    In float32. Each column is first scaled to unit norm (by its largest entry first, so
+    tiny or huge gradients neither underflow nor overflow), then the earlier columns are
+    projected out twice ("twice is enough"). If what is left has norm ``<= epsilon``, the
+    column is linearly dependent on the earlier ones (to working precision) and is zeroed
+    instead of divided by (almost) zero: a zero matrix gives zeros and fp16/bf16 inputs
+    never give NaN. The tolerance must stay well above float32 rounding (``~1e-7 sqrt(n)``):
+    normalizing a residual that is only rounding noise gives a column that is not orthogonal
+    to the others, and the error compounds column after column (seen on attention-layer
+    gradients with ``1e-8``). A dropped column held at most ``epsilon**2`` of its energy,
+    and error feedback keeps it. Rank 1 is plain normalization.
+
+    Pure XLA ops (a loop over the ``r`` columns): no LAPACK call, whose batched CPU kernel
+    can deadlock against the collectives of a multi-device CPU program.
     """
     p = p.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(p), axis=(-2, -1), keepdims=True)
-    p = p / jnp.where(scale > 0, scale, 1.0)
-    ref = jnp.sqrt(jnp.sum(p * p, axis=(-2, -1)))[..., None]  # (..., 1)
-    if p.shape[-1] == 1:
-        norm = jnp.sqrt(jnp.sum(p * p, axis=-2))  # (..., 1)
-        keep = norm > epsilon * ref
-        return p * jnp.where(keep, 1.0 / jnp.where(keep, norm, 1.0), 0.0)[..., None, :]
-    q, r = jnp.linalg.qr(p)
-    diag = jnp.diagonal(r, axis1=-2, axis2=-1)
-    # Signs as Gram-Schmidt's (positive R_jj), dependent columns zeroed.
-    return q * jnp.where(jnp.abs(diag) > epsilon * ref, jnp.sign(diag), 0.0)[..., None, :]
+
+    def normalize(v, tol):  # (..., n)
+        norm = jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True))
+        keep = norm > tol
+        return v * jnp.where(keep, 1.0 / jnp.where(keep, norm, 1.0), 0.0)
+
+    p = jnp.swapaxes(p, -1, -2)  # (..., r, n)
+    biggest = jnp.max(jnp.abs(p), axis=-1, keepdims=True)
+    p = normalize(p / jnp.where(biggest > 0, biggest, 1.0), 0.0)  # unit (or zero) rows
+    if p.shape[-2] == 1:
+        return jnp.swapaxes(p, -1, -2)
+
+    def column(j, basis):  # basis: (..., r, n); rows j.. are still zero
+        v = jax.lax.dynamic_index_in_dim(p, j, axis=-2, keepdims=False)
+        for _ in range(2):
+            coef = jnp.einsum("...rn,...n->...r", basis, v, precision=_HIGHEST)
+            v = v - jnp.einsum("...rn,...r->...n", basis, coef, precision=_HIGHEST)
+        return jax.lax.dynamic_update_index_in_dim(basis, normalize(v, epsilon), j, axis=-2)
+
+    basis = jax.lax.fori_loop(0, p.shape[-2], column, jnp.zeros_like(p))
+    return jnp.swapaxes(basis, -1, -2)
 
 
 def _flat(arrays: list[jax.Array]) -> jax.Array:
@@ -300,7 +316,7 @@ def powersgd(
     min_compression_rate: float = 2.0,
     warm_start: bool = True,
     error_feedback: bool = True,
-    orthogonalization_epsilon: float = 1e-8,
+    orthogonalization_epsilon: float = 1e-3,
     batch_same_shape: bool = True,
     min_size: int = 1024,
     mask: Any = None,
@@ -328,9 +344,9 @@ def powersgd(
     column space, identical on every device; a mean of rank ``<= r`` is reproduced exactly.
     ``P P^T M_i`` is device ``i``'s share of the output, so its memory keeps exactly what it
     could not send, and nothing is lost: ``sum_t out_t + mean_i E_i = sum_t mean_i G_i``.
-    (Vogels et al. and ``torch``'s hook keep ``M_i - \hat M`` instead. The outputs are the
-    same, since every round sums over devices, but that memory also accumulates each
-    device's deviation from the mean, a random walk that grows without bound.) ``Q'`` (its
+    (``torch``'s PowerSGD hook keeps ``M_i - \hat M`` instead. The outputs are the same,
+    since every round sums over devices, but that memory also accumulates each device's
+    deviation from the mean, a random walk that grows without bound.) ``Q'`` (its
     column directions) becomes the next step's ``Q``: one power-iteration step per training
     step, which tracks the gradient's top subspace over time.
 
@@ -344,7 +360,12 @@ def powersgd(
     (Ethernet/DCN between hosts). It costs two dependent collectives instead of one and
     ``6 n m r`` flops per matrix, so on a fast interconnect (NVLink, ICI) or for small
     models plain ``pmean`` is often faster; measure with :func:`jaxcomp.comm_report` and a step
-    timer. Rank 1-4 is the usual range; raise it when the loss lags the uncompressed run.
+    timer. Rank 1-4 is the usual range for large CNNs and LSTMs (Vogels et al.); small models
+    with noisy gradients need more. Measured on the 0.5M-parameter character transformer of
+    ``examples/char_transformer.py`` (``benchmarks/powersgd_convergence.py``), held-out loss
+    against uncompressed after the same 1000 steps: rank 4 (19.6x fewer bytes) +11% with
+    Adam, +6.5% with SGD; rank 16 (5.6x) +2.1% and +1.7%. After 100 steps rank 4 is within
+    2%. Raise the rank when the loss lags the uncompressed run.
 
     Warm-up: the first ``start_step`` steps send plain ``pmean`` (gradients change fast early
     and low-rank memory would lag). The switch is a ``jax.lax.cond`` on the step count, so
@@ -365,11 +386,14 @@ def powersgd(
         plain ``pmean`` (they would save too little for the extra work). Default 2.
       warm_start: reuse last step's ``Q`` (default; far better approximations for the same
         rank). If False, a fresh random ``Q`` is drawn from the state's key every step.
-      error_feedback: keep ``M_i - M_hat`` per device and add it to the next gradient
+      error_feedback: keep ``M_i - P P^T M_i`` per device and add it to the next gradient
         (default; without it PowerSGD is a biased compressor and training suffers).
-      orthogonalization_epsilon: a column of ``P`` whose norm after projection is at most
-        this times ``||P||_F`` counts as linearly dependent and is zeroed instead of
-        normalized: zero and low-precision gradients never give NaN.
+      orthogonalization_epsilon: relative tolerance of the Gram-Schmidt step: a column of
+        ``P`` that keeps at most this fraction of its norm once the earlier columns are
+        projected out counts as linearly dependent and is zeroed instead of normalized
+        (see :func:`orthogonalize`). Zero and fp16/bf16 gradients never give NaN. Keep it
+        well above float32 rounding; 1e-3 drops directions holding < 1e-6 of a column's
+        energy.
       batch_same_shape: stack same-shaped matrices into one batched matmul (default). The
         collectives are two per step either way.
       min_size: leaves with fewer elements go through plain ``pmean``.
@@ -379,6 +403,24 @@ def powersgd(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
+
+    Example::
+
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+        tx = optax.chain(jc.powersgd(4, "data"), optax.sgd(0.1, momentum=0.9))
+        opt_state = jc.sharded_init(tx, params, mesh, "data")
+        specs = jc.state_specs(opt_state, "data")  # the error memory is per device
+
+        def step(params, opt_state, batch):
+            # pcast: per-device gradients, without an implicit f32 all-reduce in grad.
+            grads = jax.grad(loss)(jax.lax.pcast(params, "data", to="varying"), batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                                     out_specs=(P(), specs)))
+
+    :func:`plan_of` tells which leaves a tree sends low-rank and how many floats travel.
 
     References:
       Vogels, Karimireddy, Jaggi, 2019. PowerSGD: Practical Low-Rank Gradient Compression
@@ -390,6 +432,8 @@ def powersgd(
     seed = check_int("seed", seed, 0)
     min_compression_rate = _check_nonnegative("min_compression_rate", min_compression_rate)
     epsilon = _check_nonnegative("orthogonalization_epsilon", orthogonalization_epsilon)
+    if epsilon >= 1:
+        raise ValueError(f"`orthogonalization_epsilon` must be < 1, got {epsilon}")
     warm_start, error_feedback = bool(warm_start), bool(error_feedback)
 
     def plan(tree):

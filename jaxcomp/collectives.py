@@ -316,9 +316,7 @@ def psum(
         min_size=min_size,
         granularity=granularity,
     )
-    layout = buckets.layout_of(tree, min_size)
-    return jax.tree.map(
-        lambda m, g: m if g == buckets.PASSTHROUGH else (m.astype(jnp.float32) * n).astype(m.dtype),
-        mean,
-        jax.tree.unflatten(layout.treedef, layout.groups),
+    scale = lambda m: (  # noqa: E731
+        (m.astype(jnp.float32) * n).astype(m.dtype) if jnp.issubdtype(m.dtype, jnp.floating) else m
     )
+    return jax.tree.map(scale, mean)

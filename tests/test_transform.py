@@ -192,7 +192,7 @@ def compiled_step_report(tx):
 
 def test_wire_bytes_against_pmean():
     assert 1_000_000 <= BIG_SIZE <= 1_100_000
-    baseline = compiled_step_report(optax.identity() if False else _plain_pmean())
+    baseline = compiled_step_report(_plain_pmean())
     assert baseline.bytes_per_device == pytest.approx(2 * 7 / 8 * 4 * BIG_SIZE, rel=0.01)
     expect = {"sign": 25, "int4": 6, "int8": 3.5}
     ratios = {}

@@ -86,6 +86,7 @@ def make_tx(
     lr: float,
     steps: int,
     schedule: str,
+    powersgd_options: dict[str, Any] | None = None,
 ) -> tuple[optax.GradientTransformation, bool]:
     """(the gradient transform, whether it already averages over the axis)."""
     if schedule == "cosine":
@@ -101,7 +102,7 @@ def make_tx(
     if compression == "none":
         return opt, False
     if compression == "powersgd":
-        return optax.chain(powersgd(rank, AXIS), opt), True
+        return optax.chain(powersgd(rank, AXIS, **(powersgd_options or {})), opt), True
     return optax.chain(compression(AXIS), opt), True
 
 
@@ -120,7 +121,9 @@ def train(
     heads: int = 4,
     seed: int = 0,
     eval_sequences: int = 256,
+    powersgd_options: dict[str, Any] | None = None,
     verbose: bool = False,
+    progress: bool | str = False,
     return_details: bool = False,
     report_bytes: bool = False,
 ) -> float | dict[str, Any]:
@@ -139,6 +142,9 @@ def train(
         ``"constant"``.
       batch_per_device: sequences per device per step (the global batch is times the number
         of devices).
+      powersgd_options: keyword arguments of :func:`jaxcomp.powersgd` besides the rank
+        (e.g. ``{"start_step": 100}``); the defaults otherwise.
+      progress: show a tqdm progress bar (a string: its description).
       return_details: return a dict with the loss curve and the training time as well.
       report_bytes: add the step's wire bytes (:func:`jaxcomp.comm_report`) to the details.
     """
@@ -162,7 +168,13 @@ def train(
     if lr is None:
         lr = 3e-3 if optimizer == "adam" else 0.2
     tx, averages = make_tx(
-        compression, rank=rank, optimizer=optimizer, lr=lr, steps=steps, schedule=schedule
+        compression,
+        rank=rank,
+        optimizer=optimizer,
+        lr=lr,
+        steps=steps,
+        schedule=schedule,
+        powersgd_options=powersgd_options,
     )
 
     def loss_fn(p, tokens):
@@ -203,15 +215,27 @@ def train(
         print(f"  set-up {time.perf_counter() - t0:.1f} s")
     start = time.perf_counter()
     tokens = first
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else None, leave=False)
     for i in range(steps):
         if i:
             tokens = jax.device_put(
                 batch(data_rng, train_text, n_dev * batch_per_device), batch_sharding
             )
-        params, opt_state, loss = step(params, opt_state, tokens)
+        # Block every step: XLA:CPU collectives on few cores deadlock when steps queue up.
+        params, opt_state, loss = jax.block_until_ready(step(params, opt_state, tokens))
         curve.append(float(loss))
+        if bar is not None:
+            bar.update()
+            if i % 20 == 0:
+                bar.set_postfix(loss=f"{curve[-1]:.3f}")
         if verbose and (i % 50 == 0 or i == steps - 1):
             print(f"  step {i:4d}  train loss {curve[-1]:.4f}  {time.perf_counter() - start:.1f} s")
+    if bar is not None:
+        bar.close()
     seconds = time.perf_counter() - start
 
     eval_tokens = jnp.asarray(batch(np.random.default_rng(12345), eval_text, eval_sequences))
@@ -224,7 +248,12 @@ def train(
     # Steady-state bytes of the gradient exchange (ring model), whatever the warm-up.
     floats = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     if compression == "powersgd":
-        plan = plan_of(params, rank)
+        options = {
+            k: v
+            for k, v in (powersgd_options or {}).items()
+            if k in ("min_size", "min_compression_rate", "mask")
+        }
+        plan = plan_of(params, rank, **options)
         floats = plan.p_size + plan.q_size + plan.plain_size
     details["gradient_bytes_per_device"] = 2 * (n_dev - 1) / n_dev * 4 * floats
     return details

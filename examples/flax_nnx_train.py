@@ -1,11 +1,13 @@
 """Data-parallel Flax NNX training with a compressed gradient all-reduce.
 
 A small MLP on scikit-learn's digits (ships offline), data-parallel with ``jax.shard_map``
-over all devices (8 simulated CPU devices when there is no accelerator). The gradient
-mean goes through ``jc.compressed_allreduce``; bytes on the wire come from the compiled
-step (``jc.comm_report``).
+over all devices (8 simulated CPU devices when there is no accelerator). The model is
+updated by ``nnx.Optimizer(model, optax.chain(jc.compressed_allreduce(...), opt), wrt=nnx.Param)``
+with ``opt`` momentum SGD (default) or AdamW: the gradient mean goes through the codec, with
+error feedback. Bytes on the wire come from the compiled step (``jc.comm_report``).
 
     python examples/flax_nnx_train.py --codec sign           # one run
+    python examples/flax_nnx_train.py --codec int8 --optimizer adamw --strategy two_phase
     python examples/flax_nnx_train.py --demo                 # the `make demo` table
 """
 
@@ -65,12 +67,21 @@ class Result:
         return self.baseline_bytes / self.bytes_per_step
 
 
-def make_transform(codec_name: str, strategy: str, error_feedback, optimizer):
+def make_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+    """``"sgd"``: momentum SGD; ``"adamw"``: AdamW (weight decay 1e-4)."""
+    if name == "sgd":
+        return optax.sgd(lr, momentum=momentum)
+    if name == "adamw":
+        return optax.adamw(lr, weight_decay=1e-4)
+    raise ValueError(f"`optimizer` must be 'sgd' or 'adamw', got {name!r}")
+
+
+def make_transform(codec_name: str, strategy: str, error_feedback, optimizer, **kwargs):
     if codec_name == "none":
         return optimizer
     codec = jc.get_codec(codec_name)
     compress = jc.compressed_allreduce(
-        codec, AXIS, strategy=strategy, error_feedback=error_feedback, min_size=1024
+        codec, AXIS, strategy=strategy, error_feedback=error_feedback, min_size=1024, **kwargs
     )
     return optax.chain(compress, optimizer)
 
@@ -87,34 +98,47 @@ def train(
     error_feedback="auto",
     seed: int = 0,
     progress: bool = False,
+    compress_kwargs: dict | None = None,
+    optimizer: str = "sgd",
 ) -> Result:
-    """Train the MLP data-parallel; return test accuracy and wire bytes per step."""
+    """Train the MLP data-parallel; return test accuracy and wire bytes per step.
+
+    ``compress_kwargs`` go to ``jc.compressed_allreduce`` (e.g. ``server_feedback=False``).
+    ``optimizer``: ``"sgd"`` (momentum SGD, the default the tests pin) or ``"adamw"``.
+    """
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
     model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     params = params.to_pure_dict()
-    optimizer = optax.sgd(lr, momentum=momentum)
-    tx = make_transform(codec_name, strategy, error_feedback, optimizer)
+    # nnx.Optimizer hands the optax transforms nnx.State trees: init the state with the same
+    param_state = nnx.as_pure(nnx.state(model, nnx.Param))
+    inner = make_optimizer(optimizer, lr, momentum)
+    tx = make_transform(codec_name, strategy, error_feedback, inner, **(compress_kwargs or {}))
 
-    def loss_fn(p, x, y):
-        state = nnx.State(p)
-        logits = nnx.merge(graphdef, state)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    def loss_fn(model, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
     def build_step(tx, reduce_plain):
-        opt_state = jc.sharded_init(tx, params, mesh, AXIS)
+        # The error-feedback memory differs per device, so the optimizer state lives outside
+        # the step as arrays sharded P("data") (jc.sharded_init / jc.state_specs) and is
+        # loaded into an nnx.Optimizer inside it.
+        opt_state = jc.sharded_init(tx, param_state, mesh, AXIS)
         specs = jc.state_specs(opt_state, AXIS)
 
         def step(p, s, x, y):
+            model = nnx.merge(graphdef, nnx.State(p))
+            opt = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its fresh init is dead code
+            nnx.update(opt.opt_state, nnx.state(s))
             # pcast: params are replicated; make them per-device before grad, so JAX does
             # not insert an implicit f32 all-reduce of every gradient.
-            g = jax.grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+            local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
+            g = nnx.grad(loss_fn)(local, x, y)
             if reduce_plain:
                 g = jax.lax.pmean(g, AXIS)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
+            opt.update(model, g)  # jc.compressed_allreduce averages g, then the optimizer
+            return nnx.state(model).to_pure_dict(), nnx.as_pure(opt.opt_state)
 
         sm = jax.shard_map(
             step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
@@ -122,7 +146,7 @@ def train(
         return blocking(jax.jit(sm, donate_argnums=(1,))), opt_state
 
     step, opt_state = build_step(tx, codec_name == "none")
-    base_step, base_state = build_step(optimizer, True)
+    base_step, base_state = build_step(inner, True)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
     p = jax.device_put(params, NamedSharding(mesh, P()))
     sample = (put(xtr[:batch]), put(ytr[:batch]))
@@ -163,10 +187,12 @@ def main(argv=None) -> int:
         "--error-feedback", default="auto", choices=["auto", "residual", "ef21", "none"]
     )
     ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    ap.add_argument("--lr", type=float, default=None, help="default: sgd 0.05, adamw 0.002")
     ap.add_argument("--demo", action="store_true", help="compare several codecs (make demo)")
     args = ap.parse_args(argv)
     ef = None if args.error_feedback == "none" else args.error_feedback
+    lr = args.lr if args.lr is not None else {"sgd": 0.05, "adamw": 2e-3}[args.optimizer]
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; digits MLP 64-256-10")
     names = DEMO_CODECS if args.demo else ["none", args.codec]
     results = []
@@ -174,7 +200,8 @@ def main(argv=None) -> int:
         r = train(
             name,
             steps=args.steps,
-            lr=args.lr,
+            lr=lr,
+            optimizer=args.optimizer,
             strategy=args.strategy,
             error_feedback=ef,
             progress=True,

@@ -7,6 +7,7 @@ compiled program.
 """
 
 from jaxcomp.accounting import CommReport, comm_report
+from jaxcomp.accumulate import AccumulateState, accumulate
 from jaxcomp.codecs import (
     CODECS,
     Codec,
@@ -21,7 +22,14 @@ from jaxcomp.codecs import (
     threshold_2bit,
 )
 from jaxcomp.codecs.sparse import random_k, threshold, top_k
-from jaxcomp.collectives import STRATEGIES, choose_strategy, pmean, psum, strategy_bytes
+from jaxcomp.collectives import (
+    STRATEGIES,
+    choose_strategy,
+    hierarchical_bytes,
+    pmean,
+    psum,
+    strategy_bytes,
+)
 from jaxcomp.dgc import DGCState, dgc
 from jaxcomp.powersgd import PowerSGDState, powersgd
 from jaxcomp.sharding import replicate, sharded_init, state_specs
@@ -30,6 +38,8 @@ from jaxcomp.transforms import CompressedAllreduceState, compressed_allreduce
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccumulateState",
+    "accumulate",
     "CODECS",
     "get_codec",
     "STRATEGIES",
@@ -46,6 +56,7 @@ __all__ = [
     "cast",
     "choose_strategy",
     "comm_report",
+    "hierarchical_bytes",
     "compressed_allreduce",
     "identity",
     "int_quant",

@@ -130,6 +130,13 @@ class Collective:
 class CommReport:
     """Collectives of one compiled program, with ring-model byte counts.
 
+    ``bytes_per_device = sum_c bytes(c)`` over the compiled collectives, each costed by the
+    ring model with ``n`` its group size and ``S`` its array bytes: all-reduce
+    ``2(n-1)/n S``, all-gather ``(n-1)/n S_out``, reduce-scatter ``(n-1)/n S_in``,
+    all-to-all ``(n-1)/n S``, collective-permute ``S`` (Patarasuk and Yuan, "Bandwidth
+    Optimal All-reduce Algorithms for Clusters of Workstations", JPDC 2009).
+    ``ratio_to(other)`` is ``other.bytes_per_device / self.bytes_per_device``.
+
     Attributes:
       collectives: collectives of the compiled (optimized) HLO, in program order.
       logical: collectives of the logical StableHLO program, in program order.
@@ -670,6 +677,12 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
     ``fn`` may be a ``jax.jit``-ed function (including ``jax.jit(jax.shard_map(...))``),
     a ``jax.pmap``-ed function, or a plain callable (it is wrapped in ``jax.jit``).
     Nothing is executed; arrays only provide shapes and shardings.
+
+    Each collective of the compiled HLO (and of the logical StableHLO) is costed as the
+    bytes one device sends per call in the ring model (see :class:`CommReport`): e.g. an
+    all-reduce of ``S`` bytes over ``n`` devices sends ``2(n-1)/n S`` (the bandwidth-optimal
+    ring of Patarasuk and Yuan, JPDC 2009). Latency, topology and loop trip counts are not
+    modelled.
 
     Example::
 

@@ -99,6 +99,20 @@ def split_compressed(vector: jax.Array, layout: Layout) -> list[jax.Array]:
     return [vector[o : o + s] for o, s in zip(layout.offsets, layout.compressed_sizes, strict=True)]
 
 
+def saturating_cast(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x.astype(dtype)``, finite values clipped to the dtype's range (inf/NaN pass as they are).
+
+    A compressed mean is an estimate: random-k scales values by ``d/k``, so the estimate of a
+    float16 leaf near its max can exceed 65504 although the true mean does not; a plain cast
+    would turn that into inf (finite in, non-finite out).
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= 4 or not jnp.issubdtype(dtype, jnp.floating):
+        return x.astype(dtype)
+    big = float(jnp.finfo(dtype).max)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)
+
+
 def rebuild(
     tree: Any,
     layout: Layout,
@@ -114,7 +128,7 @@ def rebuild(
         leaves, layout.groups, layout.shapes, layout.dtypes, strict=True
     ):
         if g == COMPRESSED:
-            out.append(next(segments).reshape(shape).astype(dtype))
+            out.append(saturating_cast(next(segments).reshape(shape), dtype))
         elif g == PLAIN:
             out.append(plain_fn(leaf.astype(jnp.float32)).astype(dtype))
         else:

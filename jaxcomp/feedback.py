@@ -10,6 +10,18 @@ Pure functions on ``(grad, memory)``; the transform holds the memory in its stat
 
 so after T steps ``sum_t out_t + mean_i e_i = sum_t mean_i g_i``: nothing is lost.
 
+With ``two_phase`` the owner of chunk ``j`` re-encodes the chunk's average, and keeps that
+second error in a server residual ``s_j`` (1-bit Adam's server error, Tang et al. 2021;
+DoubleSqueeze, Tang et al. 2019)::
+
+    y_j   = mean_i C(p_i)[chunk j] + s_j
+    s_j' = y_j - C(y_j)
+    out[chunk j] = C(y_j)
+
+so ``sum_t out_t + mean_i e_i + s = sum_t mean_i g_i``. Hierarchically (an inner axis of
+``L`` devices reduced first) device ``(h, l)`` compresses chunk ``l`` of its host's mean and
+keeps ``L`` times that chunk's error: the next reduce-scatter hands it back exactly.
+
 ``"ef21"`` (Richtarik, Sokolov, Fatkhullin, 2021)::
 
     c_i   = C(g_i - h_i)              # compress the change of the device's estimate

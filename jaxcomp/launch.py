@@ -137,7 +137,9 @@ def run(
         pumps.append(t)
     status, deadline, failed_at = 0, time.monotonic() + timeout, None
     try:
-        while any(p.poll() is None for p in procs):
+        # poll() every process (a generator inside any() would stop at the first live one,
+        # and a failed process behind it would never be noticed)
+        while any([p.poll() is None for p in procs]):
             now = time.monotonic()
             codes = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if codes and failed_at is None:

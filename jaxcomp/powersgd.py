@@ -321,6 +321,7 @@ def powersgd(
     min_size: int = 1024,
     mask: Any = None,
     seed: int = 0,
+    inner_axis_name: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""PowerSGD: average gradients over ``axis_name`` through rank-``r`` factors.
 
@@ -400,6 +401,9 @@ def powersgd(
       mask: None, a pytree of bools like the params, or a callable params -> such a tree;
         False leaves go through plain ``pmean``.
       seed: seeds the initial ``Q`` and the key in the state.
+      inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
+        (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts. State
+        stays per device: ``jc.sharded_init(tx, params, mesh, (axis_name, inner_axis_name))``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
@@ -434,7 +438,13 @@ def powersgd(
     epsilon = _check_nonnegative("orthogonalization_epsilon", orthogonalization_epsilon)
     if epsilon >= 1:
         raise ValueError(f"`orthogonalization_epsilon` must be < 1, got {epsilon}")
-    warm_start, error_feedback = bool(warm_start), bool(error_feedback)
+    for name, flag in (
+        ("warm_start", warm_start),
+        ("error_feedback", error_feedback),
+        ("batch_same_shape", batch_same_shape),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {flag!r}")
 
     def plan(tree):
         return plan_of(
@@ -460,6 +470,8 @@ def powersgd(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         n_dev = collectives.axis_size(axis_name)
+        collectives.check_inner_axis(axis_name, inner_axis_name)
+        updates = collectives.inner_mean(updates, inner_axis_name)
         p = plan(updates)
         _check_state(state, p, warm_start, error_feedback)
         key, step_key = jax.random.split(state.key)

@@ -34,16 +34,23 @@ def state_specs(state: Any, axis_name: Any) -> Any:
     """The ``PartitionSpec`` tree for an optimizer state (a chain that holds jaxcomp states).
 
     Per-device fields of jaxcomp states get ``P(axis_name)``; every other leaf ``P()``.
-    Works on concrete states and on ``jax.eval_shape`` results alike.
+    Works on concrete states and on ``jax.eval_shape`` results alike. For a hierarchical
+    transform (``inner_axis_name=``) pass both axes, ``("host", "local")``: every device of
+    the 2-D mesh keeps its own memory, ``P(("host", "local"))``.
     """
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
 
     def spec(node):
         if not is_sharded_state(node):
             return jax.tree.map(lambda _: P(), node)
         per_device = type(node).PER_DEVICE_FIELDS
+        # Other fields may hold a wrapped transform's state (jc.accumulate): recurse.
         return type(node)(
             *(
-                jax.tree.map(lambda _, f=f: P(axis_name) if f in per_device else P(), value)
+                jax.tree.map(lambda _: P(axis_name), value)
+                if f in per_device
+                else state_specs(value, axis_name)
                 for f, value in zip(node._fields, node, strict=True)
             )
         )

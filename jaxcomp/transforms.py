@@ -34,10 +34,23 @@ class CompressedAllreduceState(NamedTuple):
     PER_DEVICE_FIELDS = ("memory", "server_residual")
 
 
-def _uses_server_residual(codec: Codec, strategy: str, error_feedback) -> bool:
-    if error_feedback is None:
+def _uses_server_residual(codec: Codec, strategy: str, error_feedback, server_feedback) -> bool:
+    if error_feedback is None or not server_feedback:
         return False
     return strategy == "two_phase" or (strategy == "auto" and not codec.summable)
+
+
+def _resolve_feedback(error_feedback, codec: Codec, strategy: str):
+    """``"auto"`` feedback; majority vote defaults to none (signSGD with majority vote / Signum)."""
+    if strategy == "majority_vote":
+        feedback.check_kind(error_feedback)
+        if error_feedback == "ef21":
+            raise ValueError(
+                "`error_feedback`='ef21' does not apply to strategy='majority_vote' (the vote is "
+                "not a mean of compressed differences); use None (default) or 'residual'"
+            )
+        return None if error_feedback == "auto" else error_feedback
+    return feedback.resolve(error_feedback, codec)
 
 
 def _freeze_if(bad: jax.Array, old: Any, new: Any) -> Any:
@@ -55,6 +68,8 @@ def compressed_allreduce(
     mask: Any = None,
     granularity: str = "leaf",
     seed: int = 0,
+    inner_axis_name: Any = None,
+    server_feedback: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -68,7 +83,21 @@ def compressed_allreduce(
     ``sum_t out_t + mean_i e_i = sum_t mean_i g_i`` (Karimireddy et al., 2019, "Error Feedback
     Fixes SignSGD"). ``"ef21"`` keeps estimates instead (Richtarik et al., 2021); ``None`` keeps
     nothing (for unbiased codecs). With ``two_phase`` (also under ``"auto"`` for codecs that
-    are not summable) the owner of each chunk keeps its own re-encoding error too.
+    are not summable) the owner of each chunk keeps its own re-encoding error too
+    (``server_feedback=True``, as 1-bit Adam's server error), so with both memories
+    ``sum_t out_t + mean_i e_i + sum_i s_i = sum_t mean_i g_i`` (``s_i``: device ``i``'s
+    server residual, non-zero only on the chunk it owns).
+
+    ``strategy="majority_vote"`` (sign codecs) returns the sign of the devices' vote scaled by
+    their mean scale (signSGD with majority vote, Bernstein et al. 2019); its feedback
+    defaults to none. For Signum put the momentum after it, ``optax.sgd(lr, momentum=0.9)``.
+
+    Hierarchical (``inner_axis_name``): the mean is over both axes; the fast inner axis is
+    reduced in float32 (reduce-scatter), only the ``1/L`` chunk each device then holds goes
+    through ``codec`` over ``axis_name``, and a float32 all-gather over the inner axis brings
+    the result back. Memories stay per device: initialize with
+    ``jc.sharded_init(tx, params, mesh, (axis_name, inner_axis_name))`` and use
+    ``jc.state_specs(state, (axis_name, inner_axis_name))``.
 
     Leaves smaller than ``min_size`` or masked out go through plain ``pmean``; integer leaves
     pass through. The output keeps each leaf's dtype; the work is in float32. A non-finite
@@ -85,27 +114,31 @@ def compressed_allreduce(
       error_feedback: ``"auto"`` (default: ``"residual"`` for biased codecs, ``None`` for
         unbiased ones, whose variance makes residual memory grow), ``"residual"``,
         ``"ef21"`` or ``None``.
-      strategy: ``"auto"``, ``"allreduce"``, ``"allgather"`` or ``"two_phase"``
-        (see :mod:`jaxcomp.collectives`).
+      strategy: ``"auto"``, ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
+        ``"majority_vote"`` (see :mod:`jaxcomp.collectives`).
       min_size: leaves with fewer elements go through plain ``pmean``.
       mask: None, a pytree of bools like the params, or a callable params -> such a tree;
         False leaves go through plain ``pmean``.
       granularity: ``"leaf"`` (default: one codec call per leaf, so scales and selections are
         per layer, as in the papers) or ``"flat"`` (all compressed leaves as one vector).
       seed: seeds the PRNG key kept in the state (stochastic codecs).
+      inner_axis_name: a fast mesh axis reduced uncompressed first (hierarchical), or None.
+      server_feedback: keep the chunk owner's re-encoding error (two_phase). False keeps the
+        worker residual only (for comparison: it converges less close to uncompressed).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
     """
     collectives.check_codec(codec)
-    collectives.check_strategy(strategy)
+    collectives.check_pair(codec, strategy)
     collectives.check_granularity(granularity)
-    error_feedback = feedback.resolve(error_feedback, codec)
+    error_feedback = _resolve_feedback(error_feedback, codec, strategy)
     min_size = check_int("min_size", min_size, 0)
     seed = check_int("seed", seed, 0)
-    if strategy == "allreduce" and not codec.summable:
-        collectives.choose_strategy(codec, 1, 1, strategy)  # raises the explanatory error
-    server = _uses_server_residual(codec, strategy, error_feedback)
+    if not isinstance(server_feedback, bool):
+        raise TypeError(f"`server_feedback` must be a bool, got {server_feedback!r}")
+    server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
+    every_axis = collectives.axis_names(axis_name, inner_axis_name)
 
     def init_fn(params):
         layout = buckets.layout_of(params, min_size, mask)
@@ -122,6 +155,7 @@ def compressed_allreduce(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         collectives.axis_size(axis_name)
+        collectives.check_inner_axis(axis_name, inner_axis_name)
         layout = buckets.layout_of(updates, min_size, mask)
         g = buckets.flatten_compressed(updates, layout)
         _check_state(state, g.shape[0], error_feedback, server)
@@ -135,8 +169,9 @@ def compressed_allreduce(
             strategy,
             step_key,
             state.server_residual if server else None,
+            inner_axis_name,
         )
-        bad = collectives.any_nonfinite(updates, axis_name)
+        bad = collectives.any_nonfinite(updates, every_axis)
         out = collectives.poison(feedback.output(reduced.mean, state.estimate, error_feedback), bad)
         new_state = CompressedAllreduceState(
             memory=feedback.next_memory(state.memory, target, reduced.sent, error_feedback),
@@ -146,7 +181,7 @@ def compressed_allreduce(
             count=state.count + 1,
         )
         new_state = _freeze_if(bad, state, new_state)
-        mean_tree = buckets.rebuild(updates, layout, out, lambda a: jax.lax.pmean(a, axis_name))
+        mean_tree = buckets.rebuild(updates, layout, out, lambda a: jax.lax.pmean(a, every_axis))
         return mean_tree, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

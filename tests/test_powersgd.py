@@ -25,6 +25,7 @@ from jaxcomp.powersgd import (
 )
 
 N = 8
+DIGITS_STEPS = 100
 
 
 @functools.cache
@@ -447,85 +448,41 @@ def test_wire_bytes_transformer():
     assert steady.bytes_per_device == pytest.approx(2 * 7 / 8 * 4 * floats)
     saving = steady.ratio_to(plain)
     assert saving > 50, saving
+    # Unbatched, the factors still travel in the same two all-reduces (batching only merges
+    # the matmuls); the warm-up branch adds its one full-size all-reduce to the program.
+    unbatched = report(powersgd(4, "data", start_step=0, batch_same_shape=False))
+    assert unbatched.count == 2 and unbatched.bytes_per_device == steady.bytes_per_device
+    with_warmup = report(powersgd(4, "data", start_step=10))
+    assert with_warmup.count == 3
     print(
-        f"powersgd rank 4: {steady.bytes_per_device / 2**10:.1f} KiB vs plain "
-        f"{plain.bytes_per_device / 2**20:.1f} MiB per device per step: {saving:.1f}x"
+        f"powersgd rank 4: {steady.count} collectives per step ({plain.count} for pmean), "
+        f"{steady.bytes_per_device / 2**10:.1f} KiB vs plain "
+        f"{plain.bytes_per_device / 2**20:.1f} MiB per device per step: {saving:.1f}x fewer bytes"
     )
 
 
 # --------------------------------------------------------------------------- convergence
 
 
-def train_digits(compressed: bool, steps: int = 200, lr: float = 0.1) -> float:
-    """A 64-256-10 MLP on sklearn's digits, 8 devices x 32 examples, SGD with momentum 0.9.
-    Returns the test accuracy. ``compressed``: PowerSGD rank 4 in front of the same SGD."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
-    perm = rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:], y[1400:]
-    g = rng(1)
-    params = {
-        "w1": (0.1 * g.standard_normal((64, 256))).astype(np.float32),
-        "b1": np.zeros(256, np.float32),
-        "w2": (0.1 * g.standard_normal((256, 10))).astype(np.float32),
-        "b2": np.zeros(10, np.float32),
-    }
-
-    def loss(p, xb, yb):
-        logits = jax.nn.relu(xb @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-
-    sgd = optax.sgd(lr, momentum=0.9)
-    tx = optax.chain(powersgd(4, "data"), sgd) if compressed else sgd
-    state = jc.sharded_init(tx, params, mesh(), "data")
-    specs = jc.state_specs(state, "data")
-
-    def step(p, s, xb, yb):
-        grads = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), xb, yb)
-        if not compressed:
-            grads = jax.lax.pmean(grads, "data")
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s
-
-    step = Blocking(
-        jax.jit(
-            jax.shard_map(
-                step,
-                mesh=mesh(),
-                in_specs=(P(), specs, P("data"), P("data")),
-                out_specs=(P(), specs),
-            )
-        )
-    )
-    params = put(params, P())
-    batches = rng(2).integers(0, len(x_train), (steps, 256))
-    for idx in batches:
-        params, state = step(params, state, put(x_train[idx]), put(y_train[idx]))
-    p = jax.device_get(params)
-    logits = np.maximum(x_test @ p["w1"] + p["b1"], 0) @ p["w2"] + p["b2"]
-    return float((logits.argmax(-1) == y_test).mean())
-
-
-@pytest.mark.slow
-def test_digits_mlp_rank4_matches_sgd():
-    """Same seed, batches and steps: rank 4 within one point of uncompressed SGD+momentum."""
-    plan = plan_of({"w1": np.zeros((64, 256)), "w2": np.zeros((256, 10))}, 4)
-    assert len(plan.groups) == 2  # both weight matrices are compressed
-    base, low = train_digits(False), train_digits(True)
-    print(f"digits test accuracy: sgd {base:.4f}, powersgd rank 4 {low:.4f}")
-    assert base > 0.95
-    assert low >= base - 0.01
-
-
-def load_example(name):
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+def load_module(folder, name):
+    path = pathlib.Path(__file__).resolve().parents[1] / folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.slow
+def test_digits_mlp_rank4_matches_sgd():
+    """Same seed, batches and steps: rank 4 within one point of uncompressed SGD+momentum
+    (benchmarks/powersgd_convergence.py's MLP, fewer steps than the benchmark's 200)."""
+    plan = plan_of({"w1": np.zeros((64, 256)), "w2": np.zeros((256, 10))}, 4)
+    assert len(plan.groups) == 2  # both weight matrices are compressed
+    bench = load_module("benchmarks", "powersgd_convergence")
+    base, low = bench.train_digits(None, DIGITS_STEPS), bench.train_digits(4, DIGITS_STEPS)
+    print(f"digits test accuracy: sgd {base:.4f}, powersgd rank 4 {low:.4f}")
+    assert base > 0.95
+    assert low >= base - 0.01
 
 
 @pytest.mark.slow
@@ -535,7 +492,7 @@ def test_char_transformer_rank4_close_to_uncompressed():
     device sends ~20x fewer gradient bytes. (Measured: 2.356 vs 2.396 nats/byte, +1.7%.
     The gap grows with training: +11% at 1000 steps, where rank 16 is +2.1%; see
     benchmarks/powersgd_convergence.py and benchmarks/results/powersgd_convergence.json.)"""
-    example = load_example("char_transformer")
+    example = load_module("examples", "char_transformer")
     base = example.train("none", 100, return_details=True)
     low = example.train("powersgd", 100, return_details=True)
     print(

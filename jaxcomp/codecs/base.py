@@ -40,7 +40,21 @@ def ceil_div(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Base class of every codec. Subclasses are frozen (hashable, static under jit)."""
+    """Base class of every codec. Subclasses are frozen (hashable, static under jit).
+
+    A codec ``C`` maps ``x`` (``float32[d]``) to a payload and back, ``C(x) =
+    decode(encode(x, key), d)``, with ``payload_bytes(d)`` the exact bytes on the wire. Two
+    families (Beznosikov, Horvath, Richtarik, Safaryan, "On Biased Compression for
+    Distributed Learning", 2020; Karimireddy et al., ICML 2019):
+
+    * ``unbiased``: ``E[C(x)] = x``, with a variance bound ``E||C(x) - x||^2 <= w ||x||^2``
+      (QSGD, TernGrad, natural, random-k, stochastic rounding): use without error feedback;
+    * contractive (``delta(d)`` not None): ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
+      (sign, top-k, deterministic int): use with error feedback.
+
+    ``summable``: ``decode(sum_i payload_i) = sum_i decode(payload_i)``, so one ``psum`` of
+    the payloads is enough (16/32-bit casts, shared-index random-k).
+    """
 
     # Class-level properties; subclasses override.
     unbiased = False
@@ -57,6 +71,8 @@ class Codec:
         """Contraction factor for a vector of size ``d``: ``||C(x)-x||^2 <= (1-delta)||x||^2``.
 
         None where the codec gives no such guarantee (unbiased codecs instead bound variance).
+        The bound is for inputs in the normal float range: XLA (CPU, GPU) flushes subnormals
+        to zero, so a vector of only subnormal values encodes as zero.
         """
         return None
 
@@ -85,12 +101,21 @@ class Codec:
         return self.name
 
 
+#: Largest vector a codec encodes: int32 indices and offsets address at most 2^31 - 1 entries.
+MAX_SIZE = 2**31 - 1
+
+
 def check_vector(x: jax.Array, codec: Codec) -> jax.Array:
     """Validate a codec input: 1-D, floating; return it as float32."""
     if x.ndim != 1:
         raise ValueError(f"{codec.name}.encode expects a 1-D vector `x`, got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{codec.name}.encode expects a floating `x`, got dtype {x.dtype}")
+    if x.shape[0] > MAX_SIZE:
+        raise ValueError(
+            f"{codec.name}.encode: `x` has {x.shape[0]} elements, more than 2**31 - 1, where "
+            "int32 indices and offsets overflow; split it (jc.pmean and the transforms do)"
+        )
     return x.astype(jnp.float32)
 
 

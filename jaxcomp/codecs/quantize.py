@@ -28,6 +28,23 @@ from jaxcomp.codecs.base import (
 )
 
 
+def sum_of_decodes(codec: Codec, payloads, d: int) -> jax.Array:
+    """``sum_j decode(payloads[j])``, one fused decode-and-add pass per device.
+
+    Decoding the whole ``[n, d]`` stack and reducing it over the device axis (the default
+    ``decode_sum``) was 6x slower than two decodes for d = 25M on CPU (1.6 s vs 0.25 s each).
+    """
+    n = jax.tree.leaves(payloads)[0].shape[0]
+
+    def add(j, total):
+        return total + codec.decode(jax.tree.map(lambda a: a[j], payloads), d)
+
+    # Start from the first decode (not zeros): under shard_map the carry must have the same
+    # varying axes as the payloads (two_phase decodes an all_to_all result).
+    first = codec.decode(jax.tree.map(lambda a: a[0], payloads), d)
+    return jax.lax.fori_loop(1, n, add, first)
+
+
 def _effective_block(block_size: int | None, d: int) -> int:
     """``None`` means one block for the whole vector."""
     return max(d, 1) if block_size is None else block_size
@@ -57,7 +74,12 @@ class Identity(Codec):
 
 
 def identity() -> Identity:
-    """The identity codec: float32 on the wire, exact. A baseline and a test oracle."""
+    """The identity codec: float32 on the wire, exact. A baseline and a test oracle.
+
+    ``C(x) = x``; 4 bytes per value, summable (one ``psum``), unbiased, ``delta = 1``. With it
+    :func:`jaxcomp.pmean` is plain ``jax.lax.pmean`` by another road: use it to check that
+    a pipeline is right before compressing.
+    """
     return Identity()
 
 
@@ -118,8 +140,19 @@ def cast(dtype="bfloat16") -> Cast:
     Halves (16-bit) or quarters (8-bit) the traffic. As torch's ``fp16_compress_hook`` and
     Horovod's ``Compression.fp16``, but saturating instead of overflowing to inf.
 
+    ``C(x)_i = round_t(clip(x_i, -M, M))`` with ``M`` the largest finite value of the type and
+    round-to-nearest-even, so the relative error is ``<= 2^-(m+1)`` for ``m`` mantissa bits
+    (fp16: m = 10, bf16: 7, e4m3: 3, e5m2: 2) inside the normal range; values below it lose
+    relative precision (fp16's smallest normal is 6.1e-5: scale small gradients up or use
+    bf16). Biased only by rounding; no error feedback needed at 16 bits.
+
     Args:
       dtype: ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` (or their jnp dtypes).
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018 (fp16 ranges, loss scaling);
+      Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", 2019;
+      Micikevicius et al., "FP8 Formats for Deep Learning", 2022 (e4m3 / e5m2).
     """
     name = None
     if isinstance(dtype, str):
@@ -208,6 +241,9 @@ class IntQuant(Codec):
             q = (code - self.levels).astype(jnp.float32)
         return q * per_value(scale, self.block_size, d)
 
+    def decode_sum(self, payloads, d):
+        return sum_of_decodes(self, payloads, d)
+
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, self.bits) + 4 * ceil_div(d, self.block_size)
 
@@ -215,8 +251,24 @@ class IntQuant(Codec):
 def int_quant(bits: int = 8, block_size: int = 256, stochastic: bool = False) -> IntQuant:
     """Blockwise integer quantization to ``bits`` in 1..8, one float32 scale per block.
 
+    For each block ``x_B`` of ``block_size`` values, with ``L = 2^(bits-1) - 1`` levels a side:
+    ``s = max|x_B| / L``, ``q_i = round(x_i / s)`` in ``[-L, L]`` (``stochastic=True``:
+    ``floor(x_i / s + u_i)``, ``u_i ~ U[0, 1)``, unbiased), decoded as ``q_i * s``. The
+    deterministic error is at most ``s / 2`` per value. ``bits=1`` sends signs with
+    ``s = mean|x_B|`` (or ``+-max|x_B|`` stochastically). See :class:`IntQuant`.
+
     Bytes per value: ``bits/8`` (packed ``32 // bits`` to a uint32) plus ``4/block_size``.
     int8 is ~3.9x smaller than float32, int4 ~7.5x.
+
+    Args:
+      bits: bits per value, 1..8.
+      block_size: values per float32 scale, >= 1.
+      stochastic: stochastic rounding (unbiased; then error feedback defaults to none).
+
+    References:
+      Dettmers, "8-bit Approximations for Parallelism in Deep Learning", ICLR 2016;
+      Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
+      Training", 2023 (qgZ: blockwise int4 gradients).
     """
     bits = check_int("bits", bits, 1, 8)
     block_size = check_int("block_size", block_size, 1)
@@ -272,7 +324,24 @@ class QSGD(Codec):
 
 
 def qsgd(levels: int = 16, bucket_size: int = 512) -> QSGD:
-    """QSGD with ``levels`` in 1..127 quantization levels, one norm per bucket."""
+    """QSGD with ``levels`` in 1..127 quantization levels, one norm per bucket.
+
+    Per bucket of ``bucket_size`` values, with ``s = levels`` and ``u_i ~ U[0, 1)``::
+
+        l_i = floor(s |x_i| / ||x|| + u_i),     Q(x)_i = ||x|| * sign(x_i) * l_i / s
+
+    Unbiased, ``E||Q(x) - x||^2 <= min(n / s^2, sqrt(n) / s) ||x||^2`` for a bucket of ``n``
+    values. ``ceil(log2(2s + 1))`` bits per value plus one float32 norm per bucket. See
+    :class:`QSGD`.
+
+    Args:
+      levels: quantization levels ``s``, 1..127 (16: the paper's no-loss setting).
+      bucket_size: values per norm, >= 1.
+
+    References:
+      Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via
+      Gradient Quantization and Encoding", NeurIPS 2017.
+    """
     levels = check_int("levels", levels, 1, 127)
     bucket_size = check_int("bucket_size", bucket_size, 1)
     return QSGD(levels, bucket_size)
@@ -319,7 +388,20 @@ class TernGrad(Codec):
 
 
 def terngrad(block_size: int | None = None) -> TernGrad:
-    """TernGrad ternary quantization; ``block_size=None`` scales per vector (per layer)."""
+    """TernGrad ternary quantization; ``block_size=None`` scales per vector (per layer).
+
+    ``C(x)_i = s * sign(x_i) * b_i`` with ``s = max|x_B|`` and ``b_i ~ Bernoulli(|x_i| / s)``:
+    values in ``{-s, 0, s}``, unbiased, variance ``<= s ||x||_1 - ||x||^2``. 2-bit codes,
+    16 per uint32 word, plus one float32 scale per block. See :class:`TernGrad`.
+
+    Args:
+      block_size: values per scale, or None for one scale per vector (the paper's per-layer
+        scaler).
+
+    References:
+      Wen, Xu, Yan, Wu, Wang, Chen, Li, "TernGrad: Ternary Gradients to Reduce Communication
+      in Distributed Deep Learning", NeurIPS 2017.
+    """
     if block_size is not None:
         block_size = check_int("block_size", block_size, 1)
     return TernGrad(block_size)
@@ -365,7 +447,17 @@ class Natural(Codec):
 
 
 def natural() -> Natural:
-    """Natural compression: unbiased rounding to powers of two, 9 bits per value."""
+    """Natural compression: unbiased rounding to powers of two, 9 bits per value.
+
+    With ``x = sign * 2^e * (1 + m)``, ``m`` in ``[0, 1)``: ``C(x) = sign * 2^e`` with
+    probability ``1 - m`` and ``sign * 2^(e+1)`` with probability ``m``. Unbiased, variance
+    ``E||C(x) - x||^2 <= ||x||^2 / 8``. Only the sign bit and the 8 exponent bits travel.
+    See :class:`Natural`.
+
+    References:
+      Horvath, Ho, Horvath, Sahu, Canini, Richtarik, "Natural Compression for Distributed
+      Deep Learning", 2019.
+    """
     return Natural()
 
 
@@ -398,7 +490,21 @@ class Threshold2Bit(Codec):
 
 
 def threshold_2bit(threshold: float = 0.5) -> Threshold2Bit:
-    """MXNet-style 2-bit threshold quantization (16x smaller than float32)."""
+    """MXNet-style 2-bit threshold quantization (16x smaller than float32).
+
+    ``C(x)_i = t`` if ``x_i >= t``, ``-t`` if ``x_i <= -t``, else ``0``: 2-bit codes, 16 per
+    uint32 word, no scale on the wire (``t`` is static). Biased: what is not sent must stay
+    in the residual error-feedback memory (the default) and goes out once it grows past
+    ``t``, as in MXNet, so pick ``t`` near the typical gradient magnitude.
+
+    Args:
+      threshold: ``t`` > 0.
+
+    References:
+      Apache MXNet, "Gradient Compression" (``kvstore.set_gradient_compression``, type
+      ``2bit``); the threshold-and-residual idea is Strom, "Scalable Distributed DNN
+      Training Using Commodity GPU Cloud Computing", Interspeech 2015.
+    """
     return Threshold2Bit(check_positive_float("threshold", threshold))
 
 

@@ -18,6 +18,7 @@ from jaxcomp.codecs.quantize import (
     threshold_2bit,
 )
 from jaxcomp.codecs.sign import sign
+from jaxcomp.codecs.sparse import random_k, threshold, top_k
 
 CODECS: dict[str, Callable[[], Codec]] = {
     "identity": identity,
@@ -40,7 +41,16 @@ CODECS: dict[str, Callable[[], Codec]] = {
     "sign_block": lambda: sign("mean", block_size=128),
     "signsgd": lambda: sign(None),
     "2bit": lambda: threshold_2bit(0.5),
+    "topk1%": lambda: top_k(0.01, approx=True),
+    "topk10%_sample": lambda: top_k(0.1, approx="sample"),
+    "topk10%_ternary": lambda: top_k(0.1, values="sign"),
+    "randk10%": lambda: random_k(0.1),
+    "threshold": lambda: threshold(0.5, 64),
 }
+"""Named codec configurations: ``name -> factory`` (zero-argument), e.g. ``"int8"`` ->
+``int_quant(8)``, ``"sign"`` -> ``sign("mean")``, ``"qsgd"`` -> ``qsgd(16)``. The math and the
+paper of each are in its factory's docstring. Used by the examples' ``--codec`` flags, the
+benchmarks and the parameterized tests; other modules add theirs with :func:`register`."""
 
 
 def register(name: str, factory: Callable[[], Codec]) -> None:
@@ -49,7 +59,13 @@ def register(name: str, factory: Callable[[], Codec]) -> None:
 
 
 def get_codec(name: str) -> Codec:
-    """The codec registered as ``name`` (e.g. ``"int8"``, ``"sign"``, ``"topk1%"``)."""
+    """The codec registered as ``name`` (e.g. ``"int8"``, ``"sign"``, ``"topk1%"``).
+
+    ``get_codec(name) == CODECS[name]()``; see :data:`CODECS` for the names.
+
+    Raises:
+      ValueError: ``name`` is not registered (the message lists the known names).
+    """
     if name not in CODECS:
         raise ValueError(f"unknown codec name {name!r}; known: {', '.join(sorted(CODECS))}")
     return CODECS[name]()

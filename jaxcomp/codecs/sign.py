@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from jaxcomp.codecs import packing
 from jaxcomp.codecs.base import Codec, blocks, ceil_div, check_int, check_vector, per_value
+from jaxcomp.codecs.quantize import sum_of_decodes
 
 _SCALES = (None, "mean")
 
@@ -55,6 +56,9 @@ class Sign(Codec):
         negative = packing.unpack(words, 1, d)
         return jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
 
+    def decode_sum(self, payloads, d):
+        return sum_of_decodes(self, payloads, d)
+
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))
 
@@ -62,8 +66,25 @@ class Sign(Codec):
 def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
     """1-bit sign codec: ``scale=None`` (signSGD) or ``"mean"`` (scaled sign, 1-bit SGD).
 
+    ``C(x)_i = scale_B * sign(x_i)`` with ``scale_B = ||x_B||_1 / |B|`` per block ``B``
+    (``"mean"``) or 1 (``None``); signs are bit-packed 32 to a uint32 word, plus one float32
+    per block. Scaled sign is contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / |B|``, so
+    with residual error feedback it converges like SGD. See :class:`Sign`.
+
     ~32x smaller than float32. Biased: use it with error feedback (``scale="mean"``) or with
     ``strategy="majority_vote"`` (``scale=None``).
+
+    Args:
+      scale: ``"mean"`` (scaled sign) or None (plain signs, signSGD).
+      block_size: values per scale, or None for one scale per vector.
+
+    References:
+      Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application to
+      Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014;
+      Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed Optimisation for
+      Non-Convex Problems", ICML 2018 (and "signSGD with Majority Vote", ICLR 2019);
+      Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient
+      Compression Schemes", ICML 2019.
     """
     if scale not in _SCALES:
         raise ValueError(f"`scale` must be one of {_SCALES}, got {scale!r}")

@@ -13,10 +13,11 @@ int8 with one float32 scale (``"int8"``), or bit-packed signs with one float32 m
     4k (indices) + { 4k | 2k | k + 4 | 4 * ceil(k / 32) + 4 }    (None | fp16/bf16 | int8 | sign)
 
 Decoding is a scatter-add into zeros. Slots a codec cannot fill (``threshold`` when fewer
-than ``capacity`` values pass) carry the out-of-range index ``d`` and are dropped by the
-scatter, so they decode to nothing whatever the value mode. :meth:`SparseCodec.decode_sum`
-scatter-adds the payloads of all devices into one dense buffer, so the all-gather strategy
-costs one ``f32[d]`` buffer, not one per device.
+than ``capacity`` values pass, ``top_k(approx="sample")`` when fewer than ``k`` reach the
+sampled threshold) carry the out-of-range index ``d`` and are dropped by the scatter, so
+they decode to nothing whatever the value mode. :meth:`SparseCodec.decode_sum` scatter-adds
+the payloads of all devices into one dense buffer, so the all-gather strategy costs one
+``f32[d]`` buffer, not one per device.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ from jaxcomp.codecs.base import (
 VALUE_MODES = (None, "fp16", "bf16", "int8", "sign")
 _FLOAT16 = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
+#: Top-k selection methods (``top_k(approx=...)``); see :class:`TopK`.
+APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k")
+#: What ``approx=True`` means: the fastest method measured on XLA:CPU (benchmarks/topk_speed.py).
+APPROX_DEFAULT = "blocked"
+
 #: The approximate (two-stage) selection is used when ``d`` is at least this large.
 APPROX_MIN_SIZE = 1 << 14
 
@@ -58,6 +64,19 @@ def check_values(values):
     if values not in VALUE_MODES:
         raise ValueError(f"`values` must be one of {VALUE_MODES}, got {values!r}")
     return values
+
+
+def check_approx(approx) -> str:
+    """``approx`` as a selection method name: False -> ``"exact"``, True -> the default."""
+    if approx is False:
+        return "exact"
+    if approx is True:
+        return APPROX_DEFAULT
+    if isinstance(approx, str) and approx in APPROX_METHODS:
+        return approx
+    if not isinstance(approx, str):
+        raise TypeError(f"`approx` must be a bool or one of {APPROX_METHODS}, got {approx!r}")
+    raise ValueError(f"`approx` must be a bool or one of {APPROX_METHODS}, got {approx!r}")
 
 
 def check_ratio(ratio) -> float:
@@ -159,11 +178,137 @@ def two_stage_top_k(x: jax.Array, k: int, block_size: int) -> jax.Array:
     )
 
 
-def select_top_k(x: jax.Array, k: int, approx: bool) -> jax.Array:
-    """int32 indices of the ``k`` largest ``|x_i|``."""
+#: DGC's band for the number of values over a sampled threshold: ``[0.8 k, 1.3 k]`` (Lin et al.
+#: re-adjust the threshold when the count falls outside it).
+SAMPLE_BAND = (0.8, 1.3)
+#: The sampled threshold aims at ``SAMPLE_TARGET * k`` values, inside the band, so that the
+#: count usually reaches ``k`` (then the selection is exactly the top-k).
+SAMPLE_TARGET = 1.1
+#: The sample holds at least this many expected members of the top-k (more than
+#: ``sample_ratio * d`` when ``d`` or ``k`` is small): the count over its threshold then has a
+#: relative standard deviation of about ``1 / sqrt(32) = 18%`` before re-adjustment.
+SAMPLE_MIN_HITS = 32
+#: At most this many re-adjustments (each one more pass over the vector).
+SAMPLE_ROUNDS = 4
+
+
+def sample_size(d: int, k: int, sample_ratio: float) -> int | None:
+    """Size ``m`` of DGC's random sample, or None where it would be half the vector or more
+    (the exact ``lax.top_k`` is then as cheap, and it is exact)."""
+    if k == 0:
+        return None
+    m = max(math.ceil(sample_ratio * d), math.ceil(SAMPLE_MIN_HITS * d / k))
+    return m if 2 * m <= d else None
+
+
+def _compaction_block(d: int, capacity: int) -> int:
+    """Block size ``B`` of :func:`sampled_top_k`'s two compactions (``jnp.nonzero``, a cumsum,
+    over the ``d / B`` block flags, then over the ``capacity * B`` candidates): smallest at
+    ``B = sqrt(d / capacity)``, a power of 2 in [4, 256]."""
+    b = 2 ** round(math.log2(math.sqrt(d / max(capacity, 1))))
+    return int(min(max(b, 4), 256))
+
+
+def sampled_top_k(
+    x: jax.Array, k: int, key: jax.Array | None, sample_ratio: float
+) -> tuple[jax.Array, jax.Array]:
+    """DGC's selection (Lin et al., 2018): a threshold from a random sample, static shapes.
+
+    1. Draw ``m = max(sample_ratio * d, 32 d / k)`` coordinates at random (from ``key``; a
+       fixed sample when ``key`` is None) and take the threshold ``t`` = the
+       ``r = ceil(1.1 k m / d)``-th largest ``|x_j|`` of the sample: about ``1.1 k`` entries
+       of ``x`` are expected to reach it, whatever the distribution (ranks, not moments).
+    2. Count ``c = #{i : |x_i| >= t}`` (one pass, per block of ``B`` entries). While ``c``
+       is outside DGC's band ``[0.8 k, 1.3 k]`` (at most 4 times, each a ``lax.cond``, so
+       under ``vmap`` every round runs): move to rank ``r <- r * 1.1 k / c`` of the sample
+       and count again.
+    3. Fixed capacity: the entries over ``t`` are gathered into ``C = ceil(1.3 k)``
+       candidate slots — the first ``C`` blocks holding one are compacted with
+       ``jnp.nonzero(size=C)`` over the ``d / B`` block flags, then the entries over ``t``
+       in them (a cumsum over ``C * B``, not over ``d``) — and the ``k`` largest candidates
+       are kept (as DGC does when more than ``k`` pass).
+
+    So whenever ``k <= c <= C`` the result is exactly the top-k; when ``c < k`` it is the
+    ``c`` largest entries (all of them in the true top-k) and ``k - c`` unfilled slots. NaN
+    passes every threshold (never hidden).
+
+    Returns:
+      ``(indices, filled)``: int32[k] and bool[k]; unfilled slots hold index ``d``.
+    """
+    d = x.shape[0]
+    m = sample_size(d, k, sample_ratio)
+    if m is None:
+        return select_top_k(x, k, "exact"), jnp.ones((k,), bool)
+    capacity = min(d, math.ceil(SAMPLE_BAND[1] * k))
+    if key is None:
+        key = jax.random.PRNGKey(0)
+    rank0 = min(m, math.ceil(SAMPLE_TARGET * k * m / d))
+    depth = min(m, 4 * rank0)
+    # 32 random bits modulo d: uniform up to a relative error of d / 2^32.
+    where = (jax.random.bits(key, (m,), jnp.uint32) % np.uint32(d)).astype(jnp.int32)
+    ranked = jax.lax.top_k(jnp.abs(x[where]), depth)[0]  # ranked[r - 1]: r-th largest
+
+    b = _compaction_block(d, capacity)
+    nb = d // b
+    main = x[: nb * b].reshape(nb, b)
+    tail = x[nb * b :]
+
+    def counts(rank):
+        # ~(|x| < t) rather than |x| >= t: NaN passes.
+        t = ranked[rank - 1]
+        per_block = jnp.sum(~(jnp.abs(main) < t), axis=1, dtype=jnp.int32)
+        total = jnp.sum(per_block) + jnp.sum(~(jnp.abs(tail) < t), dtype=jnp.int32)
+        return rank, per_block, total
+
+    def readjust(state):
+        rank, _, total = state
+        step = jnp.round(rank * SAMPLE_TARGET * k / jnp.maximum(total, 1).astype(jnp.float32))
+        return counts(jnp.clip(step, 1, depth).astype(jnp.int32))
+
+    state = counts(jnp.int32(rank0))
+    # The rank takes the count's type (varying per device under shard_map), or lax.cond below
+    # rejects branches whose outputs differ in their manual axis types.
+    state = (state[0] + jnp.zeros_like(state[2]), *state[1:])
+    for _ in range(SAMPLE_ROUNDS):  # unrolled: lax.cond skips a round that is not needed
+        total = state[2]
+        outside = (total < SAMPLE_BAND[0] * k) | (total > SAMPLE_BAND[1] * k)
+        state = jax.lax.cond(outside, readjust, lambda s: s, state)
+    rank, per_block, _ = state
+    t = ranked[rank - 1]
+
+    slots = min(nb, capacity)
+    (blocks,) = jnp.nonzero(per_block > 0, size=slots, fill_value=nb)
+    cand = jnp.abs(main[jnp.minimum(blocks, nb - 1)])  # (slots, b)
+    flat = jnp.concatenate([cand.reshape(-1), jnp.abs(tail)])
+    keep = jnp.concatenate(
+        [(~(cand < t) & (blocks < nb)[:, None]).reshape(-1), ~(jnp.abs(tail) < t)]
+    )
+    # Second compaction, over the slots * b candidates: the first `capacity` entries over t.
+    (pos,) = jnp.nonzero(keep, size=capacity, fill_value=flat.shape[0])
+    filled = pos < flat.shape[0]
+    pos = jnp.minimum(pos, flat.shape[0] - 1)
+    _, best = jax.lax.top_k(jnp.where(filled, flat[pos], -1.0), k)
+    pos, filled = pos[best], filled[best]
+    in_block = pos < slots * b
+    block_pos = jnp.minimum(pos, slots * b - 1)
+    from_blocks = blocks[block_pos // b] * b + block_pos % b
+    indices = jnp.where(in_block, from_blocks, nb * b + pos - slots * b)
+    return jnp.where(filled, indices, d).astype(jnp.int32), filled
+
+
+def max_k_indices(x: jax.Array, k: int) -> jax.Array:
+    """``jax.lax.approx_max_k`` of ``|x|`` (recall target 0.95): fast on TPU, exact elsewhere."""
+    return jax.lax.approx_max_k(jnp.abs(x), k, recall_target=0.95)[1].astype(jnp.int32)
+
+
+def select_top_k(x: jax.Array, k: int, method: str = "exact") -> jax.Array:
+    """int32 indices of the ``k`` largest ``|x_i|``: ``"exact"``, ``"blocked"`` (the same set,
+    faster for large vectors) or ``"approx_max_k"``. (``"sample"``: :func:`sampled_top_k`.)"""
     if k == 0:
         return jnp.zeros((0,), jnp.int32)
-    block = _block_size(x.shape[0], k) if approx else None
+    if method == "approx_max_k":
+        return max_k_indices(x, k)
+    block = _block_size(x.shape[0], k) if method == "blocked" else None
     if block is None:
         return jax.lax.top_k(jnp.abs(x), k)[1].astype(jnp.int32)
     return two_stage_top_k(x, k, block)
@@ -238,8 +383,9 @@ class TopK(SparseCodec):
     """
 
     ratio: float = 0.01
-    approx: bool = False
+    approx: str = "exact"
     values: str | None = None
+    sample_ratio: float = 0.01
 
     def size(self, d):
         return count_for(self.ratio, d)
@@ -248,6 +394,8 @@ class TopK(SparseCodec):
         k = self.size(d)
         if d == 0:
             return 1.0
+        if self.approx in ("sample", "approx_max_k"):
+            return None  # ~0.8 k/d or more in practice, no worst-case bound
         if self.values is None:
             return k / d
         if self.values == "sign":
@@ -262,8 +410,13 @@ class TopK(SparseCodec):
 
     def encode(self, x, key=None):
         x = check_vector(x, self)
-        indices = select_top_k(x, self.size(x.shape[0]), self.approx)
-        return self._payload(indices, x[indices])
+        d, k = x.shape[0], self.size(x.shape[0])
+        if self.approx != "sample":
+            indices = select_top_k(x, k, self.approx)
+            return self._payload(indices, x[indices])
+        indices, filled = sampled_top_k(x, k, key, self.sample_ratio)
+        v = jnp.where(filled, x[jnp.minimum(indices, max(d - 1, 0))], 0.0)
+        return self._payload(indices, v, filled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +512,7 @@ class Threshold(SparseCodec):
     def encode(self, x, key=None):
         x = check_vector(x, self)
         d = x.shape[0]
-        indices = select_top_k(x, self.size(d), approx=True)
+        indices = select_top_k(x, self.size(d), "blocked")
         v = x[indices]
         # NaN passes (never hidden); finite values at or below tau do not.
         valid = ~(jnp.abs(v) <= self.tau)
@@ -369,15 +522,30 @@ class Threshold(SparseCodec):
 # --------------------------------------------------------------------------- factories
 
 
-def top_k(ratio: float = 0.01, approx: bool = False, values: str | None = None) -> TopK:
+def top_k(
+    ratio: float = 0.01,
+    approx: bool | str = False,
+    values: str | None = None,
+    sample_ratio: float = 0.01,
+) -> TopK:
     """Top-k sparsification: the ``k = max(1, ceil(ratio * d))`` largest magnitudes.
+
+    ``C(x)_i = x_i`` for the ``k`` indices of largest ``|x_i|``, 0 elsewhere; ``k`` values
+    and ``k`` int32 indices travel (static shapes). Contractive with
+    ``delta = k / d``: ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``, so residual error feedback keeps
+    what is not sent until it grows large enough (Stich et al., 2018). See :class:`TopK`.
 
     Args:
       ratio: fraction of coordinates sent, in (0, 1].
-      approx: use the fast two-stage selection for large vectors (same set as exact top-k
-        when the k-th largest magnitude is unique).
+      approx: how the ``k`` entries are selected (see :class:`TopK`): ``False`` /
+        ``"exact"`` (``jax.lax.top_k``), ``"blocked"`` (two-stage, the same set as exact
+        top-k, faster on large vectors), ``"sample"`` (DGC's sampled threshold, fixed
+        capacity ``k``), ``"approx_max_k"`` (``jax.lax.approx_max_k``: fast on TPU), or
+        ``True``: the fastest measured, ``"blocked"`` (:data:`APPROX_DEFAULT`).
       values: how values travel: None (float32), ``"fp16"``, ``"bf16"``, ``"int8"`` or
         ``"sign"`` (sparse ternary compression).
+      sample_ratio: with ``approx="sample"``, the fraction of entries sampled to estimate the
+        threshold, in (0, 1] (DGC: 0.01; at least ``32 d / k`` are sampled).
 
     Example::
 
@@ -387,18 +555,38 @@ def top_k(ratio: float = 0.01, approx: bool = False, values: str | None = None) 
         )
 
     At 0.1% and below use :func:`jaxcomp.dgc` instead (momentum before sparsification).
+
+    References:
+      Aji, Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;
+      Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
+      Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
+      Sparsification for Low Bandwidth Networks" (gTop-k), ICDCS 2019.
     """
-    if not isinstance(approx, bool):
-        raise TypeError(f"`approx` must be a bool, got {approx!r}")
-    return TopK(check_ratio(ratio), approx, check_values(values))
+    return TopK(
+        check_ratio(ratio),
+        check_approx(approx),
+        check_values(values),
+        check_positive_float("sample_ratio", sample_ratio, upper=1.0),
+    )
 
 
 def random_k(ratio: float = 0.01, values: str | None = None) -> RandomK:
     """Random-k sparsification scaled by ``d/k`` (unbiased), indices shared by all devices.
 
+    One coordinate ``i_j`` drawn uniformly in each of ``k`` contiguous strata of size
+    ``s_j ~ d/k``, sent as ``s_j x_{i_j}``: ``E[C(x)] = x`` and
+    ``E||C(x) - x||^2 <= (ceil(d/k) - 1) ||x||^2``. The indices come from a key that is the
+    same on every device, so payloads of all devices add (summable: one ``psum`` of the
+    ``k`` values). See :class:`RandomK`.
+
     Args:
       ratio: fraction of coordinates sent, in (0, 1].
       values: how values travel (see :func:`top_k`); None keeps it unbiased.
+
+    References:
+      Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
+      Wangni, Wang, Liu, Zhang, "Gradient Sparsification for Communication-Efficient
+      Distributed Optimization", NeurIPS 2018.
     """
     return RandomK(check_ratio(ratio), check_values(values))
 
@@ -406,14 +594,32 @@ def random_k(ratio: float = 0.01, values: str | None = None) -> RandomK:
 def threshold(tau: float, capacity: int, values: str | None = None) -> Threshold:
     """Strom's threshold sparsification: ``|x_i| > tau``, at most ``capacity`` values.
 
+    ``C(x)_i = x_i`` where ``|x_i| > tau`` (the ``capacity`` largest of them when more
+    pass: XLA needs a static payload size), 0 elsewhere. Biased; with residual error
+    feedback a coordinate is sent once its accumulated value passes ``tau``. See
+    :class:`Threshold`.
+
     Args:
       tau: the threshold, > 0.
       capacity: the most values sent per vector (static payload size), >= 1.
       values: how values travel (see :func:`top_k`).
+
+    References:
+      Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",
+      Interspeech 2015.
     """
     tau = check_positive_float("tau", tau)
     capacity = check_int("capacity", capacity, 1)
     return Threshold(tau, capacity, check_values(values))
 
 
-__all__ = ["VALUE_MODES", "count_for", "random_k", "threshold", "top_k", "two_stage_top_k"]
+__all__ = [
+    "APPROX_METHODS",
+    "VALUE_MODES",
+    "count_for",
+    "random_k",
+    "sampled_top_k",
+    "threshold",
+    "top_k",
+    "two_stage_top_k",
+]

@@ -1,0 +1,140 @@
+"""Shared helpers of the benchmarks: the results folder, JSON, plots, timing, codec lists.
+
+Every benchmark writes ``benchmarks/results/<name>.json`` (``<name>_quick.json`` with
+``--quick``, so a smoke run never overwrites a full run) and a PNG next to it, and records
+the backend and device it ran on. Import this module before jax is used: it does not import
+jax itself, so a benchmark can still call :func:`jaxcomp.cpu.use_cpu_devices` first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# JAXCOMP_BENCH_RESULTS redirects every output (the smoke tests write to a temporary folder).
+RESULTS = pathlib.Path(os.environ.get("JAXCOMP_BENCH_RESULTS", ROOT / "benchmarks" / "results"))
+
+# Codec families that are not (yet) one-line entries of jc.CODECS: name -> factory source.
+# A name already in the registry is taken from there, so new registrations win.
+EXTRA_CODECS: dict[str, str] = {
+    "topk1%": "jc.top_k(0.01, approx=True)",
+    "randk1%": "jc.random_k(0.01)",
+}
+
+
+def result_path(name: str, quick: bool, suffix: str = "json") -> pathlib.Path:
+    """``benchmarks/results/<name>[_quick].<suffix>`` (the folder is created)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    return RESULTS / f"{name}{'_quick' if quick else ''}.{suffix}"
+
+
+def write_json(path: pathlib.Path, data: Any) -> pathlib.Path:
+    """Write ``data`` as indented JSON (numbers rounded by the caller) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
+    print(f"wrote {show_path(path)}", flush=True)
+    return path
+
+
+def show_path(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return str(x)
+
+
+def environment() -> dict[str, Any]:
+    """Backend, device kind and count, versions and host: goes into every result."""
+    import jax
+
+    return {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "device_count": jax.device_count(),
+        "cpu_cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def codec_names(include_extra: bool = True) -> list[str]:
+    """Every registered codec (``jc.CODECS``) plus the sparse defaults of :data:`EXTRA_CODECS`."""
+    import jaxcomp as jc
+
+    names = list(jc.CODECS)
+    if include_extra:
+        names += [n for n in EXTRA_CODECS if n not in jc.CODECS]
+    return names
+
+
+def make_codec(name: str):
+    """The codec called ``name``: from the registry, else from :data:`EXTRA_CODECS`."""
+    import jaxcomp as jc
+
+    if name in jc.CODECS:
+        return jc.get_codec(name)
+    if name in EXTRA_CODECS:
+        return eval(EXTRA_CODECS[name], {"jc": jc})  # a fixed table above, not user input
+    return jc.get_codec(name)  # raises the registry's ValueError naming the known codecs
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` calls, each blocked until ready."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def progress(items: Iterable[Any], desc: str, total: int | None = None) -> Iterable[Any]:
+    """A tqdm bar on stderr when tqdm is installed (it is in the bench extra)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc, total=total, leave=False, file=sys.stderr)
+
+
+def plot(path: pathlib.Path, draw: Callable[[Any], None], title: str) -> pathlib.Path:
+    """Save one matplotlib figure drawn by ``draw(ax)`` (Agg backend, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    draw(ax)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {show_path(path)}", flush=True)
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    """A GitHub markdown table (what the README shows)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,308 @@
+"""What compression does to accuracy: every codec family on three tasks, against pmean.
+
+Tasks (all ship offline), each data-parallel on 8 CPU devices (or the accelerators there):
+
+* ``digits`` — scikit-learn digits, MLP 64-256-10, SGD momentum 0.9, lr 0.05, batch 256;
+  metric: test accuracy (397 held-out images);
+* ``mnist1d`` — the ``mnist1d`` package's generated dataset (4000/1000, 40 features), MLP
+  40-256-256-10, same optimizer; metric: test accuracy;
+* ``char`` — the character transformer of ``examples/char_transformer.py`` on
+  ``pydoc_data.topics`` (Adam, cosine schedule); metric: held-out loss in nats per byte.
+
+Methods: ``none`` (plain pmean), every codec of ``jc.CODECS`` plus the sparse defaults of
+``benchmarks/common.py`` through ``jc.compressed_allreduce`` (error feedback ``auto``,
+strategy ``auto``, ``min_size=1024``), and the transforms of :data:`TRANSFORMS` (DGC,
+PowerSGD, majority vote where the strategy exists) — new registrations join automatically.
+Same seed, initialization, batches and number of steps for every method. Bytes per step are
+the ring-model bytes each device sends, read from the lowered step program (the collectives
+``jc.comm_report`` reports as ``logical``). Writes ``benchmarks/results/convergence.json``
+(after every run, so a bounded background run keeps what finished) and
+``convergence_<task>.png`` (loss curves)::
+
+    python benchmarks/convergence.py                     # all methods, all tasks (long on CPU)
+    python benchmarks/convergence.py --quick             # digits, none/sign/int8, 40 steps
+    python benchmarks/convergence.py --tasks digits --methods none sign topk1% dgc0.1%
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import common  # noqa: E402
+
+AXIS = "data"
+TASKS = ("digits", "mnist1d", "char")
+STEPS = {"digits": 1000, "mnist1d": 2000, "char": 300}
+# Transforms that are not one codec: name -> (factory(axis) -> transform, has its own momentum).
+TRANSFORMS: dict[str, tuple[str, bool]] = {
+    "dgc0.1%": ("jc.dgc(0.001, axis)", True),
+    "powersgd4": ("jc.powersgd(4, axis)", False),
+    "signsgd_mv": ("jc.compressed_allreduce(jc.sign(None), axis, strategy='majority_vote')", False),
+}
+# Run order: the figures that matter most first, so a bounded run has them.
+PRIORITY = ["none", "sign", "int8", "topk1%", "powersgd4", "dgc0.1%", "fp16", "int4", "qsgd"]
+
+
+def method_names() -> list[str]:
+    import jaxcomp as jc
+
+    names = ["none", *common.codec_names()]
+    for name in TRANSFORMS:
+        if name == "signsgd_mv" and "majority_vote" not in jc.STRATEGIES:
+            continue
+        names.append(name)
+    ordered = [n for n in PRIORITY if n in names]
+    return ordered + [n for n in names if n not in ordered]
+
+
+def transform_factory(name: str) -> tuple[Callable[[str], Any] | None, bool]:
+    """(axis -> transform returning the mean gradient, or None for pmean; own momentum?)."""
+    import jaxcomp as jc
+
+    if name == "none":
+        return None, False
+    if name in TRANSFORMS:
+        src, own_momentum = TRANSFORMS[name]
+        return (lambda axis: eval(src, {"jc": jc, "axis": axis})), own_momentum
+    codec = common.make_codec(name)
+    return (lambda axis: jc.compressed_allreduce(codec, axis, min_size=1024)), False
+
+
+# --------------------------------------------------------------------------- classifiers
+
+
+def load(task: str, seed: int = 0):
+    import numpy as np
+
+    if task == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = (x / 16.0).astype(np.float32)
+        perm = np.random.RandomState(seed).permutation(len(x))
+        x, y = x[perm], y[perm].astype(np.int32)
+        return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.seed = seed
+    data = make_dataset(args)
+    mean, std = data["x"].mean(), data["x"].std()
+    norm = lambda a: ((a - mean) / std).astype(np.float32)  # noqa: E731
+    return (norm(data["x"]), data["y"].astype(np.int32)), (
+        norm(data["x_test"]),
+        data["y_test"].astype(np.int32),
+    )
+
+
+def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
+    """MLP data-parallel with ``method``; test accuracy, loss curve, bytes per step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from jaxcomp import accounting
+
+    (xtr, ytr), (xte, yte) = load(task, seed)
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
+    sizes = (xtr.shape[1], 256, 10) if task == "digits" else (xtr.shape[1], 256, 256, 10)
+
+    def init(key):
+        p = {}
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            key, sub = jax.random.split(key)
+            p[f"w{i}"] = jax.random.normal(sub, (a, b)) * math.sqrt(2.0 / a)
+            p[f"b{i}"] = jnp.zeros((b,))
+        return p
+
+    def logits_fn(p, x):
+        for i in range(len(sizes) - 1):
+            x = x @ p[f"w{i}"] + p[f"b{i}"]
+            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
+        return x
+
+    def loss_fn(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y).mean()
+
+    factory, own_momentum = transform_factory(method)
+    opt = optax.sgd(0.05) if own_momentum else optax.sgd(0.05, momentum=0.9)
+    tx = opt if factory is None else optax.chain(factory(AXIS), opt)
+    params = jax.device_put(init(jax.random.PRNGKey(seed)), NamedSharding(mesh, P()))
+    state = jc.sharded_init(tx, params, mesh, AXIS)
+    specs = jc.state_specs(state, AXIS)
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+        if factory is None:
+            g = jax.lax.pmean(g, AXIS)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, jax.lax.pmean(loss, AXIS)
+
+    step = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), specs, P(AXIS), P(AXIS)),
+            out_specs=(P(), specs, P()),
+        )
+    )
+    batch = 256
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    sample = (put(xtr[:batch]), put(ytr[:batch]))
+    logical = accounting.parse_stablehlo_collectives(
+        step.lower(params, state, *sample).as_text(), n
+    )
+    rng = np.random.RandomState(seed)
+    curve = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        idx = rng.randint(0, len(xtr), batch)
+        params, state, loss = jax.block_until_ready(
+            step(params, state, put(xtr[idx]), put(ytr[idx]))
+        )
+        curve.append(float(loss))
+    seconds = time.perf_counter() - start
+    logits = logits_fn(jax.device_get(params), jnp.asarray(xte))
+    return {
+        "metric": "test_accuracy",
+        "value": float(jnp.mean(jnp.argmax(logits, -1) == yte)),
+        "final_train_loss": float(np.mean(curve[-20:])),
+        "curve": curve,
+        "bytes_per_step": float(sum(c.bytes_per_device for c in logical)),
+        "train_seconds": seconds,
+    }
+
+
+def train_char(method: str, steps: int, seed: int = 0) -> dict:
+    """The character transformer of examples/char_transformer.py with ``method``."""
+    sys.path.insert(0, str(common.ROOT / "examples"))
+    import char_transformer
+
+    factory, own_momentum = transform_factory(method)
+    compression = "none" if factory is None else factory
+    r = char_transformer.train(
+        compression,
+        steps,
+        optimizer="sgd" if own_momentum else "adam",
+        seed=seed,
+        return_details=True,
+        report_bytes=True,
+    )
+    return {
+        "metric": "eval_loss_nats_per_byte",
+        "value": r["eval_loss"],
+        "final_train_loss": float(sum(r["train_loss"][-20:]) / min(20, len(r["train_loss"]))),
+        "curve": r["train_loss"],
+        "bytes_per_step": r["bytes_per_device"],
+        "train_seconds": r["seconds"],
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def finish(runs: list[dict]) -> None:
+    """Ratios and deltas against the ``none`` run of the same task."""
+    for r in runs:
+        base = next((b for b in runs if b["task"] == r["task"] and b["method"] == "none"), None)
+        if base is None:
+            continue
+        r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
+        r["delta"] = r["value"] - base["value"]
+
+
+def print_table(runs: list[dict]) -> None:
+    print(f"\n{'task':8s} {'method':11s}{'ratio':>8s}{'metric':>9s}{'delta':>9s}{'KiB/step':>10s}")
+    for r in runs:
+        print(
+            f"{r['task']:8s} {r['method']:11s}{r.get('compression', math.nan):>7.1f}x"
+            f"{r['value']:>9.4f}{r.get('delta', math.nan):>+9.4f}"
+            f"{r['bytes_per_step'] / 1024:>10.1f}"
+        )
+
+
+def draw(runs: list[dict], quick: bool) -> None:
+    import numpy as np
+
+    for task in dict.fromkeys(r["task"] for r in runs):
+
+        def one(ax, task=task):
+            for r in runs:
+                if r["task"] != task:
+                    continue
+                c = np.asarray(r["curve"])
+                w = max(1, len(c) // 50)
+                smooth = np.convolve(c, np.ones(w) / w, mode="valid")
+                ax.plot(smooth, label=r["method"], color="black" if r["method"] == "none" else None)
+            ax.set_yscale("log")
+            ax.set_xlabel("step")
+            ax.set_ylabel("training loss (moving average)")
+            ax.legend(fontsize=6, ncol=3)
+
+        common.plot(
+            common.result_path(f"convergence_{task}", quick, "png"),
+            one,
+            f"{task}: training loss per method, same seed and batches",
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="digits, none/sign/int8, 40 steps")
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=None)
+    ap.add_argument("--methods", nargs="+", default=None, help="default: every codec family")
+    ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
+    ap.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
+    ap.add_argument("--budget", type=float, default=None, help="stop starting runs after s")
+    args = ap.parse_args(argv)
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(args.devices)
+    tasks = args.tasks or (["digits"] if args.quick else list(TASKS))
+    methods = args.methods or (["none", "sign", "int8"] if args.quick else method_names())
+    if methods[0] != "none":
+        methods = ["none", *[m for m in methods if m != "none"]]
+    path = common.result_path("convergence", args.quick)
+    runs: list[dict] = []
+    start = time.perf_counter()
+    jobs = [(m, t) for m in methods for t in tasks]
+    for method, task in common.progress(jobs, "convergence"):
+        if args.budget is not None and time.perf_counter() - start > args.budget:
+            print(f"budget of {args.budget:.0f} s spent: stopping before {method}/{task}")
+            break
+        steps = args.steps or (40 if args.quick else STEPS[task])
+        t0 = time.perf_counter()
+        if task == "char":
+            r = train_char(method, steps)
+        else:
+            r = train_classifier(task, method, steps)
+        r.update(task=task, method=method, steps=steps, seconds=time.perf_counter() - t0)
+        runs.append(r)
+        finish(runs)
+        print(
+            f"{task:8s} {method:11s} {r['metric']} {r['value']:.4f} "
+            f"{r.get('compression', math.nan):.1f}x fewer bytes  {r['seconds']:.0f} s",
+            flush=True,
+        )
+        out = {"environment": common.environment(), "complete": False, "runs": runs}
+        common.write_json(path, out)
+    out = {"environment": common.environment(), "complete": len(runs) == len(jobs), "runs": runs}
+    common.write_json(path, out)
+    print_table(runs)
+    draw(runs, args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""mkdocs hook: turn ``<!-- bench:NAME -->`` markers into tables read from benchmark results.
+
+The numbers on the docs pages come from ``benchmarks/results/*.json`` at build time, never
+typed by hand. A marker names a result file without its extension (``wire_bytes`` reads
+``wire_bytes.json``, or ``wire_bytes_quick.json`` when only a quick run exists). A missing
+file becomes a note saying which command produces it; ``<!-- bench:others -->`` lists every
+result file that no marker on the page names, each as a generic table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_]+)\s*-->")
+MAX_GENERIC_ROWS = 40
+
+Table = tuple[list[str], list[list[str]]]
+
+
+def _load(name: str) -> tuple[Any, pathlib.Path] | None:
+    for candidate in (f"{name}.json", f"{name}_quick.json"):
+        path = RESULTS / candidate
+        if path.exists():
+            return json.loads(path.read_text()), path
+    return None
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if isinstance(x, bool) or x is None:
+        return "–" if x is None else str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "–"
+        if abs(x) >= 1000:
+            return f"{x:,.0f}"
+        return f"{x:.{digits}g}"
+    return str(x).replace("|", "\\|")
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _markdown(table: Table) -> str:
+    header, rows = table
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _source(path: pathlib.Path, data: Any, command: str) -> str:
+    env = data.get("environment", {}) if isinstance(data, dict) else {}
+    where = ", ".join(
+        f"{k} {env[k]}" for k in ("backend", "device_count", "cpu_cores", "date_utc") if k in env
+    )
+    quick = " (a `--quick` run)" if path.stem.endswith("_quick") else ""
+    rel = path.relative_to(ROOT)
+    return f"*Source: `{rel}`{quick}, written by `{command}`.{' ' + where + '.' if where else ''}*"
+
+
+# ------------------------------------------------------------------------- wire_bytes
+
+
+def _wire_bytes(data: dict[str, Any], path: pathlib.Path) -> str:
+    rows = data["rows"]
+    out = []
+    for tree in dict.fromkeys(r["tree"] for r in rows):
+        tr = [r for r in rows if r["tree"] == tree]
+        base = {r["devices"]: r["bytes_per_device"] for r in tr if r["codec"] == "pmean"}
+        ns = sorted(base)
+        n_pick = 8 if 8 in ns else ns[-1]
+        strategies = ["allreduce", "allgather", "two_phase", "auto"]
+        codecs = [c for c in dict.fromkeys(r["codec"] for r in tr) if c != "pmean"]
+
+        def saving(codec: str, strategy: str, n: int, tr=tr, base=base) -> str:
+            hit = [
+                r
+                for r in tr
+                if r["codec"] == codec and r["strategy"] == strategy and r["devices"] == n
+            ]
+            if not hit or not hit[0]["bytes_per_device"]:
+                return "–"
+            r = hit[0]
+            extra = f" ({r['resolved']})" if strategy == "auto" and r.get("resolved") else ""
+            return f"{base[n] / r['bytes_per_device']:.1f}x{extra}"
+
+        params = tr[0].get("params")
+        out.append(
+            f"**{tree}** ({_fmt(params)} parameters), n = {n_pick} devices: bytes of plain "
+            f"`pmean` ({_bytes(base[n_pick])} per device per step) divided by the codec's."
+        )
+        body = [[f"`{c}`", *(saving(c, s, n_pick) for s in strategies)] for c in codecs]
+        out.append(_markdown((["codec", *strategies], body)))
+        if len(ns) > 1:
+            out.append(f"**{tree}**, strategy `auto`, saving against n:")
+            body = [[f"`{c}`", *(saving(c, "auto", n).split(" ")[0] for n in ns)] for c in codecs]
+            out.append(_markdown((["codec", *(f"n = {n}" for n in ns)], body)))
+    out.append(_source(path, data, "python benchmarks/wire_bytes.py"))
+    return "\n\n".join(out)
+
+
+# ------------------------------------------------------------------ sparse_wire_bytes
+
+
+def _sparse_wire_bytes(data: list[dict[str, Any]], path: pathlib.Path) -> str:
+    methods = list(dict.fromkeys(r["method"] for r in data))
+    ns = sorted({r["devices"] for r in data})
+    cell = {(r["method"], r["devices"]): r for r in data}
+    body = []
+    for m in methods:
+        row = [m]
+        for n in ns:
+            r = cell.get((m, n))
+            row.append(f"{r['saving']:.1f}x ({_bytes(r['bytes_per_device'])})" if r else "–")
+        body.append(row)
+    params = _fmt(data[0]["params"])
+    head = (
+        f"Sparse codecs on a {params}-parameter tree: saving against plain `pmean` "
+        "(bytes per device per step)."
+    )
+    table = _markdown((["method", *(f"n = {n}" for n in ns)], body))
+    return f"{head}\n\n{table}\n\n" + _source(path, data, "python benchmarks/topk_speed.py")
+
+
+# ------------------------------------------------------------------------ topk_speed
+
+
+def _topk_speed(data: dict[str, Any], path: pathlib.Path) -> str:
+    body = [
+        [f"`{k}`", _fmt(ms), f"{data['in_copies'][k]:.2f}"] for k, ms in data["median_ms"].items()
+    ]
+    head = (
+        f"Selecting k = {_fmt(data['k'])} of {_fmt(data['size'])} values "
+        f"(ratio {data['ratio']}) on {data.get('backend', '?')}: median of {data['reps']} runs, "
+        "and the same time in copies of the array."
+    )
+    table = _markdown((["method", "median ms", "in copies"], body))
+    return f"{head}\n\n{table}\n\n" + _source(path, data, "python benchmarks/topk_speed.py")
+
+
+# ------------------------------------------------------------- powersgd_convergence
+
+
+def _powersgd(data: dict[str, Any], path: pathlib.Path) -> str:
+    body = [
+        [
+            r["optimizer"],
+            str(r["steps"]),
+            r["compression"] if r["rank"] is None else f"{r['compression']} r={r['rank']}",
+            _fmt(r["eval_loss"], 4),
+            f"{r['eval_loss_ratio_to_none']:.3f}",
+            f"{r['bytes_saving']:.1f}x",
+            _bytes(r["gradient_bytes_per_device_per_step"]),
+        ]
+        for r in data["runs"]
+    ]
+    head = f"{data['model']}; {data['data']}; {data['batch']}; {data['devices']} devices."
+    header = ["optimizer", "steps", "compression", "eval loss", "vs none", "saving", "bytes/step"]
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "python benchmarks/powersgd_convergence.py"
+    )
+
+
+# ----------------------------------------------------------------------- codec_speed
+
+
+def _codec_speed(data: dict[str, Any], path: pathlib.Path) -> str:
+    rows = data["rows"]
+    sizes = sorted({r["size"] for r in rows})
+    cell = {(r["codec"], r["size"]): r for r in rows}
+    body = []
+    for codec in dict.fromkeys(r["codec"] for r in rows):
+        ratio = next(r["compression"] for r in rows if r["codec"] == codec)
+        times = [cell.get((codec, s)) for s in sizes]
+        body.append(
+            [f"`{codec}`", f"{ratio:.1f}x"] + [f"{t['in_copies']:.1f}" if t else "–" for t in times]
+        )
+    env = data.get("environment", {})
+    head = (
+        "Encode + decode time of one vector, in copies of the same array (same run, "
+        f"median of {data.get('reps', '?')}), on {env.get('backend', '?')} "
+        f"({env.get('cpu_cores', '?')} cores), and the codec's compression of float32."
+    )
+    header = ["codec", "compression", *(f"d = {_fmt(s)}" for s in sizes)]
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "python benchmarks/codec_speed.py"
+    )
+
+
+# --------------------------------------------------------------------------- network
+
+
+def _network(data: dict[str, Any], path: pathlib.Path) -> str:
+    rows = data["rows"]
+    has_step = any("step_ms" in r for r in rows)
+    header = ["rate", "n", "codec", "strategy", "saving", "all-reduce ms", "speedup"]
+    header += ["codec ms", "link ms"] + (["step ms", "step speedup"] if has_step else [])
+    body = []
+    for r in rows:
+        codec_ms = r.get("encode_ms", 0.0) + r.get("decode_ms", 0.0)
+        row = [
+            str(r.get("rate", "?")),
+            str(r.get("devices", "?")),
+            f"`{r['codec']}`",
+            str(r.get("strategy", "-")),
+            f"{r.get('bytes_saving', 1.0):.1f}x",
+            _fmt(r["allreduce_ms"], 4),
+            f"{r.get('allreduce_speedup', 1.0):.2f}x",
+            _fmt(codec_ms, 3) if codec_ms else "–",
+            _fmt(r.get("link_ms"), 4),
+        ]
+        if has_step:
+            row += [_fmt(r.get("step_ms"), 4), _fmt(r.get("step_speedup"), 3)]
+        body.append(row)
+    head = (
+        f"{data.get('num_processes', '?')} JAX processes over gloo on a loopback shaped with "
+        f"`tc ... tbf rate RATE {data.get('tbf', '')}`; all-reduce of a float32 gradient, "
+        "median time; speedup = plain `pmean` time / codec time (below 1: slower); codec ms = "
+        "encode + decode on one device; link ms = the time the bytes need at the shaped rate."
+    )
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "sudo python benchmarks/network.py"
+    )
+
+
+# ---------------------------------------------------------------------- any other
+
+
+def _record_lists(data: Any, path: str = "") -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every list of dicts in ``data`` (nested dicts searched), with where it was found."""
+    if isinstance(data, list):
+        if data and all(isinstance(r, dict) for r in data):
+            return [(path, data)]
+        return []
+    if isinstance(data, dict):
+        found = []
+        for key, value in data.items():
+            if key not in ("environment", "env", "curve"):
+                found += _record_lists(value, f"{path}.{key}" if path else key)
+        return found
+    return []
+
+
+def _records_table(records: list[dict[str, Any]]) -> str:
+    keys = [
+        k
+        for k in dict.fromkeys(k for r in records for k in r)
+        if all(not isinstance(r.get(k), dict | list) for r in records)
+    ]
+    body = [[_fmt(r.get(k)) for k in keys] for r in records[:MAX_GENERIC_ROWS]]
+    more = ""
+    if len(records) > MAX_GENERIC_ROWS:
+        more = f"\n\n(first {MAX_GENERIC_ROWS} of {len(records)} rows)"
+    return _markdown((keys, body)) + more
+
+
+def _generic(data: Any, path: pathlib.Path) -> str:
+    lists = _record_lists(data)
+    if lists:
+        parts = [
+            (f"`{where}`:\n\n" if len(lists) > 1 else "") + _records_table(records)
+            for where, records in lists
+        ]
+        text = "\n\n".join(parts)
+    else:
+        scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list)}
+        text = _markdown((["key", "value"], [[k, _fmt(v)] for k, v in scalars.items()]))
+    command = f"python benchmarks/{path.stem.removesuffix('_quick')}.py"
+    return f"{text}\n\n" + _source(path, data, command)
+
+
+RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "wire_bytes": (_wire_bytes, "python benchmarks/wire_bytes.py"),
+    "sparse_wire_bytes": (_sparse_wire_bytes, "python benchmarks/topk_speed.py"),
+    "topk_speed": (_topk_speed, "python benchmarks/topk_speed.py"),
+    "codec_speed": (_codec_speed, "python benchmarks/codec_speed.py"),
+    "network": (_network, "sudo python benchmarks/network.py"),
+    "powersgd_convergence": (_powersgd, "python benchmarks/powersgd_convergence.py"),
+}
+
+
+def render(name: str) -> str:
+    """Markdown for the marker ``name`` (a note when the result does not exist yet)."""
+    renderer, command = RENDERERS.get(name, (_generic, f"python benchmarks/{name}.py"))
+    loaded = _load(name)
+    if loaded is None:
+        return f"!!! note\n    No `benchmarks/results/{name}.json` yet: `{command}` writes it."
+    data, path = loaded
+    try:
+        return renderer(data, path)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # format changed
+        return _generic(data, path) + f"\n\n(rendered generically: {type(e).__name__} {e})"
+
+
+def render_others(named: set[str]) -> str:
+    stems = sorted({p.stem.removesuffix("_quick") for p in RESULTS.glob("*.json")} - named)
+    if not stems:
+        return "No other result files yet."
+    return "\n\n".join(f"### `{s}`\n\n{render(s)}" for s in stems)
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    named = set(MARKER.findall(markdown)) - {"others"}
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        return render_others(named) if name == "others" else render(name)
+
+    return MARKER.sub(replace, markdown)

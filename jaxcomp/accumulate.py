@@ -1,0 +1,146 @@
+"""Gradient accumulation that communicates only on the step that applies.
+
+Accumulating ``k`` micro-batches before an update is how large batches fit in memory. With
+a communicating transform inside (``jc.compressed_allreduce``, ``jc.dgc``, ``jc.powersgd``)
+the all-reduce must run once per *update*, not once per micro-batch, or accumulation saves
+no bandwidth at all. :func:`accumulate` does that with ``lax.cond``::
+
+    tx = jc.accumulate(
+        optax.chain(jc.compressed_allreduce(jc.sign(), "data"), optax.adamw(1e-3)),
+        every_k=4,
+    )
+
+On mini-steps ``0 .. k-2`` each device only adds its gradient to a local accumulator and
+returns zero updates: the branch holds no collective. On mini-step ``k-1`` the inner
+transform gets ``(1/k) sum_j g_j`` (or the sum) and runs its all-reduce once.
+
+Why not ``optax.MultiSteps``? In optax 0.2.8 its ``update`` calls the inner ``update`` on
+*every* mini-step (with the running mean) and keeps its result with
+``jnp.where(mini_step == k - 1, new, old)``; its only ``lax.cond`` chooses between that and
+``should_skip_update_fn``'s skip branch. Under ``shard_map``/``pmap`` the inner collectives
+therefore run on every mini-step: ``k`` times the traffic, all of it thrown away but one.
+(Collectives inside ``lax.cond`` are fine as long as every device takes the same branch,
+which holds here: the predicate comes from the replicated step counter.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp.codecs.base import check_int
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    mini_step: jax.Array  # int32[], identical on every device: micro-batches since the last apply
+    acc: Any  # per device: tree like the params, each leaf f32[size] (raveled), local gradient sum
+    inner_state: Any  # the wrapped transform's state
+
+    PER_DEVICE_FIELDS = ("acc",)
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _varying_axes(aval: Any) -> frozenset:
+    """The mesh axes along which a value differs per device (empty outside shard_map)."""
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _match_varying(tree: Any, like: Any) -> Any:
+    """``pcast`` leaves of ``tree`` to varying where ``like``'s are, so ``cond`` branches agree.
+
+    Under ``shard_map`` both branches of a ``cond`` must return the same per-device-ness
+    (vma); the branch that only holds must look like the branch that communicates.
+    """
+
+    def cast(x, s):
+        missing = _varying_axes(s) - _varying_axes(jax.typeof(x))
+        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree.map(cast, tree, like)
+
+
+def accumulate(
+    tx: optax.GradientTransformation, every_k: int, *, use_grad_mean: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    r"""Apply ``tx`` once every ``every_k`` calls, to the accumulated gradient; no traffic between.
+
+    With ``g_1 .. g_k`` the per-device gradients of ``k`` consecutive calls, the ``k``-th call
+    returns ``tx.update(G)`` with ``G = (1/k) sum_j g_j`` (``use_grad_mean``, the gradient of
+    the ``k``-times larger batch) or ``sum_j g_j``; the other calls return zero updates and
+    leave ``tx``'s state untouched. The inner update sits in the true branch of a
+    ``lax.cond``, so its collectives run only on the applying call: the wire traffic per
+    sample falls by ``k``. Accumulation is local to each device (the sum is per device; the
+    inner transform averages over devices), so the accumulator is per-device state.
+
+    A non-finite gradient is not hidden: it reaches the inner transform on the applying call
+    (``jc.compressed_allreduce`` then returns NaN and keeps its memory, so
+    ``optax.apply_if_finite`` after it skips the update) and the accumulator restarts at zero.
+
+    Unlike ``optax.MultiSteps`` (see the module docstring), which runs the inner update,
+    collectives included, on every mini-step.
+
+    Args:
+      tx: the transform to apply every ``every_k`` calls, e.g. a chain starting with
+        ``jc.compressed_allreduce``.
+      every_k: number of calls (micro-batches) per update; static, >= 1.
+      use_grad_mean: average the accumulated gradients (default) or sum them.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` with :class:`AccumulateState`.
+    """
+    every_k = check_int("every_k", every_k, 1)
+    if not isinstance(use_grad_mean, bool):
+        raise TypeError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}")
+    inner = optax.with_extra_args_support(tx)
+
+    def init_fn(params):
+        acc = jax.tree.map(
+            lambda p: jnp.zeros((jnp.size(p) if _is_float(p) else 0,), jnp.float32), params
+        )
+        return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        acc = jax.tree.map(
+            lambda a, g: a + jnp.ravel(g).astype(jnp.float32) if _is_float(g) else a,
+            state.acc,
+            updates,
+        )
+
+        def apply(acc, inner_state):
+            scale = 1.0 / every_k if use_grad_mean else 1.0
+            total = jax.tree.map(
+                lambda a, g: (
+                    (a * scale).reshape(jnp.shape(g)).astype(jnp.result_type(g))
+                    if _is_float(g)
+                    else g
+                ),
+                acc,
+                updates,
+            )
+            out, inner_state = inner.update(total, inner_state, params, **extra_args)
+            return out, jax.tree.map(jnp.zeros_like, acc), inner_state
+
+        def hold(acc, inner_state):
+            out, new_state = jax.eval_shape(
+                lambda s: inner.update(updates, s, params, **extra_args), inner_state
+            )
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
+            return _match_varying(zeros, out), acc, _match_varying(inner_state, new_state)
+
+        applying = state.mini_step == every_k - 1
+        out, acc, inner_state = jax.lax.cond(applying, apply, hold, acc, state.inner_state)
+        mini_step = jnp.where(applying, 0, state.mini_step + 1).astype(jnp.int32)
+        return out, AccumulateState(mini_step, acc, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

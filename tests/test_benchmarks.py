@@ -1,0 +1,123 @@
+"""Smoke runs of the benchmarks (``--quick``, narrowed further where noted) in subprocesses.
+
+Each writes JSON into a temporary folder (``JAXCOMP_BENCH_RESULTS``) and the test asserts on
+its numbers: ratios present and positive, bytes equal to the model, speedups finite.
+Subprocesses, because each benchmark sets its own device count before jax starts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def run_bench(script: str, *args: str, out: pathlib.Path, timeout: float = 300) -> str:
+    env = {**os.environ, "JAXCOMP_BENCH_RESULTS": str(out), "XLA_FLAGS": ""}
+    env.pop("JAX_PLATFORMS", None)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def load(out: pathlib.Path, name: str) -> dict:
+    return json.loads((out / name).read_text())
+
+
+@pytest.mark.slow
+def test_wire_bytes_quick_matches_model(tmp_path):
+    # --quick narrowed to two codecs at n = 4 to stay inside the test budget.
+    run_bench(
+        "wire_bytes.py", "--quick", "--codecs", "sign", "int8", "--devices", "4", out=tmp_path
+    )
+    data = load(tmp_path, "wire_bytes_quick.json")
+    rows = data["rows"]
+    assert {r["codec"] for r in rows} == {"pmean", "sign", "int8"}
+    assert (tmp_path / "wire_bytes_quick.png").stat().st_size > 0
+    for r in rows:
+        assert r["bytes_per_device"] > 0
+        assert r["model_bytes_per_device"] == pytest.approx(r["bytes_per_device"], rel=1e-9)
+    pmean = next(r for r in rows if r["codec"] == "pmean")
+    assert pmean["bytes_per_device"] == pytest.approx(2 * 3 / 4 * 4 * pmean["params"], rel=1e-9)
+    saving = {(r["codec"], r["strategy"]): r["saving"] for r in rows}
+    assert saving[("sign", "two_phase")] > 25  # 1 bit + one scale per leaf: ~31x
+    assert 3.5 < saving[("int8", "two_phase")] < 4.0
+    assert saving[("int8", "allgather")] < saving[("int8", "two_phase")]  # all-gather grows with n
+    assert saving[("sign", "auto")] == max(v for (c, _), v in saving.items() if c == "sign")
+
+
+@pytest.mark.slow
+def test_codec_speed_and_alpha_beta_quick(tmp_path):
+    run_bench("codec_speed.py", "--quick", "--sizes", "1048576", "--reps", "3", out=tmp_path)
+    speed = load(tmp_path, "codec_speed_quick.json")
+    assert speed["environment"]["backend"] in ("cpu", "gpu", "tpu")
+    assert speed["environment"]["device"]
+    names = {r["codec"] for r in speed["rows"]}
+    assert {"sign", "int8"} <= names
+    for r in speed["rows"]:
+        assert r["copy_ms"] > 0 and r["encode_ms"] > 0 and r["decode_ms"] > 0
+        assert math.isfinite(r["in_copies"]) and r["in_copies"] > 0
+        assert r["compression"] == pytest.approx(4 * r["size"] / r["payload_bytes"])
+
+    run_bench("alpha_beta.py", "--quick", out=tmp_path)
+    model = load(tmp_path, "alpha_beta_quick.json")
+    assert model["codec_cost_source"].startswith("codec_speed_quick.json")
+    rows = model["rows"]
+    for r in rows:
+        assert r["step_s"] > 0 and r["speedup"] > 0
+    pmean = [r for r in rows if r["codec"] == "pmean"]
+    assert all(r["speedup"] == pytest.approx(1.0) for r in pmean)
+    # More bandwidth never makes compression pay more (same n, same codec).
+    sign = {(r["bandwidth"], r["devices"]): r["speedup"] for r in rows if r["codec"] == "sign"}
+    assert all(sign[("1 Gbit/s", n)] >= sign[("100 Gbit/s", n)] for n in (8, 64, 1024))
+
+
+@pytest.mark.slow
+def test_network_quick(tmp_path):
+    stdout = run_bench("network.py", "--quick", "--size", "1048576", "--reps", "2", out=tmp_path)
+    if "skipped" in stdout:
+        pytest.skip(stdout.strip())
+    assert shutil.which("ip") is not None
+    rows = load(tmp_path, "network_quick.json")["rows"]
+    assert [r["codec"] for r in rows] == ["pmean", "sign"]
+    pmean, sign = rows
+    assert pmean["bytes_per_device"] == pytest.approx(4 * 1048576)  # 2 processes: 2(n-1)/n = 1
+    assert pmean["bytes_per_device"] / sign["bytes_per_device"] > 30
+    for r in rows:
+        assert r["allreduce_ms"] > 0 and r["link_ms"] > 0 and r["allreduce_speedup"] > 0
+    # The shaped link holds: plain pmean cannot beat the rate limit by much (burst, timing).
+    assert pmean["efficiency"] < 1.3
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "jaxcomp-bench-" not in out  # the namespace is gone
+
+
+@pytest.mark.slow
+def test_convergence_quick(tmp_path):
+    run_bench("convergence.py", "--quick", "--steps", "30", out=tmp_path)
+    data = load(tmp_path, "convergence_quick.json")
+    assert data["complete"]
+    runs = {r["method"]: r for r in data["runs"]}
+    assert set(runs) == {"none", "sign", "int8"}
+    assert runs["none"]["compression"] == pytest.approx(1.0)
+    assert runs["sign"]["compression"] > 10 and runs["int8"]["compression"] > 2.5
+    for r in runs.values():
+        assert len(r["curve"]) == 30 and all(math.isfinite(v) for v in r["curve"])
+        assert r["curve"][-1] < r["curve"][0]  # it learns
+        assert 0.5 < r["value"] <= 1.0  # digits test accuracy after 30 steps
+    assert (tmp_path / "convergence_digits_quick.png").stat().st_size > 0

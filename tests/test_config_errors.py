@@ -1,0 +1,283 @@
+"""Bad configuration gets a clear error that names the argument; huge leaves never overflow.
+
+``CHECKS`` is the table of every argument check of the public factories and functions; each
+row must raise its ValueError/TypeError with the argument's name in the message, and
+``docs/errors.md`` must list it (the documentation and the code cannot drift apart).
+Trace-time errors (an axis name that is not bound, a state that does not match the gradient
+tree, a mask of the wrong structure) are checked with ``jax.eval_shape``: nothing compiles.
+Leaves above 2^31 - 1 elements (where int32 indices and offsets overflow): a codec refuses
+them with a clear error, ``jc.pmean`` and the transforms split them; checked on
+``ShapeDtypeStruct``s, so nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp import launch
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+S = jc.sign()
+
+# (function, argument, call with a bad value, exception). One row per rule.
+CHECKS = [
+    ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
+    ("int_quant", "bits", lambda: jc.int_quant(0), ValueError),
+    ("int_quant", "bits", lambda: jc.int_quant(9), ValueError),
+    ("int_quant", "bits", lambda: jc.int_quant(4.0), TypeError),
+    ("int_quant", "block_size", lambda: jc.int_quant(8, block_size=0), ValueError),
+    ("int_quant", "stochastic", lambda: jc.int_quant(8, stochastic=1), TypeError),
+    ("qsgd", "levels", lambda: jc.qsgd(0), ValueError),
+    ("qsgd", "levels", lambda: jc.qsgd(128), ValueError),
+    ("qsgd", "bucket_size", lambda: jc.qsgd(16, bucket_size=0), ValueError),
+    ("terngrad", "block_size", lambda: jc.terngrad(block_size=0), ValueError),
+    ("sign", "scale", lambda: jc.sign("max"), ValueError),
+    ("sign", "block_size", lambda: jc.sign(block_size=0), ValueError),
+    ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(0.0), ValueError),
+    ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(float("nan")), ValueError),
+    ("threshold_2bit", "threshold", lambda: jc.threshold_2bit("0.5"), TypeError),
+    ("top_k", "ratio", lambda: jc.top_k(0.0), ValueError),
+    ("top_k", "ratio", lambda: jc.top_k(1.5), ValueError),
+    ("top_k", "ratio", lambda: jc.top_k("1%"), TypeError),
+    ("top_k", "approx", lambda: jc.top_k(0.01, approx=1), TypeError),
+    ("top_k", "approx", lambda: jc.top_k(0.01, approx="fastest"), ValueError),
+    ("top_k", "values", lambda: jc.top_k(0.01, values="int4"), ValueError),
+    ("random_k", "ratio", lambda: jc.random_k(0.0), ValueError),
+    ("random_k", "values", lambda: jc.random_k(0.01, values="f32"), ValueError),
+    ("threshold", "tau", lambda: jc.threshold(0.0, 10), ValueError),
+    ("threshold", "capacity", lambda: jc.threshold(0.1, 0), ValueError),
+    ("threshold", "capacity", lambda: jc.threshold(0.1, 2.5), TypeError),
+    ("get_codec", "name", lambda: jc.get_codec("int7"), ValueError),
+    ("compressed_allreduce", "codec", lambda: jc.compressed_allreduce("sign", "data"), TypeError),
+    ("compressed_allreduce", "strategy", lambda: jc.compressed_allreduce(S, "d", strategy="ring"),
+     ValueError),
+    ("compressed_allreduce", "strategy",
+     lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="allreduce"), ValueError),
+    ("compressed_allreduce", "strategy",
+     lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="majority_vote"), ValueError),
+    ("compressed_allreduce", "error_feedback",
+     lambda: jc.compressed_allreduce(S, "d", error_feedback="ef22"), ValueError),
+    ("compressed_allreduce", "granularity",
+     lambda: jc.compressed_allreduce(S, "d", granularity="layer"), ValueError),
+    ("compressed_allreduce", "min_size", lambda: jc.compressed_allreduce(S, "d", min_size=-1),
+     ValueError),
+    ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=1.5), TypeError),
+    ("compressed_allreduce", "server_feedback",
+     lambda: jc.compressed_allreduce(S, "d", server_feedback="yes"), TypeError),
+    ("dgc", "ratio", lambda: jc.dgc(0.0, "d"), ValueError),
+    ("dgc", "axis_name", lambda: jc.dgc(0.01), ValueError),
+    ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=1.0), ValueError),
+    ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum="0.9"), TypeError),
+    ("dgc", "nesterov", lambda: jc.dgc(0.01, "d", nesterov=1), TypeError),
+    ("dgc", "momentum_masking", lambda: jc.dgc(0.01, "d", momentum_masking=None), TypeError),
+    ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm=0.0), ValueError),
+    ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm="1"), TypeError),
+    ("dgc", "warmup_steps", lambda: jc.dgc(0.01, "d", warmup_steps=-1), ValueError),
+    ("dgc", "warmup_schedule", lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=()),
+     ValueError),
+    ("dgc", "warmup_schedule", lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=(1.0,)),
+     ValueError),
+    ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=-1), ValueError),
+    ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="allreduce"), ValueError),
+    ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="ring"), ValueError),
+    ("dgc", "seed", lambda: jc.dgc(0.01, "d", seed=-1), ValueError),
+    ("powersgd", "rank", lambda: jc.powersgd(0, "d"), ValueError),
+    ("powersgd", "rank", lambda: jc.powersgd(2.0, "d"), TypeError),
+    ("powersgd", "start_step", lambda: jc.powersgd(2, "d", start_step=-1), ValueError),
+    ("powersgd", "min_size", lambda: jc.powersgd(2, "d", min_size=-1), ValueError),
+    ("powersgd", "seed", lambda: jc.powersgd(2, "d", seed=-1), ValueError),
+    ("powersgd", "min_compression_rate", lambda: jc.powersgd(2, "d", min_compression_rate=-1),
+     ValueError),
+    ("powersgd", "orthogonalization_epsilon",
+     lambda: jc.powersgd(2, "d", orthogonalization_epsilon=1.0), ValueError),
+    ("powersgd", "warm_start", lambda: jc.powersgd(2, "d", warm_start="no"), TypeError),
+    ("powersgd", "error_feedback", lambda: jc.powersgd(2, "d", error_feedback="no"), TypeError),
+    ("powersgd", "batch_same_shape", lambda: jc.powersgd(2, "d", batch_same_shape=None),
+     TypeError),
+    ("choose_strategy", "strategy", lambda: jc.choose_strategy(S, 10, 8, "ring"), ValueError),
+    ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
+    ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
+    ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
+]
+
+# Checks at trace time, inside shard_map over axis "data" (8 devices): pmean/psum arguments.
+X = {"w": jax.ShapeDtypeStruct((8, 100), jnp.float32)}
+TRACE_CHECKS = [
+    ("pmean", "codec", lambda x: jc.pmean(x, "data", "int8"), TypeError),
+    ("pmean", "strategy", lambda x: jc.pmean(x, "data", S, strategy="ring"), ValueError),
+    ("pmean", "granularity", lambda x: jc.pmean(x, "data", S, granularity="layer"), ValueError),
+    ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=-1), ValueError),
+    ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
+    ("pmean", "axis_name", lambda x: jc.pmean(x, "model", S), ValueError),
+    ("pmean", "inner_axis_name", lambda x: jc.pmean(x, "data", S, inner_axis_name="data"),
+     ValueError),
+    ("psum", "axis_name", lambda x: jc.psum(x, "model", S), ValueError),
+    ("psum", "strategy", lambda x: jc.psum(x, "data", jc.top_k(0.1), strategy="allreduce"),
+     ValueError),
+]
+
+
+def _id(row):
+    return f"{row[0]}-{row[1]}"
+
+
+@pytest.mark.parametrize("row", CHECKS, ids=[_id(r) for r in CHECKS])
+def test_argument_check_raises_naming_the_argument(row):
+    _, arg, call, exc = row
+    with pytest.raises(exc) as info:
+        call()
+    assert type(info.value) is exc
+    assert re.search(rf"\b{arg}\b", str(info.value)), str(info.value)
+
+
+def in_shard_map(fn, tree=X, state=None, specs=None):
+    """eval_shape of fn under shard_map over 8 devices: traces (and raises), never compiles.
+
+    ``tree`` is stacked per device (leading axis 8); ``state`` (abstract, global shapes) is
+    passed in with ``specs`` and given to ``fn`` as a second argument.
+    """
+    m = mesh()
+
+    def body(t, s):
+        t = jax.tree.map(lambda a: a[0], t)
+        return fn(t) if state is None else fn(t, s)
+
+    f = jax.shard_map(body, mesh=m, in_specs=(P("data"), specs if state is not None else P()),
+                      out_specs=P())
+    sharded = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, P("data"))), tree
+    )
+    return jax.eval_shape(f, sharded, state if state is not None else jnp.zeros(()))
+
+
+def abstract_state(tx, params):
+    """Global abstract state of tx under shard_map over 8 devices, and its specs."""
+    m = mesh()
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), params)
+    return state, jc.state_specs(state, "data")
+
+
+@pytest.mark.parametrize("row", TRACE_CHECKS, ids=[_id(r) for r in TRACE_CHECKS])
+def test_trace_time_check_raises_naming_the_argument(row):
+    _, arg, fn, exc = row
+    with pytest.raises(exc) as info:
+        in_shard_map(fn)
+    assert type(info.value) is exc
+    assert re.search(rf"\b{arg}\b", str(info.value)), str(info.value)
+
+
+def test_docs_table_lists_every_check():
+    text = DOC.read_text()
+    rows = {
+        tuple(c.strip(" `") for c in line.strip().strip("|").split("|")[:2])
+        for line in text.splitlines()
+        if line.startswith("|")
+    }
+    for function, arg, *_ in CHECKS + TRACE_CHECKS:
+        assert (function, arg) in rows, f"docs/errors.md lacks a row for {function}({arg}=...)"
+
+
+# --------------------------------------------------------------------------- trace-time checks
+
+
+def _transforms():
+    return {
+        "compressed_allreduce": jc.compressed_allreduce(S, "data", min_size=16),
+        "dgc": jc.dgc(0.1, "data", min_size=16),
+        "powersgd": jc.powersgd(2, "data", min_size=16),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_unbound_axis_says_so(name):
+    tx = _transforms()[name]
+    params = {"w": jnp.zeros((16, 32))}
+    state = tx.init(params)
+    # Outside any shard_map ...
+    with pytest.raises(ValueError, match=r"`axis_name` 'data' is not bound"):
+        jax.eval_shape(tx.update, params, state)
+    # ... and inside one over another axis name.
+    m = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = jax.shard_map(lambda g: tx.update(g, state)[0], mesh=m, in_specs=P(), out_specs=P())
+    with pytest.raises(ValueError, match=r"not bound"):
+        jax.eval_shape(f, params)
+
+
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_state_for_other_params_says_so(name):
+    tx = _transforms()[name]
+    state = tx.init({"w": jnp.zeros((16, 32))})
+    grads = {"w": jax.ShapeDtypeStruct((8, 24, 32), jnp.float32)}
+    with pytest.raises(ValueError, match=r"initialized for other params"):
+        in_shard_map(lambda g: tx.update(g, state)[0], grads)
+
+
+@pytest.mark.parametrize("name", ["compressed_allreduce", "powersgd"])
+def test_mask_of_wrong_structure_says_so(name):
+    make = {"compressed_allreduce": jc.compressed_allreduce, "powersgd": jc.powersgd}[name]
+    first = S if name == "compressed_allreduce" else 2
+    tx = make(first, "data", mask={"w": True, "extra": False})
+    with pytest.raises(ValueError, match=r"`mask` must have the structure"):
+        tx.init({"w": jnp.zeros((16, 32))})
+
+
+# --------------------------------------------------------------------------- huge leaves
+
+BIG = 2**31 + 5  # elements: one more than int32 can index, plus a few
+
+
+def _sds(n, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct((n,), dtype)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [jc.top_k(1e-6), jc.random_k(1e-6), jc.threshold(0.1, 64), jc.int_quant(8), jc.sign(),
+     jc.qsgd(), jc.natural()],
+    ids=str,
+)
+def test_codec_refuses_more_than_int32_elements(codec):
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match=r"more than 2\*\*31 - 1"):
+        jax.eval_shape(codec.encode, _sds(BIG), key)
+    # The largest allowed size traces, and its indices are int32 (no silent truncation).
+    payload = jax.eval_shape(codec.encode, _sds(2**31 - 1), key)
+    assert all(a.dtype != jnp.int64 for a in jax.tree.leaves(payload))
+
+
+def test_pmean_and_transforms_split_huge_leaves():
+    """A bf16 leaf of 2^31 + 5 elements per device: split in 2 pieces, shapes preserved."""
+    big = {"w": jax.ShapeDtypeStruct((8, BIG), jnp.bfloat16)}
+    out = in_shard_map(lambda t: jc.pmean(t, "data", jc.top_k(1e-6), key=jax.random.PRNGKey(0)),
+                       big)
+    assert out["w"].shape == (BIG,) and out["w"].dtype == jnp.bfloat16
+
+    # Two leaves small enough each, but not together (granularity="flat"); and one 2-D leaf
+    # above the limit for DGC (which only sparsifies matrices).
+    rows = 2**29 + 3
+    pair = {"a": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16),
+            "b": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16)}
+    matrix = {"a": jax.ShapeDtypeStruct((8, 2, 2 * rows), jnp.bfloat16)}
+    for tx, tree in (
+        (jc.compressed_allreduce(jc.top_k(1e-6), "data", granularity="flat"), pair),
+        (jc.compressed_allreduce(jc.sign(), "data", granularity="flat", strategy="two_phase"),
+         pair),
+        (jc.dgc(1e-6, "data"), matrix),
+    ):
+        params = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in tree.items()}
+        assert jax.eval_shape(tx.init, params)[0].shape[0] > 2**31 - 1  # d above the limit
+        state, specs = abstract_state(tx, params)
+        out = in_shard_map(lambda g, s, tx=tx: tx.update(g, s)[0], tree, state, specs)
+        assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in params.items()}
+    assert math.prod(big["w"].shape) > 2**32 and np.iinfo(np.int32).max == 2**31 - 1

@@ -1,0 +1,196 @@
+"""Faults: non-finite gradients, a process that dies mid-run, and run-to-run determinism.
+
+* Non-finite policy, every transform (compressed_allreduce with each error-feedback kind and
+  strategy family, DGC, PowerSGD): a NaN or inf in ONE device's gradient makes the output
+  non-finite on EVERY device (never a silently finite wrong update) and leaves the
+  transform's state bit-identical; with ``optax.apply_if_finite`` around the optimizer after
+  it, the run continues and ends bit-identical to a run that never saw the bad steps.
+* Determinism: the same seed gives bit-identical params twice in a row, and again after
+  ``jax.clear_caches()`` (a fresh compile), stochastic codecs included.
+* Process faults: one of 4 gloo processes crashes (``os._exit``) mid-run; the others must
+  fail with a clear error on their own, quickly (no hang), the launcher returns non-zero;
+  restarting all 4 from the last orbax checkpoint ends on the uninterrupted run's params.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import N, mesh, per_device, shard
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp import launch
+
+PARAMS = {"w": jnp.full((16, 64), 0.1), "b": jnp.zeros((64,))}
+BAD_DEVICE = 5
+
+
+def transforms():
+    ca = lambda codec, **kw: jc.compressed_allreduce(codec, "data", min_size=64, **kw)  # noqa: E731
+    return {
+        "sign_residual_two_phase": ca(jc.sign(), error_feedback="residual", strategy="two_phase"),
+        "int4_ef21_allgather": ca(jc.int_quant(4), error_feedback="ef21", strategy="allgather"),
+        "qsgd_none_auto": ca(jc.qsgd(8, bucket_size=128)),
+        "random_k_allreduce": ca(jc.random_k(0.1), strategy="allreduce"),
+        "top_k_residual": ca(jc.top_k(0.05), error_feedback="residual"),
+        "bf16_allreduce_residual": ca(jc.cast("bf16"), error_feedback="residual"),
+        "dgc_two_phase": jc.dgc(0.05, "data", min_size=64, strategy="two_phase"),
+        "powersgd": jc.powersgd(2, "data", start_step=2, min_size=64),
+    }
+
+
+def _varying(x):
+    """``x`` typed as varying over 'data' (adding a varying zero), to return it per device."""
+    return x + (0 * jax.lax.axis_index("data")).astype(x.dtype)
+
+
+def make_run(comp):
+    """(step, init): one jitted step of comp followed by apply_if_finite(momentum SGD)."""
+    opt = optax.apply_if_finite(optax.sgd(0.1, momentum=0.9), max_consecutive_errors=3)
+    m = mesh()
+    cstate = jc.sharded_init(comp, PARAMS, m, "data")
+    cspecs = jc.state_specs(cstate, "data")
+    ostate = jax.tree.map(lambda a: shard(a, m, P()), opt.init(PARAMS))
+    params = jax.tree.map(lambda a: shard(a, m, P()), PARAMS)
+
+    def step(params, cstate, ostate, grads):
+        g = jax.tree.map(lambda a: a[0], grads)
+        out, cstate = comp.update(g, cstate, params)
+        upd, ostate = opt.update(out, ostate, params)
+        seen = jax.tree.map(lambda a: _varying(a)[None], out)  # what each device got
+        return optax.apply_updates(params, upd), cstate, ostate, seen
+
+    fn = per_device(step, (P(), cspecs, P(), P("data")), (P(), cspecs, P(), P("data")), m)
+    return fn, (params, cstate, ostate)
+
+
+def grads(t):
+    key = jax.random.PRNGKey(100 + t)
+    return {
+        "w": jax.random.normal(key, (N, 16, 64)) + 0.2,
+        "b": jax.random.normal(jax.random.fold_in(key, 1), (N, 64)),
+    }
+
+
+def poisoned(t, value):
+    g = grads(t)
+    g["w"] = g["w"].at[BAD_DEVICE, 3, 7].set(value)
+    return g
+
+
+def train(fn, init, bad_after=None, steps=6):
+    params, cstate, ostate = init
+    for t in range(steps):
+        params, cstate, ostate, _ = fn(params, cstate, ostate, shard(grads(t)))
+        if t == bad_after:
+            for value in (jnp.nan, jnp.inf, -jnp.inf):
+                new_params, new_cstate, ostate, seen = fn(
+                    params, cstate, ostate, shard(poisoned(t, value))
+                )
+                per_device_finite = np.isfinite(np.asarray(seen["w"])).reshape(N, -1).all(1)
+                assert not per_device_finite.any(), f"{value}: finite output on some device"
+                jax.tree.map(np.testing.assert_array_equal, new_cstate, cstate)  # state frozen
+                jax.tree.map(np.testing.assert_array_equal, new_params, params)  # step skipped
+    return params
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(transforms()))
+def test_nonfinite_on_one_device_poisons_all_and_apply_if_finite_loses_nothing(name):
+    fn, init = make_run(transforms()[name])
+    with_bad = train(fn, init, bad_after=2)
+    clean = train(fn, init)
+    jax.tree.map(np.testing.assert_array_equal, with_bad, clean)
+    assert all(np.isfinite(np.asarray(v)).all() for v in jax.tree.leaves(clean))
+
+
+def test_same_seed_bit_identical_twice_and_after_recompile():
+    comp = optax.chain(
+        jc.compressed_allreduce(jc.qsgd(8, bucket_size=128), "data", min_size=64, seed=3),
+        jc.compressed_allreduce(jc.int_quant(4, stochastic=True), "data", min_size=64, seed=4),
+    )
+    fn, init = make_run(comp)
+    first, second = train(fn, init, steps=4), train(fn, init, steps=4)
+    jax.clear_caches()
+    fn, init = make_run(comp)
+    third = train(fn, init, steps=4)
+    for other in (second, third):
+        jax.tree.map(np.testing.assert_array_equal, first, other)
+    assert not np.array_equal(np.asarray(first["w"]), np.asarray(PARAMS["w"]))
+
+
+# --------------------------------------------------------------------------- process faults
+
+SCRIPT = Path(__file__).parent / "scripts" / "replica_train.py"
+
+
+class TimedLines(io.TextIOBase):
+    """A stream for ``launch.run(out=...)`` that records when each line arrived."""
+
+    def __init__(self):
+        self.lines: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+
+    def write(self, s):
+        with self._lock:
+            self.lines.extend((time.monotonic(), line) for line in s.splitlines())
+        return len(s)
+
+    def text(self):
+        return "\n".join(line for _, line in self.lines)
+
+    def find(self, pattern):
+        return [(t, line) for t, line in self.lines if re.search(pattern, line)]
+
+
+def launch4(args, timeout=240.0, grace=60.0):
+    out = TimedLines()
+    status = launch.run([str(SCRIPT), *args], 4, timeout=timeout, grace=grace, out=out)
+    return status, out, time.monotonic()
+
+
+def finals(out):
+    digests = {line.split()[0]: line.split()[2] for _, line in out.find(r"^\[\d\] FINAL ")}
+    assert sorted(digests) == [f"[{r}]" for r in range(4)], out.text()[-3000:]
+    assert len(set(digests.values())) == 1, digests
+    return next(iter(digests.values()))
+
+
+@pytest.mark.slow
+def test_killed_process_fails_fast_and_restart_from_checkpoint_matches(tmp_path):
+    common = ["fault", "--family", "sign_ef", "--steps", "30", "--every", "10"]
+    ckpt = str(tmp_path / "ckpt")
+
+    # 1. Rank 2 crashes after step 25 (last checkpoint: step 20).
+    status, out, end = launch4([*common, "--ckpt", ckpt, "--die-rank", "2", "--die-step", "25"])
+    died = out.find(r"^\[2\] DYING at step 25")
+    assert status != 0 and died, out.text()[-3000:]
+    assert not out.find(r"^\[\d\] FINAL "), "a process finished although a peer died"
+    # The survivors notice on their own (gloo sees the closed connection, the coordinator the
+    # missing heartbeats) and exit: the launcher never had to kill anybody.
+    assert not out.find(r"\[launch\] killing"), out.text()[-3000:]
+    assert end - died[0][0] < 60, f"survivors took {end - died[0][0]:.0f} s to exit"
+    for rank in (0, 1, 3):
+        clear = out.find(
+            rf"^\[{rank}\] .*(Connection closed by peer|heartbeat timeout|"
+            r"detected fatal errors|tasks are unhealthy)"
+        )
+        assert clear, f"rank {rank} printed no clear error:\n" + out.text()[-3000:]
+
+    # 2. Restart all 4 from the last checkpoint, 3. an uninterrupted run: same params.
+    status, resumed, _ = launch4([*common, "--ckpt", ckpt, "--resume"])
+    assert status == 0, resumed.text()[-3000:]
+    assert len(resumed.find(r"RESUMED at step 20")) == 4
+    status, clean, _ = launch4([*common, "--ckpt", str(tmp_path / "clean")])
+    assert status == 0, clean.text()[-3000:]
+    assert finals(resumed) == finals(clean)

@@ -1,0 +1,95 @@
+"""Multi-process training over gloo (jaxcomp.launch): every process ends with the same params.
+
+Also the launcher itself: a failing process makes the run fail fast (its status, within the
+grace period, while its peer would sleep for minutes), a hung run is killed at the timeout,
+and bad arguments are a ValueError naming them.
+"""
+
+import io
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxcomp import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_two_processes_end_with_identical_params():
+    out = io.StringIO()
+    status = launch.run(
+        [str(ROOT / "examples" / "multihost.py"), "--steps", "20", "--hidden", "64", "--no-report"],
+        2,
+        local_devices=2,
+        timeout=500,
+        out=out,
+    )
+    text = out.getvalue()
+    assert status == 0, text[-3000:]
+    digests = dict(re.findall(r"^\[(\d)\] params sha256 ([0-9a-f]{64})$", text, re.M))
+    assert sorted(digests) == ["0", "1"], text[-3000:]
+    assert digests["0"] == digests["1"]
+    # 2 processes x 2 devices = one 4-device mesh: the devices of both took part.
+    assert re.search(r"^\[1\] process 1/2: 2 of 4 devices", text, re.M), text[-3000:]
+    accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", text)]
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1] > 50.0
+
+
+def write(tmp_path, body):
+    path = tmp_path / "script.py"
+    path.write_text("import os, sys, time\nrank = int(os.environ['JAXCOMP_PROCESS_ID'])\n" + body)
+    return str(path)
+
+
+def test_failing_process_fails_the_run_fast(tmp_path):
+    script = write(tmp_path, "if rank == 1:\n    sys.exit(3)\ntime.sleep(300)\n")
+    out = io.StringIO()
+    start = time.monotonic()
+    status = launch.run([script], 2, timeout=120, grace=1.0, out=out)
+    assert status == 3
+    assert time.monotonic() - start < 30  # not the peer's 300 s sleep, nor the timeout
+    assert "a peer failed" in out.getvalue()
+
+
+def test_hung_run_is_killed_at_the_timeout(tmp_path):
+    script = write(tmp_path, "print('rank', rank, 'up', flush=True)\ntime.sleep(300)\n")
+    out = io.StringIO()
+    start = time.monotonic()
+    status = launch.run([script], 2, timeout=3.0, out=out)
+    assert status == 124 and time.monotonic() - start < 30
+    assert "[0] rank 0 up" in out.getvalue() and "[1] rank 1 up" in out.getvalue()
+
+
+def test_all_succeed_and_env_is_set(tmp_path):
+    script = write(
+        tmp_path,
+        "print(os.environ['JAXCOMP_NUM_PROCESSES'], os.environ['JAXCOMP_LOCAL_DEVICES'],"
+        " os.environ['JAXCOMP_COORDINATOR'].startswith('127.0.0.1:'), flush=True)\n",
+    )
+    out = io.StringIO()
+    assert launch.run([script], 3, local_devices=2, timeout=60, out=out) == 0
+    assert sorted(re.findall(r"^\[(\d)\] 3 2 True$", out.getvalue(), re.M)) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"num_processes": 2, "local_devices": 0}, "local_devices"),
+        ({"num_processes": 2, "timeout": 0}, "timeout"),
+        ({"num_processes": 2, "grace": -1}, "grace"),
+    ],
+)
+def test_bad_arguments_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch.run([sys.executable, "-c", "pass"], **kwargs)
+
+
+def test_cli_runs_a_script(tmp_path, capsys):
+    script = write(tmp_path, "sys.exit(0 if len(sys.argv) == 2 and sys.argv[1] == 'x' else 5)\n")
+    assert launch.main(["-n", "2", "--timeout", "60", script, "x"]) == 0
+    assert launch.main(["-n", "2", "--timeout", "60", script]) == 5

@@ -1,0 +1,292 @@
+"""Collectives at scale: bytes per device against n, majority vote, hierarchical, sparse two-phase.
+
+Bytes are read from the programs' collectives on meshes of the first n of the 8 CPU devices:
+the logical program (lowered, not compiled: compiling dozens of programs would blow the test
+budget; for these integer/f32 payloads logical and compiled bytes agree, checked once below)
+and ``jc.comm_report`` (compiled). ``benchmarks/scale_bytes.py`` writes the full compiled
+table, n = 2..16.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import N, mesh, per_device, rel_err, shard, stacked_normal
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp.accounting import parse_stablehlo_collectives
+from jaxcomp.codecs.base import ceil_div
+
+D = 1 << 18  # floats per device in the bytes tests (compiled only, never run)
+HOST, LOCAL = "host", "local"
+
+
+def mesh_2d():
+    return jax.make_mesh((2, 4), (HOST, LOCAL), axis_types=(AxisType.Explicit,) * 2)
+
+
+class Logical(list):
+    """The collectives of the lowered program, with the total like a CommReport's."""
+
+    @property
+    def collectives(self):
+        return self
+
+    @property
+    def bytes_per_device(self):
+        return sum(c.bytes_per_device for c in self)
+
+
+def pmean_report(codec, strategy, n, inner=False, compiled=False):
+    """Collectives of one jc.pmean of an f32[D] vector (codec None: plain lax.pmean)."""
+    if inner:
+        m, spec, kw = mesh_2d(), P((HOST, LOCAL)), {"inner_axis_name": LOCAL}
+        axis = HOST
+    else:
+        m, spec, kw, axis = mesh(n), P("data"), {}, "data"
+
+    def f(t):
+        if codec is None:
+            return jax.lax.pmean(t[0], "data")
+        return jc.pmean(t[0], axis, codec, strategy=strategy, **kw)
+
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=spec, out_specs=P()))
+    x = jax.ShapeDtypeStruct((m.size, D), jnp.float32, sharding=NamedSharding(m, spec))
+    if compiled:
+        return jc.comm_report(fn, x)
+    return Logical(parse_stablehlo_collectives(fn.lower(x).as_text(), jax.device_count()))
+
+
+def flag(n):
+    """Bytes of the non-finite flag: one int32 all-reduce."""
+    return 2 * (n - 1) / n * 4
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "sign"])
+def test_two_phase_bytes_stay_flat_in_n_and_allgather_grows(name):
+    codec = jc.get_codec(name)
+    payload = codec.payload_bytes(D)
+    rows = {}
+    for n in (2, 4, 8):
+        two = pmean_report(codec, "two_phase", n).bytes_per_device
+        gathered = pmean_report(codec, "allgather", n).bytes_per_device
+        rows[n] = (two, gathered)
+        model = jc.strategy_bytes(codec, D, n)
+        assert two == pytest.approx(model["two_phase"] + flag(n), rel=0.01)
+        assert two <= 1.3 * 2 * payload, (n, two, payload)
+        assert gathered == pytest.approx((n - 1) * payload, rel=0.01)
+    assert rows[8][1] / rows[2][1] == pytest.approx(7, rel=0.01)  # all-gather: linear in n
+    assert rows[8][0] / rows[2][0] < 2.0  # two-phase: 2(n-1)/n, from 1 to 1.75 payloads
+    print(name, {n: (round(a), round(b)) for n, (a, b) in rows.items()}, "payload", payload)
+
+
+def test_savings_against_pmean_at_8_devices():
+    base = pmean_report(None, None, N).bytes_per_device
+    assert base == pytest.approx(2 * 7 / 8 * 4 * D, rel=0.01)
+    ratio = {
+        "int8": base / pmean_report(jc.int_quant(8), "two_phase", N).bytes_per_device,
+        "sign": base / pmean_report(jc.sign(), "two_phase", N).bytes_per_device,
+        "vote": base / pmean_report(jc.sign(None), "majority_vote", N).bytes_per_device,
+        "top1%": base / pmean_report(jc.top_k(0.01), "two_phase", N).bytes_per_device,
+        "top1%_allgather": base / pmean_report(jc.top_k(0.01), "allgather", N).bytes_per_device,
+    }
+    print("savings vs pmean at 8 devices:", ratio)
+    compiled = pmean_report(jc.int_quant(8), "two_phase", N, compiled=True)
+    assert compiled.bytes_per_device == pytest.approx(base / ratio["int8"], rel=1e-6)
+    assert ratio["int8"] >= 3.5 and ratio["sign"] >= 20 and ratio["vote"] >= 20
+    assert ratio["top1%"] > 1.5 * ratio["top1%_allgather"]  # gTop-k: sparse stops growing with n
+
+
+# --------------------------------------------------------------------------- majority vote
+
+
+def expected_vote(x: np.ndarray) -> np.ndarray:
+    """sign of sum_i sign(x_i) (0 counts as +), a tie going to the chunk owner's own sign."""
+    n, d = x.shape
+    negative = x < 0
+    m = negative.sum(0)
+    words = ceil_div(d, 32)
+    owner = (np.arange(d) // 32) // ceil_div(words, n)
+    own = negative[owner, np.arange(d)]
+    return np.where((2 * m > n) | ((2 * m == n) & own), -1.0, 1.0)
+
+
+@pytest.mark.parametrize("codec", [jc.sign(None), jc.sign("mean", block_size=100)])
+def test_majority_vote_is_the_sign_of_the_integer_vote(codec):
+    # Few distinct values so ties (4 against 4) happen often.
+    x = np.asarray(jnp.round(stacked_normal(7, (1000,), offset=0.1)))
+    f = per_device(
+        lambda t: jc.pmean(t[0], "data", codec, strategy="majority_vote"), P("data"), P()
+    )
+    out = np.asarray(f(shard(jnp.asarray(x))))
+    vote = expected_vote(x)
+    if codec.scale is None:
+        np.testing.assert_array_equal(out, vote)
+    else:  # scaled by the mean over devices of each device's block mean |x|
+        blocks = np.abs(x).reshape(N, 10, 100).mean(2).mean(0)
+        np.testing.assert_allclose(out, vote * np.repeat(blocks, 100), rtol=1e-6)
+
+
+def test_majority_vote_zero_nonfinite_and_bad_codecs():
+    f = per_device(
+        lambda t: jc.pmean(t[0], "data", jc.sign(None), strategy="majority_vote"), P("data"), P()
+    )
+    np.testing.assert_array_equal(f(shard(jnp.zeros((N, 70)))), 0.0)
+    out = f(shard(stacked_normal(1, (70,)).at[2, 5].set(jnp.nan)))
+    assert not bool(jnp.all(jnp.isfinite(out)))
+    for codec in (jc.int_quant(1), jc.top_k(0.1), jc.identity()):
+        with pytest.raises(ValueError, match="majority_vote.*sign codec"):
+            jc.pmean(jnp.ones(8), "data", codec, strategy="majority_vote")
+        with pytest.raises(ValueError, match="majority_vote.*sign codec"):
+            jc.compressed_allreduce(codec, "data", strategy="majority_vote")
+    with pytest.raises(ValueError, match="ef21"):
+        jc.compressed_allreduce(jc.sign(), "data", strategy="majority_vote", error_feedback="ef21")
+    assert jc.choose_strategy(jc.sign(None), D, 8) == "two_phase"  # auto never votes
+
+
+# --------------------------------------------------------------------------- sparse two-phase
+
+
+@pytest.mark.slow
+def test_sparse_two_phase_conserves_mass_with_both_residuals():
+    params = {"w": jnp.zeros((40, 50))}
+    tx = jc.compressed_allreduce(jc.top_k(0.05), "data", strategy="two_phase", min_size=1)
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+    step = per_device(lambda g, s: tx.update({"w": g[0]}, s), (P("data"), specs), (P(), specs))
+    fed = applied = 0.0
+    for t in range(3):
+        g = stacked_normal(t, (40, 50), offset=0.3)
+        out, state = step(shard(g), state)
+        fed, applied = fed + g.mean(0), applied + out["w"]
+        assert int(jnp.sum(out["w"] != 0)) <= N * math.ceil(0.05 * 250)  # k per chunk
+    memory = state.memory.reshape(N, -1).mean(0).reshape(40, 50)
+    server = state.server_residual.reshape(N, -1).sum(0).reshape(40, 50)
+    assert float(jnp.abs(server).max()) > 0  # re-sparsification dropped something, kept here
+    np.testing.assert_allclose(applied + memory + server, fed, atol=2e-5)
+
+
+# --------------------------------------------------------------------------- hierarchical
+
+
+def hier_fn(fn, in_specs, out_specs):
+    return per_device(fn, in_specs, out_specs, mesh_2d())
+
+
+@pytest.mark.parametrize(
+    "name,strategy,tol",
+    [("int8", "auto", 0.02), ("sign", "two_phase", 0.5)],
+)
+def test_hierarchical_equals_flat_within_codec_error(name, strategy, tol):
+    codec = jc.get_codec(name)
+    x = stacked_normal(3, (3000,), offset=1.0)
+
+    def both(t):
+        mean = jc.pmean(t[0], HOST, codec, strategy=strategy, inner_axis_name=LOCAL)
+        return mean, jc.psum(t[0], HOST, jc.identity(), inner_axis_name=LOCAL)
+
+    hier, total = hier_fn(both, P((HOST, LOCAL)), (P(), P()))(shard(x, mesh_2d(), P((HOST, LOCAL))))
+    flat = per_device(lambda t: jc.pmean(t[0], "data", codec, strategy=strategy), P("data"), P())(
+        shard(x)
+    )
+    exact = x.mean(0)
+    assert rel_err(hier, exact) <= tol and rel_err(flat, exact) <= tol
+    np.testing.assert_allclose(total, x.sum(0), rtol=1e-4, atol=1e-4)  # psum: n = 8 x mean
+
+
+@pytest.mark.parametrize("name", ["int8", "sign", "signsgd_vote"])
+def test_hierarchical_outer_axis_carries_only_the_payload(name):
+    codec, strategy = (
+        (jc.sign(None), "majority_vote") if name == "signsgd_vote" else (jc.get_codec(name), "auto")
+    )
+    report = pmean_report(codec, strategy, 8, inner=True)
+    outer = [c for c in report.collectives if c.group_size == 2]
+    inner = [c for c in report.collectives if c.group_size == 4]
+    model = jc.hierarchical_bytes(codec, D, 2, 4, strategy)
+    # Outer (slow) axis: the codec's payload of the D/4 chunk, nothing gradient-sized in f32.
+    assert sum(c.bytes_per_device for c in outer) == pytest.approx(model["outer"], rel=1e-6)
+    for c in outer:
+        if "f32" in c.dtypes:
+            assert c.array_bytes <= 0.01 * D, str(report)  # block scales only
+    # Inner (fast) axis: one f32 reduce-scatter and one f32 all-gather of the vector.
+    assert sorted(c.kind for c in inner) == ["all-gather", "reduce-scatter"]
+    assert all(c.dtypes == ("f32",) for c in inner)
+    assert sum(c.bytes_per_device for c in inner) == pytest.approx(model["inner"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_hierarchical_transform_conserves_mass_with_per_device_memory():
+    params = {"w": jnp.zeros((30, 40)), "b": jnp.zeros((40,))}
+    axes = (HOST, LOCAL)
+    tx = jc.compressed_allreduce(
+        jc.sign(), HOST, inner_axis_name=LOCAL, strategy="two_phase", min_size=100
+    )
+    m = mesh_2d()
+    state = jc.sharded_init(tx, params, m, axes)
+    specs = jc.state_specs(state, list(axes))
+    assert specs.memory == P(axes) and state.memory.shape == (N * 1200,)
+    step = hier_fn(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s), (P(axes), specs), (P(), specs)
+    )
+    fed = applied = 0.0
+    for t in range(3):
+        g = {"w": stacked_normal(t, (30, 40), offset=0.3), "b": stacked_normal(t + 50, (40,))}
+        out, state = step(shard(g, m, P(axes)), state)
+        fed, applied = fed + g["w"].mean(0), applied + out["w"]
+        np.testing.assert_allclose(out["b"], g["b"].mean(0), atol=1e-6)  # plain over both axes
+    memory = state.memory.reshape(N, -1).mean(0).reshape(30, 40)
+    server = state.server_residual.reshape(N, -1).sum(0).reshape(30, 40)
+    np.testing.assert_allclose(applied + memory + server, fed, atol=2e-5)
+    assert rel_err(applied, fed) < 0.5
+    with pytest.raises(ValueError, match="inner_axis_name"):
+        hier_fn(
+            lambda t: jc.pmean(t[0], HOST, jc.sign(), inner_axis_name="gpu"),
+            P((HOST, LOCAL)),
+            P(),
+        )(shard(jnp.ones((N, 8)), m, P(axes)))
+
+
+# --------------------------------------------------------------------------- the auto model
+
+
+def test_auto_table_and_server_feedback_switch():
+    d = 1 << 20
+    picks = {
+        (name, n): jc.choose_strategy(jc.get_codec(name), d, n)
+        for name in ("int8", "sign", "fp16")
+        for n in (2, 4, 8, 16, 64)
+    }
+    assert picks[("int8", 2)] == "allgather" and picks[("int8", 8)] == "two_phase"
+    assert all(picks[("fp16", n)] == "allreduce" for n in (2, 4, 8, 16, 64))
+    assert jc.choose_strategy(jc.top_k(0.01), d, 2) == "allgather"
+    assert jc.choose_strategy(jc.top_k(0.01), d, 64) == "two_phase"
+    h = jc.hierarchical_bytes(jc.int_quant(8), d, 2, 4)
+    assert h["strategy"] == "allgather" and h["inner"] == 2 * 3 * 4 * (d // 4)
+    off = jc.compressed_allreduce(jc.sign(), "data", strategy="two_phase", server_feedback=False)
+    assert off.init({"w": jnp.zeros((64, 64))}).server_residual.shape == (0,)
+    with pytest.raises(TypeError, match="server_feedback"):
+        jc.compressed_allreduce(jc.sign(), "data", server_feedback="yes")
+
+
+@pytest.mark.slow
+def test_dgc_and_powersgd_take_an_inner_axis():
+    params = {"w": jnp.zeros((32, 40))}
+    axes = (HOST, LOCAL)
+    m = mesh_2d()
+    g = stacked_normal(11, (32, 40), offset=0.5)
+    for tx in (
+        jc.dgc(1.0, HOST, momentum=0.0, min_size=1, inner_axis_name=LOCAL),
+        jc.powersgd(2, HOST, start_step=1, min_size=1, inner_axis_name=LOCAL),
+    ):
+        state = jc.sharded_init(tx, params, m, axes)
+        specs = jc.state_specs(state, axes)
+        update = lambda g, s, tx=tx: tx.update({"w": g[0]}, s)  # noqa: E731
+        step = hier_fn(update, (P(axes), specs), (P(), specs))
+        out, state = step(shard(g, m, P(axes)), state)  # DGC at ratio 1 / PowerSGD warm-up: exact
+        np.testing.assert_allclose(out["w"], g.mean(0), atol=1e-5)
+        out, state = step(shard(g, m, P(axes)), state)
+        assert bool(jnp.all(jnp.isfinite(out["w"])))

@@ -31,22 +31,32 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
-# The character-transformer configuration: (steps, batch per device, optimizer, peak lr).
+# Variants: label -> (rank or None for plain pmean, extra jc.powersgd options). Every variant
+# uses error feedback and warm start (the defaults). "rank 4, matrices only" keeps the byte
+# embedding, position table and output head uncompressed (char_transformer.matrices_only).
+VARIANTS = {
+    "none": (None, {}),
+    "rank 1": (1, {}),
+    "rank 2": (2, {}),
+    "rank 4": (4, {}),
+    "rank 16": (16, {}),
+    "rank 4, matrices only": (4, {"mask": "matrices_only"}),
+}
 FULL = {
     "steps": 1000,
     "batch_per_device": 2,
     "optimizers": ("adam", "sgd"),
-    "ranks": (1, 2, 4, 16),
+    "variants": ("none", "rank 4", "rank 16", "rank 1", "rank 2", "rank 4, matrices only"),
     "start_step": 10,
     "digits_steps": 200,
 }
 QUICK = {
-    "steps": 30,
+    "steps": 20,
     "batch_per_device": 2,
     "optimizers": ("adam",),
-    "ranks": (4,),
+    "variants": ("none", "rank 4"),
     "start_step": 10,
-    "digits_steps": 60,
+    "digits_steps": 50,
 }
 
 
@@ -67,7 +77,9 @@ def train_digits(
 
     import jaxcomp as jc
 
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
     put = lambda x, spec=P("data"): jax.device_put(x, NamedSharding(mesh, spec))
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
@@ -119,29 +131,33 @@ def _progress(iterable, progress):
     return tqdm(iterable, desc=progress if isinstance(progress, str) else None, leave=False)
 
 
-def char_runs(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """Uncompressed, then PowerSGD at every rank, for every optimizer of ``config``."""
+def char_runs(config: dict[str, Any], save=lambda runs: None) -> list[dict[str, Any]]:
+    """Every variant of ``config`` (the first one is the baseline), for every optimizer.
+    ``save(runs)`` is called after each run, so an interrupted benchmark keeps what it did."""
     import char_transformer
 
     runs = []
     for optimizer in config["optimizers"]:
         base = None
-        for rank in (None, *config["ranks"]):
-            name = "none" if rank is None else "powersgd"
+        for label in config["variants"]:
+            rank, options = VARIANTS[label]
+            options = {"start_step": config["start_step"], **options}
+            if options.get("mask") == "matrices_only":
+                options["mask"] = char_transformer.matrices_only
             r = char_transformer.train(
-                name,
+                "none" if rank is None else "powersgd",
                 config["steps"],
                 rank=rank or 4,
                 optimizer=optimizer,
                 batch_per_device=config["batch_per_device"],
-                powersgd_options={"start_step": config["start_step"]},
-                progress=f"{optimizer} {'none' if rank is None else f'rank {rank}'}",
+                powersgd_options=options,
+                progress=f"{optimizer} {label}",
                 return_details=True,
             )
             curve = r["train_loss"]
             run = {
                 "optimizer": optimizer,
-                "compression": name,
+                "variant": label,
                 "rank": rank,
                 "eval_loss": r["eval_loss"],
                 "train_loss_mean_last_50": sum(curve[-50:]) / len(curve[-50:]),
@@ -150,15 +166,16 @@ def char_runs(config: dict[str, Any]) -> list[dict[str, Any]]:
                 "train_loss": curve,
             }
             base = base or run
-            run["eval_loss_ratio_to_none"] = run["eval_loss"] / base["eval_loss"]
+            run["eval_loss_ratio_to_first"] = run["eval_loss"] / base["eval_loss"]
             run["bytes_saving"] = (
                 base["gradient_bytes_per_device_per_step"]
                 / run["gradient_bytes_per_device_per_step"]
             )
             runs.append(run)
+            save(runs)
             print(
-                f"{optimizer:4s}  {'none' if rank is None else f'rank {rank:2d}':8s} held-out "
-                f"{run['eval_loss']:.4f}  x{run['eval_loss_ratio_to_none']:.4f}  "
+                f"{optimizer:4s}  {label:22s} held-out {run['eval_loss']:.4f}  "
+                f"x{run['eval_loss_ratio_to_first']:.4f}  "
                 f"{run['gradient_bytes_per_device_per_step'] / 2**10:7.1f} KiB/step "
                 f"({run['bytes_saving']:5.1f}x less)  {run['train_seconds']:.0f} s",
                 flush=True,
@@ -183,8 +200,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
             curve = np.asarray(r["train_loss"])
             width = max(1, min(25, len(curve) // 10))
             smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
-            label = "uncompressed" if r["rank"] is None else f"rank {r['rank']}"
-            label += f": {r['eval_loss']:.3f} (x{r['eval_loss_ratio_to_none']:.3f})"
+            label = "uncompressed" if r["rank"] is None else r["variant"]
+            label += f": {r['eval_loss']:.3f} (x{r['eval_loss_ratio_to_first']:.3f})"
             ax.plot(np.arange(len(smooth)) + width - 1, smooth, label=label, lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/byte, moving average)")
@@ -193,8 +210,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     digits = result["digits_mlp"]
     fig.suptitle(
-        f"PowerSGD, {result['devices']} devices. Digits MLP test accuracy: uncompressed "
-        f"{digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}",
+        f"PowerSGD, {result['devices']} devices, same batches and steps. Digits MLP test "
+        f"accuracy: uncompressed {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -206,7 +223,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min)")
     parser.add_argument("--steps", type=int, help="override the number of steps")
-    parser.add_argument("--ranks", type=int, nargs="+", help="override the ranks")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="override")
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"))
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--out", type=pathlib.Path, help="JSON path (PNG beside it)")
@@ -216,28 +233,24 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
 
     config = dict(QUICK if args.quick else FULL)
-    for key, value in (("steps", args.steps), ("ranks", args.ranks)):
-        if value is not None:
-            config[key] = value
-    if args.optimizers:
-        config["optimizers"] = tuple(args.optimizers)
+    for key in ("steps", "variants", "optimizers"):
+        if getattr(args, key):
+            config[key] = getattr(args, key)
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"
     start = time.perf_counter()
-    runs = char_runs(config)
     digits = {
         "none": train_digits(None, config["digits_steps"], progress="digits none"),
         "rank_4": train_digits(4, config["digits_steps"], progress="digits rank 4"),
     }
     print(f"digits MLP test accuracy: none {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}")
-    import char_transformer
-
+    command = "python benchmarks/powersgd_convergence.py " + " ".join(sys.argv[1:])
     result = {
         "benchmark": "powersgd_convergence",
-        "command": "python benchmarks/powersgd_convergence.py" + (" --quick" if args.quick else ""),
+        "command": command.strip(),
         "config": config,
         "model": "char transformer: 2 layers, d_model 128, 4 heads, context 64, byte vocab",
         "data": "pydoc_data.topics (90% train / 10% held out, 256 held-out sequences)",
-        "batch": f"{jax.device_count()} devices x {config['batch_per_device']} sequences of 64 bytes",
+        "batch": f"{jax.device_count()} devices x {config['batch_per_device']} sequences, 64 bytes",
         "schedule": "5% linear warm-up, cosine decay to 0; Adam lr 3e-3 / SGD-Nesterov 0.2",
         "powersgd": f"jc.powersgd(rank, 'data', start_step={config['start_step']}), else defaults",
         "digits_mlp": {**digits, "steps": config["digits_steps"], "optimizer": "sgd 0.1 m0.9"},
@@ -245,13 +258,15 @@ def main() -> None:
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "machine": platform.platform(),
-        "seconds": time.perf_counter() - start,
-        "char_transformer": runs,
     }
-    del char_transformer
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out.with_suffix(".png"))
+
+    def save(runs, final=False):
+        result.update(complete=final, seconds=time.perf_counter() - start, char_transformer=runs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        plot(result, out.with_suffix(".png"))
+
+    save(char_runs(config, save), final=True)
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['seconds']:.0f} s")
 
 

@@ -78,6 +78,15 @@ class CharTransformer(nnx.Module):
         return self.head(self.ln_f(x))
 
 
+def matrices_only(params: Any) -> Any:
+    """PowerSGD mask: compress the blocks' matrices, send the byte embedding, the position
+    table and the output head (the vocabulary-facing matrices) through plain ``pmean``."""
+    vocabulary = ("['embed']", "['pos']", "['head']")
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not jax.tree_util.keystr(path).startswith(vocabulary), params
+    )
+
+
 def make_tx(
     compression: str | Callable[[str], Any],
     *,

@@ -402,8 +402,9 @@ def powersgd(
         False leaves go through plain ``pmean``.
       seed: seeds the initial ``Q`` and the key in the state.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
-        (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts. State
-        stays per device: ``jc.sharded_init(tx, params, mesh, (axis_name, inner_axis_name))``.
+        (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts. The devices of
+        a host hold the same state: ``jc.sharded_init(tx, params, mesh, axis_name)`` and
+        ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.

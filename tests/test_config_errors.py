@@ -60,21 +60,49 @@ CHECKS = [
     ("threshold", "capacity", lambda: jc.threshold(0.1, 2.5), TypeError),
     ("get_codec", "name", lambda: jc.get_codec("int7"), ValueError),
     ("compressed_allreduce", "codec", lambda: jc.compressed_allreduce("sign", "data"), TypeError),
-    ("compressed_allreduce", "strategy", lambda: jc.compressed_allreduce(S, "d", strategy="ring"),
-     ValueError),
-    ("compressed_allreduce", "strategy",
-     lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="allreduce"), ValueError),
-    ("compressed_allreduce", "strategy",
-     lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="majority_vote"), ValueError),
-    ("compressed_allreduce", "error_feedback",
-     lambda: jc.compressed_allreduce(S, "d", error_feedback="ef22"), ValueError),
-    ("compressed_allreduce", "granularity",
-     lambda: jc.compressed_allreduce(S, "d", granularity="layer"), ValueError),
-    ("compressed_allreduce", "min_size", lambda: jc.compressed_allreduce(S, "d", min_size=-1),
-     ValueError),
+    (
+        "compressed_allreduce",
+        "strategy",
+        lambda: jc.compressed_allreduce(S, "d", strategy="ring"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "strategy",
+        lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="allreduce"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "strategy",
+        lambda: jc.compressed_allreduce(jc.int_quant(8), "d", strategy="majority_vote"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "error_feedback",
+        lambda: jc.compressed_allreduce(S, "d", error_feedback="ef22"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "granularity",
+        lambda: jc.compressed_allreduce(S, "d", granularity="layer"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "min_size",
+        lambda: jc.compressed_allreduce(S, "d", min_size=-1),
+        ValueError,
+    ),
     ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=1.5), TypeError),
-    ("compressed_allreduce", "server_feedback",
-     lambda: jc.compressed_allreduce(S, "d", server_feedback="yes"), TypeError),
+    (
+        "compressed_allreduce",
+        "server_feedback",
+        lambda: jc.compressed_allreduce(S, "d", server_feedback="yes"),
+        TypeError,
+    ),
     ("dgc", "ratio", lambda: jc.dgc(0.0, "d"), ValueError),
     ("dgc", "axis_name", lambda: jc.dgc(0.01), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=1.0), ValueError),
@@ -84,10 +112,18 @@ CHECKS = [
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm=0.0), ValueError),
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm="1"), TypeError),
     ("dgc", "warmup_steps", lambda: jc.dgc(0.01, "d", warmup_steps=-1), ValueError),
-    ("dgc", "warmup_schedule", lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=()),
-     ValueError),
-    ("dgc", "warmup_schedule", lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=(1.0,)),
-     ValueError),
+    (
+        "dgc",
+        "warmup_schedule",
+        lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=()),
+        ValueError,
+    ),
+    (
+        "dgc",
+        "warmup_schedule",
+        lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=(1.0,)),
+        ValueError,
+    ),
     ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=-1), ValueError),
     ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="allreduce"), ValueError),
     ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="ring"), ValueError),
@@ -97,14 +133,21 @@ CHECKS = [
     ("powersgd", "start_step", lambda: jc.powersgd(2, "d", start_step=-1), ValueError),
     ("powersgd", "min_size", lambda: jc.powersgd(2, "d", min_size=-1), ValueError),
     ("powersgd", "seed", lambda: jc.powersgd(2, "d", seed=-1), ValueError),
-    ("powersgd", "min_compression_rate", lambda: jc.powersgd(2, "d", min_compression_rate=-1),
-     ValueError),
-    ("powersgd", "orthogonalization_epsilon",
-     lambda: jc.powersgd(2, "d", orthogonalization_epsilon=1.0), ValueError),
+    (
+        "powersgd",
+        "min_compression_rate",
+        lambda: jc.powersgd(2, "d", min_compression_rate=-1),
+        ValueError,
+    ),
+    (
+        "powersgd",
+        "orthogonalization_epsilon",
+        lambda: jc.powersgd(2, "d", orthogonalization_epsilon=1.0),
+        ValueError,
+    ),
     ("powersgd", "warm_start", lambda: jc.powersgd(2, "d", warm_start="no"), TypeError),
     ("powersgd", "error_feedback", lambda: jc.powersgd(2, "d", error_feedback="no"), TypeError),
-    ("powersgd", "batch_same_shape", lambda: jc.powersgd(2, "d", batch_same_shape=None),
-     TypeError),
+    ("powersgd", "batch_same_shape", lambda: jc.powersgd(2, "d", batch_same_shape=None), TypeError),
     ("choose_strategy", "strategy", lambda: jc.choose_strategy(S, 10, 8, "ring"), ValueError),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
@@ -120,11 +163,19 @@ TRACE_CHECKS = [
     ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=-1), ValueError),
     ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
     ("pmean", "axis_name", lambda x: jc.pmean(x, "model", S), ValueError),
-    ("pmean", "inner_axis_name", lambda x: jc.pmean(x, "data", S, inner_axis_name="data"),
-     ValueError),
+    (
+        "pmean",
+        "inner_axis_name",
+        lambda x: jc.pmean(x, "data", S, inner_axis_name="data"),
+        ValueError,
+    ),
     ("psum", "axis_name", lambda x: jc.psum(x, "model", S), ValueError),
-    ("psum", "strategy", lambda x: jc.psum(x, "data", jc.top_k(0.1), strategy="allreduce"),
-     ValueError),
+    (
+        "psum",
+        "strategy",
+        lambda x: jc.psum(x, "data", jc.top_k(0.1), strategy="allreduce"),
+        ValueError,
+    ),
 ]
 
 
@@ -153,8 +204,9 @@ def in_shard_map(fn, tree=X, state=None, specs=None):
         t = jax.tree.map(lambda a: a[0], t)
         return fn(t) if state is None else fn(t, s)
 
-    f = jax.shard_map(body, mesh=m, in_specs=(P("data"), specs if state is not None else P()),
-                      out_specs=P())
+    f = jax.shard_map(
+        body, mesh=m, in_specs=(P("data"), specs if state is not None else P()), out_specs=P()
+    )
     sharded = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, P("data"))), tree
     )
@@ -243,8 +295,15 @@ def _sds(n, dtype=jnp.float32):
 
 @pytest.mark.parametrize(
     "codec",
-    [jc.top_k(1e-6), jc.random_k(1e-6), jc.threshold(0.1, 64), jc.int_quant(8), jc.sign(),
-     jc.qsgd(), jc.natural()],
+    [
+        jc.top_k(1e-6),
+        jc.random_k(1e-6),
+        jc.threshold(0.1, 64),
+        jc.int_quant(8),
+        jc.sign(),
+        jc.qsgd(),
+        jc.natural(),
+    ],
     ids=str,
 )
 def test_codec_refuses_more_than_int32_elements(codec):
@@ -259,20 +318,25 @@ def test_codec_refuses_more_than_int32_elements(codec):
 def test_pmean_and_transforms_split_huge_leaves():
     """A bf16 leaf of 2^31 + 5 elements per device: split in 2 pieces, shapes preserved."""
     big = {"w": jax.ShapeDtypeStruct((8, BIG), jnp.bfloat16)}
-    out = in_shard_map(lambda t: jc.pmean(t, "data", jc.top_k(1e-6), key=jax.random.PRNGKey(0)),
-                       big)
+    out = in_shard_map(
+        lambda t: jc.pmean(t, "data", jc.top_k(1e-6), key=jax.random.PRNGKey(0)), big
+    )
     assert out["w"].shape == (BIG,) and out["w"].dtype == jnp.bfloat16
 
     # Two leaves small enough each, but not together (granularity="flat"); and one 2-D leaf
     # above the limit for DGC (which only sparsifies matrices).
     rows = 2**29 + 3
-    pair = {"a": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16),
-            "b": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16)}
+    pair = {
+        "a": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16),
+        "b": jax.ShapeDtypeStruct((8, 2, rows), jnp.bfloat16),
+    }
     matrix = {"a": jax.ShapeDtypeStruct((8, 2, 2 * rows), jnp.bfloat16)}
     for tx, tree in (
         (jc.compressed_allreduce(jc.top_k(1e-6), "data", granularity="flat"), pair),
-        (jc.compressed_allreduce(jc.sign(), "data", granularity="flat", strategy="two_phase"),
-         pair),
+        (
+            jc.compressed_allreduce(jc.sign(), "data", granularity="flat", strategy="two_phase"),
+            pair,
+        ),
         (jc.dgc(1e-6, "data"), matrix),
     ):
         params = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in tree.items()}

@@ -8,7 +8,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from helpers import Blocking
 from jax.sharding import NamedSharding
@@ -448,12 +447,9 @@ def test_wire_bytes_transformer():
     assert steady.bytes_per_device == pytest.approx(2 * 7 / 8 * 4 * floats)
     saving = steady.ratio_to(plain)
     assert saving > 50, saving
-    # Unbatched, the factors still travel in the same two all-reduces (batching only merges
-    # the matmuls); the warm-up branch adds its one full-size all-reduce to the program.
-    unbatched = report(powersgd(4, "data", start_step=0, batch_same_shape=False))
-    assert unbatched.count == 2 and unbatched.bytes_per_device == steady.bytes_per_device
-    with_warmup = report(powersgd(4, "data", start_step=10))
-    assert with_warmup.count == 3
+    # (batch_same_shape=False sends the same two all-reduces: it only unbatches the matmuls.
+    # The warm-up branch of a start_step > 0 program adds one all-reduce: see
+    # test_warmup_then_compression_and_conservation.)
     print(
         f"powersgd rank 4: {steady.count} collectives per step ({plain.count} for pmean), "
         f"{steady.bytes_per_device / 2**10:.1f} KiB vs plain "

@@ -164,12 +164,13 @@ def test_roundtrip_invariants(name, d, dtype, seed):
         delta = codec.delta(d)
         if delta is not None and d:
             # XLA flushes subnormals to zero (CPU and GPU): the codec may see them as 0, so
-            # the bound is on the normal part; the subnormal part (< 1e-75) may be lost.
+            # the bound is on the normal part; a subnormal x_i may come back as 0 or even as
+            # -x_i (its sign read as +), an error of at most (2 x_i)^2 < 1e-75 each.
             x64, y64 = x.astype(np.float64), y.astype(np.float64)
             normal = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0.0, x64)
             err, norm = np.sum((y64 - x64) ** 2), np.sum(normal**2)
             lost = np.sum((x64 - normal) ** 2)
-            bound = (1 - delta) * norm * (1 + 1e-5) + lost + 1e-300
+            bound = (1 - delta) * norm * (1 + 1e-5) + 4 * lost + 1e-300
             assert err <= bound, (name, kind, err, norm, delta)
 
 
@@ -234,14 +235,18 @@ def test_pmean_every_strategy_zero_finite_shapes(strategy, name):
     for v in jax.tree.leaves(step(shard(zeros))):
         np.testing.assert_array_equal(np.asarray(v, np.float32), 0.0)
     if name == "identity":
-        normal = {k: jnp.asarray(rng.standard_normal(v.shape), v.dtype) for k, v in mixed.items()
-                  if k != "steps"}
+        normal = {
+            k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+            for k, v in mixed.items()
+            if k != "steps"
+        }
         normal["steps"] = mixed["steps"]
         for k, v in step(shard(normal)).items():
             if k == "steps":
                 continue
-            np.testing.assert_allclose(np.asarray(v, np.float32),
-                                       np.asarray(normal[k], np.float32).mean(0), atol=2e-2)
+            np.testing.assert_allclose(
+                np.asarray(v, np.float32), np.asarray(normal[k], np.float32).mean(0), atol=2e-2
+            )
 
 
 # --------------------------------------------------------------------------- conservation
@@ -252,7 +257,8 @@ SHAPES = {"w": (12, 40), "v": (300,), "b": (7,)}  # "b" is below min_size: plain
 
 def _gradients(t):
     """Device-varying random gradients of step t (inside shard_map), with a common drift."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(9), t), jax.lax.axis_index("data"))
+    key = jax.random.fold_in(jax.random.PRNGKey(9), t)
+    key = jax.random.fold_in(key, jax.lax.axis_index("data"))
     return {
         k: jax.random.normal(jax.random.fold_in(key, i), s) + 0.3
         for i, (k, s) in enumerate(SHAPES.items())
@@ -278,9 +284,7 @@ def run_scan(tx, fed_fn):
     def loop(state):
         zeros = jax.tree.map(jnp.zeros_like, params)
         fed0 = jax.lax.pcast(zeros, "data", to="varying")
-        (state, out_sum, fed_sum), _ = jax.lax.scan(
-            body, (state, zeros, fed0), jnp.arange(STEPS)
-        )
+        (state, out_sum, fed_sum), _ = jax.lax.scan(body, (state, zeros, fed0), jnp.arange(STEPS))
         return state, out_sum, jax.lax.pmean(fed_sum, "data")
 
     fn = per_device(loop, (specs,), (specs, P(), P()), m)
@@ -333,13 +337,24 @@ def test_error_feedback_conserves_over_100_steps(name, kind, strategy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("masking,strategy,nesterov", [
-    (True, "two_phase", True), (False, "allgather", False),
-])
+@pytest.mark.parametrize(
+    "masking,strategy,nesterov",
+    [
+        (True, "two_phase", True),
+        (False, "allgather", False),
+    ],
+)
 def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
     m_ = 0.9
-    tx = jc.dgc(0.05, "data", momentum=m_, nesterov=nesterov, momentum_masking=masking,
-                strategy=strategy, min_size=10)
+    tx = jc.dgc(
+        0.05,
+        "data",
+        momentum=m_,
+        nesterov=nesterov,
+        momentum_masking=masking,
+        strategy=strategy,
+        min_size=10,
+    )
 
     def fed(g, s):  # what enters the accumulation this step (compressed leaves: only "w")
         u = s.velocity.reshape(SHAPES["w"])
@@ -352,8 +367,8 @@ def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
     lhs = np.ravel(out_sum["w"]) + _per_device(state.accumulation).mean(0) + server
     np.testing.assert_allclose(lhs, np.ravel(fed_sum["w"]), rtol=1e-4, atol=2e-3)
     if not masking and not nesterov:
-        # Without masking u_t = m u_{t-1} + g_t exactly: sum_t u_t = sum_t g_t (1 - m^(T-t)) / (1 - m),
-        # an identity in the gradients alone; checked against the recorded sum of fed u.
+        # Without masking u_t = m u_{t-1} + g_t exactly, so
+        # sum_t u_t = sum_t g_t (1 - m^(T-t)) / (1 - m): an identity in the gradients alone.
         grads = np.zeros(SHAPES["w"])
         for t in range(STEPS):
             g_t = np.mean([np.asarray(_host_gradient(t, i)) for i in range(N)], axis=0)

@@ -25,7 +25,7 @@ PROCESSES = 4
 FAMILIES = ("sign_ef", "int8_two_phase", "qsgd", "random_k", "top_k", "dgc", "powersgd")
 
 
-def run_script(args, timeout=240.0, grace=30.0):
+def run_script(args, timeout=480.0, grace=30.0):
     """(exit status, list of (rank, line)) of the script run on PROCESSES processes."""
     out = io.StringIO()
     env = None

@@ -279,11 +279,11 @@ def test_dgc_and_powersgd_take_an_inner_axis():
     m = mesh_2d()
     g = stacked_normal(11, (32, 40), offset=0.5)
     for tx in (
-        jc.dgc(1.0, HOST, momentum=0.0, min_size=1, inner_axis_name=LOCAL),
+        jc.dgc(1.0, HOST, momentum=0.0, sample_ratio=None, min_size=1, inner_axis_name=LOCAL),
         jc.powersgd(2, HOST, start_step=1, min_size=1, inner_axis_name=LOCAL),
     ):
-        state = jc.sharded_init(tx, params, m, axes)
-        specs = jc.state_specs(state, axes)
+        state = jc.sharded_init(tx, params, m, HOST)  # the same on every device of a host
+        specs = jc.state_specs(state, HOST)
         update = lambda g, s, tx=tx: tx.update({"w": g[0]}, s)  # noqa: E731
         step = hier_fn(update, (P(axes), specs), (P(), specs))
         out, state = step(shard(g, m, P(axes)), state)  # DGC at ratio 1 / PowerSGD warm-up: exact

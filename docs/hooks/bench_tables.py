@@ -274,9 +274,11 @@ def _generic(data: Any, path: pathlib.Path) -> str:
             for where, records in lists
         ]
         text = "\n\n".join(parts)
-    else:
+    elif isinstance(data, dict):
         scalars = {k: v for k, v in data.items() if not isinstance(v, dict | list)}
         text = _markdown((["key", "value"], [[k, _fmt(v)] for k, v in scalars.items()]))
+    else:
+        text = f"`{json.dumps(data)[:200]}`"
     command = f"python benchmarks/{path.stem.removesuffix('_quick')}.py"
     return f"{text}\n\n" + _source(path, data, command)
 
@@ -300,7 +302,7 @@ def render(name: str) -> str:
     data, path = loaded
     try:
         return renderer(data, path)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # format changed
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
         return _generic(data, path) + f"\n\n(rendered generically: {type(e).__name__} {e})"
 
 

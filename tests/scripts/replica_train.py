@@ -84,6 +84,9 @@ def init_params(m):
 
 
 def loss(params, x, y):
+    """MSE of a tanh MLP; for ``{name: params}`` (several families), the sum of their losses."""
+    if "w1" not in params:
+        return sum(loss(p, x, y) for p in params.values())
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     return jnp.mean((h @ params["w2"] - y) ** 2)
 
@@ -93,7 +96,8 @@ def make_step(tx, m, state):
     specs = jc.state_specs(state, AXIS)
 
     def step(params, opt_state, t):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(7), t), jax.lax.axis_index(AXIS))
+        key = jax.random.fold_in(jax.random.PRNGKey(7), t)
+        key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
         kx, ky = jax.random.split(key)
         x = jax.random.normal(kx, (BATCH, IN))
         y = jax.random.normal(ky, (BATCH, OUT))
@@ -129,39 +133,72 @@ def train(tx, m, steps, params=None, state=None, start=0, on_step=None):
     return params, state
 
 
-def payload_agreement(codec, m, d=1000) -> list[tuple[str, bool]]:
+def combined(txs: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One transform over ``{name: params}``: each family trains its own copy of the params,
+    all in ONE compiled step (one compile per process instead of one per family)."""
+
+    def init(params):
+        return {name: tx.init(params[name]) for name, tx in txs.items()}
+
+    def update(updates, state, params=None):
+        out = {
+            name: tx.update(updates[name], state[name], None if params is None else params[name])
+            for name, tx in txs.items()
+        }
+        return {n: o[0] for n, o in out.items()}, {n: o[1] for n, o in out.items()}
+
+    return optax.GradientTransformation(init, update)
+
+
+def payload_agreement(codecs, m, d=1000) -> dict[str, list[tuple[str, bool]]]:
     """For the same x on every device: is each payload leaf identical on all devices?"""
     x = jax.random.normal(jax.random.PRNGKey(3), (d,))
     step_key = jax.random.PRNGKey(11)
 
-    def encode(_):
+    def same_everywhere(codec):
         key = collectives.device_key(step_key, codec, AXIS)
         payload = codec.encode(x, key)
+        # Per device: does my leaf equal everybody's? Then the verdict of all devices.
         return jax.tree.map(
-            lambda a: jnp.all(jax.lax.all_gather(a, AXIS, to="invarying") == a[None]), payload
+            lambda a: jax.lax.pmin(
+                jnp.all(jax.lax.all_gather(a, AXIS, to="invarying") == a[None]).astype(jnp.int32),
+                AXIS,
+            ),
+            payload,
         )
 
-    # Per device: does my leaf equal everybody's? Then all-reduce the verdict.
-    def verdict(dummy):
-        same = encode(dummy)
-        return jax.tree.map(lambda s: jax.lax.pmin(s.astype(jnp.int32), AXIS), same)
+    def verdict(_):
+        return {name: same_everywhere(codec) for name, codec in codecs.items()}
 
     fn = jax.jit(jax.shard_map(verdict, mesh=m, in_specs=P(), out_specs=P()))
     dummy = jax.device_put(jnp.zeros(()), NamedSharding(m, P()))
     out = jax.block_until_ready(fn(dummy))
-    leaves = jax.tree.leaves(out)
-    return [(f"leaf{i}", bool(np.asarray(v.addressable_data(0)))) for i, v in enumerate(leaves)]
+    return {
+        name: [
+            (f"leaf{i}", bool(np.asarray(v.addressable_data(0))))
+            for i, v in enumerate(jax.tree.leaves(tree))
+        ]
+        for name, tree in out.items()
+    }
 
 
 def run_families(ns) -> None:
     m = mesh()
-    for name, tx in families().items():
-        t0 = time.perf_counter()
-        params, _ = train(tx, m, ns.steps)
-        say(f"HASH {name} {param_hash(params)} ({time.perf_counter() - t0:.1f} s)")
-    for name, codec in {"qsgd": jc.qsgd(16), "int8_sr": jc.int_quant(8, stochastic=True),
-                        "random_k": jc.random_k(0.1)}.items():
-        for leaf, same in payload_agreement(codec, m):
+    txs = families()
+    one = init_params(m)
+    params = {name: one for name in txs}
+    t0 = time.perf_counter()
+    params, _ = train(combined(txs), m, ns.steps, params)
+    say(f"TRAINED {len(txs)} families, {ns.steps} steps, {time.perf_counter() - t0:.1f} s")
+    for name in txs:
+        say(f"HASH {name} {param_hash(params[name])}")
+    codecs = {
+        "qsgd": jc.qsgd(16),
+        "int8_sr": jc.int_quant(8, stochastic=True),
+        "random_k": jc.random_k(0.1),
+    }
+    for name, leaves in payload_agreement(codecs, m).items():
+        for leaf, same in leaves:
             say(f"PAYLOAD {name} {'same' if same else 'differ'} {leaf}")
 
 

@@ -27,7 +27,7 @@ benchmark measures those. Writes ``benchmarks/results/alpha_beta.json`` and
 ``alpha_beta.png``::
 
     python benchmarks/alpha_beta.py
-    python benchmarks/alpha_beta.py --params 124e6 --compute-ms 300 --codec-scale 0.02
+    python benchmarks/alpha_beta.py --codec-scale 0.02 --name alpha_beta_gpu_scaled
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha-us", type=float, default=20.0, help="latency per message")
     ap.add_argument("--codec-scale", type=float, default=1.0, help="multiplies measured codec cost")
     ap.add_argument("--codecs", nargs="+", default=CODECS)
+    ap.add_argument("--name", default="alpha_beta", help="output file stem (keep variants apart)")
     args = ap.parse_args(argv)
     costs, source = codec_costs()
     codecs = [c for c in args.codecs if c in costs]
@@ -177,12 +178,12 @@ def main(argv=None) -> int:
         "codec_scale": args.codec_scale,
         "rows": rows,
     }
-    common.write_json(common.result_path("alpha_beta", args.quick), out)
+    common.write_json(common.result_path(args.name, args.quick), out)
     title = (
         f"alpha-beta model: d={args.params:.3g} floats, compute {args.compute_ms:g} ms, "
         f"alpha {args.alpha_us:g} us, codec cost {source} x{args.codec_scale:g}"
     )
-    draw(rows, common.result_path("alpha_beta", args.quick, "png"), title)
+    draw(rows, common.result_path(args.name, args.quick, "png"), title)
     return 0
 
 

@@ -22,6 +22,7 @@ import argparse
 import json
 import pathlib
 import platform
+import shlex
 import sys
 import time
 from typing import Any
@@ -192,7 +193,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     import numpy as np
 
     optimizers = list(dict.fromkeys(r["optimizer"] for r in result["char_transformer"]))
-    fig, axes = plt.subplots(1, len(optimizers), figsize=(6 * len(optimizers), 4.2), squeeze=False)
+    size = (max(7.5, 6 * len(optimizers)), 4.8)
+    fig, axes = plt.subplots(1, len(optimizers), figsize=size, squeeze=False)
     for ax, optimizer in zip(axes[0], optimizers, strict=True):
         for r in result["char_transformer"]:
             if r["optimizer"] != optimizer:
@@ -210,7 +212,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     digits = result["digits_mlp"]
     fig.suptitle(
-        f"PowerSGD, {result['devices']} devices, same batches and steps. Digits MLP test "
+        f"PowerSGD, {result['devices']} devices, same batches and steps.\nDigits MLP test "
         f"accuracy: uncompressed {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}",
         fontsize=10,
     )
@@ -243,10 +245,10 @@ def main() -> None:
         "rank_4": train_digits(4, config["digits_steps"], progress="digits rank 4"),
     }
     print(f"digits MLP test accuracy: none {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}")
-    command = "python benchmarks/powersgd_convergence.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/powersgd_convergence.py", *sys.argv[1:]])
     result = {
         "benchmark": "powersgd_convergence",
-        "command": command.strip(),
+        "command": command,
         "config": config,
         "model": "char transformer: 2 layers, d_model 128, 4 heads, context 64, byte vocab",
         "data": "pydoc_data.topics (90% train / 10% held out, 256 held-out sequences)",

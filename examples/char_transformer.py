@@ -11,6 +11,13 @@ Run it on 8 CPU devices (or whatever accelerators are there)::
 
 Both runs use the same seed, the same batches and the same number of steps; the output is
 the held-out loss (nats per byte) of each and the bytes each step puts on the wire.
+
+What to expect (``benchmarks/powersgd_convergence.py``, 1000 steps, 8 devices x 2 sequences,
+Adam 3e-3 with cosine decay): uncompressed 1.447 nats/byte; PowerSGD rank 4 1.608 (+11%,
+19.6x fewer gradient bytes), rank 16 1.477 (+2.1%, 5.6x). At 100 steps rank 4 is within 2%.
+On a model this small (d_model 128) rank 4 limits how fast the matrices can change, so the
+loss falls behind over a long run: use ``--rank 16`` to stay within 3% of the uncompressed
+loss. See :func:`jaxcomp.powersgd` for the measurements behind this.
 """
 
 from __future__ import annotations
@@ -274,6 +281,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--start-step", type=int, default=10, help="PowerSGD warm-up steps")
     parser.add_argument("--batch-per-device", type=int, default=2)
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     args = parser.parse_args()
@@ -290,6 +298,7 @@ def main() -> None:
             optimizer=args.optimizer,
             lr=args.lr,
             batch_per_device=args.batch_per_device,
+            powersgd_options={"start_step": args.start_step},
             verbose=True,
             return_details=True,
         )

@@ -19,15 +19,9 @@ class CompressedAllreduceState(NamedTuple):
     ``d`` is the number of elements of the compressed leaves (see :mod:`jaxcomp.buckets`).
     """
 
-    memory: (
-        jax.Array
-    )  # f32[d] per device: residual e_i ("residual") or estimate h_i ("ef21"); f32[0] if none
-    server_residual: (
-        jax.Array
-    )  # f32[d] per device: chunk owner's re-encoding error (two_phase); f32[0] if unused
-    estimate: (
-        jax.Array
-    )  # f32[d], identical on every device: EF21's global estimate h; f32[0] otherwise
+    memory: jax.Array | None  # f32[d] per device: residual e_i or EF21's h_i; None if no EF
+    server_residual: jax.Array | None  # f32[d] per device: owner's re-encoding error, or None
+    estimate: jax.Array | None  # f32[d], identical on every device: EF21's global h, or None
     key: chex.PRNGKey  # uint32[2], identical on every device; split every step
     count: jax.Array  # int32[]: number of updates applied
 
@@ -143,7 +137,8 @@ def compressed_allreduce(
     def init_fn(params):
         layout = buckets.layout_of(params, min_size, mask)
         d = layout.compressed_size
-        zeros = lambda used: jnp.zeros((d if used else 0,), jnp.float32)  # noqa: E731
+        # Unused fields are None, not f32[0]: orbax refuses to save zero-size arrays.
+        zeros = lambda used: jnp.zeros((d,), jnp.float32) if used and d else None  # noqa: E731
         return CompressedAllreduceState(
             memory=zeros(error_feedback is not None),
             server_residual=zeros(server),
@@ -158,25 +153,28 @@ def compressed_allreduce(
         collectives.check_inner_axis(axis_name, inner_axis_name)
         layout = buckets.layout_of(updates, min_size, mask)
         g = buckets.flatten_compressed(updates, layout)
-        _check_state(state, g.shape[0], error_feedback, server)
+        d = g.shape[0]
+        _check_state(state, d, error_feedback, server)
+        # Nothing compressed (every leaf small or masked): no memory to keep.
+        kind, use_server = (error_feedback, server) if d else (None, False)
 
         key, step_key = jax.random.split(state.key)
-        target = feedback.to_send(g, state.memory, error_feedback)
+        target = feedback.to_send(g, state.memory, kind)
         reduced = collectives.reduce_segments(
             collectives.segments_of(target, layout, granularity),
             axis_name,
             codec,
             strategy,
             step_key,
-            state.server_residual if server else None,
+            state.server_residual if use_server else None,
             inner_axis_name,
         )
         bad = collectives.any_nonfinite(updates, every_axis)
-        out = collectives.poison(feedback.output(reduced.mean, state.estimate, error_feedback), bad)
+        out = collectives.poison(feedback.output(reduced.mean, state.estimate, kind), bad)
         new_state = CompressedAllreduceState(
-            memory=feedback.next_memory(state.memory, target, reduced.sent, error_feedback),
-            server_residual=reduced.server_residual if server else state.server_residual,
-            estimate=out if error_feedback == "ef21" else state.estimate,
+            memory=feedback.next_memory(state.memory, target, reduced.sent, kind),
+            server_residual=reduced.server_residual if use_server else state.server_residual,
+            estimate=out if kind == "ef21" else state.estimate,
             key=key,
             count=state.count + 1,
         )
@@ -194,8 +192,9 @@ def _check_state(state: CompressedAllreduceState, d: int, error_feedback, server
         "estimate": d if error_feedback == "ef21" else 0,
     }
     for field, size in expected.items():
-        shape = getattr(state, field).shape
-        if shape != (size,):
+        value = getattr(state, field)
+        shape = None if value is None else value.shape
+        if shape != ((size,) if size else None):
             raise ValueError(
                 f"compressed_allreduce state field `{field}` has shape {shape} but the "
                 f"compressed gradient needs ({size},). Was the state initialized for other "

@@ -25,6 +25,7 @@ from jaxcomp.powersgd import (
 
 N = 8
 DIGITS_STEPS = 100
+CHAR_STEPS = 60
 
 
 @functools.cache
@@ -483,19 +484,22 @@ def test_digits_mlp_rank4_matches_sgd():
 
 @pytest.mark.slow
 def test_char_transformer_rank4_close_to_uncompressed():
-    """examples/char_transformer.py, 100 Adam steps (cosine schedule), same seed and batches:
-    rank 4 with error feedback ends within 3% of the uncompressed held-out loss while each
-    device sends ~20x fewer gradient bytes. (Measured: 2.356 vs 2.396 nats/byte, +1.7%.
-    The gap grows with training: +11% at 1000 steps, where rank 16 is +2.1%; see
-    benchmarks/powersgd_convergence.py and benchmarks/results/powersgd_convergence.json.)"""
+    """examples/char_transformer.py (a smaller model), 60 Adam steps (cosine schedule), same
+    seed and batches:
+    rank 4 with error feedback stays within 3% of the uncompressed held-out loss while each
+    device sends > 10x fewer gradient bytes. Only early in training (on the example's model, after 1000 steps rank 4
+    is +11% and rank 16 +2.1%: benchmarks/powersgd_convergence.py, its JSON in
+    benchmarks/results/, and the powersgd docstring)."""
     example = load_module("examples", "char_transformer")
-    base = example.train("none", 100, return_details=True)
-    low = example.train("powersgd", 100, return_details=True)
+    # A smaller copy of the example's model (d_model 64, 1 layer, context 32): cheap to compile.
+    kw = dict(d_model=64, layers=1, heads=2, context=32, eval_sequences=64, return_details=True)
+    base = example.train("none", CHAR_STEPS, **kw)
+    low = example.train("powersgd", CHAR_STEPS, **kw)
     print(
-        f"char transformer held-out loss: none {base['eval_loss']:.4f}, powersgd rank 4 "
-        f"{low['eval_loss']:.4f}"
+        f"char transformer held-out loss after {CHAR_STEPS} steps: none {base['eval_loss']:.4f}, "
+        f"powersgd rank 4 {low['eval_loss']:.4f}"
     )
-    assert base["eval_loss"] < 2.6  # it learns: ln(256) = 5.5 at the start
+    assert base["eval_loss"] < 3.0  # it learns: ln(256) = 5.5 at the start
     assert low["eval_loss"] < base["eval_loss"] * 1.03
     saving = base["gradient_bytes_per_device"] / low["gradient_bytes_per_device"]
-    assert saving > 15, saving
+    assert saving > 10, saving

@@ -320,7 +320,7 @@ def test_error_feedback_conserves_over_100_steps(name, kind, strategy):
     )
     out_sum, fed_sum, state = run_scan(tx, lambda g, s: g)
     np.testing.assert_allclose(out_sum["b"], fed_sum["b"], rtol=1e-5, atol=1e-4)  # plain pmean
-    server = _per_device(state.server_residual).sum(0) if state.server_residual.size else 0.0
+    server = _per_device(state.server_residual).sum(0) if state.server_residual is not None else 0.0
     if kind == "residual":
         memory = _per_device(state.memory).mean(0)
         lhs, rhs = _flat(out_sum) + memory + server, _flat(fed_sum)
@@ -363,7 +363,7 @@ def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
         return {"w": new, "v": g["v"], "b": g["b"]}
 
     out_sum, fed_sum, state = run_scan(tx, fed)
-    server = _per_device(state.server_residual).sum(0) if state.server_residual.size else 0.0
+    server = _per_device(state.server_residual).sum(0) if state.server_residual is not None else 0.0
     lhs = np.ravel(out_sum["w"]) + _per_device(state.accumulation).mean(0) + server
     np.testing.assert_allclose(lhs, np.ravel(fed_sum["w"]), rtol=1e-4, atol=2e-3)
     if not masking and not nesterov:

@@ -485,11 +485,11 @@ def test_digits_mlp_rank4_matches_sgd():
 @pytest.mark.slow
 def test_char_transformer_rank4_close_to_uncompressed():
     """examples/char_transformer.py (a smaller model), 60 Adam steps (cosine schedule), same
-    seed and batches:
-    rank 4 with error feedback stays within 3% of the uncompressed held-out loss while each
-    device sends > 10x fewer gradient bytes. Only early in training (on the example's model, after 1000 steps rank 4
-    is +11% and rank 16 +2.1%: benchmarks/powersgd_convergence.py, its JSON in
-    benchmarks/results/, and the powersgd docstring)."""
+    seed and batches: rank 4 with error feedback stays within 3% of the uncompressed held-out
+    loss while each device sends > 10x fewer gradient bytes. Only early in training: on the
+    example's model after 1000 steps rank 4 is +11% and rank 16 +2.1%
+    (benchmarks/powersgd_convergence.py, its JSON in benchmarks/results/, and the powersgd
+    docstring)."""
     example = load_module("examples", "char_transformer")
     # A smaller copy of the example's model (d_model 64, 1 layer, context 32): cheap to compile.
     kw = dict(d_model=64, layers=1, heads=2, context=32, eval_sequences=64, return_details=True)

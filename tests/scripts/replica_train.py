@@ -214,30 +214,21 @@ def run_fault(ns) -> None:
     params = init_params(m)
     state = jc.sharded_init(tx, params, m, AXIS)
     start = 0
-    # orbax refuses zero-size arrays ("Cannot save arrays with zero size"), and jaxcomp
-    # states hold f32[0] for unused fields: save the non-empty leaves, rebuild the rest.
-    leaves, treedef = jax.tree.flatten({"params": params, "opt": state})
-    keep = [leaf.size > 0 for leaf in leaves]
-
-    def saved(tree):
-        return [leaf for leaf, k in zip(jax.tree.leaves(tree), keep, strict=True) if k]
-
     if ns.resume:
         start = manager.latest_step()
         if start is None:
             raise SystemExit("--resume: no checkpoint found")
-        abstract = [ocp.utils.to_shape_dtype_struct(a) for a in saved(leaves)]
-        restored = iter(manager.restore(start, args=ocp.args.StandardRestore(abstract)))
-        tree = jax.tree.unflatten(
-            treedef, [next(restored) if k else a for a, k in zip(leaves, keep, strict=True)]
-        )
+        # jaxcomp state saves as it is (unused fields are None); restore with its shardings.
+        template = {"params": params, "opt": state}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        tree = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         params, state = tree["params"], tree["opt"]
         say(f"RESUMED at step {start}")
     rank = jax.process_index()
 
     def on_step(t, p, s):
         if manager.should_save(t):
-            manager.save(t, args=ocp.args.StandardSave(saved({"params": p, "opt": s})))
+            manager.save(t, args=ocp.args.StandardSave({"params": p, "opt": s}))
             manager.wait_until_finished()
             say(f"SAVED step {t}")
         if ns.die_rank == rank and ns.die_step == t:

@@ -38,7 +38,8 @@ class AccumulateState(NamedTuple):
     """State of :func:`accumulate`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
 
     mini_step: jax.Array  # int32[], identical on every device: micro-batches since the last apply
-    acc: Any  # per device: tree like the params, each leaf f32[size] (raveled), local gradient sum
+    acc: Any  # per device: tree like the params, f32[size] (raveled) local gradient sums;
+    #           None for integer leaves (orbax cannot save zero-size arrays)
     inner_state: Any  # the wrapped transform's state
 
     PER_DEVICE_FIELDS = ("acc",)
@@ -46,6 +47,10 @@ class AccumulateState(NamedTuple):
 
 def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _varying_axes(aval: Any) -> frozenset:
@@ -106,27 +111,27 @@ def accumulate(
 
     def init_fn(params):
         acc = jax.tree.map(
-            lambda p: jnp.zeros((jnp.size(p) if _is_float(p) else 0,), jnp.float32), params
+            lambda p: jnp.zeros((jnp.size(p),), jnp.float32) if _is_float(p) else None, params
         )
         return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
         acc = jax.tree.map(
-            lambda a, g: a + jnp.ravel(g).astype(jnp.float32) if _is_float(g) else a,
+            lambda a, g: a if a is None else a + jnp.ravel(g).astype(jnp.float32),
             state.acc,
             updates,
+            is_leaf=_is_none,
         )
 
         def apply(acc, inner_state):
             scale = 1.0 / every_k if use_grad_mean else 1.0
             total = jax.tree.map(
                 lambda a, g: (
-                    (a * scale).reshape(jnp.shape(g)).astype(jnp.result_type(g))
-                    if _is_float(g)
-                    else g
+                    g if a is None else (a * scale).reshape(jnp.shape(g)).astype(jnp.result_type(g))
                 ),
                 acc,
                 updates,
+                is_leaf=_is_none,
             )
             out, inner_state = inner.update(total, inner_state, params, **extra_args)
             return out, jax.tree.map(jnp.zeros_like, acc), inner_state

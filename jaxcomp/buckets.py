@@ -134,3 +134,30 @@ def rebuild(
         else:
             out.append(leaf)
     return jax.tree.unflatten(layout.treedef, out)
+
+
+def check_like_params(updates: Any, params: Any, transform: str) -> None:
+    """Raise if the gradient tree does not match ``params`` leaf for leaf (shapes, in order).
+
+    The state of a transform holds flat vectors, so a gradient tree of the same total size
+    but other leaves would silently pair its memory with the wrong entries; the ``params``
+    optax passes to ``update`` (every chain and ``nnx.Optimizer`` do) tell the tree it was
+    initialized for. Skipped when ``params`` is None.
+    """
+    if params is None:
+        return
+    got = [tuple(jnp.shape(x)) for x in jax.tree.leaves(updates)]
+    want = [tuple(jnp.shape(x)) for x in jax.tree.leaves(params)]
+    if got == want:
+        return
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)]
+    if len(got) != len(want):
+        detail = f"{len(got)} gradient leaves but {len(want)} params leaves"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        detail = f"gradient leaf {paths[i]} has shape {got[i]}, its params leaf {want[i]}"
+    raise ValueError(
+        f"{transform}: the gradient tree does not match the params tree ({detail}). The "
+        "update's gradients must have the structure of the params the state was initialized "
+        "for."
+    )

@@ -257,7 +257,8 @@ def dgc(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
+        del extra_args
+        buckets.check_like_params(updates, params, "dgc")
         n = collectives.axis_size(axis_name)
         collectives.check_inner_axis(axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)

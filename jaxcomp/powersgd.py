@@ -476,7 +476,8 @@ def powersgd(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
+        del extra_args
+        buckets.check_like_params(updates, params, "powersgd")
         n_dev = collectives.axis_size(axis_name)
         collectives.check_inner_axis(axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)

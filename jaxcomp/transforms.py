@@ -148,7 +148,8 @@ def compressed_allreduce(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
+        del extra_args
+        buckets.check_like_params(updates, params, "compressed_allreduce")
         collectives.axis_size(axis_name)
         collectives.check_inner_axis(axis_name, inner_axis_name)
         layout = buckets.layout_of(updates, min_size, mask)

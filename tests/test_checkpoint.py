@@ -1,6 +1,7 @@
 """Checkpoints: jaxcomp state saves and restores with orbax and training resumes bit-identically.
 
-For residual error feedback, DGC and PowerSGD: train 40 steps, saving params and optimizer
+For residual error feedback, DGC, PowerSGD and EF21 inside ``jc.accumulate`` (saved in the
+middle of an accumulation): train 40 steps, saving params and optimizer
 state (per-device memories sharded ``P("data")``) at step 20 with orbax's
 ``StandardCheckpointer``; a FRESH process restores the checkpoint onto the same shardings,
 trains the last 20 steps and writes its params; they must equal the uninterrupted run's
@@ -34,6 +35,14 @@ def transforms():
         "dgc": optax.chain(jc.dgc(0.05, "data", warmup_steps=10), optax.sgd(0.05)),
         "powersgd": optax.chain(
             jc.powersgd(2, "data", start_step=5), optax.sgd(0.05, momentum=0.9)
+        ),
+        # every 3rd call applies: step 20 is saved, and 40 ends, mid-accumulation
+        "accumulate_ef21": jc.accumulate(
+            optax.chain(
+                jc.compressed_allreduce(jc.sign(), "data", error_feedback="ef21"),
+                optax.sgd(0.05, momentum=0.9),
+            ),
+            3,
         ),
     }
 
@@ -123,6 +132,8 @@ def test_restore_in_fresh_process_continues_bit_identically(tmp_path):
     import jax
     import orbax.checkpoint as ocp
 
+    import jaxcomp as jc
+
     ckpt = ocp.StandardCheckpointer()
     finals = {}
     for name in transforms():
@@ -131,7 +142,8 @@ def test_restore_in_fresh_process_continues_bit_identically(tmp_path):
         ckpt.save(tmp_path / name, {"params": params, "opt_state": state})
         ckpt.wait_until_finished()
         finals[name], state = train(step, params, state, batch, SAVE_AT, STEPS)
-        memory = getattr(state[0], type(state[0]).PER_DEVICE_FIELDS[0])
+        first = state if isinstance(state, jc.AccumulateState) else state[0]
+        memory = getattr(first, type(first).PER_DEVICE_FIELDS[0])
         biggest = max(float(abs(m).max()) for m in jax.tree.leaves(memory))
         assert biggest > 0, f"{name}: no per-device state to test"
     ckpt.close()

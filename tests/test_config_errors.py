@@ -275,6 +275,27 @@ def test_state_for_other_params_says_so(name):
         in_shard_map(lambda g: tx.update(g, state)[0], grads)
 
 
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_tree_of_same_size_but_other_leaves_says_so(name):
+    # Flat state buffers fit any tree of the same compressed size: the params optax passes
+    # to update tell the tree the state belongs to.
+    tx = _transforms()[name]
+    params = {"w": jnp.zeros((16, 32))}
+    state = tx.init(params)
+    for other in (
+        {"w": jax.ShapeDtypeStruct((8, 32, 16), jnp.float32)},
+        {"w": jax.ShapeDtypeStruct((8, 16, 16), jnp.float32), "b": _sds8(256)},
+    ):
+        with pytest.raises(ValueError, match=r"does not match the params tree"):
+            in_shard_map(lambda g, tx=tx: tx.update(g, state, params)[0], other)
+    ok = {"w": jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}
+    assert in_shard_map(lambda g: tx.update(g, state, params)[0], ok)["w"].shape == (16, 32)
+
+
+def _sds8(n):
+    return jax.ShapeDtypeStruct((8, n), jnp.float32)
+
+
 @pytest.mark.parametrize("name", ["compressed_allreduce", "powersgd"])
 def test_mask_of_wrong_structure_says_so(name):
     make = {"compressed_allreduce": jc.compressed_allreduce, "powersgd": jc.powersgd}[name]

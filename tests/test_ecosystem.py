@@ -226,6 +226,25 @@ def test_accumulate_hold_branch_has_no_collective():
     assert collectives_reachable(report.hlo_text, apply) == report.count
 
 
+def test_accumulate_state_with_integer_leaves_saves_with_orbax(tmp_path):
+    # Integer leaves have no accumulator (None, not a zero-size array orbax refuses to save).
+    import orbax.checkpoint as ocp
+
+    params = {"w": jnp.ones((40, 50)), "step": jnp.zeros([], jnp.int32)}
+    tx = jc.accumulate(optax.chain(compress(), optax.sgd(0.1)), 2)
+    state = tx.init(params)
+    assert state.acc["step"] is None and state.acc["w"].shape == (2000,)
+    state = state._replace(acc={"w": state.acc["w"] + 1.5, "step": None})
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "acc", state)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "acc", jax.tree.map(np.asarray, state))
+    assert restored.acc["step"] is None
+    np.testing.assert_array_equal(restored.acc["w"], state.acc["w"])
+    specs = jc.state_specs(state, "data")
+    assert specs.acc == {"w": P("data"), "step": None}
+
+
 def test_accumulate_errors():
     with pytest.raises(ValueError, match="every_k"):
         jc.accumulate(optax.sgd(0.1), 0)

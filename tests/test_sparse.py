@@ -156,6 +156,17 @@ def test_sampled_top_k_nonfinite_zero_and_small():
     )
 
 
+def test_sampled_top_k_mostly_zero_vector_sends_its_nonzeros():
+    # A sample of zeros gives threshold 0; zeros must not pass it and crowd out the few
+    # non-zero entries (embedding gradients look like this).
+    d, codec = 100_000, top_k(0.001, approx="sample")
+    x = np.zeros(d, np.float32)
+    hot = [7, 20_000, 51_234, 77_777, 99_999]
+    x[hot] = [3.0, -1.0, 0.5, -2.0, 4.0]
+    y = np.asarray(jax.jit(codec.roundtrip)(x, KEY))
+    np.testing.assert_array_equal(y, x)  # exactly the 5 non-zeros, no zero slots wasted
+
+
 def test_approx_top_k_ties_and_tail():
     # Ties: any k of the equal values are a valid top-k; d not a multiple of the block size.
     d = 40_001

@@ -154,23 +154,33 @@ def _topk_speed(data: dict[str, Any], path: pathlib.Path) -> str:
 
 
 def _powersgd(data: dict[str, Any], path: pathlib.Path) -> str:
+    runs = data["char_transformer"]
+    base = {r["optimizer"]: r["eval_loss"] for r in runs if r["rank"] is None}
     body = [
         [
             r["optimizer"],
-            str(r["steps"]),
-            r["compression"] if r["rank"] is None else f"{r['compression']} r={r['rank']}",
+            r["variant"],
             _fmt(r["eval_loss"], 4),
-            f"{r['eval_loss_ratio_to_none']:.3f}",
+            f"{r['eval_loss'] / base[r['optimizer']]:.3f}",
             f"{r['bytes_saving']:.1f}x",
             _bytes(r["gradient_bytes_per_device_per_step"]),
         ]
-        for r in data["runs"]
+        for r in runs
     ]
-    head = f"{data['model']}; {data['data']}; {data['batch']}; {data['devices']} devices."
-    header = ["optimizer", "steps", "compression", "eval loss", "vs none", "saving", "bytes/step"]
-    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
-        path, data, "python benchmarks/powersgd_convergence.py"
+    cfg = data["config"]
+    head = (
+        f"{data['model']}; {data['data']}; {data['batch']}; {data['devices']} devices; "
+        f"{cfg['steps']} steps; {data['schedule']}."
     )
+    header = ["optimizer", "variant", "eval loss", "vs none", "saving", "bytes/step"]
+    out = f"{head}\n\n{_markdown((header, body))}"
+    digits = data.get("digits_mlp")
+    if digits:
+        out += (
+            f"\n\nDigits MLP ({digits['steps']} steps, {digits['optimizer']}): test accuracy "
+            f"{digits['none']:.4f} uncompressed, {digits['rank_4']:.4f} with rank 4."
+        )
+    return out + "\n\n" + _source(path, data, "python benchmarks/powersgd_convergence.py")
 
 
 # ----------------------------------------------------------------------- codec_speed
@@ -290,6 +300,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "codec_speed": (_codec_speed, "python benchmarks/codec_speed.py"),
     "network": (_network, "sudo python benchmarks/network.py"),
     "powersgd_convergence": (_powersgd, "python benchmarks/powersgd_convergence.py"),
+    "powersgd_convergence_sgd": (_powersgd, "python benchmarks/powersgd_convergence.py"),
 }
 
 

@@ -210,6 +210,14 @@ def _compaction_block(d: int, capacity: int) -> int:
     return int(min(max(b, 4), 256))
 
 
+def _passes(magnitude: jax.Array, t: jax.Array) -> jax.Array:
+    """``|x| >= t`` for the sampled threshold, written ``~(|x| < t)`` so that NaN passes
+    (never hidden), and never true for an exact zero: a sample of zeros (a mostly-zero
+    gradient, e.g. of an embedding) gives ``t = 0``, and every zero would pass and crowd the
+    few non-zero entries out of the fixed capacity."""
+    return ~(magnitude < t) & ((magnitude != 0) | (t > 0))
+
+
 def sampled_top_k(
     x: jax.Array, k: int, key: jax.Array | None, sample_ratio: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -255,10 +263,9 @@ def sampled_top_k(
     tail = x[nb * b :]
 
     def counts(rank):
-        # ~(|x| < t) rather than |x| >= t: NaN passes.
         t = ranked[rank - 1]
-        per_block = jnp.sum(~(jnp.abs(main) < t), axis=1, dtype=jnp.int32)
-        total = jnp.sum(per_block) + jnp.sum(~(jnp.abs(tail) < t), dtype=jnp.int32)
+        per_block = jnp.sum(_passes(jnp.abs(main), t), axis=1, dtype=jnp.int32)
+        total = jnp.sum(per_block) + jnp.sum(_passes(jnp.abs(tail), t), dtype=jnp.int32)
         return rank, per_block, total
 
     def readjust(state):
@@ -282,7 +289,7 @@ def sampled_top_k(
     cand = jnp.abs(main[jnp.minimum(blocks, nb - 1)])  # (slots, b)
     flat = jnp.concatenate([cand.reshape(-1), jnp.abs(tail)])
     keep = jnp.concatenate(
-        [(~(cand < t) & (blocks < nb)[:, None]).reshape(-1), ~(jnp.abs(tail) < t)]
+        [(_passes(cand, t) & (blocks < nb)[:, None]).reshape(-1), _passes(jnp.abs(tail), t)]
     )
     # Second compaction, over the slots * b candidates: the first `capacity` entries over t.
     (pos,) = jnp.nonzero(keep, size=capacity, fill_value=flat.shape[0])

@@ -194,7 +194,7 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
     r = char_transformer.train(
         compression,
         steps,
-        optimizer="sgd" if own_momentum else "adam",
+        optimizer="plain_sgd" if own_momentum else "adam",  # DGC: its momentum, not a second
         seed=seed,
         return_details=True,
         report_bytes=True,
@@ -210,6 +210,15 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
 
 
 # --------------------------------------------------------------------------- output
+
+
+def previous_runs(path) -> list[dict]:
+    """The runs of an earlier (bounded or interrupted) result file, to go on from (--resume)."""
+    import json
+
+    if not path.exists():
+        return []
+    return json.loads(path.read_text())["runs"]
 
 
 def finish(runs: list[dict]) -> None:
@@ -265,6 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
     ap.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     ap.add_argument("--budget", type=float, default=None, help="stop starting runs after s")
+    ap.add_argument(
+        "--resume", action="store_true", help="keep the runs already in the result file"
+    )
     args = ap.parse_args(argv)
     from jaxcomp.cpu import use_cpu_devices
 
@@ -274,10 +286,16 @@ def main(argv=None) -> int:
     if methods[0] != "none":
         methods = ["none", *[m for m in methods if m != "none"]]
     path = common.result_path("convergence", args.quick)
-    runs: list[dict] = []
+    runs: list[dict] = previous_runs(path) if args.resume else []
     start = time.perf_counter()
     jobs = [(m, t) for m in methods for t in tasks]
-    for method, task in common.progress(jobs, "convergence"):
+    done = {(r["method"], r["task"], r["steps"]) for r in runs}
+    todo = [
+        (m, t)
+        for m, t in jobs
+        if (m, t, args.steps or (40 if args.quick else STEPS[t])) not in done
+    ]
+    for method, task in common.progress(todo, "convergence"):
         if args.budget is not None and time.perf_counter() - start > args.budget:
             print(f"budget of {args.budget:.0f} s spent: stopping before {method}/{task}")
             break
@@ -297,7 +315,12 @@ def main(argv=None) -> int:
         )
         out = {"environment": common.environment(), "complete": False, "runs": runs}
         common.write_json(path, out)
-    out = {"environment": common.environment(), "complete": len(runs) == len(jobs), "runs": runs}
+    finished = {(r["method"], r["task"]) for r in runs}
+    out = {
+        "environment": common.environment(),
+        "complete": all(job in finished for job in jobs),
+        "runs": runs,
+    }
     common.write_json(path, out)
     print_table(runs)
     draw(runs, args.quick)

@@ -4,7 +4,9 @@ Part 1 — selecting 0.1% of 16M float32 values (k = 16,778), one run, median of
 
 * ``copy``: ``jnp.copy`` of the array, the memory-bound floor every method is compared to;
 * ``exact``: ``jc.top_k(0.001).encode`` — ``jax.lax.top_k`` over all of ``|x|``;
-* ``approx`` (``approx=True`` = ``"blocked"``): the two-stage block-max selection;
+* ``approx``: ``approx=True``, the method :func:`jaxcomp.codecs.sparse.check_approx` picks
+  for the ratio (``approx_method`` in the JSON);
+* ``blocked``: ``approx="blocked"``, the two-stage block-max selection;
 * ``sample``: ``approx="sample"`` — DGC's sampled threshold (1% sample, re-adjusted into
   [0.8k, 1.3k]) with the blocked compaction into a fixed capacity;
 * ``approx_max_k``: ``approx="approx_max_k"`` (``jax.lax.approx_max_k``: fast on TPU; an
@@ -19,6 +21,7 @@ Meshes of n = 2 and 4 use the first n of the 8 CPU devices.
 Writes ``benchmarks/results/topk_speed.json`` and ``benchmarks/results/sparse_wire_bytes.json``::
 
     python benchmarks/topk_speed.py [--size 16777216] [--ratio 0.001] [--reps 7]
+        [--more-ratios 0.003 0.01]   # also timed (no naive method), under "by_ratio"
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def naive_sampled_select(x: jax.Array, k: int, key: jax.Array, sample_ratio: flo
     return indices, x[jnp.minimum(indices, d - 1)]
 
 
-def speed(size: int, ratio: float, reps: int) -> dict:
+def speed(size: int, ratio: float, reps: int, naive: bool = True) -> dict:
     x = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
     k = sparse.count_for(ratio, size)
     key = jax.random.PRNGKey(1)
@@ -83,10 +86,12 @@ def speed(size: int, ratio: float, reps: int) -> dict:
         "copy": jax.jit(jnp.copy),
         "exact": codec(False),
         "approx": codec(True),
+        "blocked": codec("blocked"),
         "sample": codec("sample"),
         "approx_max_k": codec("approx_max_k"),
-        "sample_nonzero": jax.jit(lambda x: naive_sampled_select(x, k, key)),
     }
+    if naive:
+        methods["sample_nonzero"] = jax.jit(lambda x: naive_sampled_select(x, k, key))
     ms = {name: median_ms(fn, x, reps) for name, fn in methods.items()}
     chosen = {
         name: set(np.asarray(fn(x)[0]).tolist()) - {size}
@@ -102,6 +107,7 @@ def speed(size: int, ratio: float, reps: int) -> dict:
         "reps": reps,
         "median_ms": {name: round(v, 2) for name, v in ms.items()},
         "in_copies": {name: round(v / ms["copy"], 2) for name, v in ms.items()},
+        "approx_method": sparse.check_approx(True, k / size if size else 0.0),
         "approx_speedup_vs_exact": round(ms["exact"] / ms["approx"], 2),
         "speedup_vs_exact": {n: round(ms["exact"] / v, 2) for n, v in ms.items() if n != "copy"},
         "recall": {name: round(len(c & exact) / k, 4) for name, c in chosen.items()},
@@ -179,10 +185,20 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1 << 24)
     parser.add_argument("--ratio", type=float, default=0.001)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument(
+        "--more-ratios",
+        nargs="*",
+        type=float,
+        default=[0.003, 0.01],
+        help="also time these ratios (where approx=True switches from blocked to sample)",
+    )
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     result = speed(args.size, args.ratio, args.reps)
+    result["by_ratio"] = [speed(args.size, r, args.reps, naive=False) for r in args.more_ratios]
+    for r in result["by_ratio"]:
+        print(f"ratio {r['ratio']:g}: in copies {r['in_copies']}")
     (RESULTS / "topk_speed.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"top-k of {args.ratio:g} of {args.size:,} floats (k = {result['k']:,}), median ms:")
     for name, ms in result["median_ms"].items():

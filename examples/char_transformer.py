@@ -113,8 +113,10 @@ def make_tx(
         opt = optax.adam(lr)
     elif optimizer == "sgd":
         opt = optax.sgd(lr, momentum=0.9, nesterov=True)
+    elif optimizer == "plain_sgd":  # for transforms with momentum of their own (jc.dgc)
+        opt = optax.sgd(lr)
     else:
-        raise ValueError(f"`optimizer` must be 'adam' or 'sgd', got {optimizer!r}")
+        raise ValueError(f"`optimizer` must be 'adam', 'sgd' or 'plain_sgd', got {optimizer!r}")
     if compression == "none":
         return opt, False
     if compression == "powersgd":
@@ -152,7 +154,8 @@ def train(
         ``lambda ax: jc.compressed_allreduce(jc.sign(), ax)``).
       steps: optimizer steps. Same batches and initialization for every ``compression``.
       rank: the PowerSGD rank (``compression="powersgd"``).
-      optimizer: ``"adam"`` or ``"sgd"`` (Nesterov momentum 0.9), after the compression.
+      optimizer: ``"adam"``, ``"sgd"`` (Nesterov momentum 0.9) or ``"plain_sgd"`` (no
+        momentum: for ``jc.dgc``, which applies its own), after the compression.
       lr: peak learning rate (default 3e-3 for Adam, 0.2 for SGD).
       schedule: ``"cosine"`` (5% linear warm-up, cosine decay to 0 at ``steps``) or
         ``"constant"``.
@@ -279,7 +282,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rank", type=int, default=4)
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "plain_sgd"), default="adam")
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--start-step", type=int, default=10, help="PowerSGD warm-up steps")
     parser.add_argument("--batch-per-device", type=int, default=2)

@@ -439,8 +439,11 @@ def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
 
     The hierarchical entry of transforms that work on whole leaves (DGC, PowerSGD): every
     device of a host then holds the host's mean gradient and the transform runs over the outer
-    axis as if each host were one device. (``jc.pmean`` and ``compressed_allreduce`` do better:
-    a reduce-scatter, so each device compresses only ``1/L`` of the vector.)
+    axis as if each host were one device. The price: each of the ``L`` devices of a host sends
+    the whole payload over the outer axis, so a host puts ``L`` times the payload on the slow
+    link (DGC at 0.1% and PowerSGD's factors are small enough that this rarely matters).
+    ``jc.pmean`` and ``compressed_allreduce`` do better: a reduce-scatter, so each device
+    compresses and sends only ``1/L`` of the vector, one payload per host in all.
     """
     if inner_axis_name is None:
         return tree
@@ -454,9 +457,13 @@ def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
 
 
 def any_nonfinite(tree: Any, axis_name: Any) -> jax.Array:
-    """True on every device when any float leaf on any device holds NaN or inf (one scalar psum)."""
+    """True on every device when any float leaf on any device holds NaN or inf (one scalar psum).
+
+    ``sum(x * 0)`` is NaN exactly when ``x`` holds a NaN or an inf, and a sum of zeros never
+    overflows: one reduction, half the time of ``all(isfinite(x))`` on XLA:CPU.
+    """
     flags = [
-        jnp.logical_not(jnp.all(jnp.isfinite(leaf)))
+        jnp.isnan(jnp.sum(leaf * jnp.zeros([], leaf.dtype), dtype=jnp.float32))
         for leaf in jax.tree.leaves(tree)
         if jnp.issubdtype(leaf.dtype, jnp.floating)
     ]

@@ -188,8 +188,10 @@ def dgc(
         is ~20x slower (48.7 vs 2.5 ms for a 64-256-10 MLP), hence the default.
       seed: seeds the PRNG key kept in the state.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
-        (float32 ``pmean``); DGC then runs over ``axis_name`` between hosts. The devices of
-        a host hold the same state: ``jc.sharded_init(tx, params, mesh, axis_name)`` and
+        (float32 ``pmean``); DGC then runs over ``axis_name`` between hosts, every device
+        of a host sending the host's payload (``L`` copies per host on the outer axis; see
+        :func:`jaxcomp.collectives.inner_mean`). The devices of a host hold the same state:
+        ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
 
     Returns:

@@ -409,8 +409,10 @@ def powersgd(
         False leaves go through plain ``pmean``.
       seed: seeds the initial ``Q`` and the key in the state.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
-        (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts. The devices of
-        a host hold the same state: ``jc.sharded_init(tx, params, mesh, axis_name)`` and
+        (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts, every device
+        of a host sending the host's payload (``L`` copies per host on the outer axis; see
+        :func:`jaxcomp.collectives.inner_mean`). The devices of a host hold the same state:
+        ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
 
     Returns:

@@ -1,9 +1,9 @@
 """Checkpoints: jaxcomp state saves and restores with orbax and training resumes bit-identically.
 
-For residual error feedback, DGC, PowerSGD and EF21 inside ``jc.accumulate`` (saved in the
-middle of an accumulation): train 40 steps, saving params and optimizer
-state (per-device memories sharded ``P("data")``) at step 20 with orbax's
-``StandardCheckpointer``; a FRESH process restores the checkpoint onto the same shardings,
+For residual error feedback, DGC, PowerSGD, EF21 inside ``jc.accumulate`` (saved in the
+middle of an accumulation) and Signum (majority vote with worker momentum): train 40 steps,
+saving params and optimizer state (per-device memories sharded ``P("data")``) at step 20 with
+orbax's ``StandardCheckpointer``; a FRESH process restores the checkpoint onto the same shardings,
 trains the last 20 steps and writes its params; they must equal the uninterrupted run's
 bit for bit. This file is also the fresh process (``python tests/test_checkpoint.py DIR``).
 """
@@ -43,6 +43,12 @@ def transforms():
                 optax.sgd(0.05, momentum=0.9),
             ),
             3,
+        ),
+        "signum": optax.chain(
+            jc.compressed_allreduce(
+                jc.sign(None), "data", strategy="majority_vote", worker_momentum=0.9
+            ),
+            optax.sgd(0.01),
         ),
     }
 
@@ -143,8 +149,8 @@ def test_restore_in_fresh_process_continues_bit_identically(tmp_path):
         ckpt.wait_until_finished()
         finals[name], state = train(step, params, state, batch, SAVE_AT, STEPS)
         first = state if isinstance(state, jc.AccumulateState) else state[0]
-        memory = getattr(first, type(first).PER_DEVICE_FIELDS[0])
-        biggest = max(float(abs(m).max()) for m in jax.tree.leaves(memory))
+        memories = [getattr(first, f) for f in type(first).PER_DEVICE_FIELDS]
+        biggest = max(float(abs(m).max()) for m in jax.tree.leaves(memories))
         assert biggest > 0, f"{name}: no per-device state to test"
     ckpt.close()
 

@@ -148,6 +148,95 @@ def test_majority_vote_zero_nonfinite_and_bad_codecs():
     assert jc.choose_strategy(jc.sign(None), D, 8) == "two_phase"  # auto never votes
 
 
+# --------------------------------------------------------------------------- Signum
+
+
+def signum_step(tx):
+    """(state, step(g, s)) for ``tx`` on a single (30, 40) leaf, every leaf compressed."""
+    state = jc.sharded_init(tx, {"w": jnp.zeros((30, 40))}, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+    step = per_device(lambda g, s: tx.update({"w": g[0]}, s), (P("data"), specs), (P(), specs))
+    return state, step
+
+
+def test_signum_worker_momentum_recursion_is_exact():
+    beta = 0.9
+    tx = jc.compressed_allreduce(
+        jc.sign(None), "data", strategy="majority_vote", worker_momentum=beta, min_size=1
+    )
+    state, step = signum_step(tx)
+    assert state.momentum.shape == (N * 1200,) and state.memory is None
+    assert jc.state_specs(state, "data").momentum == P("data")
+    m = np.zeros((N, 1200), np.float32)
+    for t in range(4):
+        g = stacked_normal(t, (30, 40), offset=0.2)
+        out, state = step(shard(g), state)
+        g = np.asarray(g).reshape(N, 1200)
+        m = np.float32(beta) * m + np.float32(1 - beta) * g  # per device, f32 like the step
+        np.testing.assert_allclose(state.momentum.reshape(N, 1200), m, rtol=1e-6, atol=1e-7)
+        # the server's answer: sign(sum_i sign(m_i)), computed on the devices' momenta
+        np.testing.assert_array_equal(np.asarray(out["w"]).ravel(), expected_vote(m))
+    assert int(state.count) == 4
+    off = jc.compressed_allreduce(jc.sign(None), "data", strategy="majority_vote")
+    assert off.init({"w": jnp.zeros((64, 64))}).momentum is None  # unused: None, not f32[0]
+
+
+@pytest.mark.parametrize(
+    "codec,strategy,error_feedback",
+    [(jc.sign(None), "majority_vote", None), (jc.sign(), "two_phase", "residual")],
+)
+def test_worker_momentum_state_unchanged_on_a_nan_step(codec, strategy, error_feedback):
+    tx = jc.compressed_allreduce(
+        codec,
+        "data",
+        strategy=strategy,
+        error_feedback=error_feedback,
+        worker_momentum=0.5,
+        min_size=1,
+    )
+    state, step = signum_step(tx)
+    _, state = step(shard(stacked_normal(0, (30, 40))), state)
+    bad = stacked_normal(1, (30, 40)).at[3, 2, 7].set(jnp.nan)
+    out, after = step(shard(bad), state)
+    assert not bool(jnp.all(jnp.isfinite(out["w"])))
+    for name, old, new in zip(state._fields, state, after, strict=True):
+        if old is None:
+            assert new is None, name
+        else:
+            np.testing.assert_array_equal(np.asarray(new), np.asarray(old), err_msg=name)
+    assert float(jnp.abs(after.momentum).max()) > 0
+
+
+@pytest.mark.slow
+def test_signum_majority_vote_trains_digits_within_2_points():
+    """Signum (sign(None) majority vote, worker momentum 0.9, plain SGD, cosine lr 0.01) against
+    uncompressed momentum SGD (lr 0.05, momentum 0.9), same seed and steps.
+
+    300 steps keep the test fast; ``benchmarks/scale_bytes.py`` runs the 1000-step row."""
+    import sys
+    from pathlib import Path
+
+    import optax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import flax_nnx_train as example
+
+    steps = 300
+    base = example.train("none", steps=steps)
+    signum = example.train(
+        "signsgd",
+        steps=steps,
+        strategy="majority_vote",
+        lr=optax.cosine_decay_schedule(0.01, steps),
+        momentum=None,
+        compress_kwargs={"worker_momentum": 0.9},
+    )
+    print(f"signum {signum.accuracy:.4f} vs {base.accuracy:.4f}, {signum.ratio:.1f}x")
+    assert base.accuracy >= 0.96
+    assert signum.accuracy >= base.accuracy - 0.02
+    assert signum.ratio >= 20
+
+
 # --------------------------------------------------------------------------- sparse two-phase
 
 

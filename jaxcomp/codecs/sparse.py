@@ -45,8 +45,14 @@ _FLOAT16 = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 #: Top-k selection methods (``top_k(approx=...)``); see :class:`TopK`.
 APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k")
-#: What ``approx=True`` means: the fastest method measured on XLA:CPU (benchmarks/topk_speed.py).
+#: What ``approx=True`` means below :data:`APPROX_SAMPLE_FROM`: the fastest method measured
+#: on XLA:CPU there (benchmarks/topk_speed.py).
 APPROX_DEFAULT = "blocked"
+#: From this ratio on ``approx=True`` means ``"sample"``: the blocked selection's second stage
+#: grows as ``k * sqrt(d / k)`` and the sampled threshold's cost hardly moves with ``k``. On
+#: 16M floats (XLA:CPU, in copies of the array, one run): blocked 0.68 / 1.9 / 3.1 / 6.2 and
+#: sample 3.1 / 3.5 / 3.8 / 3.8 at ratios 0.1% / 0.3% / 0.5% / 1%: they cross near 0.6%.
+APPROX_SAMPLE_FROM = 0.006
 
 #: The approximate (two-stage) selection is used when ``d`` is at least this large.
 APPROX_MIN_SIZE = 1 << 14
@@ -66,12 +72,14 @@ def check_values(values):
     return values
 
 
-def check_approx(approx) -> str:
-    """``approx`` as a selection method name: False -> ``"exact"``, True -> the default."""
+def check_approx(approx, ratio: float = 0.0) -> str:
+    """``approx`` as a selection method name: False -> ``"exact"``, True -> the fastest
+    measured for ``ratio`` (:data:`APPROX_DEFAULT`, or ``"sample"`` from
+    :data:`APPROX_SAMPLE_FROM` on)."""
     if approx is False:
         return "exact"
     if approx is True:
-        return APPROX_DEFAULT
+        return "sample" if ratio >= APPROX_SAMPLE_FROM else APPROX_DEFAULT
     if isinstance(approx, str) and approx in APPROX_METHODS:
         return approx
     if not isinstance(approx, str):
@@ -281,7 +289,7 @@ def sampled_top_k(
         total = state[2]
         outside = (total < SAMPLE_BAND[0] * k) | (total > SAMPLE_BAND[1] * k)
         state = jax.lax.cond(outside, readjust, lambda s: s, state)
-    rank, per_block, _ = state
+    rank, per_block, total = state
     t = ranked[rank - 1]
 
     slots = min(nb, capacity)
@@ -295,8 +303,17 @@ def sampled_top_k(
     (pos,) = jnp.nonzero(keep, size=capacity, fill_value=flat.shape[0])
     filled = pos < flat.shape[0]
     pos = jnp.minimum(pos, flat.shape[0] - 1)
-    _, best = jax.lax.top_k(jnp.where(filled, flat[pos], -1.0), k)
-    pos, filled = pos[best], filled[best]
+
+    def largest(pos, filled):  # more than k passed: the k largest of them
+        _, best = jax.lax.top_k(jnp.where(filled, flat[pos], -1.0), k)
+        return pos[best], filled[best]
+
+    def all_of_them(pos, filled):  # at most k passed: they fill the first slots, in order
+        return pos[:k], filled[:k]
+
+    # The top_k over `capacity` slots costs as much as the rest at ratios of 1%: skip it when
+    # every entry over t fits (always the case when the count lands in [0.8 k, k]).
+    pos, filled = jax.lax.cond(total > k, largest, all_of_them, pos, filled)
     in_block = pos < slots * b
     block_pos = jnp.minimum(pos, slots * b - 1)
     from_blocks = blocks[block_pos // b] * b + block_pos % b
@@ -364,17 +381,19 @@ class TopK(SparseCodec):
     Selection (``approx``), every one with static shapes:
 
     * ``"exact"`` (``approx=False``): ``jax.lax.top_k`` over all of ``|x|``.
-    * ``"blocked"`` (``approx=True``: the fastest measured on XLA:CPU, :data:`APPROX_DEFAULT`):
-      two stages (:func:`two_stage_top_k`: block maxima, then top-k over the candidate
-      blocks) for vectors of at least ``APPROX_MIN_SIZE`` entries where it pays; the same set
-      as exact top-k whenever the k-th largest magnitude is unique.
+    * ``"blocked"`` (``approx=True`` below ``ratio`` 0.6%: the fastest measured there on
+      XLA:CPU, :data:`APPROX_DEFAULT`): two stages (:func:`two_stage_top_k`: block maxima,
+      then top-k over the candidate blocks) for vectors of at least ``APPROX_MIN_SIZE``
+      entries where it pays; the same set as exact top-k whenever the k-th largest magnitude
+      is unique.
     * ``"sample"``: DGC's sampled threshold (:func:`sampled_top_k`, Lin et al. 2018): a
       threshold from a random sample of ``sample_ratio * d`` entries (at least ``32 d / k``),
       re-adjusted while the count over it is outside ``[0.8 k, 1.3 k]``, at most ``k`` sent
       (fixed capacity). The exact top-k when at least ``k`` entries reach the threshold, else
       the ``>= 0.8 k`` largest; tested on Gaussian, Student-t(2), Cauchy and log-normal
       vectors (0.86-1.0 of the true top-k kept). Uses ``key`` when given (a fresh sample per
-      step and device), a fixed sample otherwise.
+      step and device), a fixed sample otherwise. ``approx=True`` from ``ratio`` 0.6% on
+      (:data:`APPROX_SAMPLE_FROM`): at 1% it is 1.6x faster than blocked.
     * ``"approx_max_k"``: ``jax.lax.approx_max_k`` (recall target 0.95), fast on TPU; an
       exact sort on CPU.
 
@@ -383,7 +402,8 @@ class TopK(SparseCodec):
     exact), sample 472 ms, approx_max_k 474 ms, and the naive static-shape sampled
     threshold (``jnp.nonzero(size=k)`` over all of ``x``) 1425 ms. With static shapes the
     sampled threshold still needs a count pass and a compaction, so on CPU it is no faster
-    than exact top-k; it is offered for fidelity to DGC (not measured on accelerators).
+    than exact top-k at 0.1%; its cost hardly grows with ``k``, and at 1% it is the fastest
+    (see :data:`APPROX_SAMPLE_FROM`; not measured on accelerators).
 
     Per layer or whole model: ``compressed_allreduce(..., granularity="leaf")`` (the
     default) selects ``k = ratio * d_leaf`` in every leaf; ``granularity="flat"`` selects
@@ -564,7 +584,8 @@ def top_k(
         ``"exact"`` (``jax.lax.top_k``), ``"blocked"`` (two-stage, the same set as exact
         top-k, faster on large vectors), ``"sample"`` (DGC's sampled threshold, fixed
         capacity ``k``), ``"approx_max_k"`` (``jax.lax.approx_max_k``: fast on TPU), or
-        ``True``: the fastest measured, ``"blocked"`` (:data:`APPROX_DEFAULT`).
+        ``True``: the fastest measured for ``ratio``, ``"blocked"`` below 0.6% and
+        ``"sample"`` from there on (:data:`APPROX_SAMPLE_FROM`).
       values: how values travel: None (float32), ``"fp16"``, ``"bf16"``, ``"int8"`` or
         ``"sign"`` (sparse ternary compression).
       sample_ratio: with ``approx="sample"``, the fraction of entries sampled to estimate the
@@ -587,7 +608,7 @@ def top_k(
     """
     return TopK(
         check_ratio(ratio),
-        check_approx(approx),
+        check_approx(approx, ratio),
         check_values(values),
         check_positive_float("sample_ratio", sample_ratio, upper=1.0),
     )

@@ -61,6 +61,8 @@ class Result:
     accuracy: float
     bytes_per_step: float  # ring-model bytes each device sends per step (compiled program)
     baseline_bytes: float  # the same step with plain pmean
+    test_loss: float  # cross-entropy on the test split after training ...
+    initial_test_loss: float  # ... and before
 
     @property
     def ratio(self) -> float:
@@ -109,10 +111,12 @@ def train(
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
+    replicated = NamedSharding(mesh, P())
     model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     params = params.to_pure_dict()
-    # nnx.Optimizer hands the optax transforms nnx.State trees: init the state with the same
+    # nnx.Optimizer hands the optax transforms the params as an nnx.State tree: the sharded
+    # optimizer state is initialized from the same tree.
     param_state = nnx.as_pure(nnx.state(model, nnx.Param))
     inner = make_optimizer(optimizer, lr, momentum)
     tx = make_transform(codec_name, strategy, error_feedback, inner, **(compress_kwargs or {}))
@@ -120,17 +124,23 @@ def train(
     def loss_fn(model, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
+    def test_loss(p) -> float:
+        return float(loss_fn(nnx.merge(graphdef, nnx.State(p)), jnp.asarray(xte), jnp.asarray(yte)))
+
     def build_step(tx, reduce_plain):
-        # The error-feedback memory differs per device, so the optimizer state lives outside
-        # the step as arrays sharded P("data") (jc.sharded_init / jc.state_specs) and is
-        # loaded into an nnx.Optimizer inside it.
-        opt_state = jc.sharded_init(tx, param_state, mesh, AXIS)
-        specs = jc.state_specs(opt_state, AXIS)
+        # The optimizer is built once; each step re-assembles it from its graphdef (the
+        # transforms, static) and its state. The error-feedback memory differs per device,
+        # so the state lives outside the step as arrays sharded P("data") (jc.sharded_init /
+        # jc.state_specs), with the optimizer's step counter beside it.
+        nnx_opt = nnx.Optimizer(model, tx, wrt=nnx.Param)  # tx: chain(compressed_allreduce, opt)
+        opt_def = nnx.graphdef(nnx_opt)
+        sharded = jc.sharded_init(tx, param_state, mesh, AXIS)
+        opt_state = {"opt_state": sharded, "step": jax.device_put(nnx_opt.step[...], replicated)}
+        specs = {"opt_state": jc.state_specs(sharded, AXIS), "step": P()}
 
         def step(p, s, x, y):
             model = nnx.merge(graphdef, nnx.State(p))
-            opt = nnx.Optimizer(model, tx, wrt=nnx.Param)  # its fresh init is dead code
-            nnx.update(opt.opt_state, nnx.state(s))
+            opt = nnx.merge(opt_def, nnx.state(s))
             # pcast: params are replicated; make them per-device before grad, so JAX does
             # not insert an implicit f32 all-reduce of every gradient.
             local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
@@ -138,7 +148,8 @@ def train(
             if reduce_plain:
                 g = jax.lax.pmean(g, AXIS)
             opt.update(model, g)  # jc.compressed_allreduce averages g, then the optimizer
-            return nnx.state(model).to_pure_dict(), nnx.as_pure(opt.opt_state)
+            new_state = {"opt_state": nnx.as_pure(opt.opt_state), "step": opt.step[...]}
+            return nnx.state(model).to_pure_dict(), new_state
 
         sm = jax.shard_map(
             step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
@@ -148,11 +159,12 @@ def train(
     step, opt_state = build_step(tx, codec_name == "none")
     base_step, base_state = build_step(inner, True)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
-    p = jax.device_put(params, NamedSharding(mesh, P()))
+    p = jax.device_put(params, replicated)
     sample = (put(xtr[:batch]), put(ytr[:batch]))
     bytes_step = jc.comm_report(step, p, opt_state, *sample).bytes_per_device
     base_bytes = jc.comm_report(base_step, p, base_state, *sample).bytes_per_device
 
+    initial_loss = test_loss(params)
     rng = np.random.RandomState(seed)
     iterator = range(steps)
     if progress:
@@ -164,7 +176,7 @@ def train(
         p, opt_state = step(p, opt_state, put(xtr[idx]), put(ytr[idx]))
     logits = nnx.merge(graphdef, nnx.State(p))(jnp.asarray(xte))
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == yte))
-    return Result(codec_name, accuracy, bytes_step, base_bytes)
+    return Result(codec_name, accuracy, bytes_step, base_bytes, test_loss(p), initial_loss)
 
 
 def print_table(results: list[Result]) -> None:

@@ -1,8 +1,9 @@
 """Bad configuration gets a clear error that names the argument; huge leaves never overflow.
 
 ``CHECKS`` is the table of every argument check of the public factories and functions; each
-row must raise its ValueError/TypeError with the argument's name in the message, and
-``docs/errors.md`` must list it (the documentation and the code cannot drift apart).
+row must raise its ValueError/TypeError with the argument's name in the message. The table in
+``docs/errors.md`` and the tested checks agree both ways: every check has its row, and every
+row (with each error type it names) is raised by a test (docs and code cannot drift apart).
 Trace-time errors (an axis name that is not bound, a state that does not match the gradient
 tree, a mask of the wrong structure) are checked with ``jax.eval_shape``: nothing compiles.
 Leaves above 2^31 - 1 elements (where int32 indices and offsets overflow): a codec refuses
@@ -19,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import mesh
 from jax.sharding import NamedSharding
@@ -29,6 +31,7 @@ from jaxcomp import launch
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
+SGD = optax.sgd(0.1)
 
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
@@ -37,13 +40,18 @@ CHECKS = [
     ("int_quant", "bits", lambda: jc.int_quant(9), ValueError),
     ("int_quant", "bits", lambda: jc.int_quant(4.0), TypeError),
     ("int_quant", "block_size", lambda: jc.int_quant(8, block_size=0), ValueError),
+    ("int_quant", "block_size", lambda: jc.int_quant(8, block_size=2.5), TypeError),
     ("int_quant", "stochastic", lambda: jc.int_quant(8, stochastic=1), TypeError),
     ("qsgd", "levels", lambda: jc.qsgd(0), ValueError),
     ("qsgd", "levels", lambda: jc.qsgd(128), ValueError),
+    ("qsgd", "levels", lambda: jc.qsgd(16.0), TypeError),
     ("qsgd", "bucket_size", lambda: jc.qsgd(16, bucket_size=0), ValueError),
+    ("qsgd", "bucket_size", lambda: jc.qsgd(16, bucket_size="128"), TypeError),
     ("terngrad", "block_size", lambda: jc.terngrad(block_size=0), ValueError),
+    ("terngrad", "block_size", lambda: jc.terngrad(block_size=1.5), TypeError),
     ("sign", "scale", lambda: jc.sign("max"), ValueError),
     ("sign", "block_size", lambda: jc.sign(block_size=0), ValueError),
+    ("sign", "block_size", lambda: jc.sign(block_size=1.5), TypeError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(0.0), ValueError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(float("nan")), ValueError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit("0.5"), TypeError),
@@ -53,12 +61,30 @@ CHECKS = [
     ("top_k", "approx", lambda: jc.top_k(0.01, approx=1), TypeError),
     ("top_k", "approx", lambda: jc.top_k(0.01, approx="fastest"), ValueError),
     ("top_k", "values", lambda: jc.top_k(0.01, values="int4"), ValueError),
+    (
+        "top_k",
+        "sample_ratio",
+        lambda: jc.top_k(0.01, approx="sample", sample_ratio=0.0),
+        ValueError,
+    ),
+    ("top_k", "sample_ratio", lambda: jc.top_k(0.01, sample_ratio="1%"), TypeError),
     ("random_k", "ratio", lambda: jc.random_k(0.0), ValueError),
+    ("random_k", "ratio", lambda: jc.random_k("1%"), TypeError),
     ("random_k", "values", lambda: jc.random_k(0.01, values="f32"), ValueError),
     ("threshold", "tau", lambda: jc.threshold(0.0, 10), ValueError),
+    ("threshold", "tau", lambda: jc.threshold("0.1", 10), TypeError),
     ("threshold", "capacity", lambda: jc.threshold(0.1, 0), ValueError),
     ("threshold", "capacity", lambda: jc.threshold(0.1, 2.5), TypeError),
     ("get_codec", "name", lambda: jc.get_codec("int7"), ValueError),
+    ("codec .encode", "x", lambda: S.encode(jnp.zeros((2, 2))), ValueError),
+    ("codec .encode", "x", lambda: S.encode(jnp.zeros(4, jnp.int32)), TypeError),
+    (
+        "codec .encode",
+        "x",
+        lambda: jax.eval_shape(S.encode, jax.ShapeDtypeStruct((2**31,), jnp.float32)),
+        ValueError,
+    ),
+    ("stochastic codec .encode", "key", lambda: jc.qsgd().encode(jnp.ones(4)), ValueError),
     ("compressed_allreduce", "codec", lambda: jc.compressed_allreduce("sign", "data"), TypeError),
     (
         "compressed_allreduce",
@@ -86,6 +112,14 @@ CHECKS = [
     ),
     (
         "compressed_allreduce",
+        "error_feedback",
+        lambda: jc.compressed_allreduce(
+            jc.sign(None), "d", error_feedback="ef21", strategy="majority_vote"
+        ),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
         "granularity",
         lambda: jc.compressed_allreduce(S, "d", granularity="layer"),
         ValueError,
@@ -96,6 +130,13 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", min_size=-1),
         ValueError,
     ),
+    (
+        "compressed_allreduce",
+        "min_size",
+        lambda: jc.compressed_allreduce(S, "d", min_size=1.5),
+        TypeError,
+    ),
+    ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=-1), ValueError),
     ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=1.5), TypeError),
     (
         "compressed_allreduce",
@@ -103,7 +144,34 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", server_feedback="yes"),
         TypeError,
     ),
+    (
+        "compressed_allreduce",
+        "worker_momentum",
+        lambda: jc.compressed_allreduce(S, "d", worker_momentum=1.0),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "worker_momentum",
+        lambda: jc.compressed_allreduce(S, "d", worker_momentum="0.9"),
+        TypeError,
+    ),
+    (
+        "compressed_allreduce",
+        "worker_momentum",
+        lambda: jc.compressed_allreduce(S, "d", worker_momentum=1.0),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "worker_momentum",
+        lambda: jc.compressed_allreduce(S, "d", worker_momentum="0.9"),
+        TypeError,
+    ),
     ("dgc", "ratio", lambda: jc.dgc(0.0, "d"), ValueError),
+    ("dgc", "ratio", lambda: jc.dgc("1%", "d"), TypeError),
+    ("dgc", "sample_ratio", lambda: jc.dgc(0.01, "d", sample_ratio=1.5), ValueError),
+    ("dgc", "sample_ratio", lambda: jc.dgc(0.01, "d", sample_ratio="1%"), TypeError),
     ("dgc", "axis_name", lambda: jc.dgc(0.01), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=1.0), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum="0.9"), TypeError),
@@ -112,6 +180,7 @@ CHECKS = [
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm=0.0), ValueError),
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm="1"), TypeError),
     ("dgc", "warmup_steps", lambda: jc.dgc(0.01, "d", warmup_steps=-1), ValueError),
+    ("dgc", "warmup_steps", lambda: jc.dgc(0.01, "d", warmup_steps=1.5), TypeError),
     (
         "dgc",
         "warmup_schedule",
@@ -125,14 +194,19 @@ CHECKS = [
         ValueError,
     ),
     ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=-1), ValueError),
+    ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=1.5), TypeError),
     ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="allreduce"), ValueError),
     ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="ring"), ValueError),
     ("dgc", "seed", lambda: jc.dgc(0.01, "d", seed=-1), ValueError),
+    ("dgc", "seed", lambda: jc.dgc(0.01, "d", seed=1.5), TypeError),
     ("powersgd", "rank", lambda: jc.powersgd(0, "d"), ValueError),
     ("powersgd", "rank", lambda: jc.powersgd(2.0, "d"), TypeError),
     ("powersgd", "start_step", lambda: jc.powersgd(2, "d", start_step=-1), ValueError),
     ("powersgd", "min_size", lambda: jc.powersgd(2, "d", min_size=-1), ValueError),
     ("powersgd", "seed", lambda: jc.powersgd(2, "d", seed=-1), ValueError),
+    ("powersgd", "start_step", lambda: jc.powersgd(2, "d", start_step=1.5), TypeError),
+    ("powersgd", "min_size", lambda: jc.powersgd(2, "d", min_size=1.5), TypeError),
+    ("powersgd", "seed", lambda: jc.powersgd(2, "d", seed=1.5), TypeError),
     (
         "powersgd",
         "min_compression_rate",
@@ -141,14 +215,29 @@ CHECKS = [
     ),
     (
         "powersgd",
+        "min_compression_rate",
+        lambda: jc.powersgd(2, "d", min_compression_rate="1"),
+        TypeError,
+    ),
+    (
+        "powersgd",
         "orthogonalization_epsilon",
         lambda: jc.powersgd(2, "d", orthogonalization_epsilon=1.0),
         ValueError,
+    ),
+    (
+        "powersgd",
+        "orthogonalization_epsilon",
+        lambda: jc.powersgd(2, "d", orthogonalization_epsilon="0"),
+        TypeError,
     ),
     ("powersgd", "warm_start", lambda: jc.powersgd(2, "d", warm_start="no"), TypeError),
     ("powersgd", "error_feedback", lambda: jc.powersgd(2, "d", error_feedback="no"), TypeError),
     ("powersgd", "batch_same_shape", lambda: jc.powersgd(2, "d", batch_same_shape=None), TypeError),
     ("choose_strategy", "strategy", lambda: jc.choose_strategy(S, 10, 8, "ring"), ValueError),
+    ("accumulate", "every_k", lambda: jc.accumulate(SGD, 0), ValueError),
+    ("accumulate", "every_k", lambda: jc.accumulate(SGD, 2.0), TypeError),
+    ("accumulate", "use_grad_mean", lambda: jc.accumulate(SGD, 2, use_grad_mean=1), TypeError),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
@@ -161,6 +250,7 @@ TRACE_CHECKS = [
     ("pmean", "strategy", lambda x: jc.pmean(x, "data", S, strategy="ring"), ValueError),
     ("pmean", "granularity", lambda x: jc.pmean(x, "data", S, granularity="layer"), ValueError),
     ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=-1), ValueError),
+    ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=1.5), TypeError),
     ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
     ("pmean", "axis_name", lambda x: jc.pmean(x, "model", S), ValueError),
     (
@@ -229,15 +319,37 @@ def test_trace_time_check_raises_naming_the_argument(row):
     assert re.search(rf"\b{arg}\b", str(info.value)), str(info.value)
 
 
-def test_docs_table_lists_every_check():
-    text = DOC.read_text()
-    rows = {
-        tuple(c.strip(" `") for c in line.strip().strip("|").split("|")[:2])
-        for line in text.splitlines()
-        if line.startswith("|")
+def doc_rows() -> set[tuple[str, str, type]]:
+    """``(function, argument, error)`` for every error type named in a row of docs/errors.md."""
+    rows = set()
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip().replace("`", "") for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 4 or cells[0] in ("function", "---"):
+            continue
+        for exc in (ValueError, TypeError):
+            if exc.__name__ in cells[3]:
+                rows.add((cells[0], cells[1], exc))
+    return rows
+
+
+def test_docs_table_and_tested_checks_agree():
+    """Both ways: every tested check has its row; every row (and error type) is tested."""
+    # Rows whose check is raised by a test of its own below (all ValueError).
+    update = "compressed_allreduce, dgc, powersgd (update)"
+    elsewhere = {
+        (update, "axis_name", ValueError): test_unbound_axis_says_so,
+        (update, "state", ValueError): test_state_for_other_params_says_so,
+        (update, "updates", ValueError): test_tree_of_same_size_but_other_leaves_says_so,
+        ("compressed_allreduce, powersgd (init/update)", "mask", ValueError): (
+            test_mask_of_wrong_structure_says_so
+        ),
     }
-    for function, arg, *_ in CHECKS + TRACE_CHECKS:
-        assert (function, arg) in rows, f"docs/errors.md lacks a row for {function}({arg}=...)"
+    assert all(test.__name__.startswith("test_") for test in elsewhere.values())
+    tested = {(f, arg, exc) for f, arg, _, exc in CHECKS + TRACE_CHECKS} | set(elsewhere)
+    rows = doc_rows()
+    assert len(rows) > len(elsewhere)
+    assert not tested - rows, f"docs/errors.md lacks rows for {sorted(map(str, tested - rows))}"
+    assert not rows - tested, f"untested rows of docs/errors.md: {sorted(map(str, rows - tested))}"
 
 
 # --------------------------------------------------------------------------- trace-time checks

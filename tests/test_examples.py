@@ -3,6 +3,7 @@
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -30,3 +31,16 @@ def test_demo_table_runs(capsys):
     assert example.main(["--codec", "int4", "--steps", "20"]) == 0
     out = capsys.readouterr().out
     assert "bytes/step/device" in out and "int4" in out and "none" in out
+
+
+def test_adamw_path_trains_and_compresses():
+    """``--optimizer adamw``: nnx.Optimizer(model, chain(compressed_allreduce, adamw)) learns."""
+    result = example.train("int8", steps=30, optimizer="adamw", lr=2e-3, strategy="two_phase")
+    print(
+        f"adamw/int8: loss {result.initial_test_loss:.3f} -> {result.test_loss:.3f}, "
+        f"acc {result.accuracy:.3f}, {result.ratio:.1f}x"
+    )
+    assert np.isfinite(result.test_loss)
+    assert result.test_loss < 0.5 * result.initial_test_loss
+    assert result.accuracy >= 0.8
+    assert result.ratio >= 3.5  # int8 vs f32 pmean, two-phase

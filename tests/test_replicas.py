@@ -1,9 +1,12 @@
 """Replica consistency across processes: 4 local JAX processes over gloo, every codec family.
 
 One launch of ``tests/scripts/replica_train.py families`` (to pay the process start-up once)
-trains a small MLP for 50 steps with sign + residual error feedback, int8 two-phase, QSGD,
-random-k, top-k, DGC and PowerSGD. Data-parallel replicas must hold the same params bit for
-bit: each process prints a SHA-256 of its local copy, and they must agree. Randomness: the
+trains a small MLP for 50 steps with one transform of every codec family: sign + residual error
+feedback, int8 two-phase, QSGD, random-k, top-k, DGC, PowerSGD, an fp16 cast, TernGrad,
+natural compression, MXNet's 2-bit threshold, Strom's threshold sparsification, signSGD with
+majority vote and EF21 (top-k), all in one compiled step. Data-parallel replicas must hold the
+same params bit for bit: each process prints a SHA-256 of its local copy, and they must agree
+(and differ from the initial params, finite: every family trained). Randomness: the
 payload each device encodes for the same input must be identical across devices for random-k
 (its indices are shared so payloads add) and must differ for stochastic rounding (QSGD, int8
 with stochastic rounding: independent noise per device, or averaging cannot reduce it).
@@ -22,7 +25,22 @@ from jaxcomp import launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "replica_train.py"
 PROCESSES = 4
-FAMILIES = ("sign_ef", "int8_two_phase", "qsgd", "random_k", "top_k", "dgc", "powersgd")
+FAMILIES = (
+    "sign_ef",
+    "int8_two_phase",
+    "qsgd",
+    "random_k",
+    "top_k",
+    "dgc",
+    "powersgd",
+    "fp16",
+    "terngrad",
+    "natural",
+    "threshold_2bit",
+    "threshold",
+    "majority_vote",
+    "ef21",
+)
 
 
 def run_script(args, timeout=480.0, grace=30.0):
@@ -45,11 +63,16 @@ def test_replicas_agree_bit_for_bit_and_keys_are_right():
     status, text, lines = run_script(["families", "--steps", "50"])
     assert status == 0, text[-4000:]
     hashes: dict[str, dict[int, str]] = {}
+    finite: dict[str, set[str]] = {}
+    initial: set[str] = set()
     payloads: dict[str, dict[int, set[str]]] = {}
     for rank, line in lines:
-        if line.startswith("HASH "):
-            _, name, digest = line.split()[:3]
+        if line.startswith("INIT "):
+            initial.add(line.split()[1])
+        elif line.startswith("HASH "):
+            _, name, digest, verdict = line.split()
             hashes.setdefault(name, {})[rank] = digest
+            finite.setdefault(name, set()).add(verdict)
         elif line.startswith("PAYLOAD "):
             _, name, verdict, leaf = line.split()
             payloads.setdefault(name, {}).setdefault(rank, set()).add(f"{leaf}:{verdict}")
@@ -58,6 +81,8 @@ def test_replicas_agree_bit_for_bit_and_keys_are_right():
         assert sorted(by_rank) == list(range(PROCESSES)), (name, by_rank)
         assert len(set(by_rank.values())) == 1, f"{name}: replicas diverged {by_rank}"
     assert len({next(iter(h.values())) for h in hashes.values()}) == len(FAMILIES)  # all trained
+    assert len(initial) == 1 and not initial & {next(iter(h.values())) for h in hashes.values()}
+    assert all(v == {"finite"} for v in finite.values()), finite
 
     def verdicts(name):
         (v,) = {frozenset(s) for s in payloads[name].values()}  # every rank saw the same

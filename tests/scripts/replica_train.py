@@ -6,9 +6,11 @@ Run under the launcher (one CPU device per process, gloo collectives)::
     python -m jaxcomp.launch -n 4 tests/scripts/replica_train.py fault --steps 30 \
         --ckpt DIR --every 10 [--die-rank 2 --die-step 25] [--resume]
 
-``families`` trains a small MLP with one representative transform of every codec family
-(same seed, data drawn per device inside the step) and prints ``HASH <family> <sha256>`` of
-the params (identical on every process when the replicas agree), then ``PAYLOAD <codec>
+``families`` trains a small MLP (gradient descent, ``LR``) with one representative transform
+of every codec family (same seed, data drawn per device inside the step; ``--families a,b``
+for a subset) and prints ``INIT <sha256>`` of the initial params, ``HASH <family> <sha256>
+<finite|nonfinite>`` of the trained ones (identical on every process when the replicas
+agree), then ``PAYLOAD <codec>
 <same|differ> <leaf>``: whether the payload each device would send for the SAME input is
 identical across devices (random-k indices: must be; stochastic rounding: must not be).
 
@@ -46,6 +48,7 @@ from jaxcomp import collectives  # noqa: E402
 
 AXIS = "data"
 IN, HIDDEN, OUT, BATCH = 16, 64, 32, 8
+LR = 0.1  # plain gradient descent after the transform
 
 
 def say(*parts) -> None:
@@ -60,6 +63,7 @@ def mesh():
 def families() -> dict[str, optax.GradientTransformation]:
     """One transform per codec family (min_size small so every matrix is compressed)."""
     ca = lambda codec, **kw: jc.compressed_allreduce(codec, AXIS, min_size=64, **kw)  # noqa: E731
+    flat = lambda codec, **kw: ca(codec, granularity="flat", **kw)  # noqa: E731
     return {
         "sign_ef": ca(jc.sign(), error_feedback="residual", strategy="allgather"),
         "int8_two_phase": ca(jc.int_quant(8), strategy="two_phase"),
@@ -68,6 +72,14 @@ def families() -> dict[str, optax.GradientTransformation]:
         "top_k": ca(jc.top_k(0.05), error_feedback="residual"),
         "dgc": jc.dgc(0.05, AXIS, momentum=0.9, min_size=64),
         "powersgd": jc.powersgd(2, AXIS, start_step=3, min_size=64),
+        # One flat bucket each (granularity="flat"): half the compiled code of two leaves.
+        "fp16": flat(jc.cast("fp16")),
+        "terngrad": flat(jc.terngrad()),
+        "natural": flat(jc.natural()),
+        "threshold_2bit": flat(jc.threshold_2bit(0.01)),  # t near the gradients' magnitude
+        "threshold": flat(jc.threshold(0.01, 64)),
+        "majority_vote": flat(jc.sign(None), strategy="majority_vote"),
+        "ef21": flat(jc.top_k(0.1), error_feedback="ef21"),
     }
 
 
@@ -103,6 +115,7 @@ def make_step(tx, m, state):
         y = jax.random.normal(ky, (BATCH, OUT))
         grads = jax.grad(loss)(jax.lax.pcast(params, AXIS, to="varying"), x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: -LR * u, updates)
         return optax.apply_updates(params, updates), opt_state
 
     fn = jax.shard_map(step, mesh=m, in_specs=(P(), specs, P()), out_specs=(P(), specs))
@@ -185,13 +198,20 @@ def payload_agreement(codecs, m, d=1000) -> dict[str, list[tuple[str, bool]]]:
 def run_families(ns) -> None:
     m = mesh()
     txs = families()
+    if ns.families:
+        txs = {name: txs[name] for name in ns.families.split(",")}
     one = init_params(m)
     params = {name: one for name in txs}
     t0 = time.perf_counter()
     params, _ = train(combined(txs), m, ns.steps, params)
     say(f"TRAINED {len(txs)} families, {ns.steps} steps, {time.perf_counter() - t0:.1f} s")
+    say(f"INIT {param_hash(one)}")
     for name in txs:
-        say(f"HASH {name} {param_hash(params[name])}")
+        finite = all(
+            bool(np.isfinite(leaf.addressable_data(0)).all())
+            for leaf in jax.tree.leaves(params[name])
+        )
+        say(f"HASH {name} {param_hash(params[name])} {'finite' if finite else 'nonfinite'}")
     codecs = {
         "qsgd": jc.qsgd(16),
         "int8_sr": jc.int_quant(8, stochastic=True),
@@ -245,6 +265,7 @@ def main(argv=None) -> int:
     parser.add_argument("mode", choices=("families", "fault"))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--family", default="sign_ef")
+    parser.add_argument("--families", default="", help="comma-separated subset (default: all)")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--die-rank", type=int, default=-1)

@@ -176,7 +176,7 @@ def dgc(
       warmup_steps: steps of the sparsity warm-up (0: ``ratio`` from the first step).
       warmup_schedule: sparsities of the warm-up stages, each in [0, 1).
       sample_ratio: fraction of each compressed leaf sampled to estimate DGC's threshold, in
-        (0, 1] (at least ``32 d / k`` entries are sampled); None: exact top-k (two-stage).
+        (0, 1] (clipped to ``[32 d / k, 512 d / k]`` entries); None: exact top-k (two-stage).
       min_size: leaves with fewer elements go through plain ``pmean``.
       strategy: ``"allgather"`` (default: the paper's exchange, one round; the output is
         the mean over devices of the values each sent), ``"two_phase"`` (chunked, gTop-k

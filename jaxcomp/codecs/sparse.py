@@ -50,8 +50,9 @@ APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k")
 APPROX_DEFAULT = "blocked"
 #: From this ratio on ``approx=True`` means ``"sample"``: the blocked selection's second stage
 #: grows as ``k * sqrt(d / k)`` and the sampled threshold's cost hardly moves with ``k``. On
-#: 16M floats (XLA:CPU, in copies of the array, one run): blocked 0.68 / 1.9 / 3.1 / 6.2 and
-#: sample 3.1 / 3.5 / 3.8 / 3.8 at ratios 0.1% / 0.3% / 0.5% / 1%: they cross near 0.6%.
+#: 16M floats (XLA:CPU, in copies of the array, one run of benchmarks/topk_speed.py):
+#: blocked 0.98 / 2.77 / 8.0 and sample 3.43 / 4.75 / 3.81 at ratios 0.1% / 0.3% / 1%; they
+#: cross between 0.5% and 0.6%.
 APPROX_SAMPLE_FROM = 0.006
 
 #: The approximate (two-stage) selection is used when ``d`` is at least this large.
@@ -412,17 +413,18 @@ class TopK(SparseCodec):
       ``0.95 k``); tested on Gaussian, Student-t(2), Cauchy and log-normal
       vectors (0.86-1.0 of the true top-k kept). Uses ``key`` when given (a fresh sample per
       step and device), a fixed sample otherwise. ``approx=True`` from ``ratio`` 0.6% on
-      (:data:`APPROX_SAMPLE_FROM`): at 1% it is 1.6x faster than blocked.
+      (:data:`APPROX_SAMPLE_FROM`): at 1% of 16M floats it is 2.1x faster than blocked.
     * ``"approx_max_k"``: ``jax.lax.approx_max_k`` (recall target 0.95), fast on TPU; an
       exact sort on CPU.
 
-    At 0.1% of 16M floats on XLA:CPU, one run of ``benchmarks/topk_speed.py`` (2 shared,
-    busy cores; median of 7): copy 119 ms, exact 404 ms, blocked 86 ms (4.7x faster than
-    exact), sample 472 ms, approx_max_k 474 ms, and the naive static-shape sampled
-    threshold (``jnp.nonzero(size=k)`` over all of ``x``) 1425 ms. With static shapes the
-    sampled threshold still needs a count pass and a compaction, so on CPU it is no faster
-    than exact top-k at 0.1%; its cost hardly grows with ``k``, and at 1% it is the fastest
-    (see :data:`APPROX_SAMPLE_FROM`; not measured on accelerators).
+    At 0.1% of 16M floats on XLA:CPU, one run of ``benchmarks/topk_speed.py`` (2 idle
+    cores; median of 7): copy 37.5 ms, exact 190 ms, blocked 36.7 ms (5.2x faster than
+    exact), sample 129 ms, approx_max_k 244 ms, and the naive static-shape sampled
+    threshold (``jnp.nonzero(size=k)`` over all of ``x``) 376 ms. With static shapes the
+    sampled threshold still needs a count pass and two compactions, so at 0.1% it is slower
+    than blocked; its cost hardly grows with ``k``, and at 1% it is the fastest: 3.8 copies
+    against blocked 8.0 and exact 15.8 (see :data:`APPROX_SAMPLE_FROM`; not measured on
+    accelerators).
 
     Per layer or whole model: ``compressed_allreduce(..., granularity="leaf")`` (the
     default) selects ``k = ratio * d_leaf`` in every leaf; ``granularity="flat"`` selects

@@ -160,7 +160,8 @@ def dgc(
     warm-up over the first fifth of the steps; held-out accuracy): digits (64-256-10 MLP, 300
     steps) momentum SGD 98.82%, DGC at 0.1% 98.32%; MNIST-1D (40-256-256-10 MLP, 1000 steps)
     64.80% and 64.50% (``benchmarks/results/sparse_convergence_dgc.json``, the selection
-    as it is now: aiming at 0.95 k; 98.41% and 64.97% when it aimed at 1.1 k). Plain top-k at 0.1% without error feedback reaches 94.96% and 44.80%;
+    as it is now: aiming at 0.95 k; 98.41% and 64.97% when it aimed at 1.1 k). Plain top-k
+    at 0.1% without error feedback reaches 94.96% and 44.80%;
     with residual feedback and the optimizer's momentum it is unstable at 0.1% (86.1% on
     digits in the tests' set-up), hence momentum correction.
 

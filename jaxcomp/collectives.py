@@ -186,7 +186,7 @@ def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
 
     With ``P(m) = codec.payload_bytes(m)``::
 
-        allreduce      2 (n-1)/n * P(d)          (summable codecs only)
+        allreduce      2 (n-1)/n * P_float(d)    (summable codecs only: their float leaves)
         allgather      (n-1) * P(d)
         two_phase      2 (n-1) * P(ceil(d/n))
         majority_vote  packed bits out and back, plus scales (sign codecs only)
@@ -200,12 +200,24 @@ def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
     """
     out = {}
     if codec.summable:
-        out["allreduce"] = 2 * (n - 1) / n * codec.payload_bytes(d)
+        out["allreduce"] = 2 * (n - 1) / n * _summed_bytes(codec, d)
     out["allgather"] = (n - 1) * codec.payload_bytes(d)
     out["two_phase"] = 2 * (n - 1) * codec.payload_bytes(ceil_div(d, n)) if d else 0.0
     if isinstance(codec, Sign):
         out["majority_vote"] = majority_vote_bytes(codec, d, n)
     return out
+
+
+def _summed_bytes(codec: Codec, d: int) -> int:
+    """Bytes of the payload leaves that ``allreduce`` psums: the floating ones. Integer leaves
+    (random-k's indices, the same on every device) never travel."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    payload = jax.eval_shape(codec.encode, jax.ShapeDtypeStruct((d,), jnp.float32), key)
+    return sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(payload)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    )
 
 
 def hierarchical_bytes(

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp import buckets, collectives
-from jaxcomp.codecs.base import check_int, check_positive_float
+from jaxcomp.codecs.base import check_fraction, check_int, check_positive_float
 from jaxcomp.codecs.sparse import check_ratio, top_k
 from jaxcomp.transforms import _freeze_if
 
@@ -40,16 +40,6 @@ class DGCState(NamedTuple):
     count: jax.Array  # int32[]: number of updates applied
 
     PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual")
-
-
-def _check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    ok = (0.0 < value if lo_open else 0.0 <= value) and value < 1.0
-    if not ok or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be in {'(0' if lo_open else '[0'}, 1), got {value}")
-    return value
 
 
 def _plain_vector(tree: Any, layout: buckets.Layout) -> jax.Array:
@@ -212,7 +202,7 @@ def dgc(
     ratio = check_ratio(ratio)
     if axis_name is None:
         raise ValueError("`axis_name` is required: the data-parallel mesh axis, e.g. 'data'")
-    momentum = _check_fraction("momentum", momentum)
+    momentum = check_fraction("momentum", momentum)
     if not isinstance(nesterov, bool):
         raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
     if not isinstance(momentum_masking, bool):
@@ -226,7 +216,7 @@ def dgc(
     schedule = tuple(warmup_schedule)
     if warmup_steps and not schedule:
         raise ValueError("`warmup_schedule` must have at least one stage when warmup_steps > 0")
-    schedule = tuple(_check_fraction("warmup_schedule", s) for s in schedule)
+    schedule = tuple(check_fraction("warmup_schedule", s) for s in schedule)
     if sample_ratio is not None:
         sample_ratio = check_positive_float("sample_ratio", sample_ratio, upper=1.0)
     min_size = check_int("min_size", min_size, 0)

@@ -243,12 +243,6 @@ def _assemble(tree: Any, plan: Plan, batches: list[jax.Array], plain: jax.Array)
     return jax.tree.unflatten(layout.treedef, out)
 
 
-def _any_nonfinite(*arrays: jax.Array) -> jax.Array:
-    """True when any entry is NaN or inf (``x * 0`` is NaN exactly there; sums cannot overflow)."""
-    total = sum((jnp.sum(a * 0.0) for a in arrays if a.size), jnp.float32(0))
-    return jnp.isnan(total)
-
-
 def _random_q(plan: Plan, key: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(
         jax.random.normal(jax.random.fold_in(key, i), (g.batch, g.m, g.rank), jnp.float32)
@@ -296,7 +290,7 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     outer = lambda a, b: jnp.einsum("bnr,bmr->bnm", a, b, precision=_HIGHEST)
     means = [outer(a, b / n_dev) for a, b in zip(ps, qn, strict=True)]
     shares = [outer(a, b) for a, b in zip(ps, local, strict=True)]  # P P^T M_i
-    bad = _any_nonfinite(round1, q_sum)
+    bad = collectives.local_nonfinite((round1, q_sum))
     if warm_start:
         # Keep Q's column directions (their scale cancels in orthogonalize): a zero matrix
         # keeps its old Q instead of a zero one, from which power iteration cannot recover.
@@ -495,7 +489,7 @@ def powersgd(
             total = jax.lax.psum(jnp.concatenate([plain, _flat(ms)]), axis_name) / n_dev
             means = _split(total[plain.shape[0] :], [m.size for m in ms])
             means = [a.reshape(m.shape) for a, m in zip(means, ms, strict=True)]
-            return means, ms, total[: plain.shape[0]], state.q, _any_nonfinite(total)
+            return means, ms, total[: plain.shape[0]], state.q, collectives.local_nonfinite(total)
 
         def compress(_):
             q = state.q if warm_start else _random_q(p, step_key)
@@ -504,7 +498,7 @@ def powersgd(
         if not p.groups:
             means, shares = [], []
             plain_mean = jax.lax.psum(plain, axis_name) / n_dev
-            q, bad = state.q, _any_nonfinite(plain_mean)
+            q, bad = state.q, collectives.local_nonfinite(plain_mean)
         elif start_step == 0:
             means, shares, plain_mean, q, bad = compress(None)
         else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import chex
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp import buckets, collectives, feedback
-from jaxcomp.codecs.base import Codec, check_int
+from jaxcomp.codecs.base import Codec, check_fraction, check_int
 
 
 class CompressedAllreduceState(NamedTuple):
@@ -47,20 +46,6 @@ def _resolve_feedback(error_feedback, codec: Codec, strategy: str):
             )
         return None if error_feedback == "auto" else error_feedback
     return feedback.resolve(error_feedback, codec)
-
-
-def _check_momentum(value: Any) -> float | None:
-    """``worker_momentum``: None or a number in [0, 1); 0 means none (no state kept)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"`worker_momentum` must be None or a number, got {type(value).__name__} {value!r}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and 0.0 <= value < 1.0):
-        raise ValueError(f"`worker_momentum` must be in [0, 1), got {value}")
-    return value or None
 
 
 def _freeze_if(bad: jax.Array, old: Any, new: Any) -> Any:
@@ -176,7 +161,9 @@ def compressed_allreduce(
     if not isinstance(server_feedback, bool):
         raise TypeError(f"`server_feedback` must be a bool, got {server_feedback!r}")
     server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
-    beta = _check_momentum(worker_momentum)
+    # 0 means none: no state kept.
+    beta = None if worker_momentum is None else check_fraction("worker_momentum", worker_momentum)
+    beta = beta or None
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
 
     def init_fn(params):

@@ -25,6 +25,7 @@ Conventions every codec follows:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -133,6 +134,17 @@ def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise ValueError(f"`{name}` must be in {rng}, got {value}")
     return int(value)
+
+
+def check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
+    """``value`` as a float in ``[0, 1)`` (``(0, 1)`` with ``lo_open``), else an error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    ok = (0.0 < value if lo_open else 0.0 <= value) and value < 1.0
+    if not ok or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be in {'(0' if lo_open else '[0'}, 1), got {value}")
+    return value
 
 
 def check_positive_float(name: str, value: Any, *, upper: float | None = None) -> float:

@@ -256,8 +256,8 @@ def sampled_top_k(
        reach it, whatever the distribution (ranks, not moments).
     2. Count ``c = #{i : |x_i| >= t}`` (one pass, per block of ``B`` entries). While ``c``
        is outside DGC's band ``[0.8 k, 1.3 k]`` (at most 4 times, each a ``lax.cond``, so
-       under ``vmap`` every round runs): move to rank ``r <- r * 1.1 k / c`` of the sample
-       and count again (:data:`SAMPLE_TARGET`: 0.95).
+       under ``vmap`` every round runs): move to rank ``r <- r * 0.95 k / c`` of the sample
+       and count again (:data:`SAMPLE_TARGET`).
     3. Fixed capacity: the entries over ``t`` are gathered into ``C = ceil(1.3 k)``
        candidate slots — the first ``C`` blocks holding one are compacted with
        ``jnp.nonzero(size=C)`` over the ``d / B`` block flags, then the entries over ``t``

@@ -227,6 +227,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="override the number of steps")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="override")
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"))
+    parser.add_argument("--batch-per-device", type=int, help="sequences per device per step")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--out", type=pathlib.Path, help="JSON path (PNG beside it)")
     args = parser.parse_args()
@@ -235,7 +236,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
 
     config = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "variants", "optimizers"):
+    for key in ("steps", "variants", "optimizers", "batch_per_device"):
         if getattr(args, key):
             config[key] = getattr(args, key)
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"

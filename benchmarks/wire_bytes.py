@@ -28,11 +28,17 @@ collectives into f32, so bf16 sends twice its logical bytes there). Writes
     python benchmarks/wire_bytes.py                # all codecs, both trees, n = 2..16
     python benchmarks/wire_bytes.py --quick        # 4 codecs, resnet18, n = 2, 8 (< 1 min)
     python benchmarks/wire_bytes.py --trees gpt2 --codecs sign int8 --devices 8 16
+    python benchmarks/wire_bytes.py --trees gpt2 --devices 2 4 --merge   # add to the file
+
+``--merge`` keeps the rows already in the JSON file and replaces those measured again (same
+tree, n, codec and strategy), so a sweep can be run in parts; the commands of the parts are
+listed under ``merged_runs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -229,6 +235,20 @@ def measure(
     return rows
 
 
+ROW_KEY = ("tree", "devices", "codec", "strategy")
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` rows with those measured again in ``new`` replaced (same :data:`ROW_KEY`),
+    sorted by tree, n, codec and strategy (``pmean`` first)."""
+    by_key = {tuple(r[k] for k in ROW_KEY): r for r in old}
+    by_key.update({tuple(r[k] for k in ROW_KEY): r for r in new})
+    return sorted(
+        by_key.values(),
+        key=lambda r: (r["tree"], r["devices"], r["codec"] != "pmean", r["codec"], r["strategy"]),
+    )
+
+
 def _resolved(name: str, shapes: dict, n: int, strategy: str) -> str:
     """What ``auto`` chose for the largest leaf (leaves can differ; the table says the main one)."""
     import jaxcomp as jc
@@ -296,6 +316,9 @@ def main(argv=None) -> int:
         help="trees measured with every strategy (the others: auto only; default resnet18)",
     )
     ap.add_argument(
+        "--merge", action="store_true", help="keep the rows already in the JSON file (see above)"
+    )
+    ap.add_argument(
         "--compiled",
         nargs="*",
         default=None,
@@ -318,14 +341,21 @@ def main(argv=None) -> int:
     compiled = {(t, int(n), c) for t, n, c in (x.split(":") for x in spec)}
     rows = measure(trees, codecs, devices, compiled, all_strategies=tuple(args.all_strategies))
     print_table(rows)
+    path = common.result_path("wire_bytes", args.quick)
+    command = " ".join(["python benchmarks/wire_bytes.py", *(argv or sys.argv[1:])])
     out = {
         "environment": common.environment(),
         "min_size": MIN_SIZE,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    common.write_json(common.result_path("wire_bytes", args.quick), out)
-    draw(rows, common.result_path("wire_bytes", args.quick, "png"))
+    if args.merge and path.exists():
+        old = json.loads(path.read_text())
+        out["rows"] = merge_rows(old["rows"], rows)
+        out["seconds"] += old.get("seconds", 0.0)
+        out["merged_runs"] = [*old.get("merged_runs", []), command]
+    common.write_json(path, out)
+    draw(out["rows"], common.result_path("wire_bytes", args.quick, "png"))
     return 0
 
 

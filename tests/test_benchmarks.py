@@ -40,6 +40,26 @@ def load(out: pathlib.Path, name: str) -> dict:
     return json.loads((out / name).read_text())
 
 
+def test_wire_bytes_merge_replaces_rows_measured_again():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import wire_bytes
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def row(codec, n, value, strategy="auto"):
+        return {"tree": "t", "devices": n, "codec": codec, "strategy": strategy, "v": value}
+
+    old = [row("sign", 8, 1), row("pmean", 8, 0, "-"), row("int8", 8, 2)]
+    merged = wire_bytes.merge_rows(old, [row("int8", 8, 3), row("int8", 2, 4)])
+    assert [(r["devices"], r["codec"], r["v"]) for r in merged] == [
+        (2, "int8", 4),
+        (8, "pmean", 0),
+        (8, "int8", 3),
+        (8, "sign", 1),
+    ]
+
+
 @pytest.mark.slow
 def test_wire_bytes_quick_matches_model(tmp_path):
     # --quick narrowed to two codecs at n = 4 to stay inside the test budget.

@@ -5,19 +5,23 @@ of anything that touches every float once, so ``(t_encode + t_decode) / t_copy``
 a codec is from free, whatever the machine. Encode and decode are compiled and timed on
 their own (as they run in a collective: encode, send, decode), each the median of
 ``--reps`` calls after a warm-up, every call blocked until ready, all in the same run as the
-copy. Inputs are standard normal float32 vectors of 1M, 16M and 64M elements (``--quick``:
-1M and 4M, 5 codecs). Runs on whatever backend JAX has; backend and device are recorded.
+copy (``--pipeline K``: each sample is K calls back to back, blocked once, over K: on a GPU
+a blocked round trip costs ~0.1 ms, more than copying 16M floats). Inputs are standard
+normal float32 vectors of 1M, 16M and 64M elements (``--quick``: 1M and 4M, 5 codecs). Runs
+on whatever backend JAX has; backend and device are recorded.
 Writes ``benchmarks/results/codec_speed.json`` and ``codec_speed.png``::
 
     python benchmarks/codec_speed.py
     python benchmarks/codec_speed.py --quick
     python benchmarks/codec_speed.py --codecs sign int8 --sizes 16777216 --reps 9
+    python benchmarks/codec_speed.py --pipeline 20 --out /tmp/codec_speed_gpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 
@@ -29,7 +33,7 @@ QUICK_SIZES = [1 << 20, 1 << 22]
 QUICK_CODECS = ["fp16", "int8", "int4", "sign", "topk1%"]
 
 
-def time_codec(name: str, x, copy_s: float, reps: int) -> dict:
+def time_codec(name: str, x, copy_s: float, reps: int, pipeline: int = 1) -> dict:
     """Median encode and decode seconds of codec ``name`` on ``x``, and their ratio to a copy."""
     import jax
 
@@ -39,8 +43,8 @@ def time_codec(name: str, x, copy_s: float, reps: int) -> dict:
     encode = jax.jit(lambda v, k: codec.encode(v, k))
     decode = jax.jit(lambda p: codec.decode(p, d))
     payload = jax.block_until_ready(encode(x, key))
-    enc_s = common.median_seconds(lambda: encode(x, key), reps)
-    dec_s = common.median_seconds(lambda: decode(payload), reps)
+    enc_s = common.median_seconds(lambda: encode(x, key), reps, pipeline=pipeline)
+    dec_s = common.median_seconds(lambda: decode(payload), reps, pipeline=pipeline)
     return {
         "codec": name,
         "size": d,
@@ -55,7 +59,7 @@ def time_codec(name: str, x, copy_s: float, reps: int) -> dict:
     }
 
 
-def run(codecs: list[str], sizes: list[int], reps: int, save=None) -> list[dict]:
+def run(codecs: list[str], sizes: list[int], reps: int, save=None, pipeline: int = 1) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -66,8 +70,9 @@ def run(codecs: list[str], sizes: list[int], reps: int, save=None) -> list[dict]
         if size != current:
             x = jax.block_until_ready(jax.random.normal(jax.random.PRNGKey(0), (size,)))
             copy = jax.jit(jnp.copy)
-            copy_s, current = common.median_seconds(lambda c=copy, x=x: c(x), reps), size
-        rows.append(time_codec(name, x, copy_s, reps))
+            copy_s = common.median_seconds(lambda c=copy, x=x: c(x), reps, pipeline=pipeline)
+            current = size
+        rows.append(time_codec(name, x, copy_s, reps, pipeline))
         if save is not None:
             save(rows)  # after every codec: a run cut short keeps what it measured
     return rows
@@ -115,6 +120,10 @@ def main(argv=None) -> int:
     ap.add_argument("--codecs", nargs="+", default=None, help="default: all (registry + sparse)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None, help="timed calls per figure (median)")
+    ap.add_argument("--out", type=pathlib.Path, help="JSON path (PNG beside it)")
+    ap.add_argument(
+        "--pipeline", type=int, default=1, help="calls per sample, blocked once (GPU: 20)"
+    )
     args = ap.parse_args(argv)
     import jax
 
@@ -123,23 +132,25 @@ def main(argv=None) -> int:
     sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     reps = args.reps or (5 if args.quick else 7)
     start = time.perf_counter()
-    path = common.result_path("codec_speed", args.quick)
+    path = args.out or common.result_path("codec_speed", args.quick)
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(rows, complete=False):
         out = {
             "environment": common.environment(),
             "reps": reps,
+            "pipeline": args.pipeline,
             "complete": complete,
             "seconds": round(time.perf_counter() - start, 1),
             "rows": rows,
         }
         path.write_text(json.dumps(out, indent=2) + "\n")
 
-    rows = run(codecs, sizes, reps, save)
+    rows = run(codecs, sizes, reps, save, args.pipeline)
     print_table(rows)
     save(rows, complete=True)
     print(f"wrote {common.show_path(path)}")
-    draw(rows, common.result_path("codec_speed", args.quick, "png"))
+    draw(rows, path.with_suffix(".png"))
     return 0
 
 

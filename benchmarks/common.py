@@ -92,8 +92,75 @@ def make_codec(name: str):
     return jc.get_codec(name)  # raises the registry's ValueError naming the known codecs
 
 
-def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``reps`` calls, each blocked until ready."""
+# The MLP of the training-step benchmarks (network.py, gpu_step.py): 25.2M parameters.
+MLP = (1024, 4096, 4096, 1024)
+
+
+def mlp_params(sizes: tuple[int, ...] = MLP, seed: int = 42) -> dict[str, Any]:
+    """``{"w0", "b0", ...}``: normal weights scaled by ``1/sqrt(fan_in)``, zero biases."""
+    import jax
+    import jax.numpy as jnp
+
+    key, params = jax.random.PRNGKey(seed), {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        key, sub = jax.random.split(key)
+        params[f"w{i}"] = jax.random.normal(sub, (a, b)) / jnp.sqrt(float(a))
+        params[f"b{i}"] = jnp.zeros((b,))
+    return params
+
+
+def mlp_loss(params: dict[str, Any], x: Any, y: Any) -> Any:
+    """Mean squared error of the ReLU MLP of :func:`mlp_params` (no activation on the output)."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = len(params) // 2
+    h = x
+    for i in range(layers):
+        h = h @ params[f"w{i}"] + params[f"b{i}"]
+        h = jax.nn.relu(h) if i < layers - 1 else h
+    return jnp.mean((h - y) ** 2)
+
+
+def mlp_train_step(codec: Any, params: Any, mesh: Any, axis: str, lr: float = 1e-3, **kw: Any):
+    """One data-parallel SGD step of :func:`mlp_loss`, jitted ``shard_map`` over ``axis``.
+
+    ``codec=None``: plain ``jax.lax.pmean`` of the gradient, then ``optax.sgd(lr)``; else
+    ``optax.chain(jc.compressed_allreduce(codec, axis, **kw), optax.sgd(lr))`` (error feedback
+    on by default). Params are replicated, the batch sharded on ``axis``. Returns
+    ``(step, state)``: ``step(params, state, x, y) -> (params, state)``.
+    """
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    opt = optax.sgd(lr)
+    tx = opt if codec is None else optax.chain(jc.compressed_allreduce(codec, axis, **kw), opt)
+    state = jc.sharded_init(tx, params, mesh, axis)
+    specs = jc.state_specs(state, axis)
+
+    def step(p, s, x, y):
+        g = jax.grad(mlp_loss)(jax.lax.pcast(p, axis, to="varying"), x, y)
+        if codec is None:
+            g = jax.lax.pmean(g, axis)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    fn = jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)), out_specs=(P(), specs)
+    )
+    return jax.jit(fn), state
+
+
+def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1, pipeline: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` samples, each blocked until ready.
+
+    ``pipeline > 1``: a sample is that many calls back to back, blocked once at the end, over
+    ``pipeline`` (throughput: on a GPU the host's dispatch overlaps the device's work, so
+    small arrays are not measured as the ~0.1 ms a blocked round trip costs).
+    """
     import jax
 
     for _ in range(warmup):
@@ -101,8 +168,10 @@ def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
     times = []
     for _ in range(reps):
         start = time.perf_counter()
+        for _ in range(pipeline - 1):
+            fn()
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / pipeline)
     return statistics.median(times)
 
 

@@ -1,4 +1,4 @@
-"""Top-k selection speed on CPU, and the wire bytes of top-k / DGC on 2, 4 and 8 devices.
+"""Top-k selection speed on the default backend, and top-k / DGC wire bytes on 2, 4, 8 devices.
 
 Part 1 — selecting 0.1% of 16M float32 values (k = 16,778), one run, median of ``--reps``:
 
@@ -18,10 +18,14 @@ Part 2 — ring-model bytes per device of one step (``jc.comm_report`` on the co
 a 1,001,000-parameter tree (a 1000x1000 matrix and a 1000 bias) against plain ``pmean``.
 Meshes of n = 2 and 4 use the first n of the 8 CPU devices.
 
-Writes ``benchmarks/results/topk_speed.json`` and ``benchmarks/results/sparse_wire_bytes.json``::
+Part 2 needs 8 devices of the default backend; with fewer (one GPU) it is skipped, as with
+``--no-wire-bytes``. Writes ``benchmarks/results/topk_speed.json`` and
+``benchmarks/results/sparse_wire_bytes.json`` (the folder: ``JAXCOMP_BENCH_RESULTS``; ``--out``
+another path for part 1)::
 
     python benchmarks/topk_speed.py [--size 16777216] [--ratio 0.001] [--reps 7]
         [--more-ratios 0.003 0.01]   # also timed (no naive method), under "by_ratio"
+    python benchmarks/topk_speed.py --no-wire-bytes --out /tmp/topk_speed_gpu.json
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ import json
 import math
 import pathlib
 import platform
-import statistics
-import time
+import sys
 
 import jax
 
@@ -50,17 +53,15 @@ from jaxcomp.dgc import dgc  # noqa: E402
 from jaxcomp.sharding import state_specs  # noqa: E402
 from jaxcomp.transforms import compressed_allreduce  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+RESULTS = common.RESULTS
 
 
-def median_ms(fn, x, reps: int) -> float:
-    jax.block_until_ready(fn(x))  # compile and warm up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def median_ms(fn, x, reps: int, pipeline: int = 1) -> float:
+    """Median ms of ``fn(x)`` (``pipeline`` calls per sample: common.median_seconds)."""
+    return 1e3 * common.median_seconds(lambda: fn(x), reps, pipeline=pipeline)
 
 
 def naive_sampled_select(x: jax.Array, k: int, key: jax.Array, sample_ratio: float = 0.01):
@@ -74,7 +75,7 @@ def naive_sampled_select(x: jax.Array, k: int, key: jax.Array, sample_ratio: flo
     return indices, x[jnp.minimum(indices, d - 1)]
 
 
-def speed(size: int, ratio: float, reps: int, naive: bool = True) -> dict:
+def speed(size: int, ratio: float, reps: int, naive: bool = True, pipeline: int = 1) -> dict:
     x = jax.random.normal(jax.random.PRNGKey(0), (size,), jnp.float32)
     k = sparse.count_for(ratio, size)
     key = jax.random.PRNGKey(1)
@@ -92,7 +93,7 @@ def speed(size: int, ratio: float, reps: int, naive: bool = True) -> dict:
     }
     if naive:
         methods["sample_nonzero"] = jax.jit(lambda x: naive_sampled_select(x, k, key))
-    ms = {name: median_ms(fn, x, reps) for name, fn in methods.items()}
+    ms = {name: median_ms(fn, x, reps, pipeline) for name, fn in methods.items()}
     chosen = {
         name: set(np.asarray(fn(x)[0]).tolist()) - {size}
         for name, fn in methods.items()
@@ -105,6 +106,7 @@ def speed(size: int, ratio: float, reps: int, naive: bool = True) -> dict:
         "k": k,
         "block_size": sparse._block_size(size, k),
         "reps": reps,
+        "pipeline": pipeline,
         "median_ms": {name: round(v, 2) for name, v in ms.items()},
         "in_copies": {name: round(v / ms["copy"], 2) for name, v in ms.items()},
         "approx_method": sparse.check_approx(True, k / size if size else 0.0),
@@ -192,21 +194,34 @@ def main() -> None:
         default=[0.003, 0.01],
         help="also time these ratios (where approx=True switches from blocked to sample)",
     )
+    parser.add_argument("--out", type=pathlib.Path, help="JSON path of part 1 (top-k speed)")
+    parser.add_argument("--no-wire-bytes", action="store_true", help="skip part 2")
+    parser.add_argument("--pipeline", type=int, default=1, help="calls per sample, blocked once")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = args.out or RESULTS / "topk_speed.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
 
-    result = speed(args.size, args.ratio, args.reps)
-    result["by_ratio"] = [speed(args.size, r, args.reps, naive=False) for r in args.more_ratios]
+    result = speed(args.size, args.ratio, args.reps, pipeline=args.pipeline)
+    result["by_ratio"] = [
+        speed(args.size, r, args.reps, naive=False, pipeline=args.pipeline)
+        for r in args.more_ratios
+    ]
     for r in result["by_ratio"]:
         print(f"ratio {r['ratio']:g}: in copies {r['in_copies']}")
-    (RESULTS / "topk_speed.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["environment"] = common.environment()
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {common.show_path(out)}")
     print(f"top-k of {args.ratio:g} of {args.size:,} floats (k = {result['k']:,}), median ms:")
     for name, ms in result["median_ms"].items():
         print(f"  {name:<14}{ms:>10.1f} ms  {result['in_copies'][name]:>6.2f} copies")
     print(f"  approx is {result['approx_speedup_vs_exact']:.2f}x faster than exact")
     print(f"  recall of the exact top-k: {result['recall']}")
 
+    if args.no_wire_bytes or jax.device_count() < 8:
+        print(f"\nwire bytes skipped ({jax.device_count()} {jax.default_backend()} devices)")
+        return
     rows = wire_bytes()
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sparse_wire_bytes.json").write_text(json.dumps(rows, indent=2) + "\n")
     print(f"\nwire bytes per device per step, {rows[0]['params']:,} params (ring model):")
     print(f"  {'n':>2}  {'method':<20}{'bytes':>12}{'pmean':>12}{'saving':>9}")

@@ -63,7 +63,9 @@ def _markdown(table: Table) -> str:
 def _source(path: pathlib.Path, data: Any, command: str) -> str:
     env = data.get("environment", {}) if isinstance(data, dict) else {}
     where = ", ".join(
-        f"{k} {env[k]}" for k in ("backend", "device_count", "cpu_cores", "date_utc") if k in env
+        f"{k} {env[k]}"
+        for k in ("backend", "device", "device_count", "cpu_cores", "jax", "date_utc")
+        if k in env
     )
     quick = " (a `--quick` run)" if path.stem.endswith("_quick") else ""
     rel = path.relative_to(ROOT)
@@ -137,16 +139,36 @@ def _sparse_wire_bytes(data: list[dict[str, Any]], path: pathlib.Path) -> str:
 # ------------------------------------------------------------------------ topk_speed
 
 
+def _on(data: dict[str, Any]) -> str:
+    """``cpu`` or ``gpu (NVIDIA H100 80GB HBM3)``, and how calls were timed when pipelined."""
+    env = data.get("environment", data)
+    where = str(env.get("backend", "?"))
+    if where != "cpu" and env.get("device"):
+        where += f" ({env['device']})"
+    pipeline = data.get("pipeline", 1)
+    if pipeline > 1:
+        where += f", {pipeline} calls back to back per sample, blocked once"
+    return where
+
+
 def _topk_speed(data: dict[str, Any], path: pathlib.Path) -> str:
+    runs = [data, *data.get("by_ratio", [])]
+    methods = list(data["median_ms"])
     body = [
-        [f"`{k}`", _fmt(ms), f"{data['in_copies'][k]:.2f}"] for k, ms in data["median_ms"].items()
+        [f"`{m}`"]
+        + [
+            f"{r['median_ms'][m]:.3g} ({r['in_copies'][m]:.2f})" if m in r["median_ms"] else "–"
+            for r in runs
+        ]
+        for m in methods
     ]
+    body.append(["`approx=True` picks"] + [f"`{r['approx_method']}`" for r in runs])
     head = (
-        f"Selecting k = {_fmt(data['k'])} of {_fmt(data['size'])} values "
-        f"(ratio {data['ratio']}) on {data.get('backend', '?')}: median of {data['reps']} runs, "
-        "and the same time in copies of the array."
+        f"Selecting the top k of {_fmt(data['size'])} values on {_on(data)}: median ms of "
+        f"{data['reps']} runs, in brackets the same time in copies of the array."
     )
-    table = _markdown((["method", "median ms", "in copies"], body))
+    header = ["method", *(f"ratio {r['ratio']} (k = {_fmt(r['k'])})" for r in runs)]
+    table = _markdown((header, body))
     return f"{head}\n\n{table}\n\n" + _source(path, data, "python benchmarks/topk_speed.py")
 
 
@@ -198,14 +220,39 @@ def _codec_speed(data: dict[str, Any], path: pathlib.Path) -> str:
             [f"`{codec}`", f"{ratio:.1f}x"] + [f"{t['in_copies']:.1f}" if t else "–" for t in times]
         )
     env = data.get("environment", {})
+    on = _on(data) if env.get("backend") != "cpu" else f"cpu ({env.get('cpu_cores', '?')} cores)"
     head = (
         "Encode + decode time of one vector, in copies of the same array (same run, "
-        f"median of {data.get('reps', '?')}), on {env.get('backend', '?')} "
-        f"({env.get('cpu_cores', '?')} cores), and the codec's compression of float32."
+        f"median of {data.get('reps', '?')}), on {on}, and the codec's compression of float32."
     )
     header = ["codec", "compression", *(f"d = {_fmt(s)}" for s in sizes)]
     return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
         path, data, "python benchmarks/codec_speed.py"
+    )
+
+
+# -------------------------------------------------------------------------- gpu_step
+
+
+def _gpu_step(data: dict[str, Any], path: pathlib.Path) -> str:
+    body = [
+        [
+            f"`{r['codec']}`" + (" (again)" if i and r["codec"] == "pmean" else ""),
+            str(r.get("strategy", "-")),
+            str(r.get("error_feedback") or "–"),
+            _fmt(r["step_ms"], 3),
+            f"{r['vs_pmean']:.2f}x",
+        ]
+        for i, r in enumerate(data["rows"])
+    ]
+    head = (
+        f"One SGD step of a {_fmt(data['params'])}-parameter MLP (batch {data['batch']}) in "
+        f"`shard_map` over one device on {_on(data)}: median of {data['reps']} samples; "
+        "ratio to the plain `pmean` step of the same run (above 1: the codec's cost)."
+    )
+    header = ["codec", "strategy", "error feedback", "step ms", "vs pmean"]
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "python benchmarks/gpu_step.py"
     )
 
 
@@ -299,14 +346,26 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "topk_speed": (_topk_speed, "python benchmarks/topk_speed.py"),
     "codec_speed": (_codec_speed, "python benchmarks/codec_speed.py"),
     "network": (_network, "sudo python benchmarks/network.py"),
+    "gpu_step": (_gpu_step, "python benchmarks/gpu_step.py"),
     "powersgd_convergence": (_powersgd, "python benchmarks/powersgd_convergence.py"),
     "powersgd_convergence_sgd": (_powersgd, "python benchmarks/powersgd_convergence.py"),
 }
 
 
+def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str]:
+    """The renderer of ``name``, or of the benchmark it is a variant of (``codec_speed_gpu_h100``
+    is ``codec_speed`` written with ``--out``); generic for anything else."""
+    if name in RENDERERS:
+        return RENDERERS[name]
+    variants = [k for k in RENDERERS if name.startswith(k + "_")]
+    if variants:
+        return RENDERERS[max(variants, key=len)]
+    return _generic, f"python benchmarks/{name}.py"
+
+
 def render(name: str) -> str:
     """Markdown for the marker ``name`` (a note when the result does not exist yet)."""
-    renderer, command = RENDERERS.get(name, (_generic, f"python benchmarks/{name}.py"))
+    renderer, command = _renderer(name)
     loaded = _load(name)
     if loaded is None:
         return f"!!! note\n    No `benchmarks/results/{name}.json` yet: `{command}` writes it."

@@ -156,6 +156,25 @@ def test_sampled_top_k_nonfinite_zero_and_small():
     )
 
 
+def test_approx_true_picks_by_ratio_and_platform():
+    # approx=True: blocked below 0.6%; from there "auto", which is the sampled threshold on
+    # CPU (this test) and the blocked selection on GPU/TPU, chosen at lowering.
+    assert top_k(0.001, approx=True).approx == "blocked"
+    codec = top_k(0.01, approx=True)
+    assert codec.approx == "auto" and codec.delta(100_000) is None
+    x = normal(100_000)
+    auto = jax.jit(codec.encode)(x, KEY)
+    sample = jax.jit(top_k(0.01, approx="sample").encode)(x, KEY)
+    for a, b in zip(auto, sample, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    def lowered(platform):
+        return jax.jit(codec.encode).trace(x, KEY).lower(lowering_platforms=(platform,)).as_text()
+
+    # Only the CPU program draws the random sample (threefry bits); the GPU one is blocked.
+    assert "threefry" in lowered("cpu") and "threefry" not in lowered("cuda")
+
+
 def test_sampled_top_k_mostly_zero_vector_sends_its_nonzeros():
     # A sample of zeros gives threshold 0; zeros must not pass it and crowd out the few
     # non-zero entries (embedding gradients look like this).

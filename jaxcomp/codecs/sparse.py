@@ -44,16 +44,20 @@ VALUE_MODES = (None, "fp16", "bf16", "int8", "sign")
 _FLOAT16 = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 
 #: Top-k selection methods (``top_k(approx=...)``); see :class:`TopK`.
-APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k")
+APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k", "auto")
 #: What ``approx=True`` means below :data:`APPROX_SAMPLE_FROM`: the fastest method measured
-#: on XLA:CPU there (benchmarks/topk_speed.py).
+#: there on XLA:CPU and on an H100 (benchmarks/topk_speed.py).
 APPROX_DEFAULT = "blocked"
-#: From this ratio on ``approx=True`` means ``"sample"``: the blocked selection's second stage
-#: grows as ``k * sqrt(d / k)`` and the sampled threshold's cost hardly moves with ``k``. On
-#: 16M floats (XLA:CPU, in copies of the array, one run of benchmarks/topk_speed.py):
-#: blocked 0.98 / 2.77 / 8.0 and sample 3.43 / 4.75 / 3.81 at ratios 0.1% / 0.3% / 1%; they
-#: cross between 0.5% and 0.6%.
+#: From this ratio on ``approx=True`` means ``"auto"``: the sampled threshold on CPU, blocked
+#: elsewhere. On XLA:CPU the blocked selection's second stage grows as ``k * sqrt(d / k)``
+#: and the sampled threshold's cost hardly moves with ``k``. On 16M floats (in copies of the
+#: array, one run of benchmarks/topk_speed.py each): XLA:CPU blocked 0.98 / 2.77 / 8.0 and
+#: sample 3.43 / 4.75 / 3.81 at ratios 0.1% / 0.3% / 1% (they cross between 0.5% and 0.6%);
+#: on an H100 blocked stays the faster: 0.19 / 0.23 / 0.32 ms against sample 0.57 / 0.71 /
+#: 0.94 ms (``benchmarks/results/topk_speed_gpu_h100.json``).
 APPROX_SAMPLE_FROM = 0.006
+#: Where ``approx="auto"`` uses the sampled threshold (``jax.lax.platform_dependent``).
+SAMPLE_PLATFORMS = ("cpu",)
 
 #: The approximate (two-stage) selection is used when ``d`` is at least this large.
 APPROX_MIN_SIZE = 1 << 14
@@ -75,12 +79,12 @@ def check_values(values):
 
 def check_approx(approx, ratio: float = 0.0) -> str:
     """``approx`` as a selection method name: False -> ``"exact"``, True -> the fastest
-    measured for ``ratio`` (:data:`APPROX_DEFAULT`, or ``"sample"`` from
+    measured for ``ratio`` (:data:`APPROX_DEFAULT`, or ``"auto"`` from
     :data:`APPROX_SAMPLE_FROM` on)."""
     if approx is False:
         return "exact"
     if approx is True:
-        return "sample" if ratio >= APPROX_SAMPLE_FROM else APPROX_DEFAULT
+        return "auto" if ratio >= APPROX_SAMPLE_FROM else APPROX_DEFAULT
     if isinstance(approx, str) and approx in APPROX_METHODS:
         return approx
     if not isinstance(approx, str):
@@ -412,8 +416,11 @@ class TopK(SparseCodec):
       at least ``k`` entries reach the threshold, else the ``>= 0.8 k`` largest (typically
       ``0.95 k``); tested on Gaussian, Student-t(2), Cauchy and log-normal
       vectors (0.86-1.0 of the true top-k kept). Uses ``key`` when given (a fresh sample per
-      step and device), a fixed sample otherwise. ``approx=True`` from ``ratio`` 0.6% on
-      (:data:`APPROX_SAMPLE_FROM`): at 1% of 16M floats it is 2.1x faster than blocked.
+      step and device), a fixed sample otherwise. On XLA:CPU at 1% of 16M floats it is 2.1x
+      faster than blocked; on an H100 it is 2.9x slower.
+    * ``"auto"`` (``approx=True`` from ``ratio`` 0.6% on, :data:`APPROX_SAMPLE_FROM`):
+      ``"sample"`` when the program runs on CPU, ``"blocked"`` on GPU and TPU, chosen when
+      it is lowered (``jax.lax.platform_dependent``), so one jitted step is fast on both.
     * ``"approx_max_k"``: ``jax.lax.approx_max_k`` (recall target 0.95), fast on TPU; an
       exact sort on CPU.
 
@@ -458,7 +465,7 @@ class TopK(SparseCodec):
         k = self.size(d)
         if d == 0:
             return 1.0
-        if self.approx in ("sample", "approx_max_k"):
+        if self.approx in ("sample", "approx_max_k", "auto"):
             return None  # ~0.8 k/d or more in practice, no worst-case bound
         if self.values is None:
             return k / d
@@ -474,9 +481,17 @@ class TopK(SparseCodec):
 
     def encode(self, x, key=None):
         x = check_vector(x, self)
+        if self.approx == "auto":  # the platform is known when the program is lowered
+            sample = {p: lambda v: self._encode(v, key, "sample") for p in SAMPLE_PLATFORMS}
+            return jax.lax.platform_dependent(
+                x, default=lambda v: self._encode(v, key, "blocked"), **sample
+            )
+        return self._encode(x, key, self.approx)
+
+    def _encode(self, x, key, method):
         d, k = x.shape[0], self.size(x.shape[0])
-        if self.approx != "sample":
-            indices = select_top_k(x, k, self.approx)
+        if method != "sample":
+            indices = select_top_k(x, k, method)
             return self._payload(indices, x[indices])
         indices, filled = sampled_top_k(x, k, key, self.sample_ratio)
         v = jnp.where(filled, x[jnp.minimum(indices, max(d - 1, 0))], 0.0)
@@ -604,9 +619,10 @@ def top_k(
       approx: how the ``k`` entries are selected (see :class:`TopK`): ``False`` /
         ``"exact"`` (``jax.lax.top_k``), ``"blocked"`` (two-stage, the same set as exact
         top-k, faster on large vectors), ``"sample"`` (DGC's sampled threshold, fixed
-        capacity ``k``), ``"approx_max_k"`` (``jax.lax.approx_max_k``: fast on TPU), or
-        ``True``: the fastest measured for ``ratio``, ``"blocked"`` below 0.6% and
-        ``"sample"`` from there on (:data:`APPROX_SAMPLE_FROM`).
+        capacity ``k``), ``"approx_max_k"`` (``jax.lax.approx_max_k``: fast on TPU),
+        ``"auto"`` (``"sample"`` on CPU, ``"blocked"`` elsewhere), or ``True``: the fastest
+        measured for ``ratio``, ``"blocked"`` below 0.6% and ``"auto"`` from there on
+        (:data:`APPROX_SAMPLE_FROM`).
       values: how values travel: None (float32), ``"fp16"``, ``"bf16"``, ``"int8"`` or
         ``"sign"`` (sparse ternary compression).
       sample_ratio: with ``approx="sample"``, the fraction of entries sampled to estimate the

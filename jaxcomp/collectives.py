@@ -79,7 +79,7 @@ import jax.numpy as jnp
 
 from jaxcomp import buckets
 from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import Codec, ceil_div, check_int
+from jaxcomp.codecs.base import Codec, ceil_div, check_int, scaled
 from jaxcomp.codecs.sign import Sign
 from jaxcomp.codecs.sparse import SparseCodec
 
@@ -310,11 +310,11 @@ def _allreduce(x, axis_name, codec, key, n):
     return Reduced(total / n, codec.decode(payload, x.shape[0]), jnp.zeros_like(x))
 
 
-def _allgather(x, axis_name, codec, key, n):
+def _allgather(x, axis_name, codec, key, n, fill):
     payload = codec.encode(x, key)
     gathered = jax.lax.all_gather(payload, axis_name, to="invarying")
-    total = codec.decode_sum(gathered, x.shape[0])
-    return Reduced(total / n, codec.decode(payload, x.shape[0]), jnp.zeros_like(x))
+    mean = codec.decode_sum(gathered, x.shape[0], scale=1.0 / n, fill=fill)
+    return Reduced(mean, codec.decode(payload, x.shape[0]), jnp.zeros_like(x))
 
 
 def _place(chunk: jax.Array, index: jax.Array, size: int, d: int) -> jax.Array:
@@ -337,7 +337,7 @@ def _two_phase(x, axis_name, codec, key, n, server_residual):
     own_residual = jax.lax.dynamic_slice(server, (me * c,), (c,))
     # The owner sums the n decoded chunks (sparse: one scatter-add of n*k slots), adds what it
     # could not send last time, and re-encodes (sparse: re-sparsifies to k, as gTop-k does).
-    own = codec.decode_sum(received, c) / n + own_residual
+    own = codec.decode_sum(received, c, scale=1.0 / n) + own_residual
     own_payload = codec.encode(own, owner_key)
     own_error = own - codec.decode(own_payload, c)
     gathered = jax.lax.all_gather(own_payload, axis_name, to="invarying")
@@ -380,22 +380,25 @@ def _majority_vote(x, axis_name, codec: Sign, n):
     return Reduced(codec.decode((voted, mean_scale), d), sent, jnp.zeros_like(x))
 
 
-def _reduce_flat(x, axis_name, codec, strategy, key, server_residual) -> Reduced:
+def _reduce_flat(x, axis_name, codec, strategy, key, server_residual, fill=0.0) -> Reduced:
+    """One strategy; ``fill`` is added to the mean (all-gather: it is the decode's buffer)."""
     n = axis_size(axis_name)
     strategy = choose_strategy(codec, x.shape[0], n, strategy)
     k = device_key(key, codec, axis_name)
-    if strategy == "allreduce":
-        return _allreduce(x, axis_name, codec, k, n)
     if strategy == "allgather":
-        return _allgather(x, axis_name, codec, k, n)
-    if strategy == "majority_vote":
-        return _majority_vote(x, axis_name, codec, n)
-    if server_residual is None:
-        server_residual = jnp.zeros_like(x)
-    return _two_phase(x, axis_name, codec, k, n, server_residual)
+        return _allgather(x, axis_name, codec, k, n, fill)
+    if strategy == "allreduce":
+        r = _allreduce(x, axis_name, codec, k, n)
+    elif strategy == "majority_vote":
+        r = _majority_vote(x, axis_name, codec, n)
+    else:
+        if server_residual is None:
+            server_residual = jnp.zeros_like(x)
+        r = _two_phase(x, axis_name, codec, k, n, server_residual)
+    return r._replace(mean=scaled(r.mean, 1.0, fill))
 
 
-def _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual):
+def _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual, fill):
     """Reduce-scatter over the fast axis (f32), compress over the slow one, all-gather back.
 
     Device ``(h, l)`` holds, after the reduce-scatter, chunk ``l`` of its host's mean
@@ -418,7 +421,7 @@ def _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_re
             jnp.pad(server_residual, (0, n_inner * c - d)), (li * c,), (c,)
         )
     inner_key = None if key is None else jax.random.fold_in(key, li)
-    r = _reduce_flat(part, axis_name, codec, strategy, inner_key, server_residual)
+    r = _reduce_flat(part, axis_name, codec, strategy, inner_key, server_residual, fill)
     mean = jax.lax.all_gather(r.mean, inner_axis_name, tiled=True, to="invarying")[:d]
     residual = _place(part - r.sent, li, n_inner * c, d)
     server = _place(r.server_residual, li, n_inner * c, d)
@@ -433,19 +436,22 @@ def reduce_vector(
     key: jax.Array | None = None,
     server_residual: jax.Array | None = None,
     inner_axis_name: Any = None,
+    fill: jax.Array | float = 0.0,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of a float32 vector, through ``codec``.
 
     ``key`` is the step's key, the same on every device; per-device noise is derived here.
     ``server_residual`` (two_phase only) is added to the owned chunk before re-encoding.
     With ``inner_axis_name`` the reduction is hierarchical (see :func:`_hierarchical`).
+    ``fill`` is added to the mean: NaN poisons it (:func:`pmean`), at no extra pass where the
+    mean is a scatter into a fresh buffer (sparse codecs, all-gather).
     """
     if x.shape[0] == 0:
         check_pair(codec, strategy)
         return Reduced(x, x, x)
     if inner_axis_name is None:
-        return _reduce_flat(x, axis_name, codec, strategy, key, server_residual)
-    return _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual)
+        return _reduce_flat(x, axis_name, codec, strategy, key, server_residual, fill)
+    return _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual, fill)
 
 
 def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
@@ -502,10 +508,12 @@ def reduce_segments(
     key: jax.Array | None,
     server_residual: jax.Array | None = None,
     inner_axis_name: Any = None,
+    fill: jax.Array | float = 0.0,
 ) -> Reduced:
     """Reduce each segment (a leaf, or one flat bucket) on its own; concatenate the results.
 
     ``key`` is folded with the segment index, so every segment draws its own randomness.
+    ``fill`` is added to every mean (see :func:`reduce_vector`).
     """
     sizes = [s.shape[0] for s in segments]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -513,7 +521,9 @@ def reduce_segments(
     for i, (seg, off) in enumerate(zip(segments, offsets, strict=True)):
         seg_key = None if key is None else jax.random.fold_in(key, i)
         srv = None if server_residual is None else server_residual[off : off + seg.shape[0]]
-        parts.append(reduce_vector(seg, axis_name, codec, strategy, seg_key, srv, inner_axis_name))
+        parts.append(
+            reduce_vector(seg, axis_name, codec, strategy, seg_key, srv, inner_axis_name, fill)
+        )
     if not parts:
         empty = jnp.zeros((0,), jnp.float32)
         return Reduced(empty, empty, empty)
@@ -609,10 +619,12 @@ def pmean(
     layout = buckets.layout_of(tree, min_size)
     x = buckets.flatten_compressed(tree, layout)
     segments = segments_of(x, layout, granularity)
-    reduced = reduce_segments(segments, axis_name, codec, strategy, key, None, inner_axis_name)
-    bad = any_nonfinite(tree, every_axis)
-    mean = poison(reduced.mean, bad) if x.shape[0] else reduced.mean
-    return buckets.rebuild(tree, layout, mean, lambda a: jax.lax.pmean(a, every_axis))
+    # NaN everywhere when any input is non-finite: added to the mean inside the reduction.
+    fill = jnp.where(any_nonfinite(tree, every_axis), jnp.nan, 0.0)
+    reduced = reduce_segments(
+        segments, axis_name, codec, strategy, key, None, inner_axis_name, fill
+    )
+    return buckets.rebuild(tree, layout, reduced.mean, lambda a: jax.lax.pmean(a, every_axis))
 
 
 def psum(

@@ -39,6 +39,15 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def scaled(total: jax.Array, scale: float = 1.0, fill: jax.Array | float = 0.0) -> jax.Array:
+    """``fill + scale * total``, skipping what is the identity (for :meth:`Codec.decode_sum`)."""
+    if not (isinstance(scale, float | int) and scale == 1):
+        total = total * scale
+    if not (isinstance(fill, float | int) and fill == 0):
+        total = total + fill
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """Base class of every codec. Subclasses are frozen (hashable, static under jit).
@@ -86,13 +95,18 @@ class Codec:
     def payload_bytes(self, d: int) -> int:
         raise NotImplementedError
 
-    def decode_sum(self, payloads: Payload, d: int) -> jax.Array:
-        """Sum of the decodings of a stack of payloads (leading axis = devices).
+    def decode_sum(
+        self, payloads: Payload, d: int, scale: float = 1.0, fill: jax.Array | float = 0.0
+    ) -> jax.Array:
+        """``fill + scale * sum_j decode(payloads[j])`` over a stack of payloads (leading
+        axis = devices). ``scale = 1/n`` gives the mean; a NaN ``fill`` poisons every entry.
 
-        The default decodes each and adds; sparse codecs override it with one scatter-add
-        into a single dense buffer.
+        The default decodes each and adds; sparse codecs override it with one scatter-add of
+        the scaled values into a single dense buffer that starts at ``fill``, so neither the
+        mean nor the poisoning costs another pass over ``d`` floats.
         """
-        return jnp.sum(jax.vmap(lambda p: self.decode(p, d))(payloads), axis=0)
+        total = jnp.sum(jax.vmap(lambda p: self.decode(p, d))(payloads), axis=0)
+        return scaled(total, scale, fill)
 
     def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``decode(encode(x))``: what the receivers will see of ``x``."""

@@ -56,8 +56,8 @@ class Sign(Codec):
         negative = packing.unpack(words, 1, d)
         return jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
 
-    def decode_sum(self, payloads, d):
-        return sum_of_decodes(self, payloads, d)
+    def decode_sum(self, payloads, d, scale=1.0, fill=0.0):
+        return sum_of_decodes(self, payloads, d, scale, fill)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))

@@ -3,7 +3,7 @@
 
 Every run of one table uses the same initialization, batches, optimizer, learning rate and
 number of steps; only the gradient exchange differs: plain ``pmean`` or ``jc.powersgd`` at
-rank 1, 2, 4 (and 16), error feedback and warm start on. The figures are the held-out loss
+rank 1, 2, 4 (and 8, 16), error feedback and warm start on. The figures are the held-out loss
 (nats per byte) and its ratio to the uncompressed run, the steady-state bytes each device
 sends per step for the gradient exchange (ring model), and the digits test accuracy::
 
@@ -40,6 +40,7 @@ VARIANTS = {
     "rank 1": (1, {}),
     "rank 2": (2, {}),
     "rank 4": (4, {}),
+    "rank 8": (8, {}),
     "rank 16": (16, {}),
     "rank 4, matrices only": (4, {"mask": "matrices_only"}),
 }
@@ -160,6 +161,7 @@ def char_runs(config: dict[str, Any], save=lambda runs: None) -> list[dict[str, 
                 "optimizer": optimizer,
                 "variant": label,
                 "rank": rank,
+                "start_step": None if rank is None else config["start_step"],
                 "eval_loss": r["eval_loss"],
                 "train_loss_mean_last_50": sum(curve[-50:]) / len(curve[-50:]),
                 "gradient_bytes_per_device_per_step": r["gradient_bytes_per_device"],
@@ -172,6 +174,16 @@ def char_runs(config: dict[str, Any], save=lambda runs: None) -> list[dict[str, 
                 base["gradient_bytes_per_device_per_step"]
                 / run["gradient_bytes_per_device_per_step"]
             )
+            if rank is not None and base["rank"] is None:
+                # Over all the steps: the first start_step send the uncompressed gradient.
+                warm = min(config["start_step"], config["steps"])
+                sent = (
+                    warm * base["gradient_bytes_per_device_per_step"]
+                    + (config["steps"] - warm) * run["gradient_bytes_per_device_per_step"]
+                )
+                run["bytes_saving_all_steps"] = (
+                    config["steps"] * base["gradient_bytes_per_device_per_step"] / sent
+                )
             runs.append(run)
             save(runs)
             print(
@@ -228,6 +240,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="override")
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"))
     parser.add_argument("--batch-per-device", type=int, help="sequences per device per step")
+    parser.add_argument(
+        "--start-step", type=int, help="PowerSGD's uncompressed warm-up steps (default 10)"
+    )
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--out", type=pathlib.Path, help="JSON path (PNG beside it)")
     args = parser.parse_args()
@@ -236,8 +251,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
 
     config = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "variants", "optimizers", "batch_per_device"):
-        if getattr(args, key):
+    for key in ("steps", "variants", "optimizers", "batch_per_device", "start_step"):
+        if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"
     start = time.perf_counter()

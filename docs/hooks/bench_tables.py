@@ -189,12 +189,16 @@ def _powersgd(data: dict[str, Any], path: pathlib.Path) -> str:
         ]
         for r in runs
     ]
+    header = ["optimizer", "variant", "eval loss", "vs none", "saving", "bytes/step"]
+    if any("bytes_saving_all_steps" in r for r in runs):  # the warm-up steps counted
+        header.insert(5, "saving, all steps")
+        for row, r in zip(body, runs, strict=True):
+            row.insert(5, f"{r.get('bytes_saving_all_steps', r['bytes_saving']):.1f}x")
     cfg = data["config"]
     head = (
         f"{data['model']}; {data['data']}; {data['batch']}; {data['devices']} devices; "
         f"{cfg['steps']} steps; {data['schedule']}."
     )
-    header = ["optimizer", "variant", "eval loss", "vs none", "saving", "bytes/step"]
     out = f"{head}\n\n{_markdown((header, body))}"
     digits = data.get("digits_mlp")
     if digits:

@@ -52,8 +52,8 @@ APPROX_DEFAULT = "blocked"
 #: From this ratio on ``approx=True`` means ``"auto"``: the sampled threshold on CPU, blocked
 #: elsewhere. On XLA:CPU the blocked selection's second stage grows as ``k * sqrt(d / k)``
 #: and the sampled threshold's cost hardly moves with ``k``. On 16M floats (in copies of the
-#: array, one run of benchmarks/topk_speed.py each): XLA:CPU blocked 0.98 / 2.77 / 8.0 and
-#: sample 3.43 / 4.75 / 3.81 at ratios 0.1% / 0.3% / 1% (they cross between 0.5% and 0.6%);
+#: array, one run of benchmarks/topk_speed.py each): XLA:CPU blocked 1.06 / 2.25 / 8.4 and
+#: sample 3.68 / 3.00 / 2.72 at ratios 0.1% / 0.3% / 1% (they cross between 0.3% and 1%);
 #: on an H100 blocked stays the faster: 0.19 / 0.23 / 0.32 ms against sample 0.57 / 0.71 /
 #: 0.94 ms (``benchmarks/results/topk_speed_gpu_h100.json``).
 APPROX_SAMPLE_FROM = 0.006
@@ -445,7 +445,7 @@ class TopK(SparseCodec):
       at least ``k`` entries reach the threshold, else the ``>= 0.8 k`` largest (typically
       ``0.95 k``); tested on Gaussian, Student-t(2), Cauchy and log-normal
       vectors (0.86-1.0 of the true top-k kept). Uses ``key`` when given (a fresh sample per
-      step and device), a fixed sample otherwise. On XLA:CPU at 1% of 16M floats it is 2.1x
+      step and device), a fixed sample otherwise. On XLA:CPU at 1% of 16M floats it is 3.1x
       faster than blocked; on an H100 it is 2.9x slower.
     * ``"auto"`` (``approx=True`` from ``ratio`` 0.6% on, :data:`APPROX_SAMPLE_FROM`):
       ``"sample"`` when the program runs on CPU, ``"blocked"`` on GPU and TPU, chosen when
@@ -454,13 +454,13 @@ class TopK(SparseCodec):
       exact sort on CPU.
 
     At 0.1% of 16M floats on XLA:CPU, one run of ``benchmarks/topk_speed.py`` (2 idle
-    cores; median of 7): copy 37.5 ms, exact 190 ms, blocked 36.7 ms (5.2x faster than
-    exact), sample 129 ms, approx_max_k 244 ms, and the naive static-shape sampled
-    threshold (``jnp.nonzero(size=k)`` over all of ``x``) 376 ms. With static shapes the
+    cores; median of 7): copy 31.1 ms, exact 167 ms, blocked 32.9 ms (5.1x faster than
+    exact), sample 114 ms, approx_max_k 192 ms, and the naive static-shape sampled
+    threshold (``jnp.nonzero(size=k)`` over all of ``x``) 379 ms. With static shapes the
     sampled threshold still needs a count pass and two compactions, so at 0.1% it is slower
-    than blocked; its cost hardly grows with ``k``, and at 1% it is the fastest: 3.8 copies
-    against blocked 8.0 and exact 15.8 (see :data:`APPROX_SAMPLE_FROM`; not measured on
-    accelerators).
+    than blocked; its cost hardly grows with ``k``, and at 1% it is the fastest on CPU: 2.7
+    copies against blocked 8.4 and exact 15.4 (see :data:`APPROX_SAMPLE_FROM`). On an H100
+    blocked is the fastest at every ratio (``benchmarks/results/topk_speed_gpu_h100.json``).
 
     Per layer or whole model: ``compressed_allreduce(..., granularity="leaf")`` (the
     default) selects ``k = ratio * d_leaf`` in every leaf; ``granularity="flat"`` selects

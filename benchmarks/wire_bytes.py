@@ -26,7 +26,7 @@ collectives into f32, so bf16 sends twice its logical bytes there). Writes
 ``benchmarks/results/wire_bytes.json`` and ``wire_bytes.png``::
 
     python benchmarks/wire_bytes.py                # all codecs, both trees, n = 2..16
-    python benchmarks/wire_bytes.py --quick        # 4 codecs, resnet18, n = 2, 8 (< 1 min)
+    python benchmarks/wire_bytes.py --quick        # 3 codecs, resnet18, n = 2, 8, auto (< 1 min)
     python benchmarks/wire_bytes.py --trees gpt2 --codecs sign int8 --devices 8 16
     python benchmarks/wire_bytes.py --trees gpt2 --devices 2 4 --merge   # add to the file
 
@@ -305,15 +305,18 @@ def draw(rows: list[dict], path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 codecs, resnet18, n = 2, 8")
+    ap.add_argument(
+        "--quick", action="store_true", help="3 codecs, resnet18, n = 2, 8, strategy auto"
+    )
     ap.add_argument("--trees", nargs="+", choices=sorted(TREES), default=None)
     ap.add_argument("--codecs", nargs="+", default=None, help="default: all (registry + sparse)")
     ap.add_argument("--devices", nargs="+", type=int, default=None)
     ap.add_argument(
         "--all-strategies",
         nargs="*",
-        default=["resnet18"],
-        help="trees measured with every strategy (the others: auto only; default resnet18)",
+        default=None,
+        help="trees measured with every strategy (the others: auto only; default resnet18, "
+        "none with --quick)",
     )
     ap.add_argument(
         "--merge", action="store_true", help="keep the rows already in the JSON file (see above)"
@@ -339,7 +342,10 @@ def main(argv=None) -> int:
     else:
         spec = args.compiled
     compiled = {(t, int(n), c) for t, n, c in (x.split(":") for x in spec)}
-    rows = measure(trees, codecs, devices, compiled, all_strategies=tuple(args.all_strategies))
+    every = args.all_strategies
+    if every is None:
+        every = [] if args.quick else ["resnet18"]
+    rows = measure(trees, codecs, devices, compiled, all_strategies=tuple(every))
     print_table(rows)
     path = common.result_path("wire_bytes", args.quick)
     command = " ".join(["python benchmarks/wire_bytes.py", *(argv or sys.argv[1:])])

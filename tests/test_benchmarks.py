@@ -62,9 +62,12 @@ def test_wire_bytes_merge_replaces_rows_measured_again():
 
 @pytest.mark.slow
 def test_wire_bytes_quick_matches_model(tmp_path):
-    # --quick narrowed to two codecs at n = 4 to stay inside the test budget.
+    # --quick narrowed to two codecs at n = 4, with every strategy, inside the test budget.
     run_bench(
-        "wire_bytes.py", "--quick", "--codecs", "sign", "int8", "--devices", "4", out=tmp_path
+        "wire_bytes.py",
+        "--quick",
+        *("--codecs", "sign", "int8", "--devices", "4", "--all-strategies", "resnet18"),
+        out=tmp_path,
     )
     data = load(tmp_path, "wire_bytes_quick.json")
     rows = data["rows"]

@@ -152,6 +152,7 @@ def char_runs(config: dict[str, Any], save=lambda runs: None) -> list[dict[str, 
                 rank=rank or 4,
                 optimizer=optimizer,
                 batch_per_device=config["batch_per_device"],
+                lr=config.get("lr"),
                 powersgd_options=options,
                 progress=f"{optimizer} {label}",
                 return_details=True,
@@ -240,6 +241,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="override")
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"))
     parser.add_argument("--batch-per-device", type=int, help="sequences per device per step")
+    parser.add_argument("--lr", type=float, help="peak learning rate (default: Adam 3e-3, SGD 0.2)")
     parser.add_argument(
         "--start-step", type=int, help="PowerSGD's uncompressed warm-up steps (default 10)"
     )
@@ -251,7 +253,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
 
     config = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "variants", "optimizers", "batch_per_device", "start_step"):
+    for key in ("steps", "variants", "optimizers", "batch_per_device", "start_step", "lr"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"

@@ -52,7 +52,7 @@ import common  # noqa: E402
 AXIS = "data"
 CODECS = ["sign", "int8", "topk1%", "int4", "fp16"]
 RATES = ["1gbit", "100mbit", "10gbit"]
-MLP = (1024, 4096, 4096, 1024)
+MLP = common.MLP
 TBF = ("burst", "256kb", "latency", "10ms")
 
 
@@ -74,9 +74,7 @@ def worker(args) -> None:
 
     initialize()
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -105,52 +103,13 @@ def worker(args) -> None:
         text = fn.lower(*a).as_text()
         return sum(c.bytes_per_device for c in accounting.parse_stablehlo_collectives(text, n))
 
-    # ---- the model: params replicated, batch sharded
-    def init_params():
-        k = jax.random.PRNGKey(42)
-        p = {}
-        for i, (a, b) in enumerate(zip(MLP[:-1], MLP[1:], strict=True)):
-            k, sub = jax.random.split(k)
-            p[f"w{i}"] = jax.random.normal(sub, (a, b)) / np.sqrt(a)
-            p[f"b{i}"] = jnp.zeros((b,))
-        return p
-
-    params0 = jax.jit(init_params, out_shardings=replicated)()
+    # ---- the model (benchmarks/common.py): params replicated, batch sharded
+    params0 = jax.jit(common.mlp_params, out_shardings=replicated)()
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     xb = rng.standard_normal((args.batch, MLP[0])).astype(np.float32)
     yb = rng.standard_normal((args.batch, MLP[-1])).astype(np.float32)
     bx = jax.make_array_from_callback((n * args.batch, MLP[0]), sharded, lambda idx: xb)
     by = jax.make_array_from_callback((n * args.batch, MLP[-1]), sharded, lambda idx: yb)
-
-    def loss_fn(p, x, y):
-        h = x
-        for i in range(len(MLP) - 1):
-            h = h @ p[f"w{i}"] + p[f"b{i}"]
-            h = jax.nn.relu(h) if i < len(MLP) - 2 else h
-        return jnp.mean((h - y) ** 2)
-
-    def make_step(codec):
-        opt = optax.sgd(1e-3)
-        tx = opt if codec is None else optax.chain(jc.compressed_allreduce(codec, AXIS), opt)
-        state = jc.sharded_init(tx, params0, mesh, AXIS)
-        specs = jc.state_specs(state, AXIS)
-
-        def step(p, s, x, y):
-            g = jax.grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
-            if codec is None:
-                g = jax.lax.pmean(g, AXIS)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
-        fn = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=mesh,
-                in_specs=(P(), specs, P(AXIS), P(AXIS)),
-                out_specs=(P(), specs),
-            )
-        )
-        return fn, state
 
     rows = []
     for name in ["pmean", *args.codecs]:
@@ -174,7 +133,7 @@ def worker(args) -> None:
             row["encode_ms"] = timed(enc, x1)[0]
             row["decode_ms"] = timed(dec, payload)[0]
         if not args.no_step:
-            step, state = make_step(codec)
+            step, state = common.mlp_train_step(codec, params0, mesh, AXIS)
             row["step_bytes_per_device"] = logical_bytes(step, params0, state, bx, by)
             row["step_ms"], row["step_min_ms"] = timed(step, params0, state, bx, by)
         row["seconds"] = round(time.perf_counter() - t_start, 1)

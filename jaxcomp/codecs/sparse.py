@@ -54,8 +54,8 @@ APPROX_DEFAULT = "blocked"
 #: and the sampled threshold's cost hardly moves with ``k``. On 16M floats (in copies of the
 #: array, one run of benchmarks/topk_speed.py each): XLA:CPU blocked 1.06 / 2.25 / 8.4 and
 #: sample 3.68 / 3.00 / 2.72 at ratios 0.1% / 0.3% / 1% (they cross between 0.3% and 1%);
-#: on an H100 blocked stays the faster: 0.19 / 0.23 / 0.32 ms against sample 0.57 / 0.71 /
-#: 0.94 ms (``benchmarks/results/topk_speed_gpu_h100.json``).
+#: on an H100 blocked stays the faster: 0.23 / 0.23 / 0.32 ms against sample 0.59 / 0.84 /
+#: 0.93 ms (``benchmarks/results/topk_speed_gpu_h100.json``).
 APPROX_SAMPLE_FROM = 0.006
 #: Where ``approx="auto"`` uses the sampled threshold (``jax.lax.platform_dependent``).
 SAMPLE_PLATFORMS = ("cpu",)

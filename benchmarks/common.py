@@ -36,11 +36,13 @@ def result_path(name: str, quick: bool, suffix: str = "json") -> pathlib.Path:
     return RESULTS / f"{name}{'_quick' if quick else ''}.{suffix}"
 
 
-def write_json(path: pathlib.Path, data: Any) -> pathlib.Path:
-    """Write ``data`` as indented JSON (numbers rounded by the caller) and say where."""
+def write_json(path: pathlib.Path, data: Any, quiet: bool = False) -> pathlib.Path:
+    """Write ``data`` as indented JSON (numbers rounded by the caller) and, unless ``quiet``
+    (a partial result saved as a run goes), say where."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
-    print(f"wrote {show_path(path)}", flush=True)
+    if not quiet:
+        print(f"wrote {show_path(path)}", flush=True)
     return path
 
 

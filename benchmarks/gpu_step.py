@@ -22,7 +22,6 @@ backend and device are recorded. Writes ``benchmarks/results/gpu_step.json`` and
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -87,10 +86,8 @@ def run(codecs, sizes, batch: int, reps: int, warmup: int, pipeline: int = 1, sa
             "error_feedback": None if codec is None else feedback.resolve("auto", codec),
         }
         rows.append(row)
-        base = rows[0]["step_ms"]
-        for r in rows:
-            r["vs_pmean"] = r["step_ms"] / base
-        print(f"{name:8s} {row['step_ms']:9.3f} ms  {row['step_ms'] / base:6.2f}x", flush=True)
+        row["vs_pmean"] = row["step_ms"] / rows[0]["step_ms"]  # the first row is pmean
+        print(f"{name:8s} {row['step_ms']:9.3f} ms  {row['vs_pmean']:6.2f}x", flush=True)
         if save is not None:
             save(rows, n_params)
     return rows, n_params
@@ -118,12 +115,6 @@ def draw(rows: list[dict], path, title: str) -> None:
     common.plot(path, one, title)
 
 
-def write_quietly(path: pathlib.Path, data: dict) -> None:
-    """The partial result after each codec (a run cut short keeps what it measured)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help=f"MLP {QUICK_MLP}, {QUICK_CODECS}")
@@ -143,8 +134,8 @@ def main(argv=None) -> int:
     path = args.out or common.result_path("gpu_step", args.quick)
     start = time.perf_counter()
 
-    def save(rows, n_params, complete=False):
-        (common.write_json if complete else write_quietly)(
+    def save(rows, n_params, complete=False):  # after every codec: a cut-short run keeps it
+        common.write_json(
             path,
             {
                 "environment": common.environment(),
@@ -158,6 +149,7 @@ def main(argv=None) -> int:
                 "seconds": round(time.perf_counter() - start, 1),
                 "rows": rows,
             },
+            quiet=not complete,
         )
 
     rows, n_params = run(codecs, sizes, args.batch, reps, args.warmup, args.pipeline, save)

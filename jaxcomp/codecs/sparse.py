@@ -250,13 +250,13 @@ def first_true(mask: jax.Array, size: int, group: int = 8) -> jax.Array:
     per_group = jnp.sum(flags, axis=1, dtype=jnp.int32)
     ends = jnp.cumsum(per_group, dtype=jnp.int32)
     j = jnp.arange(size, dtype=jnp.int32)
-    where = jnp.searchsorted(ends, j + 1, side="left")  # the group of the (j+1)-th true entry
-    found = where < groups
-    where = jnp.minimum(where, groups - 1)
-    rank = j - (ends[where] - per_group[where])  # its rank among the true entries of the group
-    running = jnp.cumsum(flags[where], axis=1, dtype=jnp.int32)
+    owner = jnp.searchsorted(ends, j + 1, side="left")  # the group of the (j+1)-th true entry
+    found = owner < groups
+    owner = jnp.minimum(owner, groups - 1)
+    rank = j - (ends[owner] - per_group[owner])  # its rank among the true entries of the group
+    running = jnp.cumsum(flags[owner], axis=1, dtype=jnp.int32)
     offset = jnp.argmax(running > rank[:, None], axis=1).astype(jnp.int32)
-    return jnp.where(found, where * group + offset, n)
+    return jnp.where(found, owner * group + offset, n)
 
 
 def _total(counts: jax.Array, row: int = 1024) -> jax.Array:

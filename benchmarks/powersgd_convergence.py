@@ -45,15 +45,15 @@ VARIANTS = {
     "rank 4, matrices only": (4, {"mask": "matrices_only"}),
 }
 FULL = {
-    "steps": 1000,
+    "steps": (1000, 3000, 5000),
     "batch_per_device": 2,
     "optimizers": ("adam", "sgd"),
-    "variants": ("none", "rank 4", "rank 16", "rank 1", "rank 2", "rank 4, matrices only"),
+    "variants": ("none", "rank 4", "rank 16", "rank 1", "rank 2"),
     "start_step": 10,
     "digits_steps": 200,
 }
 QUICK = {
-    "steps": 20,
+    "steps": (20,),
     "batch_per_device": 2,
     "optimizers": ("adam",),
     "variants": ("none", "rank 4"),
@@ -63,13 +63,19 @@ QUICK = {
 
 
 def train_digits(
-    rank: int | None, steps: int = 200, lr: float = 0.1, progress: bool | str = False
+    rank: int | None,
+    steps: int = 200,
+    lr: float = 0.1,
+    progress: bool | str = False,
+    workers: int | None = None,
 ) -> float:
     """Test accuracy of a 64-256-10 MLP on sklearn's digits, trained data-parallel.
 
     All devices (8 CPU devices here) x 32 examples per step, SGD with momentum 0.9 at ``lr``,
     1400 training and 397 test images. ``rank``: None for the plain ``pmean`` of the
-    gradients, else ``jc.powersgd(rank)`` (defaults) in front of the same SGD.
+    gradients, else ``jc.powersgd(rank)`` (defaults) in front of the same SGD. ``workers``:
+    that many workers emulated on one device (``jax.vmap`` over the axis) instead of one per
+    device, as in ``char_transformer.train``.
     """
     import numpy as np
     import optax
@@ -79,10 +85,6 @@ def train_digits(
 
     import jaxcomp as jc
 
-    mesh = jax.make_mesh(
-        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
-    )
-    put = lambda x, spec=P("data"): jax.device_put(x, NamedSharding(mesh, spec))
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
     perm = np.random.default_rng(0).permutation(len(x))
@@ -102,25 +104,39 @@ def train_digits(
 
     sgd = optax.sgd(lr, momentum=0.9)
     tx = sgd if rank is None else optax.chain(jc.powersgd(rank, "data"), sgd)
-    state = jc.sharded_init(tx, params, mesh, "data")
-    specs = jc.state_specs(state, "data")
 
     def step(p, s, xb, yb):
-        grads = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), xb, yb)
+        local = p if workers else jax.lax.pcast(p, "data", to="varying")
+        grads = jax.grad(loss)(local, xb, yb)
         if rank is None:
             grads = jax.lax.pmean(grads, "data")
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s
 
-    in_specs = (P(), specs, P("data"), P("data"))
-    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
-    params = put(params, P())
-    batches = np.random.default_rng(2).integers(0, len(x_train), (steps, 32 * jax.device_count()))
+    if workers:
+        params = jax.tree.map(lambda a: np.broadcast_to(a, (workers, *a.shape)), params)
+        state = jax.vmap(tx.init)(params)
+        step = jax.jit(jax.vmap(step, axis_name="data"))
+        put = lambda a: a.reshape(workers, -1, *a.shape[1:])
+    else:
+        mesh = jax.make_mesh(
+            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+        )
+        state = jc.sharded_init(tx, params, mesh, "data")
+        specs = jc.state_specs(state, "data")
+        in_specs = (P(), specs, P("data"), P("data"))
+        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    n = workers or jax.device_count()
+    batches = np.random.default_rng(2).integers(0, len(x_train), (steps, 32 * n))
     for idx in _progress(batches, progress):
         params, state = jax.block_until_ready(
             step(params, state, put(x_train[idx]), put(y_train[idx]))
         )
     p = jax.device_get(params)
+    if workers:
+        p = jax.tree.map(lambda a: a[0], p)
     logits = np.maximum(x_test @ p["w1"] + p["b1"], 0) @ p["w2"] + p["b2"]
     return float((logits.argmax(-1) == y_test).mean())
 
@@ -133,99 +149,113 @@ def _progress(iterable, progress):
     return tqdm(iterable, desc=progress if isinstance(progress, str) else None, leave=False)
 
 
-def char_runs(config: dict[str, Any], save=lambda runs: None) -> list[dict[str, Any]]:
-    """Every variant of ``config`` (the first one is the baseline), for every optimizer.
-    ``save(runs)`` is called after each run, so an interrupted benchmark keeps what it did."""
+def char_runs(
+    config: dict[str, Any], save=lambda runs: None, workers: int | None = None
+) -> list[dict[str, Any]]:
+    """Every variant of ``config`` (the first one is the baseline), for every optimizer and
+    every run length in ``config["steps"]`` (the cosine schedule ends at each length, so
+    each is a run of its own). ``save(runs)`` is called after each run, so an interrupted
+    benchmark keeps what it did. ``workers``: see ``char_transformer.train``."""
     import char_transformer
 
     runs = []
     for optimizer in config["optimizers"]:
-        base = None
-        for label in config["variants"]:
-            rank, options = VARIANTS[label]
-            options = {"start_step": config["start_step"], **options}
-            if options.get("mask") == "matrices_only":
-                options["mask"] = char_transformer.matrices_only
-            r = char_transformer.train(
-                "none" if rank is None else "powersgd",
-                config["steps"],
-                rank=rank or 4,
-                optimizer=optimizer,
-                batch_per_device=config["batch_per_device"],
-                lr=config.get("lr"),
-                powersgd_options=options,
-                progress=f"{optimizer} {label}",
-                return_details=True,
-            )
-            curve = r["train_loss"]
-            run = {
-                "optimizer": optimizer,
-                "variant": label,
-                "rank": rank,
-                "start_step": None if rank is None else config["start_step"],
-                "eval_loss": r["eval_loss"],
-                "train_loss_mean_last_50": sum(curve[-50:]) / len(curve[-50:]),
-                "gradient_bytes_per_device_per_step": r["gradient_bytes_per_device"],
-                "train_seconds": r["seconds"],
-                "train_loss": curve,
-            }
-            base = base or run
-            run["eval_loss_ratio_to_first"] = run["eval_loss"] / base["eval_loss"]
-            run["bytes_saving"] = (
-                base["gradient_bytes_per_device_per_step"]
-                / run["gradient_bytes_per_device_per_step"]
-            )
-            if rank is not None and base["rank"] is None:
-                # Over all the steps: the first start_step send the uncompressed gradient.
-                warm = min(config["start_step"], config["steps"])
-                sent = (
-                    warm * base["gradient_bytes_per_device_per_step"]
-                    + (config["steps"] - warm) * run["gradient_bytes_per_device_per_step"]
+        for steps in config["steps"]:
+            base = None
+            for label in config["variants"]:
+                run = _char_run(char_transformer, config, optimizer, steps, label, workers)
+                base = base or run
+                _compare(run, base, config["start_step"])
+                runs.append(run)
+                save(runs)
+                print(
+                    f"{optimizer:4s} {steps:5d} steps  {label:22s} held-out "
+                    f"{run['eval_loss']:.4f}  x{run['eval_loss_ratio_to_first']:.4f}  "
+                    f"train x{run['train_loss_ratio_to_first']:.4f}  "
+                    f"{run['gradient_bytes_per_device_per_step'] / 2**10:7.1f} KiB/step "
+                    f"({run['bytes_saving']:5.1f}x less)  {run['train_seconds']:.0f} s",
+                    flush=True,
                 )
-                run["bytes_saving_all_steps"] = (
-                    config["steps"] * base["gradient_bytes_per_device_per_step"] / sent
-                )
-            runs.append(run)
-            save(runs)
-            print(
-                f"{optimizer:4s}  {label:22s} held-out {run['eval_loss']:.4f}  "
-                f"x{run['eval_loss_ratio_to_first']:.4f}  "
-                f"{run['gradient_bytes_per_device_per_step'] / 2**10:7.1f} KiB/step "
-                f"({run['bytes_saving']:5.1f}x less)  {run['train_seconds']:.0f} s",
-                flush=True,
-            )
     return runs
 
 
+def _char_run(char_transformer, config, optimizer, steps, label, workers) -> dict[str, Any]:
+    rank, options = VARIANTS[label]
+    options = {"start_step": config["start_step"], **options}
+    if options.get("mask") == "matrices_only":
+        options["mask"] = char_transformer.matrices_only
+    r = char_transformer.train(
+        "none" if rank is None else "powersgd",
+        steps,
+        rank=rank or 4,
+        optimizer=optimizer,
+        batch_per_device=config["batch_per_device"],
+        lr=config.get("lr"),
+        powersgd_options=options,
+        progress=f"{optimizer} {steps} {label}",
+        return_details=True,
+        workers=workers,
+    )
+    curve = r["train_loss"]
+    return {
+        "optimizer": optimizer,
+        "steps": steps,
+        "variant": label,
+        "rank": rank,
+        "start_step": None if rank is None else config["start_step"],
+        "eval_loss": r["eval_loss"],
+        "train_loss_mean_last_50": sum(curve[-50:]) / len(curve[-50:]),
+        "gradient_bytes_per_device_per_step": r["gradient_bytes_per_device"],
+        "train_seconds": r["seconds"],
+        "train_loss": curve,
+    }
+
+
+def _compare(run: dict[str, Any], base: dict[str, Any], start_step: int) -> None:
+    """Ratios of ``run`` to the baseline run of the same optimizer and length."""
+    run["eval_loss_ratio_to_first"] = run["eval_loss"] / base["eval_loss"]
+    run["train_loss_ratio_to_first"] = (
+        run["train_loss_mean_last_50"] / base["train_loss_mean_last_50"]
+    )
+    run["bytes_saving"] = (
+        base["gradient_bytes_per_device_per_step"] / run["gradient_bytes_per_device_per_step"]
+    )
+    if run["rank"] is not None and base["rank"] is None:
+        # Over all the steps: the first start_step send the uncompressed gradient.
+        steps = run["steps"]
+        warm = min(start_step, steps)
+        sent = (
+            warm * base["gradient_bytes_per_device_per_step"]
+            + (steps - warm) * run["gradient_bytes_per_device_per_step"]
+        )
+        run["bytes_saving_all_steps"] = steps * base["gradient_bytes_per_device_per_step"] / sent
+
+
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
-    """Smoothed training-loss curves, one panel per optimizer; digits accuracy in the title."""
+    """Per optimizer: smoothed training-loss curves of the longest runs and, when there are
+    several run lengths, the held-out loss ratio to uncompressed against the length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    optimizers = list(dict.fromkeys(r["optimizer"] for r in result["char_transformer"]))
-    size = (max(7.5, 6 * len(optimizers)), 4.8)
-    fig, axes = plt.subplots(1, len(optimizers), figsize=size, squeeze=False)
-    for ax, optimizer in zip(axes[0], optimizers, strict=True):
-        for r in result["char_transformer"]:
-            if r["optimizer"] != optimizer:
-                continue
-            curve = np.asarray(r["train_loss"])
-            width = max(1, min(25, len(curve) // 10))
-            smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
-            label = "uncompressed" if r["rank"] is None else r["variant"]
-            label += f": {r['eval_loss']:.3f} (x{r['eval_loss_ratio_to_first']:.3f})"
-            ax.plot(np.arange(len(smooth)) + width - 1, smooth, label=label, lw=1.2)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/byte, moving average)")
-        ax.set_title(f"char transformer, {optimizer}: held-out loss (ratio)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+    runs = result["char_transformer"]
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in runs))
+    lengths = sorted({r["steps"] for r in runs})
+    cols = 1 + (len(lengths) > 1)
+    fig, axes = plt.subplots(
+        len(optimizers), cols, figsize=(7 * cols, 4.6 * len(optimizers)), squeeze=False
+    )
+    for row, optimizer in zip(axes, optimizers, strict=True):
+        mine = [r for r in runs if r["optimizer"] == optimizer]
+        _plot_curves(row[0], [r for r in mine if r["steps"] == max(r["steps"] for r in mine)])
+        row[0].set_title(f"char transformer, {optimizer}: held-out loss (ratio)")
+        if cols > 1:
+            _plot_ratios(row[1], mine)
+            row[1].set_title(f"{optimizer}: held-out loss / uncompressed, same steps")
     digits = result["digits_mlp"]
     fig.suptitle(
-        f"PowerSGD, {result['devices']} devices, same batches and steps.\nDigits MLP test "
+        f"PowerSGD, {result['workers']} workers, same batches and steps.\nDigits MLP test "
         f"accuracy: uncompressed {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}",
         fontsize=10,
     )
@@ -234,10 +264,48 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def _color(variant: str) -> str:
+    """The same matplotlib color for a variant in every panel."""
+    return f"C{list(VARIANTS).index(variant) % 10}"
+
+
+def _plot_curves(ax, runs: list[dict[str, Any]]) -> None:
+    import numpy as np
+
+    for r in runs:
+        curve = np.asarray(r["train_loss"])
+        width = max(1, min(25, len(curve) // 10))
+        smooth = np.convolve(curve, np.ones(width) / width, mode="valid")
+        label = "uncompressed" if r["rank"] is None else r["variant"]
+        label += f": {r['eval_loss']:.3f} (x{r['eval_loss_ratio_to_first']:.3f})"
+        x = np.arange(len(smooth)) + width - 1
+        ax.plot(x, smooth, label=label, lw=1.2, color=_color(r["variant"]))
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte, moving average)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _plot_ratios(ax, runs: list[dict[str, Any]]) -> None:
+    for label in dict.fromkeys(r["variant"] for r in runs if r["rank"] is not None):
+        mine = sorted(
+            (r["steps"], r["eval_loss_ratio_to_first"]) for r in runs if r["variant"] == label
+        )
+        ax.plot(*zip(*mine, strict=True), marker="o", label=label, color=_color(label))
+    ax.axhline(1.03, color="k", ls="--", lw=0.8, label="+3%")
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_xlabel("steps (each its own run, cosine schedule to 0)")
+    ax.set_ylabel("held-out loss / uncompressed")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 1 min)")
-    parser.add_argument("--steps", type=int, help="override the number of steps")
+    parser.add_argument(
+        "--steps", type=int, nargs="+", help="override the run lengths (one run per length)"
+    )
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), help="override")
     parser.add_argument("--optimizers", nargs="+", choices=("adam", "sgd"))
     parser.add_argument("--batch-per-device", type=int, help="sequences per device per step")
@@ -246,11 +314,18 @@ def main() -> None:
         "--start-step", type=int, help="PowerSGD's uncompressed warm-up steps (default 10)"
     )
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="emulate this many workers on one device (jax.vmap over the axis; e.g. 8 on a GPU)",
+    )
     parser.add_argument("--out", type=pathlib.Path, help="JSON path (PNG beside it)")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # XLA:CPU collectives
+    jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on a GPU
     sys.path.insert(0, str(ROOT / "examples"))
+    workers = args.workers or jax.device_count()
 
     config = dict(QUICK if args.quick else FULL)
     for key in ("steps", "variants", "optimizers", "batch_per_device", "start_step", "lr"):
@@ -259,8 +334,8 @@ def main() -> None:
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"
     start = time.perf_counter()
     digits = {
-        "none": train_digits(None, config["digits_steps"], progress="digits none"),
-        "rank_4": train_digits(4, config["digits_steps"], progress="digits rank 4"),
+        label: train_digits(rank, config["digits_steps"], progress=label, workers=args.workers)
+        for label, rank in (("none", None), ("rank_4", 4))
     }
     print(f"digits MLP test accuracy: none {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}")
     command = shlex.join(["python", "benchmarks/powersgd_convergence.py", *sys.argv[1:]])
@@ -270,13 +345,16 @@ def main() -> None:
         "config": config,
         "model": "char transformer: 2 layers, d_model 128, 4 heads, context 64, byte vocab",
         "data": "pydoc_data.topics (90% train / 10% held out, 256 held-out sequences)",
-        "batch": f"{jax.device_count()} devices x {config['batch_per_device']} sequences, 64 bytes",
+        "batch": f"{workers} workers x {config['batch_per_device']} sequences, 64 bytes",
         "schedule": "5% linear warm-up, cosine decay to 0; Adam lr 3e-3 / SGD-Nesterov 0.2",
         "powersgd": f"jc.powersgd(rank, 'data', start_step={config['start_step']}), else defaults",
         "digits_mlp": {**digits, "steps": config["digits_steps"], "optimizer": "sgd 0.1 m0.9"},
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
+        "device": str(jax.devices()[0].device_kind),
+        "workers": workers,
+        "emulated": args.workers is not None,
         "machine": platform.platform(),
     }
 
@@ -286,7 +364,7 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
         plot(result, out.with_suffix(".png"))
 
-    save(char_runs(config, save), final=True)
+    save(char_runs(config, save, args.workers), final=True)
     print(f"wrote {out} and {out.with_suffix('.png')} in {result['seconds']:.0f} s")
 
 

@@ -1,7 +1,7 @@
 """A character-level transformer on Python's own documentation, trained data-parallel with
 PowerSGD (or any jaxcomp transform) in front of Adam, against the uncompressed all-reduce.
 
-The text is ``pydoc_data.topics.topics`` (the help() pages shipped with CPython, ~0.8 MB of
+The text is ``pydoc_data.topics.topics`` (the help() pages shipped with CPython, ~0.47 MB of
 English and code): no download. Bytes are the vocabulary (256). The model is a small
 pre-norm Flax NNX transformer: 2 layers, d_model 128, 4 heads, context 64.
 
@@ -12,12 +12,22 @@ Run it on 8 CPU devices (or whatever accelerators are there)::
 Both runs use the same seed, the same batches and the same number of steps; the output is
 the held-out loss (nats per byte) of each and the bytes each step puts on the wire.
 
-What to expect (``benchmarks/powersgd_convergence.py``, 1000 steps, 8 devices x 2 sequences,
-Adam 3e-3 with cosine decay): uncompressed 1.447 nats/byte; PowerSGD rank 4 1.608 (+11%,
-19.6x fewer gradient bytes), rank 16 1.477 (+2.1%, 5.6x). At 100 steps rank 4 is within 2%.
-On a model this small (d_model 128) rank 4 limits how fast the matrices can change, so the
-loss falls behind over a long run: use ``--rank 16`` to stay within 3% of the uncompressed
-loss. See :func:`jaxcomp.powersgd` for the measurements behind this.
+What to expect (``benchmarks/powersgd_convergence.py``: 8 workers x 2 sequences, Adam 3e-3
+with cosine decay to 0 at the last step, held-out loss in nats per byte):
+
+=====  ============  ========================  ========================
+steps  uncompressed  rank 4 (19.6x fewer B)    rank 16 (5.6x fewer B)
+=====  ============  ========================  ========================
+1000   1.446         1.605 (+11.0%)            1.480 (+2.3%)
+3000   1.239         1.261 (+1.8%)             1.232 (-0.6%)
+5000   1.231         1.231 (0.0%)              1.226 (-0.4%)
+=====  ============  ========================  ========================
+
+Rank 4 learns more slowly (each step moves a matrix along 4 directions only; error feedback
+delays the rest) but reaches the same held-out loss once the uncompressed run stops
+improving; its training loss stays about 6% higher. For short runs use ``--rank 16``.
+Thousands of steps take minutes on a GPU with ``--workers 8`` (8 workers emulated with
+``jax.vmap`` on one device, the same arithmetic as 8 devices).
 """
 
 from __future__ import annotations
@@ -144,6 +154,7 @@ def train(
     progress: bool | str = False,
     return_details: bool = False,
     report_bytes: bool = False,
+    workers: int | None = None,
 ) -> float | dict[str, Any]:
     """Train for ``steps`` and return the held-out loss (nats per byte).
 
@@ -166,12 +177,20 @@ def train(
       progress: show a tqdm progress bar (a string: its description).
       return_details: return a dict with the loss curve and the training time as well.
       report_bytes: add the step's wire bytes (:func:`jaxcomp.comm_report`) to the details.
+      workers: None (default) runs one data-parallel worker per device, ``shard_map`` over
+        all devices. An int runs that many workers on one device instead, as
+        ``jax.vmap(step, axis_name="data")``: the collectives become sums over the vmapped
+        axis, so the arithmetic is that of ``workers`` devices (same batches, same result up
+        to float rounding) and a single GPU can stand in for 8 devices in long runs.
     """
     t0 = time.perf_counter()
-    mesh = jax.make_mesh(
-        (jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
-    )
-    n_dev = mesh.shape[AXIS]
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
+        raise TypeError(f"`workers` must be None or an int, got {workers!r}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"`workers` must be >= 1, got {workers}")
+    if workers is not None and report_bytes:
+        raise ValueError("`report_bytes` needs the shard_map program: leave `workers` at None")
+    n_dev = workers or jax.device_count()
     text = load_text()
     split_at = int(0.9 * len(text))
     train_text, eval_text = text[:split_at], text[split_at:]
@@ -201,33 +220,25 @@ def train(
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(p, opt_state, tokens):
-        # pcast: per-device gradients, no implicit all-reduce inserted by grad.
-        loss, grads = jax.value_and_grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), tokens)
+        # pcast: per-device gradients, no implicit all-reduce by grad (vmap needs none).
+        local = p if workers is not None else jax.lax.pcast(p, AXIS, to="varying")
+        loss, grads = jax.value_and_grad(loss_fn)(local, tokens)
         if not averages:
             grads = jax.lax.pmean(grads, AXIS)
         updates, opt_state = tx.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, jax.lax.pmean(loss, AXIS)
 
-    opt_state = jc.sharded_init(tx, params, mesh, AXIS)
-    specs = jc.state_specs(opt_state, AXIS)
-    step = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), specs, P(AXIS)),
-            out_specs=(P(), specs, P()),
-        ),
-        donate_argnums=(0, 1),
-    )
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    batch_sharding = NamedSharding(mesh, P(AXIS))
+    if workers is None:
+        step, params, opt_state, put = _sharded(step, tx, params)
+    else:
+        step, params, opt_state, put = _vmapped(step, tx, params, workers)
 
     def batch(rng, source, size):
         starts = rng.integers(0, len(source) - context - 1, size)
         return np.stack([source[s : s + context + 1] for s in starts]).astype(np.int32)
 
     data_rng = np.random.default_rng(seed)
-    first = jax.device_put(batch(data_rng, train_text, n_dev * batch_per_device), batch_sharding)
+    first = put(batch(data_rng, train_text, n_dev * batch_per_device))
     report = jc.comm_report(step, params, opt_state, first) if report_bytes else None
     curve = []
     if verbose:
@@ -241,12 +252,10 @@ def train(
         bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else None, leave=False)
     for i in range(steps):
         if i:
-            tokens = jax.device_put(
-                batch(data_rng, train_text, n_dev * batch_per_device), batch_sharding
-            )
+            tokens = put(batch(data_rng, train_text, n_dev * batch_per_device))
         # Block every step: XLA:CPU collectives on few cores deadlock when steps queue up.
         params, opt_state, loss = jax.block_until_ready(step(params, opt_state, tokens))
-        curve.append(float(loss))
+        curve.append(float(loss if workers is None else loss[0]))
         if bar is not None:
             bar.update()
             if i % 20 == 0:
@@ -258,6 +267,8 @@ def train(
     seconds = time.perf_counter() - start
 
     eval_tokens = jnp.asarray(batch(np.random.default_rng(12345), eval_text, eval_sequences))
+    if workers is not None:  # every worker holds the same params
+        params = jax.tree.map(lambda x: x[0], params)
     held_out = float(jax.jit(loss_fn)(jax.device_get(params), eval_tokens))
     if not return_details:
         return held_out
@@ -278,6 +289,31 @@ def train(
     return details
 
 
+def _sharded(step, tx, params):
+    """One worker per device: ``shard_map`` over all devices, params replicated."""
+    mesh = jax.make_mesh(
+        (jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    opt_state = jc.sharded_init(tx, params, mesh, AXIS)
+    specs = jc.state_specs(opt_state, AXIS)
+    step = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P())),
+        donate_argnums=(0, 1),
+    )
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    batch_sharding = NamedSharding(mesh, P(AXIS))
+    return step, params, opt_state, lambda tokens: jax.device_put(tokens, batch_sharding)
+
+
+def _vmapped(step, tx, params, workers):
+    """``workers`` workers on the default device: every leaf of the params and the state gets
+    a leading worker axis (the replicated ones hold equal copies), the batch is split on it."""
+    params = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *x.shape)), params)
+    opt_state = jax.jit(jax.vmap(tx.init))(params)
+    step = jax.jit(jax.vmap(step, axis_name=AXIS), donate_argnums=(0, 1))
+    return step, params, opt_state, lambda t: jnp.asarray(t.reshape(workers, -1, t.shape[-1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -287,6 +323,9 @@ def main() -> None:
     parser.add_argument("--start-step", type=int, default=10, help="PowerSGD warm-up steps")
     parser.add_argument("--batch-per-device", type=int, default=2)
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
+    parser.add_argument(
+        "--workers", type=int, help="emulate this many workers on one device (jax.vmap)"
+    )
     args = parser.parse_args()
     # Only used where there is no accelerator; must come before any other use of jax.
     jax.config.update("jax_num_cpu_devices", args.devices)
@@ -302,6 +341,7 @@ def main() -> None:
             lr=args.lr,
             batch_per_device=args.batch_per_device,
             powersgd_options={"start_step": args.start_step},
+            workers=args.workers,
             verbose=True,
             return_details=True,
         )

@@ -177,28 +177,44 @@ def _topk_speed(data: dict[str, Any], path: pathlib.Path) -> str:
 
 def _powersgd(data: dict[str, Any], path: pathlib.Path) -> str:
     runs = data["char_transformer"]
-    base = {r["optimizer"]: r["eval_loss"] for r in runs if r["rank"] is None}
-    body = [
-        [
-            r["optimizer"],
-            r["variant"],
-            _fmt(r["eval_loss"], 4),
-            f"{r['eval_loss'] / base[r['optimizer']]:.3f}",
-            f"{r['bytes_saving']:.1f}x",
-            _bytes(r["gradient_bytes_per_device_per_step"]),
-        ]
-        for r in runs
-    ]
-    header = ["optimizer", "variant", "eval loss", "vs none", "saving", "bytes/step"]
-    if any("bytes_saving_all_steps" in r for r in runs):  # the warm-up steps counted
-        header.insert(5, "saving, all steps")
-        for row, r in zip(body, runs, strict=True):
-            row.insert(5, f"{r.get('bytes_saving_all_steps', r['bytes_saving']):.1f}x")
     cfg = data["config"]
-    head = (
-        f"{data['model']}; {data['data']}; {data['batch']}; {data['devices']} devices; "
-        f"{cfg['steps']} steps; {data['schedule']}."
-    )
+    steps = lambda r: r.get("steps", cfg["steps"])  # one length per file before 2026-11
+    base = {(r["optimizer"], steps(r)): r for r in runs if r["rank"] is None}
+    body = []
+    for r in runs:
+        b = base[r["optimizer"], steps(r)]
+        train = r["train_loss_mean_last_50"] / b["train_loss_mean_last_50"]
+        body.append(
+            [
+                r["optimizer"],
+                str(steps(r)),
+                r["variant"],
+                _fmt(r["eval_loss"], 4),
+                f"{r['eval_loss'] / b['eval_loss']:.3f}",
+                f"{train:.3f}",
+                f"{r['bytes_saving']:.1f}x",
+                _bytes(r["gradient_bytes_per_device_per_step"]),
+            ]
+        )
+    header = [
+        "optimizer",
+        "steps",
+        "variant",
+        "held-out loss",
+        "vs none",
+        "train loss vs none",
+        "saving",
+        "bytes/step",
+    ]
+    if any("bytes_saving_all_steps" in r for r in runs):  # the warm-up steps counted
+        header.insert(7, "saving, all steps")
+        for row, r in zip(body, runs, strict=True):
+            row.insert(7, f"{r.get('bytes_saving_all_steps', r['bytes_saving']):.1f}x")
+    if data.get("emulated"):
+        where = f"{data['workers']} workers emulated with jax.vmap on one {data['device']}"
+    else:
+        where = f"{data['devices']} {data['backend']} devices"
+    head = f"{data['model']}; {data['data']}; {data['batch']}; {where}; {data['schedule']}."
     out = f"{head}\n\n{_markdown((header, body))}"
     digits = data.get("digits_mlp")
     if digits:

@@ -18,9 +18,8 @@ the digits test accuracy::
 
 ``--workers 8`` emulates the 8 workers with ``jax.vmap`` over the axis on one device (a GPU
 runs a 5000-step run in about 20 s, the two commands above at once in 6.5 min; 8 CPU devices
-on 2 cores take about 0.2 s a step). The
-arithmetic is that of 8 devices (``tests/test_powersgd.py::test_vmap_workers_match_shard_map``).
-The full run writes ``benchmarks/results/powersgd_convergence.json`` and ``.png`` (loss
+on 2 cores take about 0.2 s a step). The arithmetic is that of 8 devices
+(``tests/test_powersgd.py::test_vmap_workers_match_shard_map``). The full run writes ``benchmarks/results/powersgd_convergence.json`` and ``.png`` (loss
 curves and ratios); ``--quick`` writes ``powersgd_convergence_quick.json`` and ``.png`` beside
 them. Every step is blocked on (``jax.block_until_ready``): XLA:CPU collectives of 8 virtual
 devices on few cores deadlock when steps queue up.

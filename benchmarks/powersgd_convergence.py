@@ -19,10 +19,11 @@ the digits test accuracy::
 ``--workers 8`` emulates the 8 workers with ``jax.vmap`` over the axis on one device (a GPU
 runs a 5000-step run in about 20 s, the two commands above at once in 6.5 min; 8 CPU devices
 on 2 cores take about 0.2 s a step). The arithmetic is that of 8 devices
-(``tests/test_powersgd.py::test_vmap_workers_match_shard_map``). The full run writes ``benchmarks/results/powersgd_convergence.json`` and ``.png`` (loss
-curves and ratios); ``--quick`` writes ``powersgd_convergence_quick.json`` and ``.png`` beside
-them. Every step is blocked on (``jax.block_until_ready``): XLA:CPU collectives of 8 virtual
-devices on few cores deadlock when steps queue up.
+(``tests/test_powersgd.py::test_vmap_workers_match_shard_map``). The full run writes
+``benchmarks/results/powersgd_convergence.json`` and ``.png`` (loss curves and ratios);
+``--quick`` writes ``powersgd_convergence_quick.json`` and ``.png`` beside them. Every step
+is blocked on (``jax.block_until_ready``): XLA:CPU collectives of 8 virtual devices on few
+cores deadlock when steps queue up.
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def _char_run(char_transformer, config, optimizer, steps, label, workers) -> dic
         progress=f"{optimizer} {steps} {label}",
         return_details=True,
         workers=workers,
+        seed=config.get("seed", 0),
     )
     curve = r["train_loss"]
     return {
@@ -322,6 +324,7 @@ def main() -> None:
     parser.add_argument(
         "--start-step", type=int, help="PowerSGD's uncompressed warm-up steps (default 10)"
     )
+    parser.add_argument("--seed", type=int, help="seed of the initialization and batches (0)")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument(
         "--workers",
@@ -337,7 +340,8 @@ def main() -> None:
     workers = args.workers or jax.device_count()
 
     config = dict(QUICK if args.quick else FULL)
-    for key in ("steps", "variants", "optimizers", "batch_per_device", "start_step", "lr"):
+    keys = ("steps", "variants", "optimizers", "batch_per_device", "start_step", "lr", "seed")
+    for key in keys:
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
     out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"

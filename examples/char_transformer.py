@@ -25,7 +25,8 @@ steps  uncompressed  rank 4 (19.6x fewer B)    rank 16 (5.6x fewer B)
 
 Rank 4 learns more slowly (each step moves a matrix along 4 directions only; error feedback
 delays the rest) but reaches the same held-out loss once the uncompressed run stops
-improving; its training loss stays about 6% higher. For short runs use ``--rank 16``.
+improving (within 1% at 5000 steps with two seeds, Adam and SGD); its training loss stays
+about 6% higher. For short runs use ``--rank 16``.
 Thousands of steps take minutes on a GPU with ``--workers 8`` (8 workers emulated with
 ``jax.vmap`` on one device, the same arithmetic as 8 devices).
 """

@@ -365,8 +365,9 @@ def powersgd(
     Nesterov momentum: rank 4 (19.6x fewer bytes) +11.0% / +8.3% after 1000 steps, +1.8% /
     +2.1% after 3000, 0.0% / -1.0% after 5000; rank 16 (5.6x) +2.3% / +1.4%, -0.6% / +1.2%,
     -0.4% / -0.8% (8 workers emulated on one H100; on 8 CPU devices rank 4 is +2.8% after
-    3000 Adam steps and -0.4% / -0.6% after 5000). From 3000 to 5000 steps the uncompressed
-    held-out loss barely moves (1.239 to 1.231 with Adam), and rank 4 ends at the same loss.
+    3000 Adam steps and -0.4% / -0.6% after 5000; with another seed +1.9% / +3.1% after
+    3000 and +0.7% / -0.3% after 5000). From 3000 to 5000 steps the uncompressed held-out
+    loss barely moves (1.239 to 1.231 with Adam), and rank 4 ends at the same loss.
     Early on rank 4 is slower: each step moves a matrix along only ``r`` directions (error
     feedback delays the rest), and its *training* loss stays about 6% higher even after
     5000 steps (it fits the 420 KB of training text more slowly). A longer plain warm-up, a

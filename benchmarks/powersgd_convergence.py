@@ -41,6 +41,7 @@ import jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "examples"))  # char_transformer: the model, data and step set-up
 
 # Variants: label -> (rank or None for plain pmean, extra jc.powersgd options). Every variant
 # uses error feedback and warm start (the defaults). "rank 4, matrices only" keeps the byte
@@ -87,10 +88,9 @@ def train_digits(
     that many workers emulated on one device (``jax.vmap`` over the axis) instead of one per
     device, as in ``char_transformer.train``.
     """
+    import char_transformer
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
     from sklearn.datasets import load_digits
 
     import jaxcomp as jc
@@ -113,31 +113,18 @@ def train_digits(
         return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
 
     sgd = optax.sgd(lr, momentum=0.9)
-    tx = sgd if rank is None else optax.chain(jc.powersgd(rank, "data"), sgd)
+    axis = char_transformer.AXIS
+    tx = sgd if rank is None else optax.chain(jc.powersgd(rank, axis), sgd)
 
     def step(p, s, xb, yb):
-        local = p if workers else jax.lax.pcast(p, "data", to="varying")
+        local = p if workers else jax.lax.pcast(p, axis, to="varying")
         grads = jax.grad(loss)(local, xb, yb)
         if rank is None:
-            grads = jax.lax.pmean(grads, "data")
+            grads = jax.lax.pmean(grads, axis)
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s
 
-    if workers:
-        params = jax.tree.map(lambda a: np.broadcast_to(a, (workers, *a.shape)), params)
-        state = jax.vmap(tx.init)(params)
-        step = jax.jit(jax.vmap(step, axis_name="data"))
-        put = lambda a: a.reshape(workers, -1, *a.shape[1:])
-    else:
-        mesh = jax.make_mesh(
-            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
-        )
-        state = jc.sharded_init(tx, params, mesh, "data")
-        specs = jc.state_specs(state, "data")
-        in_specs = (P(), specs, P("data"), P("data"))
-        step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
+    step, params, state, put = char_transformer.data_parallel(step, tx, params, workers, batches=2)
     n = workers or jax.device_count()
     batches = np.random.default_rng(2).integers(0, len(x_train), (steps, 32 * n))
     for idx in _progress(batches, progress):
@@ -336,7 +323,6 @@ def main() -> None:
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # XLA:CPU collectives
     jax.config.update("jax_default_matmul_precision", "highest")  # no TF32 on a GPU
-    sys.path.insert(0, str(ROOT / "examples"))
     workers = args.workers or jax.device_count()
 
     config = dict(QUICK if args.quick else FULL)

@@ -229,10 +229,7 @@ def train(
         updates, opt_state = tx.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, jax.lax.pmean(loss, AXIS)
 
-    if workers is None:
-        step, params, opt_state, put = _sharded(step, tx, params)
-    else:
-        step, params, opt_state, put = _vmapped(step, tx, params, workers)
+    step, params, opt_state, put = data_parallel(step, tx, params, workers, outputs=1)
 
     def batch(rng, source, size):
         starts = rng.integers(0, len(source) - context - 1, size)
@@ -290,29 +287,35 @@ def train(
     return details
 
 
-def _sharded(step, tx, params):
-    """One worker per device: ``shard_map`` over all devices, params replicated."""
+def data_parallel(step, tx, params, workers=None, batches=1, outputs=0):
+    """Compile ``step(params, opt_state, *batch) -> (params, opt_state, *out)`` over ``AXIS``.
+
+    ``workers=None``: one worker per device, ``shard_map`` over all devices (params
+    replicated, each of the ``batches`` batch arguments split on its first axis, the
+    ``outputs`` extra outputs replicated). An int: that many workers on the default device,
+    ``jax.vmap(step, axis_name=AXIS)``; every leaf of the params, the state and the outputs
+    then has a leading worker axis (equal copies where replicated). Returns ``(step, params,
+    opt_state, put)``, ``put(batch)`` placing one host batch of all workers.
+    """
+    if workers is not None:
+        params = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *x.shape)), params)
+        opt_state = jax.jit(jax.vmap(tx.init))(params)
+        step = jax.jit(jax.vmap(step, axis_name=AXIS), donate_argnums=(0, 1))
+        return step, params, opt_state, lambda b: jnp.asarray(b.reshape(workers, -1, *b.shape[1:]))
     mesh = jax.make_mesh(
         (jax.device_count(),), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
     )
     opt_state = jc.sharded_init(tx, params, mesh, AXIS)
     specs = jc.state_specs(opt_state, AXIS)
+    in_specs = (P(), specs, *[P(AXIS)] * batches)
+    out_specs = (P(), specs, *[P()] * outputs)
     step = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P())),
+        jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs),
         donate_argnums=(0, 1),
     )
     params = jax.device_put(params, NamedSharding(mesh, P()))
     batch_sharding = NamedSharding(mesh, P(AXIS))
-    return step, params, opt_state, lambda tokens: jax.device_put(tokens, batch_sharding)
-
-
-def _vmapped(step, tx, params, workers):
-    """``workers`` workers on the default device: every leaf of the params and the state gets
-    a leading worker axis (the replicated ones hold equal copies), the batch is split on it."""
-    params = jax.tree.map(lambda x: jnp.broadcast_to(x, (workers, *x.shape)), params)
-    opt_state = jax.jit(jax.vmap(tx.init))(params)
-    step = jax.jit(jax.vmap(step, axis_name=AXIS), donate_argnums=(0, 1))
-    return step, params, opt_state, lambda t: jnp.asarray(t.reshape(workers, -1, t.shape[-1]))
+    return step, params, opt_state, lambda b: jax.device_put(b, batch_sharding)
 
 
 def main() -> None:

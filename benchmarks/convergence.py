@@ -111,7 +111,7 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp import accounting
+    from jaxcomp._src import accounting
 
     (xtr, ytr), (xte, yte) = load(task, seed)
     n = jax.device_count()

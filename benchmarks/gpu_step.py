@@ -62,7 +62,7 @@ def run(codecs, sizes, batch: int, reps: int, warmup: int, pipeline: int = 1, sa
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp import feedback
+    from jaxcomp._src import feedback
 
     mesh = Mesh(np.array(jax.devices()[:1]), (AXIS,), axis_types=(AxisType.Explicit,))
     params = jax.device_put(common.mlp_params(sizes), NamedSharding(mesh, P()))

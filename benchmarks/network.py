@@ -79,7 +79,7 @@ def worker(args) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp import accounting
+    from jaxcomp._src import accounting
 
     n, rank = jax.device_count(), jax.process_index()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))

@@ -4,7 +4,7 @@ Part 1 — selecting 0.1% of 16M float32 values (k = 16,778), one run, median of
 
 * ``copy``: ``jnp.copy`` of the array, the memory-bound floor every method is compared to;
 * ``exact``: ``jc.top_k(0.001).encode`` — ``jax.lax.top_k`` over all of ``|x|``;
-* ``approx``: ``approx=True``, the method :func:`jaxcomp.codecs.sparse.check_approx` picks
+* ``approx``: ``approx=True``, the method :func:`jaxcomp._src.codecs.sparse.check_approx` picks
   for the ratio (``approx_method`` in the JSON);
 * ``blocked``: ``approx="blocked"``, the two-stage block-max selection;
 * ``sample``: ``approx="sample"`` — DGC's sampled threshold (1% sample, re-adjusted into
@@ -47,11 +47,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcomp.accounting import comm_report  # noqa: E402
-from jaxcomp.codecs import sparse  # noqa: E402
-from jaxcomp.dgc import dgc  # noqa: E402
-from jaxcomp.sharding import state_specs  # noqa: E402
-from jaxcomp.transforms import compressed_allreduce  # noqa: E402
+from jaxcomp._src.accounting import comm_report  # noqa: E402
+from jaxcomp._src.codecs import sparse  # noqa: E402
+from jaxcomp._src.compressed_allreduce import compressed_allreduce  # noqa: E402
+from jaxcomp._src.dgc import dgc  # noqa: E402
+from jaxcomp._src.sharding import state_specs  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import common  # noqa: E402

@@ -125,7 +125,7 @@ def collectives_bytes(fn, args, n: int, compiled: bool) -> tuple[float, float | 
     """(logical bytes per device, compiled bytes per device or None, number of collectives)."""
     import jax
 
-    from jaxcomp import accounting
+    from jaxcomp._src import accounting
 
     lowered = fn.lower(*args)
     logical = accounting.parse_stablehlo_collectives(lowered.as_text(), jax.device_count())

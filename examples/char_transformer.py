@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
-from jaxcomp.powersgd import plan_of, powersgd
+from jaxcomp._src.powersgd import plan_of, powersgd
 
 AXIS = "data"
 
@@ -161,7 +161,7 @@ def train(
 
     Args:
       compression: ``"none"`` (plain ``pmean`` of the gradients), ``"powersgd"`` (rank
-        ``rank`` with error feedback, the defaults of :func:`jaxcomp.powersgd`), or a factory
+        ``rank`` with error feedback, the defaults of :func:`jaxcomp._src.powersgd`), or a factory
         ``axis_name -> optax transform`` that returns the mean gradient (e.g.
         ``lambda ax: jc.compressed_allreduce(jc.sign(), ax)``).
       steps: optimizer steps. Same batches and initialization for every ``compression``.
@@ -173,7 +173,7 @@ def train(
         ``"constant"``.
       batch_per_device: sequences per device per step (the global batch is times the number
         of devices).
-      powersgd_options: keyword arguments of :func:`jaxcomp.powersgd` besides the rank
+      powersgd_options: keyword arguments of :func:`jaxcomp._src.powersgd` besides the rank
         (e.g. ``{"start_step": 100}``); the defaults otherwise.
       progress: show a tqdm progress bar (a string: its description).
       return_details: return a dict with the loss curve and the training time as well.

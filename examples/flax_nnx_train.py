@@ -186,7 +186,7 @@ def print_table(results: list[Result]) -> None:
     for r in results:
         delta = "" if base is None else f"{100 * (r.accuracy - base):+.1f}"
         print(
-            f"{r.codec:10s} {jc.accounting.format_bytes(r.bytes_per_step):>18s} "
+            f"{r.codec:10s} {jc.format_bytes(r.bytes_per_step):>18s} "
             f"{r.ratio:>8.1f}x {100 * r.accuracy:>8.1f}% {delta:>7s}"
         )
 

@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         r = train(variant, args.codec, steps=args.steps, lr=args.lr, progress=True)
         print(
             f"  {variant:6s} {r.codec:8s} acc {100 * r.accuracy:5.1f}%  "
-            f"{jc.accounting.format_bytes(r.bytes_per_step)}/step/device  "
+            f"{jc.format_bytes(r.bytes_per_step)}/step/device  "
             f"{r.ratio:5.1f}x fewer bytes than lax.pmean",
             flush=True,
         )

@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if not args.no_report:
         sample = global_batch(xtr[: args.batch], ytr[: args.batch])
         report = jc.comm_report(step, params, opt_state, *sample)
-        wire = f", {jc.accounting.format_bytes(report.bytes_per_device)}/step/device"
+        wire = f", {jc.format_bytes(report.bytes_per_device)}/step/device"
     print(
         f"process {rank}/{nproc}: {jax.local_device_count()} of {n} devices, "
         f"codec {args.codec}{wire}",

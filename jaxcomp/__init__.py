@@ -6,9 +6,9 @@ transform that adds error feedback; ``jc.comm_report`` reads the bytes on the wi
 compiled program.
 """
 
-from jaxcomp.accounting import CommReport, comm_report
-from jaxcomp.accumulate import AccumulateState, accumulate
-from jaxcomp.codecs import (
+from jaxcomp._src.accounting import CommReport, comm_report, format_bytes
+from jaxcomp._src.accumulate import AccumulateState, accumulate
+from jaxcomp._src.codecs import (
     CODECS,
     Codec,
     cast,
@@ -21,8 +21,8 @@ from jaxcomp.codecs import (
     terngrad,
     threshold_2bit,
 )
-from jaxcomp.codecs.sparse import random_k, threshold, top_k
-from jaxcomp.collectives import (
+from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
+from jaxcomp._src.collectives import (
     STRATEGIES,
     choose_strategy,
     hierarchical_bytes,
@@ -30,10 +30,10 @@ from jaxcomp.collectives import (
     psum,
     strategy_bytes,
 )
-from jaxcomp.dgc import DGCState, dgc
-from jaxcomp.powersgd import PowerSGDState, powersgd
-from jaxcomp.sharding import replicate, sharded_init, state_specs
-from jaxcomp.transforms import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.powersgd import PowerSGDState, powersgd
+from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 
 __version__ = "0.1.0"
 
@@ -56,6 +56,7 @@ __all__ = [
     "cast",
     "choose_strategy",
     "comm_report",
+    "format_bytes",
     "hierarchical_bytes",
     "compressed_allreduce",
     "identity",

@@ -1,4 +1,4 @@
-"""Tests for jaxcomp.accounting: exact ring-model bytes on real and hand-written programs."""
+"""Tests for jaxcomp._src.accounting: exact ring-model bytes on real and hand-written programs."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.accounting import (
+from jaxcomp._src.accounting import (
     Collective,
     CommReport,
     array_nbytes,

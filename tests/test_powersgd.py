@@ -1,4 +1,4 @@
-"""Tests for jaxcomp.powersgd: exactness on low-rank gradients, wire bytes, state, numerics."""
+"""Tests for jaxcomp._src.powersgd: exactness on low-rank gradients, wire bytes, state, numerics."""
 
 import functools
 import importlib.util
@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
-from jaxcomp.powersgd import (
+from jaxcomp._src.powersgd import (
     PowerSGDState,
     compression_rate,
     matrix_view,

@@ -18,8 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
-from jaxcomp.accounting import parse_stablehlo_collectives
-from jaxcomp.codecs.base import ceil_div
+from jaxcomp._src.accounting import parse_stablehlo_collectives
+from jaxcomp._src.codecs.base import ceil_div
 
 D = 1 << 18  # floats per device in the bytes tests (compiled only, never run)
 HOST, LOCAL = "host", "local"

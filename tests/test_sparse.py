@@ -1,4 +1,4 @@
-"""Sparse codecs (top_k, random_k, threshold) and Deep Gradient Compression (jaxcomp.dgc)."""
+"""Sparse codecs (top_k, random_k, threshold) and Deep Gradient Compression (jaxcomp._src.dgc)."""
 
 import math
 
@@ -10,13 +10,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.accounting import comm_report
-from jaxcomp.codecs import sparse
-from jaxcomp.codecs.sparse import random_k, threshold, top_k
-from jaxcomp.collectives import pmean, strategy_bytes
-from jaxcomp.dgc import DGCState, dgc
-from jaxcomp.sharding import sharded_init, state_specs
-from jaxcomp.transforms import compressed_allreduce
+from jaxcomp._src.accounting import comm_report
+from jaxcomp._src.codecs import sparse
+from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
+from jaxcomp._src.collectives import pmean, strategy_bytes
+from jaxcomp._src.compressed_allreduce import compressed_allreduce
+from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.sharding import sharded_init, state_specs
 
 KEY = jax.random.PRNGKey(0)
 N = 8

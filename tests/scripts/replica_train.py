@@ -44,7 +44,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomp as jc  # noqa: E402
-from jaxcomp import collectives  # noqa: E402
+from jaxcomp._src import collectives  # noqa: E402
 
 AXIS = "data"
 IN, HIDDEN, OUT, BATCH = 16, 64, 32, 8

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.codecs.quantize import (
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.quantize import (
     cast,
     identity,
     int_quant,
@@ -17,8 +17,8 @@ from jaxcomp.codecs.quantize import (
     terngrad,
     threshold_2bit,
 )
-from jaxcomp.codecs.sign import sign
-from jaxcomp.codecs.sparse import random_k, threshold, top_k
+from jaxcomp._src.codecs.sign import sign
+from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
 
 CODECS: dict[str, Callable[[], Codec]] = {
     "identity": identity,

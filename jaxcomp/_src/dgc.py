@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import buckets, collectives
-from jaxcomp.codecs.base import check_fraction, check_int, check_positive_float
-from jaxcomp.codecs.sparse import check_ratio, top_k
-from jaxcomp.transforms import _freeze_if
+from jaxcomp._src import collectives
+from jaxcomp._src import layout as buckets
+from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
+from jaxcomp._src.codecs.sparse import check_ratio, top_k
+from jaxcomp._src.compressed_allreduce import _freeze_if
 
 DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
 
@@ -138,7 +139,7 @@ def dgc(
 
     The selection is DGC's sampled threshold by default (``sample_ratio=0.01``, the paper's:
     ``jc.top_k(ratio_t, approx="sample", sample_ratio=sample_ratio)``, see
-    :func:`jaxcomp.codecs.sparse.sampled_top_k`): a threshold from a random sample of the
+    :func:`jaxcomp._src.codecs.sparse.sampled_top_k`): a threshold from a random sample of the
     accumulation, re-adjusted while the count over it is outside ``[0.8 k, 1.3 k]``, at most
     ``k`` values sent (the exact top-k whenever at least ``k`` reach the threshold, else the
     ``>= 0.8 k`` that do). ``sample_ratio=None`` selects the exact top-k with the two-stage
@@ -182,7 +183,7 @@ def dgc(
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
         (float32 ``pmean``); DGC then runs over ``axis_name`` between hosts, every device
         of a host sending the host's payload (``L`` copies per host on the outer axis; see
-        :func:`jaxcomp.collectives.inner_mean`). The devices of a host hold the same state:
+        :func:`jaxcomp._src.collectives.inner_mean`). The devices of a host hold the same state:
         ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
 

@@ -2,7 +2,7 @@
 
 A codec maps a 1-D float vector ``x`` of static size ``d`` to a *payload* (a pytree of
 arrays whose shapes depend only on ``d``) and back. Codecs know nothing of devices or
-axes: how payloads travel is the business of :mod:`jaxcomp.collectives`.
+axes: how payloads travel is the business of :mod:`jaxcomp._src.collectives`.
 
 Conventions every codec follows:
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp.codecs.base import check_int
+from jaxcomp._src.codecs.base import check_int
 
 
 class AccumulateState(NamedTuple):

@@ -6,9 +6,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import Codec, blocks, ceil_div, check_int, check_vector, per_value
-from jaxcomp.codecs.quantize import sum_of_decodes
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import Codec, blocks, ceil_div, check_int, check_vector, per_value
+from jaxcomp._src.codecs.quantize import sum_of_decodes
 
 _SCALES = (None, "mean")
 

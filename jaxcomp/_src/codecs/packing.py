@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcomp.codecs.base import ceil_div
+from jaxcomp._src.codecs.base import ceil_div
 
 
 def codes_per_word(bits: int) -> int:

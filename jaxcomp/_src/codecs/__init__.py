@@ -1,7 +1,7 @@
 """Codecs: pure encode/decode pairs. Nothing here knows about devices or axes."""
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.codecs.quantize import (
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.quantize import (
     cast,
     identity,
     int_quant,
@@ -10,8 +10,8 @@ from jaxcomp.codecs.quantize import (
     terngrad,
     threshold_2bit,
 )
-from jaxcomp.codecs.registry import CODECS, get_codec, register
-from jaxcomp.codecs.sign import sign
+from jaxcomp._src.codecs.registry import CODECS, get_codec, register
+from jaxcomp._src.codecs.sign import sign
 
 __all__ = [
     "CODECS",

@@ -2,7 +2,7 @@
 
 identity, cast (bf16/fp16/fp8), blockwise int_quant, QSGD, TernGrad, natural
 compression and MXNet's 2-bit threshold quantizer. Sub-byte codes are bit-packed into
-uint32 words (:mod:`jaxcomp.codecs.packing`), so ``payload_bytes`` is what really travels.
+uint32 words (:mod:`jaxcomp._src.codecs.packing`), so ``payload_bytes`` is what really travels.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import (
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import (
     Codec,
     blocks,
     ceil_div,

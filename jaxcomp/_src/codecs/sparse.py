@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import (
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import (
     Codec,
     check_int,
     check_positive_float,
@@ -472,7 +472,7 @@ class TopK(SparseCodec):
     MNIST-1D (40-256-256-10 MLP, 1000 steps; uncompressed 64.83%) per leaf 68.83%, flat
     68.07%. (In the tests' digits set-up, uncompressed 97.5%: per leaf 97.7%, flat 96.7%.)
     At 0.1%, error feedback followed by the optimizer's momentum is unstable either
-    way (per leaf 86.1%, flat 92.2%, no feedback at all 92.8%): use :func:`jaxcomp.dgc`, which
+    way (per leaf 86.1%, flat 92.2%, no feedback at all 92.8%): use :func:`jaxcomp._src.dgc`, which
     applies momentum before sparsifying (97.2% at 0.1%).
 
     References: Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
@@ -664,7 +664,7 @@ def top_k(
             optax.sgd(0.1, momentum=0.9),
         )
 
-    At 0.1% and below use :func:`jaxcomp.dgc` instead (momentum before sparsification).
+    At 0.1% and below use :func:`jaxcomp._src.dgc` instead (momentum before sparsification).
 
     References:
       Aji, Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;

@@ -77,11 +77,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp import buckets
-from jaxcomp.codecs import packing
-from jaxcomp.codecs.base import Codec, ceil_div, check_int, scaled
-from jaxcomp.codecs.sign import Sign
-from jaxcomp.codecs.sparse import SparseCodec
+from jaxcomp._src import layout as buckets
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, scaled
+from jaxcomp._src.codecs.sign import Sign
+from jaxcomp._src.codecs.sparse import SparseCodec
 
 STRATEGIES = ("auto", "allreduce", "allgather", "two_phase", "majority_vote")
 """Values of ``strategy=``. Ring-model bytes per device for ``n`` devices and a payload of

@@ -9,14 +9,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp import buckets, collectives, feedback
-from jaxcomp.codecs.base import Codec, check_fraction, check_int
+from jaxcomp._src import collectives, feedback
+from jaxcomp._src import layout as buckets
+from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
 
 
 class CompressedAllreduceState(NamedTuple):
     """State of :func:`compressed_allreduce`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    ``d`` is the number of elements of the compressed leaves (see :mod:`jaxcomp.buckets`).
+    ``d`` is the number of elements of the compressed leaves (see :mod:`jaxcomp._src.layout`).
     """
 
     memory: jax.Array | None  # f32[d] per device: residual e_i or EF21's h_i; None if no EF
@@ -127,7 +128,7 @@ def compressed_allreduce(
         unbiased ones, whose variance makes residual memory grow), ``"residual"``,
         ``"ef21"`` or ``None``.
       strategy: ``"auto"``, ``"allreduce"``, ``"allgather"``, ``"two_phase"`` or
-        ``"majority_vote"`` (see :mod:`jaxcomp.collectives`).
+        ``"majority_vote"`` (see :mod:`jaxcomp._src.collectives`).
       min_size: leaves with fewer elements go through plain ``pmean``.
       mask: None, a pytree of bools like the params, or a callable params -> such a tree;
         False leaves go through plain ``pmean``.

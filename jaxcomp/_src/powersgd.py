@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp import buckets, collectives
-from jaxcomp.codecs.base import check_int
+from jaxcomp._src import collectives
+from jaxcomp._src import layout as buckets
+from jaxcomp._src.codecs.base import check_int
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -92,7 +93,7 @@ class Group:
 class Plan:
     """Static plan of one gradient tree: which leaves are low-rank, and their batches.
 
-    ``layout`` groups leaves as :mod:`jaxcomp.buckets` does; its ``compressed`` leaves are
+    ``layout`` groups leaves as :mod:`jaxcomp._src.layout` does; its ``compressed`` leaves are
     the low-rank ones, its ``plain`` leaves go through plain ``pmean``.
     """
 
@@ -410,7 +411,7 @@ def powersgd(
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
         (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts, every device
         of a host sending the host's payload (``L`` copies per host on the outer axis; see
-        :func:`jaxcomp.collectives.inner_mean`). The devices of a host hold the same state:
+        :func:`jaxcomp._src.collectives.inner_mean`). The devices of a host hold the same state:
         ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
 

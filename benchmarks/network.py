@@ -19,19 +19,36 @@ Per codec, in the same run as plain ``jax.lax.pmean`` (``pmean`` rows):
 * ``allreduce``: one ``jc.pmean(g, "data", codec)`` (strategy ``auto``) of a ``--size``
   (25M) float32 gradient, median of ``--reps`` blocked calls;
 * ``step``: one training step of an MLP of about that size (1024-4096-4096-1024, 25.2M
-  params, batch 8 per process, MSE) with ``jc.compressed_allreduce(codec)`` + SGD, against
-  the same step with ``pmean``;
+  params, batch 8 per process, MSE) with ``jc.compressed_allreduce(codec)`` (error feedback
+  on) + SGD, against the same step with ``pmean``; ``powersgd4`` is
+  ``jc.powersgd(4, "data", start_step=0)`` + SGD (a step row only, no all-reduce row; no
+  warm-up branch compiled, so its bytes are the compressed exchange's). Steps
+  are jitted with params and optimizer state donated, each step feeding the next; median of
+  ``--reps`` after 3 warm-up steps;
 * ``codec_ms``: encode + decode of the gradient on one device with no network (where the
   time goes when compression does not pay);
 * ``link_ms``: the link limit: every process's bytes cross the one shaped loopback queue, so
   ``n * bytes_per_device * 8 / rate`` (bytes per device from the lowered program, ring
   model); ``efficiency = link_ms / allreduce_ms``.
 
+The peer, in the same processes on the same link right after (rows ``torch-*``, skipped
+with a message when torch is not importable; install its CPU build with
+``pip install torch==2.13.0``): torch ``DistributedDataParallel`` over gloo on the same
+MLP, batch and SGD, with its plain all-reduce (``torch-allreduce``), ``fp16_compress_hook``
+(``torch-fp16``) and the PowerSGD hook at rank 4 (``torch-powersgd4``,
+``start_powerSGD_iter=2``). DDP gets one bucket (``bucket_cap_mb`` above the model's size:
+over gloo the PowerSGD hook aborts with several). ``--torch-threads`` (default: cores over
+processes) sets ``torch.set_num_threads``. Every step speedup is against the same
+framework's plain step in the same run (``step_speedup``); ``vs_torch`` is the torch peer's
+step time over jaxcomp's (``pmean``/``fp16``/``powersgd4`` against ``torch-allreduce``/
+``torch-fp16``/``torch-powersgd4``; above 1: jaxcomp faster).
+
 Writes ``benchmarks/results/network.json`` and ``network.png``::
 
     sudo python benchmarks/network.py                        # 1gbit, 100mbit, 10gbit
     sudo python benchmarks/network.py --quick                # 1gbit, 4M floats, pmean + sign
     sudo python benchmarks/network.py --rates 1gbit --codecs sign int8 topk1% -n 2
+    sudo python benchmarks/network.py --rates 1gbit --label before   # network_before.json
 """
 
 from __future__ import annotations
@@ -50,10 +67,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 AXIS = "data"
-CODECS = ["sign", "int8", "topk1%", "int4", "fp16"]
+CODECS = ["sign", "int8", "fp16", "topk1%", "powersgd4"]
 RATES = ["1gbit", "100mbit", "10gbit"]
 MLP = common.MLP
 TBF = ("burst", "256kb", "latency", "10ms")
+LR = 1e-3
+WARMUP_STEPS = 3  # the first compiles; torch's PowerSGD hook compresses from step 2 on
+POWERSGD_START = 2  # torch's minimum start_powerSGD_iter with error feedback / warm start
+TORCH_ROWS = ["torch-allreduce", "torch-fp16", "torch-powersgd4"]
+TORCH_PEER = {"pmean": "torch-allreduce", "fp16": "torch-fp16", "powersgd4": "torch-powersgd4"}
+TORCH_INSTALL = (
+    "install torch's CPU build to add them: pip install torch==2.13.0 "
+    "(from PyPI proper: add --index-url https://download.pytorch.org/whl/cpu)"
+)
+BUCKET_MB = 1024  # one DDP bucket: larger than the 101 MB of the MLP's gradients
 
 
 def rate_bits(rate: str) -> float:
@@ -65,22 +92,39 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"`rate` must look like 1gbit, 100mbit or 500kbit, got {rate!r}")
 
 
+def powersgd_rank(name: str) -> int | None:
+    """``"powersgd4"`` -> 4; ``None`` for a codec name."""
+    if not name.startswith("powersgd"):
+        return None
+    return int(name[len("powersgd") :] or 4)
+
+
+def torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
 # --------------------------------------------------------------------------- worker side
 
 
 def worker(args) -> None:
-    """One of the N processes: time each codec, rank 0 writes ``args.out``."""
+    """One of the N processes: time each codec, then the torch peer; rank 0 writes ``args.out``."""
     from jaxcomp.launch import initialize
 
     initialize()
+    import warnings
+
     import jax
     import numpy as np
+    import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
     from jaxcomp._src import accounting
 
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     n, rank = jax.device_count(), jax.process_index()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
     sharded, replicated = NamedSharding(mesh, P(AXIS)), NamedSharding(mesh, P())
@@ -104,26 +148,63 @@ def worker(args) -> None:
         return sum(c.bytes_per_device for c in accounting.parse_stablehlo_collectives(text, n))
 
     # ---- the model (benchmarks/common.py): params replicated, batch sharded
-    params0 = jax.jit(common.mlp_params, out_shardings=replicated)()
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
+    def fresh_params():  # a new copy per row: every step donates its params
+        return jax.jit(common.mlp_params, out_shardings=replicated)()
+
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(fresh_params()))
     xb = rng.standard_normal((args.batch, MLP[0])).astype(np.float32)
     yb = rng.standard_normal((args.batch, MLP[-1])).astype(np.float32)
     bx = jax.make_array_from_callback((n * args.batch, MLP[0]), sharded, lambda idx: xb)
     by = jax.make_array_from_callback((n * args.batch, MLP[-1]), sharded, lambda idx: yb)
 
+    def donated_step(exchange, params):
+        """``(step, state)``: jit(shard_map) of one SGD step, params and state donated.
+
+        ``exchange=None``: plain ``jax.lax.pmean`` of the gradient; else the jaxcomp
+        transform chained in front of ``optax.sgd``."""
+        opt = optax.sgd(LR)
+        tx = opt if exchange is None else optax.chain(exchange, opt)
+        state = jc.sharded_init(tx, params, mesh, AXIS)
+        specs = jc.state_specs(state, AXIS)
+
+        def step(p, s, x, y):
+            g = jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+            if exchange is None:
+                g = jax.lax.pmean(g, AXIS)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        fn = jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
+        )
+        return jax.jit(fn, donate_argnums=(0, 1)), state
+
+    def time_steps(step, params, state, reps=args.reps):
+        first = jax.tree.leaves(params)[0]
+        for _ in range(WARMUP_STEPS):
+            params, state = jax.block_until_ready(step(params, state, bx, by))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            params, state = jax.block_until_ready(step(params, state, bx, by))
+            ts.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(ts)), 1e3 * float(np.min(ts)), first.is_deleted()
+
     rows = []
     for name in ["pmean", *args.codecs]:
         t_start = time.perf_counter()
-        codec = None if name == "pmean" else common.make_codec(name)
-        if codec is None:
-            body = lambda g: jax.lax.pmean(g[0], AXIS)  # noqa: E731
-        else:
-            body = lambda g, c=codec: jc.pmean(g[0], AXIS, c, key=key)  # noqa: E731
-        allreduce = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P()))
-        row = {"codec": name, "size": d, "devices": n}
-        row["bytes_per_device"] = logical_bytes(allreduce, grads)
-        row["strategy"] = "-" if codec is None else jc.choose_strategy(codec, d, n)
-        row["allreduce_ms"], row["allreduce_min_ms"] = timed(allreduce, grads)
+        rank_r = powersgd_rank(name)
+        codec = None if name == "pmean" or rank_r else common.make_codec(name)
+        row = {"framework": "jaxcomp", "codec": name, "size": d, "devices": n}
+        if rank_r is None:
+            if codec is None:
+                body = lambda g: jax.lax.pmean(g[0], AXIS)  # noqa: E731
+            else:
+                body = lambda g, c=codec: jc.pmean(g[0], AXIS, c, key=key)  # noqa: E731
+            allreduce = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P()))
+            row["bytes_per_device"] = logical_bytes(allreduce, grads)
+            row["strategy"] = "-" if codec is None else jc.choose_strategy(codec, d, n)
+            row["allreduce_ms"], row["allreduce_min_ms"] = timed(allreduce, grads)
         if codec is not None:
             one = jax.local_devices()[0]
             x1 = jax.device_put(local[0], one)
@@ -133,16 +214,118 @@ def worker(args) -> None:
             row["encode_ms"] = timed(enc, x1)[0]
             row["decode_ms"] = timed(dec, payload)[0]
         if not args.no_step:
-            step, state = common.mlp_train_step(codec, params0, mesh, AXIS)
-            row["step_bytes_per_device"] = logical_bytes(step, params0, state, bx, by)
-            row["step_ms"], row["step_min_ms"] = timed(step, params0, state, bx, by)
+            if rank_r:
+                exchange = jc.powersgd(rank_r, AXIS, start_step=0)
+            elif codec is not None:
+                exchange = jc.compressed_allreduce(codec, AXIS)
+            else:
+                exchange = None
+            params = fresh_params()
+            step, state = donated_step(exchange, params)
+            row["step_bytes_per_device"] = logical_bytes(step, params, state, bx, by)
+            row["step_ms"], row["step_min_ms"], row["donated"] = time_steps(step, params, state)
+            del step, state, params
         row["seconds"] = round(time.perf_counter() - t_start, 1)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
+    torch_note = None
+    if not args.no_step and not args.no_torch:
+        if torch_available():
+            rows += torch_worker(args, n, rank, xb, yb)
+        else:
+            torch_note = f"torch not importable: torch rows skipped; {TORCH_INSTALL}"
+            if rank == 0:
+                print(torch_note, flush=True)
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"params": n_params, "rows": rows}, f)
+            json.dump({"params": n_params, "rows": rows, "torch_note": torch_note}, f)
+
+
+def torch_ring_bytes(n: int, name: str, rank: int = 4) -> float:
+    """Bytes per device of one DDP step's exchange in the ring model (the torch rows; jaxcomp's
+    come from the lowered program). PowerSGD hook: each weight (out x in) sends P (out x r)
+    and Q (in x r) in f32, biases go uncompressed (as the hook does for 1-D tensors)."""
+    shapes = [(b, a) for a, b in zip(MLP[:-1], MLP[1:], strict=True)]
+    floats = sum(o * i + o for o, i in shapes)
+    ring = 2 * (n - 1) / n
+    if name == "torch-allreduce":
+        return ring * 4 * floats
+    if name == "torch-fp16":
+        return ring * 2 * floats
+    low = sum((o + i) * rank if o * i >= 2 * (o + i) * rank else o * i for o, i in shapes)
+    return ring * 4 * (low + sum(o for o, _ in shapes))
+
+
+def torch_worker(args, n: int, rank: int, xb, yb) -> list[dict]:
+    """The peer: torch DDP over gloo, same processes and link, one bucket, SGD."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    threads = args.torch_threads or max(1, (os.cpu_count() or 1) // n)
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(args.torch_store, n), rank=rank, world_size=n
+    )
+    x, y = torch.from_numpy(xb), torch.from_numpy(yb)
+    rows = []
+    try:
+        for name in TORCH_ROWS:
+            t_start = time.perf_counter()
+            torch.manual_seed(42)
+            layers: list = []
+            for i, (a, b) in enumerate(zip(MLP[:-1], MLP[1:], strict=True)):
+                layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(MLP) - 2 else [])
+            model = DDP(nn.Sequential(*layers), bucket_cap_mb=BUCKET_MB)
+            if name == "torch-fp16":
+                model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+            elif name == "torch-powersgd4":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None,
+                    matrix_approximation_rank=4,
+                    start_powerSGD_iter=POWERSGD_START,
+                )
+                model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad()
+                loss = torch.mean((model(x) - y) ** 2)
+                loss.backward()
+                opt.step()
+
+            for _ in range(WARMUP_STEPS):
+                step()
+            ts = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                step()
+                ts.append(time.perf_counter() - t0)
+            logging = model._get_ddp_logging_data()
+            row = {
+                "framework": "torch",
+                "codec": name,
+                "devices": n,
+                "torch": torch.__version__,
+                "torch_threads": threads,
+                "ddp_buckets": int(logging.get("num_buckets_reduced", -1)),
+                "step_bytes_per_device": torch_ring_bytes(n, name),
+                "step_ms": 1e3 * float(np.median(ts)),
+                "step_min_ms": 1e3 * float(np.min(ts)),
+                "seconds": round(time.perf_counter() - t_start, 1),
+            }
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+            del model, opt
+    finally:
+        dist.destroy_process_group()
+    return rows
 
 
 # --------------------------------------------------------------------------- driver side
@@ -199,12 +382,16 @@ def run_rate(ns: Namespace, rate: str, args, procs: list) -> dict:
     ns.shape(rate)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
+    store_dir = tempfile.mkdtemp(prefix="jaxcomp-torch-store-")  # torch's rendezvous file
     cmd = [
         "ip", "netns", "exec", ns.name, sys.executable, "-m", "jaxcomp.launch",
         "-n", str(args.num_processes), "--timeout", str(args.timeout),
         os.path.abspath(__file__), "--worker", "--out", out, "--size", str(args.size),
         "--reps", str(args.reps_for(rate)), "--batch", str(args.batch),
+        "--torch-store", os.path.join(store_dir, "store"),
+        "--torch-threads", str(args.torch_threads),
         "--codecs", *args.codecs, *(["--no-step"] if args.no_step else []),
+        *(["--no-torch"] if args.no_torch else []),
     ]  # fmt: skip
     print(f"\n== {rate}: {' '.join(cmd[4:])}", flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True, cwd=common.ROOT)
@@ -222,85 +409,125 @@ def run_rate(ns: Namespace, rate: str, args, procs: list) -> dict:
         ns.kill_all()  # workers left behind by a killed launcher
         procs.remove(proc)
         os.unlink(out)
+        shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def summarize(rate: str, data: dict, n: int) -> list[dict]:
+    """Ratios within the run: each row against its own framework's plain step."""
     bits = rate_bits(rate)
     rows = data["rows"]
     base = next(r for r in rows if r["codec"] == "pmean")
+    torch_base = next((r for r in rows if r["codec"] == "torch-allreduce"), None)
+    by_name = {r["codec"]: r for r in rows}
     for r in rows:
         r["rate"], r["mlp_params"] = rate, data["params"]
-        r["link_ms"] = 1e3 * n * r["bytes_per_device"] * 8 / bits
-        r["efficiency"] = r["link_ms"] / r["allreduce_ms"]
-        r["allreduce_speedup"] = base["allreduce_ms"] / r["allreduce_ms"]
-        r["bytes_saving"] = base["bytes_per_device"] / r["bytes_per_device"]
+        if "allreduce_ms" in r:
+            r["link_ms"] = 1e3 * n * r["bytes_per_device"] * 8 / bits
+            r["efficiency"] = r["link_ms"] / r["allreduce_ms"]
+            r["allreduce_speedup"] = base["allreduce_ms"] / r["allreduce_ms"]
+            r["bytes_saving"] = base["bytes_per_device"] / r["bytes_per_device"]
         if "step_ms" in r:
-            r["step_speedup"] = base["step_ms"] / r["step_ms"]
+            own = torch_base if r.get("framework") == "torch" else base
+            if own is not None and "step_ms" in own:
+                r["step_speedup"] = own["step_ms"] / r["step_ms"]
+            r["step_link_ms"] = 1e3 * n * r["step_bytes_per_device"] * 8 / bits
+        peer = by_name.get(TORCH_PEER.get(r["codec"], ""))
+        if peer is not None and "step_ms" in r:
+            r["vs_torch"] = peer["step_ms"] / r["step_ms"]
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"\n{'rate':>8s} {'codec':8s}{'MB/dev':>8s}{'allreduce':>11s}{'speedup':>9s}"
+        f"\n{'rate':>8s} {'codec':16s}{'MB/dev':>8s}{'allreduce':>11s}{'speedup':>9s}"
         f"{'link ms':>9s}{'effic.':>8s}{'codec ms':>10s}{'step ms':>9s}{'speedup':>9s}"
+        f"{'vs torch':>9s}"
     )
     for r in rows:
-        codec_ms = r.get("encode_ms", 0) + r.get("decode_ms", 0)
-        print(
-            f"{r['rate']:>8s} {r['codec']:8s}{r['bytes_per_device'] / 1e6:>8.2f}"
-            f"{r['allreduce_ms']:>9.0f}ms{r['allreduce_speedup']:>8.1f}x{r['link_ms']:>9.0f}"
-            f"{r['efficiency']:>8.2f}{codec_ms:>10.0f}"
-            + (f"{r['step_ms']:>9.0f}{r['step_speedup']:>8.1f}x" if "step_ms" in r else "")
-        )
+        mb = r.get("bytes_per_device", r.get("step_bytes_per_device", 0)) / 1e6
+        line = f"{r['rate']:>8s} {r['codec']:16s}{mb:>8.2f}"
+        if "allreduce_ms" in r:
+            codec_ms = r.get("encode_ms", 0) + r.get("decode_ms", 0)
+            line += (
+                f"{r['allreduce_ms']:>9.0f}ms{r['allreduce_speedup']:>8.1f}x{r['link_ms']:>9.0f}"
+                f"{r['efficiency']:>8.2f}{codec_ms:>10.0f}"
+            )
+        else:
+            line += " " * 45
+        if "step_ms" in r:
+            line += f"{r['step_ms']:>9.0f}{r.get('step_speedup', float('nan')):>8.2f}x"
+        if "vs_torch" in r:
+            line += f"{r['vs_torch']:>8.2f}x"
+        print(line)
 
 
 def draw(rows: list[dict], path) -> None:
     import numpy as np
 
     rates = list(dict.fromkeys(r["rate"] for r in rows))
-    names = list(dict.fromkeys(r["codec"] for r in rows))
+    steps = any("step_speedup" in r for r in rows)
+    metric = "step_speedup" if steps else "allreduce_speedup"
+    names = list(dict.fromkeys(r["codec"] for r in rows if metric in r))
 
     def one(ax):
         width = 0.8 / len(rates)
         for i, rate in enumerate(rates):
             vals = [
-                next(
-                    (r["allreduce_speedup"] for r in rows if r["rate"] == rate and r["codec"] == c),
-                    0,
-                )
+                next((r[metric] for r in rows if r["rate"] == rate and r["codec"] == c), 0)
                 for c in names
             ]
             ax.bar(np.arange(len(names)) + i * width, vals, width, label=rate)
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names)
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right")
         ax.set_yscale("log")
-        ax.set_ylabel("all-reduce speedup over pmean (same run)")
+        ax.set_ylabel(
+            "training-step speedup over own plain step (same run)"
+            if steps
+            else "all-reduce speedup over pmean (same run)"
+        )
         ax.legend()
 
-    n, size = rows[0]["devices"], rows[0]["size"]
-    common.plot(
-        path, one, f"{n} JAX processes over gloo, shaped loopback, {size / 1e6:.0f}M floats"
+    n = rows[0]["devices"]
+    what = (
+        f"MLP {rows[0]['mlp_params'] / 1e6:.1f}M params"
+        if steps
+        else (f"{rows[0]['size'] / 1e6:.0f}M floats")
     )
+    common.plot(path, one, f"{n} processes over gloo, shaped loopback, {what}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1gbit, 4M floats, pmean + sign")
     ap.add_argument("--rates", nargs="+", default=None)
-    ap.add_argument("--codecs", nargs="+", default=None, help=f"default {CODECS}")
+    ap.add_argument(
+        "--codecs",
+        nargs="+",
+        default=None,
+        help=f"default {' '.join(CODECS)} (powersgdR: rank R)".replace("%", "%%"),
+    )
     ap.add_argument("-n", "--num-processes", type=int, default=2)
     ap.add_argument("--size", type=int, default=None, help="gradient floats (default 25M)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls (default 5; 2 at <1gbit)")
     ap.add_argument("--batch", type=int, default=8, help="MLP batch per process")
     ap.add_argument("--no-step", action="store_true", help="only the all-reduce, no MLP step")
+    ap.add_argument("--no-torch", action="store_true", help="no torch DDP peer rows")
+    ap.add_argument(
+        "--torch-threads", type=int, default=0, help="torch.set_num_threads (0: cores / procs)"
+    )
+    ap.add_argument("--label", default=None, help="write network_LABEL.json (e.g. before)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rate, bounded")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--torch-store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     args.codecs = args.codecs or (["sign"] if args.quick else CODECS)
+    for name in args.codecs:
+        if name.startswith("powersgd"):
+            powersgd_rank(name)  # a ValueError here, not in the workers
     args.size = args.size or ((1 << 22) if args.quick else 25_000_000)
     args.no_step = args.no_step or args.quick
     rates = args.rates or (["1gbit"] if args.quick else RATES)
@@ -311,6 +538,9 @@ def main(argv=None) -> int:
     if reason:
         print(f"network.py: skipped: {reason}")
         return 0
+    if not args.no_step and not args.no_torch and not torch_available():
+        print(f"network.py: torch not importable: torch DDP rows skipped; {TORCH_INSTALL}")
+        args.no_torch = True
 
     ns, procs = Namespace(f"jaxcomp-bench-{os.getpid()}"), []
 
@@ -340,11 +570,14 @@ def main(argv=None) -> int:
         "environment": common.environment(),
         "num_processes": args.num_processes,
         "tbf": " ".join(TBF),
+        "warmup_steps": WARMUP_STEPS,
+        "torch_rows": not args.no_torch and not args.no_step,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    common.write_json(common.result_path("network", args.quick), out)
-    draw(rows, common.result_path("network", args.quick, "png"))
+    name = "network" + (f"_{args.label}" if args.label else "")
+    common.write_json(common.result_path(name, args.quick), out)
+    draw(rows, common.result_path(name, args.quick, "png"))
     return 0
 
 

@@ -1,0 +1,608 @@
+"""The contract every jaxcomp transform keeps: one table of transforms, the same checks for each.
+
+As optax's ``contrib/_common_test.py`` runs one suite over every optimizer, this file runs one
+suite over every jaxcomp transform in :data:`ROWS`; a new transform (or codec, or strategy) is
+tested by adding one :class:`Row`. The contract (DESIGN.md, "Rules that make it real"):
+
+1. error feedback conserves the gradient: ``sum_t out_t + held back == sum_t fed_t`` (``fed_t``
+   is ``mean_i g_i`` or, with momentum, what the transform's docstring says enters the memory);
+2. a NaN or inf on one device makes every compressed output non-finite on every device and
+   leaves the state bit-identical, so ``optax.apply_if_finite`` skips the step;
+3. ``jc.sharded_init`` / ``jc.state_specs`` shard per-device fields over the data axis, a
+   jitted ``shard_map`` step keeps them, and a zero gradient gives exactly zero;
+4. the state checkpoints with orbax and a restored run continues bit-identically;
+5. ``jax.pmap`` gives the numbers of ``shard_map``;
+6. the compiled step sends fewer bytes per device than ``jax.lax.pmean``;
+7. bad arguments raise errors naming the argument, at construction or at trace time.
+
+Each row is built and compiled once (module cache) on a small tree whose ``w`` and ``v`` are
+compressed and ``b`` is small; items share a 4-step trajectory of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import Blocking, N
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+SHAPES = {"w": (64, 48), "b": (48,), "v": (2048,)}
+STEPS = 4
+BETA = 0.9  # worker momentum of the Signum-style row
+DGC_MOMENTUM = 0.9  # jc.dgc's default
+
+
+# --------------------------------------------------------------------------- reading states
+#
+# Per-device memory fields (``memory``, ``momentum``, ``server_residual``, ``velocity``,
+# ``accumulation``, ``error``) are pytrees like the params, None where a leaf is not
+# compressed; a compressed leaf's global array is (n, *param.shape), row i on device i. The
+# two-phase server residual holds only the chunk a device owns: global (n, ceil(size / n)),
+# whose flattening is the leaf's whole server residual.
+
+
+def is_jaxcomp(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "PER_DEVICE_FIELDS")
+
+
+def jaxcomp_state(state: Any) -> Any:
+    """The first jaxcomp state (a NamedTuple with per-device fields) inside a chain's state."""
+    found = [node for node in jax.tree.leaves(state, is_leaf=is_jaxcomp) if is_jaxcomp(node)]
+    assert found, f"no jaxcomp state in {type(state).__name__}"
+    return found[0]
+
+
+def per_leaf(field: Any, params: dict) -> dict:
+    """A per-device field as {leaf name: float64 (n, *shape) or None}."""
+    if isinstance(field, dict):
+        return {k: None if field.get(k) is None else _devices(field[k], params[k]) for k in params}
+    raise AssertionError(f"per-device field is not shaped like the params: {type(field)}")
+
+
+def _devices(x: Any, param: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x.reshape(x.shape[0] if x.ndim else 1, *param.shape)
+
+
+def replicated_per_leaf(field: Any, params: dict) -> dict:
+    """A replicated field like the params (EF21's estimate): {leaf name: (*shape) or None}."""
+    if isinstance(field, dict):
+        return {k: None if field.get(k) is None else np.asarray(field[k]) for k in params}
+    raise AssertionError(f"replicated field is not shaped like the params: {type(field)}")
+
+
+def server_per_leaf(field: Any, params: dict) -> dict:
+    """The two-phase server residual, each leaf's owned chunks joined: {name: (*shape)}."""
+    if isinstance(field, dict):
+        out = {}
+        for k, p in params.items():
+            chunks = field.get(k)
+            flat = None if chunks is None else np.asarray(chunks, np.float64).reshape(-1)
+            out[k] = None if flat is None else flat[: p.size].reshape(p.shape)
+        return out
+    raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
+
+
+def held_back(row: Row, state: Any, params: dict) -> dict:
+    """What the devices hold back, in units of the mean: mean_i memory_i + server residual."""
+    ours = jaxcomp_state(state)
+    total = {k: np.zeros(p.shape) for k, p in params.items()}
+    for name in row.memory:
+        for k, m in per_leaf(getattr(ours, name), params).items():
+            if m is not None:
+                total[k] += m.mean(0)
+    server = getattr(ours, "server_residual", None)
+    if server is not None:
+        for k, s in server_per_leaf(server, params).items():
+            if s is not None:
+                total[k] += s
+    return total
+
+
+def fed_mean(state: Any, g: dict, previous: dict, params: dict) -> dict:
+    """Residual feedback: what enters the memory each step is the mean gradient."""
+    return {k: a.mean(0) for k, a in g.items()}
+
+
+def fed_worker_momentum(state: Any, g: dict, previous: dict, params: dict) -> dict:
+    """Worker momentum m_i <- b m_i + (1 - b) g_i is linear, so mean_i m_i is the momentum of
+    the mean gradient; the compressed leaves (those with a memory) send it, the rest the mean."""
+    memory = per_leaf(jaxcomp_state(state).momentum, params)
+    return {
+        k: a.mean(0) if memory[k] is None else BETA * previous[k] + (1 - BETA) * a.mean(0)
+        for k, a in g.items()
+    }
+
+
+def fed_dgc(state: Any, g: dict, previous: dict, params: dict) -> dict:
+    """DGC (its docstring): ``u_i <- m u_i + g_i`` enters ``v_i`` (the accumulation), with the
+    velocity ``u_i`` of the state before the step (after momentum factor masking); small and
+    1-D leaves get ``trace <- m trace + mean_i g_i`` and send it."""
+    velocity = per_leaf(jaxcomp_state(state).velocity, params)
+    return {
+        k: a.mean(0) + DGC_MOMENTUM * (previous[k] if velocity[k] is None else velocity[k].mean(0))
+        for k, a in g.items()
+    }
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One transform under test.
+
+    ``make(axis_name=..., **overrides)`` builds it; ``memory`` names the per-device fields that
+    hold back what was not sent (the server residual is read when present); ``law`` is the
+    conservation law: ``"sum"`` (``sum_t out_t + held == sum_t fed_t``, ``fed`` as given),
+    ``"ef21"`` (the output is the global estimate, the mean of the devices' estimates) or a
+    string saying why there is none. ``bad`` maps an argument to a value ``make`` must refuse.
+    """
+
+    id: str
+    make: Callable[..., optax.GradientTransformation]
+    memory: tuple[str, ...] = ("memory",)
+    law: str = "sum"
+    fed: Callable[..., dict] = fed_mean
+    compressed: tuple[str, ...] = ("w", "v")  # output leaves that a bad step must poison
+    atol: float = 2e-5
+    bad: tuple[tuple[str, Any], ...] = (("min_size", -1), ("strategy", "ring"))
+    inner_axis: str | None = None  # hierarchical: a 2 x 4 mesh ("data", inner_axis)
+    skip: tuple[tuple[str, str], ...] = ()  # (contract item, why it does not apply)
+
+    def build(self, axis_name: Any = "data", **overrides) -> optax.GradientTransformation:
+        if self.inner_axis is not None:
+            overrides.setdefault("inner_axis_name", self.inner_axis)
+        return self.make(axis_name=axis_name, **overrides)
+
+    def skip_reason(self, item: str) -> str | None:
+        return dict(self.skip).get(item)
+
+
+def allreduce(codec, **kw):
+    return functools.partial(jc.compressed_allreduce, codec=codec, **kw)
+
+
+CODEC_ERRORS = (("min_size", -1), ("strategy", "ring"), ("error_feedback", "momentum"))
+NO_BYTES_WIN = "the all-gather of int8 payloads from 8 devices sends more than pmean"
+
+ROWS = [
+    Row("sign-allgather", allreduce(jc.sign(), strategy="allgather"), bad=CODEC_ERRORS),
+    Row("sign-two_phase", allreduce(jc.sign(), strategy="two_phase"), bad=CODEC_ERRORS),
+    Row("sign-auto", allreduce(jc.sign(), strategy="auto"), bad=CODEC_ERRORS),
+    Row(
+        "signsgd-majority_vote",
+        allreduce(jc.sign(None), strategy="majority_vote"),
+        memory=(),
+        law="majority vote keeps no error feedback: the vote is not a mean of what was sent",
+        bad=(("strategy", "ring"), ("error_feedback", "ef21")),
+    ),
+    Row("int8-auto", allreduce(jc.int_quant(8), strategy="auto"), bad=CODEC_ERRORS),
+    Row(
+        "fp16-allreduce",
+        allreduce(jc.cast("fp16"), strategy="allreduce", error_feedback="residual"),
+        # A summable fp16 payload is also *added* in fp16 inside the psum: that rounding
+        # (~2^-11 of the running sum) happens in the network, where no memory can see it.
+        atol=5e-3,
+        bad=CODEC_ERRORS,
+    ),
+    Row("topk-allgather", allreduce(jc.top_k(0.01), strategy="allgather"), bad=CODEC_ERRORS),
+    Row("topk-two_phase", allreduce(jc.top_k(0.01), strategy="two_phase"), bad=CODEC_ERRORS),
+    Row(
+        "int8-ef21",
+        allreduce(jc.int_quant(8), error_feedback="ef21"),
+        law="ef21",
+        bad=CODEC_ERRORS,
+    ),
+    Row(
+        "sign-worker_momentum",
+        allreduce(jc.sign(), worker_momentum=BETA),
+        memory=("memory",),
+        fed=fed_worker_momentum,
+        bad=(("worker_momentum", 1.0), ("min_size", -1)),
+    ),
+    Row(
+        "sign-hierarchical",
+        allreduce(jc.sign(), strategy="two_phase"),
+        inner_axis="local",
+        bad=CODEC_ERRORS,
+        skip=(("pmap", "the transform needs two axes, and jax.pmap does not nest"),),
+    ),
+    Row(
+        "dgc-allgather",
+        functools.partial(jc.dgc, ratio=0.01),
+        memory=("accumulation",),
+        fed=fed_dgc,
+        compressed=("w",),
+        bad=(("ratio", 0.0), ("momentum", 1.0), ("strategy", "allreduce")),
+    ),
+    Row(
+        "dgc-two_phase",
+        functools.partial(jc.dgc, ratio=0.01, strategy="two_phase"),
+        memory=("accumulation",),
+        fed=fed_dgc,
+        compressed=("w",),
+        bad=(("ratio", 1.5), ("min_size", -1), ("strategy", "ring")),
+    ),
+    Row(
+        "powersgd-start0",
+        functools.partial(jc.powersgd, rank=4, start_step=0),
+        memory=("error",),
+        compressed=("w",),
+        bad=(("rank", 0), ("start_step", -1), ("min_size", -1)),
+    ),
+    Row(
+        "powersgd-start2",
+        functools.partial(jc.powersgd, rank=4, start_step=2),
+        memory=("error",),
+        compressed=("w",),
+        bad=(("rank", 2.0), ("orthogonalization_epsilon", -1.0)),
+        skip=(
+            (
+                "bytes",
+                "the compiled step holds the warm-up's full all-reduce too (a lax.cond): "
+                "comm_report counts both branches",
+            ),
+        ),
+    ),
+]
+
+
+# --------------------------------------------------------------------------- building a row
+
+
+def mesh_of(row: Row) -> tuple[jax.sharding.Mesh, Any]:
+    """The mesh and the axes the per-device state is sharded over."""
+    if row.inner_axis is None:
+        m = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
+        return m, "data"
+    m = jax.make_mesh((2, N // 2), ("data", row.inner_axis), axis_types=(AxisType.Explicit,) * 2)
+    return m, ("data", row.inner_axis)
+
+
+def params() -> dict:
+    rng = np.random.default_rng(0)
+    return {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def grads(t: int) -> dict:
+    """Per-device gradients, stacked on a leading device axis (an offset: signs agree a bit)."""
+    rng = np.random.default_rng(100 + t)
+    return {k: (rng.standard_normal((N, *s)) + 0.3).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def follower() -> optax.GradientTransformation:
+    """The optimizer after the transform, skipping non-finite steps."""
+    return optax.apply_if_finite(optax.sgd(0.1), max_consecutive_errors=3)
+
+
+class Built:
+    """A row's transform chained before :func:`follower`, its sharded state and jitted step.
+
+    ``step(grads, state) -> (out, update, state)``: ``out`` is the transform's output as each
+    device sees it (stacked, ``(n, *shape)``), ``update`` the follower's (replicated).
+    """
+
+    def __init__(self, row: Row, tx: optax.GradientTransformation | None = None):
+        self.row = row
+        self.tx = row.build() if tx is None else tx
+        self.chain = optax.chain(self.tx, follower())
+        self.mesh, self.axes = mesh_of(row)
+        self.params = jax.device_put(params(), NamedSharding(self.mesh, P()))
+        self.state0 = jc.sharded_init(self.chain, self.params, self.mesh, self.axes)
+        self.specs = jc.state_specs(self.state0, self.axes)
+        self.jitted = self.make_step(self.tx, self.specs)
+        self.step_fn = Blocking(self.jitted)
+
+    def make_step(self, tx, specs):
+        follow = follower()
+        axes = self.axes
+
+        def step(g, s, p):
+            g = jax.tree.map(lambda a: a[0], g)
+            u, s_tx = tx.update(g, s[0], p)
+            v, s_follow = follow.update(u, s[1], p)
+            seen = jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying")[None], u)
+            return seen, v, (s_tx, s_follow)
+
+        return jax.jit(
+            jax.shard_map(
+                step,
+                mesh=self.mesh,
+                in_specs=(P(self.axes), specs, P()),
+                out_specs=(P(self.axes), P(), specs),
+            )
+        )
+
+    def put(self, g: dict) -> dict:
+        return jax.device_put(g, NamedSharding(self.mesh, P(self.axes)))
+
+    def step(self, g: dict, state: Any):
+        return self.step_fn(self.put(g), state, self.params)
+
+
+@functools.cache
+def built(row_id: str) -> Built:
+    return Built(ROW_BY_ID[row_id])
+
+
+@functools.cache
+def trajectory(row_id: str) -> tuple[list, list]:
+    """(outputs of steps 0..STEPS-1 as numpy, states 0..STEPS): the run items share."""
+    b = built(row_id)
+    states, outs = [b.state0], []
+    for t in range(STEPS):
+        out, _, state = b.step(grads(t), states[-1])
+        outs.append(jax.tree.map(np.asarray, out))
+        states.append(state)
+    return outs, states
+
+
+ROW_BY_ID = {r.id: r for r in ROWS}
+assert len(ROW_BY_ID) == len(ROWS), "row ids must be unique"
+
+
+@pytest.fixture(scope="module", params=[r.id for r in ROWS])
+def row(request) -> Row:
+    return ROW_BY_ID[request.param]
+
+
+def skip_unless(row: Row, item: str) -> None:
+    reason = row.skip_reason(item)
+    if reason:
+        pytest.skip(reason)
+
+
+def assert_trees_equal(a: Any, b: Any) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def same_on_every_device(out: dict) -> None:
+    for k, a in out.items():
+        np.testing.assert_array_equal(a, np.broadcast_to(a[0], a.shape), err_msg=k)
+
+
+# --------------------------------------------------------------------------- 1. conservation
+
+
+def test_error_feedback_conserves_the_gradient(row):
+    skip_unless(row, "conservation")
+    outs, states = trajectory(row.id)
+    p = params()
+    if row.law == "ef21":
+        # EF21: each device's estimate h_i += C(g_i - h_i); the output is the global estimate
+        # h += mean_i C(g_i - h_i), so h == mean_i h_i, less what the chunk owners' second
+        # encoding (two_phase) held back in their server residual; h moves towards mean_i g_i.
+        ours = jaxcomp_state(states[-1])
+        devices = per_leaf(ours.memory, p)
+        estimate = replicated_per_leaf(ours.estimate, p)
+        server = getattr(ours, "server_residual", None)
+        server = {} if server is None else server_per_leaf(server, p)
+        for k in row.compressed:
+            np.testing.assert_allclose(outs[-1][k][0], estimate[k], rtol=1e-6, atol=1e-7)
+            held = estimate[k] + (0.0 if server.get(k) is None else server[k])
+            np.testing.assert_allclose(devices[k].mean(0), held, atol=row.atol, err_msg=k)
+        first = {k: np.abs(outs[0][k][0] - grads(0)[k].mean(0)).max() for k in row.compressed}
+        assert all(v < 1.0 for v in first.values()), first
+        return
+    if row.law != "sum":
+        pytest.skip(row.law)
+    fed_total = {k: np.zeros(s) for k, s in SHAPES.items()}
+    fed = {k: np.zeros(s) for k, s in SHAPES.items()}
+    applied = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(STEPS):
+        same_on_every_device(outs[t])
+        fed = row.fed(
+            states[t], {k: np.asarray(a, np.float64) for k, a in grads(t).items()}, fed, p
+        )
+        for k in SHAPES:
+            fed_total[k] += fed[k]
+            applied[k] += outs[t][k][0]
+    held = held_back(row, states[-1], p)
+    for k in SHAPES:
+        np.testing.assert_allclose(applied[k] + held[k], fed_total[k], atol=row.atol, err_msg=k)
+    # ... and compression did hold something back (the law is not met by sending everything).
+    assert max(float(np.abs(held[k]).max()) for k in row.compressed) > 1e-5
+
+
+# --------------------------------------------------------------------------- 2. poison and freeze
+
+
+@pytest.mark.parametrize("where", ["nan-w", "inf-b"])
+def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
+    b = built(row.id)
+    _, states = trajectory(row.id)
+    before = states[2]
+    g = grads(2)
+    if where == "nan-w":
+        g["w"][3, 5, 7] = np.nan  # one device, a compressed leaf
+    else:
+        g["b"][5, 0] = np.inf  # another device, a small leaf sent by plain pmean
+    out, update, after = b.step(g, before)
+    for k in row.compressed:
+        assert not np.isfinite(np.asarray(out[k], np.float32)).any(), k
+    assert_trees_equal(after[0], before[0])  # the whole transform state, bit for bit
+    # apply_if_finite after it skips the step: a zero update, its own state counting one.
+    assert all(not np.asarray(u).any() for u in jax.tree.leaves(update))
+    assert int(after[1].notfinite_count) == 1 and int(after[1].total_notfinite) == 1
+    assert_trees_equal(after[1].inner_state, before[1].inner_state)
+
+
+# --------------------------------------------------------------------------- 3. specs, sharded init
+
+
+def _equivalent(leaf: jax.Array, mesh, spec: P) -> bool:
+    return leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+
+
+def test_state_specs_sharded_init_and_zero_gradient(row):
+    b = built(row.id)
+    state, specs = b.state0, b.specs
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    assert jax.tree.structure(state) == jax.tree.structure(specs, is_leaf=is_spec)
+    ours = jaxcomp_state(state)
+    ours_specs = jaxcomp_state(specs)
+    per_device = [
+        (leaf, spec)
+        for field in type(ours).PER_DEVICE_FIELDS
+        for leaf, spec in zip(
+            jax.tree.leaves(getattr(ours, field)),
+            jax.tree.leaves(getattr(ours_specs, field), is_leaf=is_spec),
+            strict=True,
+        )
+    ]
+    assert bool(per_device) == bool(row.memory)
+    for leaf, spec in per_device:
+        assert spec[0] == b.axes, spec  # sharded over the data axis (or both, hierarchical)
+        assert leaf.shape[0] % N == 0
+        shard_shape = leaf.sharding.shard_shape(leaf.shape)
+        assert shard_shape == (leaf.shape[0] // N, *leaf.shape[1:])
+    for leaf, spec in zip(
+        jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
+    ):
+        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+
+    # A zero gradient from a fresh state: exactly zero out, nothing non-finite anywhere, and
+    # the jitted shard_map step hands the state back with the same specs.
+    zero = {k: np.zeros((N, *s), np.float32) for k, s in SHAPES.items()}
+    out, update, new_state = b.step(zero, state)
+    for k, a in out.items():
+        assert not np.asarray(a).any(), k
+    for leaf in jax.tree.leaves(new_state):
+        assert np.isfinite(np.asarray(leaf, np.float32)).all()
+    for leaf, spec in zip(
+        jax.tree.leaves(new_state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
+    ):
+        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+
+
+# --------------------------------------------------------------------------- 4. orbax
+
+
+def test_orbax_round_trip_continues_bit_identically(row, tmp_path):
+    import orbax.checkpoint as ocp
+
+    b = built(row.id)
+    outs, states = trajectory(row.id)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "state", states[2])
+        ckpt.wait_until_finished()
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, states[2])
+        restored = ckpt.restore(tmp_path / "state", target)
+    assert jax.tree.structure(restored) == jax.tree.structure(states[2])
+    for a, r in zip(jax.tree.leaves(states[2]), jax.tree.leaves(restored), strict=True):
+        assert r.sharding.is_equivalent_to(a.sharding, a.ndim)
+    state = restored
+    for t in (2, 3):
+        out, _, state = b.step(grads(t), state)
+        assert_trees_equal(out, outs[t])
+    assert_trees_equal(state, states[STEPS])
+
+
+# --------------------------------------------------------------------------- 5. pmap == shard_map
+
+
+def test_pmap_matches_shard_map(row):
+    skip_unless(row, "pmap")
+    b = built(row.id)
+    outs, states = trajectory(row.id)
+    follow = follower()
+    tx = b.tx
+
+    def step(g, s, p):
+        u, s_tx = tx.update(g, s[0], p)
+        v, s_follow = follow.update(u, s[1], p)
+        return u, v, (s_tx, s_follow)
+
+    replicated = jc.replicate(params(), N)
+    state = jax.pmap(b.chain.init, axis_name="data")(replicated)
+    pstep = Blocking(jax.pmap(step, axis_name="data"))
+    for t in range(STEPS):
+        out, _, state = pstep(grads(t), state, replicated)
+        for k in SHAPES:
+            np.testing.assert_allclose(out[k], outs[t][k], rtol=1e-6, atol=1e-6, err_msg=k)
+    # The same state: per-device leaves row by row, replicated leaves on every device.
+    for mine, theirs in zip(jax.tree.leaves(state), jax.tree.leaves(states[STEPS]), strict=True):
+        mine, theirs = np.asarray(mine), np.asarray(theirs)
+        if mine.size == theirs.size:
+            mine = mine.reshape(theirs.shape)
+        else:
+            assert mine.size == N * theirs.size
+            np.testing.assert_array_equal(mine, np.broadcast_to(mine[0], mine.shape))
+            mine = mine[0]
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- 6. wire bytes
+
+
+def _plain_pmean(axes) -> optax.GradientTransformation:
+    return optax.GradientTransformation(
+        lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.lax.pmean(u, axes), s)
+    )
+
+
+@functools.cache
+def pmean_bytes(inner_axis: str | None) -> float:
+    row = Row("pmean", lambda **kw: None, inner_axis=inner_axis)
+    axes = mesh_of(row)[1]
+    b = Built(row, _plain_pmean(axes))
+    report = jc.comm_report(b.jitted, b.put(grads(0)), b.state0, b.params)
+    return report.bytes_per_device
+
+
+def test_wire_bytes_below_pmean(row):
+    skip_unless(row, "bytes")
+    b = built(row.id)
+    report = jc.comm_report(b.jitted, b.put(grads(0)), b.state0, b.params)
+    plain = pmean_bytes(row.inner_axis)
+    size = sum(int(np.prod(s)) for s in SHAPES.values())
+    if row.inner_axis is None:
+        assert plain == pytest.approx(2 * (N - 1) / N * 4 * size, rel=0.01)
+    print(f"{row.id}: {report.bytes_per_device:.0f} B/device, pmean {plain:.0f}")
+    assert report.bytes_per_device < plain, str(report)
+
+
+# --------------------------------------------------------------------------- 7. bad arguments
+
+
+@pytest.mark.parametrize("case", ["construction", "unbound_axis", "gradient_tree", "state"])
+def test_bad_arguments_name_the_argument(row, case):
+    if case == "construction":
+        for name, value in row.bad:
+            with pytest.raises((ValueError, TypeError), match=name):
+                row.build(**{name: value})
+        return
+    if case == "state" and not row.memory:
+        pytest.skip("the state holds nothing shaped like the params")
+    b = built(row.id)
+    g = b.put(grads(0))
+    if case == "unbound_axis":
+        tx = row.build("model")  # no such axis in the mesh
+        with pytest.raises(ValueError, match="axis_name"):
+            b.make_step(tx, b.specs).trace(g, b.state0, b.params)
+    elif case == "gradient_tree":
+        wrong = {**grads(0), "w": np.zeros((N, 64, 47), np.float32)}
+        with pytest.raises(ValueError, match="gradient"):
+            b.jitted.trace(b.put(wrong), b.state0, b.params)
+    else:  # a state built for other params
+        other = {**params(), "w": np.zeros((32, 48), np.float32)}
+        state = jax.eval_shape(
+            lambda p: jc.sharded_init(b.chain, p, b.mesh, b.axes),
+            jax.device_put(other, NamedSharding(b.mesh, P())),
+        )
+        with pytest.raises(ValueError, match="state"):
+            b.jitted.trace(g, state, b.params)

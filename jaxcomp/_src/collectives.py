@@ -67,66 +67,45 @@ At n = 2 all-gather and two-phase send the same bytes. ``majority_vote`` (explic
 
 Non-finite input anywhere makes the output non-finite everywhere: one scalar flag is
 all-reduced per call (8 bytes) so a NaN is never hidden behind a codec that would drop it.
+Codecs that ``flags_nonfinite`` (their scales carry NaN/inf) raise the flag from the small
+payload; the others from one read of the input.
+
+Every strategy works on a *list* of segments (a leaf each, or one flat vector): each segment
+is encoded on its own, and the payloads of all segments travel together in a few buckets
+(:mod:`jaxcomp._src.buckets`), one collective per bucket per phase, so the program grows
+with neither the number of leaves nor the number of devices.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import layout as buckets
+from jaxcomp._src import buckets
+from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, scaled
-from jaxcomp._src.codecs.sign import Sign
-from jaxcomp._src.codecs.sparse import SparseCodec
-
-STRATEGIES = ("auto", "allreduce", "allgather", "two_phase", "majority_vote")
-"""Values of ``strategy=``. Ring-model bytes per device for ``n`` devices and a payload of
-``P(m)`` bytes for ``m`` floats: ``allreduce`` ``2(n-1)/n P(d)`` (summable codecs),
-``allgather`` ``(n-1) P(d)``, ``two_phase`` ``2(n-1) P(d/n) ~ 2 P(d)``, ``majority_vote``
-(sign codecs: packed bits out and back, signSGD with majority vote, Bernstein et al. 2019),
-``auto`` the cheapest of the first three (:func:`choose_strategy`). Plain ``pmean`` sends
-``2(n-1)/n 4d``."""
+from jaxcomp._src.cost import (  # noqa: F401  (re-exported: the public bytes model)
+    STRATEGIES,
+    check_codec,
+    check_pair,
+    check_strategy,
+    choose_strategy,
+    hierarchical_bytes,
+    majority_vote_bytes,
+    strategy_bytes,
+)
 
 
 class Reduced(NamedTuple):
-    """What one compressed reduction of a vector gives back."""
+    """What one compressed reduction of a list of segments gives back, per segment."""
 
-    mean: jax.Array  # f32[d]: the mean over the axis, identical on every device
-    sent: jax.Array  # f32[d]: what this device's contribution decodes to (for error feedback)
-    server_residual: jax.Array  # f32[d]: the chunk owner's re-encoding error (two_phase), else 0
-
-
-def check_strategy(strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
-    return strategy
-
-
-def check_codec(codec: Any) -> Codec:
-    if not isinstance(codec, Codec):
-        raise TypeError(
-            f"`codec` must be a jaxcomp codec (e.g. jc.int_quant(8)), got {type(codec).__name__}"
-        )
-    return codec
-
-
-def check_pair(codec: Codec, strategy: str) -> None:
-    """Construction-time check that ``strategy`` can carry ``codec``'s payloads."""
-    check_strategy(strategy)
-    if strategy == "allreduce" and not codec.summable:
-        raise ValueError(
-            f"`strategy`='allreduce' needs a summable codec; {codec.name} is not "
-            f"(use 'allgather', 'two_phase' or 'auto')"
-        )
-    if strategy == "majority_vote" and not isinstance(codec, Sign):
-        raise ValueError(
-            f"`strategy`='majority_vote' needs a sign codec (jc.sign(None) or jc.sign('mean')): "
-            f"the devices vote with their signs; got {codec.name}"
-        )
+    mean: list  # f32[d_s]: the mean over the axis, identical on every device (NaN if bad)
+    sent: list  # f32[d_s]: what this device's contribution decodes to (for error feedback)
+    server: list  # f32[c_s]: the owned chunk's new re-encoding error (two_phase), else None
+    bad: jax.Array  # bool[]: some input on some device was non-finite (same on every device)
 
 
 def axis_names(*axes: Any) -> tuple:
@@ -151,6 +130,14 @@ def axis_size(axis_name: Any) -> int:
         ) from None
 
 
+def bound_axis_size(axis_name: Any) -> int | None:
+    """Size of ``axis_name`` where it is bound (inside shard_map/pmap), else None."""
+    try:
+        return axis_size(axis_name)
+    except ValueError:
+        return None
+
+
 def check_inner_axis(axis_name: Any, inner_axis_name: Any) -> None:
     """``inner_axis_name`` must be bound and distinct from ``axis_name`` (trace time)."""
     if inner_axis_name is None:
@@ -170,310 +157,7 @@ def check_inner_axis(axis_name: Any, inner_axis_name: Any) -> None:
         ) from None
 
 
-# --------------------------------------------------------------------------- the bytes model
-
-
-def majority_vote_bytes(codec: Codec, d: int, n: int) -> float:
-    """Ring bytes per device of the two-phase vote: packed bits out, packed bits back, scales."""
-    if not d:
-        return 0.0
-    words = ceil_div(packing.packed_words(d, 1), n)  # uint32 words of sign bits per chunk
-    scales = (codec.payload_bytes(d) - 4 * packing.packed_words(d, 1)) / 4  # f32 block scales
-    return 2 * (n - 1) * 4 * words + 2 * (n - 1) / n * 4 * scales
-
-
-def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
-    """Ring-model bytes per device of each strategy that ``codec`` supports (the auto model).
-
-    With ``P(m) = codec.payload_bytes(m)``::
-
-        allreduce      2 (n-1)/n * P_float(d)    (summable codecs only: their float leaves)
-        allgather      (n-1) * P(d)
-        two_phase      2 (n-1) * P(ceil(d/n))
-        majority_vote  packed bits out and back, plus scales (sign codecs only)
-
-    against ``2 (n-1)/n * 4d`` for plain float32 ``pmean``. The ring model is the
-    bandwidth-optimal all-reduce of Patarasuk and Yuan, "Bandwidth Optimal All-reduce
-    Algorithms for Clusters of Workstations", JPDC 2009.
-
-    For the hierarchical case pass the outer axis size as ``n`` and the chunk each inner device
-    holds, ``ceil(d / n_inner)``, as ``d`` (see :func:`hierarchical_bytes`).
-    """
-    out = {}
-    if codec.summable:
-        out["allreduce"] = 2 * (n - 1) / n * _summed_bytes(codec, d)
-    out["allgather"] = (n - 1) * codec.payload_bytes(d)
-    out["two_phase"] = 2 * (n - 1) * codec.payload_bytes(ceil_div(d, n)) if d else 0.0
-    if isinstance(codec, Sign):
-        out["majority_vote"] = majority_vote_bytes(codec, d, n)
-    return out
-
-
-@functools.lru_cache(maxsize=1024)
-def _summed_bytes(codec: Codec, d: int) -> int:
-    """Bytes of the payload leaves that ``allreduce`` psums: the floating ones. Integer leaves
-    (random-k's indices, the same on every device) never travel."""
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    payload = jax.eval_shape(codec.encode, jax.ShapeDtypeStruct((d,), jnp.float32), key)
-    return sum(
-        leaf.size * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(payload)
-        if jnp.issubdtype(leaf.dtype, jnp.floating)
-    )
-
-
-def hierarchical_bytes(
-    codec: Codec, d: int, n_outer: int, n_inner: int, strategy: str = "auto"
-) -> dict[str, float]:
-    """Ring bytes per device of the hierarchical reduction, per axis.
-
-    ``inner``: float32 reduce-scatter + all-gather over the fast axis, ``2 (L-1)/L * 4d``;
-    ``outer``: ``strategy`` over the slow axis for the ``ceil(d/L)`` chunk each device holds.
-    """
-    chunk = ceil_div(d, n_inner) if d else 0
-    chosen = choose_strategy(codec, chunk, n_outer, strategy)
-    return {
-        "inner": 2 * (n_inner - 1) * 4 * chunk,
-        "outer": strategy_bytes(codec, chunk, n_outer)[chosen],
-        "strategy": chosen,
-    }
-
-
-def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str:
-    """Resolve ``"auto"`` (and validate an explicit choice) for a vector of size ``d``.
-
-    ``auto = argmin_s strategy_bytes(codec, d, n)[s]`` over the strategies below.
-    ``auto`` takes the fewest bytes among ``allreduce`` (summable codecs: exact sums, same
-    bytes as two-phase, so always taken for them), ``allgather`` and ``two_phase`` (a tie
-    goes to ``allgather``: one encode, no second compression error). It never picks
-    ``majority_vote``: the sign of a vote is not the mean the other strategies estimate.
-    """
-    check_pair(codec, strategy)
-    if strategy != "auto":
-        return strategy
-    if codec.summable:
-        return "allreduce"
-    costs = strategy_bytes(codec, d, n)
-    return min(("allgather", "two_phase"), key=lambda s: (costs[s], s != "allgather"))
-
-
-# --------------------------------------------------------------------------- strategies
-
-
-def device_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array | None:
-    """Independent noise per device, or the same key everywhere for shared randomness."""
-    if key is None:
-        if codec.stochastic or codec.shared_randomness:
-            raise ValueError(f"{codec.name} is stochastic: pass `key=` (a PRNG key)")
-        return None
-    if codec.shared_randomness:
-        return key
-    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
-
-
-def _split(key: jax.Array | None, num: int):
-    return [None] * num if key is None else list(jax.random.split(key, num))
-
-
-def _encode_chunks(codec: Codec, chunks: jax.Array, key: jax.Array | None):
-    """Encode each row of ``chunks``: a stacked payload.
-
-    Sparse codecs encode the rows one by one: a batched ``lax.top_k`` feeding an
-    ``all_to_all`` ran 20-40x slower on XLA:CPU than the same work as n 1-D top-k's
-    (measured, 8 devices, 2^18 floats at 1%: 2.2 s against 52-86 ms).
-    """
-    keys = _split(key, chunks.shape[0])
-    if isinstance(codec, SparseCodec):
-        rows = [codec.encode(chunks[j], keys[j]) for j in range(chunks.shape[0])]
-        return jax.tree.map(lambda *a: jnp.stack(a), *rows)
-    if key is None:
-        return jax.vmap(lambda c: codec.encode(c, None))(chunks)
-    return jax.vmap(codec.encode)(chunks, jnp.stack(keys))
-
-
-def _decode_chunks(codec: Codec, payloads: Any, c: int) -> jax.Array:
-    """Decode a stack of chunk payloads and lay the chunks end to end: ``f32[rows * c]``."""
-    return jax.vmap(lambda p: codec.decode(p, c))(payloads).reshape(-1)
-
-
-def _sum_float_leaves(payload, axis_name):
-    """psum the floating leaves of a summable payload; shared integer leaves pass through."""
-    return jax.tree.map(
-        lambda a: jax.lax.psum(a, axis_name) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-        payload,
-    )
-
-
-def _allreduce(x, axis_name, codec, key, n):
-    payload = codec.encode(x, key)
-    total = codec.decode(_sum_float_leaves(payload, axis_name), x.shape[0])
-    return Reduced(total / n, codec.decode(payload, x.shape[0]), jnp.zeros_like(x))
-
-
-def _allgather(x, axis_name, codec, key, n, fill):
-    payload = codec.encode(x, key)
-    gathered = jax.lax.all_gather(payload, axis_name, to="invarying")
-    mean = codec.decode_sum(gathered, x.shape[0], scale=1.0 / n, fill=fill)
-    return Reduced(mean, codec.decode(payload, x.shape[0]), jnp.zeros_like(x))
-
-
-def _place(chunk: jax.Array, index: jax.Array, size: int, d: int) -> jax.Array:
-    """``f32[d]``: zeros with ``chunk`` at chunk position ``index`` of a padded ``size`` buffer."""
-    c = chunk.shape[0]
-    return jax.lax.dynamic_update_slice(jnp.zeros((size,), chunk.dtype), chunk, (index * c,))[:d]
-
-
-def _two_phase(x, axis_name, codec, key, n, server_residual):
-    d = x.shape[0]
-    c = ceil_div(d, n)
-    chunks = jnp.pad(x, (0, n * c - d)).reshape(n, c)
-    worker_key, owner_key = _split(key, 2)
-    payloads = _encode_chunks(codec, chunks, worker_key)
-    sent = _decode_chunks(codec, payloads, c)[:d]
-    # Row j of `received` is device j's encoding of the chunk this device owns.
-    received = jax.tree.map(lambda a: jax.lax.all_to_all(a, axis_name, 0, 0, tiled=False), payloads)
-    me = jax.lax.axis_index(axis_name)
-    server = jnp.pad(server_residual, (0, n * c - d))
-    own_residual = jax.lax.dynamic_slice(server, (me * c,), (c,))
-    # The owner sums the n decoded chunks (sparse: one scatter-add of n*k slots), adds what it
-    # could not send last time, and re-encodes (sparse: re-sparsifies to k, as gTop-k does).
-    own = codec.decode_sum(received, c, scale=1.0 / n) + own_residual
-    own_payload = codec.encode(own, owner_key)
-    own_error = own - codec.decode(own_payload, c)
-    gathered = jax.lax.all_gather(own_payload, axis_name, to="invarying")
-    mean = _decode_chunks(codec, gathered, c)[:d]
-    return Reduced(mean, sent, _place(own_error, me, n * c, d))
-
-
-def _vote_counts(received: jax.Array) -> jax.Array:
-    """``int32[words, 32]``: per bit, how many rows of ``received[n, words]`` have it set."""
-    shifts = jnp.arange(32, dtype=jnp.uint32)
-    bits = (received[:, :, None] >> shifts) & jnp.uint32(1)
-    return jnp.sum(bits.astype(jnp.int32), axis=0)
-
-
-def _majority_vote(x, axis_name, codec: Sign, n):
-    """signSGD with majority vote, two-phase: bits travel both ways, the vote is an integer count.
-
-    Device ``i`` packs the signs of ``x_i`` (32 per uint32 word), splits the words in ``n``
-    chunks and ``all_to_all``s them; the owner of a chunk counts the negative votes ``m`` per
-    coordinate in int32 and keeps the sign of the vote ``sum_i sign(x_i) = n - 2m`` (a tie,
-    possible for even ``n``, goes to the owner's own sign), packs it, and ``all_gather``s the
-    words. The result is scaled by the mean over devices of the codec's scale (one ``psum`` of
-    the scales: ``scale="mean"``, mean ``|x|``; ``scale=None``, 1, or 0 when every device has
-    a zero block, so a zero gradient gives zero).
-    """
-    d = x.shape[0]
-    words, scale = codec.encode(x)
-    w = words.shape[0]
-    cw = ceil_div(w, n)
-    rows = jnp.pad(words, (0, n * cw - w)).reshape(n, cw)
-    received = jax.lax.all_to_all(rows, axis_name, 0, 0, tiled=False)
-    negatives = _vote_counts(received)
-    me = jax.lax.axis_index(axis_name)
-    own = _vote_counts(jax.lax.dynamic_slice_in_dim(received, me, 1, 0))
-    negative = (2 * negatives > n) | ((2 * negatives == n) & (own == 1))
-    result = packing.pack(negative.reshape(-1), 1)
-    voted = jax.lax.all_gather(result, axis_name, tiled=True, to="invarying")[:w]
-    mean_scale = jax.lax.psum(scale, axis_name) / n
-    sent = codec.decode((words, scale), d)
-    return Reduced(codec.decode((voted, mean_scale), d), sent, jnp.zeros_like(x))
-
-
-def _reduce_flat(x, axis_name, codec, strategy, key, server_residual, fill=0.0) -> Reduced:
-    """One strategy; ``fill`` is added to the mean (all-gather: it is the decode's buffer)."""
-    n = axis_size(axis_name)
-    strategy = choose_strategy(codec, x.shape[0], n, strategy)
-    k = device_key(key, codec, axis_name)
-    if strategy == "allgather":
-        return _allgather(x, axis_name, codec, k, n, fill)
-    if strategy == "allreduce":
-        r = _allreduce(x, axis_name, codec, k, n)
-    elif strategy == "majority_vote":
-        r = _majority_vote(x, axis_name, codec, n)
-    else:
-        if server_residual is None:
-            server_residual = jnp.zeros_like(x)
-        r = _two_phase(x, axis_name, codec, k, n, server_residual)
-    return r._replace(mean=scaled(r.mean, 1.0, fill))
-
-
-def _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual, fill):
-    """Reduce-scatter over the fast axis (f32), compress over the slow one, all-gather back.
-
-    Device ``(h, l)`` holds, after the reduce-scatter, chunk ``l`` of its host's mean
-    ``y_{h,l}``; only that chunk (``d / L`` floats) crosses the slow axis, through ``codec``.
-    What the codec drops, ``e_{h,l} = y_{h,l} - C(y_{h,l})``, is returned as this device's
-    residual: ``sent = x - L * e_{h,l}`` (placed at chunk ``l``), so residual error feedback
-    adds ``L e_{h,l}`` to the device's next input and the next reduce-scatter hands exactly
-    ``e_{h,l}`` back to the chunk it came from.
-    """
-    n_inner = axis_size(inner_axis_name)
-    d = x.shape[0]
-    c = ceil_div(d, n_inner)
-    li = jax.lax.axis_index(inner_axis_name)
-    part = jax.lax.psum_scatter(
-        jnp.pad(x, (0, n_inner * c - d)), inner_axis_name, scatter_dimension=0, tiled=True
-    )
-    part = part / n_inner
-    if server_residual is not None:
-        server_residual = jax.lax.dynamic_slice(
-            jnp.pad(server_residual, (0, n_inner * c - d)), (li * c,), (c,)
-        )
-    inner_key = None if key is None else jax.random.fold_in(key, li)
-    r = _reduce_flat(part, axis_name, codec, strategy, inner_key, server_residual, fill)
-    mean = jax.lax.all_gather(r.mean, inner_axis_name, tiled=True, to="invarying")[:d]
-    residual = _place(part - r.sent, li, n_inner * c, d)
-    server = _place(r.server_residual, li, n_inner * c, d)
-    return Reduced(mean, x - n_inner * residual, server)
-
-
-def reduce_vector(
-    x: jax.Array,
-    axis_name: Any,
-    codec: Codec,
-    strategy: str,
-    key: jax.Array | None = None,
-    server_residual: jax.Array | None = None,
-    inner_axis_name: Any = None,
-    fill: jax.Array | float = 0.0,
-) -> Reduced:
-    """Mean over ``axis_name`` (and ``inner_axis_name``) of a float32 vector, through ``codec``.
-
-    ``key`` is the step's key, the same on every device; per-device noise is derived here.
-    ``server_residual`` (two_phase only) is added to the owned chunk before re-encoding.
-    With ``inner_axis_name`` the reduction is hierarchical (see :func:`_hierarchical`).
-    ``fill`` is added to the mean: NaN poisons it (:func:`pmean`), at no extra pass where the
-    mean is a scatter into a fresh buffer (sparse codecs, all-gather).
-    """
-    if x.shape[0] == 0:
-        check_pair(codec, strategy)
-        return Reduced(x, x, x)
-    if inner_axis_name is None:
-        return _reduce_flat(x, axis_name, codec, strategy, key, server_residual, fill)
-    return _hierarchical(x, axis_name, inner_axis_name, codec, strategy, key, server_residual, fill)
-
-
-def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
-    """Floating leaves averaged in float32 over the fast inner axis (``None``: ``tree`` as is).
-
-    The hierarchical entry of transforms that work on whole leaves (DGC, PowerSGD): every
-    device of a host then holds the host's mean gradient and the transform runs over the outer
-    axis as if each host were one device. The price: each of the ``L`` devices of a host sends
-    the whole payload over the outer axis, so a host puts ``L`` times the payload on the slow
-    link (DGC at 0.1% and PowerSGD's factors are small enough that this rarely matters).
-    ``jc.pmean`` and ``compressed_allreduce`` do better: a reduce-scatter, so each device
-    compresses and sends only ``1/L`` of the vector, one payload per host in all.
-    """
-    if inner_axis_name is None:
-        return tree
-
-    def mean(a):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            return a
-        return jax.lax.pmean(a.astype(jnp.float32), inner_axis_name).astype(a.dtype)
-
-    return jax.tree.map(mean, tree)
+# --------------------------------------------------------------------------- non-finite input
 
 
 def local_nonfinite(arrays: Any) -> jax.Array:
@@ -500,34 +184,346 @@ def poison(x: jax.Array, bad: jax.Array) -> jax.Array:
     return jnp.where(bad, jnp.nan, x)
 
 
+# --------------------------------------------------------------------------- keys
+
+
+def device_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array | None:
+    """Independent noise per device, or the same key everywhere for shared randomness."""
+    if key is None:
+        if codec.stochastic or codec.shared_randomness:
+            raise ValueError(f"{codec.name} is stochastic: pass `key=` (a PRNG key)")
+        return None
+    if codec.shared_randomness:
+        return key
+    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+def _psum_floats(payloads: list, axis_name: Any, bucket_bytes: int) -> list:
+    """psum the floating leaves of summable payloads (bucketed); shared integer leaves
+    (random-k's indices, the same on every device) pass through unsent."""
+    flat, treedef = jax.tree.flatten(payloads)
+    floats = [i for i, a in enumerate(flat) if jnp.issubdtype(a.dtype, jnp.floating)]
+    summed = buckets.exchange(
+        [flat[i] for i in floats],
+        lambda b: jax.lax.psum(b, axis_name),
+        bucket_bytes=bucket_bytes,
+    )
+    for i, a in zip(floats, summed, strict=True):
+        flat[i] = a
+    return jax.tree.unflatten(treedef, flat)
+
+
+def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> list:
+    """Every device's payloads, stacked on a new leading device axis (bucketed all_gather)."""
+    return buckets.exchange(
+        payloads,
+        lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
+        bucket_bytes=bucket_bytes,
+    )
+
+
+def _encode(xs, keys, ctx):
+    """One payload per segment (allreduce, allgather, majority_vote)."""
+    return [ctx.codec.encode(x, k) for x, k in zip(xs, keys, strict=True)]
+
+
+def _sent(payloads, xs, codec):
+    """What each segment's payload decodes to: this device's contribution."""
+    return [codec.decode(p, x.shape[0]) for p, x in zip(payloads, xs, strict=True)]
+
+
+def _allreduce(xs, payloads, ctx, fill, servers):
+    codec = ctx.codec
+    summed = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
+    mean = [
+        scaled(codec.decode(s, x.shape[0]), 1.0 / ctx.n, fill)
+        for s, x in zip(summed, xs, strict=True)
+    ]
+    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+
+
+def _allgather(xs, payloads, ctx, fill, servers):
+    codec = ctx.codec
+    gathered = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
+    mean = [
+        codec.decode_sum(g, x.shape[0], scale=1.0 / ctx.n, fill=fill)
+        for g, x in zip(gathered, xs, strict=True)
+    ]
+    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+
+
+def _place(chunk: jax.Array, index: jax.Array, size: int, d: int) -> jax.Array:
+    """``f32[d]``: zeros with ``chunk`` at chunk position ``index`` of a padded ``size`` buffer."""
+    c = chunk.shape[0]
+    return jax.lax.dynamic_update_slice(jnp.zeros((size,), chunk.dtype), chunk, (index * c,))[:d]
+
+
+def _rows(x: jax.Array, n: int) -> jax.Array:
+    """``x`` zero-padded to ``n`` equal chunks: ``[n, ceil(d/n)]``."""
+    c = ceil_div(x.shape[0], n)
+    return jnp.pad(x, (0, n * c - x.shape[0])).reshape(n, c)
+
+
+def _encode_two_phase(xs, keys, ctx):
+    """Worker payloads: each segment cut in ``n`` chunks, encoded row by row (batched)."""
+    out = []
+    for x, k in zip(xs, keys, strict=True):
+        worker_key = None if k is None else jax.random.split(jax.random.split(k)[0], ctx.n)
+        out.append(ctx.codec.encode_rows(_rows(x, ctx.n), worker_key))
+    return out
+
+
+def _two_phase(xs, payloads, ctx, fill, servers):
+    """Chunk, encode, all_to_all, decode+sum the owned chunk, re-encode, all_gather.
+
+    Device ``i`` owns chunk ``i`` of every segment; it keeps that chunk's re-encoding error
+    (its server residual, ``f32[c]``) and adds it before the next re-encoding.
+    """
+    codec, n, axis = ctx.codec, ctx.n, ctx.axis_name
+    cs = [ceil_div(x.shape[0], n) for x in xs]
+    sent = [codec.decode_rows(p, c)[: x.shape[0]] for p, c, x in zip(payloads, cs, xs, strict=True)]
+    # Row j of a received payload is device j's encoding of the chunk this device owns.
+    received = buckets.exchange(
+        payloads,
+        lambda b: jax.lax.all_to_all(b, axis, 0, 0, tiled=False),
+        lead=1,
+        bucket_bytes=ctx.bucket_bytes,
+    )
+    # The owner sums the n decoded chunks (sparse: one scatter-add of n*k slots), adds what it
+    # could not send last time, and re-encodes (sparse: re-sparsifies to k, as gTop-k does).
+    own = [
+        codec.decode_sum(r, c, scale=1.0 / n) + (0.0 if s is None else s)
+        for r, c, s in zip(received, cs, servers, strict=True)
+    ]
+    own_payloads = [
+        codec.encode(o, None if k is None else jax.random.split(k)[1])
+        for o, k in zip(own, ctx.keys, strict=True)
+    ]
+    own_error = [o - codec.decode(p, c) for o, p, c in zip(own, own_payloads, cs, strict=True)]
+    gathered = _gather(own_payloads, axis, ctx.bucket_bytes)
+    mean = [
+        scaled(codec.decode_rows(g, c)[: x.shape[0]], 1.0, fill)
+        for g, c, x in zip(gathered, cs, xs, strict=True)
+    ]
+    return mean, sent, own_error
+
+
+def _vote_counts(received: jax.Array) -> jax.Array:
+    """``int32[words, 32]``: per bit, how many rows of ``received[n, words]`` have it set."""
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (received[:, :, None] >> shifts) & jnp.uint32(1)
+    return jnp.sum(bits.astype(jnp.int32), axis=0)
+
+
+def _majority_vote(xs, payloads, ctx, fill, servers):
+    """signSGD with majority vote, two-phase: bits travel both ways, the vote is an integer count.
+
+    Device ``i`` packs the signs of ``x_i`` (32 per uint32 word), splits the words in ``n``
+    chunks and ``all_to_all``s them; the owner of a chunk counts the negative votes ``m`` per
+    coordinate in int32 and keeps the sign of the vote ``sum_i sign(x_i) = n - 2m`` (a tie,
+    possible for even ``n``, goes to the owner's own sign), packs it, and ``all_gather``s the
+    words. The result is scaled by the mean over devices of the codec's scale (one ``psum`` of
+    the scales: ``scale="mean"``, mean ``|x|``; ``scale=None``, 1, or 0 when every device has
+    a zero block, so a zero gradient gives zero).
+    """
+    codec, n, axis = ctx.codec, ctx.n, ctx.axis_name
+    words = [w for w, _ in payloads]
+    received = buckets.exchange(
+        [_rows(w, n) for w in words],
+        lambda b: jax.lax.all_to_all(b, axis, 0, 0, tiled=False),
+        lead=1,
+        bucket_bytes=ctx.bucket_bytes,
+    )
+    me = jax.lax.axis_index(axis)
+    results = []
+    for r in received:
+        negatives = _vote_counts(r)
+        own = _vote_counts(jax.lax.dynamic_slice_in_dim(r, me, 1, 0))
+        negative = (2 * negatives > n) | ((2 * negatives == n) & (own == 1))
+        results.append(packing.pack(negative.reshape(-1), 1))
+    voted = _gather(results, axis, ctx.bucket_bytes)
+    scales = buckets.exchange(
+        [s for _, s in payloads], lambda b: jax.lax.psum(b, axis), bucket_bytes=ctx.bucket_bytes
+    )
+    mean = [
+        scaled(codec.decode((v.reshape(-1)[: w.shape[0]], s / n), x.shape[0]), 1.0, fill)
+        for v, w, s, x in zip(voted, words, scales, xs, strict=True)
+    ]
+    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+
+
+class _Context(NamedTuple):
+    """What every strategy of one reduction shares."""
+
+    codec: Codec
+    axis_name: Any
+    n: int
+    bucket_bytes: int
+    keys: list  # per segment of the group being finished: the step key of the segment
+
+
+#: strategy -> (encode: what the non-finite flag is read from, finish: the exchange)
+_STRATEGIES = {
+    "allreduce": (_encode, _allreduce),
+    "allgather": (_encode, _allgather),
+    "two_phase": (_encode_two_phase, _two_phase),
+    "majority_vote": (_encode, _majority_vote),
+}
+_ORDER = tuple(_STRATEGIES)
+
+
+def _reduce_flat(segments, axis_name, codec, strategy, key, servers, every_axis, extra_bad, bb):
+    """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
+
+    Every group is encoded first, so that one scalar psum of the non-finite flag (from the
+    payloads, or from the inputs for codecs that do not carry it) precedes every decode.
+    """
+    n = axis_size(axis_name)
+    chosen = [choose_strategy(codec, s.shape[0], n, strategy) for s in segments]
+    keys = [
+        device_key(None if key is None else jax.random.fold_in(key, i), codec, axis_name)
+        for i in range(len(segments))
+    ]
+    groups = []
+    for name in sorted(set(chosen), key=_ORDER.index):
+        idx = [i for i, c in enumerate(chosen) if c == name]
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx])
+        xs = [segments[i] for i in idx]
+        payloads = _STRATEGIES[name][0](xs, ctx.keys, ctx)
+        groups.append((name, idx, ctx, xs, payloads))
+    local = local_nonfinite([g[4] for g in groups] if codec.flags_nonfinite else segments)
+    if extra_bad is not None:
+        local = local | extra_bad
+    bad = jax.lax.psum(local.astype(jnp.int32), every_axis) > 0
+    fill = jnp.where(bad, jnp.nan, 0.0)
+    mean: list = [None] * len(segments)
+    sent: list = [None] * len(segments)
+    server: list = [None] * len(segments)
+    for name, idx, ctx, xs, payloads in groups:
+        srv = [None if servers is None else servers[i] for i in idx]
+        m, s, r = _STRATEGIES[name][1](xs, payloads, ctx, fill, srv)
+        for j, i in enumerate(idx):
+            mean[i], sent[i], server[i] = m[j], s[j], r[j]
+    return Reduced(mean, sent, server, bad)
+
+
+def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
+    """Reduce-scatter over the fast axis (f32), compress over the slow one, all-gather back.
+
+    Device ``(h, l)`` holds, after the reduce-scatter, chunk ``l`` of its host's mean
+    ``y_{h,l}``; only that chunk (``d / L`` floats) crosses the slow axis, through ``codec``.
+    What the codec drops, ``e_{h,l} = y_{h,l} - C(y_{h,l})``, is returned as this device's
+    residual: ``sent = x - L * e_{h,l}`` (placed at chunk ``l``), so residual error feedback
+    adds ``L e_{h,l}`` to the device's next input and the next reduce-scatter hands exactly
+    ``e_{h,l}`` back to the chunk it came from.
+    """
+    n_inner = axis_size(inner_axis_name)
+    li = jax.lax.axis_index(inner_axis_name)
+    parts = buckets.exchange(
+        [_rows(x, n_inner) for x in segments],
+        lambda b: jax.lax.psum_scatter(b, inner_axis_name, scatter_dimension=0, tiled=False),
+        lead=1,
+        bucket_bytes=bb,
+    )
+    parts = [p / n_inner for p in parts]
+    inner_key = None if key is None else jax.random.fold_in(key, li)
+    every = axis_names(axis_name, inner_axis_name)
+    r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, every, extra, bb)
+    gathered = buckets.exchange(
+        r.mean,
+        lambda b: jax.lax.all_gather(b, inner_axis_name, to="invarying"),
+        bucket_bytes=bb,
+    )
+    mean = [g.reshape(-1)[: x.shape[0]] for g, x in zip(gathered, segments, strict=True)]
+    sent = [
+        x - n_inner * _place(p - s, li, n_inner * p.shape[0], x.shape[0])
+        for x, p, s in zip(segments, parts, r.sent, strict=True)
+    ]
+    return Reduced(mean, sent, r.server, r.bad)
+
+
+def server_size(d: int, n: int, n_inner: int = 1) -> int:
+    """Floats of the chunk a device owns (its server residual) for a segment of ``d``."""
+    return ceil_div(ceil_div(d, n_inner), n)
+
+
 def reduce_segments(
     segments: list[jax.Array],
     axis_name: Any,
     codec: Codec,
     strategy: str,
-    key: jax.Array | None,
-    server_residual: jax.Array | None = None,
+    key: jax.Array | None = None,
+    servers: list | None = None,
     inner_axis_name: Any = None,
-    fill: jax.Array | float = 0.0,
+    extra_bad: jax.Array | None = None,
+    bucket_bytes: int = buckets.BUCKET_BYTES,
 ) -> Reduced:
-    """Reduce each segment (a leaf, or one flat bucket) on its own; concatenate the results.
+    """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
-    ``key`` is folded with the segment index, so every segment draws its own randomness.
-    ``fill`` is added to every mean (see :func:`reduce_vector`).
+    Each segment is encoded on its own (its own scales, its own selection); the payloads of
+    all segments travel in buckets of about ``bucket_bytes``, one collective per bucket per
+    phase. ``key`` is the step's key, the same on every device; each segment folds in its
+    index and per-device noise is derived here. ``servers`` (two_phase): per segment, the
+    owned chunk's residual ``f32[c]`` added before re-encoding (None: zeros). ``extra_bad``:
+    this device's non-finite flag of inputs that are not segments (plain leaves); the flag of
+    all devices is psum-ed once and poisons every mean (NaN), at no extra pass.
     """
-    sizes = [s.shape[0] for s in segments]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    parts = []
-    for i, (seg, off) in enumerate(zip(segments, offsets, strict=True)):
-        seg_key = None if key is None else jax.random.fold_in(key, i)
-        srv = None if server_residual is None else server_residual[off : off + seg.shape[0]]
-        parts.append(
-            reduce_vector(seg, axis_name, codec, strategy, seg_key, srv, inner_axis_name, fill)
+    if not segments:
+        bad = jnp.bool_(False) if extra_bad is None else extra_bad
+        every = axis_names(axis_name, inner_axis_name)
+        return Reduced([], [], [], jax.lax.psum(bad.astype(jnp.int32), every) > 0)
+    if inner_axis_name is None:
+        every = axis_names(axis_name)
+        return _reduce_flat(
+            segments, axis_name, codec, strategy, key, servers, every, extra_bad, bucket_bytes
         )
-    if not parts:
-        empty = jnp.zeros((0,), jnp.float32)
-        return Reduced(empty, empty, empty)
-    return Reduced(*(jnp.concatenate(field) for field in zip(*parts, strict=True)))
+    return _hierarchical(
+        segments,
+        axis_name,
+        inner_axis_name,
+        codec,
+        strategy,
+        key,
+        servers,
+        extra_bad,
+        bucket_bytes,
+    )
+
+
+def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
+    """Floating leaves averaged in float32 over the fast inner axis (``None``: ``tree`` as is).
+
+    The hierarchical entry of transforms that work on whole leaves (DGC, PowerSGD): every
+    device of a host then holds the host's mean gradient and the transform runs over the outer
+    axis as if each host were one device. The price: each of the ``L`` devices of a host sends
+    the whole payload over the outer axis, so a host puts ``L`` times the payload on the slow
+    link (DGC at 0.1% and PowerSGD's factors are small enough that this rarely matters).
+    ``jc.pmean`` and ``compressed_allreduce`` do better: a reduce-scatter, so each device
+    compresses and sends only ``1/L`` of the vector, one payload per host in all.
+    """
+    if inner_axis_name is None:
+        return tree
+
+    def mean(a):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            return a
+        return jax.lax.pmean(a.astype(jnp.float32), inner_axis_name).astype(a.dtype)
+
+    return jax.tree.map(mean, tree)
+
+
+def plain_mean(leaves: list[jax.Array], every_axis: Any, bucket_bytes: int) -> list[jax.Array]:
+    """Float32 ``pmean`` of uncompressed leaves (biases, norms, masked), bucketed: each
+    leaf back in its own dtype."""
+    means = buckets.exchange(
+        [a.astype(jnp.float32) for a in leaves],
+        lambda b: jax.lax.pmean(b, every_axis),
+        bucket_bytes=bucket_bytes,
+    )
+    return [m.astype(a.dtype) for m, a in zip(means, leaves, strict=True)]
 
 
 GRANULARITIES = ("leaf", "flat")
@@ -543,24 +539,58 @@ def check_granularity(granularity: str) -> str:
 MAX_SEGMENT = 2**31 - 1
 
 
-def _pieces(segment: jax.Array) -> list[jax.Array]:
-    d = segment.shape[0]
+def _pieces(d: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of the near-equal int32-indexable pieces of a vector of ``d``."""
     num = ceil_div(d, MAX_SEGMENT)
     bounds = [d * i // num for i in range(num + 1)]
-    return [segment[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def segments_of(vector: jax.Array, layout: buckets.Layout, granularity: str) -> list[jax.Array]:
-    """Per-leaf segments (``"leaf"``: scales and selection per layer) or one bucket (``"flat"``).
+class Segments(NamedTuple):
+    """How per-leaf vectors map to the segments a codec sees (static).
 
-    A segment of more than ``MAX_SEGMENT`` (2^31 - 1) elements is split into pieces, each
-    compressed on its own, so int32 indices and offsets never overflow.
+    ``granularity="leaf"``: one segment per leaf (scales and selections per layer);
+    ``"flat"``: one segment for all leaves end to end. A segment longer than
+    ``MAX_SEGMENT`` (2^31 - 1) is cut into pieces, so int32 indices never overflow.
     """
-    if granularity == "flat":
-        segments = [vector] if vector.shape[0] else []
-    else:
-        segments = buckets.split_compressed(vector, layout)
-    return [piece for segment in segments for piece in _pieces(segment)]
+
+    sizes: tuple[int, ...]  # per leaf
+    flat: bool
+
+    def wholes(self) -> list[int]:
+        """Sizes of the vectors before cutting: the leaves, or their total."""
+        return [sum(self.sizes)] if self.flat and self.sizes else list(self.sizes)
+
+    def pieces(self) -> list[list[int]]:
+        """Per whole, the sizes of its segments."""
+        return [[b - a for a, b in _pieces(d)] for d in self.wholes()]
+
+    def split(self, vectors: list[jax.Array]) -> list[jax.Array]:
+        """Per-leaf vectors -> segments."""
+        wholes = [_concat(vectors)] if self.flat and vectors else vectors
+        return [
+            w if b - a == w.shape[0] else w[a:b] for w in wholes for a, b in _pieces(w.shape[0])
+        ]
+
+    def join(self, segments: list[jax.Array]) -> list[jax.Array]:
+        """Inverse of :meth:`split`: per-leaf vectors from per-segment ones."""
+        wholes, i = [], 0
+        for pieces in self.pieces():
+            wholes.append(_concat(segments[i : i + len(pieces)]))
+            i += len(pieces)
+        if not self.flat or not wholes:
+            return wholes
+        offsets = [sum(self.sizes[:j]) for j in range(len(self.sizes) + 1)]
+        return [wholes[0][a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+
+def _concat(parts: list[jax.Array]) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def segments_for(sizes: list[int], granularity: str) -> Segments:
+    """The :class:`Segments` of compressed leaves of these sizes."""
+    return Segments(tuple(sizes), granularity == "flat")
 
 
 def pmean(
@@ -573,6 +603,7 @@ def pmean(
     min_size: int = 0,
     granularity: str = "leaf",
     inner_axis_name: Any = None,
+    bucket_bytes: int = buckets.BUCKET_BYTES,
 ) -> Any:
     """Compressed ``jax.lax.pmean``: the mean of ``tree`` over ``axis_name``, through ``codec``.
 
@@ -601,10 +632,12 @@ def pmean(
         of their scales, instead of the mean).
       min_size: leaves smaller than this go through plain ``pmean``.
       granularity: ``"leaf"`` (compress each leaf on its own: per-layer scales) or ``"flat"``
-        (all compressed leaves as one vector: fewer collectives).
+        (all compressed leaves as one vector: one scale, one selection over the model).
       inner_axis_name: a second, fast mesh axis (devices of one host). The mean is then over
         both axes: float32 reduce-scatter over the inner axis, ``strategy`` with ``codec``
         over ``axis_name`` on the ``1/L`` chunk each device holds, float32 all-gather back.
+      bucket_bytes: payloads travel in buckets of about this many bytes, one collective per
+        bucket per phase (default 32 MiB).
 
     Returns:
       The mean, same structure and dtypes as ``tree``, identical on every device.
@@ -613,18 +646,27 @@ def pmean(
     check_pair(codec, strategy)
     check_granularity(granularity)
     min_size = check_int("min_size", min_size, 0)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
     every_axis = axis_names(axis_name, inner_axis_name)
-    layout = buckets.layout_of(tree, min_size)
-    x = buckets.flatten_compressed(tree, layout)
-    segments = segments_of(x, layout, granularity)
-    # NaN everywhere when any input is non-finite: added to the mean inside the reduction.
-    fill = jnp.where(any_nonfinite(tree, every_axis), jnp.nan, 0.0)
+    layout = layouts.layout_of(tree, min_size)
+    xs = layouts.compressed_vectors(tree, layout)
+    plan = segments_for([x.shape[0] for x in xs], granularity)
+    plain = layouts.leaves_of(tree, layout, layouts.PLAIN)
     reduced = reduce_segments(
-        segments, axis_name, codec, strategy, key, None, inner_axis_name, fill
+        plan.split(xs),
+        axis_name,
+        codec,
+        strategy,
+        key,
+        None,
+        inner_axis_name,
+        local_nonfinite(plain) if plain else None,
+        bucket_bytes,
     )
-    return buckets.rebuild(tree, layout, reduced.mean, lambda a: jax.lax.pmean(a, every_axis))
+    means = plan.join(reduced.mean) if xs else []
+    return layouts.assemble(tree, layout, means, plain_mean(plain, every_axis, bucket_bytes))
 
 
 def psum(
@@ -637,6 +679,7 @@ def psum(
     min_size: int = 0,
     granularity: str = "leaf",
     inner_axis_name: Any = None,
+    bucket_bytes: int = buckets.BUCKET_BYTES,
 ) -> Any:
     """Compressed ``jax.lax.psum``: :func:`pmean` times the number of devices. Same arguments.
 
@@ -653,6 +696,7 @@ def psum(
         min_size=min_size,
         granularity=granularity,
         inner_axis_name=inner_axis_name,
+        bucket_bytes=bucket_bytes,
     )
     scale = lambda m: (  # noqa: E731
         (m.astype(jnp.float32) * n).astype(m.dtype) if jnp.issubdtype(m.dtype, jnp.floating) else m

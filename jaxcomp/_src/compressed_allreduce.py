@@ -9,23 +9,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, feedback
-from jaxcomp._src import layout as buckets
+from jaxcomp._src import buckets, collectives, feedback, server, skeleton
+from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
 
 
 class CompressedAllreduceState(NamedTuple):
     """State of :func:`compressed_allreduce`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    ``d`` is the number of elements of the compressed leaves (see :mod:`jaxcomp._src.layout`).
+    Per-device fields mirror the gradient tree, None at leaves that are not compressed
+    (small, masked, integer); each array carries a leading axis of 1, this device's slot.
     """
 
-    memory: jax.Array | None  # f32[d] per device: residual e_i or EF21's h_i; None if no EF
-    server_residual: jax.Array | None  # f32[d] per device: owner's re-encoding error, or None
-    estimate: jax.Array | None  # f32[d], identical on every device: EF21's global h, or None
+    memory: Any  # per device, f32[1, *leaf.shape] per compressed leaf: residual e_i or EF21's h_i
+    server_residual: Any  # per device, f32[1, c] per compressed two-phase leaf: the owned
+    #                       chunk's re-encoding error (c = ceil(size / n)); None if unused
+    estimate: Any  # identical on every device, f32[*leaf.shape] per compressed leaf: EF21's h
     key: chex.PRNGKey  # uint32[2], identical on every device; split every step
     count: jax.Array  # int32[]: number of updates applied
-    momentum: jax.Array | None = None  # f32[d] per device: worker momentum m_i, or None
+    momentum: Any = None  # per device, f32[1, *leaf.shape] per compressed leaf: worker momentum
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
 
@@ -49,11 +51,6 @@ def _resolve_feedback(error_feedback, codec: Codec, strategy: str):
     return feedback.resolve(error_feedback, codec)
 
 
-def _freeze_if(bad: jax.Array, old: Any, new: Any) -> Any:
-    """Keep the old state on a non-finite step, so nothing in memory is corrupted."""
-    return jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
-
-
 def compressed_allreduce(
     codec: Codec,
     axis_name: Any,
@@ -67,6 +64,7 @@ def compressed_allreduce(
     inner_axis_name: Any = None,
     server_feedback: bool = True,
     worker_momentum: float | None = None,
+    bucket_bytes: int = buckets.BUCKET_BYTES,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -140,6 +138,8 @@ def compressed_allreduce(
         worker residual only (for comparison: it converges less close to uncompressed).
       worker_momentum: None (default) or ``beta`` in [0, 1): each device compresses its own
         momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). 0 is None.
+      bucket_bytes: encoded payloads of all leaves travel in buckets of about this many
+        bytes, one collective per bucket per phase (default 32 MiB).
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
@@ -159,89 +159,98 @@ def compressed_allreduce(
     error_feedback = _resolve_feedback(error_feedback, codec, strategy)
     min_size = check_int("min_size", min_size, 0)
     seed = check_int("seed", seed, 0)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     if not isinstance(server_feedback, bool):
         raise TypeError(f"`server_feedback` must be a bool, got {server_feedback!r}")
-    server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
+    use_server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
     # 0 means none: no state kept.
     beta = None if worker_momentum is None else check_fraction("worker_momentum", worker_momentum)
     beta = beta or None
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
 
+    flat = granularity == "flat"
+
+    def chunks(layout: layouts.Layout):
+        """Owned chunk sizes per whole and segment; None outside the mesh (or if unused)."""
+        sizes = server.bound_sizes(axis_name, inner_axis_name)
+        if not use_server or sizes is None:
+            return None
+        plan = collectives.segments_for(list(layout.compressed_sizes), granularity)
+        return server.chunk_sizes(plan, codec, strategy, *sizes)
+
+    def fields(layout: layouts.Layout) -> dict[str, Any]:
+        """Every per-leaf field, zeros (None where unused: orbax saves no zero-size array)."""
+        some = bool(layout.compressed_size)
+        return {
+            "memory": skeleton.zeros_like_compressed(layout)
+            if some and error_feedback is not None
+            else None,
+            "server_residual": server.zeros(layout, chunks(layout), flat) if some else None,
+            "estimate": skeleton.zeros_like_compressed(layout, lambda s: s)
+            if some and error_feedback == "ef21"
+            else None,
+            "momentum": skeleton.zeros_like_compressed(layout) if some and beta else None,
+        }
+
     def init_fn(params):
-        layout = buckets.layout_of(params, min_size, mask)
-        d = layout.compressed_size
-        # Unused fields are None, not f32[0]: orbax refuses to save zero-size arrays.
-        zeros = lambda used: jnp.zeros((d,), jnp.float32) if used and d else None  # noqa: E731
+        layout = layouts.layout_of(params, min_size, mask)
         return CompressedAllreduceState(
-            memory=zeros(error_feedback is not None),
-            server_residual=zeros(server),
-            estimate=zeros(error_feedback == "ef21"),
-            key=jax.random.PRNGKey(seed),
-            count=jnp.zeros([], jnp.int32),
-            momentum=zeros(beta is not None),
+            key=jax.random.PRNGKey(seed), count=jnp.zeros([], jnp.int32), **fields(layout)
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        buckets.check_like_params(updates, params, "compressed_allreduce")
-        collectives.axis_size(axis_name)
-        collectives.check_inner_axis(axis_name, inner_axis_name)
-        layout = buckets.layout_of(updates, min_size, mask)
-        g = buckets.flatten_compressed(updates, layout)
-        d = g.shape[0]
-        _check_state(state, d, error_feedback, server, beta)
-        # Nothing compressed (every leaf small or masked): no memory to keep.
-        kind, use_server = (error_feedback, server) if d else (None, False)
-
+        skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
+        layout = layouts.layout_of(updates, min_size, mask)
+        skeleton.check_fields("compressed_allreduce", state, jax.eval_shape(lambda: fields(layout)))
+        grads = layouts.compressed_vectors(updates, layout)
+        plain, plain_bad = skeleton.plain_leaves(updates, layout)
+        kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
-        momentum = state.momentum
-        if beta is not None and d:
-            momentum = beta * state.momentum + (1.0 - beta) * g
-            g = momentum
-        target = feedback.to_send(g, state.memory, kind)
+
+        momentum = None
+        if beta is not None and grads:
+            old = skeleton.vectors(state.momentum)
+            momentum = [beta * m + (1.0 - beta) * g for m, g in zip(old, grads, strict=True)]
+            grads = momentum
+        memory = skeleton.vectors(state.memory) if kind else [None] * len(grads)
+        targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
+
+        plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
+        owned = chunks(layout) if grads else None
         reduced = collectives.reduce_segments(
-            collectives.segments_of(target, layout, granularity),
+            plan.split(targets),
             axis_name,
             codec,
             strategy,
             step_key,
-            state.server_residual if use_server else None,
+            None if owned is None else server.read(state.server_residual, layout, owned, flat),
             inner_axis_name,
+            plain_bad,
+            bucket_bytes,
         )
-        bad = collectives.any_nonfinite(updates, every_axis)
-        out = collectives.poison(feedback.output(reduced.mean, state.estimate, kind), bad)
+        means, sent = plan.join(reduced.mean), plan.join(reduced.sent)
+        estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
+        outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
+
+        new_memory = [
+            feedback.next_memory(m, t, s, kind)
+            for m, t, s in zip(memory, targets, sent, strict=True)
+        ]
         new_state = CompressedAllreduceState(
-            memory=feedback.next_memory(state.memory, target, reduced.sent, kind),
-            server_residual=reduced.server_residual if use_server else state.server_residual,
-            estimate=out if kind == "ef21" else state.estimate,
+            memory=skeleton.like_state(layout, new_memory) if kind else state.memory,
+            server_residual=state.server_residual
+            if owned is None
+            else server.write(reduced.server, layout, owned, flat),
+            estimate=skeleton.like_state(layout, outs, per_device=False)
+            if kind == "ef21"
+            else state.estimate,
             key=key,
             count=state.count + 1,
-            momentum=momentum,
+            momentum=state.momentum if momentum is None else skeleton.like_state(layout, momentum),
         )
-        new_state = _freeze_if(bad, state, new_state)
-        mean_tree = buckets.rebuild(updates, layout, out, lambda a: jax.lax.pmean(a, every_axis))
-        return mean_tree, new_state
+        new_state = skeleton.freeze(reduced.bad, state, new_state)
+        plain_out = collectives.plain_mean(plain, every_axis, bucket_bytes)
+        return layouts.assemble(updates, layout, outs, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _check_state(
-    state: CompressedAllreduceState, d: int, error_feedback, server: bool, beta: float | None
-) -> None:
-    expected = {
-        "memory": d if error_feedback is not None else 0,
-        "server_residual": d if server else 0,
-        "estimate": d if error_feedback == "ef21" else 0,
-        "momentum": d if beta is not None else 0,
-    }
-    for field, size in expected.items():
-        value = getattr(state, field)
-        shape = None if value is None else value.shape
-        if shape != ((size,) if size else None):
-            raise ValueError(
-                f"compressed_allreduce state field `{field}` has shape {shape} but the "
-                f"compressed gradient needs ({size},). Was the state initialized for other "
-                "params, or split wrongly over devices? Under shard_map, initialize with "
-                "jc.sharded_init(tx, params, mesh, axis_name) and use jc.state_specs(state, "
-                "axis_name) as its specs; under pmap, give every state leaf a leading device axis."
-            )

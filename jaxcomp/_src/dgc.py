@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import layout as buckets
+from jaxcomp._src import buckets, collectives, server, skeleton
+from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
-from jaxcomp._src.compressed_allreduce import _freeze_if
 
 DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
 
@@ -29,54 +28,19 @@ DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
 class DGCState(NamedTuple):
     """State of :func:`dgc`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    ``d`` is the number of elements of the compressed leaves, ``p`` that of the plain ones
-    (small or 1-D leaves, averaged with plain ``pmean``).
+    Fields mirror the gradient tree, None at leaves they do not cover: the per-device
+    memories cover the sparsified leaves (with a leading axis of 1, this device's slot), the
+    momentum the plain ones (small or 1-D leaves, averaged with plain ``pmean``).
     """
 
-    velocity: jax.Array | None  # f32[d] per device: u, momentum-corrected velocity; None if d=0
-    accumulation: jax.Array | None  # f32[d] per device: v, velocity not yet sent; None if d=0
-    server_residual: jax.Array | None  # f32[d] per device (two_phase/auto), else None
-    momentum: jax.Array  # f32[p], identical on every device: momentum of the plain leaves
+    velocity: Any  # per device, f32[1, *leaf.shape] per sparsified leaf: u, the velocity
+    accumulation: Any  # per device, f32[1, *leaf.shape] per sparsified leaf: v, not yet sent
+    server_residual: Any  # per device, f32[1, c] per two-phase leaf (owned chunk), else None
+    momentum: Any  # identical on every device, f32[*leaf.shape] per plain leaf
     key: chex.PRNGKey  # uint32[2], identical on every device; split every step
     count: jax.Array  # int32[]: number of updates applied
 
     PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual")
-
-
-def _plain_vector(tree: Any, layout: buckets.Layout) -> jax.Array:
-    """The plain (pmean-ed, uncompressed) floating leaves as one float32 vector."""
-    parts = [
-        jnp.ravel(leaf).astype(jnp.float32)
-        for leaf, g in zip(jax.tree.leaves(tree), layout.groups, strict=True)
-        if g == buckets.PLAIN
-    ]
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
-
-
-def _plain_size(layout: buckets.Layout) -> int:
-    return sum(
-        math.prod(s)
-        for s, g in zip(layout.shapes, layout.groups, strict=True)
-        if g == buckets.PLAIN
-    )
-
-
-def _rebuild(tree: Any, layout: buckets.Layout, compressed: jax.Array, plain: jax.Array) -> Any:
-    """Output tree: compressed and plain leaves from their vectors, integer leaves as they were."""
-    sources = {buckets.COMPRESSED: compressed, buckets.PLAIN: plain}
-    offsets = {buckets.COMPRESSED: 0, buckets.PLAIN: 0}
-    out = []
-    for leaf, g, shape, dtype in zip(
-        jax.tree.leaves(tree), layout.groups, layout.shapes, layout.dtypes, strict=True
-    ):
-        if g == buckets.PASSTHROUGH:
-            out.append(leaf)
-            continue
-        size = math.prod(shape)
-        start = offsets[g]
-        out.append(sources[g][start : start + size].reshape(shape).astype(dtype))
-        offsets[g] = start + size
-    return jax.tree.unflatten(layout.treedef, out)
 
 
 def _matrix_mask(tree: Any) -> Any:
@@ -236,123 +200,116 @@ def dgc(
         codecs = [
             top_k(r, approx="sample", sample_ratio=sample_ratio) for r in (*stage_ratios, ratio)
         ]
-    server = strategy != "allgather"
+    use_server = strategy != "allgather"
+
+    def chunks(layout: layouts.Layout):
+        sizes = server.bound_sizes(axis_name, None)
+        if not use_server or sizes is None:
+            return None
+        plan = collectives.segments_for(list(layout.compressed_sizes), "leaf")
+        return server.chunk_sizes(plan, codecs[-1], strategy, *sizes)
+
+    def fields(layout: layouts.Layout) -> dict[str, Any]:
+        some = bool(layout.compressed_size)
+        plain = [
+            jnp.zeros(s, jnp.float32)
+            for s, g in zip(layout.shapes, layout.groups, strict=True)
+            if g == layouts.PLAIN
+        ]
+        return {
+            "velocity": skeleton.zeros_like_compressed(layout) if some else None,
+            "accumulation": skeleton.zeros_like_compressed(layout) if some else None,
+            "server_residual": server.zeros(layout, chunks(layout), False) if some else None,
+            "momentum": layouts.like_plain(layout, plain) if plain else None,
+        }
 
     def init_fn(params):
-        layout = buckets.layout_of(params, min_size, _matrix_mask)
-        d = layout.compressed_size
+        layout = layouts.layout_of(params, min_size, _matrix_mask)
         return DGCState(
-            # Empty fields are None, not f32[0]: orbax refuses to save zero-size arrays.
-            velocity=_zeros_or_none(d),
-            accumulation=_zeros_or_none(d),
-            server_residual=_zeros_or_none(d if server else 0),
-            momentum=_zeros_or_none(_plain_size(layout)),
-            key=jax.random.PRNGKey(seed),
-            count=jnp.zeros([], jnp.int32),
+            key=jax.random.PRNGKey(seed), count=jnp.zeros([], jnp.int32), **fields(layout)
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        buckets.check_like_params(updates, params, "dgc")
-        n = collectives.axis_size(axis_name)
-        collectives.check_inner_axis(axis_name, inner_axis_name)
+        n = skeleton.begin("dgc", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
-        layout = buckets.layout_of(updates, min_size, _matrix_mask)
-        g = buckets.flatten_compressed(updates, layout)
-        p = _plain_vector(updates, layout)
-        _check_state(state, g.shape[0], p.shape[0], server)
-        bad = collectives.any_nonfinite(updates, axis_name)
-        stored = state
-        state = state._replace(
-            velocity=_dense(state.velocity),
-            accumulation=_dense(state.accumulation),
-            server_residual=_dense(state.server_residual),
-            momentum=_dense(state.momentum),
-        )
+        layout = layouts.layout_of(updates, min_size, _matrix_mask)
+        skeleton.check_fields("dgc", state, jax.eval_shape(lambda: fields(layout)))
+        g = layouts.compressed_vectors(updates, layout)
+        plain, plain_bad = skeleton.plain_leaves(updates, layout)
+        p = [a.astype(jnp.float32) for a in plain]
 
         if clip_norm is not None:
-            norm = jnp.sqrt(jnp.sum(g * g) + jnp.sum(p * p))
+            norm = jnp.sqrt(sum(jnp.sum(a * a) for a in g + p))
             limit = clip_norm / math.sqrt(n)
             scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
-            g, p = g * scale, p * scale
+            g, p = [a * scale for a in g], [a * scale for a in p]
 
+        velocity, accumulation = (
+            skeleton.vectors(state.velocity),
+            skeleton.vectors(state.accumulation),
+        )
         if nesterov:
-            u = momentum * (state.velocity + g)
-            v = state.accumulation + u + g
+            u = [momentum * (w + a) for w, a in zip(velocity, g, strict=True)]
+            v = [acc + uu + a for acc, uu, a in zip(accumulation, u, g, strict=True)]
         else:
-            u = momentum * state.velocity + g
-            v = state.accumulation + u
+            u = [momentum * w + a for w, a in zip(velocity, g, strict=True)]
+            v = [acc + uu for acc, uu in zip(accumulation, u, strict=True)]
 
         key, step_key = jax.random.split(state.key)
-        segments = collectives.segments_of(v, layout, "leaf") if v.shape[0] else []
+        plan = collectives.segments_for([a.shape[0] for a in v], "leaf")
+        owned = chunks(layout) if g else None
+        servers = (
+            None if owned is None else server.read(state.server_residual, layout, owned, False)
+        )
 
         def reduce_with(codec):
-            def branch(server_residual):
-                return collectives.reduce_segments(
-                    segments,
-                    axis_name,
-                    codec,
-                    strategy,
-                    step_key,
-                    server_residual if server else None,
+            def branch(servers):
+                r = collectives.reduce_segments(
+                    plan.split(v), axis_name, codec, strategy, step_key, servers, None, plain_bad
                 )
+                return plan.join(r.mean), plan.join(r.sent), r.server, r.bad
 
             return branch
 
         if len(codecs) == 1:
-            reduced = reduce_with(codecs[0])(state.server_residual)
+            means, sent, new_servers, bad = reduce_with(codecs[0])(servers)
         else:
             stage = (jnp.minimum(state.count, warmup_steps) * len(schedule)) // warmup_steps
-            reduced = jax.lax.switch(stage, [reduce_with(c) for c in codecs], state.server_residual)
+            means, sent, new_servers, bad = jax.lax.switch(
+                stage, [reduce_with(c) for c in codecs], servers
+            )
 
-        sent = reduced.sent != 0
-        out = collectives.poison(reduced.mean, bad) if g.shape[0] else reduced.mean
+        plain_mean = collectives.plain_mean(p, axis_name, buckets.BUCKET_BYTES)
+        traces = [
+            momentum * t + m
+            for t, m in zip(layouts.field_leaves(state.momentum), plain_mean, strict=True)
+        ]
+        plain_out = (
+            [m + momentum * t for m, t in zip(plain_mean, traces, strict=True)]
+            if nesterov
+            else traces
+        )
 
-        plain_mean = jax.lax.pmean(p, axis_name) if p.shape[0] else p
-        trace = momentum * state.momentum + plain_mean
-        plain_out = plain_mean + momentum * trace if nesterov else trace
-
+        new_velocity = [
+            jnp.where(s != 0, 0.0, uu) if momentum_masking else uu
+            for s, uu in zip(sent, u, strict=True)
+        ]
         new_state = DGCState(
-            velocity=_none_if_empty(jnp.where(sent, 0.0, u) if momentum_masking else u),
-            accumulation=_none_if_empty(v - reduced.sent),
-            server_residual=_none_if_empty(reduced.server_residual if server else None),
-            momentum=_none_if_empty(trace),
+            velocity=skeleton.like_state(layout, new_velocity) if g else None,
+            accumulation=skeleton.like_state(
+                layout, [vv - s for vv, s in zip(v, sent, strict=True)]
+            )
+            if g
+            else None,
+            server_residual=state.server_residual
+            if owned is None
+            else server.write(new_servers, layout, owned, False),
+            momentum=layouts.like_plain(layout, traces) if traces else None,
             key=key,
             count=state.count + 1,
         )
-        new_state = _freeze_if(bad, stored, new_state)
-        return _rebuild(updates, layout, out, plain_out), new_state
+        new_state = skeleton.freeze(bad, state, new_state)
+        return layouts.assemble(updates, layout, means, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _zeros_or_none(size: int) -> jax.Array | None:
-    return jnp.zeros((size,), jnp.float32) if size else None
-
-
-def _dense(field: jax.Array | None) -> jax.Array:
-    """A state field as an array (f32[0] for None), for uniform arithmetic."""
-    return jnp.zeros((0,), jnp.float32) if field is None else field
-
-
-def _none_if_empty(x: jax.Array | None) -> jax.Array | None:
-    return None if x is None or x.shape[0] == 0 else x
-
-
-def _check_state(state: DGCState, d: int, p: int, server: bool) -> None:
-    expected = {
-        "velocity": d,
-        "accumulation": d,
-        "server_residual": d if server else 0,
-        "momentum": p,
-    }
-    for field, size in expected.items():
-        value = getattr(state, field)
-        shape = None if value is None else value.shape
-        if shape != ((size,) if size else None):
-            raise ValueError(
-                f"dgc state field `{field}` has shape {shape} but the gradient needs ({size},). "
-                "Was the state initialized for other params, or split wrongly over devices? "
-                "Under shard_map, initialize with jc.sharded_init(tx, params, mesh, axis_name) "
-                "and use jc.state_specs(state, axis_name) as its specs."
-            )

@@ -1,4 +1,4 @@
-"""Pytrees <-> flat float32 vectors, and which leaves get compressed.
+"""Which leaves of a gradient tree get compressed, and per-leaf vectors and state trees.
 
 Every leaf of a gradient tree falls in one of three groups:
 
@@ -6,14 +6,15 @@ Every leaf of a gradient tree falls in one of three groups:
 * ``plain`` — floating leaves that are small (biases, norms) or masked out: plain ``pmean``;
 * ``passthrough`` — integer/bool leaves: returned untouched.
 
-Compressed leaves are worked on as one float32 vector (their concatenation, in tree
-order); :class:`Layout` holds the static offsets to split it back by leaf.
+Each compressed leaf is worked on as its own float32 vector (a free reshape), and per-leaf
+state mirrors the gradient tree with None at the other leaves (as optax's ``mu`` mirrors
+the params): never one concatenation of all leaves, which costs a pass and, in a data x
+model mesh, an all-gather of model-sharded gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,20 +84,38 @@ def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
     )
 
 
-def flatten_compressed(tree: Any, layout: Layout) -> jax.Array:
-    """The compressed leaves concatenated: float32[layout.compressed_size]."""
-    leaves = jax.tree.leaves(tree)
-    parts = [
-        jnp.ravel(leaf).astype(jnp.float32)
-        for leaf, g in zip(leaves, layout.groups, strict=True)
-        if g == COMPRESSED
+def leaves_of(tree: Any, layout: Layout, group: str) -> list[jax.Array]:
+    """The leaves of ``tree`` in ``group`` (``COMPRESSED``, ``PLAIN`` or ``PASSTHROUGH``), in
+    tree order. ``tree`` has the gradient's structure; a state field that holds None at the
+    other leaves works too (None is an empty subtree)."""
+    return [
+        leaf for leaf, g in zip(jax.tree.leaves(tree), layout.groups, strict=True) if g == group
     ]
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
 
 
-def split_compressed(vector: jax.Array, layout: Layout) -> list[jax.Array]:
-    """Split a compressed vector back into per-leaf flat segments."""
-    return [vector[o : o + s] for o, s in zip(layout.offsets, layout.compressed_sizes, strict=True)]
+def compressed_vectors(tree: Any, layout: Layout) -> list[jax.Array]:
+    """Each compressed leaf of ``tree`` as a float32 vector (a free reshape for float32)."""
+    return [jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves_of(tree, layout, COMPRESSED)]
+
+
+def like_compressed(layout: Layout, values: list[Any]) -> Any:
+    """A tree with the gradient's structure: ``values`` at the compressed leaves (in order),
+    None elsewhere (the shape of per-leaf state, as optax's ``mu`` mirrors the params)."""
+    it = iter(values)
+    leaves = [next(it) if g == COMPRESSED else None for g in layout.groups]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def like_plain(layout: Layout, values: list[Any]) -> Any:
+    """As :func:`like_compressed`, for the plain (uncompressed floating) leaves."""
+    it = iter(values)
+    leaves = [next(it) if g == PLAIN else None for g in layout.groups]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def field_leaves(field: Any) -> list[jax.Array]:
+    """The arrays of a per-leaf state field (None leaves skipped), in tree order."""
+    return [a for a in jax.tree.leaves(field) if a is not None]
 
 
 def saturating_cast(x: jax.Array, dtype: Any) -> jax.Array:
@@ -113,24 +132,19 @@ def saturating_cast(x: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)
 
 
-def rebuild(
-    tree: Any,
-    layout: Layout,
-    compressed: jax.Array,
-    plain_fn: Callable[[jax.Array], jax.Array],
-) -> Any:
-    """The output tree: compressed leaves from ``compressed`` (a vector), plain leaves through
-    ``plain_fn`` (in float32), passthrough leaves as they were; each leaf in its own dtype."""
-    leaves = jax.tree.leaves(tree)
-    segments = iter(split_compressed(compressed, layout))
+def assemble(tree: Any, layout: Layout, compressed: list[jax.Array], plain: list[jax.Array]) -> Any:
+    """The output tree: compressed leaves from their vectors (saturating cast to the leaf's
+    dtype), plain leaves from ``plain`` (already in their dtype), passthrough leaves as they
+    were."""
+    sources = {COMPRESSED: iter(compressed), PLAIN: iter(plain)}
     out = []
     for leaf, g, shape, dtype in zip(
-        leaves, layout.groups, layout.shapes, layout.dtypes, strict=True
+        jax.tree.leaves(tree), layout.groups, layout.shapes, layout.dtypes, strict=True
     ):
         if g == COMPRESSED:
-            out.append(saturating_cast(next(segments).reshape(shape), dtype))
+            out.append(saturating_cast(next(sources[g]).reshape(shape), dtype))
         elif g == PLAIN:
-            out.append(plain_fn(leaf.astype(jnp.float32)).astype(dtype))
+            out.append(next(sources[g]).reshape(shape).astype(dtype))
         else:
             out.append(leaf)
     return jax.tree.unflatten(layout.treedef, out)

@@ -18,6 +18,13 @@ Conventions every codec follows:
   are passed through unsummed.
 * ``shared_randomness``: the key must be the same on every device (random-k), instead
   of independent noise per device (stochastic rounding).
+* ``votes``: the payload is ``(sign words, block scales)`` — 1-bit signs packed 32 per
+  uint32 word and one float32 scale per block — so devices can *count* their signs
+  (``strategy="majority_vote"``). Collectives ask for this capability, never for a class.
+* ``flags_nonfinite``: the payload's floating leaves are non-finite whenever ``x`` holds a
+  NaN or an inf (a scale from ``max |x|`` or ``mean |x|``, or the saturating cast itself),
+  so a transform detects a bad gradient from the small payload instead of another pass
+  over ``x``.
 * ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
   (None where no such bound holds).
 """
@@ -71,6 +78,8 @@ class Codec:
     summable = False
     stochastic = False
     shared_randomness = False
+    votes = False
+    flags_nonfinite = False
 
     @property
     def name(self) -> str:
@@ -107,6 +116,20 @@ class Codec:
         """
         total = jnp.sum(jax.vmap(lambda p: self.decode(p, d))(payloads), axis=0)
         return scaled(total, scale, fill)
+
+    def encode_rows(self, rows: jax.Array, keys: jax.Array | None = None) -> Payload:
+        """Encode each row of ``rows`` (``[r, c]``) on its own: a payload stacked on axis 0.
+
+        ``keys``: one key per row (``[r, 2]``), or None for deterministic codecs. One batched
+        computation (``vmap``), so the program does not grow with the number of rows.
+        """
+        if keys is None:
+            return jax.vmap(lambda row: self.encode(row, None))(rows)
+        return jax.vmap(self.encode)(rows, keys)
+
+    def decode_rows(self, payloads: Payload, c: int) -> jax.Array:
+        """Decode a stack of row payloads and lay the rows end to end: ``f32[rows * c]``."""
+        return jax.vmap(lambda p: self.decode(p, c))(payloads).reshape(-1)
 
     def roundtrip(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """``decode(encode(x))``: what the receivers will see of ``x``."""

@@ -58,6 +58,8 @@ def _effective_block(block_size: int | None, d: int) -> int:
 class Identity(Codec):
     """No compression: the float32 vector itself (what plain ``pmean`` sends)."""
 
+    flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
+
     unbiased = True
     summable = True
 
@@ -111,6 +113,8 @@ class Cast(Codec):
     fp16 cast would turn 1e5 into inf); inf and NaN pass through as themselves.
     Relative error per coordinate <= 2^-(m+1) for m mantissa bits, inside the normal range.
     """
+
+    flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
 
     dtype_name: str = "bfloat16"
 
@@ -189,6 +193,8 @@ class IntQuant(Codec):
     References: Dettmers, "8-bit approximations for parallelism in deep learning" (2016);
     ZeRO++ qgZ (Wang et al., 2023); EQuARX (2025).
     """
+
+    flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
 
     bits: int = 8
     block_size: int = 256
@@ -313,6 +319,8 @@ class QSGD(Codec):
     norm per bucket. 16 levels (4-bit codes + sign) is the paper's no-loss setting.
     """
 
+    flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
+
     levels: int = 16
     bucket_size: int = 512
 
@@ -380,6 +388,8 @@ class TernGrad(Codec):
     per-layer scaler). Values in {-s, 0, s}: 2-bit codes, 16 per uint32, plus one float32
     scale per block. Unbiased; variance ``<= s ||x||_1 - ||x||^2``.
     """
+
+    flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
 
     block_size: int | None = None
 

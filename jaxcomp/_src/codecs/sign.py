@@ -31,6 +31,9 @@ class Sign(Codec):
     scale: str | None = "mean"
     block_size: int | None = None
 
+    votes = True  # payload: (packed sign words, f32 block scales)
+    flags_nonfinite = True  # a non-finite block gives a non-finite scale
+
     def _block(self, d: int) -> int:
         return max(d, 1) if self.block_size is None else self.block_size
 

@@ -1,0 +1,138 @@
+"""The bytes model: ring-model bytes per device of each strategy, and what ``auto`` picks.
+
+Pure Python over codec shapes (no devices needed): ``strategy_bytes``, ``choose_strategy``,
+``hierarchical_bytes``. The compiled programs are checked against it row by row
+(``benchmarks/wire_bytes.py``, ``tests/test_accounting.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import Codec, ceil_div
+
+STRATEGIES = ("auto", "allreduce", "allgather", "two_phase", "majority_vote")
+"""Values of ``strategy=``. Ring-model bytes per device for ``n`` devices and a payload of
+``P(m)`` bytes for ``m`` floats: ``allreduce`` ``2(n-1)/n P(d)`` (summable codecs),
+``allgather`` ``(n-1) P(d)``, ``two_phase`` ``2(n-1) P(d/n) ~ 2 P(d)``, ``majority_vote``
+(sign codecs: packed bits out and back, signSGD with majority vote, Bernstein et al. 2019),
+``auto`` the cheapest of the first three (:func:`choose_strategy`). Plain ``pmean`` sends
+``2(n-1)/n 4d``."""
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
+
+
+def check_codec(codec: Any) -> Codec:
+    if not isinstance(codec, Codec):
+        raise TypeError(
+            f"`codec` must be a jaxcomp codec (e.g. jc.int_quant(8)), got {type(codec).__name__}"
+        )
+    return codec
+
+
+def check_pair(codec: Codec, strategy: str) -> None:
+    """Construction-time check that ``strategy`` can carry ``codec``'s payloads."""
+    check_strategy(strategy)
+    if strategy == "allreduce" and not codec.summable:
+        raise ValueError(
+            f"`strategy`='allreduce' needs a summable codec; {codec.name} is not "
+            f"(use 'allgather', 'two_phase' or 'auto')"
+        )
+    if strategy == "majority_vote" and not codec.votes:
+        raise ValueError(
+            f"`strategy`='majority_vote' needs a sign codec (jc.sign(None) or jc.sign('mean')): "
+            f"the devices vote with their signs; got {codec.name}"
+        )
+
+
+def majority_vote_bytes(codec: Codec, d: int, n: int) -> float:
+    """Ring bytes per device of the two-phase vote: packed bits out, packed bits back, scales."""
+    if not d:
+        return 0.0
+    words = ceil_div(packing.packed_words(d, 1), n)  # uint32 words of sign bits per chunk
+    scales = (codec.payload_bytes(d) - 4 * packing.packed_words(d, 1)) / 4  # f32 block scales
+    return 2 * (n - 1) * 4 * words + 2 * (n - 1) / n * 4 * scales
+
+
+def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
+    """Ring-model bytes per device of each strategy that ``codec`` supports (the auto model).
+
+    With ``P(m) = codec.payload_bytes(m)``::
+
+        allreduce      2 (n-1)/n * P_float(d)    (summable codecs only: their float leaves)
+        allgather      (n-1) * P(d)
+        two_phase      2 (n-1) * P(ceil(d/n))
+        majority_vote  packed bits out and back, plus scales (sign codecs only)
+
+    against ``2 (n-1)/n * 4d`` for plain float32 ``pmean``. The ring model is the
+    bandwidth-optimal all-reduce of Patarasuk and Yuan, "Bandwidth Optimal All-reduce
+    Algorithms for Clusters of Workstations", JPDC 2009.
+
+    For the hierarchical case pass the outer axis size as ``n`` and the chunk each inner device
+    holds, ``ceil(d / n_inner)``, as ``d`` (see :func:`hierarchical_bytes`).
+    """
+    out = {}
+    if codec.summable:
+        out["allreduce"] = 2 * (n - 1) / n * _summed_bytes(codec, d)
+    out["allgather"] = (n - 1) * codec.payload_bytes(d)
+    out["two_phase"] = 2 * (n - 1) * codec.payload_bytes(ceil_div(d, n)) if d else 0.0
+    if codec.votes:
+        out["majority_vote"] = majority_vote_bytes(codec, d, n)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _summed_bytes(codec: Codec, d: int) -> int:
+    """Bytes of the payload leaves that ``allreduce`` psums: the floating ones. Integer leaves
+    (random-k's indices, the same on every device) never travel."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    payload = jax.eval_shape(codec.encode, jax.ShapeDtypeStruct((d,), jnp.float32), key)
+    return sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(payload)
+        if jnp.issubdtype(leaf.dtype, jnp.floating)
+    )
+
+
+def hierarchical_bytes(
+    codec: Codec, d: int, n_outer: int, n_inner: int, strategy: str = "auto"
+) -> dict[str, float]:
+    """Ring bytes per device of the hierarchical reduction, per axis.
+
+    ``inner``: float32 reduce-scatter + all-gather over the fast axis, ``2 (L-1)/L * 4d``;
+    ``outer``: ``strategy`` over the slow axis for the ``ceil(d/L)`` chunk each device holds.
+    """
+    chunk = ceil_div(d, n_inner) if d else 0
+    chosen = choose_strategy(codec, chunk, n_outer, strategy)
+    return {
+        "inner": 2 * (n_inner - 1) * 4 * chunk,
+        "outer": strategy_bytes(codec, chunk, n_outer)[chosen],
+        "strategy": chosen,
+    }
+
+
+def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str:
+    """Resolve ``"auto"`` (and validate an explicit choice) for a vector of size ``d``.
+
+    ``auto = argmin_s strategy_bytes(codec, d, n)[s]`` over the strategies below.
+    ``auto`` takes the fewest bytes among ``allreduce`` (summable codecs: exact sums, same
+    bytes as two-phase, so always taken for them), ``allgather`` and ``two_phase`` (a tie
+    goes to ``allgather``: one encode, no second compression error). It never picks
+    ``majority_vote``: the sign of a vote is not the mean the other strategies estimate.
+    """
+    check_pair(codec, strategy)
+    if strategy != "auto":
+        return strategy
+    if codec.summable:
+        return "allreduce"
+    costs = strategy_bytes(codec, d, n)
+    return min(("allgather", "two_phase"), key=lambda s: (costs[s], s != "allgather"))

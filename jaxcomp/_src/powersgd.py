@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives
-from jaxcomp._src import layout as buckets
+from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import check_int
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -37,12 +37,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 class PowerSGDState(NamedTuple):
     """State of :func:`powersgd`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    One array per group of same-shaped matrices (:attr:`Plan.groups`, in that order), with
-    ``B`` matrices of shape ``n x m`` and rank ``r``.
+    Fields mirror the gradient tree, None at leaves that are not sent low-rank; each low-rank
+    leaf is seen as an ``n x m`` matrix (:func:`matrix_view`) of rank ``r``. Same-shaped
+    matrices are stacked for the work (:attr:`Plan.groups`), never in the state.
     """
 
-    error: tuple[jax.Array, ...]  # per group f32[B, n, m], per device: M_i - P P^T M_i; () if off
-    q: tuple[jax.Array, ...]  # per group f32[B, m, r], the same on every device; () if cold start
+    error: Any  # per device, f32[1, *leaf.shape] per low-rank leaf: M_i - P P^T M_i; None if off
+    q: Any  # the same on every device, f32[m, r] per low-rank leaf (n x m view); None if cold
     key: chex.PRNGKey  # uint32[2], the same on every device; split every step
     count: jax.Array  # int32[]: number of updates applied (plain pmean until start_step)
 
@@ -97,7 +98,7 @@ class Plan:
     the low-rank ones, its ``plain`` leaves go through plain ``pmean``.
     """
 
-    layout: buckets.Layout
+    layout: layouts.Layout
     groups: tuple[Group, ...]
 
     @property
@@ -120,7 +121,7 @@ class Plan:
         return [
             int(np.prod(s))
             for s, g in zip(self.layout.shapes, self.layout.groups, strict=True)
-            if g == buckets.PLAIN
+            if g == layouts.PLAIN
         ]
 
 
@@ -134,7 +135,7 @@ def plan_of(
     batch_same_shape: bool = True,
 ) -> Plan:
     """The :class:`Plan` of :func:`powersgd` for ``tree`` (arrays or ShapeDtypeStructs)."""
-    allowed = buckets.resolve_mask(mask, tree)
+    allowed = layouts.resolve_mask(mask, tree)
     lowrank = jax.tree.map(
         lambda leaf, ok: (
             bool(ok)
@@ -144,9 +145,9 @@ def plan_of(
         tree,
         allowed,
     )
-    layout = buckets.layout_of(tree, min_size, lowrank)
+    layout = layouts.layout_of(tree, min_size, lowrank)
     shapes = [
-        s for s, g in zip(layout.shapes, layout.groups, strict=True) if g == buckets.COMPRESSED
+        s for s, g in zip(layout.shapes, layout.groups, strict=True) if g == layouts.COMPRESSED
     ]
     members: dict[Any, list[int]] = {}
     for i, shape in enumerate(shapes):
@@ -209,46 +210,34 @@ def _split(vector: jax.Array, sizes: list[int]) -> list[jax.Array]:
     return [vector[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
-def _leaves_of(tree: Any, layout: buckets.Layout, kind: str) -> list[jax.Array]:
+def _leaves_of(tree: Any, layout: layouts.Layout, kind: str) -> list[jax.Array]:
     return [leaf for leaf, g in zip(jax.tree.leaves(tree), layout.groups, strict=True) if g == kind]
 
 
-def _batches(tree: Any, plan: Plan) -> list[jax.Array]:
-    """The low-rank leaves as float32 ``(B, n, m)`` batches, one per group."""
-    lows = _leaves_of(tree, plan.layout, buckets.COMPRESSED)
+def _stack(plan: Plan, leaves: list[jax.Array], shape_of) -> list[jax.Array]:
+    """Per-leaf arrays (low-rank leaves, in order) as float32 batches, one per group."""
     return [
-        jnp.stack([lows[i].reshape(g.n, g.m).astype(jnp.float32) for i in g.members])
+        jnp.stack([leaves[i].reshape(shape_of(g)).astype(jnp.float32) for i in g.members])
         for g in plan.groups
     ]
 
 
-def _assemble(tree: Any, plan: Plan, batches: list[jax.Array], plain: jax.Array) -> Any:
-    """Output tree: low-rank leaves from their batches, plain leaves from their vector, each
-    in its own dtype; passthrough leaves as they were."""
-    layout = plan.layout
-    lows = {
-        i: b[j] for g, b in zip(plan.groups, batches, strict=True) for j, i in enumerate(g.members)
-    }
-    plains = iter(_split(plain, plan._plain_sizes))
-    out, low = [], 0
-    for leaf, g, shape, dtype in zip(
-        jax.tree.leaves(tree), layout.groups, layout.shapes, layout.dtypes, strict=True
-    ):
-        if g == buckets.COMPRESSED:
-            out.append(lows[low].reshape(shape).astype(dtype))
-            low += 1
-        elif g == buckets.PLAIN:
-            out.append(next(plains).reshape(shape).astype(dtype))
-        else:
-            out.append(leaf)
-    return jax.tree.unflatten(layout.treedef, out)
+def _unstack(plan: Plan, batches: list[jax.Array]) -> list[jax.Array]:
+    """Inverse of :func:`_stack`: per-leaf arrays (low-rank leaves, in order)."""
+    out: list[Any] = [None] * sum(g.batch for g in plan.groups)
+    for g, b in zip(plan.groups, batches, strict=True):
+        for j, i in enumerate(g.members):
+            out[i] = b[j]
+    return out
 
 
-def _random_q(plan: Plan, key: jax.Array) -> tuple[jax.Array, ...]:
-    return tuple(
+def _random_q(plan: Plan, key: jax.Array) -> list[jax.Array]:
+    """A random ``(m, r)`` start for every low-rank leaf (drawn per group)."""
+    batches = [
         jax.random.normal(jax.random.fold_in(key, i), (g.batch, g.m, g.rank), jnp.float32)
         for i, g in enumerate(plan.groups)
-    )
+    ]
+    return _unstack(plan, batches)
 
 
 def _orthogonalize_groups(plan: Plan, ps: list[jax.Array], epsilon: float) -> list[jax.Array]:
@@ -466,56 +455,83 @@ def powersgd(
             batch_same_shape=batch_same_shape,
         )
 
+    def fields(p: Plan, key: jax.Array) -> dict[str, Any]:
+        layout = p.layout
+        some = bool(p.groups)
+        return {
+            "error": skeleton.zeros_like_compressed(layout) if some and error_feedback else None,
+            "q": layouts.like_compressed(layout, _random_q(p, key))
+            if some and warm_start
+            else None,
+        }
+
     def init_fn(params):
-        p = plan(params)
         key, q_key = jax.random.split(jax.random.PRNGKey(seed))
-        error = tuple(jnp.zeros((g.batch, g.n, g.m), jnp.float32) for g in p.groups)
-        return PowerSGDState(
-            error=error if error_feedback else (),
-            q=_random_q(p, q_key) if warm_start else (),
-            key=key,
-            count=jnp.zeros([], jnp.int32),
-        )
+        return PowerSGDState(key=key, count=jnp.zeros([], jnp.int32), **fields(plan(params), q_key))
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        buckets.check_like_params(updates, params, "powersgd")
-        n_dev = collectives.axis_size(axis_name)
-        collectives.check_inner_axis(axis_name, inner_axis_name)
+        n_dev = skeleton.begin("powersgd", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
         p = plan(updates)
-        _check_state(state, p, warm_start, error_feedback)
+        skeleton.check_fields(
+            "powersgd", state, jax.eval_shape(lambda: fields(p, jax.random.PRNGKey(0)))
+        )
         key, step_key = jax.random.split(state.key)
-        plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, buckets.PLAIN)])
-        ms = _batches(updates, p)
+        plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, layouts.PLAIN)])
+        lows = _leaves_of(updates, p.layout, layouts.COMPRESSED)
         if error_feedback:
-            ms = [m + e for m, e in zip(ms, state.error, strict=True)]
+            lows = [
+                g.astype(jnp.float32) + e[0]
+                for g, e in zip(lows, layouts.field_leaves(state.error), strict=True)
+            ]
+        ms = _stack(p, lows, lambda g: (g.n, g.m))
+        q_old = (
+            _stack(p, layouts.field_leaves(state.q), lambda g: (g.m, g.rank)) if warm_start else []
+        )
 
         def warmup(_):
             total = jax.lax.psum(jnp.concatenate([plain, _flat(ms)]), axis_name) / n_dev
             means = _split(total[plain.shape[0] :], [m.size for m in ms])
             means = [a.reshape(m.shape) for a, m in zip(means, ms, strict=True)]
-            return means, ms, total[: plain.shape[0]], state.q, collectives.local_nonfinite(total)
+            return means, ms, total[: plain.shape[0]], tuple(q_old), collectives.local_nonfinite(total)
 
         def compress(_):
-            q = state.q if warm_start else _random_q(p, step_key)
+            q = q_old if warm_start else _stack(p, _random_q(p, step_key), lambda g: (g.m, g.rank))
             return _two_rounds(p, ms, plain, q, axis_name, n_dev, warm_start, epsilon)
 
         if not p.groups:
             means, shares = [], []
             plain_mean = jax.lax.psum(plain, axis_name) / n_dev
-            q, bad = state.q, collectives.local_nonfinite(plain_mean)
+            q, bad = q_old, collectives.local_nonfinite(plain_mean)
         elif start_step == 0:
             means, shares, plain_mean, q, bad = compress(None)
         else:
             means, shares, plain_mean, q, bad = jax.lax.cond(
                 state.count < start_step, warmup, compress, None
             )
-        error = tuple(m - s for m, s in zip(ms, shares, strict=True)) if error_feedback else ()
-        new_state = PowerSGDState(error=error, q=q, key=key, count=state.count + 1)
-        new_state = jax.tree.map(lambda old, new: jnp.where(bad, old, new), state, new_state)
-        means = [collectives.poison(m, bad) for m in means]
-        return _assemble(updates, p, means, collectives.poison(plain_mean, bad)), new_state
+        low_shapes = [
+            s
+            for s, g in zip(p.layout.shapes, p.layout.groups, strict=True)
+            if g == layouts.COMPRESSED
+        ]
+        errors = [(m - s) for m, s in zip(_unstack(p, ms), _unstack(p, shares), strict=True)]
+        new_state = PowerSGDState(
+            error=layouts.like_compressed(
+                p.layout, [e.reshape(1, *s) for e, s in zip(errors, low_shapes, strict=True)]
+            )
+            if error_feedback and p.groups
+            else state.error,
+            q=layouts.like_compressed(p.layout, _unstack(p, list(q)))
+            if warm_start and p.groups
+            else state.q,
+            key=key,
+            count=state.count + 1,
+        )
+        new_state = skeleton.freeze(bad, state, new_state)
+        outs = [collectives.poison(m, bad).reshape(-1) for m in _unstack(p, means)]
+        plains = _split(collectives.poison(plain_mean, bad), p._plain_sizes)
+        return layouts.assemble(updates, p.layout, outs, plains), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -526,20 +542,3 @@ def _check_nonnegative(name: str, value: Any) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"`{name}` must be >= 0 and finite, got {value}")
     return float(value)
-
-
-def _check_state(state: PowerSGDState, plan: Plan, warm_start: bool, error_feedback: bool) -> None:
-    expected = {
-        "error": [(g.batch, g.n, g.m) for g in plan.groups] if error_feedback else [],
-        "q": [(g.batch, g.m, g.rank) for g in plan.groups] if warm_start else [],
-    }
-    for field, shapes in expected.items():
-        got = [tuple(a.shape) for a in getattr(state, field)]
-        if got != shapes:
-            raise ValueError(
-                f"powersgd state field `{field}` has shapes {got} but these gradients need "
-                f"{shapes}. Was the state initialized for other params, or split wrongly over "
-                "devices? Under shard_map, initialize with jc.sharded_init(tx, params, mesh, "
-                "axis_name) and use jc.state_specs(state, axis_name) as its specs; under pmap, "
-                "give every state leaf a leading device axis."
-            )

@@ -138,6 +138,45 @@ def fed_dgc(state: Any, g: dict, previous: dict, params: dict) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
+# Arguments each factory must refuse at construction, naming them: (argument, bad value).
+ALLREDUCE_ERRORS = (
+    ("min_size", -1),
+    ("strategy", "ring"),
+    ("error_feedback", "momentum"),
+    ("granularity", "bucket"),
+    ("seed", -1),
+    ("server_feedback", "yes"),
+    ("worker_momentum", 1.0),
+)
+DGC_ERRORS = (
+    ("ratio", 0.0),
+    ("ratio", 1.5),
+    ("axis_name", None),
+    ("momentum", 1.0),
+    ("nesterov", 1),
+    ("momentum_masking", 1),
+    ("clip_norm", 0.0),
+    ("warmup_steps", -1),
+    ("sample_ratio", 1.5),
+    ("min_size", -1),
+    ("strategy", "allreduce"),
+    ("strategy", "ring"),
+    ("seed", -1),
+)
+POWERSGD_ERRORS = (
+    ("rank", 0),
+    ("rank", 2.0),
+    ("start_step", -1),
+    ("min_size", -1),
+    ("min_compression_rate", float("nan")),
+    ("orthogonalization_epsilon", -1e-8),
+    ("orthogonalization_epsilon", 1.0),
+    ("warm_start", 1),
+    ("error_feedback", 1),
+    ("seed", -1),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One transform under test.
@@ -156,14 +195,15 @@ class Row:
     fed: Callable[..., dict] = fed_mean
     compressed: tuple[str, ...] = ("w", "v")  # output leaves that a bad step must poison
     atol: float = 2e-5
-    bad: tuple[tuple[str, Any], ...] = (("min_size", -1), ("strategy", "ring"))
+    bad: tuple[tuple[str, Any], ...] = ALLREDUCE_ERRORS
     inner_axis: str | None = None  # hierarchical: a 2 x 4 mesh ("data", inner_axis)
     skip: tuple[tuple[str, str], ...] = ()  # (contract item, why it does not apply)
 
-    def build(self, axis_name: Any = "data", **overrides) -> optax.GradientTransformation:
+    def build(self, **overrides) -> optax.GradientTransformation:
+        overrides.setdefault("axis_name", "data")
         if self.inner_axis is not None:
             overrides.setdefault("inner_axis_name", self.inner_axis)
-        return self.make(axis_name=axis_name, **overrides)
+        return self.make(**overrides)
 
     def skip_reason(self, item: str) -> str | None:
         return dict(self.skip).get(item)
@@ -173,49 +213,44 @@ def allreduce(codec, **kw):
     return functools.partial(jc.compressed_allreduce, codec=codec, **kw)
 
 
-CODEC_ERRORS = (("min_size", -1), ("strategy", "ring"), ("error_feedback", "momentum"))
 NO_BYTES_WIN = "the all-gather of int8 payloads from 8 devices sends more than pmean"
 
 ROWS = [
-    Row("sign-allgather", allreduce(jc.sign(), strategy="allgather"), bad=CODEC_ERRORS),
-    Row("sign-two_phase", allreduce(jc.sign(), strategy="two_phase"), bad=CODEC_ERRORS),
-    Row("sign-auto", allreduce(jc.sign(), strategy="auto"), bad=CODEC_ERRORS),
+    Row("sign-allgather", allreduce(jc.sign(), strategy="allgather")),
+    Row("sign-two_phase", allreduce(jc.sign(), strategy="two_phase")),
+    Row("sign-auto", allreduce(jc.sign(), strategy="auto")),
     Row(
         "signsgd-majority_vote",
         allreduce(jc.sign(None), strategy="majority_vote"),
         memory=(),
         law="majority vote keeps no error feedback: the vote is not a mean of what was sent",
-        bad=(("strategy", "ring"), ("error_feedback", "ef21")),
+        bad=(("error_feedback", "ef21"), ("min_size", -1), ("worker_momentum", -0.5)),
     ),
-    Row("int8-auto", allreduce(jc.int_quant(8), strategy="auto"), bad=CODEC_ERRORS),
+    Row("int8-auto", allreduce(jc.int_quant(8), strategy="auto")),
     Row(
         "fp16-allreduce",
         allreduce(jc.cast("fp16"), strategy="allreduce", error_feedback="residual"),
         # A summable fp16 payload is also *added* in fp16 inside the psum: that rounding
         # (~2^-11 of the running sum) happens in the network, where no memory can see it.
         atol=5e-3,
-        bad=CODEC_ERRORS,
     ),
-    Row("topk-allgather", allreduce(jc.top_k(0.01), strategy="allgather"), bad=CODEC_ERRORS),
-    Row("topk-two_phase", allreduce(jc.top_k(0.01), strategy="two_phase"), bad=CODEC_ERRORS),
+    Row("topk-allgather", allreduce(jc.top_k(0.01), strategy="allgather")),
+    Row("topk-two_phase", allreduce(jc.top_k(0.01), strategy="two_phase")),
     Row(
         "int8-ef21",
         allreduce(jc.int_quant(8), error_feedback="ef21"),
         law="ef21",
-        bad=CODEC_ERRORS,
     ),
     Row(
         "sign-worker_momentum",
         allreduce(jc.sign(), worker_momentum=BETA),
         memory=("memory",),
         fed=fed_worker_momentum,
-        bad=(("worker_momentum", 1.0), ("min_size", -1)),
     ),
     Row(
         "sign-hierarchical",
         allreduce(jc.sign(), strategy="two_phase"),
         inner_axis="local",
-        bad=CODEC_ERRORS,
         skip=(("pmap", "the transform needs two axes, and jax.pmap does not nest"),),
     ),
     Row(
@@ -224,7 +259,7 @@ ROWS = [
         memory=("accumulation",),
         fed=fed_dgc,
         compressed=("w",),
-        bad=(("ratio", 0.0), ("momentum", 1.0), ("strategy", "allreduce")),
+        bad=DGC_ERRORS,
     ),
     Row(
         "dgc-two_phase",
@@ -232,21 +267,21 @@ ROWS = [
         memory=("accumulation",),
         fed=fed_dgc,
         compressed=("w",),
-        bad=(("ratio", 1.5), ("min_size", -1), ("strategy", "ring")),
+        bad=DGC_ERRORS,
     ),
     Row(
         "powersgd-start0",
         functools.partial(jc.powersgd, rank=4, start_step=0),
         memory=("error",),
         compressed=("w",),
-        bad=(("rank", 0), ("start_step", -1), ("min_size", -1)),
+        bad=POWERSGD_ERRORS,
     ),
     Row(
         "powersgd-start2",
         functools.partial(jc.powersgd, rank=4, start_step=2),
         memory=("error",),
         compressed=("w",),
-        bad=(("rank", 2.0), ("orthogonalization_epsilon", -1.0)),
+        bad=POWERSGD_ERRORS,
         skip=(
             (
                 "bytes",
@@ -424,8 +459,9 @@ def test_error_feedback_conserves_the_gradient(row):
 def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
     b = built(row.id)
     _, states = trajectory(row.id)
-    before = states[2]
-    g = grads(2)
+    # After one step (a warm-up step of powersgd-start2) and after two.
+    t = 1 if where == "nan-w" else 2
+    before, g = states[t], grads(t)
     if where == "nan-w":
         g["w"][3, 5, 7] = np.nan  # one device, a compressed leaf
     else:
@@ -452,41 +488,41 @@ def test_state_specs_sharded_init_and_zero_gradient(row):
     state, specs = b.state0, b.specs
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     assert jax.tree.structure(state) == jax.tree.structure(specs, is_leaf=is_spec)
-    ours = jaxcomp_state(state)
-    ours_specs = jaxcomp_state(specs)
-    per_device = [
-        (leaf, spec)
-        for field in type(ours).PER_DEVICE_FIELDS
-        for leaf, spec in zip(
-            jax.tree.leaves(getattr(ours, field)),
-            jax.tree.leaves(getattr(ours_specs, field), is_leaf=is_spec),
-            strict=True,
-        )
-    ]
-    assert bool(per_device) == bool(row.memory)
-    for leaf, spec in per_device:
-        assert spec[0] == b.axes, spec  # sharded over the data axis (or both, hierarchical)
-        assert leaf.shape[0] % N == 0
-        shard_shape = leaf.sharding.shard_shape(leaf.shape)
-        assert shard_shape == (leaf.shape[0] // N, *leaf.shape[1:])
-    for leaf, spec in zip(
-        jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
-    ):
+    pairs = list(zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True))
+    for leaf, spec in pairs:
         assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+    # The per-device fields of jaxcomp states, and only they, are sharded over the data axis
+    # (both axes, hierarchical): device i holds row block i. Keys, counts, replicated
+    # estimates and the follower's state are replicated.
+    per_device = [(leaf, spec) for leaf, spec in pairs if spec != P()]
+    memories = [
+        leaf
+        for node in jax.tree.leaves(state, is_leaf=is_jaxcomp)
+        if is_jaxcomp(node)
+        for field in type(node).PER_DEVICE_FIELDS
+        for leaf in jax.tree.leaves(getattr(node, field))
+    ]
+    assert len(per_device) == len(memories) and bool(memories) == bool(row.memory)
+    for leaf, spec in per_device:
+        assert spec[0] == b.axes, spec
+        assert leaf.sharding.shard_shape(leaf.shape) == (leaf.shape[0] // N, *leaf.shape[1:])
 
-    # A zero gradient from a fresh state: exactly zero out, nothing non-finite anywhere, and
-    # the jitted shard_map step hands the state back with the same specs.
+    # A zero gradient from a fresh state: exactly zero out, zero memories, nothing non-finite,
+    # and the jitted shard_map step hands the state back with the same specs.
     zero = {k: np.zeros((N, *s), np.float32) for k, s in SHAPES.items()}
-    out, update, new_state = b.step(zero, state)
+    out, _, new_state = b.step(zero, state)
     for k, a in out.items():
         assert not np.asarray(a).any(), k
     for leaf in jax.tree.leaves(new_state):
         assert np.isfinite(np.asarray(leaf, np.float32)).all()
-    for leaf, spec in zip(
-        jax.tree.leaves(new_state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
-    ):
-        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    new_pairs = zip(
+        jax.tree.leaves(new_state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
+    )
+    for leaf, spec in new_pairs:
+        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+        if spec != P():
+            assert not np.asarray(leaf).any()
 
 
 # --------------------------------------------------------------------------- 4. orbax
@@ -591,7 +627,7 @@ def test_bad_arguments_name_the_argument(row, case):
     b = built(row.id)
     g = b.put(grads(0))
     if case == "unbound_axis":
-        tx = row.build("model")  # no such axis in the mesh
+        tx = row.build(axis_name="model")  # no such axis in the mesh
         with pytest.raises(ValueError, match="axis_name"):
             b.make_step(tx, b.specs).trace(g, b.state0, b.params)
     elif case == "gradient_tree":

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src.powersgd import (
-    PowerSGDState,
     compression_rate,
     matrix_view,
     orthogonalize,
@@ -111,26 +110,6 @@ def test_plan_groups_and_filters():
     assert matrix_view((3, 3, 16, 32)) == (144, 32)
     assert compression_rate((512, 2048), 4) == pytest.approx(102.4)
     assert compression_rate((3, 5), 8) == pytest.approx(15 / 8 / 3)  # rank clamped to 3
-
-
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="`rank`"):
-        powersgd(0, "data")
-    with pytest.raises(TypeError, match="`rank`"):
-        powersgd(2.0, "data")
-    with pytest.raises(ValueError, match="`start_step`"):
-        powersgd(2, "data", start_step=-1)
-    with pytest.raises(ValueError, match="`orthogonalization_epsilon`"):
-        powersgd(2, "data", orthogonalization_epsilon=-1e-8)
-    with pytest.raises(ValueError, match="`min_compression_rate`"):
-        powersgd(2, "data", min_compression_rate=float("nan"))
-
-
-def test_unbound_axis_is_a_clear_error():
-    tx = powersgd(2, "data")
-    params = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
-    with pytest.raises(ValueError, match="'data' is not bound"):
-        jax.eval_shape(tx.update, params, jax.eval_shape(tx.init, params))
 
 
 def test_orthogonalize_numerics():
@@ -253,15 +232,14 @@ def shared_grads(seed, **overrides):
     return put(out)
 
 
-def test_warmup_then_compression_and_conservation():
-    """start_step steps of exact pmean (memory stays zero), then compression; nothing lost."""
+def test_warmup_then_compression():
+    """start_step steps of exact pmean (memory stays zero), then compression (conservation:
+    tests/test_contract.py)."""
     step, state = shared()
-    fed = applied = 0.0
-    for t in range(6):
+    for t in range(4):
         grads = shared_grads(10 + t)
         g = np.asarray(grads["w"])
         out, state = step(grads, state)
-        fed, applied = fed + g.mean(0), applied + np.asarray(out["w"])
         if t < 2:
             np.testing.assert_allclose(out["w"], g.mean(0), rtol=1e-5, atol=1e-6)
             assert not any(np.asarray(e).any() for e in state.error)
@@ -273,8 +251,6 @@ def test_warmup_then_compression_and_conservation():
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), grads), 2, min_size=1
     )
     assert [(g.n, g.m) for g in plan.groups] == [(64, 48), (96, 16), (64, 40)]
-    memory = np.asarray(state.error[2]).mean(0)
-    assert np.abs(applied + memory - fed).max() < 1e-4
     # The compiled step holds both branches of the warm-up switch: 2 + 1 all-reduces.
     report = jc.comm_report(step, grads, state)  # the cached executable
     assert report.count == 3
@@ -283,7 +259,7 @@ def test_warmup_then_compression_and_conservation():
     assert sizes == sorted([plan.q_size, plan.p_size + 48, d + 48]), sizes
 
 
-def test_zero_bf16_and_nonfinite_gradients():
+def test_zero_leaf_and_half_precision_leaves():
     step, state = shared()
     zero = np.zeros((N, 32, 3, 16), np.float32)
     for t in range(3):  # a warm-up step, then compressed steps
@@ -296,22 +272,6 @@ def test_zero_bf16_and_nonfinite_gradients():
             "b": jnp.float16,
         }
         assert not np.asarray(out["v"]).any()  # zero gradient -> zero, not NaN
-    # One NaN on one device: NaN output everywhere, the whole state unchanged; in a
-    # compressed step and in a warm-up step.
-    bad = np.array(shared_grads(23)["w"])
-    bad[3, 5, 7] = np.nan
-    for before in (state, shared()[1]):
-        out_bad, after = step(shared_grads(23, w=bad), before)
-        assert all(np.isnan(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(out_bad))
-        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
-            np.testing.assert_array_equal(a, b)
-    # An inf in a plain leaf poisons the low-rank leaves too.
-    b = np.ones((N, 48), np.float16)
-    b[0, 0] = np.inf
-    out_inf, state_inf = step(shared_grads(24, b=b), state)
-    assert np.isnan(np.asarray(out_inf["h"], np.float32)).all()
-    for before, after in zip(state.error, state_inf.error, strict=True):
-        np.testing.assert_array_equal(before, after)
 
 
 def test_cold_start_and_no_error_feedback_state():
@@ -326,27 +286,6 @@ def test_cold_start_and_no_error_feedback_state():
     # A fresh random Q each step still captures a rank-2 matrix exactly.
     assert rel(out1["w"], target) < 1e-5 and rel(out2["w"], target) < 1e-5
     assert int(state.count) == 2
-
-
-def test_pmap_matches_shard_map():
-    """Under jax.pmap every state leaf carries a leading device axis; same numbers."""
-    step, state0 = shared()
-    tx = powersgd(2, "data", start_step=2, min_size=1)
-    pstate = jc.replicate(jax.device_get(state0), N)
-    # Per-device fields: the shard_map state already holds one slice per device.
-    pstate = pstate._replace(
-        error=tuple(np.asarray(e).reshape(N, -1, *e.shape[1:]) for e in state0.error)
-    )
-    pstep = Blocking(jax.pmap(lambda g, s: tx.update(g, s), axis_name="data"))
-    state = state0
-    for t in range(3):
-        grads = shared_grads(30 + t)
-        out, state = step(grads, state)
-        pout, pstate = pstep(jax.device_get(grads), pstate)
-        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(pout), strict=True):
-            np.testing.assert_allclose(
-                np.asarray(b[0], np.float32), np.asarray(a, np.float32), rtol=1e-5, atol=1e-6
-            )
 
 
 def test_vmap_workers_match_shard_map():
@@ -367,34 +306,6 @@ def test_vmap_workers_match_shard_map():
             np.testing.assert_allclose(
                 np.asarray(b, np.float32), stacked(np.asarray(a, np.float32)), rtol=1e-5, atol=1e-6
             )
-
-
-def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
-    import orbax.checkpoint as ocp
-
-    step, state0 = shared()
-
-    def run(state, ts):
-        outs = []
-        for t in ts:
-            out, state = step(shared_grads(100 + t), state)
-            outs.append(out)
-        return outs, state
-
-    straight, final = run(state0, range(6))
-    _, mid = run(state0, range(3))
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "state", mid)
-    ckpt.wait_until_finished()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, mid)
-    restored = ckpt.restore(tmp_path / "state", abstract)
-    assert isinstance(restored, PowerSGDState)
-    assert restored.error[0].sharding.is_equivalent_to(mid.error[0].sharding, 3)
-    resumed, final2 = run(restored, range(3, 6))
-    for a, b in zip(jax.tree.leaves(straight[3:]), jax.tree.leaves(resumed), strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(final2), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 # --------------------------------------------------------------------------- wire bytes

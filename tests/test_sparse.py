@@ -15,7 +15,7 @@ from jaxcomp._src.codecs import sparse
 from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
 from jaxcomp._src.collectives import pmean, strategy_bytes
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
-from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.dgc import dgc
 from jaxcomp._src.sharding import sharded_init, state_specs
 
 KEY = jax.random.PRNGKey(0)
@@ -325,7 +325,6 @@ def test_random_k_indices_shared_across_devices(mesh):
         (lambda: top_k(0.1, approx="yes"), "approx"),
         (lambda: top_k(0.1, approx=1), "approx"),
         (lambda: top_k(0.1, approx="sample", sample_ratio=0.0), "sample_ratio"),
-        (lambda: dgc(0.01, "data", sample_ratio=1.5), "sample_ratio"),
         (lambda: top_k(0.1, values="int4"), "values"),
         (lambda: random_k(-0.1), "ratio"),
         (lambda: random_k(0.1, values="fp8"), "values"),
@@ -333,16 +332,7 @@ def test_random_k_indices_shared_across_devices(mesh):
         (lambda: threshold(-1.0, 10), "tau"),
         (lambda: threshold(0.1, 0), "capacity"),
         (lambda: threshold(0.1, 2.5), "capacity"),
-        (lambda: dgc(0.0, "data"), "ratio"),
-        (lambda: dgc(0.01), "axis_name"),
-        (lambda: dgc(0.01, "data", momentum=1.0), "momentum"),
-        (lambda: dgc(0.01, "data", clip_norm=0.0), "clip_norm"),
-        (lambda: dgc(0.01, "data", warmup_steps=-1), "warmup_steps"),
         (lambda: dgc(0.01, "data", warmup_steps=5, warmup_schedule=(0.5, 1.0)), "warmup_sched"),
-        (lambda: dgc(0.01, "data", strategy="allreduce"), "strategy"),
-        (lambda: dgc(0.01, "data", strategy="ring"), "strategy"),
-        (lambda: dgc(0.01, "data", min_size=-1), "min_size"),
-        (lambda: dgc(0.01, "data", momentum_masking=1), "momentum_masking"),
     ],
 )
 def test_bad_arguments_name_the_argument(make, arg):
@@ -375,34 +365,6 @@ def _update_fn(tx, params, mesh):
 
 def _stack(grads, mesh):
     return jax.tree.map(lambda a: put(np.asarray(a, np.float32), mesh), grads)
-
-
-def _assert_same(a, b):
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
-
-
-@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
-def test_top_k_error_feedback_conserves_gradient_mass(mesh, strategy):
-    params = {"w": jnp.zeros((40, 50))}
-    tx = compressed_allreduce(top_k(0.02), "data", strategy=strategy, min_size=1)
-    f, state = _update_fn(tx, params, mesh)
-    fed, applied = 0.0, 0.0
-    for t in range(6):
-        g = normal(N, 40, 50, seed=t) + 0.3
-        out, state = f(_stack({"w": g}, mesh), state)
-        out = np.asarray(out["w"])
-        fed, applied = fed + g.mean(0), applied + out
-        assert np.sum(out != 0) <= N * sparse.count_for(0.02, 2000)
-    memory = np.asarray(state.memory).reshape(N, 40, 50).mean(0)
-    has_server = state.server_residual is not None and state.server_residual.size
-    server = np.asarray(state.server_residual).reshape(N, 40, 50).sum(0) if has_server else 0.0
-    err = np.max(np.abs(applied + memory + server - fed))
-    assert err < 1e-4, err
-    # An inf on one device: NaN everywhere, and the memory stays as it was.
-    g[3, 0, 0] = np.inf
-    out, new_state = f(_stack({"w": g}, mesh), state)
-    assert np.all(np.isnan(np.asarray(out["w"])))
-    _assert_same(new_state, state)
 
 
 def _dgc_reference(grads, biases, ratio, momentum, clip):
@@ -461,7 +423,7 @@ def test_dgc_at_full_density_without_masking_is_nesterov_sgd(mesh):
             np.testing.assert_allclose(out[name], ref[name], rtol=1e-5, atol=1e-6)
 
 
-def test_dgc_warmup_zero_and_nonfinite(mesh):
+def test_dgc_warmup_schedule(mesh):
     params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}
     d = 64 * 64
     tx = dgc(0.001, "data", momentum=0.0, warmup_steps=4, warmup_schedule=(0.75, 0.99), min_size=1)
@@ -480,13 +442,6 @@ def test_dgc_warmup_zero_and_nonfinite(mesh):
     for nz, k in zip(nonzeros, per_stage, strict=True):
         assert k <= nz <= N * k, (nonzeros, per_stage)
     assert nonzeros[0] > 4 * nonzeros[1] and nonzeros[1] > 4 * nonzeros[3]
-    # NaN on one device (compressed leaf) or in a 1-D plain leaf: NaN out, state kept.
-    for where in ("w", "b"):
-        bad = {name: np.array(a) for name, a in g.items()}
-        bad[where][(3,) + (0,) * (bad[where].ndim - 1)] = np.nan
-        out, new_state = f(_stack(bad, mesh), state)
-        assert np.all(np.isnan(np.asarray(out["w"]))), where
-        _assert_same(new_state, state)
 
 
 def test_dgc_sampled_selection_conserves_gradient_mass(mesh):
@@ -518,28 +473,6 @@ def test_dgc_without_compressed_leaves(mesh):
     for name in ("b", "w"):
         np.testing.assert_allclose(out[name], 1.5 * g[name].mean(0), rtol=1e-5, atol=1e-6)
     assert state.velocity is None and state.accumulation is None  # nothing to save
-
-
-def test_dgc_state_specs_and_sharded_init(mesh):
-    params = {"w": jnp.zeros((32, 64)), "b": jnp.zeros((64,)), "small": jnp.zeros((4, 4))}
-    tx = optax.chain(dgc(0.01, "data", min_size=100, strategy="two_phase"), optax.sgd(0.1))
-    f, state = _update_fn(tx, params, mesh)
-    specs = state_specs(state, "data")
-    dgc_state, dgc_specs = state[0], specs[0]
-    assert isinstance(dgc_state, DGCState)
-    assert dgc_specs.velocity == P("data") and dgc_specs.accumulation == P("data")
-    assert dgc_specs.server_residual == P("data")
-    assert dgc_specs.momentum == P() and dgc_specs.key == P() and dgc_specs.count == P()
-    d, p = 32 * 64, 64 + 16  # the (4, 4) leaf is below min_size: plain, with momentum
-    assert dgc_state.velocity.shape == (N * d,) and dgc_state.momentum.shape == (p,)
-    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
-    grads = _stack(jax.tree.map(lambda a: np.ones((N, *a.shape)), params), mesh)
-    out, new_state = f(grads, state)
-    assert int(new_state[0].count) == 1 and out["w"].shape == (32, 64)
-    # A state built for other params is refused with a clear message (at trace time).
-    other = jax.eval_shape(tx.init, {**params, "w": jnp.zeros((16, 64))})
-    with pytest.raises(ValueError, match="dgc state field `velocity`"):
-        f.trace(grads, _abstract(other, state_specs(other, "data"), mesh))
 
 
 # --------------------------------------------------------------------------- wire bytes

@@ -548,7 +548,7 @@ def main(argv=None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()
     rows = []
     try:
         try:
@@ -571,6 +571,8 @@ def main(argv=None) -> int:
         "num_processes": args.num_processes,
         "tbf": " ".join(TBF),
         "warmup_steps": WARMUP_STEPS,
+        # other work on the host skews timings: the 1-minute load before and after
+        "loadavg": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "torch_rows": not args.no_torch and not args.no_step,
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,

@@ -1,0 +1,219 @@
+"""The hot path in copies of the gradient: one ``tx.update`` on one device, no network.
+
+On one CPU device (a 1-device mesh, axis ``"data"``, inside ``jax.shard_map``) one jitted
+``tx.update`` of ``jc.compressed_allreduce(codec, "data", error_feedback="residual")`` on
+the gradient tree of the 25.2M-parameter MLP of ``common.py`` (1024-4096-4096-1024), the
+gradient and the state donated and each call's output fed to the next, against a jitted
+scale-and-copy of the same tree (``jax.tree.map(lambda g: g * 1.0001, grads)``, donated)
+timed in the same run: ``copies = update_ms / copy_ms``. No bytes travel on one device, so
+this is what encoding, decoding and the error-feedback memory cost: the floor is about
+1.5-2 copies (read the gradient and the memory, write the memory and the output).
+
+Rows: sign, int8, fp16 with residual feedback (the issue-14 target: <= 4 copies), top-k 1%
+(approximate) with residual feedback, ``jc.powersgd(4, "data", start_step=0)``, sign without
+feedback, and plain ``jax.lax.pmean`` of the tree. The state is built with
+``jc.sharded_init`` and its specs from ``jc.state_specs``, so the script does not depend on
+the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after ``--warmup``,
+each blocked until ready; the copy is timed before and after the rows (its samples pooled).
+Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
+
+    python benchmarks/hot_path.py --label before     # hot_path_before.json
+    python benchmarks/hot_path.py                    # hot_path.json
+    python benchmarks/hot_path.py --quick            # a 1.6M-param MLP, 3 rows (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+AXIS = "data"
+QUICK_MLP = (256, 1024, 1024, 256)
+# name -> (codec name or "powersgd4" / "pmean", error feedback)
+ROWS = {
+    "sign": ("sign", "residual"),
+    "int8": ("int8", "residual"),
+    "fp16": ("fp16", "residual"),
+    "topk1%": ("topk1%", "residual"),
+    "powersgd4": ("powersgd4", "residual"),
+    "sign (no feedback)": ("sign", None),
+    "pmean": ("pmean", None),
+}
+QUICK_ROWS = ["sign", "int8", "sign (no feedback)"]
+TARGET_COPIES = 4.0  # issue 14: sign, int8, fp16 with error feedback
+
+
+def timed(fn, args, reps: int, warmup: int, const=()) -> list[float]:
+    """Milliseconds of ``reps`` calls ``fn(*args, *const)`` after ``warmup``; each call's
+    output is the next ``args`` (they are donated), each blocked until ready."""
+    import jax
+
+    for _ in range(warmup):
+        args = jax.block_until_ready(fn(*args, *const))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        args = jax.block_until_ready(fn(*args, *const))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def run(sizes, names, reps: int, warmup: int) -> dict:
+    import warnings
+
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), (AXIS,), axis_types=(AxisType.Explicit,))
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(common.mlp_params(sizes), replicated)
+    n_params = sum(int(a.size) for a in jax.tree.leaves(params))
+
+    def fresh_grads():
+        key = jax.random.PRNGKey(1)
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(key, len(leaves))
+        make = jax.jit(
+            lambda ks: jax.tree.unflatten(
+                treedef,
+                [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(ks, leaves, strict=True)],
+            ),
+            out_shardings=replicated,
+        )
+        return make(keys)
+
+    copy = jax.jit(lambda g: (jax.tree.map(lambda x: x * 1.0001, g),), donate_argnums=0)
+
+    def copy_times():
+        return timed(copy, (fresh_grads(),), reps, warmup)
+
+    copy_ms = copy_times()
+    rows = []
+    for name in names:
+        what, feedback = ROWS[name]
+        if what == "pmean":
+            tx = None
+        elif what.startswith("powersgd"):
+            tx = jc.powersgd(int(what[len("powersgd") :]), AXIS, start_step=0)
+        else:
+            tx = jc.compressed_allreduce(common.make_codec(what), AXIS, error_feedback=feedback)
+        t_start = time.perf_counter()
+        if tx is None:
+            state, specs = (), ()
+
+            def body(g, s, p):
+                return jax.lax.pmean(jax.lax.pcast(g, AXIS, to="varying"), AXIS), s
+
+        else:
+            state = jc.sharded_init(tx, params, mesh, AXIS)
+            specs = jc.state_specs(state, AXIS)
+
+            def body(g, s, p, tx=tx):
+                return tx.update(jax.lax.pcast(g, AXIS, to="varying"), s, p)
+
+        update = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), specs)),
+            donate_argnums=(0, 1),
+        )
+        times = timed(update, (fresh_grads(), state), reps, warmup, const=(params,))
+        row = {
+            "name": name,
+            "codec": what,
+            "error_feedback": feedback,
+            "update_ms": statistics.median(times),
+            "update_min_ms": min(times),
+            "times_ms": [round(t, 3) for t in times],
+            "seconds": round(time.perf_counter() - t_start, 1),
+        }
+        rows.append(row)
+        print(f"{name:20s} {row['update_ms']:9.1f} ms", flush=True)
+        del update, state
+    copy_ms += copy_times()
+    copy_median = statistics.median(copy_ms)
+    for row in rows:
+        row["copies"] = row["update_ms"] / copy_median
+    return {
+        "params": n_params,
+        "leaves": len(jax.tree.leaves(params)),
+        "mlp": list(sizes),
+        "copy_ms": copy_median,
+        "copy_times_ms": [round(t, 3) for t in copy_ms],
+        "reps": reps,
+        "warmup": warmup,
+        "target_copies": TARGET_COPIES,
+        "rows": rows,
+    }
+
+
+def draw(data: dict, path) -> None:
+    import numpy as np
+
+    rows = data["rows"]
+
+    def one(ax):
+        names = [r["name"] for r in rows]
+        vals = [r["copies"] for r in rows]
+        ax.bar(np.arange(len(names)), vals, color="tab:blue")
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.axhline(TARGET_COPIES, color="tab:red", linestyle="--", label="target (4 copies)")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("one tx.update, in copies of the gradient tree")
+        ax.legend()
+
+    label = f" ({data['label']})" if data.get("label") else ""
+    title = (
+        f"Hot path on one {data['environment']['device']} device{label}: "
+        f"{data['params'] / 1e6:.1f}M params, copy {data['copy_ms']:.1f} ms"
+    )
+    common.plot(path, one, title)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a 1.6M-param MLP, 3 rows")
+    ap.add_argument("--rows", nargs="+", default=None, choices=list(ROWS), metavar="ROW")
+    ap.add_argument("--reps", type=int, default=7, help="timed calls per row (at least 7)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
+    ap.add_argument("--label", default=None, help="write hot_path_LABEL.json (e.g. before)")
+    args = ap.parse_args(argv)
+    if args.reps < 7 and not args.quick:
+        ap.error("--reps must be at least 7 (or use --quick)")
+    names = args.rows or (QUICK_ROWS if args.quick else list(ROWS))
+    sizes = QUICK_MLP if args.quick else common.MLP
+
+    import jaxcomp.cpu
+
+    jaxcomp.cpu.use_cpu_devices(1)
+    data = run(sizes, names, args.reps, args.warmup)
+    data = {
+        "environment": common.environment(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
+        "label": args.label,
+        **data,
+    }
+    print(f"\ncopy of the tree: {data['copy_ms']:.2f} ms ({data['params'] / 1e6:.1f}M params)")
+    for r in data["rows"]:
+        print(f"{r['name']:20s} {r['update_ms']:9.1f} ms {r['copies']:7.1f} copies")
+    name = "hot_path" + (f"_{args.label}" if args.label else "")
+    common.write_json(common.result_path(name, args.quick), data)
+    draw(data, common.result_path(name, args.quick, "png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,17 +1,27 @@
-# make demo  -- train a small Flax model data-parallel on 8 CPU devices, with and without compression
-# make test  -- create .venv, install pinned dependencies, run the test suite
-# make docs  -- build the documentation into site/ (mkdocs-material + mkdocstrings, --strict)
+# make demo         -- train a small Flax model data-parallel on 8 CPU devices, with and without compression
+# make test         -- create .venv, install the pinned test environment, run the test suite
+#                      (and its smoke subset again at XLA's default CPU optimization level)
+# make docs         -- build the documentation into site/ (mkdocs-material + mkdocstrings, --strict)
+# make dist         -- build the sdist and the wheel into dist/
+# make smoke-wheel  -- install the wheel into a fresh venv (no lock) and run the README quickstart
+# make bench        -- the wire-bytes benchmark (every benchmark: python -m benchmarks.NAME --help)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The wheel's smoke test runs on the newest Python found (pip then resolves the newest jax for
+# it); pyenv's shims of versions that are not selected fail to run, hence the check.
+SMOKE_PYTHON ?= $(shell for p in python3.14 python3.13 python3.12 \
+	$$(ls -d $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -rV) $(PYTHON); \
+	do $$p -c 'import sys; print(sys.executable)' 2>/dev/null && break; done)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SMOKE_VENV := build/smoke-venv
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test test-smoke-opt lint bench docs dist smoke-wheel clean
 
 $(STAMP): pyproject.toml requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs]'
+	$(BIN)/python -m pip install -q -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs,dist]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,16 +29,32 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
+	$(MAKE) test-smoke-opt
+
+# The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py): the smoke
+# subset runs again at XLA's default level, the code users run.
+test-smoke-opt: $(STAMP)
+	JAXCOMP_XLA_OPT_DEFAULT=1 $(BIN)/python -m pytest -q -n 2 -m smoke tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxcomp tests examples benchmarks
-	$(BIN)/ruff format --check jaxcomp tests examples benchmarks
+	$(BIN)/ruff check jaxcomp tests examples benchmarks docs/hooks
+	$(BIN)/ruff format --check jaxcomp tests examples benchmarks docs/hooks
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/wire_bytes.py
+	$(BIN)/python -m benchmarks.wire_bytes
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+
+smoke-wheel: dist
+	rm -rf $(SMOKE_VENV)
+	$(SMOKE_PYTHON) -m venv $(SMOKE_VENV)
+	$(SMOKE_VENV)/bin/python -m pip install -q dist/jaxcomp-*.whl
+	$(SMOKE_VENV)/bin/python tests/readme_quickstart.py --installed
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist

@@ -14,8 +14,10 @@ _FLAGS = (
 # a third and the whole suite on 2 cores from 589 s to 506 s (runs of many steps get
 # slower). The HLO (what is tested: collectives, fusions, bytes on the wire) is optimized as
 # usual; only the CPU machine code is not. Tests' subprocesses inherit it. Set the flag
-# yourself to override.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# yourself to override. JAXCOMP_XLA_OPT_DEFAULT=1 keeps XLA's default level, the code users
+# run: `make test` runs the tests marked `smoke` (tests/test_smoke.py) again that way.
+OPT_DEFAULT = os.environ.get("JAXCOMP_XLA_OPT_DEFAULT", "") not in ("", "0")
+if not OPT_DEFAULT and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     _FLAGS += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
 

@@ -109,7 +109,7 @@ def _wire_bytes(data: dict[str, Any], path: pathlib.Path) -> str:
             out.append(f"**{tree}**, strategy `auto`, saving against n:")
             body = [[f"`{c}`", *(saving(c, "auto", n).split(" ")[0] for n in ns)] for c in codecs]
             out.append(_markdown((["codec", *(f"n = {n}" for n in ns)], body)))
-    out.append(_source(path, data, "python benchmarks/wire_bytes.py"))
+    out.append(_source(path, data, "python -m benchmarks.wire_bytes"))
     return "\n\n".join(out)
 
 
@@ -133,7 +133,7 @@ def _sparse_wire_bytes(data: list[dict[str, Any]], path: pathlib.Path) -> str:
         "(bytes per device per step)."
     )
     table = _markdown((["method", *(f"n = {n}" for n in ns)], body))
-    return f"{head}\n\n{table}\n\n" + _source(path, data, "python benchmarks/topk_speed.py")
+    return f"{head}\n\n{table}\n\n" + _source(path, data, "python -m benchmarks.topk_speed")
 
 
 # ------------------------------------------------------------------------ topk_speed
@@ -169,7 +169,7 @@ def _topk_speed(data: dict[str, Any], path: pathlib.Path) -> str:
     )
     header = ["method", *(f"ratio {r['ratio']} (k = {_fmt(r['k'])})" for r in runs)]
     table = _markdown((header, body))
-    return f"{head}\n\n{table}\n\n" + _source(path, data, "python benchmarks/topk_speed.py")
+    return f"{head}\n\n{table}\n\n" + _source(path, data, "python -m benchmarks.topk_speed")
 
 
 # ------------------------------------------------------------- powersgd_convergence
@@ -222,7 +222,7 @@ def _powersgd(data: dict[str, Any], path: pathlib.Path) -> str:
             f"\n\nDigits MLP ({digits['steps']} steps, {digits['optimizer']}): test accuracy "
             f"{digits['none']:.4f} uncompressed, {digits['rank_4']:.4f} with rank 4."
         )
-    return out + "\n\n" + _source(path, data, "python benchmarks/powersgd_convergence.py")
+    return out + "\n\n" + _source(path, data, "python -m benchmarks.powersgd_convergence")
 
 
 # ----------------------------------------------------------------------- codec_speed
@@ -247,7 +247,7 @@ def _codec_speed(data: dict[str, Any], path: pathlib.Path) -> str:
     )
     header = ["codec", "compression", *(f"d = {_fmt(s)}" for s in sizes)]
     return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
-        path, data, "python benchmarks/codec_speed.py"
+        path, data, "python -m benchmarks.codec_speed"
     )
 
 
@@ -272,7 +272,7 @@ def _gpu_step(data: dict[str, Any], path: pathlib.Path) -> str:
     )
     header = ["codec", "strategy", "error feedback", "step ms", "vs pmean"]
     return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
-        path, data, "python benchmarks/gpu_step.py"
+        path, data, "python -m benchmarks.gpu_step"
     )
 
 
@@ -308,7 +308,7 @@ def _network(data: dict[str, Any], path: pathlib.Path) -> str:
         "encode + decode on one device; link ms = the time the bytes need at the shaped rate."
     )
     return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
-        path, data, "sudo python benchmarks/network.py"
+        path, data, "sudo python -m benchmarks.network"
     )
 
 
@@ -356,19 +356,19 @@ def _generic(data: Any, path: pathlib.Path) -> str:
         text = _markdown((["key", "value"], [[k, _fmt(v)] for k, v in scalars.items()]))
     else:
         text = f"`{json.dumps(data)[:200]}`"
-    command = f"python benchmarks/{path.stem.removesuffix('_quick')}.py"
+    command = f"python -m benchmarks.{path.stem.removesuffix('_quick')}"
     return f"{text}\n\n" + _source(path, data, command)
 
 
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
-    "wire_bytes": (_wire_bytes, "python benchmarks/wire_bytes.py"),
-    "sparse_wire_bytes": (_sparse_wire_bytes, "python benchmarks/topk_speed.py"),
-    "topk_speed": (_topk_speed, "python benchmarks/topk_speed.py"),
-    "codec_speed": (_codec_speed, "python benchmarks/codec_speed.py"),
-    "network": (_network, "sudo python benchmarks/network.py"),
-    "gpu_step": (_gpu_step, "python benchmarks/gpu_step.py"),
-    "powersgd_convergence": (_powersgd, "python benchmarks/powersgd_convergence.py"),
-    "powersgd_convergence_sgd": (_powersgd, "python benchmarks/powersgd_convergence.py"),
+    "wire_bytes": (_wire_bytes, "python -m benchmarks.wire_bytes"),
+    "sparse_wire_bytes": (_sparse_wire_bytes, "python -m benchmarks.topk_speed"),
+    "topk_speed": (_topk_speed, "python -m benchmarks.topk_speed"),
+    "codec_speed": (_codec_speed, "python -m benchmarks.codec_speed"),
+    "network": (_network, "sudo python -m benchmarks.network"),
+    "gpu_step": (_gpu_step, "python -m benchmarks.gpu_step"),
+    "powersgd_convergence": (_powersgd, "python -m benchmarks.powersgd_convergence"),
+    "powersgd_convergence_sgd": (_powersgd, "python -m benchmarks.powersgd_convergence"),
 }
 
 
@@ -380,7 +380,7 @@ def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str]:
     variants = [k for k in RENDERERS if name.startswith(k + "_")]
     if variants:
         return RENDERERS[max(variants, key=len)]
-    return _generic, f"python benchmarks/{name}.py"
+    return _generic, f"python -m benchmarks.{name}"
 
 
 def render(name: str) -> str:

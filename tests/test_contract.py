@@ -48,7 +48,7 @@ DGC_MOMENTUM = 0.9  # jc.dgc's default
 # ``accumulation``, ``error``) are pytrees like the params, None where a leaf is not
 # compressed; a compressed leaf's global array is (n, *param.shape), row i on device i. The
 # two-phase server residual holds only the chunk a device owns: global (n, ceil(size / n)),
-# whose flattening is the leaf's whole server residual.
+# whose flattening is the leaf's whole server residual (hierarchically: see server_per_leaf).
 
 
 def is_jaxcomp(node: Any) -> bool:
@@ -81,16 +81,22 @@ def replicated_per_leaf(field: Any, params: dict) -> dict:
     raise AssertionError(f"replicated field is not shaped like the params: {type(field)}")
 
 
-def server_per_leaf(field: Any, params: dict) -> dict:
-    """The two-phase server residual, each leaf's owned chunks joined: {name: (*shape)}."""
-    if isinstance(field, dict):
-        out = {}
-        for k, p in params.items():
-            chunks = field.get(k)
-            flat = None if chunks is None else np.asarray(chunks, np.float64).reshape(-1)
-            out[k] = None if flat is None else flat[: p.size].reshape(p.shape)
-        return out
-    raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
+def server_per_leaf(field: Any, params: dict, hosts: int = N) -> dict:
+    """The two-phase server residual, each leaf's owned chunks joined: {name: (*shape)}.
+
+    Hierarchically (``hosts`` x ``N // hosts`` devices, host-major) device ``(h, l)`` owns
+    part ``h`` of chunk ``l`` of the inner reduce-scatter: the chunks join inner-major.
+    """
+    if not isinstance(field, dict):
+        raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
+    out = {}
+    for k, p in params.items():
+        if field.get(k) is None:
+            out[k] = None
+            continue
+        chunks = np.asarray(field[k], np.float64).reshape(hosts, N // hosts, -1)
+        out[k] = chunks.transpose(1, 0, 2).reshape(-1)[: p.size].reshape(p.shape)
+    return out
 
 
 def held_back(row: Row, state: Any, params: dict) -> dict:
@@ -103,7 +109,7 @@ def held_back(row: Row, state: Any, params: dict) -> dict:
                 total[k] += m.mean(0)
     server = getattr(ours, "server_residual", None)
     if server is not None:
-        for k, s in server_per_leaf(server, params).items():
+        for k, s in server_per_leaf(server, params, row.hosts).items():
             if s is not None:
                 total[k] += s
     return total
@@ -205,6 +211,11 @@ class Row:
             overrides.setdefault("inner_axis_name", self.inner_axis)
         return self.make(**overrides)
 
+    @property
+    def hosts(self) -> int:
+        """Devices on the (slow) data axis: N, or 2 of a hierarchical 2 x 4 mesh."""
+        return N if self.inner_axis is None else 2
+
     def skip_reason(self, item: str) -> str | None:
         return dict(self.skip).get(item)
 
@@ -301,7 +312,9 @@ def mesh_of(row: Row) -> tuple[jax.sharding.Mesh, Any]:
     if row.inner_axis is None:
         m = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
         return m, "data"
-    m = jax.make_mesh((2, N // 2), ("data", row.inner_axis), axis_types=(AxisType.Explicit,) * 2)
+    m = jax.make_mesh(
+        (row.hosts, N // row.hosts), ("data", row.inner_axis), axis_types=(AxisType.Explicit,) * 2
+    )
     return m, ("data", row.inner_axis)
 
 
@@ -424,7 +437,7 @@ def test_error_feedback_conserves_the_gradient(row):
         devices = per_leaf(ours.memory, p)
         estimate = replicated_per_leaf(ours.estimate, p)
         server = getattr(ours, "server_residual", None)
-        server = {} if server is None else server_per_leaf(server, p)
+        server = {} if server is None else server_per_leaf(server, p, row.hosts)
         for k in row.compressed:
             np.testing.assert_allclose(outs[-1][k][0], estimate[k], rtol=1e-6, atol=1e-7)
             held = estimate[k] + (0.0 if server.get(k) is None else server[k])

@@ -1,5 +1,5 @@
 """compressed_allreduce beyond the contract suite (tests/test_contract.py): EF21 with identity,
-an unsharded state, bytes against pmean per codec and strategy, trees of small leaves only."""
+bytes against pmean per codec and strategy, trees of small leaves only."""
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +38,6 @@ def test_ef21_with_identity_is_exact_and_none_has_no_memory():
         np.testing.assert_allclose(out["w"], g["w"].mean(0), atol=1e-5)
     _, state = make_step(jc.compressed_allreduce(jc.qsgd(), "data"))
     assert state.memory is None  # "auto": unbiased codec, no residual
-
-
-def test_unsharded_state_is_a_clear_error():
-    # tx.init's state (not jc.sharded_init's) split by shard_map: each device gets 1/8 of it.
-    tx = jc.compressed_allreduce(jc.sign(), "data", min_size=1)
-    state = tx.init({"w": jnp.zeros((64, 64))})
-    specs = jc.state_specs(state, "data")
-    f = per_device(lambda g, s: tx.update({"w": g[0]}, s), (P("data"), specs), (P(), specs))
-    state = jax.tree.map(lambda a, sp: shard(a, spec=sp), state, specs)
-    with pytest.raises(ValueError, match="sharded_init"):
-        f(shard(stacked_normal(0, (64, 64))), state)
 
 
 # --------------------------------------------------------------------------- wire bytes

@@ -190,8 +190,10 @@ class Row:
     ``make(axis_name=..., **overrides)`` builds it; ``memory`` names the per-device fields that
     hold back what was not sent (the server residual is read when present); ``law`` is the
     conservation law: ``"sum"`` (``sum_t out_t + held == sum_t fed_t``, ``fed`` as given),
-    ``"ef21"`` (the output is the global estimate, the mean of the devices' estimates) or a
-    string saying why there is none. ``bad`` maps an argument to a value ``make`` must refuse.
+    ``"ef21"`` (the output is the global estimate; the devices' estimates average to it plus
+    the server residual) or a sentence saying why there is none. ``bad`` lists (argument,
+    value) pairs ``make`` must refuse; ``skip`` (item, reason) pairs where an item does not
+    apply. A new transform is one more Row in :data:`ROWS`.
     """
 
     id: str
@@ -224,8 +226,6 @@ def allreduce(codec, **kw):
     return functools.partial(jc.compressed_allreduce, codec=codec, **kw)
 
 
-NO_BYTES_WIN = "the all-gather of int8 payloads from 8 devices sends more than pmean"
-
 ROWS = [
     Row("sign-allgather", allreduce(jc.sign(), strategy="allgather")),
     Row("sign-two_phase", allreduce(jc.sign(), strategy="two_phase")),
@@ -255,7 +255,6 @@ ROWS = [
     Row(
         "sign-worker_momentum",
         allreduce(jc.sign(), worker_momentum=BETA),
-        memory=("memory",),
         fed=fed_worker_momentum,
     ),
     Row(

@@ -78,6 +78,7 @@ with neither the number of leaves nor the number of devices.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -163,15 +164,19 @@ def check_inner_axis(axis_name: Any, inner_axis_name: Any) -> None:
 def local_nonfinite(arrays: Any) -> jax.Array:
     """True when any entry of the floating arrays in ``arrays`` (a pytree) is NaN or inf.
 
-    ``sum(x * 0)`` is NaN exactly when ``x`` holds a NaN or an inf, and a sum of zeros never
-    overflows: one reduction, half the time of ``all(isfinite(x))`` on XLA:CPU.
+    float32: ``sum(x * 0)`` is NaN exactly when ``x`` holds a NaN or an inf, and a sum of
+    zeros never overflows: one reduction, about half the time of ``all(isfinite(x))`` on
+    XLA:CPU. Narrower floats (an fp16 payload): ``all(isfinite(x))``, which reads them as
+    they are (the sum would first write them out widened to float32).
     """
-    zeros = [
-        jnp.sum(a * jnp.zeros([], a.dtype), dtype=jnp.float32)
+    flags = [
+        jnp.isnan(jnp.sum(a * jnp.zeros([], a.dtype)))
+        if a.dtype == jnp.float32
+        else ~jnp.all(jnp.isfinite(a))
         for a in jax.tree.leaves(arrays)
         if jnp.issubdtype(a.dtype, jnp.floating) and a.size
     ]
-    return jnp.isnan(sum(zeros, jnp.float32(0)))
+    return functools.reduce(jnp.logical_or, flags, jnp.bool_(False))
 
 
 def any_nonfinite(tree: Any, axis_name: Any) -> jax.Array:
@@ -225,6 +230,10 @@ def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> list:
     )
 
 
+def _floats(tree: Any) -> list[jax.Array]:
+    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+
 def _encode(xs, keys, ctx):
     """One payload per segment (allreduce, allgather, majority_vote)."""
     return [ctx.codec.encode(x, k) for x, k in zip(xs, keys, strict=True)]
@@ -235,24 +244,36 @@ def _sent(payloads, xs, codec):
     return [codec.decode(p, x.shape[0]) for p, x in zip(payloads, xs, strict=True)]
 
 
-def _allreduce(xs, payloads, ctx, fill, servers):
-    codec = ctx.codec
+# Each strategy is three steps: encode (per segment), exchange (the collectives; returns what
+# decoding needs and the floating arrays that every device now holds, from which a
+# ``flags_nonfinite`` codec's non-finite flag is read at no extra pass), decode (into the
+# mean, with ``fill`` NaN when the step is not finite).
+
+
+def _allreduce_exchange(payloads, ctx, servers):
     summed = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
+    return summed, _floats(summed)
+
+
+def _allreduce_decode(xs, payloads, summed, ctx, fill):
     mean = [
-        scaled(codec.decode(s, x.shape[0]), 1.0 / ctx.n, fill)
+        scaled(ctx.codec.decode(s, x.shape[0]), 1.0 / ctx.n, fill)
         for s, x in zip(summed, xs, strict=True)
     ]
-    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+    return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
 
 
-def _allgather(xs, payloads, ctx, fill, servers):
-    codec = ctx.codec
+def _allgather_exchange(payloads, ctx, servers):
     gathered = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
+    return gathered, _floats(gathered)
+
+
+def _allgather_decode(xs, payloads, gathered, ctx, fill):
     mean = [
-        codec.decode_sum(g, x.shape[0], scale=1.0 / ctx.n, fill=fill)
+        ctx.codec.decode_sum(g, x.shape[0], scale=1.0 / ctx.n, fill=fill)
         for g, x in zip(gathered, xs, strict=True)
     ]
-    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+    return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
 
 
 def _place(chunk: jax.Array, index: jax.Array, size: int, d: int) -> jax.Array:
@@ -276,15 +297,16 @@ def _encode_two_phase(xs, keys, ctx):
     return out
 
 
-def _two_phase(xs, payloads, ctx, fill, servers):
-    """Chunk, encode, all_to_all, decode+sum the owned chunk, re-encode, all_gather.
+def _two_phase_exchange(payloads, ctx, servers):
+    """all_to_all the rows, decode+sum the owned chunk, re-encode it, all_gather.
 
-    Device ``i`` owns chunk ``i`` of every segment; it keeps that chunk's re-encoding error
-    (its server residual, ``f32[c]``) and adds it before the next re-encoding.
+    Device ``i`` owns chunk ``i`` of every segment; it adds the chunk's server residual
+    (``f32[c]``, what it could not send last time) before re-encoding, and keeps the new
+    re-encoding error. A non-finite row anywhere makes the owner's re-encoding non-finite,
+    so the gathered payloads carry the flag to every device.
     """
     codec, n, axis = ctx.codec, ctx.n, ctx.axis_name
-    cs = [ceil_div(x.shape[0], n) for x in xs]
-    sent = [codec.decode_rows(p, c)[: x.shape[0]] for p, c, x in zip(payloads, cs, xs, strict=True)]
+    cs = [ceil_div(d, n) for d in ctx.sizes]
     # Row j of a received payload is device j's encoding of the chunk this device owns.
     received = buckets.exchange(
         payloads,
@@ -304,10 +326,17 @@ def _two_phase(xs, payloads, ctx, fill, servers):
     ]
     own_error = [o - codec.decode(p, c) for o, p, c in zip(own, own_payloads, cs, strict=True)]
     gathered = _gather(own_payloads, axis, ctx.bucket_bytes)
+    return (gathered, own_error, cs), _floats(gathered)
+
+
+def _two_phase_decode(xs, payloads, exchanged, ctx, fill):
+    gathered, own_error, cs = exchanged
+    codec = ctx.codec
     mean = [
         scaled(codec.decode_rows(g, c)[: x.shape[0]], 1.0, fill)
         for g, c, x in zip(gathered, cs, xs, strict=True)
     ]
+    sent = [codec.decode_rows(p, c)[: x.shape[0]] for p, c, x in zip(payloads, cs, xs, strict=True)]
     return mean, sent, own_error
 
 
@@ -318,7 +347,7 @@ def _vote_counts(received: jax.Array) -> jax.Array:
     return jnp.sum(bits.astype(jnp.int32), axis=0)
 
 
-def _majority_vote(xs, payloads, ctx, fill, servers):
+def _vote_exchange(payloads, ctx, servers):
     """signSGD with majority vote, two-phase: bits travel both ways, the vote is an integer count.
 
     Device ``i`` packs the signs of ``x_i`` (32 per uint32 word), splits the words in ``n``
@@ -329,10 +358,9 @@ def _majority_vote(xs, payloads, ctx, fill, servers):
     the scales: ``scale="mean"``, mean ``|x|``; ``scale=None``, 1, or 0 when every device has
     a zero block, so a zero gradient gives zero).
     """
-    codec, n, axis = ctx.codec, ctx.n, ctx.axis_name
-    words = [w for w, _ in payloads]
+    n, axis = ctx.n, ctx.axis_name
     received = buckets.exchange(
-        [_rows(w, n) for w in words],
+        [_rows(w, n) for w, _ in payloads],
         lambda b: jax.lax.all_to_all(b, axis, 0, 0, tiled=False),
         lead=1,
         bucket_bytes=ctx.bucket_bytes,
@@ -348,11 +376,16 @@ def _majority_vote(xs, payloads, ctx, fill, servers):
     scales = buckets.exchange(
         [s for _, s in payloads], lambda b: jax.lax.psum(b, axis), bucket_bytes=ctx.bucket_bytes
     )
+    return (voted, scales), scales
+
+
+def _vote_decode(xs, payloads, exchanged, ctx, fill):
+    voted, scales = exchanged
     mean = [
-        scaled(codec.decode((v.reshape(-1)[: w.shape[0]], s / n), x.shape[0]), 1.0, fill)
-        for v, w, s, x in zip(voted, words, scales, xs, strict=True)
+        scaled(ctx.codec.decode((v.reshape(-1)[: w.shape[0]], s / ctx.n), x.shape[0]), 1.0, fill)
+        for v, (w, _), s, x in zip(voted, payloads, scales, xs, strict=True)
     ]
-    return mean, _sent(payloads, xs, codec), [None] * len(xs)
+    return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
 
 
 class _Context(NamedTuple):
@@ -362,24 +395,25 @@ class _Context(NamedTuple):
     axis_name: Any
     n: int
     bucket_bytes: int
-    keys: list  # per segment of the group being finished: the step key of the segment
+    keys: list  # per segment of the group: the segment's step key (per device)
+    sizes: list  # per segment of the group: its number of floats
 
 
-#: strategy -> (encode: what the non-finite flag is read from, finish: the exchange)
+#: strategy -> (encode, exchange, decode)
 _STRATEGIES = {
-    "allreduce": (_encode, _allreduce),
-    "allgather": (_encode, _allgather),
-    "two_phase": (_encode_two_phase, _two_phase),
-    "majority_vote": (_encode, _majority_vote),
+    "allreduce": (_encode, _allreduce_exchange, _allreduce_decode),
+    "allgather": (_encode, _allgather_exchange, _allgather_decode),
+    "two_phase": (_encode_two_phase, _two_phase_exchange, _two_phase_decode),
+    "majority_vote": (_encode, _vote_exchange, _vote_decode),
 }
 _ORDER = tuple(_STRATEGIES)
 
 
-def _reduce_flat(segments, axis_name, codec, strategy, key, servers, every_axis, extra_bad, bb):
+def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
-    Every group is encoded first, so that one scalar psum of the non-finite flag (from the
-    payloads, or from the inputs for codecs that do not carry it) precedes every decode.
+    Returns the :class:`Reduced` and whether its non-finite flag still needs a psum over
+    the devices (``flags_nonfinite`` codecs read it from what every device received).
     """
     n = axis_size(axis_name)
     chosen = [choose_strategy(codec, s.shape[0], n, strategy) for s in segments]
@@ -389,25 +423,30 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, every_axis,
     ]
     groups = []
     for name in sorted(set(chosen), key=_ORDER.index):
+        encode, exchange, decode = _STRATEGIES[name]
         idx = [i for i, c in enumerate(chosen) if c == name]
-        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx])
         xs = [segments[i] for i in idx]
-        payloads = _STRATEGIES[name][0](xs, ctx.keys, ctx)
-        groups.append((name, idx, ctx, xs, payloads))
-    local = local_nonfinite([g[4] for g in groups] if codec.flags_nonfinite else segments)
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], [x.shape[0] for x in xs])
+        payloads = encode(xs, ctx.keys, ctx)
+        srv = [None if servers is None else servers[i] for i in idx]
+        exchanged, held = exchange(payloads, ctx, srv)
+        groups.append((decode, idx, ctx, xs, payloads, exchanged, held))
+    if codec.flags_nonfinite:
+        local, shared = local_nonfinite([g[6] for g in groups]), True
+    else:
+        local, shared = local_nonfinite(segments), False
     if extra_bad is not None:
         local = local | extra_bad
-    bad = jax.lax.psum(local.astype(jnp.int32), every_axis) > 0
-    fill = jnp.where(bad, jnp.nan, 0.0)
+    fill_bad = local if shared else jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
+    fill = jnp.where(fill_bad, jnp.nan, 0.0)
     mean: list = [None] * len(segments)
     sent: list = [None] * len(segments)
     server: list = [None] * len(segments)
-    for name, idx, ctx, xs, payloads in groups:
-        srv = [None if servers is None else servers[i] for i in idx]
-        m, s, r = _STRATEGIES[name][1](xs, payloads, ctx, fill, srv)
+    for decode, idx, ctx, xs, payloads, exchanged, _ in groups:
+        m, s, r = decode(xs, payloads, exchanged, ctx, fill)
         for j, i in enumerate(idx):
             mean[i], sent[i], server[i] = m[j], s[j], r[j]
-    return Reduced(mean, sent, server, bad)
+    return Reduced(mean, sent, server, fill_bad)
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
@@ -418,7 +457,8 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     What the codec drops, ``e_{h,l} = y_{h,l} - C(y_{h,l})``, is returned as this device's
     residual: ``sent = x - L * e_{h,l}`` (placed at chunk ``l``), so residual error feedback
     adds ``L e_{h,l}`` to the device's next input and the next reduce-scatter hands exactly
-    ``e_{h,l}`` back to the chunk it came from.
+    ``e_{h,l}`` back to the chunk it came from. The non-finite flag of the outer reduction
+    covers chunk ``l`` only: one scalar psum over the inner axis shares it.
     """
     n_inner = axis_size(inner_axis_name)
     li = jax.lax.axis_index(inner_axis_name)
@@ -430,19 +470,20 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     )
     parts = [p / n_inner for p in parts]
     inner_key = None if key is None else jax.random.fold_in(key, li)
-    every = axis_names(axis_name, inner_axis_name)
-    r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, every, extra, bb)
+    r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, extra, bb)
+    bad = jax.lax.psum(r.bad.astype(jnp.int32), inner_axis_name) > 0
     gathered = buckets.exchange(
         r.mean,
         lambda b: jax.lax.all_gather(b, inner_axis_name, to="invarying"),
         bucket_bytes=bb,
     )
-    mean = [g.reshape(-1)[: x.shape[0]] for g, x in zip(gathered, segments, strict=True)]
+    fill = jnp.where(bad, jnp.nan, 0.0)
+    mean = [g.reshape(-1)[: x.shape[0]] + fill for g, x in zip(gathered, segments, strict=True)]
     sent = [
         x - n_inner * _place(p - s, li, n_inner * p.shape[0], x.shape[0])
         for x, p, s in zip(segments, parts, r.sent, strict=True)
     ]
-    return Reduced(mean, sent, r.server, r.bad)
+    return Reduced(mean, sent, r.server, bad)
 
 
 def server_size(d: int, n: int, n_inner: int = 1) -> int:
@@ -468,17 +509,17 @@ def reduce_segments(
     phase. ``key`` is the step's key, the same on every device; each segment folds in its
     index and per-device noise is derived here. ``servers`` (two_phase): per segment, the
     owned chunk's residual ``f32[c]`` added before re-encoding (None: zeros). ``extra_bad``:
-    this device's non-finite flag of inputs that are not segments (plain leaves); the flag of
-    all devices is psum-ed once and poisons every mean (NaN), at no extra pass.
+    a non-finite flag of other inputs, identical on every device (read from the plain
+    leaves' means). ``Reduced.bad`` is the step's flag, identical on every device; it
+    poisons every mean (NaN). Codecs that ``flags_nonfinite`` read it from the payloads every
+    device received (no pass over the input, no extra collective); the others from their
+    input, with one scalar psum.
     """
     if not segments:
-        bad = jnp.bool_(False) if extra_bad is None else extra_bad
-        every = axis_names(axis_name, inner_axis_name)
-        return Reduced([], [], [], jax.lax.psum(bad.astype(jnp.int32), every) > 0)
+        return Reduced([], [], [], jnp.bool_(False) if extra_bad is None else extra_bad)
     if inner_axis_name is None:
-        every = axis_names(axis_name)
         return _reduce_flat(
-            segments, axis_name, codec, strategy, key, servers, every, extra_bad, bucket_bytes
+            segments, axis_name, codec, strategy, key, servers, extra_bad, bucket_bytes
         )
     return _hierarchical(
         segments,
@@ -653,7 +694,7 @@ def pmean(
     layout = layouts.layout_of(tree, min_size)
     xs = layouts.compressed_vectors(tree, layout)
     plan = segments_for([x.shape[0] for x in xs], granularity)
-    plain = layouts.leaves_of(tree, layout, layouts.PLAIN)
+    plain = plain_mean(layouts.leaves_of(tree, layout, layouts.PLAIN), every_axis, bucket_bytes)
     reduced = reduce_segments(
         plan.split(xs),
         axis_name,
@@ -662,11 +703,11 @@ def pmean(
         key,
         None,
         inner_axis_name,
-        local_nonfinite(plain) if plain else None,
+        local_nonfinite(plain) if plain else None,  # means: the same on every device
         bucket_bytes,
     )
     means = plan.join(reduced.mean) if xs else []
-    return layouts.assemble(tree, layout, means, plain_mean(plain, every_axis, bucket_bytes))
+    return layouts.assemble(tree, layout, means, plain)
 
 
 def psum(

@@ -204,7 +204,9 @@ def compressed_allreduce(
         layout = layouts.layout_of(updates, min_size, mask)
         skeleton.check_fields("compressed_allreduce", state, jax.eval_shape(lambda: fields(layout)))
         grads = layouts.compressed_vectors(updates, layout)
-        plain, plain_bad = skeleton.plain_leaves(updates, layout)
+        plain_out, plain_bad = skeleton.plain_means(
+            layouts.leaves_of(updates, layout, layouts.PLAIN), every_axis, bucket_bytes
+        )
         kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
 
@@ -250,7 +252,6 @@ def compressed_allreduce(
             momentum=state.momentum if momentum is None else skeleton.like_state(layout, momentum),
         )
         new_state = skeleton.freeze(reduced.bad, state, new_state)
-        plain_out = collectives.plain_mean(plain, every_axis, bucket_bytes)
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

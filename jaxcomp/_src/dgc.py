@@ -236,8 +236,7 @@ def dgc(
         layout = layouts.layout_of(updates, min_size, _matrix_mask)
         skeleton.check_fields("dgc", state, jax.eval_shape(lambda: fields(layout)))
         g = layouts.compressed_vectors(updates, layout)
-        plain, plain_bad = skeleton.plain_leaves(updates, layout)
-        p = [a.astype(jnp.float32) for a in plain]
+        p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
         if clip_norm is not None:
             norm = jnp.sqrt(sum(jnp.sum(a * a) for a in g + p))
@@ -256,6 +255,7 @@ def dgc(
             u = [momentum * w + a for w, a in zip(velocity, g, strict=True)]
             v = [acc + uu for acc, uu in zip(accumulation, u, strict=True)]
 
+        plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         key, step_key = jax.random.split(state.key)
         plan = collectives.segments_for([a.shape[0] for a in v], "leaf")
         owned = chunks(layout) if g else None
@@ -280,7 +280,6 @@ def dgc(
                 stage, [reduce_with(c) for c in codecs], servers
             )
 
-        plain_mean = collectives.plain_mean(p, axis_name, buckets.BUCKET_BYTES)
         traces = [
             momentum * t + m
             for t, m in zip(layouts.field_leaves(state.momentum), plain_mean, strict=True)

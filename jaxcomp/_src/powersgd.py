@@ -494,7 +494,13 @@ def powersgd(
             total = jax.lax.psum(jnp.concatenate([plain, _flat(ms)]), axis_name) / n_dev
             means = _split(total[plain.shape[0] :], [m.size for m in ms])
             means = [a.reshape(m.shape) for a, m in zip(means, ms, strict=True)]
-            return means, ms, total[: plain.shape[0]], tuple(q_old), collectives.local_nonfinite(total)
+            return (
+                means,
+                ms,
+                total[: plain.shape[0]],
+                tuple(q_old),
+                collectives.local_nonfinite(total),
+            )
 
         def compress(_):
             q = q_old if warm_start else _stack(p, _random_q(p, step_key), lambda g: (g.m, g.rank))

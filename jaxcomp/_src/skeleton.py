@@ -101,7 +101,10 @@ def freeze(bad: jax.Array, old: Any, new: Any) -> Any:
     return jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
 
 
-def plain_leaves(updates: Any, layout: layouts.Layout) -> tuple[list[jax.Array], Any]:
-    """The plain leaves and this device's non-finite flag of them (None if there are none)."""
-    plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
-    return plain, (collectives.local_nonfinite(plain) if plain else None)
+def plain_means(
+    leaves: list[jax.Array], axis_name: Any, bucket_bytes: int
+) -> tuple[list[jax.Array], Any]:
+    """The plain (uncompressed) leaves averaged with float32 ``pmean`` (bucketed), and the
+    non-finite flag of those means: identical on every device (None if there are none)."""
+    means = collectives.plain_mean(leaves, axis_name, bucket_bytes)
+    return means, (collectives.local_nonfinite(means) if means else None)

@@ -26,8 +26,8 @@ congestion, hierarchy (NVLink inside a host) and gloo/NCCL protocol overheads â€
 benchmark measures those. Writes ``benchmarks/results/alpha_beta.json`` and
 ``alpha_beta.png``::
 
-    python benchmarks/alpha_beta.py
-    python benchmarks/alpha_beta.py --codec-scale 0.02 --name alpha_beta_gpu_scaled
+    python -m benchmarks.alpha_beta
+    python -m benchmarks.alpha_beta --codec-scale 0.02 --name alpha_beta_gpu_scaled
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ import argparse
 import json
 import sys
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
+from benchmarks import common
 
 BANDWIDTHS = {"1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8, "100 Gbit/s": 100e9 / 8}
 DEVICES = [8, 16, 32, 64, 128, 256, 512, 1024]
@@ -64,7 +63,7 @@ def codec_costs(path=None) -> tuple[dict[str, tuple[float, float]], str]:
             }
             env = data["environment"]
             return costs, f"{p.name} ({env['backend']}, {env['device']})"
-    raise FileNotFoundError("run benchmarks/codec_speed.py first (no codec_speed JSON)")
+    raise FileNotFoundError("run python -m benchmarks.codec_speed first (no codec_speed JSON)")
 
 
 def codec_seconds(strategy: str, enc: float, dec: float, d: float, n: int) -> float:

@@ -5,30 +5,18 @@ The text is ``pydoc_data.topics.topics`` (the help() pages shipped with CPython,
 English and code): no download. Bytes are the vocabulary (256). The model is a small
 pre-norm Flax NNX transformer: 2 layers, d_model 128, 4 heads, context 64.
 
-Run it on 8 CPU devices (or whatever accelerators are there)::
+The model, data and data-parallel step of the convergence benchmarks
+(``benchmarks.powersgd_convergence``, the ``char`` task of ``benchmarks.convergence``). Run on
+its own it trains on 8 CPU devices (or whatever accelerators are there)::
 
-    python examples/char_transformer.py --steps 300
+    python -m benchmarks.char_transformer --steps 300
 
 Both runs use the same seed, the same batches and the same number of steps; the output is
-the held-out loss (nats per byte) of each and the bytes each step puts on the wire.
-
-What to expect (``benchmarks/powersgd_convergence.py``: 8 workers x 2 sequences, Adam 3e-3
-with cosine decay to 0 at the last step, held-out loss in nats per byte):
-
-=====  ============  ========================  ========================
-steps  uncompressed  rank 4 (19.6x fewer B)    rank 16 (5.6x fewer B)
-=====  ============  ========================  ========================
-1000   1.446         1.605 (+11.0%)            1.480 (+2.3%)
-3000   1.239         1.261 (+1.8%)             1.232 (-0.6%)
-5000   1.231         1.231 (0.0%)              1.226 (-0.4%)
-=====  ============  ========================  ========================
-
-Rank 4 learns more slowly (each step moves a matrix along 4 directions only; error feedback
-delays the rest) but reaches the same held-out loss once the uncompressed run stops
-improving (within 1% at 5000 steps with two seeds, Adam and SGD); its training loss stays
-about 6% higher. For short runs use ``--rank 16``.
-Thousands of steps take minutes on a GPU with ``--workers 8`` (8 workers emulated with
-``jax.vmap`` on one device, the same arithmetic as 8 devices).
+the held-out loss (nats per byte) of each and the bytes each step puts on the wire. What
+PowerSGD reaches at 1000 to 5000 steps is on the docs' "Choosing a codec" page, generated
+from ``benchmarks/results/powersgd_convergence*.json``. Thousands of steps take minutes on a
+GPU with ``--workers 8`` (8 workers emulated with ``jax.vmap`` on one device, the same
+arithmetic as 8 devices).
 """
 
 from __future__ import annotations
@@ -318,7 +306,7 @@ def data_parallel(step, tx, params, workers=None, batches=1, outputs=0):
     return step, params, opt_state, lambda b: jax.device_put(b, batch_sharding)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rank", type=int, default=4)
@@ -330,7 +318,7 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, help="emulate this many workers on one device (jax.vmap)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # Only used where there is no accelerator; must come before any other use of jax.
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_enable_async_dispatch", False)  # XLA:CPU collectives

@@ -11,10 +11,10 @@ normal float32 vectors of 1M, 16M and 64M elements (``--quick``: 1M and 4M, 5 co
 on whatever backend JAX has; backend and device are recorded.
 Writes ``benchmarks/results/codec_speed.json`` and ``codec_speed.png``::
 
-    python benchmarks/codec_speed.py
-    python benchmarks/codec_speed.py --quick
-    python benchmarks/codec_speed.py --codecs sign int8 --sizes 16777216 --reps 9
-    python benchmarks/codec_speed.py --pipeline 20 --out /tmp/codec_speed_gpu.json
+    python -m benchmarks.codec_speed
+    python -m benchmarks.codec_speed --quick
+    python -m benchmarks.codec_speed --codecs sign int8 --sizes 16777216 --reps 9
+    python -m benchmarks.codec_speed --pipeline 20 --out /tmp/codec_speed_gpu.json
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
+from benchmarks import common
 
 SIZES = [1 << 20, 1 << 24, 1 << 26]
 QUICK_SIZES = [1 << 20, 1 << 22]
@@ -116,7 +115,9 @@ def draw(rows: list[dict], path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"codecs {QUICK_CODECS}, 1M and 4M")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"codecs {QUICK_CODECS}, 1M and 4M".replace("%", "%%")
+    )
     ap.add_argument("--codecs", nargs="+", default=None, help="default: all (registry + sparse)")
     ap.add_argument("--sizes", nargs="+", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None, help="timed calls per figure (median)")

@@ -4,6 +4,9 @@ Every benchmark writes ``benchmarks/results/<name>.json`` (``<name>_quick.json``
 ``--quick``, so a smoke run never overwrites a full run) and a PNG next to it, and records
 the backend and device it ran on. Import this module before jax is used: it does not import
 jax itself, so a benchmark can still call :func:`jaxcomp.cpu.use_cpu_devices` first.
+
+Every benchmark imports it as ``from benchmarks import common`` and is run as
+``python -m benchmarks.NAME`` from the repository root (no ``sys.path`` edits).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # JAXCOMP_BENCH_RESULTS redirects every output (the smoke tests write to a temporary folder).
 RESULTS = pathlib.Path(os.environ.get("JAXCOMP_BENCH_RESULTS", ROOT / "benchmarks" / "results"))
 
-# Codec families that are not (yet) one-line entries of jc.CODECS: name -> factory source.
-# A name already in the registry is taken from there, so new registrations win.
-EXTRA_CODECS: dict[str, str] = {
-    "topk1%": "jc.top_k(0.01, approx=True)",
-    "randk1%": "jc.random_k(0.01)",
+# Codec families that are not (yet) one-line entries of jc.CODECS: name -> (the name of a
+# jaxcomp factory, its keyword arguments). A name already in the registry is taken from
+# there, so new registrations win.
+EXTRA_CODECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "topk1%": ("top_k", {"ratio": 0.01, "approx": True}),
+    "randk1%": ("random_k", {"ratio": 0.01}),
 }
 
 
@@ -69,8 +73,14 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "command": " ".join([pathlib.Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([pathlib.Path(sys.executable).name, *_argv()]),
     }
+
+
+def _argv() -> list[str]:
+    """``sys.argv`` with ``-m benchmarks.NAME`` for a module run as ``python -m``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return (["-m", spec.name] if spec else sys.argv[:1]) + sys.argv[1:]
 
 
 def codec_names(include_extra: bool = True) -> list[str]:
@@ -90,8 +100,27 @@ def make_codec(name: str):
     if name in jc.CODECS:
         return jc.get_codec(name)
     if name in EXTRA_CODECS:
-        return eval(EXTRA_CODECS[name], {"jc": jc})  # a fixed table above, not user input
+        factory, kwargs = EXTRA_CODECS[name]
+        return getattr(jc, factory)(**kwargs)
     return jc.get_codec(name)  # raises the registry's ValueError naming the known codecs
+
+
+def load_digits_split(seed: int = 0, permutation: Callable[[int], Any] | None = None):
+    """sklearn's digits (1,797 8x8 images, shipped with scikit-learn: no download), pixels in
+    [0, 1] as float32, labels int32, shuffled and split 1400 train / 397 test.
+
+    Returns ``(x_train, y_train), (x_test, y_test)``. ``permutation(n)`` shuffles (default
+    ``np.random.RandomState(seed).permutation``; powersgd_convergence's recorded runs used
+    ``np.random.default_rng(0).permutation``).
+    """
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+    perm = (permutation or np.random.RandomState(seed).permutation)(len(x))
+    x, y = x[perm], y[perm]
+    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
 # The MLP of the training-step benchmarks (network.py, gpu_step.py): 25.2M parameters.

@@ -6,7 +6,7 @@ Tasks (all ship offline), each data-parallel on 8 CPU devices (or the accelerato
   metric: test accuracy (397 held-out images);
 * ``mnist1d`` — the ``mnist1d`` package's generated dataset (4000/1000, 40 features), MLP
   40-256-256-10, same optimizer; metric: test accuracy;
-* ``char`` — the character transformer of ``examples/char_transformer.py`` on
+* ``char`` — the character transformer of ``benchmarks/char_transformer.py`` on
   ``pydoc_data.topics`` (Adam, cosine schedule); metric: held-out loss in nats per byte.
 
 Methods: ``none`` (plain pmean), every codec of ``jc.CODECS`` plus the sparse defaults of
@@ -19,9 +19,9 @@ the ring-model bytes each device sends, read from the lowered step program (the 
 (after every run, so a bounded background run keeps what finished) and
 ``convergence_<task>.png`` (loss curves)::
 
-    python benchmarks/convergence.py                     # all methods, all tasks (long on CPU)
-    python benchmarks/convergence.py --quick             # digits, none/sign/int8, 40 steps
-    python benchmarks/convergence.py --tasks digits --methods none sign topk1% dgc0.1%
+    python -m benchmarks.convergence                     # all methods, all tasks (long on CPU)
+    python -m benchmarks.convergence --quick             # digits, none/sign/int8, 40 steps
+    python -m benchmarks.convergence --tasks digits --methods none sign topk1% dgc0.1%
 """
 
 from __future__ import annotations
@@ -33,25 +33,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
+import jaxcomp as jc
+from benchmarks import common
 
 AXIS = "data"
 TASKS = ("digits", "mnist1d", "char")
 STEPS = {"digits": 1000, "mnist1d": 2000, "char": 300}
 # Transforms that are not one codec: name -> (factory(axis) -> transform, has its own momentum).
-TRANSFORMS: dict[str, tuple[str, bool]] = {
-    "dgc0.1%": ("jc.dgc(0.001, axis)", True),
-    "powersgd4": ("jc.powersgd(4, axis)", False),
-    "signsgd_mv": ("jc.compressed_allreduce(jc.sign(None), axis, strategy='majority_vote')", False),
+TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
+    "dgc0.1%": (lambda axis: jc.dgc(0.001, axis), True),
+    "powersgd4": (lambda axis: jc.powersgd(4, axis), False),
+    "signsgd_mv": (
+        lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
+        False,
+    ),
 }
 # Run order: the figures that matter most first, so a bounded run has them.
 PRIORITY = ["none", "sign", "int8", "topk1%", "powersgd4", "dgc0.1%", "fp16", "int4", "qsgd"]
 
 
 def method_names() -> list[str]:
-    import jaxcomp as jc
-
     names = ["none", *common.codec_names()]
     for name in TRANSFORMS:
         if name == "signsgd_mv" and "majority_vote" not in jc.STRATEGIES:
@@ -63,13 +64,10 @@ def method_names() -> list[str]:
 
 def transform_factory(name: str) -> tuple[Callable[[str], Any] | None, bool]:
     """(axis -> transform returning the mean gradient, or None for pmean; own momentum?)."""
-    import jaxcomp as jc
-
     if name == "none":
         return None, False
     if name in TRANSFORMS:
-        src, own_momentum = TRANSFORMS[name]
-        return (lambda axis: eval(src, {"jc": jc, "axis": axis})), own_momentum
+        return TRANSFORMS[name]
     codec = common.make_codec(name)
     return (lambda axis: jc.compressed_allreduce(codec, axis, min_size=1024)), False
 
@@ -81,13 +79,7 @@ def load(task: str, seed: int = 0):
     import numpy as np
 
     if task == "digits":
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        x = (x / 16.0).astype(np.float32)
-        perm = np.random.RandomState(seed).permutation(len(x))
-        x, y = x[perm], y[perm].astype(np.int32)
-        return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+        return common.load_digits_split(seed)
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -185,9 +177,8 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
 
 
 def train_char(method: str, steps: int, seed: int = 0) -> dict:
-    """The character transformer of examples/char_transformer.py with ``method``."""
-    sys.path.insert(0, str(common.ROOT / "examples"))
-    import char_transformer
+    """The character transformer of benchmarks/char_transformer.py with ``method``."""
+    from benchmarks import char_transformer
 
     factory, own_momentum = transform_factory(method)
     compression = "none" if factory is None else factory

@@ -14,9 +14,9 @@ last (the spread of the same step). Runs on whatever backend JAX has (meant for 
 backend and device are recorded. Writes ``benchmarks/results/gpu_step.json`` and
 ``gpu_step.png`` (``--out``: another JSON path, PNG beside it)::
 
-    python benchmarks/gpu_step.py                 # sign, int8, topk1% (approx), fp16; 25.2M
-    python benchmarks/gpu_step.py --quick         # a 1.6M-param MLP, sign and int8 (CPU: <1 min)
-    python benchmarks/gpu_step.py --pipeline 10 --out /tmp/gpu_step_h100.json
+    python -m benchmarks.gpu_step                 # sign, int8, topk1% (approx), fp16; 25.2M
+    python -m benchmarks.gpu_step --quick         # a 1.6M-param MLP, sign and int8 (CPU: <1 min)
+    python -m benchmarks.gpu_step --pipeline 10 --out /tmp/gpu_step_h100.json
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 AXIS = "data"
 CODECS = ["sign", "int8", "topk1%", "fp16"]
@@ -117,8 +116,12 @@ def draw(rows: list[dict], path, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help=f"MLP {QUICK_MLP}, {QUICK_CODECS}")
-    ap.add_argument("--codecs", nargs="+", default=None, help=f"default {CODECS}")
+    ap.add_argument(
+        "--quick", action="store_true", help=f"MLP {QUICK_MLP}, {QUICK_CODECS}".replace("%", "%%")
+    )
+    ap.add_argument(
+        "--codecs", nargs="+", default=None, help=f"default {CODECS}".replace("%", "%%")
+    )
     ap.add_argument("--batch", type=int, default=8, help="batch of the one device")
     ap.add_argument("--reps", type=int, default=None, help="timed steps (default 30; quick 5)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile)")

@@ -1,5 +1,5 @@
 """PowerSGD against the uncompressed all-reduce: loss curves on the character transformer of
-``examples/char_transformer.py`` and accuracy on sklearn's digits, 8 data-parallel workers.
+``benchmarks/char_transformer.py`` and accuracy on sklearn's digits, 8 data-parallel workers.
 
 Every run of one table uses the same initialization, batches, optimizer, learning rate and
 number of steps; only the gradient exchange differs: plain ``pmean`` or ``jc.powersgd`` at
@@ -10,11 +10,11 @@ the same length, the same for the training loss (mean of the last 50 steps), the
 steady-state bytes each device sends per step for the gradient exchange (ring model), and
 the digits test accuracy::
 
-    python benchmarks/powersgd_convergence.py --workers 8 --optimizers adam  # 6.5 min, H100
-    python benchmarks/powersgd_convergence.py --workers 8 --optimizers sgd \
+    python -m benchmarks.powersgd_convergence --workers 8 --optimizers adam  # 6.5 min, H100
+    python -m benchmarks.powersgd_convergence --workers 8 --optimizers sgd \
         --out benchmarks/results/powersgd_convergence_sgd.json
-    python benchmarks/powersgd_convergence.py --steps 1000       # 8 CPU devices, shard_map
-    python benchmarks/powersgd_convergence.py --quick            # smoke run, < 1 min
+    python -m benchmarks.powersgd_convergence --steps 1000       # 8 CPU devices, shard_map
+    python -m benchmarks.powersgd_convergence --quick            # smoke run, < 1 min
 
 ``--workers 8`` emulates the 8 workers with ``jax.vmap`` over the axis on one device (a GPU
 runs a 5000-step run in about 20 s, the two commands above at once in 6.5 min; 8 CPU devices
@@ -39,9 +39,7 @@ from typing import Any
 
 import jax
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "examples"))  # char_transformer: the model, data and step set-up
+from benchmarks import char_transformer, common
 
 # Variants: label -> (rank or None for plain pmean, extra jc.powersgd options). Every variant
 # uses error feedback and warm start (the defaults). "rank 4, matrices only" keeps the byte
@@ -88,18 +86,13 @@ def train_digits(
     that many workers emulated on one device (``jax.vmap`` over the axis) instead of one per
     device, as in ``char_transformer.train``.
     """
-    import char_transformer
     import numpy as np
     import optax
-    from sklearn.datasets import load_digits
 
     import jaxcomp as jc
 
-    x, y = load_digits(return_X_y=True)
-    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
-    perm = np.random.default_rng(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:], y[1400:]
+    permutation = np.random.default_rng(0).permutation
+    (x_train, y_train), (x_test, y_test) = common.load_digits_split(permutation=permutation)
     g = np.random.default_rng(1)
     params = {
         "w1": (0.1 * g.standard_normal((64, 256))).astype(np.float32),
@@ -153,8 +146,6 @@ def char_runs(
     every run length in ``config["steps"]`` (the cosine schedule ends at each length, so
     each is a run of its own). ``save(runs)`` is called after each run, so an interrupted
     benchmark keeps what it did. ``workers``: see ``char_transformer.train``."""
-    import char_transformer
-
     runs = []
     for optimizer in config["optimizers"]:
         for steps in config["steps"]:
@@ -330,14 +321,14 @@ def main() -> None:
     for key in keys:
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
-    out = args.out or RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"
+    out = args.out or common.RESULTS / f"powersgd_convergence{'_quick' if args.quick else ''}.json"
     start = time.perf_counter()
     digits = {
         label: train_digits(rank, config["digits_steps"], progress=label, workers=args.workers)
         for label, rank in (("none", None), ("rank_4", 4))
     }
     print(f"digits MLP test accuracy: none {digits['none']:.4f}, rank 4 {digits['rank_4']:.4f}")
-    command = shlex.join(["python", "benchmarks/powersgd_convergence.py", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "benchmarks.powersgd_convergence", *sys.argv[1:]])
     result = {
         "benchmark": "powersgd_convergence",
         "command": command,

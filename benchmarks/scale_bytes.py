@@ -7,38 +7,37 @@ that carries them, against plain ``jax.lax.pmean``; and the hierarchical reducti
 ('host', 'local') meshes of 2x4, 2x8 and 8x2 (outer-axis and inner-axis bytes apart). It runs in a
 subprocess with ``jax_num_cpu_devices=16`` (meshes of n use the first n devices).
 
-Part 2 — digits (``examples/flax_nnx_train.py``: MLP 64-256-10, 8 devices, momentum SGD,
-``--steps`` steps, ``--seeds`` seeds, held-out accuracy): uncompressed; int8 and sign
-two-phase with both residuals against worker-only feedback (``server_feedback=False``);
-majority vote with momentum after the vote, unscaled and scaled; and Signum with majority vote
-(``worker_momentum=0.9``: each device votes with the sign of its own momentum, plain SGD after).
+Part 2 — digits (:mod:`benchmarks.digits_mlp`, the model of ``examples/flax_nnx_train.py``:
+MLP 64-256-10, 8 devices, momentum SGD, ``--steps`` steps, ``--seeds`` seeds, held-out
+accuracy): uncompressed; int8 and sign two-phase with both residuals against worker-only
+feedback (``server_feedback=False``); majority vote with momentum after the vote, unscaled and
+scaled; and Signum with majority vote (``worker_momentum=0.9``: each device votes with the
+sign of its own momentum, plain SGD after).
 
 Writes ``benchmarks/results/scale_bytes.json`` and ``scale_bytes.png``::
 
-    python benchmarks/scale_bytes.py [--size 1048576] [--steps 1000] [--seeds 3] [--quick]
-    python benchmarks/scale_bytes.py --steps 1000 --seeds 2 --only RUN   # one digits row
+    python -m benchmarks.scale_bytes [--size 1048576] [--steps 1000] [--seeds 3] [--quick]
+    python -m benchmarks.scale_bytes --steps 1000 --seeds 2 --only RUN   # one digits row
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import common  # noqa: E402
+import jaxcomp as jc
+from benchmarks import common
 
 NS = (2, 4, 8, 16)
-CODECS = {  # name -> (factory source, strategies measured)
-    "int8": ("jc.int_quant(8)", ("allgather", "two_phase")),
-    "int4": ("jc.int_quant(4)", ("allgather", "two_phase")),
-    "sign": ("jc.sign()", ("allgather", "two_phase", "majority_vote")),
-    "signsgd": ("jc.sign(None)", ("majority_vote",)),
-    "topk1%": ("jc.top_k(0.01)", ("allgather", "two_phase")),
+CODECS = {  # name -> (codec factory, strategies measured)
+    "int8": (lambda: jc.int_quant(8), ("allgather", "two_phase")),
+    "int4": (lambda: jc.int_quant(4), ("allgather", "two_phase")),
+    "sign": (lambda: jc.sign(), ("allgather", "two_phase", "majority_vote")),
+    "signsgd": (lambda: jc.sign(None), ("majority_vote",)),
+    "topk1%": (lambda: jc.top_k(0.01), ("allgather", "two_phase")),
 }
 HIER = ((2, 4), (2, 8), (8, 2))  # outer and inner group sizes differ: bytes split by group
 
@@ -66,8 +65,8 @@ def bytes_part(size: int) -> dict:
         )
         base = report(lambda t: jax.lax.pmean(t[0], "data"), m, P("data")).bytes_per_device
         rows.append({"codec": "f32", "strategy": "pmean", "n": n, "bytes": base, "saving": 1.0})
-        for name, (src, strategies) in CODECS.items():
-            codec = eval(src, {"jc": jc})
+        for name, (make_codec, strategies) in CODECS.items():
+            codec = make_codec()
             for strategy in strategies:
                 r = report(
                     lambda t, c=codec, s=strategy: jc.pmean(t[0], "data", c, strategy=s),
@@ -95,8 +94,8 @@ def bytes_part(size: int) -> dict:
             (outer, inner), ("host", "local"), axis_types=(AxisType.Explicit,) * 2, devices=devices
         )
         spec = P(("host", "local"))
-        for name, (src, _) in CODECS.items():
-            codec = eval(src, {"jc": jc})
+        for name, (make_codec, _) in CODECS.items():
+            codec = make_codec()
             strategy = "majority_vote" if name == "signsgd" else "auto"
             r = report(
                 lambda t, c=codec, s=strategy: jc.pmean(
@@ -169,7 +168,7 @@ def train_kwargs(kwargs: dict, steps: int) -> dict:
 
 def digits_part(steps: int, seeds: int, quick: bool, only: list[str] | None = None) -> list[dict]:
     """Every run of ``RUNS`` (or the uncompressed one and those labelled in ``only``)."""
-    import flax_nnx_train as example
+    from benchmarks import digits_mlp
 
     out = []
     for label, codec, kwargs in RUNS:
@@ -178,7 +177,7 @@ def digits_part(steps: int, seeds: int, quick: bool, only: list[str] | None = No
         accs = []
         ratio = None
         for seed in range(seeds):
-            r = example.train(codec, steps=steps, seed=seed, **train_kwargs(kwargs, steps))
+            r = digits_mlp.train(codec, steps=steps, seed=seed, **train_kwargs(kwargs, steps))
             accs.append(r.accuracy)
             ratio = r.ratio
         out.append(
@@ -265,7 +264,8 @@ def main(argv=None) -> int:
     if args.only:
         return update_digits(args.only, args.steps, args.seeds, args.quick)
     proc = subprocess.run(
-        [sys.executable, __file__, "--bytes-only", "--size", str(args.size)],
+        [sys.executable, "-m", "benchmarks.scale_bytes", "--bytes-only", "--size", str(args.size)],
+        cwd=common.ROOT,
         capture_output=True,
         text=True,
     )

@@ -19,8 +19,8 @@ Leaves with fewer than ``min_size=100`` elements (biases) go through plain ``pme
 Reports held-out accuracy (mean and per seed) and training loss; writes
 ``benchmarks/results/sparse_convergence[_quick].json`` and a PNG of the curves::
 
-    python benchmarks/sparse_convergence.py            # full: 3 seeds (several minutes on CPU)
-    python benchmarks/sparse_convergence.py --quick    # smoke run, < 1 min
+    python -m benchmarks.sparse_convergence            # full: 3 seeds (several minutes on CPU)
+    python -m benchmarks.sparse_convergence --quick    # smoke run, < 1 min
 """
 
 from __future__ import annotations
@@ -29,8 +29,13 @@ import argparse
 import sys
 import time
 
-from common import environment, markdown_table, result_path, write_json
-
+from benchmarks.common import (
+    environment,
+    load_digits_split,
+    markdown_table,
+    result_path,
+    write_json,
+)
 from jaxcomp.cpu import blocking, use_cpu_devices
 
 if __name__ == "__main__":
@@ -65,17 +70,6 @@ class MLP(nnx.Module):
         return self.layers[-1](x)
 
 
-def load_digits_data():
-    """sklearn digits in [0, 1]; a fixed 1400 / 397 split."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
-    perm = np.random.RandomState(0).permutation(len(x))
-    x, y = x[perm], y[perm]
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
-
-
 def load_mnist1d_data(num_samples: int = 5000):
     """MNIST-1D generated locally (``mnist1d.data.make_dataset``, default args, seed 42)."""
     from mnist1d.data import get_dataset_args, make_dataset
@@ -91,7 +85,7 @@ def load_mnist1d_data(num_samples: int = 5000):
 
 DATASETS = {
     # name: (loader, layer sizes, steps, learning rate, global batch)
-    "digits": (load_digits_data, (64, 256, 10), 300, 0.1, 256),
+    "digits": (load_digits_split, (64, 256, 10), 300, 0.1, 256),
     "mnist1d": (load_mnist1d_data, (40, 256, 256, 10), 1000, 0.05, 256),
 }
 

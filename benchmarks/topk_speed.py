@@ -23,9 +23,9 @@ Part 2 needs 8 devices of the default backend; with fewer (one GPU) it is skippe
 ``benchmarks/results/sparse_wire_bytes.json`` (the folder: ``JAXCOMP_BENCH_RESULTS``; ``--out``
 another path for part 1)::
 
-    python benchmarks/topk_speed.py [--size 16777216] [--ratio 0.001] [--reps 7]
+    python -m benchmarks.topk_speed [--size 16777216] [--ratio 0.001] [--reps 7]
         [--more-ratios 0.003 0.01]   # also timed (no naive method), under "by_ratio"
-    python benchmarks/topk_speed.py --no-wire-bytes --out /tmp/topk_speed_gpu.json
+    python -m benchmarks.topk_speed --no-wire-bytes --out /tmp/topk_speed_gpu.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import json
 import math
 import pathlib
 import platform
-import sys
 
 import jax
 
@@ -47,14 +46,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks import common  # noqa: E402
 from jaxcomp._src.accounting import comm_report  # noqa: E402
 from jaxcomp._src.codecs import sparse  # noqa: E402
 from jaxcomp._src.compressed_allreduce import compressed_allreduce  # noqa: E402
 from jaxcomp._src.dgc import dgc  # noqa: E402
 from jaxcomp._src.sharding import state_specs  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
 
 RESULTS = common.RESULTS
 

@@ -25,10 +25,10 @@ parsed as ``comm_report`` does; those show whether XLA changed anything (on CPU 
 collectives into f32, so bf16 sends twice its logical bytes there). Writes
 ``benchmarks/results/wire_bytes.json`` and ``wire_bytes.png``::
 
-    python benchmarks/wire_bytes.py                # all codecs, both trees, n = 2..16
-    python benchmarks/wire_bytes.py --quick        # 3 codecs, resnet18, n = 2, 8, auto (< 1 min)
-    python benchmarks/wire_bytes.py --trees gpt2 --codecs sign int8 --devices 8 16
-    python benchmarks/wire_bytes.py --trees gpt2 --devices 2 4 --merge   # add to the file
+    python -m benchmarks.wire_bytes                # all codecs, both trees, n = 2..16
+    python -m benchmarks.wire_bytes --quick        # 3 codecs, resnet18, n = 2, 8, auto (< 1 min)
+    python -m benchmarks.wire_bytes --trees gpt2 --codecs sign int8 --devices 8 16
+    python -m benchmarks.wire_bytes --trees gpt2 --devices 2 4 --merge   # add to the file
 
 ``--merge`` keeps the rows already in the JSON file and replaces those measured again (same
 tree, n, codec and strategy), so a sweep can be run in parts; the commands of the parts are
@@ -43,10 +43,8 @@ import math
 import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import common  # noqa: E402
-
-from jaxcomp.cpu import use_cpu_devices  # noqa: E402
+from benchmarks import common
+from jaxcomp.cpu import use_cpu_devices
 
 MAX_DEVICES = 16
 QUICK_CODECS = ["int8", "sign", "topk1%"]
@@ -348,7 +346,7 @@ def main(argv=None) -> int:
     rows = measure(trees, codecs, devices, compiled, all_strategies=tuple(every))
     print_table(rows)
     path = common.result_path("wire_bytes", args.quick)
-    command = " ".join(["python benchmarks/wire_bytes.py", *(argv or sys.argv[1:])])
+    command = " ".join(["python -m benchmarks.wire_bytes", *(argv or sys.argv[1:])])
     out = {
         "environment": common.environment(),
         "min_size": MIN_SIZE,

@@ -193,7 +193,11 @@ def print_table(results: list[Result]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--codec", default="sign", help=f"one of: none, {', '.join(sorted(jc.CODECS))}")
+    ap.add_argument(
+        "--codec",
+        default="sign",
+        help=f"one of: none, {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
+    )
     ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES)
     ap.add_argument(
         "--error-feedback", default="auto", choices=["auto", "residual", "ef21", "none"]

@@ -31,10 +31,20 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
-from flax_nnx_train import load_digits_split  # noqa: E402
 
 AXIS = "batch"
 VARIANTS = ("plain", "pmean", "ef")
+
+
+def load_digits_split(seed: int = 0):
+    """sklearn digits (ships offline), pixels in [0, 1], a fixed 1400/397 train/test split."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+    perm = np.random.RandomState(seed).permutation(len(x))
+    x, y = x[perm], y[perm]
+    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
 
 
 class MLP(nn.Module):
@@ -146,7 +156,11 @@ def train(
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", default="ef", choices=VARIANTS)
-    ap.add_argument("--codec", default="sign", help=f"one of: {', '.join(sorted(jc.CODECS))}")
+    ap.add_argument(
+        "--codec",
+        default="sign",
+        help=f"one of: {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
+    )
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args(argv)

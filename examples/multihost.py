@@ -18,23 +18,40 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 
-from jaxcomp.launch import initialize
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-if __name__ == "__main__":
-    initialize()  # before any other jax work
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jaxcomp as jc  # noqa: E402
+import jaxcomp as jc
+from jaxcomp.launch import ENV_COORDINATOR, initialize
 
 AXIS = "data"
+HOW_TO_LAUNCH = """\
+Every process of the run executes this script. Start them with a launcher:
+
+  python -m jaxcomp.launch -n 2 examples/multihost.py --steps 20        # 2 local processes
+  python -m jaxcomp.launch -n 2 --local-devices 2 examples/multihost.py # 2 x 2 CPU devices
+
+or on a cluster or TPU pod that jax.distributed.initialize() detects (SLURM, Open MPI,
+Cloud TPU, ...), one process per host."""
+
+
+def join() -> None:
+    """``jaxcomp.launch.initialize()`` before any other jax work; run directly, outside a
+    launcher and a cluster, exit saying how to launch instead of a bare jax error."""
+    if ENV_COORDINATOR in os.environ:
+        initialize()
+        return
+    try:
+        initialize()  # jax.distributed.initialize(): cluster auto-detection
+    except (ValueError, RuntimeError) as e:
+        sys.exit(f"multihost.py: no processes to join ({e})\n\n{HOW_TO_LAUNCH}")
 
 
 def load_digits_split(seed: int = 0):
@@ -74,8 +91,16 @@ def params_digest(params) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--codec", default="sign", help=f"one of: {', '.join(sorted(jc.CODECS))}")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=HOW_TO_LAUNCH,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--codec",
+        default="sign",
+        help=f"one of: {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
+    )
     ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch", type=int, default=256, help="global batch, over all processes")
@@ -83,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--no-report", action="store_true", help="skip comm_report (one compile less)")
     args = ap.parse_args(argv)
+    join()
 
     n, rank, nproc = jax.device_count(), jax.process_index(), jax.process_count()
     if args.batch % n:

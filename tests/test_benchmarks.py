@@ -18,14 +18,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
 
 
 def run_bench(script: str, *args: str, out: pathlib.Path, timeout: float = 300) -> str:
     env = {**os.environ, "JAXCOMP_BENCH_RESULTS": str(out), "XLA_FLAGS": ""}
     env.pop("JAX_PLATFORMS", None)
     proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
+        [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -41,11 +40,7 @@ def load(out: pathlib.Path, name: str) -> dict:
 
 
 def test_wire_bytes_merge_replaces_rows_measured_again():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import wire_bytes
-    finally:
-        sys.path.remove(str(BENCH))
+    from benchmarks import wire_bytes
 
     def row(codec, n, value, strategy="auto"):
         return {"tree": "t", "devices": n, "codec": codec, "strategy": strategy, "v": value}

@@ -415,13 +415,13 @@ def test_digits_mlp_rank4_matches_sgd():
 
 @pytest.mark.slow
 def test_char_transformer_rank4_close_to_uncompressed():
-    """examples/char_transformer.py (a smaller model), 60 Adam steps (cosine schedule), same
+    """benchmarks/char_transformer.py (a smaller model), 60 Adam steps (cosine schedule), same
     seed and batches: rank 4 with error feedback stays within 3% of the uncompressed held-out
     loss while each device sends > 10x fewer gradient bytes. Longer runs are in
     benchmarks/powersgd_convergence.py (the example's model: rank 4 +11% after 1000 steps,
     +1.8% after 3000, level after 5000; its JSON in benchmarks/results/ and the powersgd
     docstring)."""
-    example = load_module("examples", "char_transformer")
+    example = load_module("benchmarks", "char_transformer")
     # A smaller copy of the example's model (d_model 64, 1 layer, context 32): cheap to compile.
     kw = dict(d_model=64, layers=1, heads=2, context=32, eval_sequences=64, return_details=True)
     base = example.train("none", CHAR_STEPS, **kw)
@@ -447,7 +447,7 @@ def test_char_transformer_rank4_close_to_uncompressed():
 )
 def test_char_transformer_workers_argument(kwargs, error):
     """``workers`` is checked before anything is built, with the argument named."""
-    example = load_module("examples", "char_transformer")
+    example = load_module("benchmarks", "char_transformer")
     with pytest.raises(error, match="workers"):
         example.train("powersgd", 1, **kwargs)
 
@@ -456,7 +456,7 @@ def test_char_transformer_workers_argument(kwargs, error):
 def test_char_transformer_workers_match_devices():
     """The example with ``workers=8`` (vmap on one device) ends where 8 devices do: the
     emulation behind benchmarks/powersgd_convergence.py's GPU figures."""
-    example = load_module("examples", "char_transformer")
+    example = load_module("benchmarks", "char_transformer")
     kw = dict(d_model=32, layers=1, heads=2, context=16, eval_sequences=16, return_details=True)
     options = {"start_step": 4}
     sharded = example.train("powersgd", 8, powersgd_options=options, **kw)

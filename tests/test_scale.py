@@ -3,7 +3,7 @@
 Bytes are read from the programs' collectives on meshes of the first n of the 8 CPU devices:
 the logical program (lowered, not compiled: compiling dozens of programs would blow the test
 budget; for these integer/f32 payloads logical and compiled bytes agree, checked once below)
-and ``jc.comm_report`` (compiled). ``benchmarks/scale_bytes.py`` writes the full compiled
+and ``jc.comm_report`` (compiled). ``python -m benchmarks.scale_bytes`` writes the full compiled
 table, n = 2..16.
 """
 
@@ -212,14 +212,10 @@ def test_signum_majority_vote_trains_digits_within_2_points():
     """Signum (sign(None) majority vote, worker momentum 0.9, plain SGD, cosine lr 0.01) against
     uncompressed momentum SGD (lr 0.05, momentum 0.9), same seed and steps.
 
-    300 steps keep the test fast; ``benchmarks/scale_bytes.py`` runs the 1000-step row."""
-    import sys
-    from pathlib import Path
-
+    300 steps keep the test fast; ``python -m benchmarks.scale_bytes`` runs the 1000-step row."""
     import optax
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import flax_nnx_train as example
+    from benchmarks import digits_mlp as example
 
     steps = 300
     base = example.train("none", steps=steps)

@@ -1,0 +1,67 @@
+"""Every script under examples/ and benchmarks/ answers ``--help`` (exit 0, a usage line).
+
+Examples run as ``python examples/NAME.py``, benchmarks as ``python -m benchmarks.NAME``
+from the repository root. The benchmarks' shared modules are not scripts; any other file
+must have a ``__main__`` entry point. ``examples/multihost.py`` run directly (outside
+``python -m jaxcomp.launch`` and a cluster) exits non-zero and says how to launch it.
+All scripts start in parallel: each import of jax takes a second or two.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Modules of the benchmarks package that other modules import and nobody runs.
+HARNESS = {"__init__", "common", "digits_mlp"}
+ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+def _commands() -> dict[str, list[str]]:
+    commands = {
+        f"examples/{p.name}": [sys.executable, str(p)]
+        for p in sorted((ROOT / "examples").glob("*.py"))
+    }
+    for p in sorted((ROOT / "benchmarks").glob("*.py")):
+        if p.stem not in HARNESS:
+            commands[f"benchmarks/{p.name}"] = [sys.executable, "-m", f"benchmarks.{p.stem}"]
+    return commands
+
+
+COMMANDS = _commands()
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        procs = pool.map(lambda args: _run([*args, "--help"]), COMMANDS.values())
+        return dict(zip(COMMANDS, procs, strict=True))
+
+
+def test_every_benchmark_module_is_a_script_or_the_harness():
+    for p in (ROOT / "benchmarks").glob("*.py"):
+        has_main = 'if __name__ == "__main__":' in p.read_text()
+        assert has_main == (p.stem not in HARNESS), p.name
+
+
+@pytest.mark.parametrize("script", list(COMMANDS))
+def test_script_answers_help(helps, script):
+    proc = helps[script]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    assert "--" in proc.stdout  # it lists its options
+
+
+def test_multihost_run_directly_says_how_to_launch():
+    proc = _run([sys.executable, str(ROOT / "examples" / "multihost.py"), "--steps", "1"])
+    assert proc.returncode != 0
+    assert "python -m jaxcomp.launch -n 2 examples/multihost.py" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,6 +1,6 @@
 # make demo         -- train a small Flax model data-parallel on 8 CPU devices, with and without compression
 # make test         -- create .venv, install the pinned test environment, run the test suite
-#                      (and its smoke subset again at XLA's default CPU optimization level)
+#                      (its smoke subset at XLA's default CPU optimization level)
 # make docs         -- build the documentation into site/ (mkdocs-material + mkdocstrings, --strict)
 # make dist         -- build the sdist and the wheel into dist/
 # make smoke-wheel  -- install the wheel into a fresh venv (no lock) and run the README quickstart
@@ -27,12 +27,12 @@ $(STAMP): pyproject.toml requirements-lock.txt
 demo: $(STAMP)
 	$(BIN)/python examples/flax_nnx_train.py --demo
 
+# The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py); its smoke
+# subset (tests marked smoke) runs at XLA's default level instead, the code users run.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 -m "not smoke" tests
 	$(MAKE) test-smoke-opt
 
-# The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py): the smoke
-# subset runs again at XLA's default level, the code users run.
 test-smoke-opt: $(STAMP)
 	JAXCOMP_XLA_OPT_DEFAULT=1 $(BIN)/python -m pytest -q -n 2 -m smoke tests
 

@@ -15,7 +15,7 @@ _FLAGS = (
 # slower). The HLO (what is tested: collectives, fusions, bytes on the wire) is optimized as
 # usual; only the CPU machine code is not. Tests' subprocesses inherit it. Set the flag
 # yourself to override. JAXCOMP_XLA_OPT_DEFAULT=1 keeps XLA's default level, the code users
-# run: `make test` runs the tests marked `smoke` (tests/test_smoke.py) again that way.
+# run: `make test` runs the tests marked `smoke` (tests/test_smoke.py) that way.
 OPT_DEFAULT = os.environ.get("JAXCOMP_XLA_OPT_DEFAULT", "") not in ("", "0")
 if not OPT_DEFAULT and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     _FLAGS += " --xla_backend_optimization_level=0"

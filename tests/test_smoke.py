@@ -1,9 +1,10 @@
 """The smoke subset: a few transforms' training steps and the bytes of compiled collectives.
 
 The suite compiles at XLA:CPU backend optimization level 0 (see conftest.py), which is not
-the machine code users run. ``make test`` runs the tests marked ``smoke`` (these) a second
-time at XLA's default level (``JAXCOMP_XLA_OPT_DEFAULT=1 pytest -m smoke``), so a
-miscompile or a numerical difference that only the optimized code has still fails CI.
+the machine code users run. ``make test`` runs the tests marked ``smoke`` (these) at XLA's
+default level instead (``JAXCOMP_XLA_OPT_DEFAULT=1 pytest -m smoke``; a plain ``pytest``
+runs them at level 0 with the rest), so a miscompile or a numerical difference that only the
+optimized code has still fails CI.
 """
 
 import os

@@ -10,22 +10,20 @@ default ``strategy="auto"`` and with ``"two_phase"``; plain ``jax.lax.pmean`` of
 the first row. The program must not grow with leaves x devices (issue 14: payload buckets,
 one collective per bucket per phase). Writes ``benchmarks/results/compile_size[_LABEL].json``::
 
-    python benchmarks/compile_size.py --label before     # compile_size_before.json
-    python benchmarks/compile_size.py                    # compile_size.json
-    python benchmarks/compile_size.py --quick            # 10 leaves, sign only (smoke test)
+    python -m benchmarks.compile_size --label before     # compile_size_before.json
+    python -m benchmarks.compile_size                    # compile_size.json
+    python -m benchmarks.compile_size --quick            # 10 leaves, sign only (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import re
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 AXIS = "data"
 DEVICES = 8

@@ -17,22 +17,20 @@ the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after `
 each blocked until ready; the copy is timed before and after the rows (its samples pooled).
 Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
 
-    python benchmarks/hot_path.py --label before     # hot_path_before.json
-    python benchmarks/hot_path.py                    # hot_path.json
-    python benchmarks/hot_path.py --quick            # a 1.6M-param MLP, 3 rows (smoke test)
+    python -m benchmarks.hot_path --label before     # hot_path_before.json
+    python -m benchmarks.hot_path                    # hot_path.json
+    python -m benchmarks.hot_path --quick            # a 1.6M-param MLP, 3 rows (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 AXIS = "data"
 QUICK_MLP = (256, 1024, 1024, 256)

@@ -19,9 +19,9 @@ The state's specs compose the data axis with the params' own: ``jc.state_specs(s
 of issue 14) the params' specs are passed too. Writes
 ``benchmarks/results/mesh_bytes[_LABEL].json``::
 
-    python benchmarks/mesh_bytes.py --label before     # mesh_bytes_before.json
-    python benchmarks/mesh_bytes.py                    # mesh_bytes.json
-    python benchmarks/mesh_bytes.py --quick            # a 256-1024-256 MLP (smoke test)
+    python -m benchmarks.mesh_bytes --label before     # mesh_bytes_before.json
+    python -m benchmarks.mesh_bytes                    # mesh_bytes.json
+    python -m benchmarks.mesh_bytes --quick            # a 256-1024-256 MLP (smoke test)
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import pathlib
 import re
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import common  # noqa: E402
+from benchmarks import common
 
 DATA, MODEL = "data", "model"
 MESH = (4, 2)

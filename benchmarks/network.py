@@ -45,10 +45,11 @@ step time over jaxcomp's (``pmean``/``fp16``/``powersgd4`` against ``torch-allre
 
 Writes ``benchmarks/results/network.json`` and ``network.png``::
 
-    sudo python benchmarks/network.py                        # 1gbit, 100mbit, 10gbit
-    sudo python benchmarks/network.py --quick                # 1gbit, 4M floats, pmean + sign
-    sudo python benchmarks/network.py --rates 1gbit --codecs sign int8 topk1% -n 2
-    sudo python benchmarks/network.py --rates 1gbit --label before   # network_before.json
+    sudo python -m benchmarks.network                        # 1gbit, 100mbit, 10gbit
+    sudo python -m benchmarks.network --quick                # 1gbit, 4M floats, pmean + sign
+    sudo python -m benchmarks.network --rates 1gbit --codecs sign int8 topk1% -n 2
+    sudo python -m benchmarks.network --rates 1gbit --label before   # network_before.json
+    sudo python -m benchmarks.network --rates 10gbit --label before --merge   # adds 10gbit
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+from benchmarks import common
 
 AXIS = "data"
 CODECS = ["sign", "int8", "fp16", "topk1%", "powersgd4"]
@@ -394,7 +394,11 @@ def run_rate(ns: Namespace, rate: str, args, procs: list) -> dict:
         *(["--no-torch"] if args.no_torch else []),
     ]  # fmt: skip
     print(f"\n== {rate}: {' '.join(cmd[4:])}", flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True, cwd=common.ROOT)
+    # The launcher runs this file by path: the repository root goes on PYTHONPATH so that
+    # ``from benchmarks import common`` resolves in the workers too.
+    path = os.pathsep.join(p for p in (str(common.ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.Popen(cmd, start_new_session=True, cwd=common.ROOT, env=env)
     procs.append(proc)
     try:
         code = proc.wait(timeout=args.timeout + 60)
@@ -516,6 +520,9 @@ def main(argv=None) -> int:
         "--torch-threads", type=int, default=0, help="torch.set_num_threads (0: cores / procs)"
     )
     ap.add_argument("--label", default=None, help="write network_LABEL.json (e.g. before)")
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the output file's rows of other rates"
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rate, bounded")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -557,7 +564,10 @@ def main(argv=None) -> int:
             print(f"network.py: skipped: cannot create a network namespace ({e})")
             return 0
         for rate in rates:
-            rows += summarize(rate, run_rate(ns, rate, args, procs), args.num_processes)
+            measured = summarize(rate, run_rate(ns, rate, args, procs), args.num_processes)
+            for r in measured:  # other work on the host skews timings: the 1-minute load
+                r["host_load"] = round(os.getloadavg()[0], 2)
+            rows += measured
     finally:
         for p in list(procs):
             if p.poll() is None:
@@ -578,7 +588,12 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     name = "network" + (f"_{args.label}" if args.label else "")
-    common.write_json(common.result_path(name, args.quick), out)
+    path = common.result_path(name, args.quick)
+    if args.merge and path.exists():  # keep the rows of rates not measured this time
+        kept = [r for r in json.loads(path.read_text())["rows"] if r["rate"] not in rates]
+        out["rows"] = rows = kept + rows
+        out["merged"] = sorted({r["rate"] for r in kept})
+    common.write_json(path, out)
     draw(rows, common.result_path(name, args.quick, "png"))
     return 0
 

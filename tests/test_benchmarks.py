@@ -157,3 +157,27 @@ def test_gpu_step_quick(tmp_path):
     for r in rows:
         assert r["step_ms"] > 0 and math.isfinite(r["vs_pmean"]) and r["vs_pmean"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
+    # Layout-agnostic smoke runs: ratios present and finite, no targets (before/after differ).
+    run_bench("hot_path.py", "--quick", "--reps", "3", "--label", "t", out=tmp_path)
+    hot = load(tmp_path, "hot_path_t_quick.json")
+    assert hot["copy_ms"] > 0 and hot["label"] == "t"
+    assert [r["name"] for r in hot["rows"]] == ["sign", "int8", "sign (no feedback)"]
+    for r in hot["rows"]:
+        assert r["update_ms"] > 0 and math.isfinite(r["copies"]) and r["copies"] > 0
+    assert (tmp_path / "hot_path_t_quick.png").stat().st_size > 0
+
+    run_bench("compile_size.py", "--quick", "--strategies", "auto", out=tmp_path)
+    rows = load(tmp_path, "compile_size_quick.json")["rows"]
+    assert [(r["codec"], r["strategy"]) for r in rows] == [("pmean", "-"), ("sign", "auto")]
+    for r in rows:
+        assert r["compile_s"] > 0 and r["hlo_instructions"] > 0 and r["collectives"] >= 1
+
+    run_bench("mesh_bytes.py", "--quick", "--no-run", out=tmp_path)
+    mesh = load(tmp_path, "mesh_bytes_quick.json")
+    assert len(mesh["rows"]) == 4 and mesh["mesh"] == {"data": 4, "model": 2}
+    assert 0.3 < mesh["pmean_sharded_over_replicated"] < 0.7  # pmean of model shards: ~half
+    assert mesh["sharded_over_replicated"] > 0

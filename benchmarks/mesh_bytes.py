@@ -141,7 +141,9 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
     if method == "pmean":
         tx = opt
     else:
-        tx = optax.chain(jc.compressed_allreduce(common.make_codec(method), DATA), opt)
+        # Each device compresses its own block of the model-sharded leaves (param_specs).
+        blocks = {"param_specs": pspecs} if sharded else {}
+        tx = optax.chain(jc.compressed_allreduce(common.make_codec(method), DATA, **blocks), opt)
     state, sspecs = state_and_specs(tx, params, mesh, pspecs)
 
     def step(p, s, x, y):

@@ -84,7 +84,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import buckets
+from jaxcomp._src import buckets, shards
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, scaled
@@ -438,6 +438,7 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
     if extra_bad is not None:
         local = local | extra_bad
     fill_bad = local if shared else jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
+    fill_bad = shards.any_block(fill_bad)
     fill = jnp.where(fill_bad, jnp.nan, 0.0)
     mean: list = [None] * len(segments)
     sent: list = [None] * len(segments)
@@ -516,7 +517,8 @@ def reduce_segments(
     input, with one scalar psum.
     """
     if not segments:
-        return Reduced([], [], [], jnp.bool_(False) if extra_bad is None else extra_bad)
+        bad = jnp.bool_(False) if extra_bad is None else extra_bad
+        return Reduced([], [], [], shards.any_block(bad))
     if inner_axis_name is None:
         return _reduce_flat(
             segments, axis_name, codec, strategy, key, servers, extra_bad, bucket_bytes

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import buckets, collectives, feedback, server, skeleton
+from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
 
@@ -65,6 +65,7 @@ def compressed_allreduce(
     server_feedback: bool = True,
     worker_momentum: float | None = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
+    param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -138,6 +139,13 @@ def compressed_allreduce(
         worker residual only (for comparison: it converges less close to uncompressed).
       worker_momentum: None (default) or ``beta`` in [0, 1): each device compresses its own
         momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). 0 is None.
+      param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
+        x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params
+        of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
+        of every leaf (per-block scales and selections) and keeps its memories sharded like
+        the params: no gradient-sized traffic over the other axes. Build the state with
+        ``jc.sharded_init(tx, params, mesh, axis_name, param_specs)``. With explicit axes
+        (``AxisType.Explicit``) the blocks are read from the inputs' types when this is None.
       bucket_bytes: encoded payloads of all leaves travel in buckets of about this many
         bytes, one collective per bucket per phase (default 32 MiB).
 
@@ -254,4 +262,6 @@ def compressed_allreduce(
         new_state = skeleton.freeze(reduced.bad, state, new_state)
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, shards.over_shards(update_fn, param_specs)
+    )

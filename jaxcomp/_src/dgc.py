@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import buckets, collectives, server, skeleton
+from jaxcomp._src import buckets, collectives, server, shards, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
@@ -63,6 +63,7 @@ def dgc(
     strategy: str = "allgather",
     seed: int = 0,
     inner_axis_name: Any = None,
+    param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Deep Gradient Compression: top-k at ``ratio`` with momentum correction and masking.
 
@@ -144,6 +145,13 @@ def dgc(
         train equally well (96.8% / 96.9%), but on XLA:CPU a two_phase step of a top-k payload
         is ~20x slower (48.7 vs 2.5 ms for a 64-256-10 MLP), hence the default.
       seed: seeds the PRNG key kept in the state.
+      param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
+        x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params
+        of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
+        of every leaf (per-block scales and selections) and keeps its memories sharded like
+        the params: no gradient-sized traffic over the other axes. Build the state with
+        ``jc.sharded_init(tx, params, mesh, axis_name, param_specs)``. With explicit axes
+        (``AxisType.Explicit``) the blocks are read from the inputs' types when this is None.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
         (float32 ``pmean``); DGC then runs over ``axis_name`` between hosts, every device
         of a host sending the host's payload (``L`` copies per host on the outer axis; see
@@ -311,4 +319,6 @@ def dgc(
         new_state = skeleton.freeze(bad, state, new_state)
         return layouts.assemble(updates, layout, means, plain_out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, shards.over_shards(update_fn, param_specs)
+    )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import collectives, shards, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import check_int
 
@@ -306,6 +306,7 @@ def powersgd(
     mask: Any = None,
     seed: int = 0,
     inner_axis_name: Any = None,
+    param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""PowerSGD: average gradients over ``axis_name`` through rank-``r`` factors.
 
@@ -397,6 +398,13 @@ def powersgd(
       mask: None, a pytree of bools like the params, or a callable params -> such a tree;
         False leaves go through plain ``pmean``.
       seed: seeds the initial ``Q`` and the key in the state.
+      param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
+        x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params
+        of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
+        of every leaf (per-block scales and selections) and keeps its memories sharded like
+        the params: no gradient-sized traffic over the other axes. Build the state with
+        ``jc.sharded_init(tx, params, mesh, axis_name, param_specs)``. With explicit axes
+        (``AxisType.Explicit``) the blocks are read from the inputs' types when this is None.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
         (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts, every device
         of a host sending the host's payload (``L`` copies per host on the outer axis; see
@@ -516,6 +524,7 @@ def powersgd(
             means, shares, plain_mean, q, bad = jax.lax.cond(
                 state.count < start_step, warmup, compress, None
             )
+        bad = shards.any_block(bad)
         low_shapes = [
             s
             for s, g in zip(p.layout.shapes, p.layout.groups, strict=True)
@@ -539,7 +548,9 @@ def powersgd(
         plains = _split(collectives.poison(plain_mean, bad), p._plain_sizes)
         return layouts.assemble(updates, p.layout, outs, plains), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(
+        init_fn, shards.over_shards(update_fn, param_specs)
+    )
 
 
 def _check_nonnegative(name: str, value: Any) -> float:

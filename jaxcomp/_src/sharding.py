@@ -47,14 +47,35 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _leaf_spec(value: Any, param_spec: P | None, shape: tuple | None, lead: tuple) -> P:
-    """``lead`` (the data axes, or nothing) composed with the param's own spec where the
-    leaf is shaped like its param (``(1, *shape)`` per device, ``shape`` replicated)."""
-    if param_spec is not None and shape is not None:
-        got = tuple(getattr(value, "shape", ()))
-        if got == (*((1,) if lead else ()), *shape):
-            return P(*lead, *param_spec, *([None] * (len(shape) - len(param_spec))))
-    return P(*lead)
+def _axes_of(spec: P) -> tuple:
+    """The mesh axes a spec shards over, in order (flattened)."""
+    out: tuple = ()
+    for entry in spec:
+        if entry is not None:
+            out += tuple(entry) if isinstance(entry, tuple) else (entry,)
+    return out
+
+
+def _leaf_spec(value: Any, param_spec: P, shapes: tuple, lead: tuple) -> P:
+    """The spec of one per-leaf state array belonging to a param with ``param_spec``.
+
+    ``lead``: the data axes for per-device fields (a leading device slot), ``()`` for
+    replicated ones. Shaped like the param (``(k, *shape)`` per device, ``shape``
+    replicated; ``shapes``: the param's global and per-block shapes): the param's own spec
+    behind ``lead``. Other shapes (a server residual's owned chunk, PowerSGD's ``Q``) hold
+    one block's values per shard of the param: their first axis after ``lead`` is laid out
+    over every axis that shards the param.
+    """
+    got = tuple(getattr(value, "shape", ()))
+    body = got[1:] if lead else got
+    if lead and len(got) == 0:
+        return P()
+    if any(body == tuple(s) for s in shapes):
+        return P(*lead, *param_spec, *([None] * (len(body) - len(param_spec))))
+    axes = _axes_of(param_spec)
+    if not axes or not body:
+        return P(*lead)
+    return P(*lead, axes if len(axes) > 1 else axes[0], *([None] * (len(body) - 1)))
 
 
 def _field_specs(value: Any, lead: tuple, params: tuple | None) -> Any:
@@ -74,7 +95,33 @@ def _field_specs(value: Any, lead: tuple, params: tuple | None) -> Any:
     return jax.tree.map(lambda _: P(*lead), value)
 
 
-def state_specs(state: Any, axis_name: Any, param_specs: Any = None, params: Any = None) -> Any:
+def _block_shape(shape: tuple, spec: P, mesh: Any) -> tuple:
+    """The shape each device holds of an array of ``shape`` laid out by ``spec`` on ``mesh``."""
+    out = list(shape)
+    for i, entry in enumerate(spec):
+        for a in () if entry is None else (entry if isinstance(entry, tuple) else (entry,)):
+            out[i] //= mesh.shape[a]
+    return tuple(out)
+
+
+def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
+    """(treedef, spec per param leaf, (global shape, block shape) per param leaf)."""
+    shaped = params if params is not None else param_specs
+    specs, treedef = jax.tree.flatten(
+        param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
+    )
+    specs = [_spec_of(x) for x in specs]
+    shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(shaped)]
+    if mesh is not None:
+        shapes = [(s, _block_shape(s, p, mesh)) for s, p in zip(shapes, specs, strict=True)]
+    else:
+        shapes = [(s,) for s in shapes]
+    return treedef, specs, shapes
+
+
+def state_specs(
+    state: Any, axis_name: Any, param_specs: Any = None, params: Any = None, mesh: Any = None
+) -> Any:
     """The ``PartitionSpec`` tree for an optimizer state (a chain that holds jaxcomp states).
 
     Per-device fields of jaxcomp states get ``P(axis_name)`` on their leading device axis;
@@ -92,15 +139,11 @@ def state_specs(state: Any, axis_name: Any, param_specs: Any = None, params: Any
     """
     lead = tuple(_names(axis_name))
     lead = (lead if len(lead) > 1 else lead[0],)
-    context = None
-    if param_specs is not None:
-        shaped = params if params is not None else param_specs
-        specs, treedef = jax.tree.flatten(
-            param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
-        )
-        shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(shaped)]
-        context = (treedef, [_spec_of(x) for x in specs], shapes)
+    context = None if param_specs is None else _param_context(param_specs, params, mesh)
+    return _specs(state, lead, context)
 
+
+def _specs(state: Any, lead: tuple, context: tuple | None) -> Any:
     def spec(node):
         if not is_sharded_state(node):
             return jax.tree.map(lambda _: P(), node)
@@ -112,12 +155,19 @@ def state_specs(state: Any, axis_name: Any, param_specs: Any = None, params: Any
                 if f in per_device
                 else _field_specs(value, (), context)
                 if context is not None and jax.tree.structure(value, is_leaf=_is_none) == context[0]
-                else state_specs(value, axis_name, param_specs, params)
+                else _specs(value, lead, context)
                 for f, value in zip(node._fields, node, strict=True)
             )
         )
 
     return jax.tree.map(spec, state, is_leaf=is_sharded_state)
+
+
+def block_specs(state: Any, param_specs: Any, like: Any) -> Any:
+    """Specs of a transform's state over the axes that shard its params, inside a
+    ``shard_map`` that is manual over the data axis: the device slot unsharded, the rest laid
+    out as :func:`state_specs` does (``like``: a tree shaped like the params)."""
+    return _specs(state, (None,), _param_context(param_specs, like))
 
 
 def abstract_init(tx: optax.GradientTransformation, params: Any, mesh: Any, axis_name: Any) -> Any:
@@ -145,28 +195,42 @@ def sharded_init(
 ) -> Any:
     """``tx.init(params)`` on every device of ``mesh``; per-device fields sharded on ``axis_name``.
 
-    The result feeds a ``shard_map`` step whose state specs are :func:`state_specs` of it
-    (with the same ``param_specs`` where params are sharded over other mesh axes: then the
-    step is ``jax.shard_map(..., axis_names={axis_name})`` and every per-leaf field keeps its
-    param's sharding over the other axes).
+    The result feeds a ``shard_map`` step whose state specs are :func:`state_specs` of it.
+
+    Params sharded over other mesh axes (``param_specs``: a tree like the params of
+    ``PartitionSpec`` or ``NamedSharding``; a data x model mesh whose step is
+    ``jax.shard_map(..., axis_names={axis_name})`` with the model axis explicit): each
+    device then inits the state of its own block of every param, and every state array is
+    laid out over the mesh by :func:`state_specs` with those ``param_specs``: memories
+    ``P(axis_name, *param_spec)``, so no device holds more than its block. The step's
+    ``shard_map`` specs are still ``state_specs(state, axis_name)`` (the manual axis only;
+    the arrays carry their model sharding).
     """
     names = _names(axis_name)
-    abstract = abstract_init(tx, params, mesh, axis_name)
-    manual = state_specs(abstract, axis_name)
-    others = set(mesh.axis_names) - set(names)
-    init = (
-        jax.shard_map(
-            tx.init, mesh=mesh, in_specs=P(), out_specs=manual, axis_names=set(names) | set()
-        )
-        if others
-        else jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=manual)
-    )
-    replicated = jax.device_put(params, NamedSharding(mesh, P()))
-    state = jax.jit(init)(replicated)
     if param_specs is None:
-        return state
-    full = state_specs(state, axis_name, param_specs, params)
-    return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), full))
+        abstract = abstract_init(tx, params, mesh, axis_name)
+        manual = state_specs(abstract, axis_name)
+        if set(mesh.axis_names) - set(names):
+            init = jax.shard_map(
+                tx.init, mesh=mesh, in_specs=P(), out_specs=manual, axis_names=set(names)
+            )
+        else:
+            init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=manual)
+        return jax.jit(init)(jax.device_put(params, NamedSharding(mesh, P())))
+    treedef, specs, shapes = _param_context(param_specs, params, mesh)
+    spec_tree = jax.tree.unflatten(treedef, specs)
+    blocks = jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(sh[1], jnp.result_type(x))
+            for sh, x in zip(shapes, jax.tree.leaves(params), strict=True)
+        ],
+    )
+    abstract = abstract_init(tx, blocks, mesh, axis_name)
+    full = state_specs(abstract, axis_name, param_specs, params, mesh)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
+    placed = jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), params, spec_tree)
+    return jax.jit(init)(placed)
 
 
 def replicate(tree: Any, num_devices: int | None = None) -> Any:

@@ -1,0 +1,116 @@
+"""Params sharded over other mesh axes: each device compresses its own shard.
+
+In a data x model mesh (``jax.shard_map(..., axis_names={"data"})``, params sharded over a
+``"model"`` axis) a gradient leaf of ``f32[1024, 4096]`` sharded ``P(None, "model")`` is, on
+each device, a ``1024 x 2048`` block. Flattening the whole leaf into the codec's 1-D vector
+would move the blocks between devices (an f32 all-to-all or all-gather over ``"model"`` of
+every gradient, and of every memory). Instead a transform's update runs inside a nested
+``jax.shard_map`` over the axes that shard the params (given as the transform's
+``param_specs``, or read from the inputs' types on explicit axes): each device encodes its
+own block, exchanges payloads over the data axis only, and keeps its memories sharded like
+the params. Scales and selections are then per block, and the bytes per device are those of a
+block's payload. The non-finite flag is shared over those axes (one scalar psum), so a NaN
+in any block poisons the whole step and freezes every block's memory.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp._src import sharding
+
+_AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxcomp_shard_axes", default=())
+
+
+def _explicit_axes() -> frozenset:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return frozenset()
+    return frozenset(
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+    )
+
+
+def _spec(x: Any) -> P:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return spec if isinstance(spec, P) else P()
+
+
+def _named(spec: P) -> set:
+    out = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        out |= set(entry) if isinstance(entry, tuple) else {entry}
+    return out
+
+
+def _given_specs(param_specs: Any, updates: Any, state: Any, params: Any) -> tuple:
+    specs = jax.tree.map(
+        sharding._spec_of,
+        param_specs,
+        is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding),
+    )
+    return (
+        specs,
+        sharding.block_specs(state, param_specs, updates),
+        None if params is None else specs,
+    )
+
+
+def over_shards(update: Callable, param_specs: Any = None) -> Callable:
+    """``update(updates, state, params=None, **extra)`` run per block of the mesh axes that
+    shard the params: ``param_specs`` (a tree like the params of ``PartitionSpec`` or
+    ``NamedSharding``; for axes the compiler lays out, ``AxisType.Auto``) or, where None, the
+    explicit axes in the inputs' types. Nothing changes where no param is sharded."""
+
+    @functools.wraps(update)
+    def wrapped(updates, state, params=None, **extra_args):
+        args = (updates, state, params)
+        if param_specs is not None:
+            specs = _given_specs(param_specs, updates, state, params)
+            axes = set().union(*(_named(s) for s in jax.tree.leaves(specs[0])), set())
+        else:
+            explicit = _explicit_axes()
+            if not explicit:
+                return update(updates, state, params, **extra_args)
+            specs = jax.tree.map(_spec, args)
+            axes = explicit & set().union(*(_named(s) for s in jax.tree.leaves(specs)), set())
+        if not axes:
+            return update(updates, state, params, **extra_args)
+
+        def body(updates, state, params):
+            token = _AXES.set(_AXES.get() + tuple(sorted(axes)))
+            try:
+                return update(updates, state, params, **extra_args)
+            finally:
+                _AXES.reset(token)
+
+        return jax.shard_map(
+            body,
+            in_specs=specs,
+            out_specs=(specs[0], specs[1]),
+            axis_names=set(axes),
+            # Leaves replicated over these axes share buckets with sharded ones: their
+            # values are identical on every block, their types say "varying".
+            check_vma=False,
+        )(*args)
+
+    return wrapped
+
+
+def any_block(flag: jax.Array) -> jax.Array:
+    """``flag`` or-ed over the blocks of :func:`over_shards` (itself outside of it)."""
+    axes = _AXES.get()
+    if not axes:
+        return flag
+    return jax.lax.psum(flag.astype(jnp.int32), axes) > 0

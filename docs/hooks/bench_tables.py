@@ -287,14 +287,15 @@ def _network(data: dict[str, Any], path: pathlib.Path) -> str:
     body = []
     for r in rows:
         codec_ms = r.get("encode_ms", 0.0) + r.get("decode_ms", 0.0)
+        has_allreduce = "allreduce_ms" in r  # step-only rows: torch DDP peers, powersgd
         row = [
             str(r.get("rate", "?")),
             str(r.get("devices", "?")),
             f"`{r['codec']}`",
             str(r.get("strategy", "-")),
-            f"{r.get('bytes_saving', 1.0):.1f}x",
-            _fmt(r["allreduce_ms"], 4),
-            f"{r.get('allreduce_speedup', 1.0):.2f}x",
+            f"{r.get('bytes_saving', 1.0):.1f}x" if has_allreduce else "–",
+            _fmt(r.get("allreduce_ms"), 4),
+            f"{r.get('allreduce_speedup', 1.0):.2f}x" if has_allreduce else "–",
             _fmt(codec_ms, 3) if codec_ms else "–",
             _fmt(r.get("link_ms"), 4),
         ]

@@ -179,9 +179,9 @@ def compressed_allreduce(
     flat = granularity == "flat"
 
     def chunks(layout: layouts.Layout):
-        """Owned chunk sizes per whole and segment; None outside the mesh (or if unused)."""
+        """Owned chunk sizes per whole and segment; None outside the mesh."""
         sizes = server.bound_sizes(axis_name, inner_axis_name)
-        if not use_server or sizes is None:
+        if sizes is None:
             return None
         plan = collectives.segments_for(list(layout.compressed_sizes), granularity)
         return server.chunk_sizes(plan, codec, strategy, *sizes)
@@ -193,7 +193,7 @@ def compressed_allreduce(
             "memory": skeleton.zeros_like_compressed(layout)
             if some and error_feedback is not None
             else None,
-            "server_residual": server.zeros(layout, chunks(layout), flat) if some else None,
+            "server_residual": server.zeros(layout, chunks(layout), flat, use_server and some),
             "estimate": skeleton.zeros_like_compressed(layout, lambda s: s)
             if some and error_feedback == "ef21"
             else None,
@@ -210,7 +210,10 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
-        skeleton.check_fields("compressed_allreduce", state, jax.eval_shape(lambda: fields(layout)))
+        expected = jax.eval_shape(lambda: fields(layout))
+        if server.is_whole(state.server_residual, layout, flat):  # built outside the mesh
+            expected["server_residual"] = state.server_residual
+        skeleton.check_fields("compressed_allreduce", state, expected)
         grads = layouts.compressed_vectors(updates, layout)
         plain_out, plain_bad = skeleton.plain_means(
             layouts.leaves_of(updates, layout, layouts.PLAIN), every_axis, bucket_bytes
@@ -227,14 +230,17 @@ def compressed_allreduce(
         targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
 
         plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
-        owned = chunks(layout) if grads else None
+        owned = chunks(layout) if grads and use_server else None
+        owner = server.Owner(axis_name, inner_axis_name)
         reduced = collectives.reduce_segments(
             plan.split(targets),
             axis_name,
             codec,
             strategy,
             step_key,
-            None if owned is None else server.read(state.server_residual, layout, owned, flat),
+            None
+            if owned is None
+            else server.read(state.server_residual, layout, owned, flat, owner),
             inner_axis_name,
             plain_bad,
             bucket_bytes,
@@ -251,7 +257,7 @@ def compressed_allreduce(
             memory=skeleton.like_state(layout, new_memory) if kind else state.memory,
             server_residual=state.server_residual
             if owned is None
-            else server.write(reduced.server, layout, owned, flat),
+            else server.write(reduced.server, state.server_residual, layout, owned, flat, owner),
             estimate=skeleton.like_state(layout, outs, per_device=False)
             if kind == "ef21"
             else state.estimate,

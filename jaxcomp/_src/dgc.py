@@ -212,7 +212,7 @@ def dgc(
 
     def chunks(layout: layouts.Layout):
         sizes = server.bound_sizes(axis_name, None)
-        if not use_server or sizes is None:
+        if sizes is None:
             return None
         plan = collectives.segments_for(list(layout.compressed_sizes), "leaf")
         return server.chunk_sizes(plan, codecs[-1], strategy, *sizes)
@@ -227,7 +227,7 @@ def dgc(
         return {
             "velocity": skeleton.zeros_like_compressed(layout) if some else None,
             "accumulation": skeleton.zeros_like_compressed(layout) if some else None,
-            "server_residual": server.zeros(layout, chunks(layout), False) if some else None,
+            "server_residual": server.zeros(layout, chunks(layout), False, use_server and some),
             "momentum": layouts.like_plain(layout, plain) if plain else None,
         }
 
@@ -242,7 +242,10 @@ def dgc(
         n = skeleton.begin("dgc", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, _matrix_mask)
-        skeleton.check_fields("dgc", state, jax.eval_shape(lambda: fields(layout)))
+        expected = jax.eval_shape(lambda: fields(layout))
+        if server.is_whole(state.server_residual, layout, False):  # built outside the mesh
+            expected["server_residual"] = state.server_residual
+        skeleton.check_fields("dgc", state, expected)
         g = layouts.compressed_vectors(updates, layout)
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
@@ -266,9 +269,12 @@ def dgc(
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         key, step_key = jax.random.split(state.key)
         plan = collectives.segments_for([a.shape[0] for a in v], "leaf")
-        owned = chunks(layout) if g else None
+        owned = chunks(layout) if g and use_server else None
+        owner = server.Owner(axis_name, None)
         servers = (
-            None if owned is None else server.read(state.server_residual, layout, owned, False)
+            None
+            if owned is None
+            else server.read(state.server_residual, layout, owned, False, owner)
         )
 
         def reduce_with(codec):
@@ -311,7 +317,7 @@ def dgc(
             else None,
             server_residual=state.server_residual
             if owned is None
-            else server.write(new_servers, layout, owned, False),
+            else server.write(new_servers, state.server_residual, layout, owned, False, owner),
             momentum=layouts.like_plain(layout, traces) if traces else None,
             key=key,
             count=state.count + 1,

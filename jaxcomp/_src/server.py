@@ -43,11 +43,24 @@ def bound_sizes(axis_name: Any, inner_axis_name: Any) -> tuple[int, int] | None:
     return None if n is None or n_inner is None else (n, n_inner)
 
 
-def zeros(layout: layouts.Layout, chunks: list[list[int]] | None, flat: bool) -> Any:
-    """The initial field: zeros of the owned chunks; None where nothing travels two-phase,
-    and None everywhere when ``chunks`` is None (built outside the mesh)."""
-    if chunks is None:
+def zeros(
+    layout: layouts.Layout, chunks: list[list[int]] | None, flat: bool, used: bool = True
+) -> Any:
+    """The initial field: zeros of the owned chunks, None where nothing travels two-phase.
+
+    Built outside the mesh (``chunks`` None, the number of devices unknown: ``tx.init``
+    called directly, then ``jc.replicate`` for ``pmap``), every compressed leaf gets room
+    for its whole vector, ``(1, d)``, of which each device reads and writes its own chunk:
+    the same algorithm, ``n`` times the memory. ``jc.sharded_init`` and
+    ``jax.pmap(tx.init, axis_name=...)`` build the compact field.
+    """
+    if not used:
         return None
+    if chunks is None:
+        sizes = [[s] for s in layout.compressed_sizes]
+        if flat:
+            sizes = [[sum(layout.compressed_sizes)]] if sizes else []
+        chunks = sizes
     arrays = [jnp.zeros((1, sum(c)), jnp.float32) if sum(c) else None for c in chunks]
     if flat:
         return arrays[0] if arrays else None
@@ -63,33 +76,107 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
     return [s for s, g in zip(slots, layout.groups, strict=True) if g == layouts.COMPRESSED]
 
 
-def read(field: Any, layout: layouts.Layout, chunks: list[list[int]], flat: bool) -> list:
-    """The owned chunk of every segment (``f32[c]``), None where it is not two-phase."""
-    if field is None and any(map(sum, chunks)):
-        raise ValueError(
-            "the two-phase server residual is missing from the state: it holds the chunk each "
-            "device owns, so its size depends on the number of devices, and a state built "
-            "outside the mesh has none. Build the state with jc.sharded_init(tx, params, mesh, "
-            "axis_name) under shard_map, or jax.pmap(tx.init, axis_name=...) under pmap."
+def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
+    """Whether ``field`` was built outside the mesh: room for each whole vector."""
+    sizes = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
+    wholes = _wholes(field, layout, flat)
+    return (
+        field is not None
+        and all(w is None or w.shape[-1] == d for w, d in zip(wholes, sizes, strict=True))
+        and any(w is not None for w in wholes)
+    )
+
+
+class Owner:
+    """Where this device's chunk of a segment lies: chunk ``outer`` of inner chunk ``inner``."""
+
+    def __init__(self, axis_name: Any, inner_axis_name: Any):
+        self.n = collectives.axis_size(axis_name)
+        self.outer = jax.lax.axis_index(axis_name)
+        if inner_axis_name is None:
+            self.n_inner, self.inner = 1, 0
+        else:
+            self.n_inner = collectives.axis_size(inner_axis_name)
+            self.inner = jax.lax.axis_index(inner_axis_name)
+
+    def _grid(self, d: int) -> tuple[int, int]:
+        c1 = ceil_div(d, self.n_inner)
+        return c1, ceil_div(c1, self.n)
+
+    def take(self, vector: jax.Array) -> jax.Array:
+        """This device's chunk of a whole-vector residual ``f32[d]``."""
+        c1, c2 = self._grid(vector.shape[0])
+        inner = jnp.pad(vector, (0, self.n_inner * c1 - vector.shape[0])).reshape(self.n_inner, c1)
+        part = jax.lax.dynamic_index_in_dim(inner, self.inner, keepdims=False)
+        return jax.lax.dynamic_slice(
+            jnp.pad(part, (0, self.n * c2 - c1)), (self.outer * c2,), (c2,)
         )
+
+    def put(self, vector: jax.Array, chunk: jax.Array) -> jax.Array:
+        """``vector`` with this device's chunk replaced by ``chunk``."""
+        d = vector.shape[0]
+        c1, c2 = self._grid(d)
+        inner = jnp.pad(vector, (0, self.n_inner * c1 - d)).reshape(self.n_inner, c1)
+        part = jax.lax.dynamic_index_in_dim(inner, self.inner, keepdims=False)
+        part = jax.lax.dynamic_update_slice(
+            jnp.pad(part, (0, self.n * c2 - c1)), chunk, (self.outer * c2,)
+        )
+        inner = jax.lax.dynamic_update_index_in_dim(inner, part[:c1], self.inner, 0)
+        return inner.reshape(-1)[:d]
+
+
+def read(
+    field: Any, layout: layouts.Layout, chunks: list[list[int]], flat: bool, owner: Owner
+) -> list:
+    """The owned chunk of every segment (``f32[c]``), None where it is not two-phase."""
+    whole_room = is_whole(field, layout, flat)
     out = []
-    for whole, sizes in zip(_wholes(field, layout, flat), chunks, strict=True):
+    for whole, sizes, pieces in zip(
+        _wholes(field, layout, flat), chunks, _piece_sizes(layout, flat), strict=True
+    ):
         offset = 0
-        for c in sizes:
-            out.append(jnp.ravel(whole)[offset : offset + c] if c else None)
-            offset += c
+        for c, d in zip(sizes, pieces, strict=True):
+            if not c:
+                out.append(None)
+            elif whole_room:
+                out.append(owner.take(jnp.ravel(whole)[offset : offset + d]))
+            else:
+                out.append(jnp.ravel(whole)[offset : offset + c])
+            offset += d if whole_room else c
     return out
 
 
-def write(new: list, layout: layouts.Layout, chunks: list[list[int]], flat: bool) -> Any:
-    """The field holding ``new`` (per segment, None where not two-phase)."""
+def _piece_sizes(layout: layouts.Layout, flat: bool) -> list[list[int]]:
+    plan = collectives.segments_for(list(layout.compressed_sizes), "flat" if flat else "leaf")
+    return plan.pieces()
+
+
+def write(
+    new: list, field: Any, layout: layouts.Layout, chunks: list[list[int]], flat: bool, owner: Owner
+) -> Any:
+    """The field holding ``new`` (per segment, None where not two-phase), in the layout of
+    ``field`` (owned chunks, or room for the whole vector)."""
+    whole_room = is_whole(field, layout, flat)
     it = iter(new)
     arrays = []
-    for sizes in chunks:
+    for whole, sizes, pieces in zip(
+        _wholes(field, layout, flat), chunks, _piece_sizes(layout, flat), strict=True
+    ):
         parts = [next(it) for _ in sizes]
+        if whole_room:
+            if whole is None:
+                arrays.append(None)
+                continue
+            vector, offset, kept = jnp.ravel(whole), 0, []
+            for p, c, d in zip(parts, sizes, pieces, strict=True):
+                piece = vector[offset : offset + d]
+                kept.append(owner.put(piece, p) if c else piece)
+                offset += d
+            arrays.append((kept[0] if len(kept) == 1 else jnp.concatenate(kept))[None])
+            continue
         kept = [p for p, c in zip(parts, sizes, strict=True) if c]
         arrays.append(
-            jnp.concatenate(kept)[None] if len(kept) > 1 else kept[0][None] if kept else None
+            (kept[0] if len(kept) == 1 else jnp.concatenate(kept))[None] if kept else None
         )
     if flat:
         return arrays[0]

@@ -461,7 +461,8 @@ def test_pmean_and_transforms_split_huge_leaves():
         (jc.dgc(1e-6, "data"), matrix),
     ):
         params = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in tree.items()}
-        assert jax.eval_shape(tx.init, params)[0].shape[0] > 2**31 - 1  # d above the limit
+        memory = jax.tree.leaves(jax.eval_shape(tx.init, params)[0])
+        assert sum(math.prod(m.shape) for m in memory) > 2**31 - 1  # d above the limit
         state, specs = abstract_state(tx, params)
         out = in_shard_map(lambda g, s, tx=tx: tx.update(g, s)[0], tree, state, specs)
         assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in params.items()}

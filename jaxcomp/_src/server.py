@@ -4,14 +4,16 @@ With ``two_phase`` device ``i`` owns chunk ``i`` of every segment (``c = ceil(d/
 ``ceil(ceil(d/L)/n)`` hierarchically) and re-encodes that chunk's average; the re-encoding
 error stays with it (1-bit Adam's server error). So the field holds exactly the owned
 chunks: per compressed leaf (or, with ``granularity="flat"``, for the one flat vector) an
-``f32[1, sum_s c_s]`` over its segments that travel two-phase, None where none does. Its
-size depends on ``n``: the state must be built where the axis is bound
-(``jc.sharded_init``, ``jax.pmap(tx.init, axis_name=...)``).
+``f32[1, sum_s c_s]`` over its segments (unused where ``auto`` picks another strategy for
+the segment: the field's leaves do not depend on ``n``). Its size does: built where the axis
+is bound (``jc.sharded_init``, ``jax.pmap(tx.init, axis_name=...)``) it holds the owned
+chunks only; built outside (``tx.init``) it has room for each whole vector, ``f32[1, d]``,
+of which each device reads and writes its own chunk.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +23,30 @@ from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import Codec, ceil_div
 
 
+class Chunks(NamedTuple):
+    """Per whole (leaf, or the flat vector), per segment: the owned chunk's size, and whether
+    the segment travels two-phase (the others keep an unused chunk, so that the field has
+    the same leaves whatever strategy ``auto`` picks for ``n``)."""
+
+    sizes: list[list[int]]
+    used: list[list[bool]]
+
+
 def chunk_sizes(
     plan: collectives.Segments, codec: Codec, strategy: str, n: int, n_inner: int
-) -> list[list[int]]:
-    """Per whole (leaf, or the flat vector), per segment: its owned chunk (0 if not two-phase)."""
-    return [
+) -> Chunks:
+    """The :class:`Chunks` of a gradient's segments over ``n`` (and ``n_inner``) devices."""
+    pieces = plan.pieces()
+    return Chunks(
+        [[collectives.server_size(d, n, n_inner) for d in p] for p in pieces],
         [
-            collectives.server_size(d, n, n_inner)
-            if collectives.choose_strategy(codec, ceil_div(d, n_inner), n, strategy) == "two_phase"
-            else 0
-            for d in pieces
-        ]
-        for pieces in plan.pieces()
-    ]
+            [
+                collectives.choose_strategy(codec, ceil_div(d, n_inner), n, strategy) == "two_phase"
+                for d in p
+            ]
+            for p in pieces
+        ],
+    )
 
 
 def bound_sizes(axis_name: Any, inner_axis_name: Any) -> tuple[int, int] | None:
@@ -43,10 +56,8 @@ def bound_sizes(axis_name: Any, inner_axis_name: Any) -> tuple[int, int] | None:
     return None if n is None or n_inner is None else (n, n_inner)
 
 
-def zeros(
-    layout: layouts.Layout, chunks: list[list[int]] | None, flat: bool, used: bool = True
-) -> Any:
-    """The initial field: zeros of the owned chunks, None where nothing travels two-phase.
+def zeros(layout: layouts.Layout, chunks: Chunks | None, flat: bool, used: bool = True) -> Any:
+    """The initial field: zeros of the owned chunks of every compressed leaf (None if unused).
 
     Built outside the mesh (``chunks`` None, the number of devices unknown: ``tx.init``
     called directly, then ``jc.replicate`` for ``pmap``), every compressed leaf gets room
@@ -57,14 +68,13 @@ def zeros(
     if not used:
         return None
     if chunks is None:
-        sizes = [[s] for s in layout.compressed_sizes]
-        if flat:
-            sizes = [[sum(layout.compressed_sizes)]] if sizes else []
-        chunks = sizes
-    arrays = [jnp.zeros((1, sum(c)), jnp.float32) if sum(c) else None for c in chunks]
+        widths = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
+    else:
+        widths = [sum(c) for c in chunks.sizes]
+    arrays = [jnp.zeros((1, w), jnp.float32) for w in widths]
     if flat:
         return arrays[0] if arrays else None
-    return layouts.like_compressed(layout, arrays) if any(a is not None for a in arrays) else None
+    return layouts.like_compressed(layout, arrays) if arrays else None
 
 
 def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
@@ -125,24 +135,23 @@ class Owner:
         return inner.reshape(-1)[:d]
 
 
-def read(
-    field: Any, layout: layouts.Layout, chunks: list[list[int]], flat: bool, owner: Owner
-) -> list:
+def read(field: Any, layout: layouts.Layout, chunks: Chunks, flat: bool, owner: Owner) -> list:
     """The owned chunk of every segment (``f32[c]``), None where it is not two-phase."""
     whole_room = is_whole(field, layout, flat)
     out = []
-    for whole, sizes, pieces in zip(
-        _wholes(field, layout, flat), chunks, _piece_sizes(layout, flat), strict=True
+    for whole, sizes, used, pieces in zip(
+        _wholes(field, layout, flat),
+        chunks.sizes,
+        chunks.used,
+        _piece_sizes(layout, flat),
+        strict=True,
     ):
         offset = 0
-        for c, d in zip(sizes, pieces, strict=True):
-            if not c:
-                out.append(None)
-            elif whole_room:
-                out.append(owner.take(jnp.ravel(whole)[offset : offset + d]))
-            else:
-                out.append(jnp.ravel(whole)[offset : offset + c])
-            offset += d if whole_room else c
+        for c, u, d in zip(sizes, used, pieces, strict=True):
+            width = d if whole_room else c
+            part = jnp.ravel(whole)[offset : offset + width]
+            out.append(None if not u else owner.take(part) if whole_room else part)
+            offset += width
     return out
 
 
@@ -152,32 +161,25 @@ def _piece_sizes(layout: layouts.Layout, flat: bool) -> list[list[int]]:
 
 
 def write(
-    new: list, field: Any, layout: layouts.Layout, chunks: list[list[int]], flat: bool, owner: Owner
+    new: list, field: Any, layout: layouts.Layout, chunks: Chunks, flat: bool, owner: Owner
 ) -> Any:
-    """The field holding ``new`` (per segment, None where not two-phase), in the layout of
-    ``field`` (owned chunks, or room for the whole vector)."""
+    """``field`` with the owned chunks replaced by ``new`` (per segment, None where not
+    two-phase: kept as it was), in the layout of ``field`` (owned chunks, or whole vectors)."""
     whole_room = is_whole(field, layout, flat)
     it = iter(new)
     arrays = []
     for whole, sizes, pieces in zip(
-        _wholes(field, layout, flat), chunks, _piece_sizes(layout, flat), strict=True
+        _wholes(field, layout, flat), chunks.sizes, _piece_sizes(layout, flat), strict=True
     ):
-        parts = [next(it) for _ in sizes]
-        if whole_room:
-            if whole is None:
-                arrays.append(None)
-                continue
-            vector, offset, kept = jnp.ravel(whole), 0, []
-            for p, c, d in zip(parts, sizes, pieces, strict=True):
-                piece = vector[offset : offset + d]
-                kept.append(owner.put(piece, p) if c else piece)
-                offset += d
-            arrays.append((kept[0] if len(kept) == 1 else jnp.concatenate(kept))[None])
-            continue
-        kept = [p for p, c in zip(parts, sizes, strict=True) if c]
-        arrays.append(
-            (kept[0] if len(kept) == 1 else jnp.concatenate(kept))[None] if kept else None
-        )
+        vector, offset, kept = jnp.ravel(whole), 0, []
+        for c, d in zip(sizes, pieces, strict=True):
+            width = d if whole_room else c
+            part, chunk = vector[offset : offset + width], next(it)
+            if chunk is not None:
+                part = owner.put(part, chunk) if whole_room else chunk
+            kept.append(part)
+            offset += width
+        arrays.append((kept[0] if len(kept) == 1 else jnp.concatenate(kept))[None])
     if flat:
         return arrays[0]
-    return layouts.like_compressed(layout, arrays) if any(a is not None for a in arrays) else None
+    return layouts.like_compressed(layout, arrays)

@@ -1,7 +1,8 @@
-"""Shared test helpers: the 8-device mesh and shard_map wrappers."""
+"""Shared test helpers: the 8-device mesh, shard_map wrappers, and readers of jaxcomp states."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,3 +44,88 @@ def stacked_normal(seed, shape, n=N, offset=0.0):
 
 def rel_err(a, b):
     return float(jnp.linalg.norm(jnp.ravel(a - b)) / jnp.linalg.norm(jnp.ravel(b)))
+
+
+# --------------------------------------------------------------------------- reading states
+#
+# Per-device memory fields (``memory``, ``momentum``, ``server_residual``, ``velocity``,
+# ``accumulation``, ``error``) are pytrees like the params, None where a leaf is not
+# compressed; a compressed leaf's global array is (n, *param.shape), row i on device i. The
+# two-phase server residual holds only the chunk a device owns: global (n, ceil(size / n)),
+# whose flattening is the leaf's whole server residual (hierarchically: see server_per_leaf).
+
+
+def is_jaxcomp(node):
+    return isinstance(node, tuple) and hasattr(type(node), "PER_DEVICE_FIELDS")
+
+
+def jaxcomp_state(state):
+    """The first jaxcomp state (a NamedTuple with per-device fields) inside a chain's state."""
+    found = [node for node in jax.tree.leaves(state, is_leaf=is_jaxcomp) if is_jaxcomp(node)]
+    assert found, f"no jaxcomp state in {type(state).__name__}"
+    return found[0]
+
+
+def _shape(param):
+    return tuple(np.shape(param))
+
+
+def per_leaf(field, params: dict) -> dict:
+    """A per-device field as {leaf name: float64 (n, *shape) or None}."""
+    if isinstance(field, dict):
+        return {k: None if field.get(k) is None else _devices(field[k], params[k]) for k in params}
+    raise AssertionError(f"per-device field is not shaped like the params: {type(field)}")
+
+
+def _devices(x, param) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return x.reshape(x.shape[0] if x.ndim else 1, *_shape(param))
+
+
+def device_mean(field, params: dict) -> dict:
+    """A per-device field averaged over devices: {leaf name: float64 (*shape) or None}."""
+    return {k: None if m is None else m.mean(0) for k, m in per_leaf(field, params).items()}
+
+
+def replicated_per_leaf(field, params: dict) -> dict:
+    """A replicated field like the params (EF21's estimate): {leaf name: (*shape) or None}."""
+    if isinstance(field, dict):
+        return {k: None if field.get(k) is None else np.asarray(field[k]) for k in params}
+    raise AssertionError(f"replicated field is not shaped like the params: {type(field)}")
+
+
+def server_per_leaf(field, params: dict, hosts: int = N) -> dict:
+    """The two-phase server residual, each leaf's owned chunks joined: {name: (*shape)}.
+
+    ``field`` as built by ``jc.sharded_init`` (global ``(N, c)`` per leaf, the owned chunks).
+    Hierarchically (``hosts`` x ``N // hosts`` devices, host-major) device ``(h, l)`` owns
+    part ``h`` of chunk ``l`` of the inner reduce-scatter: the chunks join inner-major.
+    """
+    if not isinstance(field, dict):
+        raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
+    out = {}
+    for k, p in params.items():
+        if field.get(k) is None:
+            out[k] = None
+            continue
+        size = int(np.prod(_shape(p)))
+        chunks = np.asarray(field[k], np.float64).reshape(hosts, N // hosts, -1)
+        out[k] = chunks.transpose(1, 0, 2).reshape(-1)[:size].reshape(_shape(p))
+    return out
+
+
+def held_back(state, params: dict, memory=("memory",), hosts: int = N) -> dict:
+    """What the devices hold back, in units of the mean, per leaf (float64, zeros where
+    nothing is held): mean_i of each per-device field in ``memory`` + the server residual."""
+    ours = jaxcomp_state(state)
+    total = {k: np.zeros(_shape(p)) for k, p in params.items()}
+    for name in memory:
+        for k, m in device_mean(getattr(ours, name), params).items():
+            if m is not None:
+                total[k] += m
+    server = getattr(ours, "server_residual", None)
+    if server is not None:
+        for k, s in server_per_leaf(server, params, hosts).items():
+            if s is not None:
+                total[k] += s
+    return total

@@ -30,7 +30,16 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import Blocking, N
+from helpers import (
+    Blocking,
+    N,
+    held_back,
+    is_jaxcomp,
+    jaxcomp_state,
+    per_leaf,
+    replicated_per_leaf,
+    server_per_leaf,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,75 +53,8 @@ DGC_MOMENTUM = 0.9  # jc.dgc's default
 
 # --------------------------------------------------------------------------- reading states
 #
-# Per-device memory fields (``memory``, ``momentum``, ``server_residual``, ``velocity``,
-# ``accumulation``, ``error``) are pytrees like the params, None where a leaf is not
-# compressed; a compressed leaf's global array is (n, *param.shape), row i on device i. The
-# two-phase server residual holds only the chunk a device owns: global (n, ceil(size / n)),
-# whose flattening is the leaf's whole server residual (hierarchically: see server_per_leaf).
-
-
-def is_jaxcomp(node: Any) -> bool:
-    return isinstance(node, tuple) and hasattr(type(node), "PER_DEVICE_FIELDS")
-
-
-def jaxcomp_state(state: Any) -> Any:
-    """The first jaxcomp state (a NamedTuple with per-device fields) inside a chain's state."""
-    found = [node for node in jax.tree.leaves(state, is_leaf=is_jaxcomp) if is_jaxcomp(node)]
-    assert found, f"no jaxcomp state in {type(state).__name__}"
-    return found[0]
-
-
-def per_leaf(field: Any, params: dict) -> dict:
-    """A per-device field as {leaf name: float64 (n, *shape) or None}."""
-    if isinstance(field, dict):
-        return {k: None if field.get(k) is None else _devices(field[k], params[k]) for k in params}
-    raise AssertionError(f"per-device field is not shaped like the params: {type(field)}")
-
-
-def _devices(x: Any, param: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, np.float64)
-    return x.reshape(x.shape[0] if x.ndim else 1, *param.shape)
-
-
-def replicated_per_leaf(field: Any, params: dict) -> dict:
-    """A replicated field like the params (EF21's estimate): {leaf name: (*shape) or None}."""
-    if isinstance(field, dict):
-        return {k: None if field.get(k) is None else np.asarray(field[k]) for k in params}
-    raise AssertionError(f"replicated field is not shaped like the params: {type(field)}")
-
-
-def server_per_leaf(field: Any, params: dict, hosts: int = N) -> dict:
-    """The two-phase server residual, each leaf's owned chunks joined: {name: (*shape)}.
-
-    Hierarchically (``hosts`` x ``N // hosts`` devices, host-major) device ``(h, l)`` owns
-    part ``h`` of chunk ``l`` of the inner reduce-scatter: the chunks join inner-major.
-    """
-    if not isinstance(field, dict):
-        raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
-    out = {}
-    for k, p in params.items():
-        if field.get(k) is None:
-            out[k] = None
-            continue
-        chunks = np.asarray(field[k], np.float64).reshape(hosts, N // hosts, -1)
-        out[k] = chunks.transpose(1, 0, 2).reshape(-1)[: p.size].reshape(p.shape)
-    return out
-
-
-def held_back(row: Row, state: Any, params: dict) -> dict:
-    """What the devices hold back, in units of the mean: mean_i memory_i + server residual."""
-    ours = jaxcomp_state(state)
-    total = {k: np.zeros(p.shape) for k, p in params.items()}
-    for name in row.memory:
-        for k, m in per_leaf(getattr(ours, name), params).items():
-            if m is not None:
-                total[k] += m.mean(0)
-    server = getattr(ours, "server_residual", None)
-    if server is not None:
-        for k, s in server_per_leaf(server, params, row.hosts).items():
-            if s is not None:
-                total[k] += s
-    return total
+# The readers of per-device fields (per_leaf, server_per_leaf, held_back, ...) live in
+# tests/helpers.py, shared with the per-transform tests.
 
 
 def fed_mean(state: Any, g: dict, previous: dict, params: dict) -> dict:
@@ -457,7 +399,7 @@ def test_error_feedback_conserves_the_gradient(row):
         for k in SHAPES:
             fed_total[k] += fed[k]
             applied[k] += outs[t][k][0]
-    held = held_back(row, states[-1], p)
+    held = held_back(states[-1], p, row.memory, row.hosts)
     for k in SHAPES:
         np.testing.assert_allclose(applied[k] + held[k], fed_total[k], atol=row.atol, err_msg=k)
     # ... and compression did hold something back (the law is not met by sending everything).

@@ -158,8 +158,11 @@ def test_low_rank_mean_is_exact():
         np.testing.assert_allclose(out["bias"], 3.5, rtol=1e-6)
     # Memory: zero for the identical grads; for the varied ones each device keeps what it
     # could not send, and those residuals cancel in the mean.
-    err_same, err_varied = (np.asarray(e) for e in state.error)  # one array per shape group
+    # Per leaf like the params, None at the plain "bias"; per device (n, *param.shape).
+    assert state.error["bias"] is None and state.q["bias"] is None
+    err_same, err_varied = np.asarray(state.error["same"]), np.asarray(state.error["varied"])
     assert err_same.shape == (N, 96, 64) and err_varied.shape == (N, 80, 48)
+    assert state.q["same"].shape == (64, 4) and state.q["varied"].shape == (48, 4)  # (m, r)
     assert np.abs(err_same).max() < 1e-4
     assert np.abs(err_varied).max() > 0.1
     assert np.abs(err_varied.mean(0)).max() < 1e-4
@@ -242,11 +245,16 @@ def test_warmup_then_compression():
         out, state = step(grads, state)
         if t < 2:
             np.testing.assert_allclose(out["w"], g.mean(0), rtol=1e-5, atol=1e-6)
-            assert not any(np.asarray(e).any() for e in state.error)
+            assert not any(np.asarray(e).any() for e in jax.tree.leaves(state.error))
         else:
             assert rel(out["w"], g.mean(0)) > 0.3  # rank 2 of a random matrix: lossy
-            assert all(np.asarray(e).any() for e in state.error)
-    # One error array per group, in plan order: groups by shape ("h", "v", "w" here).
+            assert all(np.asarray(e).any() for e in jax.tree.leaves(state.error))
+    # One error array per low-rank leaf, like the params; None at the f16 vector "b".
+    assert state.error["b"] is None
+    assert {k: e.shape for k, e in state.error.items() if e is not None} == {
+        k: (N, *s) for k, (s, _) in SHARED_SHAPES.items() if k != "b"
+    }
+    # Same-shaped matrices are batched for the work only: groups by shape, in plan order.
     plan = plan_of(
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), grads), 2, min_size=1
     )
@@ -278,7 +286,7 @@ def test_cold_start_and_no_error_feedback_state():
     params = {"w": np.zeros((64, 32), np.float32)}
     tx = powersgd(2, "data", start_step=0, warm_start=False, error_feedback=False)
     shapes = jax.eval_shape(tx.init, params)
-    assert shapes.q == () and shapes.error == ()
+    assert shapes.q is None and shapes.error is None  # unused fields are None
     step, state = make_step(tx, params)
     target = low_rank(7, 64, 32, 2)
     out1, state = step(put({"w": stacked(target)}), state)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import N, mesh, per_device, shard
+from helpers import N, device_mean, mesh, per_device, replicated_per_leaf, server_per_leaf, shard
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -265,10 +265,13 @@ def _gradients(t):
     }
 
 
+PARAMS = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+
+
 def run_scan(tx, fed_fn):
     """100 steps of tx.update in one jitted lax.scan; returns (sum of outputs, sum of fed,
     final state) with per-device state fields stacked over devices."""
-    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    params = jax.tree.map(jnp.asarray, PARAMS)
     m = mesh()
     state = jc.sharded_init(tx, params, m, "data")
     specs = jc.state_specs(state, "data")
@@ -292,12 +295,15 @@ def run_scan(tx, fed_fn):
     return jax.tree.map(np.asarray, out_sum), jax.tree.map(np.asarray, fed_sum), state
 
 
-def _per_device(a):
-    return np.asarray(a, np.float64).reshape(N, -1)
-
-
 def _flat(tree, keys=("v", "w")):  # the compressed leaves, in tree (sorted-key) order
     return np.concatenate([np.ravel(tree[k]).astype(np.float64) for k in keys])
+
+
+def _server(state):
+    """The whole two-phase server residual per leaf (owned chunks joined), 0 where none."""
+    field = state.server_residual
+    whole = {} if field is None else server_per_leaf(field, PARAMS)
+    return {k: np.zeros(s) if whole.get(k) is None else whole[k] for k, s in SHAPES.items()}
 
 
 # majority_vote is left out on purpose: its output is the sign of the vote, not the mean of
@@ -320,17 +326,18 @@ def test_error_feedback_conserves_over_100_steps(name, kind, strategy):
     )
     out_sum, fed_sum, state = run_scan(tx, lambda g, s: g)
     np.testing.assert_allclose(out_sum["b"], fed_sum["b"], rtol=1e-5, atol=1e-4)  # plain pmean
-    server = _per_device(state.server_residual).sum(0) if state.server_residual is not None else 0.0
+    server = _flat(_server(state))
+    assert state.memory["b"] is None  # plain pmean: no memory
     if kind == "residual":
-        memory = _per_device(state.memory).mean(0)
+        memory = _flat(device_mean(state.memory, PARAMS))
         lhs, rhs = _flat(out_sum) + memory + server, _flat(fed_sum)
         # bf16 payloads are *added* in bf16 inside the psum: rounding no memory can see.
         atol = 0.5 if name == "bf16" else 2e-3
         np.testing.assert_allclose(lhs, rhs, atol=atol)
         assert np.abs(memory).max() > 0 or name == "bf16"
     else:  # ef21: the global estimate is the mean of the device estimates (+ server residual)
-        estimate = np.asarray(state.estimate, np.float64)
-        local = _per_device(state.memory).mean(0)
+        estimate = _flat(replicated_per_leaf(state.estimate, PARAMS))
+        local = _flat(device_mean(state.memory, PARAMS))
         np.testing.assert_allclose(estimate + server, local, atol=1e-3)
         # and it tracks the last mean gradient (nothing drifts away)
         assert np.isfinite(estimate).all()
@@ -357,14 +364,15 @@ def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
     )
 
     def fed(g, s):  # what enters the accumulation this step (compressed leaves: only "w")
-        u = s.velocity.reshape(SHAPES["w"])
+        u = s.velocity["w"].reshape(SHAPES["w"])  # this device's slot (1, *shape)
         gw = g["w"]
         new = m_ * (u + gw) + gw if nesterov else m_ * u + gw
         return {"w": new, "v": g["v"], "b": g["b"]}
 
     out_sum, fed_sum, state = run_scan(tx, fed)
-    server = _per_device(state.server_residual).sum(0) if state.server_residual is not None else 0.0
-    lhs = np.ravel(out_sum["w"]) + _per_device(state.accumulation).mean(0) + server
+    assert state.velocity["v"] is None and state.accumulation["v"] is None  # 1-D: plain
+    waiting = device_mean(state.accumulation, PARAMS)["w"]
+    lhs = np.ravel(out_sum["w"] + waiting + _server(state)["w"])
     np.testing.assert_allclose(lhs, np.ravel(fed_sum["w"]), rtol=1e-4, atol=2e-3)
     if not masking and not nesterov:
         # Without masking u_t = m u_{t-1} + g_t exactly, so
@@ -393,8 +401,8 @@ def _host_gradient(t, i):
 def test_powersgd_conserves_over_100_steps():
     tx = jc.powersgd(2, "data", start_step=3, min_size=10, min_compression_rate=1.5)
     out_sum, fed_sum, state = run_scan(tx, lambda g, s: g)
-    (error,) = state.error  # one group: "w" (12 x 40)
-    memory = np.asarray(error, np.float64).reshape(N, *SHAPES["w"]).mean(0)
+    assert state.error["v"] is None and state.error["b"] is None  # 1-D leaves: no error
+    memory = device_mean(state.error, PARAMS)["w"]  # "w" (12 x 40): the one low-rank leaf
     np.testing.assert_allclose(out_sum["w"] + memory, fed_sum["w"], rtol=1e-4, atol=2e-3)
     assert np.abs(memory).max() > 0
     for k in ("v", "b"):  # 1-D leaves: plain pmean

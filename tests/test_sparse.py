@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import device_mean
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -459,7 +460,8 @@ def test_dgc_sampled_selection_conserves_gradient_mass(mesh):
         fed, applied = fed + g.mean(0), applied + out
         k = sparse.count_for(0.01, d)
         assert 0.8 * k <= np.sum(out != 0) <= N * k
-    waiting = np.asarray(state.accumulation).reshape(N, 256, 256).mean(0)
+    assert state.accumulation["w"].shape == (N, 256, 256)  # per device, like the param
+    waiting = device_mean(state.accumulation, params)["w"]
     assert np.max(np.abs(applied + waiting - fed)) < 1e-4
 
 

@@ -7,7 +7,9 @@ Every leaf of a gradient tree falls in one of three groups:
 * ``passthrough`` — integer/bool leaves: returned untouched.
 
 Each compressed leaf is worked on as its own float32 vector (a free reshape), and per-leaf
-state mirrors the gradient tree with None at the other leaves (as optax's ``mu`` mirrors
+state mirrors the gradient tree with ``optax.MaskedNode()`` at the other leaves, as
+``optax.masked`` does (an empty subtree, so it adds no leaf for jax, orbax or flax.nnx; as
+optax's ``mu`` mirrors
 the params): never one concatenation of all leaves, which costs a pass and, in a data x
 model mesh, an all-gather of model-sharded gradients.
 """
@@ -20,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 COMPRESSED, PLAIN, PASSTHROUGH = "compressed", "plain", "passthrough"
 
@@ -86,8 +89,7 @@ def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
 
 def leaves_of(tree: Any, layout: Layout, group: str) -> list[jax.Array]:
     """The leaves of ``tree`` in ``group`` (``COMPRESSED``, ``PLAIN`` or ``PASSTHROUGH``), in
-    tree order. ``tree`` has the gradient's structure; a state field that holds None at the
-    other leaves works too (None is an empty subtree)."""
+    tree order. ``tree`` has the gradient's structure."""
     return [
         leaf for leaf, g in zip(jax.tree.leaves(tree), layout.groups, strict=True) if g == group
     ]
@@ -100,22 +102,37 @@ def compressed_vectors(tree: Any, layout: Layout) -> list[jax.Array]:
 
 def like_compressed(layout: Layout, values: list[Any]) -> Any:
     """A tree with the gradient's structure: ``values`` at the compressed leaves (in order),
-    None elsewhere (the shape of per-leaf state, as optax's ``mu`` mirrors the params)."""
+    ``optax.MaskedNode()`` elsewhere (per-leaf state, as optax's ``mu`` mirrors the params;
+    ``None`` in ``values`` also becomes a ``MaskedNode``)."""
     it = iter(values)
-    leaves = [next(it) if g == COMPRESSED else None for g in layout.groups]
+    leaves = [_slot(next(it)) if g == COMPRESSED else optax.MaskedNode() for g in layout.groups]
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
 def like_plain(layout: Layout, values: list[Any]) -> Any:
     """As :func:`like_compressed`, for the plain (uncompressed floating) leaves."""
     it = iter(values)
-    leaves = [next(it) if g == PLAIN else None for g in layout.groups]
+    leaves = [_slot(next(it)) if g == PLAIN else optax.MaskedNode() for g in layout.groups]
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
+def _slot(value: Any) -> Any:
+    return optax.MaskedNode() if value is None else value
+
+
+def is_empty(x: Any) -> bool:
+    """A slot of a per-leaf state field that holds nothing."""
+    return isinstance(x, optax.MaskedNode)
+
+
+def slots(field: Any) -> list[Any]:
+    """Every slot of a per-leaf state field, one per gradient leaf (``MaskedNode`` included)."""
+    return jax.tree.leaves(field, is_leaf=is_empty)
+
+
 def field_leaves(field: Any) -> list[jax.Array]:
-    """The arrays of a per-leaf state field (None leaves skipped), in tree order."""
-    return [a for a in jax.tree.leaves(field) if a is not None]
+    """The arrays of a per-leaf state field (empty slots skipped), in tree order."""
+    return jax.tree.leaves(field)
 
 
 def saturating_cast(x: jax.Array, dtype: Any) -> jax.Array:

@@ -82,7 +82,7 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
         return [field]
     if field is None:
         return [None] * layout.groups.count(layouts.COMPRESSED)
-    slots = jax.tree.leaves(field, is_leaf=lambda x: x is None)
+    slots = layouts.slots(field)
     return [s for s, g in zip(slots, layout.groups, strict=True) if g == layouts.COMPRESSED]
 
 
@@ -92,8 +92,8 @@ def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
     wholes = _wholes(field, layout, flat)
     return (
         field is not None
-        and all(w is None or w.shape[-1] == d for w, d in zip(wholes, sizes, strict=True))
-        and any(w is not None for w in wholes)
+        and all(layouts.is_empty(w) or w.shape[-1] == d for w, d in zip(wholes, sizes, strict=True))
+        and any(not layouts.is_empty(w) for w in wholes)
     )
 
 

@@ -44,7 +44,8 @@ def _spec_of(x: Any) -> P:
 
 
 def _is_none(x: Any) -> bool:
-    return x is None
+    """An empty slot of a per-leaf field (``optax.MaskedNode``), or a None field."""
+    return x is None or isinstance(x, optax.MaskedNode)
 
 
 def _axes_of(spec: P) -> tuple:
@@ -88,7 +89,7 @@ def _field_specs(value: Any, lead: tuple, params: tuple | None) -> Any:
             return jax.tree.unflatten(
                 field_def,
                 [
-                    None if v is None else _leaf_spec(v, ps, sh, lead)
+                    v if _is_none(v) else _leaf_spec(v, ps, sh, lead)
                     for v, ps, sh in zip(slots, specs, shapes, strict=True)
                 ],
             )

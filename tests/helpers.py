@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,10 +50,11 @@ def rel_err(a, b):
 # --------------------------------------------------------------------------- reading states
 #
 # Per-device memory fields (``memory``, ``momentum``, ``server_residual``, ``velocity``,
-# ``accumulation``, ``error``) are pytrees like the params, None where a leaf is not
-# compressed; a compressed leaf's global array is (n, *param.shape), row i on device i. The
-# two-phase server residual holds only the chunk a device owns: global (n, ceil(size / n)),
-# whose flattening is the leaf's whole server residual (hierarchically: see server_per_leaf).
+# ``accumulation``, ``error``) are pytrees like the params with an empty slot (None or
+# ``optax.MaskedNode()``: see :func:`empty`) where a leaf is not compressed; a compressed
+# leaf's global array is (n, *param.shape), row i on device i. The two-phase server residual
+# holds only the chunk a device owns: global (n, ceil(size / n)), whose flattening is the
+# leaf's whole server residual (hierarchically: see server_per_leaf).
 
 
 def is_jaxcomp(node):
@@ -66,6 +68,11 @@ def jaxcomp_state(state):
     return found[0]
 
 
+def empty(slot) -> bool:
+    """Whether a slot of a per-leaf state field holds nothing (None or ``optax.MaskedNode``)."""
+    return slot is None or isinstance(slot, optax.MaskedNode)
+
+
 def _shape(param):
     return tuple(np.shape(param))
 
@@ -73,7 +80,7 @@ def _shape(param):
 def per_leaf(field, params: dict) -> dict:
     """A per-device field as {leaf name: float64 (n, *shape) or None}."""
     if isinstance(field, dict):
-        return {k: None if field.get(k) is None else _devices(field[k], params[k]) for k in params}
+        return {k: None if empty(field.get(k)) else _devices(field[k], params[k]) for k in params}
     raise AssertionError(f"per-device field is not shaped like the params: {type(field)}")
 
 
@@ -90,7 +97,7 @@ def device_mean(field, params: dict) -> dict:
 def replicated_per_leaf(field, params: dict) -> dict:
     """A replicated field like the params (EF21's estimate): {leaf name: (*shape) or None}."""
     if isinstance(field, dict):
-        return {k: None if field.get(k) is None else np.asarray(field[k]) for k in params}
+        return {k: None if empty(field.get(k)) else np.asarray(field[k]) for k in params}
     raise AssertionError(f"replicated field is not shaped like the params: {type(field)}")
 
 
@@ -105,7 +112,7 @@ def server_per_leaf(field, params: dict, hosts: int = N) -> dict:
         raise AssertionError(f"server residual is not shaped like the params: {type(field)}")
     out = {}
     for k, p in params.items():
-        if field.get(k) is None:
+        if empty(field.get(k)):
             out[k] = None
             continue
         size = int(np.prod(_shape(p)))

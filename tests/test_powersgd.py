@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Blocking
+from helpers import Blocking, empty
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -158,8 +158,8 @@ def test_low_rank_mean_is_exact():
         np.testing.assert_allclose(out["bias"], 3.5, rtol=1e-6)
     # Memory: zero for the identical grads; for the varied ones each device keeps what it
     # could not send, and those residuals cancel in the mean.
-    # Per leaf like the params, None at the plain "bias"; per device (n, *param.shape).
-    assert state.error["bias"] is None and state.q["bias"] is None
+    # Per leaf like the params, an empty slot at the plain "bias"; per device (n, *shape).
+    assert empty(state.error["bias"]) and empty(state.q["bias"])
     err_same, err_varied = np.asarray(state.error["same"]), np.asarray(state.error["varied"])
     assert err_same.shape == (N, 96, 64) and err_varied.shape == (N, 80, 48)
     assert state.q["same"].shape == (64, 4) and state.q["varied"].shape == (48, 4)  # (m, r)
@@ -249,9 +249,9 @@ def test_warmup_then_compression():
         else:
             assert rel(out["w"], g.mean(0)) > 0.3  # rank 2 of a random matrix: lossy
             assert all(np.asarray(e).any() for e in jax.tree.leaves(state.error))
-    # One error array per low-rank leaf, like the params; None at the f16 vector "b".
-    assert state.error["b"] is None
-    assert {k: e.shape for k, e in state.error.items() if e is not None} == {
+    # One error array per low-rank leaf, like the params; an empty slot at the f16 vector "b".
+    assert empty(state.error["b"])
+    assert {k: e.shape for k, e in state.error.items() if not empty(e)} == {
         k: (N, *s) for k, (s, _) in SHARED_SHAPES.items() if k != "b"
     }
     # Same-shaped matrices are batched for the work only: groups by shape, in plan order.

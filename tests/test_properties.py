@@ -34,7 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import N, device_mean, mesh, per_device, replicated_per_leaf, server_per_leaf, shard
+from helpers import (
+    N,
+    device_mean,
+    empty,
+    mesh,
+    per_device,
+    replicated_per_leaf,
+    server_per_leaf,
+    shard,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -327,7 +336,7 @@ def test_error_feedback_conserves_over_100_steps(name, kind, strategy):
     out_sum, fed_sum, state = run_scan(tx, lambda g, s: g)
     np.testing.assert_allclose(out_sum["b"], fed_sum["b"], rtol=1e-5, atol=1e-4)  # plain pmean
     server = _flat(_server(state))
-    assert state.memory["b"] is None  # plain pmean: no memory
+    assert empty(state.memory["b"])  # plain pmean: no memory
     if kind == "residual":
         memory = _flat(device_mean(state.memory, PARAMS))
         lhs, rhs = _flat(out_sum) + memory + server, _flat(fed_sum)
@@ -370,7 +379,7 @@ def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
         return {"w": new, "v": g["v"], "b": g["b"]}
 
     out_sum, fed_sum, state = run_scan(tx, fed)
-    assert state.velocity["v"] is None and state.accumulation["v"] is None  # 1-D: plain
+    assert empty(state.velocity["v"]) and empty(state.accumulation["v"])  # 1-D: plain
     waiting = device_mean(state.accumulation, PARAMS)["w"]
     lhs = np.ravel(out_sum["w"] + waiting + _server(state)["w"])
     np.testing.assert_allclose(lhs, np.ravel(fed_sum["w"]), rtol=1e-4, atol=2e-3)
@@ -401,7 +410,7 @@ def _host_gradient(t, i):
 def test_powersgd_conserves_over_100_steps():
     tx = jc.powersgd(2, "data", start_step=3, min_size=10, min_compression_rate=1.5)
     out_sum, fed_sum, state = run_scan(tx, lambda g, s: g)
-    assert state.error["v"] is None and state.error["b"] is None  # 1-D leaves: no error
+    assert empty(state.error["v"]) and empty(state.error["b"])  # 1-D leaves: no error
     memory = device_mean(state.error, PARAMS)["w"]  # "w" (12 x 40): the one low-rank leaf
     np.testing.assert_allclose(out_sum["w"] + memory, fed_sum["w"], rtol=1e-4, atol=2e-3)
     assert np.abs(memory).max() > 0

@@ -505,25 +505,28 @@ def test_orbax_round_trip_continues_bit_identically(row, tmp_path):
 # --------------------------------------------------------------------------- 5. pmap == shard_map
 
 
-def test_pmap_matches_shard_map(row):
+@pytest.mark.parametrize("init", ["pmap_init", "replicate"])
+def test_pmap_matches_shard_map(row, init):
+    """Under ``jax.pmap`` every state leaf has a leading device axis. The state comes from
+    ``jax.pmap(tx.init)`` or from ``jc.replicate(tx.init(params))``, built outside any mesh:
+    the same state, or (if a field depends on where it was built) the same outputs."""
     skip_unless(row, "pmap")
     b = built(row.id)
     outs, states = trajectory(row.id)
-    follow = follower()
-    tx = b.tx
-
-    def step(g, s, p):
-        u, s_tx = tx.update(g, s[0], p)
-        v, s_follow = follow.update(u, s[1], p)
-        return u, v, (s_tx, s_follow)
-
     replicated = jc.replicate(params(), N)
-    state = jax.pmap(b.chain.init, axis_name="data")(replicated)
-    pstep = Blocking(jax.pmap(step, axis_name="data"))
+    state = pmap_init(row.id)
+    if init == "replicate":
+        outside = jc.replicate(jax.jit(b.chain.init)(params()), N)
+        if same_shapes(outside, state):  # nothing depends on where it was built: same state
+            assert_trees_equal(outside, state)
+            return
+        state = outside
     for t in range(STEPS):
-        out, _, state = pstep(grads(t), state, replicated)
+        out, _, state = pmap_step(row.id)(grads(t), state, replicated)
         for k in SHAPES:
             np.testing.assert_allclose(out[k], outs[t][k], rtol=1e-6, atol=1e-6, err_msg=k)
+    if init == "replicate":
+        return
     # The same state: per-device leaves row by row, replicated leaves on every device.
     for mine, theirs in zip(jax.tree.leaves(state), jax.tree.leaves(states[STEPS]), strict=True):
         mine, theirs = np.asarray(mine), np.asarray(theirs)
@@ -534,6 +537,28 @@ def test_pmap_matches_shard_map(row):
             np.testing.assert_array_equal(mine, np.broadcast_to(mine[0], mine.shape))
             mine = mine[0]
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@functools.cache
+def pmap_init(row_id: str) -> Any:
+    return jax.pmap(built(row_id).chain.init, axis_name="data")(jc.replicate(params(), N))
+
+
+@functools.cache
+def pmap_step(row_id: str) -> Blocking:
+    tx, follow = built(row_id).tx, follower()
+
+    def step(g, s, p):
+        u, s_tx = tx.update(g, s[0], p)
+        v, s_follow = follow.update(u, s[1], p)
+        return u, v, (s_tx, s_follow)
+
+    return Blocking(jax.pmap(step, axis_name="data"))
+
+
+def same_shapes(a: Any, b: Any) -> bool:
+    shapes = lambda t: [np.shape(x) for x in jax.tree.leaves(t)]  # noqa: E731
+    return jax.tree.structure(a) == jax.tree.structure(b) and shapes(a) == shapes(b)
 
 
 # --------------------------------------------------------------------------- 6. wire bytes

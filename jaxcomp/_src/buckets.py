@@ -58,29 +58,35 @@ def exchange(
     *,
     lead: int = 0,
     bucket_bytes: int = BUCKET_BYTES,
-) -> list[Any]:
+    with_buckets: bool = False,
+) -> Any:
     """``collective`` applied to every array of ``payloads``, one call per bucket.
 
     ``payloads`` is a list of pytrees of arrays (one per leaf or segment); each array keeps
     its first ``lead`` axes and is flattened after them. ``collective`` maps a bucket
     ``[*lead_dims, B]`` to ``[*out_dims, B]`` (same last axis). The result has the structure
-    of ``payloads``, each array of shape ``(*out_dims, *array.shape[lead:])``.
+    of ``payloads``, each array of shape ``(*out_dims, *array.shape[lead:])``;
+    ``with_buckets``: also the list of what the collective returned, one array per bucket
+    (to read something of all payloads at once, e.g. whether any is non-finite).
     """
     flat, treedef = jax.tree.flatten(payloads)
     if not flat:
-        return payloads
+        return (payloads, []) if with_buckets else payloads
     plan = _plan(flat, lead, bucket_bytes)
     out: list[Any] = [None] * len(flat)
+    results = []
     for members in plan:
         parts = [flat[i].reshape(*flat[i].shape[:lead], -1) for i in members]
         bucket = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
         result = collective(bucket)
+        results.append(result)
         out_dims = result.shape[:-1]
         offsets = np.cumsum([0] + [p.shape[-1] for p in parts]).tolist()
         for i, a, b in zip(members, offsets[:-1], offsets[1:], strict=True):
             piece = result if len(parts) == 1 else result[..., a:b]
             out[i] = piece.reshape(*out_dims, *flat[i].shape[lead:])
-    return jax.tree.unflatten(treedef, out)
+    tree = jax.tree.unflatten(treedef, out)
+    return (tree, results) if with_buckets else tree
 
 
 def count(payloads: list[Any], *, lead: int = 0, bucket_bytes: int = BUCKET_BYTES) -> int:

@@ -78,7 +78,6 @@ with neither the number of leaves nor the number of devices.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -169,14 +168,18 @@ def local_nonfinite(arrays: Any) -> jax.Array:
     XLA:CPU. Narrower floats (an fp16 payload): ``all(isfinite(x))``, which reads them as
     they are (the sum would first write them out widened to float32).
     """
-    flags = [
-        jnp.isnan(jnp.sum(a * jnp.zeros([], a.dtype)))
+    # One NaN-or-zero scalar per array, summed by ONE reduction: a chain of ors would be
+    # duplicated by XLA into every fusion that reads the flag (quadratic in the leaves).
+    zeros = [
+        jnp.sum(a * jnp.zeros([], a.dtype))
         if a.dtype == jnp.float32
-        else ~jnp.all(jnp.isfinite(a))
+        else jnp.where(jnp.all(jnp.isfinite(a)), 0.0, jnp.nan)
         for a in jax.tree.leaves(arrays)
         if jnp.issubdtype(a.dtype, jnp.floating) and a.size
     ]
-    return functools.reduce(jnp.logical_or, flags, jnp.bool_(False))
+    if not zeros:
+        return jnp.bool_(False)
+    return jnp.isnan(jnp.sum(jnp.stack([z.astype(jnp.float32) for z in zeros])))
 
 
 def any_nonfinite(tree: Any, axis_name: Any) -> jax.Array:
@@ -206,32 +209,36 @@ def device_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array
 # --------------------------------------------------------------------------- strategies
 
 
-def _psum_floats(payloads: list, axis_name: Any, bucket_bytes: int) -> list:
+def _psum_floats(payloads: list, axis_name: Any, bucket_bytes: int) -> tuple[list, list]:
     """psum the floating leaves of summable payloads (bucketed); shared integer leaves
-    (random-k's indices, the same on every device) pass through unsent."""
+    (random-k's indices, the same on every device) pass through unsent. Also the summed
+    buckets."""
     flat, treedef = jax.tree.flatten(payloads)
     floats = [i for i, a in enumerate(flat) if jnp.issubdtype(a.dtype, jnp.floating)]
-    summed = buckets.exchange(
+    summed, held = buckets.exchange(
         [flat[i] for i in floats],
         lambda b: jax.lax.psum(b, axis_name),
         bucket_bytes=bucket_bytes,
+        with_buckets=True,
     )
     for i, a in zip(floats, summed, strict=True):
         flat[i] = a
-    return jax.tree.unflatten(treedef, flat)
+    return jax.tree.unflatten(treedef, flat), held
 
 
-def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> list:
-    """Every device's payloads, stacked on a new leading device axis (bucketed all_gather)."""
+def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> tuple[list, list]:
+    """Every device's payloads, stacked on a new leading device axis (bucketed all_gather),
+    and the gathered buckets."""
     return buckets.exchange(
         payloads,
         lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
         bucket_bytes=bucket_bytes,
+        with_buckets=True,
     )
 
 
-def _floats(tree: Any) -> list[jax.Array]:
-    return [a for a in jax.tree.leaves(tree) if jnp.issubdtype(a.dtype, jnp.floating)]
+def _floats(arrays: list) -> list[jax.Array]:
+    return [a for a in arrays if jnp.issubdtype(a.dtype, jnp.floating)]
 
 
 def _encode(xs, keys, ctx):
@@ -251,8 +258,8 @@ def _sent(payloads, xs, codec):
 
 
 def _allreduce_exchange(payloads, ctx, servers):
-    summed = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
-    return summed, _floats(summed)
+    summed, held = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
+    return summed, held
 
 
 def _allreduce_decode(xs, payloads, summed, ctx, fill):
@@ -264,8 +271,8 @@ def _allreduce_decode(xs, payloads, summed, ctx, fill):
 
 
 def _allgather_exchange(payloads, ctx, servers):
-    gathered = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
-    return gathered, _floats(gathered)
+    gathered, held = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
+    return gathered, _floats(held)
 
 
 def _allgather_decode(xs, payloads, gathered, ctx, fill):
@@ -325,8 +332,8 @@ def _two_phase_exchange(payloads, ctx, servers):
         for o, k in zip(own, ctx.keys, strict=True)
     ]
     own_error = [o - codec.decode(p, c) for o, p, c in zip(own, own_payloads, cs, strict=True)]
-    gathered = _gather(own_payloads, axis, ctx.bucket_bytes)
-    return (gathered, own_error, cs), _floats(gathered)
+    gathered, held = _gather(own_payloads, axis, ctx.bucket_bytes)
+    return (gathered, own_error, cs), _floats(held)
 
 
 def _two_phase_decode(xs, payloads, exchanged, ctx, fill):
@@ -372,11 +379,14 @@ def _vote_exchange(payloads, ctx, servers):
         own = _vote_counts(jax.lax.dynamic_slice_in_dim(r, me, 1, 0))
         negative = (2 * negatives > n) | ((2 * negatives == n) & (own == 1))
         results.append(packing.pack(negative.reshape(-1), 1))
-    voted = _gather(results, axis, ctx.bucket_bytes)
-    scales = buckets.exchange(
-        [s for _, s in payloads], lambda b: jax.lax.psum(b, axis), bucket_bytes=ctx.bucket_bytes
+    voted, _ = _gather(results, axis, ctx.bucket_bytes)
+    scales, held = buckets.exchange(
+        [s for _, s in payloads],
+        lambda b: jax.lax.psum(b, axis),
+        bucket_bytes=ctx.bucket_bytes,
+        with_buckets=True,
     )
-    return (voted, scales), scales
+    return (voted, scales), held
 
 
 def _vote_decode(xs, payloads, exchanged, ctx, fill):
@@ -558,15 +568,19 @@ def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
     return jax.tree.map(mean, tree)
 
 
-def plain_mean(leaves: list[jax.Array], every_axis: Any, bucket_bytes: int) -> list[jax.Array]:
+def plain_mean(
+    leaves: list[jax.Array], every_axis: Any, bucket_bytes: int, with_buckets: bool = False
+) -> Any:
     """Float32 ``pmean`` of uncompressed leaves (biases, norms, masked), bucketed: each
-    leaf back in its own dtype."""
-    means = buckets.exchange(
+    leaf back in its own dtype (and, ``with_buckets``, the averaged buckets)."""
+    means, held = buckets.exchange(
         [a.astype(jnp.float32) for a in leaves],
         lambda b: jax.lax.pmean(b, every_axis),
         bucket_bytes=bucket_bytes,
+        with_buckets=True,
     )
-    return [m.astype(a.dtype) for m, a in zip(means, leaves, strict=True)]
+    means = [m.astype(a.dtype) for m, a in zip(means, leaves, strict=True)]
+    return (means, held) if with_buckets else means
 
 
 GRANULARITIES = ("leaf", "flat")
@@ -696,7 +710,9 @@ def pmean(
     layout = layouts.layout_of(tree, min_size)
     xs = layouts.compressed_vectors(tree, layout)
     plan = segments_for([x.shape[0] for x in xs], granularity)
-    plain = plain_mean(layouts.leaves_of(tree, layout, layouts.PLAIN), every_axis, bucket_bytes)
+    plain, held = plain_mean(
+        layouts.leaves_of(tree, layout, layouts.PLAIN), every_axis, bucket_bytes, True
+    )
     reduced = reduce_segments(
         plan.split(xs),
         axis_name,
@@ -705,7 +721,7 @@ def pmean(
         key,
         None,
         inner_axis_name,
-        local_nonfinite(plain) if plain else None,  # means: the same on every device
+        local_nonfinite(held) if plain else None,  # means: the same on every device
         bucket_bytes,
     )
     means = plan.join(reduced.mean) if xs else []

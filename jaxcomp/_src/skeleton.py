@@ -106,5 +106,5 @@ def plain_means(
 ) -> tuple[list[jax.Array], Any]:
     """The plain (uncompressed) leaves averaged with float32 ``pmean`` (bucketed), and the
     non-finite flag of those means: identical on every device (None if there are none)."""
-    means = collectives.plain_mean(leaves, axis_name, bucket_bytes)
-    return means, (collectives.local_nonfinite(means) if means else None)
+    means, held = collectives.plain_mean(leaves, axis_name, bucket_bytes, with_buckets=True)
+    return means, (collectives.local_nonfinite(held) if means else None)

@@ -1,7 +1,7 @@
 """The digits MLP trained data-parallel with Flax NNX: the training runs of scale_bytes.
 
 The same model and step as ``examples/flax_nnx_train.py`` (an MLP 64-256-10 on sklearn's
-digits, ``nnx.Optimizer(model, optax.chain(jc.compressed_allreduce(...), opt))`` in
+digits, ``optax.chain(jc.compressed_allreduce(...), opt)`` on the nnx params in
 ``jax.shard_map`` over every device), with the knobs the benchmarks turn: ``compress_kwargs``
 for ``jc.compressed_allreduce`` (``server_feedback``, ``worker_momentum``), ``momentum=None``
 (plain SGD after a vote) and learning-rate schedules. The example stays a standalone script;
@@ -97,9 +97,6 @@ def train(
     model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
     params = params.to_pure_dict()
-    # nnx.Optimizer hands the optax transforms the params as an nnx.State tree: the sharded
-    # optimizer state is initialized from the same tree.
-    param_state = nnx.as_pure(nnx.state(model, nnx.Param))
     inner = make_optimizer(optimizer, lr, momentum)
     tx = make_transform(codec_name, strategy, error_feedback, inner, **(compress_kwargs or {}))
 
@@ -110,33 +107,26 @@ def train(
         return float(loss_fn(nnx.merge(graphdef, nnx.State(p)), jnp.asarray(xte), jnp.asarray(yte)))
 
     def build_step(tx, reduce_plain):
-        # The optimizer is built once; each step re-assembles it from its graphdef (the
-        # transforms, static) and its state. The error-feedback memory differs per device,
-        # so the state lives outside the step as arrays sharded P("data") (jc.sharded_init /
-        # jc.state_specs), with the optimizer's step counter beside it.
-        nnx_opt = nnx.Optimizer(model, tx, wrt=nnx.Param)  # tx: chain(compressed_allreduce, opt)
-        opt_def = nnx.graphdef(nnx_opt)
-        sharded = jc.sharded_init(tx, param_state, mesh, AXIS)
-        opt_state = {"opt_state": sharded, "step": jax.device_put(nnx_opt.step[...], replicated)}
-        specs = {"opt_state": jc.state_specs(sharded, AXIS), "step": P()}
+        # The error-feedback memory differs per device: the state lives outside the step as
+        # arrays sharded P("data") (jc.sharded_init / jc.state_specs). Params and state are
+        # donated, so the memories are updated in place.
+        opt_state = jc.sharded_init(tx, params, mesh, AXIS)
+        specs = jc.state_specs(opt_state, AXIS)
 
         def step(p, s, x, y):
-            model = nnx.merge(graphdef, nnx.State(p))
-            opt = nnx.merge(opt_def, nnx.state(s))
             # pcast: params are replicated; make them per-device before grad, so JAX does
             # not insert an implicit f32 all-reduce of every gradient.
             local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
-            g = nnx.grad(loss_fn)(local, x, y)
+            g = nnx.grad(loss_fn)(local, x, y).to_pure_dict()
             if reduce_plain:
                 g = jax.lax.pmean(g, AXIS)
-            opt.update(model, g)  # jc.compressed_allreduce averages g, then the optimizer
-            new_state = {"opt_state": nnx.as_pure(opt.opt_state), "step": opt.step[...]}
-            return nnx.state(model).to_pure_dict(), new_state
+            updates, s = tx.update(g, s, p)  # jc.compressed_allreduce averages g, then opt
+            return optax.apply_updates(p, updates), s
 
         sm = jax.shard_map(
             step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
         )
-        return blocking(jax.jit(sm, donate_argnums=(1,))), opt_state
+        return blocking(jax.jit(sm, donate_argnums=(0, 1))), opt_state
 
     step, opt_state = build_step(tx, codec_name == "none")
     base_step, base_state = build_step(inner, True)

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     step = jax.jit(
         jax.shard_map(
             step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
-        )
+        ),
+        donate_argnums=(0, 1),  # params and state are updated in place
     )
     batch_sharding = NamedSharding(mesh, P(AXIS))
     local = args.batch // nproc  # this process's rows of the global batch

@@ -111,15 +111,11 @@ def dgc(
     block selection (``approx="blocked"``), which is the faster of the two on XLA:CPU (see
     ``benchmarks/topk_speed.py``). Vectors too small for a useful sample use exact top-k.
 
-    Measured with ``benchmarks/sparse_convergence.py`` (8 devices, 3 seeds, the same steps,
-    batches and learning rate as uncompressed momentum SGD, DGC's sampled threshold and a
-    warm-up over the first fifth of the steps; held-out accuracy): digits (64-256-10 MLP, 300
-    steps) momentum SGD 98.82%, DGC at 0.1% 98.32%; MNIST-1D (40-256-256-10 MLP, 1000 steps)
-    64.80% and 64.50% (``benchmarks/results/sparse_convergence_dgc.json``, the selection
-    as it is now: aiming at 0.95 k; 98.41% and 64.97% when it aimed at 1.1 k). Plain top-k
-    at 0.1% without error feedback reaches 94.96% and 44.80%;
-    with residual feedback and the optimizer's momentum it is unstable at 0.1% (86.1% on
-    digits in the tests' set-up), hence momentum correction.
+    At 0.1% DGC stays close to uncompressed momentum SGD on the MLPs of
+    ``benchmarks/sparse_convergence.py``, where plain top-k without error feedback falls well
+    behind and top-k with residual feedback followed by the optimizer's momentum is unstable,
+    hence momentum correction (measured: docs/choosing-a-codec.md, from
+    ``benchmarks/results/sparse_convergence*.json``).
 
     A non-finite gradient on any device makes the compressed output NaN on every device and
     leaves the whole state as it was, so ``optax.apply_if_finite`` can skip the step.
@@ -141,9 +137,9 @@ def dgc(
         style: each chunk owner re-selects the top-k of the summed chunk and keeps the rest in
         a per-device server residual; bytes per device do not grow with ``n``: 21 KB instead
         of 63 KB per step for 1M parameters on 8 devices) or ``"auto"`` (the fewest bytes by
-        the ring model: two_phase from 4 devices). Measured on digits (8 devices, 3 seeds) both
-        train equally well (96.8% / 96.9%), but on XLA:CPU a two_phase step of a top-k payload
-        is ~20x slower (48.7 vs 2.5 ms for a 64-256-10 MLP), hence the default.
+        the ring model: two_phase from 4 devices). Both train equally well, but on XLA:CPU a
+        two_phase step of a top-k payload is much slower than an allgather one, hence the
+        default.
       seed: seeds the PRNG key kept in the state.
       param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
         x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params

@@ -349,21 +349,14 @@ def powersgd(
     timer. Rank 1-4 is the usual range for large CNNs and LSTMs trained with SGD and momentum
     (Vogels et al.); a small model trained for few steps needs more.
 
-    What rank costs in loss, measured on the 0.47M-parameter character transformer of
-    ``examples/char_transformer.py`` (d_model 128, 8 workers x 2 sequences, same batches
-    and steps, cosine schedule to 0 at the last step; ``benchmarks/powersgd_convergence.py``),
-    held-out loss against uncompressed after the same number of steps, Adam / SGD with
-    Nesterov momentum: rank 4 (19.6x fewer bytes) +11.0% / +8.3% after 1000 steps, +1.8% /
-    +2.1% after 3000, 0.0% / -1.0% after 5000; rank 16 (5.6x) +2.3% / +1.4%, -0.6% / +1.2%,
-    -0.4% / -0.8% (8 workers emulated on one H100; on 8 CPU devices rank 4 is +2.8% after
-    3000 Adam steps and -0.4% / -0.6% after 5000; with another seed +1.9% / +3.1% after
-    3000 and +0.7% / -0.3% after 5000). From 3000 to 5000 steps the uncompressed held-out
-    loss barely moves (1.239 to 1.231 with Adam), and rank 4 ends at the same loss.
-    Early on rank 4 is slower: each step moves a matrix along only ``r`` directions (error
-    feedback delays the rest), and its *training* loss stays about 6% higher even after
-    5000 steps (it fits the 420 KB of training text more slowly). A longer plain warm-up, a
-    larger batch or another learning rate did not close the 1000-step gap; rank 16 does
-    (rank 8: +4.6%). Raise the rank for short runs, or when the training loss matters.
+    What rank costs in loss (the character transformer of ``benchmarks/char_transformer.py``,
+    run by ``benchmarks/powersgd_convergence.py``; measured: docs/benchmarks.md and
+    docs/choosing-a-codec.md): with Adam or SGD, rank 4 ends a long run at the held-out loss
+    of uncompressed training, but early on it is slower: each step moves a matrix along only
+    ``r`` directions (error feedback delays the rest), and its *training* loss stays higher.
+    A longer plain warm-up, a larger batch or another learning rate did not close the gap on
+    short runs; a higher rank does. Raise the rank for short runs, or when the training loss
+    matters.
 
     Warm-up: the first ``start_step`` steps send plain ``pmean`` (gradients change fast early
     and low-rank memory would lag). The switch is a ``jax.lax.cond`` on the step count, so

@@ -47,15 +47,14 @@ _FLOAT16 = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 #: Top-k selection methods (``top_k(approx=...)``); see :class:`TopK`.
 APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k", "auto")
 #: What ``approx=True`` means below :data:`APPROX_SAMPLE_FROM`: the fastest method measured
-#: there on XLA:CPU and on an H100 (benchmarks/topk_speed.py).
+#: there on XLA:CPU and on an H100 (``benchmarks/topk_speed.py``; measured:
+#: docs/choosing-a-codec.md, docs/benchmarks.md).
 APPROX_DEFAULT = "blocked"
 #: From this ratio on ``approx=True`` means ``"auto"``: the sampled threshold on CPU, blocked
 #: elsewhere. On XLA:CPU the blocked selection's second stage grows as ``k * sqrt(d / k)``
-#: and the sampled threshold's cost hardly moves with ``k``. On 16M floats (in copies of the
-#: array, one run of benchmarks/topk_speed.py each): XLA:CPU blocked 1.06 / 2.25 / 8.4 and
-#: sample 3.68 / 3.00 / 2.72 at ratios 0.1% / 0.3% / 1% (they cross between 0.3% and 1%);
-#: on an H100 blocked stays the faster: 0.23 / 0.23 / 0.32 ms against sample 0.59 / 0.84 /
-#: 0.93 ms (``benchmarks/results/topk_speed_gpu_h100.json``).
+#: and the sampled threshold's cost hardly moves with ``k``, so the two cross between 0.3%
+#: and 1%; on an H100 blocked stays the faster at every ratio (measured:
+#: docs/choosing-a-codec.md, docs/benchmarks.md).
 APPROX_SAMPLE_FROM = 0.006
 #: Where ``approx="auto"`` uses the sampled threshold (``jax.lax.platform_dependent``).
 SAMPLE_PLATFORMS = ("cpu",)
@@ -208,7 +207,7 @@ SAMPLE_TARGET = 0.95
 SAMPLE_MIN_HITS = 32
 #: ... and at most this many (fewer than ``sample_ratio * d`` when ``k`` is large): the count's
 #: relative standard deviation is then ~4%, and ranking the sample (a sort on XLA:CPU) stays
-#: cheap: at 1% of 25M floats a 1% sample is 250k values, whose sort cost 60 ms.
+#: cheap (a 1% sample of 25M floats would be 250k values to sort).
 SAMPLE_MAX_HITS = 512
 #: At most this many re-adjustments (each one more pass over the vector).
 SAMPLE_ROUNDS = 4
@@ -241,8 +240,7 @@ def first_true(mask: jax.Array, size: int, group: int = 8) -> jax.Array:
     (``ends``, a cumsum over ``len(mask) / group`` entries), then for the ``j``-th true entry
     a binary search of ``j`` in ``ends`` gives its group, and a count inside that one group
     its position. ``jnp.nonzero`` runs a cumsum over the whole mask and scatters every entry
-    into a histogram; on XLA:CPU this was 2-3x faster (3.1M flags, 325k slots: 18-35 ms
-    against 69-85 ms; 2.6M flags: 26-30 ms against 49-59 ms).
+    into a histogram; on XLA:CPU this is the faster of the two.
     """
     n = mask.shape[0]
     groups = -(-n // group)
@@ -444,36 +442,30 @@ class TopK(SparseCodec):
       outside ``[0.8 k, 1.3 k]``, at most ``k`` sent (fixed capacity). The exact top-k when
       at least ``k`` entries reach the threshold, else the ``>= 0.8 k`` largest (typically
       ``0.95 k``); tested on Gaussian, Student-t(2), Cauchy and log-normal
-      vectors (0.86-1.0 of the true top-k kept). Uses ``key`` when given (a fresh sample per
-      step and device), a fixed sample otherwise. On XLA:CPU at 1% of 16M floats it is 3.1x
-      faster than blocked; on an H100 it is 2.9x slower.
+      vectors (at least ``0.8 k`` of the true top-k kept, ``tests/test_sparse.py``). Uses
+      ``key`` when given (a fresh sample per step and device), a fixed sample otherwise. At
+      1% it is faster than blocked on XLA:CPU and slower on an H100.
     * ``"auto"`` (``approx=True`` from ``ratio`` 0.6% on, :data:`APPROX_SAMPLE_FROM`):
       ``"sample"`` when the program runs on CPU, ``"blocked"`` on GPU and TPU, chosen when
       it is lowered (``jax.lax.platform_dependent``), so one jitted step is fast on both.
     * ``"approx_max_k"``: ``jax.lax.approx_max_k`` (recall target 0.95), fast on TPU; an
       exact sort on CPU.
 
-    At 0.1% of 16M floats on XLA:CPU, one run of ``benchmarks/topk_speed.py`` (2 idle
-    cores; median of 7): copy 31.1 ms, exact 167 ms, blocked 32.9 ms (5.1x faster than
-    exact), sample 114 ms, approx_max_k 192 ms, and the naive static-shape sampled
-    threshold (``jnp.nonzero(size=k)`` over all of ``x``) 379 ms. With static shapes the
-    sampled threshold still needs a count pass and two compactions, so at 0.1% it is slower
-    than blocked; its cost hardly grows with ``k``, and at 1% it is the fastest on CPU: 2.7
-    copies against blocked 8.4 and exact 15.4 (see :data:`APPROX_SAMPLE_FROM`). On an H100
-    blocked is the fastest at every ratio (``benchmarks/results/topk_speed_gpu_h100.json``).
+    With static shapes the sampled threshold still needs a count pass and two compactions,
+    so at 0.1% it is slower than blocked on XLA:CPU (blocked is then close to a copy, several
+    times faster than exact); its cost hardly grows with ``k``, and at 1% it is the fastest on
+    CPU (see :data:`APPROX_SAMPLE_FROM`). On an H100 blocked is the fastest at every ratio
+    (measured with ``benchmarks/topk_speed.py``: docs/choosing-a-codec.md,
+    docs/benchmarks.md).
 
     Per layer or whole model: ``compressed_allreduce(..., granularity="leaf")`` (the
     default) selects ``k = ratio * d_leaf`` in every leaf; ``granularity="flat"`` selects
     ``k = ratio * d`` over all compressed leaves at once, so layers with large gradients can
-    take more of the budget. Per leaf is the default: it trained better in every measurement,
-    and no layer can starve the others. Measured with ``benchmarks/sparse_convergence.py``
-    (8 devices, 3 seeds, held-out accuracy, 1% with residual error feedback and momentum SGD):
-    digits (64-256-10 MLP, 300 steps; uncompressed 98.82%) per leaf 98.74%, flat 98.15%;
-    MNIST-1D (40-256-256-10 MLP, 1000 steps; uncompressed 64.83%) per leaf 68.83%, flat
-    68.07%. (In the tests' digits set-up, uncompressed 97.5%: per leaf 97.7%, flat 96.7%.)
-    At 0.1%, error feedback followed by the optimizer's momentum is unstable either
-    way (per leaf 86.1%, flat 92.2%, no feedback at all 92.8%): use :func:`jaxcomp._src.dgc`, which
-    applies momentum before sparsifying (97.2% at 0.1%).
+    take more of the budget. Per leaf is the default: it trained better in every measurement
+    (``benchmarks/sparse_convergence.py``, 1% with residual error feedback and momentum SGD;
+    measured: docs/choosing-a-codec.md), and no layer can starve the others. At 0.1%, error
+    feedback followed by the optimizer's momentum is unstable either way: use
+    :func:`jaxcomp.dgc`, which applies momentum before sparsifying.
 
     References: Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
     EMNLP 2017; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018; Lin et al., "Deep
@@ -664,7 +656,7 @@ def top_k(
             optax.sgd(0.1, momentum=0.9),
         )
 
-    At 0.1% and below use :func:`jaxcomp._src.dgc` instead (momentum before sparsification).
+    At 0.1% and below use :func:`jaxcomp.dgc` instead (momentum before sparsification).
 
     References:
       Aji, Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;

@@ -269,5 +269,5 @@ def compressed_allreduce(
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(
-        init_fn, shards.over_shards(update_fn, param_specs)
+        init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )

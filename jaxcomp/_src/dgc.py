@@ -322,5 +322,8 @@ def dgc(
         return layouts.assemble(updates, layout, means, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(
-        init_fn, shards.over_shards(update_fn, param_specs)
+        init_fn,
+        shards.over_shards(
+            update_fn, param_specs, collectives.axis_names(axis_name, inner_axis_name)
+        ),
     )

@@ -125,9 +125,11 @@ def is_empty(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
-def slots(field: Any) -> list[Any]:
-    """Every slot of a per-leaf state field, one per gradient leaf (``MaskedNode`` included)."""
-    return jax.tree.leaves(field, is_leaf=is_empty)
+def slots(field: Any, layout: Layout) -> list[Any]:
+    """Every slot of a per-leaf state field, one per gradient leaf (empty ones included),
+    aligned with ``layout`` (empty subtrees of the gradient itself, e.g. the
+    ``optax.MaskedNode`` of ``optax.partition``, are no slots)."""
+    return layout.treedef.flatten_up_to(field)
 
 
 def field_leaves(field: Any) -> list[jax.Array]:

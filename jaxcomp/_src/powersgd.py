@@ -542,7 +542,10 @@ def powersgd(
         return layouts.assemble(updates, p.layout, outs, plains), new_state
 
     return optax.GradientTransformationExtraArgs(
-        init_fn, shards.over_shards(update_fn, param_specs)
+        init_fn,
+        shards.over_shards(
+            update_fn, param_specs, collectives.axis_names(axis_name, inner_axis_name)
+        ),
     )
 
 

@@ -82,7 +82,7 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
         return [field]
     if field is None:
         return [None] * layout.groups.count(layouts.COMPRESSED)
-    slots = layouts.slots(field)
+    slots = layouts.slots(field, layout)
     return [s for s, g in zip(slots, layout.groups, strict=True) if g == layouts.COMPRESSED]
 
 

@@ -67,11 +67,12 @@ def _given_specs(param_specs: Any, updates: Any, state: Any, params: Any) -> tup
     )
 
 
-def over_shards(update: Callable, param_specs: Any = None) -> Callable:
+def over_shards(update: Callable, param_specs: Any = None, data_axes: tuple = ()) -> Callable:
     """``update(updates, state, params=None, **extra)`` run per block of the mesh axes that
     shard the params: ``param_specs`` (a tree like the params of ``PartitionSpec`` or
     ``NamedSharding``; for axes the compiler lays out, ``AxisType.Auto``) or, where None, the
-    explicit axes in the inputs' types. Nothing changes where no param is sharded."""
+    explicit axes in the inputs' types. ``data_axes`` (the transform's own axes) never
+    count. Nothing changes where no param is sharded."""
 
     @functools.wraps(update)
     def wrapped(updates, state, params=None, **extra_args):
@@ -79,12 +80,14 @@ def over_shards(update: Callable, param_specs: Any = None) -> Callable:
         if param_specs is not None:
             specs = _given_specs(param_specs, updates, state, params)
             axes = set().union(*(_named(s) for s in jax.tree.leaves(specs[0])), set())
+            axes -= set(data_axes)
         else:
             explicit = _explicit_axes()
             if not explicit:
                 return update(updates, state, params, **extra_args)
             specs = jax.tree.map(_spec, args)
             axes = explicit & set().union(*(_named(s) for s in jax.tree.leaves(specs)), set())
+            axes -= set(data_axes)
         if not axes:
             return update(updates, state, params, **extra_args)
 

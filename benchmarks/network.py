@@ -194,16 +194,22 @@ def worker(args) -> None:
     for name in ["pmean", *args.codecs]:
         t_start = time.perf_counter()
         rank_r = powersgd_rank(name)
-        codec = None if name == "pmean" or rank_r else common.make_codec(name)
+        # "fp16@two_phase": a codec and a strategy; "fp16:none": error feedback off.
+        spec, _, feedback = name.partition(":")
+        base, _, strategy = spec.partition("@")
+        strategy, feedback = strategy or "auto", None if feedback == "none" else "auto"
+        codec = None if name == "pmean" or rank_r else common.make_codec(base)
         row = {"framework": "jaxcomp", "codec": name, "size": d, "devices": n}
         if rank_r is None:
             if codec is None:
                 body = lambda g: jax.lax.pmean(g[0], AXIS)  # noqa: E731
             else:
-                body = lambda g, c=codec: jc.pmean(g[0], AXIS, c, key=key)  # noqa: E731
+                body = lambda g, c=codec, s=strategy: jc.pmean(  # noqa: E731
+                    g[0], AXIS, c, key=key, strategy=s
+                )
             allreduce = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P()))
             row["bytes_per_device"] = logical_bytes(allreduce, grads)
-            row["strategy"] = "-" if codec is None else jc.choose_strategy(codec, d, n)
+            row["strategy"] = "-" if codec is None else jc.choose_strategy(codec, d, n, strategy)
             row["allreduce_ms"], row["allreduce_min_ms"] = timed(allreduce, grads)
         if codec is not None:
             one = jax.local_devices()[0]
@@ -217,7 +223,9 @@ def worker(args) -> None:
             if rank_r:
                 exchange = jc.powersgd(rank_r, AXIS, start_step=0)
             elif codec is not None:
-                exchange = jc.compressed_allreduce(codec, AXIS)
+                exchange = jc.compressed_allreduce(
+                    codec, AXIS, strategy=strategy, error_feedback=feedback
+                )
             else:
                 exchange = None
             params = fresh_params()
@@ -508,7 +516,9 @@ def main(argv=None) -> int:
         "--codecs",
         nargs="+",
         default=None,
-        help=f"default {' '.join(CODECS)} (powersgdR: rank R)".replace("%", "%%"),
+        help=(
+            f"default {' '.join(CODECS)} (powersgdR: rank R; NAME@STRATEGY, e.g. fp16@two_phase)"
+        ).replace("%", "%%"),
     )
     ap.add_argument("-n", "--num-processes", type=int, default=2)
     ap.add_argument("--size", type=int, default=None, help="gradient floats (default 25M)")

@@ -495,3 +495,32 @@ ENTRY %main (x: bf16[8,2]) -> bf16[8,2] {
     )
     c = only(parse_hlo_collectives(text))
     assert (c.kind, c.name, c.array_bytes, c.bytes_per_device) == ("all-to-all", "a2a", 32, 28)
+
+
+def test_mesh_axes_replica_groups_of_newer_jax():
+    """jax >= 0.11 prints groups as mesh axes, in HLO and in StableHLO (Shardy)."""
+    hlo = (
+        "ENTRY %main {\n"
+        "  %ar = f32[256]{0} all-reduce(f32[256]{0} %p), channel_id=1, "
+        "replica_groups=mesh['data'=2,'local'=4] {'local'}, use_global_device_ids=true, "
+        "to_apply=%add\n"
+        "  %ag = f32[8,64]{1,0} all-gather(f32[1,64]{1,0} %q), channel_id=2, "
+        "replica_groups=mesh['data'=2,'local'=4] {'data','local'}, dimensions={0}, "
+        "use_global_device_ids=true\n"
+        "}\n"
+    )
+    ar, ag = parse_hlo_collectives(hlo, 8)
+    assert (ar.group_size, ag.group_size) == (4, 8)
+    assert ar.bytes_per_device == ring_bytes("all-reduce", 1024, 4)
+    shlo = (
+        'sdy.mesh @mesh = <["data"=2, "local"=4]>\n'
+        '%0 = "stablehlo.all_reduce"(%arg0) <{channel_handle = #stablehlo.channel_handle<'
+        "handle = 1, type = 1>, replica_groups = #stablehlo.replica_group_mesh_axes<"
+        'mesh = @mesh, axes = [#stablehlo.axis_ref<name = "data">]>, use_global_device_ids}> ({\n'
+        "^bb0(%a: tensor<f32>, %b: tensor<f32>):\n"
+        '  %s = "stablehlo.add"(%a, %b) : (tensor<f32>, tensor<f32>) -> tensor<f32>\n'
+        '  "stablehlo.return"(%s) : (tensor<f32>) -> ()\n'
+        "}) : (tensor<256xf32>) -> tensor<256xf32>\n"
+    )
+    (c,) = parse_stablehlo_collectives(shlo, 8)
+    assert c.group_size == 2 and c.bytes_per_device == ring_bytes("all-reduce", 1024, 2)

@@ -380,8 +380,54 @@ def _parse_int_groups(s: str) -> list[list[int]]:
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", s)]
 
 
+def _axes_product(mesh: dict[str, int], refs: list[tuple[str, str | None]]) -> int | None:
+    """Devices in a group spanning mesh axes ``refs``: ``(name, sub-axis size or None)``."""
+    if not refs or any(r not in mesh and sub is None for r, sub in refs):
+        return None
+    return math.prod(int(sub) if sub else mesh[r] for r, sub in refs)
+
+
+def _hlo_mesh_axes_group_size(attrs: str) -> int | None:
+    """The mesh-axes form of newer XLA: ``replica_groups=mesh['data'=2,'local'=4] {'local'}``
+    (sub-axes as ``'local':(1)2``)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m is None:
+        return None
+    mesh = {a: int(n) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+    refs = re.findall(r"'([^']+)'(?::\(\d+\)(\d+))?", m.group(2))
+    return _axes_product(mesh, [(a, sub or None) for a, sub in refs])
+
+
+def _shlo_mesh_axes_group_size(attrs: str, text: str) -> int | None:
+    """StableHLO's ``#stablehlo.replica_group_mesh_axes<mesh = @m, axes = [...]>`` (the mesh
+    inline as ``#stablehlo.mesh<axes = [...]>`` or a symbol ``sdy.mesh @m = <[...]>``)."""
+    start = attrs.find("replica_group_mesh_axes<")
+    if start < 0:
+        return None
+    body = attrs[start:]
+    inline = re.findall(r'mesh_axis<name = "([^"]+)", size = (\d+)>', body)
+    if inline:
+        mesh = {a: int(n) for a, n in inline}
+    else:
+        name = re.search(r"mesh(?:_name)? = @([\w.$-]+)", body)
+        decl = name and re.search(rf"sdy\.mesh @{re.escape(name.group(1))} = <\[([^\]]*)\]", text)
+        if not decl:
+            return None
+        mesh = {a: int(n) for a, n in re.findall(r'"([^"]+)"=(\d+)', decl.group(1))}
+    refs_text = body[body.rfind("axes = [") :]  # the group's axes come after the mesh
+    refs = re.findall(
+        r'axis_ref<name = "([^"]+)"(?:, sub_axis_info = \(\d+\)(\d+))?>'
+        r'|axis_ref"([^"]+)"(?::\(\d+\)(\d+))?>',
+        refs_text,
+    )
+    return _axes_product(mesh, [(a or b, (s1 or s2) or None) for a, s1, b, s2 in refs])
+
+
 def _hlo_replica_group_size(attrs: str) -> int | None:
     """Group size from an op's attributes, or ``None`` for empty/missing groups."""
+    size = _hlo_mesh_axes_group_size(attrs)
+    if size is not None:
+        return size
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", attrs)
     if m:  # iota form [num_groups,group_size]<=[dims]T(perm)
         return int(m.group(2))
@@ -646,6 +692,7 @@ def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> li
             groups, dims = _dense_groups("replica_groups", attrs_head)
             sizes = [sum(1 for d in g if d >= 0) for g in groups or []]
             listed = max(sizes) if sizes and max(sizes) > 0 else None
+            listed = _shlo_mesh_axes_group_size(attrs_head, text) or listed
             group = _group_size_from_mode(
                 listed,
                 has_channel="channel_handle" in attrs_head,

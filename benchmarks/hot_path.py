@@ -20,6 +20,7 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path --label before     # hot_path_before.json
     python -m benchmarks.hot_path                    # hot_path.json
     python -m benchmarks.hot_path --quick            # a 1.6M-param MLP, 3 rows (smoke test)
+    python -m benchmarks.hot_path --reuse-buffers --label reuse   # freed memory reused
 """
 
 from __future__ import annotations
@@ -188,6 +189,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="timed calls per row (at least 7)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
     ap.add_argument("--label", default=None, help="write hot_path_LABEL.json (e.g. before)")
+    ap.add_argument(
+        "--reuse-buffers",
+        action="store_true",
+        help="jaxcomp.cpu.reuse_large_buffers(): freed memory reused, no page faults",
+    )
     args = ap.parse_args(argv)
     if args.reps < 7 and not args.quick:
         ap.error("--reps must be at least 7 (or use --quick)")
@@ -197,11 +203,13 @@ def main(argv=None) -> int:
     import jaxcomp.cpu
 
     jaxcomp.cpu.use_cpu_devices(1)
+    reuse = args.reuse_buffers and jaxcomp.cpu.reuse_large_buffers()
     data = run(sizes, names, args.reps, args.warmup)
     data = {
         "environment": common.environment(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
         "label": args.label,
+        "reuse_large_buffers": reuse,
         **data,
     }
     print(f"\ncopy of the tree: {data['copy_ms']:.2f} ms ({data['params'] / 1e6:.1f}M params)")

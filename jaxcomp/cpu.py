@@ -45,3 +45,33 @@ def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:
     call.lower = fn.lower  # type: ignore[attr-defined]
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def reuse_large_buffers() -> bool:
+    """Keep freed memory for reuse instead of returning it to the OS (glibc only).
+
+    XLA:CPU allocates a program's temporaries per call. glibc serves every block above
+    32 MiB with a fresh ``mmap`` and unmaps it on free, so each gradient-sized temporary
+    page-faults on every step: on a CPU host that, not arithmetic, is most of what a
+    compressed step's codec passes cost. This turns ``mmap`` off for large blocks and
+    the heap's trimming off (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD,
+    INT_MAX)``), the same as ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` in the
+    environment. The process keeps its peak memory. Returns False where glibc is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

@@ -210,10 +210,7 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
-        expected = jax.eval_shape(lambda: fields(layout))
-        if server.is_whole(state.server_residual, layout, flat):  # built outside the mesh
-            expected["server_residual"] = state.server_residual
-        skeleton.check_fields("compressed_allreduce", state, expected)
+        skeleton.check_state("compressed_allreduce", state, lambda: fields(layout), layout, flat)
         grads = layouts.compressed_vectors(updates, layout)
         plain_out, plain_bad = skeleton.plain_means(
             layouts.leaves_of(updates, layout, layouts.PLAIN), every_axis, bucket_bytes

@@ -238,10 +238,7 @@ def dgc(
         n = skeleton.begin("dgc", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, _matrix_mask)
-        expected = jax.eval_shape(lambda: fields(layout))
-        if server.is_whole(state.server_residual, layout, False):  # built outside the mesh
-            expected["server_residual"] = state.server_residual
-        skeleton.check_fields("dgc", state, expected)
+        skeleton.check_state("dgc", state, lambda: fields(layout), layout)
         g = layouts.compressed_vectors(updates, layout)
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 

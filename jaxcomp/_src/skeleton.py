@@ -5,7 +5,7 @@ an optax ``GradientTransformationExtraArgs`` whose update:
 
 1. checks the gradient tree against the params and the mesh axes (:func:`begin`);
 2. groups the leaves (compressed / plain / passthrough, :mod:`jaxcomp._src.layout`);
-3. checks its state fields against the leaves (:func:`check_fields`);
+3. checks its state fields against the leaves (:func:`check_state`);
 4. reads each compressed leaf and its memories once, sends, writes the memories once;
 5. keeps the old state where the step was not finite (:func:`freeze`) and returns a NaN
    output, so ``optax.apply_if_finite`` skips the step and nothing is lost.
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import collectives
+from jaxcomp._src import collectives, server
 from jaxcomp._src import layout as layouts
 
 
@@ -86,6 +86,18 @@ def check_fields(name: str, state: Any, expected: dict[str, Any]) -> None:
             "build it with jax.pmap(tx.init, axis_name=...) or give every state leaf a "
             "leading device axis (jc.replicate)."
         )
+
+
+def check_state(
+    name: str, state: Any, fields: Callable[[], dict], layout: layouts.Layout, flat: bool = False
+) -> None:
+    """:func:`check_fields` against ``fields()`` (the init's fields for these gradients,
+    traced abstractly); a server residual built outside the mesh (room for whole vectors,
+    see :mod:`jaxcomp._src.server`) is accepted as it is."""
+    expected = jax.eval_shape(fields)
+    if "server_residual" in expected and server.is_whole(state.server_residual, layout, flat):
+        expected["server_residual"] = state.server_residual
+    check_fields(name, state, expected)
 
 
 def _short(tree: Any) -> str:

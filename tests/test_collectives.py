@@ -115,3 +115,27 @@ def test_auto_strategy_choices():
     assert jc.choose_strategy(jc.int_quant(8), d, 2) == "allgather"  # a tie: fewer encodes
     costs = jc.strategy_bytes(jc.sign(), d, 8)
     assert costs["allgather"] / costs["two_phase"] == pytest.approx(4.0, rel=0.01)
+
+
+@pytest.mark.parametrize("bucket_bytes", [2**25, 1])
+def test_payloads_travel_in_buckets(bucket_bytes):
+    """20 leaves, sign over all-gather: one all-gather per bucket, whatever the leaf count
+    (bucket_bytes=1: each payload array travels alone, two per leaf: words and scale)."""
+    tree = {f"w{i}": jnp.zeros((N, 64, 32)) for i in range(20)}
+    fn = per_device(
+        lambda t: jc.pmean(
+            jax.tree.map(lambda a: a[0], t),
+            "data",
+            jc.sign(),
+            strategy="allgather",
+            bucket_bytes=bucket_bytes,
+        ),
+        P("data"),
+        P(),
+    )
+    report = jc.comm_report(fn, shard(tree))
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    # sign's payload: uint32 words and one float32 scale per leaf, two dtypes: two buckets.
+    assert len(gathers) == (2 if bucket_bytes > 1 else 40)
+    out = fn(shard(tree))
+    assert all(float(jnp.abs(v).max()) == 0.0 for v in out.values())

@@ -89,12 +89,6 @@ def exchange(
     return (tree, results) if with_buckets else tree
 
 
-def count(payloads: list[Any], *, lead: int = 0, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """How many buckets (collectives) :func:`exchange` issues for these payloads."""
-    flat = jax.tree.leaves(payloads)
-    return len(_plan(flat, lead, bucket_bytes)) if flat else 0
-
-
 def check_bucket_bytes(bucket_bytes: Any) -> int:
     """``bucket_bytes`` as a positive int, else an error naming it."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int | np.integer):

@@ -182,11 +182,6 @@ def local_nonfinite(arrays: Any) -> jax.Array:
     return jnp.isnan(jnp.sum(jnp.stack([z.astype(jnp.float32) for z in zeros])))
 
 
-def any_nonfinite(tree: Any, axis_name: Any) -> jax.Array:
-    """True on every device when any float leaf on any device holds NaN or inf (one scalar psum)."""
-    return jax.lax.psum(local_nonfinite(tree).astype(jnp.int32), axis_name) > 0
-
-
 def poison(x: jax.Array, bad: jax.Array) -> jax.Array:
     """``x``, or NaN everywhere when ``bad``: a non-finite input is never hidden."""
     return jnp.where(bad, jnp.nan, x)

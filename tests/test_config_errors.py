@@ -136,6 +136,18 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", min_size=1.5),
         TypeError,
     ),
+    (
+        "compressed_allreduce",
+        "bucket_bytes",
+        lambda: jc.compressed_allreduce(S, "d", bucket_bytes=0),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "bucket_bytes",
+        lambda: jc.compressed_allreduce(S, "d", bucket_bytes=2.5e7),
+        TypeError,
+    ),
     ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=-1), ValueError),
     ("compressed_allreduce", "seed", lambda: jc.compressed_allreduce(S, "d", seed=1.5), TypeError),
     (
@@ -239,6 +251,8 @@ TRACE_CHECKS = [
     ("pmean", "granularity", lambda x: jc.pmean(x, "data", S, granularity="layer"), ValueError),
     ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=-1), ValueError),
     ("pmean", "min_size", lambda x: jc.pmean(x, "data", S, min_size=1.5), TypeError),
+    ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=0), ValueError),
+    ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=1e6), TypeError),
     ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
     ("pmean", "axis_name", lambda x: jc.pmean(x, "model", S), ValueError),
     (

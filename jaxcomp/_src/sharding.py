@@ -34,7 +34,7 @@ def _names(axis_name: Any) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
-def _spec_of(x: Any) -> P:
+def spec_of(x: Any) -> P:
     """A PartitionSpec from a spec, a ``NamedSharding`` or an array carrying one."""
     if isinstance(x, P):
         return x
@@ -111,7 +111,7 @@ def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
     specs, treedef = jax.tree.flatten(
         param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
     )
-    specs = [_spec_of(x) for x in specs]
+    specs = [spec_of(x) for x in specs]
     shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(shaped)]
     if mesh is not None:
         shapes = [(s, _block_shape(s, p, mesh)) for s, p in zip(shapes, specs, strict=True)]

@@ -45,6 +45,16 @@ def _spec(x: Any) -> P:
     return spec if isinstance(spec, P) else P()
 
 
+def _without(spec: P, axes: set) -> P:
+    """``spec`` with the mesh axes ``axes`` removed (their dimensions unsharded)."""
+    out = []
+    for entry in spec:
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        kept = tuple(a for a in names if a not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return P(*out)
+
+
 def _named(spec: P) -> set:
     out = set()
     for entry in spec:
@@ -56,7 +66,7 @@ def _named(spec: P) -> set:
 
 def _given_specs(param_specs: Any, updates: Any, state: Any, params: Any) -> tuple:
     specs = jax.tree.map(
-        sharding._spec_of,
+        sharding.spec_of,
         param_specs,
         is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding),
     )
@@ -85,9 +95,8 @@ def over_shards(update: Callable, param_specs: Any = None, data_axes: tuple = ()
             explicit = _explicit_axes()
             if not explicit:
                 return update(updates, state, params, **extra_args)
-            specs = jax.tree.map(_spec, args)
+            specs = jax.tree.map(lambda x: _without(_spec(x), set(data_axes)), args)
             axes = explicit & set().union(*(_named(s) for s in jax.tree.leaves(specs)), set())
-            axes -= set(data_axes)
         if not axes:
             return update(updates, state, params, **extra_args)
 

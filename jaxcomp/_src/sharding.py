@@ -1,9 +1,11 @@
 """Per-device optimizer state under ``jax.shard_map``: specs and sharded init in one line.
 
 Error-feedback memory differs per device. jaxcomp states mark those fields in
-``PER_DEVICE_FIELDS``; under ``shard_map`` they get ``P(axis_name)``, so the global array is
-the devices' memories concatenated along axis 0 and each device sees exactly its own
-``f32[d]``. Every other leaf (keys, step counts, other optax states) is replicated: ``P()``.
+``PER_DEVICE_FIELDS``; each of their arrays carries a leading device slot of 1, and under
+``shard_map`` gets ``P(axis_name)``: the global array stacks the devices' memories along
+axis 0 (a ``(64, 48)`` leaf's memory is ``(n, 64, 48)``) and each device sees exactly its
+own. Every other leaf (keys, step counts, other optax states) is replicated: ``P()``. With
+params sharded over other mesh axes, ``param_specs`` lays each memory out like its param.
 
     opt_state = jc.sharded_init(tx, params, mesh, "data")
     specs = jc.state_specs(opt_state, "data")

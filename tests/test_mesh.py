@@ -40,15 +40,17 @@ def _loss(params, x, y):
     return jnp.mean((h @ params["w1"] + params["b1"] - y) ** 2)
 
 
-def _step(mesh, codec, sharded):
+def _step(mesh, codec, sharded, loss=_loss, param_specs=True):
+    """``(jitted step, (params, state, x, y))``; ``param_specs=False``: the transform reads
+    the blocks from the arrays' types (explicit model axis)."""
     params, specs = _params(mesh, sharded)
-    extra = {"param_specs": specs} if sharded else {}
+    extra = {"param_specs": specs} if sharded and param_specs else {}
     tx = optax.chain(jc.compressed_allreduce(codec, "data", min_size=512, **extra), optax.sgd(0.1))
-    state = jc.sharded_init(tx, params, mesh, "data", **extra)
+    state = jc.sharded_init(tx, params, mesh, "data", **({"param_specs": specs} if sharded else {}))
     sspecs = jc.state_specs(state, "data")
 
     def step(params, state, x, y):
-        grads = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
+        grads = jax.grad(loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
@@ -103,40 +105,23 @@ def test_model_sharded_memories_keep_the_params_sharding_and_train():
     assert state[0].memory["w0"].sharding.spec == P("data", None, "model")
 
 
+def _elementwise_loss(params, x, y):
+    # No contraction over a sharded dimension: explicit axes would need an out_sharding.
+    h = x @ params["w0"] + params["b0"]
+    return jnp.mean(h**2) + jnp.mean((params["w1"] - 0.1) ** 2) + jnp.mean(params["b1"] ** 2)
+
+
 def test_explicit_model_axis_reads_blocks_from_the_types():
     """With an explicit model axis no ``param_specs`` are needed: each update runs per block
     of the shardings the inputs' types carry, and the step trains."""
     mesh = jax.make_mesh(
         (4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Explicit)
     )
-    params, specs = _params(mesh, True)
-    tx = optax.chain(jc.compressed_allreduce(jc.int_quant(8), "data", min_size=512), optax.sgd(0.1))
-    state = jc.sharded_init(tx, params, mesh, "data", param_specs=specs)
-    sspecs = jc.state_specs(state, "data")
-
-    def loss(params, x, y):  # no sharded contraction: explicit axes would need out_sharding
-        h = x @ params["w0"] + params["b0"]
-        return jnp.mean(h**2) + jnp.mean((params["w1"] - 0.1) ** 2) + jnp.mean(params["b1"] ** 2)
-
-    def step(params, state, x, y):
-        grads = jax.grad(loss)(jax.lax.pcast(params, "data", to="varying"), x, y)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    fn = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), sspecs, P("data"), P("data")),
-            out_specs=(P(), sspecs),
-            axis_names={"data"},
-        )
+    fn, (params, state, x, y) = _step(
+        mesh, jc.int_quant(8), True, loss=_elementwise_loss, param_specs=False
     )
-    rng = np.random.RandomState(1)
-    put = lambda a: jax.device_put(a.astype(np.float32), NamedSharding(mesh, P("data")))  # noqa: E731
-    x, y = put(rng.standard_normal((32, SIZES[0]))), put(rng.standard_normal((32, SIZES[2])))
-    before = float(jax.jit(loss)(params, x, y))
+    before = float(jax.jit(_elementwise_loss)(params, x, y))
     for _ in range(5):
         params, state = jax.block_until_ready(fn(params, state, x, y))
-    assert float(jax.jit(loss)(params, x, y)) < 0.99 * before
+    assert float(jax.jit(_elementwise_loss)(params, x, y)) < 0.99 * before
     assert state[0].memory["w0"].sharding.spec == P("data", None, "model")

@@ -33,6 +33,7 @@ from jaxcomp._src.collectives import (
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
+from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 
 __version__ = "0.1.0"
@@ -66,6 +67,11 @@ __all__ = [
     "psum",
     "qsgd",
     "replicate",
+    "mean_replica",
+    "own",
+    "replica_params",
+    "replica_specs",
+    "slot",
     "sharded_init",
     "sign",
     "state_specs",

@@ -1,0 +1,95 @@
+"""Params that differ per device: local SGD, DiLoCo and gossip keep one replica per device.
+
+Data-parallel transforms (``compressed_allreduce``, ``dgc``, the recipes) return the same
+update on every device, so the params stay replicated (``P()``). Transforms that communicate
+less often or only with neighbours (``jc.local_sgd``, ``jc.diloco``, ``jc.gossip``) let each
+device's params drift between synchronizations: the params are then *replicas*, stacked on a
+leading device axis like the per-device state fields, ``(n, *shape)`` globally with spec
+``P(axis_name)``, and each device's step sees its own ``(1, *shape)`` slot::
+
+    replicas = jc.replica_params(params, mesh, "data")          # (n, *shape), P("data")
+    opt_state = jc.sharded_init(tx, params, mesh, "data")
+    specs = jc.state_specs(opt_state, "data")
+
+    def step(replicas, opt_state, batch):
+        params = jc.own(replicas)                                # this device's (*shape)
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return jc.slot(optax.apply_updates(params, updates)), opt_state
+
+    step = jax.jit(jax.shard_map(step, mesh=mesh,
+                                 in_specs=(P("data"), specs, P("data")),
+                                 out_specs=(P("data"), specs)))
+    model = jc.mean_replica(replicas)                            # evaluate the mean model
+
+Under ``jax.pmap`` the replicas are the pmapped params themselves (``jc.replicate``): each
+device's step sees its own params without a slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _lead(axis_name: Any) -> Any:
+    names = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    return names if len(names) > 1 else names[0]
+
+
+def _size(mesh: jax.sharding.Mesh, axis_name: Any) -> int:
+    names = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    missing = [a for a in names if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"`axis_name` {axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
+        )
+    n = 1
+    for a in names:
+        n *= mesh.shape[a]
+    return n
+
+
+def replica_specs(params: Any, axis_name: Any) -> Any:
+    """``P(axis_name)`` for every leaf of ``params``: the specs of stacked replicas."""
+    lead = _lead(axis_name)
+    return jax.tree.map(lambda _: P(lead), params)
+
+
+def replica_params(params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
+    """One copy of ``params`` per device of ``axis_name``: leaves ``(n, *shape)``, sharded
+    ``P(axis_name)`` on ``mesh``, so that each device's ``shard_map`` step holds its own."""
+    n = _size(mesh, axis_name)
+    sharding = NamedSharding(mesh, P(_lead(axis_name)))
+    return jax.tree.map(
+        lambda x: jax.device_put(jnp.broadcast_to(x, (n, *jnp.shape(x))), sharding), params
+    )
+
+
+def own(replicas: Any) -> Any:
+    """Inside a ``shard_map`` step: this device's params from its ``(1, *shape)`` slots."""
+    return jax.tree.map(lambda x: x[0], replicas)
+
+
+def slot(params: Any) -> Any:
+    """Inside a ``shard_map`` step: this device's params as ``(1, *shape)`` slots again."""
+    return jax.tree.map(lambda x: x[None], params)
+
+
+def mean_replica(replicas: Any) -> Any:
+    """The mean model of stacked replicas ``(n, *shape)``: the one to evaluate.
+
+    Integer leaves (step counters, which agree across replicas) give their minimum.
+    """
+
+    def mean(x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype)
+        return jnp.min(x, axis=0)
+
+    return jax.tree.map(mean, replicas)

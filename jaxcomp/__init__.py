@@ -32,9 +32,11 @@ from jaxcomp._src.collectives import (
 )
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
+from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,13 @@ __all__ = [
     "DGCState",
     "PowerSGDState",
     "dgc",
+    "GossipState",
+    "TOPOLOGIES",
+    "Topology",
+    "consensus_distance",
+    "gossip",
+    "gossip_bytes",
+    "topology",
     "powersgd",
     "random_k",
     "threshold",

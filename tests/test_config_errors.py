@@ -238,10 +238,32 @@ CHECKS = [
     ("accumulate", "every_k", lambda: jc.accumulate(SGD, 0), ValueError),
     ("accumulate", "every_k", lambda: jc.accumulate(SGD, 2.0), TypeError),
     ("accumulate", "use_grad_mean", lambda: jc.accumulate(SGD, 2, use_grad_mean=1), TypeError),
+    ("gossip", "inner", lambda: jc.gossip("sgd", "data"), TypeError),
+    ("gossip", "axis_name", lambda: jc.gossip(SGD, None), ValueError),
+    ("gossip", "topology", lambda: jc.gossip(SGD, "d", topology="star"), ValueError),
+    ("gossip", "codec", lambda: jc.gossip(SGD, "d", codec="int8"), TypeError),
+    ("gossip", "gamma", lambda: jc.gossip(SGD, "d", gamma=0.0), ValueError),
+    ("gossip", "gamma", lambda: jc.gossip(SGD, "d", gamma=1.5), ValueError),
+    ("gossip", "gamma", lambda: jc.gossip(SGD, "d", gamma="0.5"), TypeError),
+    ("gossip", "every", lambda: jc.gossip(SGD, "d", every=0), ValueError),
+    ("gossip", "every", lambda: jc.gossip(SGD, "d", every=2.0), TypeError),
+    ("gossip", "seed", lambda: jc.gossip(SGD, "d", seed=-1), ValueError),
+    ("gossip", "seed", lambda: jc.gossip(SGD, "d", seed=1.5), TypeError),
+    ("gossip", "bucket_bytes", lambda: jc.gossip(SGD, "d", bucket_bytes=0), ValueError),
+    ("gossip", "bucket_bytes", lambda: jc.gossip(SGD, "d", bucket_bytes=1e6), TypeError),
+    ("gossip_bytes", "topology", lambda: jc.gossip_bytes({}, 8, topology="star"), ValueError),
+    ("topology", "name", lambda: jc.topology("star", 8), ValueError),
+    ("topology", "n", lambda: jc.topology("ring", 0), ValueError),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
 ]
+
+
+def _gossip_update(x, axis_name, params):
+    tx = jc.gossip(SGD, axis_name)
+    return tx.update(x, tx.init(x), params)[0]
+
 
 # Checks at trace time, inside shard_map over axis "data" (8 devices): pmean/psum arguments.
 X = {"w": jax.ShapeDtypeStruct((8, 100), jnp.float32)}
@@ -262,6 +284,8 @@ TRACE_CHECKS = [
         ValueError,
     ),
     ("psum", "axis_name", lambda x: jc.psum(x, "model", S), ValueError),
+    ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
+    ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
     (
         "psum",
         "strategy",

@@ -52,9 +52,10 @@ TOPOLOGIES = ("ring", "torus", "exponential")
 """Values of ``topology=`` of :func:`jaxcomp.gossip` (see :func:`topology`)."""
 
 
-def check_topology(name: object) -> str:
+def check_topology(name: object, argument: str = "topology") -> str:
+    """``name`` if it is one of :data:`TOPOLOGIES`, else an error naming ``argument``."""
     if name not in TOPOLOGIES:
-        raise ValueError(f"`topology` must be one of {TOPOLOGIES}, got {name!r}")
+        raise ValueError(f"`{argument}` must be one of {TOPOLOGIES}, got {name!r}")
     return str(name)
 
 
@@ -129,7 +130,7 @@ def topology(name: str, n: int) -> Topology:
       >>> t.neighbours, round(t.spectral_gap(), 3)
       (2, 0.195)
     """
-    check_topology(name)
+    check_topology(name, "name")
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
         raise ValueError(f"`n` must be an int >= 1, got {n!r}")
     n = int(n)

@@ -32,7 +32,9 @@ from jaxcomp._src.collectives import (
 )
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
+from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
@@ -48,6 +50,10 @@ __all__ = [
     "STRATEGIES",
     "Codec",
     "DGCState",
+    "DiLoCoState",
+    "diloco",
+    "LocalSGDState",
+    "local_sgd",
     "PowerSGDState",
     "dgc",
     "GossipState",

@@ -1,0 +1,105 @@
+"""Local SGD: each device steps on its own, the params are averaged every ``sync_every`` steps."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from jaxcomp._src import feedback, periodic
+from jaxcomp._src.codecs.base import Codec
+
+
+class LocalSGDState(NamedTuple):
+    """State of :func:`local_sgd`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
+    anchor: Any  # identical on every device: f32 params of the last sync, like the params
+    exchange: Any  # with a codec: (CompressedAllreduceState,) of the params' delta; else None
+    count: jax.Array  # int32[]: number of updates applied
+
+    PER_DEVICE_FIELDS = ("inner",)
+
+
+def local_sgd(
+    inner: optax.GradientTransformation,
+    axis_name: Any,
+    sync_every: int,
+    *,
+    codec: Codec | None = None,
+    start_step: int = 0,
+    error_feedback: str | None = "auto",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Local SGD: each device runs ``inner`` on its own gradients; every ``sync_every`` steps
+    the params are averaged over ``axis_name``.
+
+    Params are per-device replicas (:func:`jaxcomp.replica_params`); ``update(grads, state,
+    params)`` takes this device's gradients and params and returns the updates that move
+    them. With ``H = sync_every`` and step ``t`` counted from 0::
+
+        theta_i <- theta_i + inner(g_i)                         # every step, on each device
+        theta_i <- mean_j theta_j        if (t + 1 - start_step) % H == 0 or t < start_step
+
+    The state keeps ``x``, the params of the last sync, and averages the change since:
+    ``x <- x - mean_j (x - theta_j)`` (so that identical replicas average exactly to
+    themselves), and every device restarts from ``x``. With ``codec`` the change goes
+    through ``jc.compressed_allreduce`` with error feedback: ``x <- x - mean_j C(x - theta_j
+    + e_j)``.
+    Before ``start_step`` the params are averaged every step (post-local SGD: data-parallel
+    first, local later). The inner optimizer's state stays local (Lin et al. keep each
+    worker's momentum). Sync steps run their collectives inside a ``jax.lax.cond`` on the
+    step count: other steps send nothing.
+
+    A non-finite update on one device freezes that device's inner state and gives it a
+    non-finite output; a sync whose mean is not finite gives non-finite outputs everywhere
+    and leaves the whole state as it was. Wrap the inner optimizer, not this transform, in
+    ``optax.apply_if_finite`` (its skips then stay local and the sync schedule stays in
+    step on every device).
+
+    Args:
+      inner: the optax transform each device runs on its own gradients (e.g.
+        ``optax.sgd(0.1, momentum=0.9)``).
+      axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
+      sync_every: ``H``, local steps between averages (1: every step).
+      codec: None (``pmean`` of the params) or a jaxcomp codec for the params' change.
+      start_step: average every step before this step (post-local SGD); 0: local from the
+        start.
+      error_feedback: the codec's feedback, as for :func:`jaxcomp.compressed_allreduce`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`LocalSGDState`.
+
+    Example::
+
+        tx = jc.local_sgd(optax.sgd(0.05, momentum=0.9), "data", sync_every=4)
+        replicas = jc.replica_params(params, mesh, "data")
+        opt_state = jc.sharded_init(tx, params, mesh, "data")
+
+        def step(replicas, opt_state, x, y):
+            p = jc.own(replicas)
+            g = jax.grad(loss)(p, x, y)
+            u, opt_state = tx.update(g, opt_state, p)
+            return jc.slot(optax.apply_updates(p, u)), opt_state
+
+    References:
+      Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019;
+      Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020.
+    """
+    inner = periodic.check_transform("inner", inner)
+    sync_every, _, _, start_step = periodic.check_common(sync_every, start_step=start_step)
+    feedback.check_kind(error_feedback)
+    if codec is not None:  # its own checks (codec, error_feedback), naming the argument
+        periodic.compressed_allreduce(codec, axis_name, error_feedback=error_feedback)
+    cfg = periodic.Config(
+        name="local_sgd",
+        state_type=LocalSGDState,
+        inner=inner,
+        axis_name=axis_name,
+        sync_every=sync_every,
+        outer=None,
+        codec=codec,
+        error_feedback=error_feedback,
+        start_step=start_step,
+    )
+    return periodic.make(cfg)

@@ -32,6 +32,7 @@ from jaxcomp._src.collectives import (
 )
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.dgc import DGCState, dgc
+from jaxcomp._src.delayed import DelayedState, delayed
 from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
@@ -50,6 +51,8 @@ __all__ = [
     "STRATEGIES",
     "Codec",
     "DGCState",
+    "DelayedState",
+    "delayed",
     "DiLoCoState",
     "diloco",
     "LocalSGDState",

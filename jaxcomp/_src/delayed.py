@@ -1,0 +1,90 @@
+"""One-step-delayed exchange: step t's gradients are exchanged in step t + 1's program."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import periodic
+
+
+class DelayedState(NamedTuple):
+    """State of :func:`delayed`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    pending: Any  # per device: the previous step's gradients, [1, *leaf.shape], leaf dtype
+    inner: Any  # the wrapped transform's state
+    count: jax.Array  # int32[]: number of updates applied
+
+    PER_DEVICE_FIELDS = ("pending",)
+
+
+def delayed(
+    tx: optax.GradientTransformation, *, axis_name: Any = None
+) -> optax.GradientTransformationExtraArgs:
+    r"""Delay the exchange by one step, so that it overlaps the next forward and backward.
+
+    ``tx`` is a data-parallel transform that averages the gradients over the devices (e.g.
+    ``optax.chain(jc.compressed_allreduce(jc.int_quant(8), "data"), optax.sgd(0.1))``).
+    ``delayed(tx)`` feeds it the gradients of the previous step, kept in the state::
+
+        out_t = tx(g_{t-1})          (t >= 1);      out_0 = 0
+
+    Within one compiled step the exchange then depends only on the state, not on the
+    forward and backward computed in the same program, so XLA can run the collectives while
+    the gradients of step ``t`` are computed. The price is staleness 1: each update is
+    computed on params one step older than the ones it is applied to (PipeDream-style
+    weight staleness). With ``axis_name`` the delayed gradients are first averaged with a
+    float32 ``pmean`` (plain data parallel, delayed: ``jc.delayed(optax.sgd(0.1),
+    axis_name="data")``).
+
+    A non-finite gradient reaches ``tx`` one step later: that step's output is non-finite
+    and ``tx`` keeps its own state as its contract says (jaxcomp transforms leave their
+    memories as they were); chain ``optax.apply_if_finite`` inside ``tx`` as usual.
+
+    Args:
+      tx: the transform that exchanges and applies the gradients.
+      axis_name: None (``tx`` averages), or the data axis to ``pmean`` the gradients over
+        before ``tx``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`DelayedState`.
+
+    Example::
+
+        tx = jc.delayed(optax.chain(jc.compressed_allreduce(jc.sign(), "data"),
+                                    optax.sgd(0.05, momentum=0.9)))
+
+    References:
+      Harlap et al., "PipeDream: Fast and Efficient Pipeline Parallel DNN Training", 2018;
+      Zhu et al., "Delayed Gradient Averaging: Tolerate the Communication Latency for
+      Federated Learning", NeurIPS 2021.
+    """
+    tx = periodic.check_transform("tx", tx)
+
+    def init_fn(params):
+        pending = jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.result_type(p)), params)
+        return DelayedState(pending=pending, inner=tx.init(params), count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        previous = jax.tree.map(lambda a: a[0], state.pending)
+
+        def exchange(ops):
+            previous, inner = ops
+            if axis_name is not None:
+                previous = jax.lax.pmean(previous, axis_name)
+            return tx.update(previous, inner, params, **extra_args)
+
+        def first(ops):
+            out, inner = jax.eval_shape(exchange, ops)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out), ops[1]
+
+        out, inner = jax.lax.cond(state.count == 0, first, exchange, (previous, state.inner))
+        pending = jax.tree.map(
+            lambda g, old: jnp.asarray(g, old.dtype)[None], updates, state.pending
+        )
+        return out, DelayedState(pending=pending, inner=inner, count=state.count + 1)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,126 @@
+"""jc.delayed: the exchange of step t runs in step t + 1's program (staleness 1).
+
+Its output at step t is the wrapped transform's output for the gradients of step t - 1 (zero
+at step 0), bit for bit, with the wrapped state advancing in step; the compiled step sends
+what the wrapped one sends; a NaN reaches the output one step later and the wrapped
+transform's memory stays as it was; the state checkpoints with orbax.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import optax
+from helpers import Blocking, N, mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+SHAPES = {"w": (64, 48), "b": (48,)}
+STEPS = 3
+
+
+def params():
+    rng = np.random.default_rng(0)
+    return {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def grads(t):
+    rng = np.random.default_rng(10 + t)
+    return {k: (rng.standard_normal((N, *s)) + 0.3).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def wrapped():
+    # fp16 with residual feedback: a memory to keep, and the cheapest program to compile.
+    codec = jc.cast("fp16")
+    return optax.chain(
+        jc.compressed_allreduce(codec, "data", error_feedback="residual"), optax.sgd(0.1)
+    )
+
+
+@functools.cache
+def built(delay: bool):
+    tx = jc.delayed(wrapped()) if delay else wrapped()
+    m = mesh()
+    p = jax.device_put(params(), NamedSharding(m, P()))
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(g, s, p):
+        return tx.update(jc.own(g), s, p)
+
+    fn = jax.jit(
+        jax.shard_map(step, mesh=m, in_specs=(P("data"), specs, P()), out_specs=(P(), specs))
+    )
+    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    return fn, Blocking(fn), state, p, put
+
+
+@functools.cache
+def run(delay: bool):
+    _, step, state, p, put = built(delay)
+    outs, states = [], [state]
+    for t in range(STEPS):
+        out, state = step(put(grads(t)), state, p)
+        outs.append(jax.tree.map(np.asarray, out))
+        states.append(state)
+    return outs, states
+
+
+def test_output_is_the_wrapped_output_one_step_late():
+    late, late_states = run(True)
+    now, now_states = run(False)
+    assert all(not a.any() for a in late[0].values())
+    for t in range(1, STEPS):
+        for k in SHAPES:
+            np.testing.assert_array_equal(late[t][k], now[t - 1][k], err_msg=k)
+        # the wrapped state after step t is the plain one after step t - 1
+        for a, b in zip(
+            jax.tree.leaves(late_states[t + 1].inner), jax.tree.leaves(now_states[t]), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bytes_are_the_wrapped_transforms():
+    sent = {}
+    for delay in (True, False):
+        fn, _, state, p, put = built(delay)
+        sent[delay] = jc.comm_report(fn, put(grads(0)), state, p).bytes_per_device
+    assert sent[True] == sent[False] > 0
+
+
+def test_nan_reaches_the_output_one_step_later_and_memory_is_kept():
+    _, step, _, p, put = built(True)
+    _, states = run(True)
+    g = grads(1)
+    g["w"][3, 0, 0] = np.nan
+    out, state = step(put(g), states[1], p)  # exchanges step 0's finite gradients
+    assert all(np.isfinite(np.asarray(a)).all() for a in out.values())
+    out, after = step(put(grads(2)), state, p)  # exchanges the NaN
+    assert not np.isfinite(np.asarray(out["w"])).any()
+    before_memory = jax.tree.leaves(state.inner[0].memory)
+    for a, b in zip(jax.tree.leaves(after.inner[0].memory), before_memory, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_plain_pmean_delayed_with_axis_name():
+    tx = jc.delayed(optax.sgd(1.0), axis_name="data")
+    m = mesh()
+    p = jax.device_put(params(), NamedSharding(m, P()))
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+    fn = Blocking(
+        jax.jit(
+            jax.shard_map(
+                lambda g, s: tx.update(jc.own(g), s, p),
+                mesh=m,
+                in_specs=(P("data"), specs),
+                out_specs=(P(), specs),
+            )
+        )
+    )
+    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    _, state = fn(put(grads(0)), state)
+    out, _ = fn(put(grads(1)), state)
+    np.testing.assert_allclose(out["w"], -grads(0)["w"].mean(0), rtol=1e-5, atol=1e-6)

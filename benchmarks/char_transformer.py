@@ -108,6 +108,10 @@ def make_tx(
         lr = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps)
     elif schedule != "constant":
         raise ValueError(f"`schedule` must be 'cosine' or 'constant', got {schedule!r}")
+    if optimizer == "recipe":  # compression(axis, lr) is the whole optimizer (jc.sgd, ...)
+        if not callable(compression):
+            raise ValueError("`optimizer`='recipe' needs a factory (axis, lr) -> optimizer")
+        return compression(AXIS, lr), True
     if optimizer == "adam":
         opt = optax.adam(lr)
     elif optimizer == "sgd":
@@ -115,7 +119,9 @@ def make_tx(
     elif optimizer == "plain_sgd":  # for transforms with momentum of their own (jc.dgc)
         opt = optax.sgd(lr)
     else:
-        raise ValueError(f"`optimizer` must be 'adam', 'sgd' or 'plain_sgd', got {optimizer!r}")
+        raise ValueError(
+            f"`optimizer` must be 'adam', 'sgd', 'plain_sgd' or 'recipe', got {optimizer!r}"
+        )
     if compression == "none":
         return opt, False
     if compression == "powersgd":
@@ -155,7 +161,8 @@ def train(
       steps: optimizer steps. Same batches and initialization for every ``compression``.
       rank: the PowerSGD rank (``compression="powersgd"``).
       optimizer: ``"adam"``, ``"sgd"`` (Nesterov momentum 0.9) or ``"plain_sgd"`` (no
-        momentum: for ``jc.dgc``, which applies its own), after the compression.
+        momentum: for ``jc.dgc``, which applies its own), after the compression; or
+        ``"recipe"``: ``compression(axis_name, lr)`` is the whole optimizer (``jc.sgd``).
       lr: peak learning rate (default 3e-3 for Adam, 0.2 for SGD).
       schedule: ``"cosine"`` (5% linear warm-up, cosine decay to 0 at ``steps``) or
         ``"constant"``.

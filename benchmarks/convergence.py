@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import optax
+
 import jaxcomp as jc
 from benchmarks import common
 
@@ -48,6 +50,31 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
         False,
     ),
 }
+# Optimizer-level recipes: name -> factory(axis, learning rate or schedule) -> the whole
+# optimizer (the exchange and the step). Classifiers use the baseline's lr (0.05); the char
+# task runs them at their own peak lr (RECIPE_CHAR_LR) with the baseline's cosine schedule.
+RECIPES: dict[str, Callable[[str, Any], Any]] = {
+    "sgd-sign": lambda axis, lr: jc.sgd(lr, jc.sign(), axis),
+    "sgd-sign-nesterov": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, nesterov=True),
+    "sgd-sign-ef21": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, error_feedback="ef21"),
+    "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
+    "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
+    "sgd-none": lambda axis, lr: jc.sgd(lr, jc.identity(), axis, error_feedback=None),
+    "adam": lambda axis, lr: optax.chain(
+        jc.compressed_allreduce(jc.identity(), axis, error_feedback=None), optax.adam(lr)
+    ),
+    "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
+}
+ONEBIT_FREEZE = 50  # 1-bit Adam's uncompressed warm-up (steps)
+# Peak learning rates of the recipes by family: classifiers (baseline SGD 0.05) and char.
+RECIPE_LR = {"sgd": {"classifier": 0.05, "char": 0.2}, "adam": {"classifier": 3e-3, "char": 3e-3}}
+
+
+def recipe_lr(method: str, task: str) -> float:
+    family = "sgd" if method.startswith("sgd") else "adam"
+    return RECIPE_LR[family]["char" if task == "char" else "classifier"]
+
+
 # Run order: the figures that matter most first, so a bounded run has them.
 PRIORITY = ["none", "sign", "int8", "topk1%", "powersgd4", "dgc0.1%", "fp16", "int4", "qsgd"]
 
@@ -58,6 +85,7 @@ def method_names() -> list[str]:
         if name == "signsgd_mv" and "majority_vote" not in jc.STRATEGIES:
             continue
         names.append(name)
+    names.extend(RECIPES)
     ordered = [n for n in PRIORITY if n in names]
     return ordered + [n for n in names if n not in ordered]
 
@@ -127,9 +155,12 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     def loss_fn(p, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y).mean()
 
-    factory, own_momentum = transform_factory(method)
-    opt = optax.sgd(0.05) if own_momentum else optax.sgd(0.05, momentum=0.9)
-    tx = opt if factory is None else optax.chain(factory(AXIS), opt)
+    if method in RECIPES:
+        factory, tx = RECIPES[method], RECIPES[method](AXIS, recipe_lr(method, task))
+    else:
+        factory, own_momentum = transform_factory(method)
+        opt = optax.sgd(0.05) if own_momentum else optax.sgd(0.05, momentum=0.9)
+        tx = opt if factory is None else optax.chain(factory(AXIS), opt)
     params = jax.device_put(init(jax.random.PRNGKey(seed)), NamedSharding(mesh, P()))
     state = jc.sharded_init(tx, params, mesh, AXIS)
     specs = jc.state_specs(state, AXIS)
@@ -180,12 +211,19 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
     """The character transformer of benchmarks/char_transformer.py with ``method``."""
     from benchmarks import char_transformer
 
-    factory, own_momentum = transform_factory(method)
-    compression = "none" if factory is None else factory
+    if method in RECIPES:
+        compression, optimizer = RECIPES[method], "recipe"
+        lr = recipe_lr(method, "char")
+    else:
+        factory, own_momentum = transform_factory(method)
+        compression = "none" if factory is None else factory
+        # DGC: its momentum, not a second.
+        optimizer, lr = ("plain_sgd" if own_momentum else "adam"), None
     r = char_transformer.train(
         compression,
         steps,
-        optimizer="plain_sgd" if own_momentum else "adam",  # DGC: its momentum, not a second
+        optimizer=optimizer,
+        lr=lr,
         seed=seed,
         return_details=True,
         report_bytes=True,

@@ -31,13 +31,15 @@ from jaxcomp._src.collectives import (
     strategy_bytes,
 )
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
-from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.delayed import DelayedState, delayed
+from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
+from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
+from jaxcomp._src.sgd import sgd
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
 
@@ -81,6 +83,8 @@ __all__ = [
     "identity",
     "int_quant",
     "natural",
+    "OneBitAdamState",
+    "onebit_adam",
     "pmean",
     "psum",
     "qsgd",
@@ -92,6 +96,7 @@ __all__ = [
     "slot",
     "sharded_init",
     "sign",
+    "sgd",
     "state_specs",
     "strategy_bytes",
     "terngrad",

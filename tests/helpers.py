@@ -61,10 +61,22 @@ def is_jaxcomp(node):
     return isinstance(node, tuple) and hasattr(type(node), "PER_DEVICE_FIELDS")
 
 
-def jaxcomp_state(state):
-    """The first jaxcomp state (a NamedTuple with per-device fields) inside a chain's state."""
-    found = [node for node in jax.tree.leaves(state, is_leaf=is_jaxcomp) if is_jaxcomp(node)]
-    assert found, f"no jaxcomp state in {type(state).__name__}"
+def jaxcomp_nodes(state) -> list:
+    """Every jaxcomp state inside ``state``, outer before inner (a recipe's state holds the
+    state of the exchange it runs, e.g. ``OneBitAdamState.exchange``)."""
+    found = []
+    for node in jax.tree.leaves(state, is_leaf=is_jaxcomp):
+        if is_jaxcomp(node):
+            found.append(node)
+            found.extend(jaxcomp_nodes(tuple(node)))
+    return found
+
+
+def jaxcomp_state(state, field=None):
+    """The first jaxcomp state (a NamedTuple with per-device fields) inside a chain's state;
+    with ``field``, the first that has that field."""
+    found = [n for n in jaxcomp_nodes(state) if field is None or field in n._fields]
+    assert found, f"no jaxcomp state{'' if field is None else ' with ' + field} in {state!r:.200}"
     return found[0]
 
 
@@ -124,7 +136,7 @@ def server_per_leaf(field, params: dict, hosts: int = N) -> dict:
 def held_back(state, params: dict, memory=("memory",), hosts: int = N) -> dict:
     """What the devices hold back, in units of the mean, per leaf (float64, zeros where
     nothing is held): mean_i of each per-device field in ``memory`` + the server residual."""
-    ours = jaxcomp_state(state)
+    ours = jaxcomp_state(state, memory[0] if memory else None)
     total = {k: np.zeros(_shape(p)) for k, p in params.items()}
     for name in memory:
         for k, m in device_mean(getattr(ours, name), params).items():

@@ -34,7 +34,7 @@ from helpers import (
     Blocking,
     N,
     held_back,
-    is_jaxcomp,
+    jaxcomp_nodes,
     jaxcomp_state,
     per_leaf,
     replicated_per_leaf,
@@ -65,7 +65,7 @@ def fed_mean(state: Any, g: dict, previous: dict, params: dict) -> dict:
 def fed_worker_momentum(state: Any, g: dict, previous: dict, params: dict) -> dict:
     """Worker momentum m_i <- b m_i + (1 - b) g_i is linear, so mean_i m_i is the momentum of
     the mean gradient; the compressed leaves (those with a memory) send it, the rest the mean."""
-    memory = per_leaf(jaxcomp_state(state).momentum, params)
+    memory = per_leaf(jaxcomp_state(state, "momentum").momentum, params)
     return {
         k: a.mean(0) if memory[k] is None else BETA * previous[k] + (1 - BETA) * a.mean(0)
         for k, a in g.items()
@@ -111,6 +111,23 @@ DGC_ERRORS = (
     ("strategy", "ring"),
     ("seed", -1),
 )
+SGD_ERRORS = (
+    ("momentum", 1.0),
+    ("momentum", "0.9"),
+    ("worker_momentum", 0.5),
+    ("strategy", "ring"),
+    ("min_size", -1),
+    ("error_feedback", "momentum"),
+)
+ONEBIT_ERRORS = (
+    ("freeze_step", 0),
+    ("freeze_step", 2.5),
+    ("b1", 1.0),
+    ("b2", -0.1),
+    ("eps", -1.0),
+    ("worker_momentum", 0.5),
+    ("strategy", "ring"),
+)
 POWERSGD_ERRORS = (
     ("rank", 0),
     ("rank", 2.0),
@@ -147,6 +164,7 @@ class Row:
     atol: float = 2e-5
     bad: tuple[tuple[str, Any], ...] = ALLREDUCE_ERRORS
     inner_axis: str | None = None  # hierarchical: a 2 x 4 mesh ("data", inner_axis)
+    out_scale: float = 1.0  # a recipe's output is out_scale times the mean it sent
     skip: tuple[tuple[str, str], ...] = ()  # (contract item, why it does not apply)
 
     def build(self, **overrides) -> optax.GradientTransformation:
@@ -198,6 +216,36 @@ ROWS = [
         "sign-worker_momentum",
         allreduce(jc.sign(), worker_momentum=BETA),
         fed=fed_worker_momentum,
+    ),
+    Row(
+        # jc.sgd at lr 0.1, momentum 0.9: the update is -0.1 / (1 - 0.9) = -1 times the mean
+        # of the sent momenta; every leaf's momentum (the small one's too) is fed.
+        "sgd-sign",
+        functools.partial(jc.sgd, 0.1, jc.sign(), momentum=BETA),
+        memory=("memory",),
+        fed=fed_worker_momentum,
+        out_scale=-1.0,
+        bad=SGD_ERRORS,
+    ),
+    Row(
+        "sgd-topk-nesterov",
+        functools.partial(jc.sgd, 0.1, jc.top_k(0.01), momentum=BETA, nesterov=True),
+        law="Nesterov sends beta m_i + (1 - beta) g_i, not the momentum: tests/test_recipes.py",
+        out_scale=-1.0,
+        bad=SGD_ERRORS,
+    ),
+    Row(
+        "onebit_adam",
+        functools.partial(jc.onebit_adam, 1e-3, freeze_step=2),
+        law="the output is Adam's direction; its momentum exchange: tests/test_recipes.py",
+        bad=ONEBIT_ERRORS,
+        skip=(
+            (
+                "bytes",
+                "the compiled step holds the warm-up's full all-reduce too (a lax.cond): "
+                "comm_report counts both branches",
+            ),
+        ),
     ),
     Row(
         "sign-hierarchical",
@@ -374,7 +422,7 @@ def test_error_feedback_conserves_the_gradient(row):
         # EF21: each device's estimate h_i += C(g_i - h_i); the output is the global estimate
         # h += mean_i C(g_i - h_i), so h == mean_i h_i, less what the chunk owners' second
         # encoding (two_phase) held back in their server residual; h moves towards mean_i g_i.
-        ours = jaxcomp_state(states[-1])
+        ours = jaxcomp_state(states[-1], "memory")
         devices = per_leaf(ours.memory, p)
         estimate = replicated_per_leaf(ours.estimate, p)
         server = getattr(ours, "server_residual", None)
@@ -398,7 +446,7 @@ def test_error_feedback_conserves_the_gradient(row):
         )
         for k in SHAPES:
             fed_total[k] += fed[k]
-            applied[k] += outs[t][k][0]
+            applied[k] += outs[t][k][0] / row.out_scale
     held = held_back(states[-1], p, row.memory, row.hosts)
     for k in SHAPES:
         np.testing.assert_allclose(applied[k] + held[k], fed_total[k], atol=row.atol, err_msg=k)
@@ -451,8 +499,7 @@ def test_state_specs_sharded_init_and_zero_gradient(row):
     per_device = [(leaf, spec) for leaf, spec in pairs if spec != P()]
     memories = [
         leaf
-        for node in jax.tree.leaves(state, is_leaf=is_jaxcomp)
-        if is_jaxcomp(node)
+        for node in jaxcomp_nodes(state)
         for field in type(node).PER_DEVICE_FIELDS
         for leaf in jax.tree.leaves(getattr(node, field))
     ]

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton
@@ -51,6 +52,30 @@ def _resolve_feedback(error_feedback, codec: Codec, strategy: str):
     return feedback.resolve(error_feedback, codec)
 
 
+def check_momentum(name: str, value: Any) -> Any:
+    """None, a momentum in [0, 1) (a Python 0 is None: no state), or an array (a
+    hyperparameter injected by ``optax.inject_hyperparams``; checked where concrete)."""
+    if value is None:
+        return None
+    if isinstance(value, jax.Array | np.ndarray) and not isinstance(value, bool):
+        if not isinstance(value, jax.core.Tracer):
+            check_fraction(name, float(value))
+        return value
+    return check_fraction(name, value) or None
+
+
+def _like_momentum(layout: layouts.Layout, compressed: list, plain: list) -> Any:
+    """Per-device momentum vectors as a field like the params, ``(1, *shape)`` per leaf."""
+
+    def shaped(vectors: list, group: str) -> list:
+        shapes = [s for s, g in zip(layout.shapes, layout.groups, strict=True) if g == group]
+        return [v.reshape(1, *s) for v, s in zip(vectors, shapes, strict=True)]
+
+    return layouts.like_floats(
+        layout, shaped(compressed, layouts.COMPRESSED), shaped(plain, layouts.PLAIN)
+    )
+
+
 def compressed_allreduce(
     codec: Codec,
     axis_name: Any,
@@ -64,6 +89,7 @@ def compressed_allreduce(
     inner_axis_name: Any = None,
     server_feedback: bool = True,
     worker_momentum: float | None = None,
+    worker_nesterov: bool = False,
     bucket_bytes: int = buckets.BUCKET_BYTES,
     param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -88,11 +114,16 @@ def compressed_allreduce(
     their mean scale (signSGD with majority vote, Bernstein et al. 2019); its feedback
     defaults to none.
 
-    Worker momentum (``worker_momentum=beta``): each device keeps its own momentum of its
-    compressed leaves and compresses that instead of its gradient::
+    Worker momentum (``worker_momentum=beta``): each device keeps its own momentum of every
+    floating leaf and sends that instead of its gradient::
 
         m_i <- beta * m_i + (1 - beta) * g_i          # per device, before feedback and encoding
         out  = mean_i C(m_i)                          # or the vote: sign(sum_i sign(m_i))
+
+    (with ``worker_nesterov=True`` each device sends ``beta * m_i + (1 - beta) * g_i`` with
+    the new ``m_i``, Nesterov's look-ahead in this averaged form). This is the momentum of
+    :func:`jaxcomp.sgd`, which scales it by ``learning_rate / (1 - beta)``: the heavy-ball
+    momentum ``m_i / (1 - beta)`` of SGD.
 
     With ``jc.sign(None)``, ``strategy="majority_vote"`` and a plain ``optax.sgd(lr)`` after
     it this is Signum with majority vote (Bernstein, Zhao, Azizzadenesheli, Anandkumar,
@@ -101,7 +132,8 @@ def compressed_allreduce(
     (``optax.sgd(lr, momentum=0.9)``) is a different algorithm: it accumulates votes taken
     on the signs of each device's raw, noisy gradient; Signum's devices vote with the signs
     of their momenta. Error feedback, if any, acts on ``m_i`` (``C(m_i + e_i)``). Leaves
-    sent by plain ``pmean`` (small or masked) get no worker momentum. It works with every
+    sent by plain ``pmean`` (small or masked) send their momentum too (uncompressed: the
+    mean of the devices' momenta is the momentum of the mean gradient). It works with every
     strategy.
 
     Hierarchical (``inner_axis_name``): the mean is over both axes; the fast inner axis is
@@ -138,7 +170,9 @@ def compressed_allreduce(
       server_feedback: keep the chunk owner's re-encoding error (two_phase). False keeps the
         worker residual only (for comparison: it converges less close to uncompressed).
       worker_momentum: None (default) or ``beta`` in [0, 1): each device compresses its own
-        momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). 0 is None.
+        momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). A Python 0
+        is None; an array (``optax.inject_hyperparams``) keeps the momentum state.
+      worker_nesterov: send Nesterov's look-ahead ``beta m_i + (1 - beta) g_i`` (new ``m_i``).
       param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
         x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params
         of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
@@ -171,9 +205,9 @@ def compressed_allreduce(
     if not isinstance(server_feedback, bool):
         raise TypeError(f"`server_feedback` must be a bool, got {server_feedback!r}")
     use_server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
-    # 0 means none: no state kept.
-    beta = None if worker_momentum is None else check_fraction("worker_momentum", worker_momentum)
-    beta = beta or None
+    beta = check_momentum("worker_momentum", worker_momentum)
+    if not isinstance(worker_nesterov, bool):
+        raise TypeError(f"`worker_nesterov` must be a bool, got {worker_nesterov!r}")
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
 
     flat = granularity == "flat"
@@ -197,7 +231,7 @@ def compressed_allreduce(
             "estimate": skeleton.zeros_like_compressed(layout, lambda s: s)
             if some and error_feedback == "ef21"
             else None,
-            "momentum": skeleton.zeros_like_compressed(layout) if some and beta else None,
+            "momentum": skeleton.zeros_like_floats(layout) if beta is not None else None,
         }
 
     def init_fn(params):
@@ -212,17 +246,29 @@ def compressed_allreduce(
         layout = layouts.layout_of(updates, min_size, mask)
         skeleton.check_state("compressed_allreduce", state, lambda: fields(layout), layout, flat)
         grads = layouts.compressed_vectors(updates, layout)
-        plain_out, plain_bad = skeleton.plain_means(
-            layouts.leaves_of(updates, layout, layouts.PLAIN), every_axis, bucket_bytes
-        )
+        plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
+        momentum = None
+        if beta is not None:
+            # Per device, on every floating leaf: m_i <- beta m_i + (1 - beta) g_i; the new
+            # momentum is sent (or Nesterov's look-ahead beta m_i + (1 - beta) g_i).
+            flat_plain = [jnp.ravel(g).astype(jnp.float32) for g in plain]
+            old = layouts.split_floats(layout, skeleton.vectors(state.momentum))
+            momentum = [
+                [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
+                for ms, gs in zip(old, (grads, flat_plain), strict=True)
+            ]
+            sends = momentum
+            if worker_nesterov:
+                sends = [
+                    [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
+                    for ms, gs in zip(momentum, (grads, flat_plain), strict=True)
+                ]
+            grads = sends[0]
+            plain = [v.reshape(jnp.shape(g)) for v, g in zip(sends[1], plain, strict=True)]
+        plain_out, plain_bad = skeleton.plain_means(plain, every_axis, bucket_bytes)
         kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
 
-        momentum = None
-        if beta is not None and grads:
-            old = skeleton.vectors(state.momentum)
-            momentum = [beta * m + (1.0 - beta) * g for m, g in zip(old, grads, strict=True)]
-            grads = momentum
         memory = skeleton.vectors(state.memory) if kind else [None] * len(grads)
         targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
 
@@ -260,7 +306,7 @@ def compressed_allreduce(
             else state.estimate,
             key=key,
             count=state.count + 1,
-            momentum=state.momentum if momentum is None else skeleton.like_state(layout, momentum),
+            momentum=state.momentum if momentum is None else _like_momentum(layout, *momentum),
         )
         new_state = skeleton.freeze(reduced.bad, state, new_state)
         return layouts.assemble(updates, layout, outs, plain_out), new_state

@@ -116,6 +116,25 @@ def like_plain(layout: Layout, values: list[Any]) -> Any:
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
+def like_floats(layout: Layout, compressed: list[Any], plain: list[Any]) -> Any:
+    """As :func:`like_compressed`, with ``compressed`` at the compressed leaves and ``plain``
+    at the plain ones (every floating leaf; passthrough leaves empty)."""
+    sources = {COMPRESSED: iter(compressed), PLAIN: iter(plain)}
+    leaves = [
+        _slot(next(sources[g])) if g in sources else optax.MaskedNode() for g in layout.groups
+    ]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def split_floats(layout: Layout, arrays: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The arrays of a field built by :func:`like_floats` (tree order) split back into
+    (compressed, plain), each in tree order."""
+    groups = [g for g in layout.groups if g != PASSTHROUGH]
+    compressed = [a for a, g in zip(arrays, groups, strict=True) if g == COMPRESSED]
+    plain = [a for a, g in zip(arrays, groups, strict=True) if g == PLAIN]
+    return compressed, plain
+
+
 def _slot(value: Any) -> Any:
     return optax.MaskedNode() if value is None else value
 

@@ -51,6 +51,16 @@ def zeros_like_compressed(layout: layouts.Layout, shape_fn: Callable | None = No
     )
 
 
+def zeros_like_floats(layout: layouts.Layout) -> Any:
+    """Per-device float32 zeros ``(1, *shape)`` for every floating leaf (compressed or plain)."""
+    zeros = [
+        jnp.zeros((1, *s), jnp.float32)
+        for s, g in zip(layout.shapes, layout.groups, strict=True)
+        if g != layouts.PASSTHROUGH
+    ]
+    return layouts.like_floats(layout, *layouts.split_floats(layout, zeros))
+
+
 def like_state(layout: layouts.Layout, vectors: list[jax.Array], per_device: bool = True) -> Any:
     """Per-leaf vectors (one per compressed leaf) as a state field: each reshaped to its
     leaf's shape, with the leading device slot where ``per_device``."""

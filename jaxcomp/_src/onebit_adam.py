@@ -1,0 +1,193 @@
+"""1-bit Adam (Tang et al., 2021): Adam whose momentum, once the variance is frozen, is
+exchanged through a 1-bit codec with worker and server error feedback."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import collectives, skeleton
+from jaxcomp._src.codecs import sign
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.sgd import exchange_options
+
+
+class OneBitAdamState(NamedTuple):
+    """State of :func:`onebit_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    count: jax.Array  # int32[]: steps taken
+    mu: Any  # identical on every device, f32 like the params: the (synchronized) momentum
+    nu: Any  # identical on every device, f32 like the params: the variance, frozen later
+    exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
+
+    PER_DEVICE_FIELDS = ()  # the per-device memories are the exchange's own fields
+
+
+def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
+    """``value`` in ``[lo, hi)``, an int where ``integer``; arrays (injected hyperparameters)
+    are checked where concrete."""
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float | jax.Array):
+        raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if integer and number != int(number):
+        raise TypeError(f"`{name}` must be an integer, got {value!r}")
+    if not lo <= number < hi:
+        raise ValueError(f"`{name}` must be in [{lo}, {hi}), got {value!r}")
+    return value
+
+
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
+
+
+def _floats(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def scale_by_onebit_adam(
+    axis_name: Any,
+    *,
+    freeze_step: int,
+    codec: Codec | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    **exchange: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """The direction of :func:`onebit_adam` (before the learning rate); see there."""
+    codec = sign() if codec is None else codec
+    freeze_step = check_number("freeze_step", freeze_step, 1, float("inf"), integer=True)
+    b1 = check_number("b1", b1, 0.0, 1.0)
+    b2 = check_number("b2", b2, 0.0, 1.0)
+    eps = check_number("eps", eps, 0.0, float("inf"))
+    options = {"error_feedback": "residual", **exchange_options(exchange)}
+    if "worker_momentum" in options:
+        raise TypeError("jc.onebit_adam keeps its own momentum: drop `worker_momentum`")
+    inner = compressed_allreduce(codec, axis_name, **options)
+    every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
+    bucket_bytes = options.get("bucket_bytes", 2**25)
+
+    def init_fn(params):
+        zeros = _zeros(params)
+        return OneBitAdamState(
+            count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros, exchange=inner.init(params)
+        )
+
+    def warmup(grads, state, params):
+        """Adam on the float32 mean gradient (uncompressed), variance still learning."""
+        leaves, treedef = jax.tree.flatten(_floats(grads))
+        means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
+        g = jax.tree.unflatten(treedef, means)
+        mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
+        nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, state.nu, g)
+        return mu, nu, state.exchange, collectives.local_nonfinite(held)
+
+    def compressed(grads, state, params):
+        """Each device's momentum step, averaged through the codec; the variance frozen."""
+        local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, _floats(grads))
+        mu, exchange_state = inner.update(local, state.exchange, params)
+        return mu, state.nu, exchange_state, collectives.local_nonfinite(mu)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        skeleton.begin("onebit_adam", updates, params, axis_name, options.get("inner_axis_name"))
+        like = jax.eval_shape(lambda: _zeros(updates))
+        skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
+        mu, nu, exchange_state, bad = jax.lax.cond(
+            state.count < freeze_step, warmup, compressed, updates, state, params
+        )
+        t = (state.count + 1).astype(jnp.float32)
+        frozen_t = jnp.minimum(t, jnp.asarray(freeze_step, jnp.float32))
+        mu_scale = 1.0 / (1.0 - b1**t)
+        nu_scale = 1.0 / (1.0 - b2**frozen_t)
+        # A non-finite step: NaN everywhere (not just where the mean was), state kept.
+        direction = jax.tree.map(
+            lambda m, v, g: collectives.poison(
+                mu_scale * m / (jnp.sqrt(nu_scale * v) + eps), bad
+            ).astype(g.dtype),
+            mu,
+            nu,
+            updates,
+        )
+        new_state = OneBitAdamState(count=state.count + 1, mu=mu, nu=nu, exchange=exchange_state)
+        return direction, skeleton.freeze(bad, state, new_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def onebit_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    axis_name: Any,
+    *,
+    freeze_step: int,
+    codec: Codec | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    **exchange: Any,
+) -> optax.GradientTransformationExtraArgs:
+    r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen and the momentum
+    exchanged through ``codec`` (1-bit signs by default) with error feedback.
+
+    Adam's variance ``v`` is what makes its momentum hard to compress; 1-bit Adam observes
+    that ``v`` becomes stable early, freezes it, and from then on Adam is momentum SGD with a
+    fixed per-coordinate preconditioner, whose momentum compresses like EF-SGDM's::
+
+        warm-up (t < freeze_step), uncompressed:
+            g  = mean_i g_i                         # float32 all-reduce
+            m <- b1 m + (1 - b1) g
+            v <- b2 v + (1 - b2) g^2
+        compression stage (t >= freeze_step), v frozen:
+            m_i = b1 m + (1 - b1) g_i               # each device's momentum step
+            m  <- mean_i C(m_i + e_i)               # worker error e_i; two_phase adds the
+                                                    # chunk owners' server error
+        x <- x - lr * m_hat / (sqrt(v_hat) + eps)   # bias-corrected as Adam (v's correction
+                                                    # frozen with v)
+
+    Every device restarts its momentum step from the synchronized ``m``, as in the paper's
+    Algorithm 1. The warm-up runs inside a ``jax.lax.cond`` on the step count, so a compiled
+    step holds both exchanges (``jc.comm_report`` counts both) and sends one.
+
+    ``**exchange`` goes to :func:`jaxcomp.compressed_allreduce` (``strategy``: ``"auto"``
+    picks ``two_phase`` for signs, whose owned-chunk re-encoding keeps the server error as
+    the paper does; ``min_size``, ``mask``, ``bucket_bytes``, ``param_specs``, ...). Leaves
+    below ``min_size`` are averaged uncompressed. A non-finite gradient leaves the whole
+    state as it was and gives a NaN update (``optax.apply_if_finite`` can skip it).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      axis_name: the data-parallel mesh axis.
+      freeze_step: steps of uncompressed Adam before the variance is frozen (>= 1; the paper
+        uses 15-25% of training for BERT, a few hundred steps for small models).
+      codec: the momentum's codec (default ``jc.sign()``: 1 bit per coordinate and a scale).
+      b1: the momentum's decay.
+      b2: the variance's decay.
+      eps: added to the square root of the variance.
+      **exchange: options of :func:`jaxcomp.compressed_allreduce`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``: the update to add to the params.
+
+    Example::
+
+        tx = jc.onebit_adam(3e-3, "data", freeze_step=100)
+        opt_state = jc.sharded_init(tx, params, mesh, "data")
+
+    References:
+      Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
+      Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021.
+    """
+    return optax.chain(
+        scale_by_onebit_adam(
+            axis_name, freeze_step=freeze_step, codec=codec, b1=b1, b2=b2, eps=eps, **exchange
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -176,9 +176,8 @@ def gossip(
         return {"public": copies, "mixed": copies}
 
     def init_fn(params):
-        inner_state = jax.tree.map(lambda x: jnp.asarray(x)[None], inner.init(params))
         return GossipState(
-            inner=inner_state,
+            inner=_slotted(inner.init(params)),
             key=jax.random.PRNGKey(seed),
             count=jnp.zeros([], jnp.int32),
             **fields(params),
@@ -192,7 +191,10 @@ def gossip(
             )
         n = skeleton.begin("gossip", updates, params, axis_name)
         layout = layouts.layout_of(params)
-        skeleton.check_fields("gossip", state, jax.eval_shape(lambda: fields(_abstract(params))))
+        abstract = _abstract(params)
+        expected = jax.eval_shape(lambda: fields(abstract))
+        expected["inner"] = jax.eval_shape(lambda: _slotted(inner.init(abstract)))
+        skeleton.check_fields("gossip", state, expected)
         topo = topologies.topology(topology_name, n)
         inner_state = jax.tree.map(lambda x: x[0], state.inner)
         step, inner_new = inner.update(updates, inner_state, params, **extra_args)
@@ -221,7 +223,7 @@ def gossip(
         after, public, mixed = mixed_out
         outs = [collectives.poison(a - b, bad) for a, b in zip(after, before, strict=True)]
         new_state = GossipState(
-            inner=jax.tree.map(lambda x: x[None], inner_new),
+            inner=_slotted(inner_new),
             public=skeleton.like_state(layout, public) if codec is not None else state.public,
             mixed=skeleton.like_state(layout, mixed) if codec is not None else state.mixed,
             key=key,
@@ -231,6 +233,11 @@ def gossip(
         return layouts.assemble(step, layout, outs, []), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _slotted(tree: Any) -> Any:
+    """Every leaf with a leading slot of 1 (per-device state)."""
+    return jax.tree.map(lambda x: jnp.asarray(x)[None], tree)
 
 
 def _abstract(tree: Any) -> Any:

@@ -309,60 +309,66 @@ def part_mixing(args) -> list[dict]:
     }
     rows = []
     rounds = args.rounds
-    for topology in ("ring", "torus", "exponential"):
-        for codec in (None, "int8"):
-            tx = jc.gossip(
-                optax.sgd(0.0),
-                AXIS,
-                topology=topology,
-                codec=None if codec is None else jc.int_quant(8),
+    codecs = {"int8": jc.int_quant(8), "sign": jc.sign(), "topk10%": jc.top_k(0.1)}
+    # Every topology exact and int8 (gamma 1); then coarse codecs on the ring at two gammas.
+    cases = [(t, c, 1.0) for t in ("ring", "torus", "exponential") for c in (None, "int8")]
+    cases += [("ring", c, g) for c in ("sign", "topk10%") for g in args.gammas]
+    for topology, codec, gamma in cases:
+        tx = jc.gossip(
+            optax.sgd(0.0),
+            AXIS,
+            topology=topology,
+            codec=None if codec is None else codecs[codec],
+            gamma=gamma,
+        )
+        # Public copies start at the replicas themselves (as after training, not at init).
+        state = jc.sharded_init(tx, base, mesh, AXIS)
+        if codec is not None:
+            own = {k: jnp.asarray(v) for k, v in start.items()}
+            sh = NamedSharding(mesh, P(AXIS))
+            state = state._replace(
+                public=jax.device_put(own, sh), mixed=_mixed_of(own, topology, n, sh)
             )
-            # Public copies start at the replicas themselves (as after training, not at init).
-            state = jc.sharded_init(tx, base, mesh, AXIS)
-            if codec is not None:
-                own = {k: jnp.asarray(v) for k, v in start.items()}
-                sh = NamedSharding(mesh, P(AXIS))
-                state = state._replace(
-                    public=jax.device_put(own, sh), mixed=_mixed_of(own, topology, n, sh)
-                )
-            specs = jc.state_specs(state, AXIS)
-            rspecs = jc.replica_specs(base, AXIS)
+        specs = jc.state_specs(state, AXIS)
+        rspecs = jc.replica_specs(base, AXIS)
 
-            def step(r, s, tx=tx):
-                p = jc.own(r)
-                g = jax.tree.map(jnp.zeros_like, p)
-                u, s = tx.update(g, s, p)
-                return jc.slot(optax.apply_updates(p, u)), s
+        def step(r, s, tx=tx):
+            p = jc.own(r)
+            g = jax.tree.map(jnp.zeros_like, p)
+            u, s = tx.update(g, s, p)
+            return jc.slot(optax.apply_updates(p, u)), s
 
-            fn = jax.jit(
-                jax.shard_map(step, mesh=mesh, in_specs=(rspecs, specs), out_specs=(rspecs, specs))
-            )
-            r = jax.device_put(start, NamedSharding(mesh, P(AXIS)))
-            curve = [float(jc.consensus_distance(r))]
-            for _ in range(rounds):
-                r, state = jax.block_until_ready(fn(r, state))
-                curve.append(float(jc.consensus_distance(r)))
-            name = f"{topology}{'' if codec is None else '-' + codec}"
-            below = lambda level, c=curve: next(  # noqa: E731
-                (i for i, v in enumerate(c) if v <= level * c[0]), None
-            )
-            row = {
-                "method": name,
-                "topology": topology,
-                "codec": codec,
-                "devices": n,
-                "spectral_gap": jc.topology(topology, n).spectral_gap(),
-                "curve": curve,
-                "rounds_to_1e-2": below(1e-2),
-                "rounds_to_1e-4": below(1e-4),
-            }
-            rows.append(row)
-            print(
-                f"mixing {name:16s} gap {row['spectral_gap']:.3f}  rounds to 1/100: "
-                f"{row['rounds_to_1e-2']}, to 1/10^4: {row['rounds_to_1e-4']}  "
-                f"after {rounds}: {curve[-1] / curve[0]:.2e}",
-                flush=True,
-            )
+        fn = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(rspecs, specs), out_specs=(rspecs, specs))
+        )
+        r = jax.device_put(start, NamedSharding(mesh, P(AXIS)))
+        curve = [float(jc.consensus_distance(r))]
+        for _ in range(rounds):
+            r, state = jax.block_until_ready(fn(r, state))
+            curve.append(float(jc.consensus_distance(r)))
+        name = f"{topology}{'' if codec is None else '-' + codec}"
+        name += "" if gamma == 1.0 else f" gamma={gamma:g}"
+        below = lambda level, c=curve: next(  # noqa: E731
+            (i for i, v in enumerate(c) if v <= level * c[0]), None
+        )
+        row = {
+            "method": name,
+            "topology": topology,
+            "codec": codec,
+            "gamma": gamma,
+            "devices": n,
+            "spectral_gap": jc.topology(topology, n).spectral_gap(),
+            "curve": curve,
+            "rounds_to_1e-2": below(1e-2),
+            "rounds_to_1e-4": below(1e-4),
+        }
+        rows.append(row)
+        print(
+            f"mixing {name:16s} gap {row['spectral_gap']:.3f}  rounds to 1/100: "
+            f"{row['rounds_to_1e-2']}, to 1/10^4: {row['rounds_to_1e-4']}  "
+            f"after {rounds}: {curve[-1] / curve[0]:.2e}",
+            flush=True,
+        )
     return rows
 
 
@@ -655,7 +661,10 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
     ap.add_argument("--cd-every", type=int, default=50, help="consensus distance every k steps")
-    ap.add_argument("--rounds", type=int, default=60, help="gossip rounds of the mixing part")
+    ap.add_argument("--rounds", type=int, default=200, help="gossip rounds of the mixing part")
+    ap.add_argument(
+        "--gammas", nargs="+", type=float, default=[1.0, 0.2], help="mixing part: coarse codecs"
+    )
     ap.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     ap.add_argument("--rate", default="1gbit", help="shaped link rate (network part)")
     ap.add_argument("-n", "--num-processes", type=int, default=4, help="network part")

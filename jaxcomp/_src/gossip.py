@@ -52,7 +52,8 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(inner)
 
 
-def _check_gamma(gamma: Any, codec: Codec | None) -> float:
+def _check_gamma(gamma: Any) -> float:
+    """The consensus step: None gives 1, else a number in (0, 1]."""
     if gamma is None:
         return 1.0
     return check_positive_float("gamma", gamma, upper=1.0)
@@ -162,7 +163,7 @@ def gossip(
     topology_name = topologies.check_topology(topology)
     if codec is not None:
         collectives.check_codec(codec)
-    gamma = _check_gamma(gamma, codec)
+    gamma = _check_gamma(gamma)
     every = check_int("every", every, 1)
     seed = check_int("seed", seed, 0)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)

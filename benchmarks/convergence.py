@@ -59,13 +59,20 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-sign-ef21": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, error_feedback="ef21"),
     "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
+    "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
+        lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)
+    ),
+    "sgd-sign-accordion": lambda axis, lr: jc.sgd(
+        lr, jc.sign(), axis, adaptive=jc.accordion(jc.int_quant(8), interval=ACCORDION_EVERY)
+    ),
     "sgd-none": lambda axis, lr: jc.sgd(lr, jc.identity(), axis, error_feedback=None),
     "adam": lambda axis, lr: optax.chain(
         jc.compressed_allreduce(jc.identity(), axis, error_feedback=None), optax.adam(lr)
     ),
     "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
 }
-ONEBIT_FREEZE = 50  # 1-bit Adam's uncompressed warm-up (steps)
+ONEBIT_FREEZE = 50
+ACCORDION_EVERY = 25  # steps per Accordion detection interval  # 1-bit Adam's uncompressed warm-up (steps)
 # Peak learning rates of the recipes by family: classifiers (baseline SGD 0.05) and char.
 RECIPE_LR = {"sgd": {"classifier": 0.05, "char": 0.2}, "adam": {"classifier": 3e-3, "char": 3e-3}}
 

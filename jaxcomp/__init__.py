@@ -8,6 +8,7 @@ compiled program.
 
 from jaxcomp._src.accounting import CommReport, comm_report, format_bytes
 from jaxcomp._src.accumulate import AccumulateState, accumulate
+from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
 from jaxcomp._src.codecs import (
     CODECS,
     Codec,
@@ -46,6 +47,9 @@ from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accordion",
+    "AccordionState",
+    "accordion",
     "AccumulateState",
     "accumulate",
     "CODECS",

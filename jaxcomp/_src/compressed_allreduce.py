@@ -12,6 +12,7 @@ import optax
 
 from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton
 from jaxcomp._src import layout as layouts
+from jaxcomp._src.adaptive import check_adaptive
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
 
 
@@ -28,7 +29,8 @@ class CompressedAllreduceState(NamedTuple):
     estimate: Any  # identical on every device, f32[*leaf.shape] per compressed leaf: EF21's h
     key: chex.PRNGKey  # uint32[2], identical on every device; split every step
     count: jax.Array  # int32[]: number of updates applied
-    momentum: Any = None  # per device, f32[1, *leaf.shape] per compressed leaf: worker momentum
+    momentum: Any = None  # per device, f32[1, *leaf.shape] per float leaf: worker momentum
+    adaptive: Any = None  # replicated AccordionState (adaptive=jc.accordion(...)), else None
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
 
@@ -64,6 +66,21 @@ def check_momentum(name: str, value: Any) -> Any:
     return check_fraction(name, value) or None
 
 
+def _check_same_servers(plan, codec: Codec, gentle: Codec, strategy: str, sizes) -> None:
+    """Accordion's two codecs share the two-phase server residuals: they must use two_phase
+    on the same segments (``sizes``: the bound ``(n, n_inner)``, None without residuals)."""
+    if sizes is None:
+        return
+    if server.chunk_sizes(plan, codec, strategy, *sizes) != server.chunk_sizes(
+        plan, gentle, strategy, *sizes
+    ):
+        raise ValueError(
+            f"`adaptive`: with `strategy`={strategy!r}, {gentle.name} and {codec.name} choose "
+            "different strategies for some leaves; name one (`strategy`='two_phase' or "
+            "'allgather') so both share the server residual"
+        )
+
+
 def _like_momentum(layout: layouts.Layout, compressed: list, plain: list) -> Any:
     """Per-device momentum vectors as a field like the params, ``(1, *shape)`` per leaf."""
 
@@ -90,6 +107,7 @@ def compressed_allreduce(
     server_feedback: bool = True,
     worker_momentum: float | None = None,
     worker_nesterov: bool = False,
+    adaptive: Any = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
     param_specs: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -173,6 +191,10 @@ def compressed_allreduce(
         momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). A Python 0
         is None; an array (``optax.inject_hyperparams``) keeps the momentum state.
       worker_nesterov: send Nesterov's look-ahead ``beta m_i + (1 - beta) g_i`` (new ``m_i``).
+      adaptive: None, or ``jc.accordion(gentle_codec, ...)``: send through ``gentle_codec``
+        in critical regimes of training (Accordion), through ``codec`` elsewhere; both share
+        the memories. With ``two_phase`` under ``strategy="auto"`` both codecs must choose
+        the same strategy for every leaf (else name one).
       param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
         x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params
         of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
@@ -197,6 +219,9 @@ def compressed_allreduce(
     """
     collectives.check_codec(codec)
     collectives.check_pair(codec, strategy)
+    adaptive = check_adaptive(adaptive)
+    if adaptive is not None:
+        collectives.check_pair(adaptive.gentle, strategy)
     collectives.check_granularity(granularity)
     error_feedback = _resolve_feedback(error_feedback, codec, strategy)
     min_size = check_int("min_size", min_size, 0)
@@ -237,7 +262,10 @@ def compressed_allreduce(
     def init_fn(params):
         layout = layouts.layout_of(params, min_size, mask)
         return CompressedAllreduceState(
-            key=jax.random.PRNGKey(seed), count=jnp.zeros([], jnp.int32), **fields(layout)
+            key=jax.random.PRNGKey(seed),
+            count=jnp.zeros([], jnp.int32),
+            **fields(layout),
+            adaptive=None if adaptive is None else adaptive.init(),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -275,19 +303,33 @@ def compressed_allreduce(
         plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
         owned = chunks(layout) if grads and use_server else None
         owner = server.Owner(axis_name, inner_axis_name)
-        reduced = collectives.reduce_segments(
-            plan.split(targets),
-            axis_name,
-            codec,
-            strategy,
-            step_key,
+        servers = (
             None
             if owned is None
-            else server.read(state.server_residual, layout, owned, flat, owner),
-            inner_axis_name,
-            plain_bad,
-            bucket_bytes,
+            else server.read(state.server_residual, layout, owned, flat, owner)
         )
+
+        def reduce(through: Codec) -> collectives.Reduced:
+            return collectives.reduce_segments(
+                plan.split(targets),
+                axis_name,
+                through,
+                strategy,
+                step_key,
+                servers,
+                inner_axis_name,
+                plain_bad,
+                bucket_bytes,
+            )
+
+        if adaptive is None or not grads:
+            reduced = reduce(codec)
+        else:
+            sizes = server.bound_sizes(axis_name, inner_axis_name) if use_server else None
+            _check_same_servers(plan, codec, adaptive.gentle, strategy, sizes)
+            reduced = jax.lax.cond(
+                state.adaptive.critical, lambda: reduce(adaptive.gentle), lambda: reduce(codec)
+            )
         means, sent = plan.join(reduced.mean), plan.join(reduced.sent)
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
@@ -307,6 +349,9 @@ def compressed_allreduce(
             key=key,
             count=state.count + 1,
             momentum=state.momentum if momentum is None else _like_momentum(layout, *momentum),
+            adaptive=state.adaptive
+            if adaptive is None
+            else adaptive.update(state.adaptive, state.count, outs),
         )
         new_state = skeleton.freeze(reduced.bad, state, new_state)
         return layouts.assemble(updates, layout, outs, plain_out), new_state

@@ -1,0 +1,238 @@
+"""The optimizer recipes (jc.sgd, jc.onebit_adam, Accordion) against the optimizers they extend.
+
+The contract suite (tests/test_contract.py) checks every recipe's state, NaN handling, orbax,
+pmap and bytes. Here: that without compression each recipe *is* its optax optimizer on the
+mean gradient (numbers, several steps), that what compression holds back is conserved where
+the contract table cannot express it (Nesterov's look-ahead, 1-bit Adam's momentum, an
+Accordion switch), and that the recipes compose with ``optax.inject_hyperparams``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Blocking, N, held_back, mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+SHAPES = {"w": (32, 48), "b": (48,)}
+STEPS = 5
+LR = 0.05
+
+
+def params() -> dict:
+    rng = np.random.default_rng(0)
+    return {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+
+
+def grads(t: int) -> dict:
+    rng = np.random.default_rng(200 + t)
+    return {k: (rng.standard_normal((N, *s)) + 0.2).astype(np.float32) for k, s in SHAPES.items()}
+
+
+class Run:
+    """``tx`` in a jitted shard_map step over 8 devices: outputs and states of STEPS steps."""
+
+    def __init__(self, tx: optax.GradientTransformation):
+        m = mesh()
+        p = jax.device_put(params(), NamedSharding(m, P()))
+        state = jc.sharded_init(tx, p, m, "data")
+        specs = jc.state_specs(state, "data")
+
+        def step(g, s, p):
+            u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+            return jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying")[None], u), s
+
+        run = Blocking(
+            jax.jit(
+                jax.shard_map(
+                    step,
+                    mesh=m,
+                    in_specs=(P("data"), specs, P()),
+                    out_specs=(P("data"), specs),
+                )
+            )
+        )
+        self.outs, self.states = [], [state]
+        for t in range(STEPS):
+            g = jax.device_put(grads(t), NamedSharding(m, P("data")))
+            out, state = run(g, state, p)
+            self.outs.append({k: np.asarray(a)[0] for k, a in out.items()})
+            self.states.append(state)
+
+
+# Recipes shared by several tests (each compiles once).
+SHARED = {
+    "onebit": lambda: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1),
+    "sgd-sign": lambda: jc.sgd(1e-2, jc.sign(), "data", momentum=0.9),
+}
+
+
+@functools.cache
+def shared(name: str) -> Run:
+    return Run(SHARED[name]())
+
+
+def reference(opt: optax.GradientTransformation) -> list[dict]:
+    """``opt`` on the mean gradient, in float64-free float32 numpy-fed steps."""
+    p = params()
+    state = opt.init(p)
+    outs = []
+    for t in range(STEPS):
+        g = {k: jnp.asarray(a.mean(0)) for k, a in grads(t).items()}
+        u, state = opt.update(g, state, p)
+        outs.append({k: np.asarray(a) for k, a in u.items()})
+    return outs
+
+
+def assert_close(outs: list[dict], want: list[dict], rtol=2e-5, atol=1e-7) -> None:
+    for t, (a, b) in enumerate(zip(outs, want, strict=True)):
+        for k in SHAPES:
+            np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=f"{k} step {t}")
+
+
+# --------------------------------------------------------------------------- jc.sgd
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_without_compression_is_optax_sgd(nesterov):
+    tx = jc.sgd(LR, jc.identity(), "data", momentum=0.9, nesterov=nesterov, error_feedback=None)
+    want = reference(optax.sgd(LR, momentum=0.9, nesterov=nesterov))
+    assert_close(Run(tx).outs, want)
+
+
+def test_ef21_sgdm_without_compression_is_optax_sgd():
+    """EF21-SGDM (error_feedback="ef21") with the identity: each h_i tracks m_i exactly."""
+    tx = jc.sgd(LR, jc.identity(), "data", momentum=0.9, error_feedback="ef21")
+    assert_close(Run(tx).outs, reference(optax.sgd(LR, momentum=0.9)))
+
+
+def test_sgd_schedule_and_zero_momentum():
+    schedule = optax.linear_schedule(LR, 0.0, STEPS)
+    tx = jc.sgd(schedule, jc.identity(), "data", momentum=0, error_feedback=None)
+    assert_close(Run(tx).outs, reference(optax.sgd(schedule)))
+
+
+def test_sgd_nesterov_conserves_the_look_ahead():
+    """With a codec, what the devices sent plus what they hold back is the sum of the
+    look-aheads beta m_t + (1 - beta) mean g_t (m_t the momentum of the mean gradient)."""
+    beta = 0.9
+    run = Run(jc.sgd(0.1, jc.top_k(0.05), "data", momentum=beta, nesterov=True, min_size=1))
+    m = {k: np.zeros(s) for k, s in SHAPES.items()}
+    sent = {k: np.zeros(s) for k, s in SHAPES.items()}
+    look = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(STEPS):
+        for k, g in grads(t).items():
+            g = g.astype(np.float64).mean(0)
+            m[k] = beta * m[k] + (1 - beta) * g
+            look[k] += beta * m[k] + (1 - beta) * g
+            sent[k] += run.outs[t][k] / -1.0  # -lr / (1 - beta) = -1
+    held = held_back(run.states[-1], params())
+    for k in SHAPES:
+        np.testing.assert_allclose(sent[k] + held[k], look[k], atol=2e-5, err_msg=k)
+    assert max(float(np.abs(held[k]).max()) for k in SHAPES) > 1e-3
+
+
+# --------------------------------------------------------------------------- jc.onebit_adam
+
+
+def test_onebit_adam_warmup_is_adam_and_identity_stays_adam_with_frozen_variance():
+    """Warm-up steps are Adam on the mean gradient; with the identity codec the compression
+    stage is Adam whose variance stopped at ``freeze_step``."""
+    freeze = 3
+    tx = jc.onebit_adam(1e-2, "data", freeze_step=freeze, codec=jc.identity())
+    run = Run(tx)
+    want = reference(optax.adam(1e-2))
+    assert_close(run.outs[:freeze], want[:freeze], rtol=1e-4)
+    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(STEPS):
+        for k, g in grads(t).items():
+            g = g.astype(np.float64).mean(0)
+            mu[k] = 0.9 * mu[k] + 0.1 * g
+            if t < freeze:
+                nu[k] = 0.999 * nu[k] + 0.001 * g * g
+            direction = (mu[k] / (1 - 0.9 ** (t + 1))) / (
+                np.sqrt(nu[k] / (1 - 0.999 ** min(t + 1, freeze))) + 1e-8
+            )
+            np.testing.assert_allclose(run.outs[t][k], -1e-2 * direction, rtol=1e-4, atol=1e-7)
+
+
+def test_onebit_adam_momentum_exchange_conserves():
+    """Compression stage: m_t + held_t == b1 m_{t-1} + (1 - b1) mean g_t + held_{t-1}."""
+    run = shared("onebit")  # freeze_step=2
+    p = params()
+    for t in range(2, STEPS):
+        before, after = run.states[t][0], run.states[t + 1][0]
+        held = (held_back(before, p), held_back(after, p))
+        for k, g in grads(t).items():
+            want = 0.9 * np.asarray(before.mu[k]) + 0.1 * g.astype(np.float64).mean(0)
+            got = np.asarray(after.mu[k]) + held[1][k]
+            np.testing.assert_allclose(got, want + held[0][k], atol=2e-6, err_msg=f"{k} {t}")
+    assert max(float(np.abs(h).max()) for h in held_back(run.states[-1], p).values()) > 1e-4
+
+
+# --------------------------------------------------------------------------- Accordion
+
+
+def test_accordion_gentle_in_critical_intervals_and_memory_shared():
+    """Intervals 0 and 1 are critical (gentle codec: top-k at 50%; the first has no norm to
+    compare with); the gradients' norm then holds still, so interval 2 is not (top-k at
+    5%); the shared memory conserves the gradient across the switch."""
+    tx = jc.sgd(
+        0.1,
+        jc.top_k(0.05),
+        "data",
+        momentum=0,
+        min_size=1,
+        adaptive=jc.accordion(jc.top_k(0.5), interval=2, threshold=0.5),
+    )
+    run = Run(tx)
+    ours = [s[0] for s in run.states]
+    critical = [bool(s.adaptive.critical) for s in ours]
+    assert critical == [True, True, True, True, False, False], critical
+    dense = [int(np.count_nonzero(o["w"])) for o in run.outs]
+    size = int(np.prod(SHAPES["w"]))
+    assert all(d > 0.4 * size for d in dense[:4]), dense  # at most 8 x 5% otherwise
+    assert all(d <= N * 0.05 * size + 1 for d in dense[4:]), dense
+    fed = sum(g["w"].astype(np.float64).mean(0) for g in map(grads, range(STEPS)))
+    sent = sum(o["w"] for o in run.outs) / -0.1
+    held = held_back(run.states[-1], params())["w"]
+    np.testing.assert_allclose(sent + held, fed, atol=2e-5)
+
+
+def test_accordion_errors_name_the_argument():
+    with pytest.raises(TypeError, match="gentle"):
+        jc.accordion("top_k")
+    with pytest.raises(ValueError, match="interval"):
+        jc.accordion(jc.top_k(0.1), interval=0)
+    with pytest.raises(TypeError, match="adaptive"):
+        jc.compressed_allreduce(jc.sign(), "data", adaptive=jc.top_k(0.1))
+
+
+# --------------------------------------------------------------------------- inject_hyperparams
+
+
+@pytest.mark.parametrize(
+    "name,factory,kwargs",
+    [
+        ("sgd-sign", jc.sgd, {"codec": jc.sign(), "momentum": 0.9}),
+        ("onebit", jc.onebit_adam, {"freeze_step": 2, "min_size": 1}),
+    ],
+    ids=["sgd", "onebit_adam"],
+)
+def test_recipes_compose_with_inject_hyperparams(name, factory, kwargs):
+    """The learning rate (and momentum, betas, freeze step) become hyperparameters in the
+    state; exchange options (``min_size``) stay static; the steps are those of the recipe
+    built directly."""
+    injected = optax.inject_hyperparams(factory)(learning_rate=1e-2, axis_name="data", **kwargs)
+    run = Run(injected)
+    assert float(run.states[-1].hyperparams["learning_rate"]) == pytest.approx(1e-2)
+    assert_close(run.outs, shared(name).outs, rtol=1e-5)

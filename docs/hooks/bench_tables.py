@@ -361,6 +361,56 @@ def _generic(data: Any, path: pathlib.Path) -> str:
     return f"{text}\n\n" + _source(path, data, command)
 
 
+def _diloco(data: dict[str, Any], path: pathlib.Path) -> str:
+    header = [
+        "task",
+        "method",
+        "metric",
+        "vs data parallel",
+        "bytes/step (avg)",
+        "x fewer",
+        "peak step",
+        "to target",
+        "seconds",
+    ]
+    rows = []
+    for r in data["runs"]:
+        metric = "acc" if r["metric"] == "test_accuracy" else "loss"
+        delta = r.get("delta")
+        rows.append(
+            [
+                r["task"],
+                f"`{r['method']}`",
+                f"{metric} {r['value']:.4f}",
+                "–" if delta is None else f"{delta:+.4f}",
+                _bytes(r["bytes_per_step"]),
+                _fmt(r.get("bytes_ratio")),
+                _bytes(r["peak_bytes_per_step"]),
+                _fmt(r.get("steps_to_target")),
+                _fmt(r["train_seconds"]),
+            ]
+        )
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, "python -m benchmarks.diloco")
+
+
+def _diloco_link(data: dict[str, Any], path: pathlib.Path) -> str:
+    header = ["processes", "method", "ms/step", "s per 1000 steps", "speedup", "bytes/step"]
+    rows = [
+        [
+            _fmt(r["processes"]),
+            f"`{r['method']}`",
+            _fmt(r["ms_per_step"]),
+            _fmt(r["seconds_per_1000_steps"]),
+            f"{r['speedup_vs_dp']:.1f}x",
+            _bytes(r["bytes_per_step"]),
+        ]
+        for r in data["rows"]
+    ]
+    note = f"{data['rate']} (tbf {data['tbf']}), MLP {'-'.join(map(str, data['mlp']))}"
+    command = "sudo python -m benchmarks.diloco --link"
+    return _markdown((header, rows)) + f"\n\n{note}. " + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "wire_bytes": (_wire_bytes, "python -m benchmarks.wire_bytes"),
     "sparse_wire_bytes": (_sparse_wire_bytes, "python -m benchmarks.topk_speed"),
@@ -370,6 +420,8 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "gpu_step": (_gpu_step, "python -m benchmarks.gpu_step"),
     "powersgd_convergence": (_powersgd, "python -m benchmarks.powersgd_convergence"),
     "powersgd_convergence_sgd": (_powersgd, "python -m benchmarks.powersgd_convergence"),
+    "diloco": (_diloco, "python -m benchmarks.diloco"),
+    "diloco_link": (_diloco_link, "sudo python -m benchmarks.diloco --link"),
 }
 
 

@@ -133,7 +133,7 @@ class Config:
         return (count >= 0) & ((count < s) | periodic)
 
     def lands(self, count: Any, f: int) -> Any:
-        """Whether fragment ``f``'s delayed exchange lands at ``count``."""
+        """Whether fragment ``f``'s exchange (``delay`` steps after its sync) runs at ``count``."""
         if not isinstance(count, jax.core.Tracer):
             return int(count) >= self.delay and self.due(int(count) - self.delay, f)
         return (count >= self.delay) & self.due(count - self.delay, f)
@@ -366,3 +366,12 @@ def check_common(
         )
     start_step = check_int("start_step", start_step, 0)
     return sync_every, fragments, delay, start_step
+
+
+def schedule(
+    count: int, *, sync_every: int, fragments: int = 1, delay: int = 0, start_step: int = 0
+) -> tuple[bool, ...]:
+    """Which fragments exchange (with ``delay``: land) at the step of count ``count``."""
+    cfg = Config("", tuple, optax.identity(), None, sync_every, None, None, None, fragments)
+    cfg = dataclasses.replace(cfg, delay=delay, start_step=start_step)
+    return tuple(bool(cfg.lands(count, f)) for f in range(fragments))

@@ -233,6 +233,30 @@ def plot(path: pathlib.Path, draw: Callable[[Any], None], title: str) -> pathlib
     return path
 
 
+def plot_grid(
+    path: pathlib.Path, draws: list[Callable[[Any], None]], title: str, ncols: int = 2
+) -> pathlib.Path:
+    """Like :func:`plot`, one panel per ``draws[i](ax)`` on a grid of ``ncols`` columns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nrows = max(1, -(-len(draws) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
+    for ax, draw in zip(axes.flat, draws, strict=False):
+        draw(ax)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(draws) :]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {show_path(path)}", flush=True)
+    return path
+
+
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     """A GitHub markdown table (what the README shows)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -250,11 +250,12 @@ def worker(args) -> None:
             json.dump({"params": n_params, "rows": rows, "torch_note": torch_note}, f)
 
 
-def torch_ring_bytes(n: int, name: str, rank: int = 4) -> float:
+def torch_ring_bytes(n: int, name: str, rank: int = 4, sizes: tuple[int, ...] = MLP) -> float:
     """Bytes per device of one DDP step's exchange in the ring model (the torch rows; jaxcomp's
-    come from the lowered program). PowerSGD hook: each weight (out x in) sends P (out x r)
-    and Q (in x r) in f32, biases go uncompressed (as the hook does for 1-D tensors)."""
-    shapes = [(b, a) for a, b in zip(MLP[:-1], MLP[1:], strict=True)]
+    come from the lowered program) for the MLP of layer ``sizes``. PowerSGD hook: each weight
+    (out x in) sends P (out x r) and Q (in x r) in f32, biases go uncompressed (as the hook
+    does for 1-D tensors)."""
+    shapes = [(b, a) for a, b in zip(sizes[:-1], sizes[1:], strict=True)]
     floats = sum(o * i + o for o, i in shapes)
     ring = 2 * (n - 1) / n
     if name == "torch-allreduce":
@@ -385,41 +386,55 @@ def skip_reason() -> str | None:
     return None
 
 
-def run_rate(ns: Namespace, rate: str, args, procs: list) -> dict:
-    """Shape the loopback at ``rate`` and run the N workers in the namespace once."""
-    ns.shape(rate)
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    store_dir = tempfile.mkdtemp(prefix="jaxcomp-torch-store-")  # torch's rendezvous file
+def launch(
+    ns: Namespace, rate: str, script: str, argv: list[str], n: int, timeout: float, procs: list
+) -> int:
+    """Run ``n`` copies of ``script argv...`` with ``python -m jaxcomp.launch`` in the
+    namespace (bounded by ``timeout`` + 60 s); return the launcher's exit status. The process
+    is listed in ``procs`` while it runs (for a signal handler to kill); every process left
+    in the namespace is killed on the way out."""
     cmd = [
         "ip", "netns", "exec", ns.name, sys.executable, "-m", "jaxcomp.launch",
-        "-n", str(args.num_processes), "--timeout", str(args.timeout),
-        os.path.abspath(__file__), "--worker", "--out", out, "--size", str(args.size),
-        "--reps", str(args.reps_for(rate)), "--batch", str(args.batch),
-        "--torch-store", os.path.join(store_dir, "store"),
-        "--torch-threads", str(args.torch_threads),
-        "--codecs", *args.codecs, *(["--no-step"] if args.no_step else []),
-        *(["--no-torch"] if args.no_torch else []),
+        "-n", str(n), "--timeout", str(timeout), os.path.abspath(script), *argv,
     ]  # fmt: skip
     print(f"\n== {rate}: {' '.join(cmd[4:])}", flush=True)
-    # The launcher runs this file by path: the repository root goes on PYTHONPATH so that
+    # The launcher runs the script by path: the repository root goes on PYTHONPATH so that
     # ``from benchmarks import common`` resolves in the workers too.
     path = os.pathsep.join(p for p in (str(common.ROOT), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, start_new_session=True, cwd=common.ROOT, env=env)
     procs.append(proc)
     try:
-        code = proc.wait(timeout=args.timeout + 60)
-        if code != 0 or os.path.getsize(out) == 0:
-            raise RuntimeError(f"workers at {rate} failed with status {code}")
-        with open(out) as f:
-            return json.load(f)
+        return proc.wait(timeout=timeout + 60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         ns.kill_all()  # workers left behind by a killed launcher
         procs.remove(proc)
+
+
+def run_rate(ns: Namespace, rate: str, args, procs: list) -> dict:
+    """Shape the loopback at ``rate`` and run the N workers in the namespace once."""
+    ns.shape(rate)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    store_dir = tempfile.mkdtemp(prefix="jaxcomp-torch-store-")  # torch's rendezvous file
+    argv = [
+        "--worker", "--out", out, "--size", str(args.size),
+        "--reps", str(args.reps_for(rate)), "--batch", str(args.batch),
+        "--torch-store", os.path.join(store_dir, "store"),
+        "--torch-threads", str(args.torch_threads),
+        "--codecs", *args.codecs, *(["--no-step"] if args.no_step else []),
+        *(["--no-torch"] if args.no_torch else []),
+    ]  # fmt: skip
+    try:
+        code = launch(ns, rate, __file__, argv, args.num_processes, args.timeout, procs)
+        if code != 0 or os.path.getsize(out) == 0:
+            raise RuntimeError(f"workers at {rate} failed with status {code}")
+        with open(out) as f:
+            return json.load(f)
+    finally:
         os.unlink(out)
         shutil.rmtree(store_dir, ignore_errors=True)
 

@@ -185,7 +185,7 @@ def train_classifier(task: str, method: str, steps: int, cd_every: int, seed: in
     }
 
 
-def train_char(method: str, steps: int, cd_every: int, seed: int = 0) -> dict:
+def train_char(method: str, steps: int, cd_every: int, seed: int = 0, peak: float = 3e-3) -> dict:
     """The transformer of benchmarks/char_transformer.py (its data, batches and Adam with a
     cosine schedule, as ``char_transformer.train``), on replicas."""
     import jax
@@ -212,7 +212,7 @@ def train_char(method: str, steps: int, cd_every: int, seed: int = 0) -> dict:
     graphdef = nnx.graphdef(nnx.eval_shape(make_model))
     params = jax.jit(lambda: nnx.state(make_model()))()
     params = jax.device_put(params, NamedSharding(mesh, P()))
-    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, steps // 20), steps)
+    lr = optax.warmup_cosine_decay_schedule(0.0, peak, max(1, steps // 20), steps)
 
     def loss_fn(p, tokens):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1])
@@ -266,10 +266,12 @@ def part_convergence(args) -> list[dict]:
         for method in args.methods:
             t0 = time.perf_counter()
             if task == "char":
-                r = train_char(method, steps, args.cd_every)
+                r = train_char(method, steps, args.cd_every, peak=args.char_lr)
             else:
                 r = train_classifier(task, method, steps, args.cd_every)
             r.update(task=task, method=method, steps=steps, seconds=time.perf_counter() - t0)
+            if task == "char":
+                r["peak_lr"] = args.char_lr
             runs.append(r)
             base = next((b for b in runs if b["task"] == task and b["method"] == "dp"), None)
             if base is not None:
@@ -660,6 +662,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", choices=list(STEPS), default=None)
     ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
+    ap.add_argument("--char-lr", type=float, default=3e-3, help="char task: Adam's peak lr")
     ap.add_argument("--cd-every", type=int, default=50, help="consensus distance every k steps")
     ap.add_argument("--rounds", type=int, default=200, help="gossip rounds of the mixing part")
     ap.add_argument(

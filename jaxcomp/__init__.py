@@ -43,6 +43,7 @@ from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_spe
 from jaxcomp._src.sgd import sgd
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
+from jaxcomp._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 
@@ -88,6 +89,8 @@ __all__ = [
     "int_quant",
     "natural",
     "OneBitAdamState",
+    "ZeroOneAdamState",
+    "zero_one_adam",
     "onebit_adam",
     "pmean",
     "psum",

@@ -128,6 +128,14 @@ ONEBIT_ERRORS = (
     ("worker_momentum", 0.5),
     ("strategy", "ring"),
 )
+ZERO_ONE_ERRORS = (
+    ("var_freeze_step", 0),
+    ("var_update_scaler", 0),
+    ("local_step_scaler", 1.5),
+    ("local_step_clipper", 0),
+    ("b1", 1.0),
+    ("worker_momentum", 0.5),
+)
 POWERSGD_ERRORS = (
     ("rank", 0),
     ("rank", 2.0),
@@ -244,6 +252,27 @@ ROWS = [
                 "bytes",
                 "the compiled step holds the warm-up's full all-reduce too (a lax.cond): "
                 "comm_report counts both branches",
+            ),
+        ),
+    ),
+    Row(
+        # Steps 0..3: a full-precision variance round, a 1-bit round, a variance round, a
+        # 1-bit round after the freeze (skipped rounds: tests/test_recipes.py).
+        "zero_one_adam",
+        functools.partial(
+            jc.zero_one_adam,
+            1e-3,
+            var_freeze_step=3,
+            var_update_scaler=1,
+            local_step_scaler=1,
+        ),
+        law="the output is Adam's direction; its rounds: tests/test_recipes.py",
+        bad=ZERO_ONE_ERRORS,
+        skip=(
+            (
+                "bytes",
+                "the compiled step holds the variance rounds' full all-reduce too (a "
+                "lax.switch): comm_report counts every branch",
             ),
         ),
     ),

@@ -60,6 +60,7 @@ class Run:
                 )
             )
         )
+        self.step = lambda g, state: run(jax.device_put(g, NamedSharding(m, P("data"))), state, p)
         self.outs, self.states = [], [state]
         for t in range(STEPS):
             g = jax.device_put(grads(t), NamedSharding(m, P("data")))
@@ -72,6 +73,16 @@ class Run:
 SHARED = {
     "onebit": lambda: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1),
     "sgd-sign": lambda: jc.sgd(1e-2, jc.sign(), "data", momentum=0.9),
+    # Rounds of steps 0..4: FULL, COMPRESSED, FULL, COMPRESSED, SKIPPED.
+    "zero_one": lambda: jc.zero_one_adam(
+        1e-2,
+        "data",
+        codec=jc.identity(),
+        error_feedback=None,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_scaler=1,
+    ),
 }
 
 
@@ -177,6 +188,52 @@ def test_onebit_adam_momentum_exchange_conserves():
             got = np.asarray(after.mu[k]) + held[1][k]
             np.testing.assert_allclose(got, want + held[0][k], atol=2e-6, err_msg=f"{k} {t}")
     assert max(float(np.abs(h).max()) for h in held_back(run.states[-1], p).values()) > 1e-4
+
+
+# --------------------------------------------------------------------------- jc.zero_one_adam
+
+
+def test_zero_one_adam_rounds_against_numpy():
+    """FULL rounds move Adam's m and v from the float32 mean; COMPRESSED rounds (identity
+    codec) average the devices' momentum steps plus what they held; a SKIPPED round decays
+    the momentum and each device holds (1 - b1) g_i for its next exchange."""
+    run = shared("zero_one")
+    kinds = ["full", "compressed", "full", "compressed", "skipped"]
+    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    updates = 0
+    for t, kind in enumerate(kinds):
+        g = {k: a.astype(np.float64) for k, a in grads(t).items()}
+        updates += kind == "full"
+        for k in SHAPES:
+            mean = g[k].mean(0)
+            mu[k] = 0.9 * mu[k] + (0.1 * mean if kind != "skipped" else 0.0)
+            if kind == "full":
+                nu[k] = 0.999 * nu[k] + 0.001 * mean * mean
+            direction = (mu[k] / (1 - 0.9 ** (t + 1))) / (
+                np.sqrt(nu[k] / (1 - 0.999**updates)) + 1e-8
+            )
+            np.testing.assert_allclose(
+                run.outs[t][k], -1e-2 * direction, rtol=1e-4, atol=1e-7, err_msg=f"{k} {t}"
+            )
+    ours = run.states[-1][0]
+    assert int(ours.variance_updates) == 2
+    for k in SHAPES:
+        np.testing.assert_allclose(
+            np.asarray(ours.pending[k]), 0.1 * grads(4)[k], rtol=1e-6, atol=1e-8
+        )
+
+
+def test_zero_one_adam_skipped_round_nonfinite_poisons_every_device():
+    run = shared("zero_one")
+    before = run.states[4]  # step 4 is a skipped round
+    g = grads(4)
+    g["w"][6, 1, 2] = np.inf
+    out, after = run.step(g, before)
+    for k in SHAPES:
+        assert not np.isfinite(np.asarray(out[k])).any(), k
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------- Accordion

@@ -42,11 +42,11 @@ def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool =
     return value
 
 
-def _zeros(tree: Any) -> Any:
+def zeros_f32(tree: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 
 
-def _floats(tree: Any) -> Any:
+def as_float32(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
@@ -76,14 +76,14 @@ def scale_by_onebit_adam(
     bucket_bytes = options.get("bucket_bytes", 2**25)
 
     def init_fn(params):
-        zeros = _zeros(params)
+        zeros = zeros_f32(params)
         return OneBitAdamState(
             count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros, exchange=inner.init(params)
         )
 
     def warmup(grads, state, params):
         """Adam on the float32 mean gradient (uncompressed), variance still learning."""
-        leaves, treedef = jax.tree.flatten(_floats(grads))
+        leaves, treedef = jax.tree.flatten(as_float32(grads))
         means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
         g = jax.tree.unflatten(treedef, means)
         mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
@@ -92,14 +92,14 @@ def scale_by_onebit_adam(
 
     def compressed(grads, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
-        local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, _floats(grads))
+        local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, as_float32(grads))
         mu, exchange_state = inner.update(local, state.exchange, params)
         return mu, state.nu, exchange_state, collectives.local_nonfinite(mu)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("onebit_adam", updates, params, axis_name, options.get("inner_axis_name"))
-        like = jax.eval_shape(lambda: _zeros(updates))
+        like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
         mu, nu, exchange_state, bad = jax.lax.cond(
             state.count < freeze_step, warmup, compressed, updates, state, params

@@ -1,0 +1,254 @@
+"""0/1 Adam (Lu et al., 2022): 1-bit Adam with an adaptive variance freeze and skipped
+communication rounds."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import collectives, skeleton
+from jaxcomp._src.codecs import sign
+from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.onebit_adam import as_float32, check_number, zeros_f32
+from jaxcomp._src.sgd import exchange_options
+
+FULL, COMPRESSED, SKIPPED = 0, 1, 2  # the kinds of round
+
+
+class ZeroOneAdamState(NamedTuple):
+    """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    count: jax.Array  # int32[]: steps taken
+    variance_updates: jax.Array  # int32[]: full-precision rounds so far (nu's bias correction)
+    mu: Any  # identical on every device, f32 like the params: the synchronized momentum
+    nu: Any  # identical on every device, f32 like the params: the variance
+    pending: Any  # per device, f32[1, *shape] per leaf: (1 - b1) g_i of skipped rounds
+    exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
+
+    PER_DEVICE_FIELDS = ("pending",)
+
+
+def doubling_gap(t: jax.Array, scaler: Any) -> jax.Array:
+    """``2^floor(log2(t / scaler + 1))``: 1 for the first ``scaler`` steps, 2 for the next
+    ``2 scaler``, 4 for the next ``4 scaler``, ... (int32)."""
+    level = jnp.floor(jnp.log2(t.astype(jnp.float32) / scaler + 1.0))
+    return (2 ** level.astype(jnp.int32)).astype(jnp.int32)
+
+
+def round_kind(count: jax.Array, freeze: Any, var_scaler: Any, local_scaler: Any, clip: Any):
+    """FULL (variance update, float32 exchange), COMPRESSED or SKIPPED for step ``count``.
+
+    Before ``var_freeze_step``: FULL where ``count`` is a multiple of the variance gap
+    (:func:`doubling_gap` with ``var_update_scaler``), COMPRESSED otherwise. After it: a
+    COMPRESSED round where the steps since the freeze are a multiple of the local-step gap
+    (doubling every ``local_step_scaler`` steps, at most ``local_step_clipper``), SKIPPED
+    otherwise.
+    """
+    full = count % doubling_gap(count, var_scaler) == 0
+    since = jnp.maximum(count - freeze, 0)
+    gap = jnp.minimum(doubling_gap(since, local_scaler), jnp.asarray(clip, jnp.int32))
+    synced = since % gap == 0
+    return jnp.where(
+        count < freeze, jnp.where(full, FULL, COMPRESSED), jnp.where(synced, COMPRESSED, SKIPPED)
+    )
+
+
+def scale_by_zero_one_adam(
+    axis_name: Any,
+    *,
+    var_freeze_step: int,
+    var_update_scaler: int = 16,
+    local_step_scaler: int = 1000,
+    local_step_clipper: int = 16,
+    codec: Codec | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    **exchange: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """The direction of :func:`zero_one_adam` (before the learning rate); see there."""
+    codec = sign() if codec is None else codec
+    inf = float("inf")
+    freeze = check_number("var_freeze_step", var_freeze_step, 1, inf, integer=True)
+    var_scaler = check_number("var_update_scaler", var_update_scaler, 1, inf, integer=True)
+    local_scaler = check_number("local_step_scaler", local_step_scaler, 1, inf, integer=True)
+    clip = check_number("local_step_clipper", local_step_clipper, 1, inf, integer=True)
+    b1 = check_number("b1", b1, 0.0, 1.0)
+    b2 = check_number("b2", b2, 0.0, 1.0)
+    eps = check_number("eps", eps, 0.0, inf)
+    options = {"error_feedback": "residual", **exchange_options(exchange)}
+    if "worker_momentum" in options:
+        raise TypeError("jc.zero_one_adam keeps its own momentum: drop `worker_momentum`")
+    inner = compressed_allreduce(codec, axis_name, **options)
+    every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
+    bucket_bytes = options.get("bucket_bytes", 2**25)
+
+    def init_fn(params):
+        zeros = zeros_f32(params)
+        return ZeroOneAdamState(
+            count=jnp.zeros([], jnp.int32),
+            variance_updates=jnp.zeros([], jnp.int32),
+            mu=zeros,
+            nu=zeros,
+            pending=jax.tree.map(lambda z: z[None], zeros),
+            exchange=inner.init(params),
+        )
+
+    def full(grads, state, params):
+        """Adam on the float32 mean gradient: momentum and variance both move."""
+        leaves, treedef = jax.tree.flatten(as_float32(grads))
+        means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
+        g = jax.tree.unflatten(treedef, means)
+        mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
+        nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, state.nu, g)
+        return (
+            mu,
+            nu,
+            state.pending,
+            state.exchange,
+            state.variance_updates + 1,
+            collectives.local_nonfinite(held),
+        )
+
+    def compressed(grads, state, params):
+        """Each device's momentum step plus what its skipped rounds held, through the codec."""
+        local = jax.tree.map(
+            lambda m, x, p: b1 * m + (1.0 - b1) * x + p[0],
+            state.mu,
+            as_float32(grads),
+            state.pending,
+        )
+        mu, exchange_state = inner.update(local, state.exchange, params)
+        pending = jax.tree.map(jnp.zeros_like, state.pending)
+        bad = collectives.local_nonfinite(mu)
+        return mu, state.nu, pending, exchange_state, state.variance_updates, bad
+
+    def skipped(grads, state, params):
+        """No communication: the synchronized momentum decays and moves the params on every
+        device alike; each device keeps ``(1 - b1) g_i`` for its next exchange."""
+        grads = as_float32(grads)
+        mu = jax.tree.map(lambda m: b1 * m, state.mu)
+        pending = jax.tree.map(lambda p, x: p + (1.0 - b1) * x[None], state.pending, grads)
+        # One scalar all-reduce: a non-finite gradient on any device poisons every device's
+        # update and keeps every state as it was (nothing gradient-sized on the wire).
+        flag = collectives.local_nonfinite(grads).astype(jnp.float32)
+        bad = jax.lax.psum(flag, every_axis) > 0
+        return mu, state.nu, pending, state.exchange, state.variance_updates, bad
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        skeleton.begin("zero_one_adam", updates, params, axis_name, options.get("inner_axis_name"))
+        like = jax.eval_shape(lambda: zeros_f32(updates))
+        skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
+        kind = round_kind(state.count, freeze, var_scaler, local_scaler, clip)
+        mu, nu, pending, exchange_state, variance_updates, bad = jax.lax.switch(
+            kind, (full, compressed, skipped), updates, state, params
+        )
+        t = (state.count + 1).astype(jnp.float32)
+        mu_scale = 1.0 / (1.0 - b1**t)
+        nu_scale = 1.0 / (1.0 - b2 ** jnp.maximum(variance_updates, 1).astype(jnp.float32))
+        direction = jax.tree.map(
+            lambda m, v, g: collectives.poison(
+                mu_scale * m / (jnp.sqrt(nu_scale * v) + eps), bad
+            ).astype(g.dtype),
+            mu,
+            nu,
+            updates,
+        )
+        new_state = ZeroOneAdamState(
+            count=state.count + 1,
+            variance_updates=variance_updates,
+            mu=mu,
+            nu=nu,
+            pending=pending,
+            exchange=exchange_state,
+        )
+        return direction, skeleton.freeze(bad, state, new_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def zero_one_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    axis_name: Any,
+    *,
+    var_freeze_step: int,
+    var_update_scaler: int = 16,
+    local_step_scaler: int = 1000,
+    local_step_clipper: int = 16,
+    codec: Codec | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    **exchange: Any,
+) -> optax.GradientTransformationExtraArgs:
+    r"""0/1 Adam: 1-bit Adam whose variance is updated on ever sparser rounds and frozen at
+    ``var_freeze_step``, after which whole communication rounds are skipped.
+
+    Three kinds of round (a ``jax.lax.switch`` on the step count, identical on every device)::
+
+        FULL (variance rounds, before the freeze): float32 all-reduce, Adam's m and v move
+            g = mean_i g_i;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+        COMPRESSED (the other rounds, and synced rounds after the freeze): as 1-bit Adam
+            m <- mean_i C(b1 m + (1 - b1) g_i + p_i + e_i);  p_i <- 0
+        SKIPPED (after the freeze, between synced rounds): no gradient on the wire
+            m <- b1 m;  p_i <- p_i + (1 - b1) g_i        # sent at the next synced round
+        x <- x - lr * m_hat / (sqrt(v_hat) + eps)
+
+    Variance rounds are the steps that are multiples of a gap that doubles every
+    ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);
+    after the freeze, synced rounds are the multiples of a gap that doubles every
+    ``local_step_scaler`` steps up to ``local_step_clipper`` (its local-step policy T_u, with
+    DeepSpeed's argument names).
+
+    Difference from the paper: there each device takes local steps with its own momentum on
+    skipped rounds, so the params differ between syncs. Here the params stay replicated (any
+    data-parallel loop works unchanged): a skipped round applies the synchronized momentum,
+    decayed, and each device keeps its gradients' share ``p_i`` for its next exchange, so no
+    gradient is dropped, only delayed. A skipped round sends one 4-byte non-finite flag
+    (a scalar ``psum``), so a NaN or inf on any device still gives a NaN update everywhere
+    and leaves every state as it was.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      axis_name: the data-parallel mesh axis.
+      var_freeze_step: the last step that may update the variance (>= 1).
+      var_update_scaler: rounds per doubling of the variance-update gap.
+      local_step_scaler: steps per doubling of the gap between synced rounds after the freeze.
+      local_step_clipper: the largest gap between synced rounds.
+      codec: the momentum's codec (default ``jc.sign()``).
+      b1: the momentum's decay.
+      b2: the variance's decay.
+      eps: added to the square root of the variance.
+      **exchange: options of :func:`jaxcomp.compressed_allreduce`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``: the update to add to the params.
+
+    Example::
+
+        tx = jc.zero_one_adam(3e-3, "data", var_freeze_step=200, local_step_clipper=4)
+
+    References:
+      Lu, Li, Zhang, De Sa, He, "Maximizing Communication Efficiency for Large-scale Training
+      via 0/1 Adam", ICLR 2023 (arXiv 2202.06009, 2022).
+    """
+    return optax.chain(
+        scale_by_zero_one_adam(
+            axis_name,
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+            codec=codec,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            **exchange,
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -124,8 +124,8 @@ def gossip(
         codec (CHOCO-SGD: ``C(x - x_hat)`` travels). Stochastic codecs get independent noise
         per device.
       gamma: the consensus step in (0, 1]; None gives 1 (exact gossip; with a codec, right
-        for fine codecs such as ``jc.int_quant(8)``: lower it for coarse ones such as
-        ``jc.sign()``).
+        for fine codecs such as ``jc.int_quant(8)``; sparsifiers such as ``jc.top_k`` need
+        a smaller step, of order ``rho^2 delta``, or the replicas diverge).
       every: mix once every ``every`` steps (an int >= 1).
       seed: seeds the PRNG key kept in the state (stochastic codecs).
       bucket_bytes: payloads of all leaves travel in buckets of about this many bytes, one

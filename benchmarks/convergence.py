@@ -70,9 +70,50 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
         jc.compressed_allreduce(jc.identity(), axis, error_feedback=None), optax.adam(lr)
     ),
     "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
+    "zero_one_adam": lambda axis, lr: jc.zero_one_adam(lr, axis, **ZERO_ONE),
 }
+# Recipes whose step holds a lax.cond/switch between exchanges: the lowered program counts
+# every branch, so their bytes per step are averaged over the branches each step took.
+# method -> {regime: transform whose exchange is that regime's (None: nothing on the wire)}.
+REGIMES: dict[str, dict[str, Callable[[str], Any] | None]] = {
+    "onebit_adam": {
+        "warmup": lambda axis: jc.compressed_allreduce(jc.identity(), axis, error_feedback=None),
+        "compressed": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
+    },
+    "zero_one_adam": {
+        "full": lambda axis: jc.compressed_allreduce(jc.identity(), axis, error_feedback=None),
+        "compressed": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
+        "skipped": None,
+    },
+    "sgd-topk1%-accordion": {
+        "critical": lambda axis: jc.compressed_allreduce(jc.top_k(0.1), axis),
+        "other": lambda axis: jc.compressed_allreduce(jc.top_k(0.01), axis),
+    },
+    "sgd-sign-accordion": {
+        "critical": lambda axis: jc.compressed_allreduce(jc.int_quant(8), axis),
+        "other": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
+    },
+}
+
+
+def regime(method: str, step: int, state: Any) -> str:
+    """The branch of ``REGIMES[method]`` that step ``step`` (taken from ``state``) runs."""
+    if method == "onebit_adam":
+        return "warmup" if step < ONEBIT_FREEZE else "compressed"
+    if method == "zero_one_adam":
+        from jaxcomp._src.zero_one_adam import round_kind
+
+        kind = int(round_kind(step, ZERO_ONE["var_freeze_step"], *ZERO_ONE_GAPS))
+        return ("full", "compressed", "skipped")[kind]
+    return "critical" if bool(state[0].adaptive.critical) else "other"
+
+
 ONEBIT_FREEZE = 50
-ACCORDION_EVERY = 25  # steps per Accordion detection interval  # 1-bit Adam's uncompressed warm-up (steps)
+ZERO_ONE = {"var_freeze_step": 100, "var_update_scaler": 8, "local_step_scaler": 100}
+ZERO_ONE_GAPS = (8, 100, 16)  # var_update_scaler, local_step_scaler, local_step_clipper
+ACCORDION_EVERY = (
+    25  # steps per Accordion detection interval  # 1-bit Adam's uncompressed warm-up (steps)
+)
 # Peak learning rates of the recipes by family: classifiers (baseline SGD 0.05) and char.
 RECIPE_LR = {"sgd": {"classifier": 0.05, "char": 0.2}, "adam": {"classifier": 3e-3, "char": 3e-3}}
 
@@ -169,47 +210,68 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
         opt = optax.sgd(0.05) if own_momentum else optax.sgd(0.05, momentum=0.9)
         tx = opt if factory is None else optax.chain(factory(AXIS), opt)
     params = jax.device_put(init(jax.random.PRNGKey(seed)), NamedSharding(mesh, P()))
-    state = jc.sharded_init(tx, params, mesh, AXIS)
-    specs = jc.state_specs(state, AXIS)
 
-    def step(p, s, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
-        if factory is None:
-            g = jax.lax.pmean(g, AXIS)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, jax.lax.pmean(loss, AXIS)
+    def build(tx, averages: bool):
+        state = jc.sharded_init(tx, params, mesh, AXIS)
+        specs = jc.state_specs(state, AXIS)
 
-    step = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), specs, P(AXIS), P(AXIS)),
-            out_specs=(P(), specs, P()),
+        def step(p, s, x, y):
+            loss, g = jax.value_and_grad(loss_fn)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+            if not averages:
+                g = jax.lax.pmean(g, AXIS)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, jax.lax.pmean(loss, AXIS)
+
+        step = jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs, P())
         )
-    )
+        return jax.jit(step), state
+
     batch = 256
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
     sample = (put(xtr[:batch]), put(ytr[:batch]))
-    logical = accounting.parse_stablehlo_collectives(
-        step.lower(params, state, *sample).as_text(), n
-    )
+
+    def lowered_bytes(tx, averages: bool = True) -> float:
+        step, state = build(tx, averages)
+        text = step.lower(params, state, *sample).as_text()
+        return float(
+            sum(c.bytes_per_device for c in accounting.parse_stablehlo_collectives(text, n))
+        )
+
+    step, state = build(tx, factory is not None)
+    logical_bytes = lowered_bytes(tx, factory is not None)
+    regimes = {
+        name: 0.0 if make is None else lowered_bytes(optax.chain(make(AXIS), optax.sgd(0.1)))
+        for name, make in REGIMES.get(method, {}).items()
+    }
+    taken: dict[str, int] = {}
     rng = np.random.RandomState(seed)
     curve = []
     start = time.perf_counter()
-    for _ in range(steps):
+    for t in range(steps):
+        if regimes:
+            name = regime(method, t, state)
+            taken[name] = taken.get(name, 0) + 1
         idx = rng.randint(0, len(xtr), batch)
         params, state, loss = jax.block_until_ready(
             step(params, state, put(xtr[idx]), put(ytr[idx]))
         )
         curve.append(float(loss))
     seconds = time.perf_counter() - start
+    if regimes:
+        bytes_per_step = sum(regimes[k] * c for k, c in taken.items()) / max(steps, 1)
+    else:
+        bytes_per_step = logical_bytes
     logits = logits_fn(jax.device_get(params), jnp.asarray(xte))
     return {
         "metric": "test_accuracy",
         "value": float(jnp.mean(jnp.argmax(logits, -1) == yte)),
         "final_train_loss": float(np.mean(curve[-20:])),
         "curve": curve,
-        "bytes_per_step": float(sum(c.bytes_per_device for c in logical)),
+        "bytes_per_step": bytes_per_step,
+        "program_bytes": logical_bytes,  # every branch of the step's program
+        "regime_bytes": regimes,
+        "regime_steps": taken,
         "train_seconds": seconds,
     }
 
@@ -235,12 +297,36 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
         return_details=True,
         report_bytes=True,
     )
+    if method.endswith("accordion"):
+        raise ValueError(
+            f"{method}: its regimes are read from the state each step, which the char loop "
+            "does not expose; run it on digits or mnist1d"
+        )
+    regimes, taken = {}, {}
+    for name, make in REGIMES.get(method, {}).items():
+        # One step of the same model with that regime's exchange: its compiled bytes.
+        regimes[name] = (
+            0.0
+            if make is None
+            else char_transformer.train(
+                make, 1, optimizer="adam", seed=seed, return_details=True, report_bytes=True
+            )["bytes_per_device"]
+        )
+    for t in range(steps if regimes else 0):
+        name = regime(method, t, None)
+        taken[name] = taken.get(name, 0) + 1
+    bytes_per_step = (
+        sum(regimes[k] * c for k, c in taken.items()) / steps if regimes else r["bytes_per_device"]
+    )
     return {
         "metric": "eval_loss_nats_per_byte",
         "value": r["eval_loss"],
         "final_train_loss": float(sum(r["train_loss"][-20:]) / min(20, len(r["train_loss"]))),
         "curve": r["train_loss"],
-        "bytes_per_step": r["bytes_per_device"],
+        "bytes_per_step": bytes_per_step,
+        "program_bytes": r["bytes_per_device"],
+        "regime_bytes": regimes,
+        "regime_steps": taken,
         "train_seconds": r["seconds"],
     }
 
@@ -277,7 +363,7 @@ def print_table(runs: list[dict]) -> None:
         )
 
 
-def draw(runs: list[dict], quick: bool) -> None:
+def draw(runs: list[dict], quick: bool, label: str = "") -> None:
     import numpy as np
 
     for task in dict.fromkeys(r["task"] for r in runs):
@@ -296,7 +382,7 @@ def draw(runs: list[dict], quick: bool) -> None:
             ax.legend(fontsize=6, ncol=3)
 
         common.plot(
-            common.result_path(f"convergence_{task}", quick, "png"),
+            common.result_path(f"convergence{label}_{task}", quick, "png"),
             one,
             f"{task}: training loss per method, same seed and batches",
         )
@@ -310,6 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
     ap.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     ap.add_argument("--budget", type=float, default=None, help="stop starting runs after s")
+    ap.add_argument("--label", default="", help="write convergence_LABEL.json (and .png)")
     ap.add_argument(
         "--resume", action="store_true", help="keep the runs already in the result file"
     )
@@ -321,7 +408,7 @@ def main(argv=None) -> int:
     methods = args.methods or (["none", "sign", "int8"] if args.quick else method_names())
     if methods[0] != "none":
         methods = ["none", *[m for m in methods if m != "none"]]
-    path = common.result_path("convergence", args.quick)
+    path = common.result_path("convergence" + (f"_{args.label}" if args.label else ""), args.quick)
     runs: list[dict] = previous_runs(path) if args.resume else []
     start = time.perf_counter()
     jobs = [(m, t) for m in methods for t in tasks]
@@ -359,7 +446,7 @@ def main(argv=None) -> int:
     }
     common.write_json(path, out)
     print_table(runs)
-    draw(runs, args.quick)
+    draw(runs, args.quick, f"_{args.label}" if args.label else "")
     return 0
 
 

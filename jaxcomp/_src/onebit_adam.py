@@ -42,6 +42,40 @@ def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool =
     return value
 
 
+def adam_direction(mu: Any, nu: Any, like: Any, mu_scale, nu_scale, eps, bad) -> Any:
+    """``mu_hat / (sqrt(nu_hat) + eps)`` per leaf in the dtype of ``like``; zero where the
+    variance is exactly zero (a coordinate whose gradient was always zero, e.g. a constant
+    input pixel: a 1-bit momentum gives it +-scale, which ``eps`` would blow up by 1e8), and
+    NaN everywhere when ``bad``."""
+
+    def one(m, v, g):
+        d = mu_scale * m / (jnp.sqrt(nu_scale * v) + eps)
+        return collectives.poison(jnp.where(v > 0, d, 0.0), bad).astype(g.dtype)
+
+    return jax.tree.map(one, mu, nu, like)
+
+
+def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_state, params):
+    """``mean_i m_i`` through ``inner`` (a ``compressed_allreduce``), exchanged in Adam's
+    preconditioned coordinates ``u_i = m_i / (sqrt(nu_hat) + eps)``.
+
+    With the variance frozen (identical on every device) this is a fixed per-coordinate
+    change of units, so the mean is the same; but the codec's error (and the error-feedback
+    memory) then lives where the update does: a 1-bit momentum sent as it is gives every
+    coordinate of a leaf the same magnitude, and coordinates of small variance turn that into
+    huge steps. Coordinates whose variance is zero send and keep nothing (their update is
+    zero). Returns ``(mean momentum, new exchange state)``.
+    """
+    scale = jax.tree.map(lambda v: jnp.where(v > 0, 1.0 / (jnp.sqrt(nu_scale * v) + eps), 0.0), nu)
+    sent, exchange_state = inner.update(
+        jax.tree.map(jnp.multiply, local, scale), exchange_state, params
+    )
+    mean = jax.tree.map(
+        lambda u, k: jnp.where(k > 0, u / jnp.where(k > 0, k, 1.0), 0.0), sent, scale
+    )
+    return mean, exchange_state
+
+
 def zeros_f32(tree: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 
@@ -93,8 +127,15 @@ def scale_by_onebit_adam(
     def compressed(grads, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
         local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, as_float32(grads))
-        mu, exchange_state = inner.update(local, state.exchange, params)
+        mu, exchange_state = preconditioned_mean(
+            inner, local, state.nu, frozen_scale(state.count), eps, state.exchange, params
+        )
         return mu, state.nu, exchange_state, collectives.local_nonfinite(mu)
+
+    def frozen_scale(count):
+        """Adam's bias correction of the variance, frozen at ``freeze_step``."""
+        frozen_t = jnp.minimum(count + 1, freeze_step).astype(jnp.float32)
+        return 1.0 / (1.0 - b2**frozen_t)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -105,18 +146,10 @@ def scale_by_onebit_adam(
             state.count < freeze_step, warmup, compressed, updates, state, params
         )
         t = (state.count + 1).astype(jnp.float32)
-        frozen_t = jnp.minimum(t, jnp.asarray(freeze_step, jnp.float32))
         mu_scale = 1.0 / (1.0 - b1**t)
-        nu_scale = 1.0 / (1.0 - b2**frozen_t)
+        nu_scale = frozen_scale(state.count)
         # A non-finite step: NaN everywhere (not just where the mean was), state kept.
-        direction = jax.tree.map(
-            lambda m, v, g: collectives.poison(
-                mu_scale * m / (jnp.sqrt(nu_scale * v) + eps), bad
-            ).astype(g.dtype),
-            mu,
-            nu,
-            updates,
-        )
+        direction = adam_direction(mu, nu, updates, mu_scale, nu_scale, eps, bad)
         new_state = OneBitAdamState(count=state.count + 1, mu=mu, nu=nu, exchange=exchange_state)
         return direction, skeleton.freeze(bad, state, new_state)
 
@@ -148,9 +181,18 @@ def onebit_adam(
         compression stage (t >= freeze_step), v frozen:
             m_i = b1 m + (1 - b1) g_i               # each device's momentum step
             m  <- mean_i C(m_i + e_i)               # worker error e_i; two_phase adds the
-                                                    # chunk owners' server error
+                                                    # chunk owners' server error; sent in
+                                                    # units of m / (sqrt(v_hat) + eps)
         x <- x - lr * m_hat / (sqrt(v_hat) + eps)   # bias-corrected as Adam (v's correction
                                                     # frozen with v)
+
+    The momentum travels in Adam's preconditioned units, ``m_i / (sqrt(v_hat) + eps)`` (``v``
+    is frozen and the same on every device, so the mean is unchanged): sent as it is, a
+    1-bit momentum gives every coordinate of a leaf the same magnitude, and coordinates of
+    small variance turn that into steps that diverge (measured: docs, "Choosing a codec").
+    Coordinates whose variance is exactly zero (their gradient was always zero, e.g. a
+    constant input feature) get a zero update: a 1-bit momentum sends them ``+-scale``,
+    which ``eps`` alone would multiply by ``1 / eps``.
 
     Every device restarts its momentum step from the synchronized ``m``, as in the paper's
     Algorithm 1. The warm-up runs inside a ``jax.lax.cond`` on the step count, so a compiled

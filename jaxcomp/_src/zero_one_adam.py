@@ -13,7 +13,13 @@ from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs import sign
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
-from jaxcomp._src.onebit_adam import as_float32, check_number, zeros_f32
+from jaxcomp._src.onebit_adam import (
+    adam_direction,
+    as_float32,
+    check_number,
+    preconditioned_mean,
+    zeros_f32,
+)
 from jaxcomp._src.sgd import exchange_options
 
 FULL, COMPRESSED, SKIPPED = 0, 1, 2  # the kinds of round
@@ -35,7 +41,7 @@ class ZeroOneAdamState(NamedTuple):
 def doubling_gap(t: jax.Array, scaler: Any) -> jax.Array:
     """``2^floor(log2(t / scaler + 1))``: 1 for the first ``scaler`` steps, 2 for the next
     ``2 scaler``, 4 for the next ``4 scaler``, ... (int32)."""
-    level = jnp.floor(jnp.log2(t.astype(jnp.float32) / scaler + 1.0))
+    level = jnp.floor(jnp.log2(jnp.asarray(t, jnp.float32) / scaler + 1.0))
     return (2 ** level.astype(jnp.int32)).astype(jnp.int32)
 
 
@@ -48,6 +54,7 @@ def round_kind(count: jax.Array, freeze: Any, var_scaler: Any, local_scaler: Any
     (doubling every ``local_step_scaler`` steps, at most ``local_step_clipper``), SKIPPED
     otherwise.
     """
+    count = jnp.asarray(count, jnp.int32)
     full = count % doubling_gap(count, var_scaler) == 0
     since = jnp.maximum(count - freeze, 0)
     gap = jnp.minimum(doubling_gap(since, local_scaler), jnp.asarray(clip, jnp.int32))
@@ -122,7 +129,15 @@ def scale_by_zero_one_adam(
             as_float32(grads),
             state.pending,
         )
-        mu, exchange_state = inner.update(local, state.exchange, params)
+        mu, exchange_state = preconditioned_mean(
+            inner,
+            local,
+            state.nu,
+            variance_scale(state.variance_updates),
+            eps,
+            state.exchange,
+            params,
+        )
         pending = jax.tree.map(jnp.zeros_like, state.pending)
         bad = collectives.local_nonfinite(mu)
         return mu, state.nu, pending, exchange_state, state.variance_updates, bad
@@ -139,6 +154,10 @@ def scale_by_zero_one_adam(
         bad = jax.lax.psum(flag, every_axis) > 0
         return mu, state.nu, pending, state.exchange, state.variance_updates, bad
 
+    def variance_scale(variance_updates):
+        """Adam's bias correction of the variance after that many variance rounds."""
+        return 1.0 / (1.0 - b2 ** jnp.maximum(variance_updates, 1).astype(jnp.float32))
+
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("zero_one_adam", updates, params, axis_name, options.get("inner_axis_name"))
@@ -150,15 +169,8 @@ def scale_by_zero_one_adam(
         )
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
-        nu_scale = 1.0 / (1.0 - b2 ** jnp.maximum(variance_updates, 1).astype(jnp.float32))
-        direction = jax.tree.map(
-            lambda m, v, g: collectives.poison(
-                mu_scale * m / (jnp.sqrt(nu_scale * v) + eps), bad
-            ).astype(g.dtype),
-            mu,
-            nu,
-            updates,
-        )
+        nu_scale = variance_scale(variance_updates)
+        direction = adam_direction(mu, nu, updates, mu_scale, nu_scale, eps, bad)
         new_state = ZeroOneAdamState(
             count=state.count + 1,
             variance_updates=variance_updates,
@@ -195,9 +207,10 @@ def zero_one_adam(
             g = mean_i g_i;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
         COMPRESSED (the other rounds, and synced rounds after the freeze): as 1-bit Adam
             m <- mean_i C(b1 m + (1 - b1) g_i + p_i + e_i);  p_i <- 0
+            (sent in units of m / (sqrt(v_hat) + eps), as jc.onebit_adam does)
         SKIPPED (after the freeze, between synced rounds): no gradient on the wire
             m <- b1 m;  p_i <- p_i + (1 - b1) g_i        # sent at the next synced round
-        x <- x - lr * m_hat / (sqrt(v_hat) + eps)
+        x <- x - lr * m_hat / (sqrt(v_hat) + eps)        # 0 where v == 0, as 1-bit Adam
 
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);

@@ -605,9 +605,10 @@ def _raise(signum, frame):
 # --------------------------------------------------------------------------- output
 
 
-def draw(out: dict, quick: bool) -> None:
+def draw(out: dict, quick: bool, label: str | None = None) -> None:
     import numpy as np
 
+    suffix = f"_{label}" if label else ""
     runs = out.get("convergence", [])
     for task in dict.fromkeys(r["task"] for r in runs):
 
@@ -624,7 +625,7 @@ def draw(out: dict, quick: bool) -> None:
             ax.legend()
 
         common.plot(
-            common.result_path(f"gossip_convergence_{task}", quick, "png"),
+            common.result_path(f"gossip{suffix}_convergence_{task}", quick, "png"),
             one,
             f"{task}: gossip vs all-reduce data parallel, same seed and batches",
         )
@@ -643,7 +644,7 @@ def draw(out: dict, quick: bool) -> None:
             ax.legend()
 
         common.plot(
-            common.result_path("gossip_mixing", quick, "png"),
+            common.result_path(f"gossip{suffix}_mixing", quick, "png"),
             mixing,
             f"gossip alone on {out['mixing'][0]['devices']} devices: how fast replicas agree",
         )
@@ -706,7 +707,7 @@ def main(argv=None) -> int:
         out[part] = functions[part](args)
         out["environment"] = common.environment()
         common.write_json(path, out)
-    draw(out, args.quick)
+    draw(out, args.quick, args.label)
     return 0
 
 

@@ -313,6 +313,66 @@ def _network(data: dict[str, Any], path: pathlib.Path) -> str:
     )
 
 
+# ------------------------------------------------------------------ time_to_accuracy
+
+
+def _time_to_accuracy(data: dict[str, Any], path: pathlib.Path) -> str:
+    def seconds(t: Any) -> str:
+        return "not reached" if t is None else f"{t:.1f}"
+
+    def speedup(x: Any) -> str:
+        return "–" if x is None else f"{x:.2f}x"
+
+    body = []
+    for r in data["runs"]:
+        loss = r["metric"] != "test_accuracy"
+        body.append(
+            [
+                r["rate"],
+                r["task"],
+                f"`{r['method']}`",
+                f"`{r.get('baseline_own', '–')}` {_fmt(r.get('target_own'), 4)}",
+                seconds(r.get("time_to_target_own")),
+                speedup(r.get("speedup_own")),
+                speedup(r.get("speedup_best")),
+                _fmt(r["final"], 4) + (" (loss)" if loss and r["method"] == "none" else ""),
+                _fmt(r["step_ms"], 3),
+                _bytes(r.get("steady_bytes_per_step", r["bytes_per_step"])),
+            ]
+        )
+    header = [
+        "rate",
+        "task",
+        "method",
+        "target (baseline, final)",
+        "s to target",
+        "speedup",
+        "vs best baseline",
+        "final",
+        "step ms",
+        "bytes/step",
+    ]
+    tol = data.get("tol", 0.01)
+    head = (
+        f"{data.get('num_processes', 2)} JAX processes (one CPU device each, gloo) on a "
+        f"loopback shaped with `tc ... tbf rate RATE {data.get('tbf', '')}`. Target: the "
+        "final test accuracy (reached at >= target) or held-out loss (reached at <= target "
+        f"x {1 + tol:g}) of the method's own uncompressed baseline; s to target: summed "
+        "training-step wall-clock (every step blocked, evaluation excluded) until the "
+        "first evaluation that meets it; speedup = the baseline's time to its own final "
+        "quality / the method's; vs best baseline: the same against the better uncompressed "
+        "run of the task. Bytes per step: ring model, per device, from the lowered step "
+        "(steady state for `powersgd4` and `onebit_adam`; torch: the hook's P and Q)."
+    )
+    models = data.get("models", {})
+    notes = "".join(f"\n- **{k}**: {v}" for k, v in models.items())
+    if data.get("torch_note"):
+        notes += f"\n- {data['torch_note']}"
+    return f"{head}\n{notes}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "sudo python -m benchmarks.time_to_accuracy"
+    )
+
+
 # ---------------------------------------------------------------------- any other
 
 
@@ -411,12 +471,94 @@ def _diloco_link(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + f"\n\n{note}. " + _source(path, data, command)
 
 
+# ------------------------------------------------------------------------- recipes
+
+# method -> (family, how it is used, the uncompressed baseline it is compared with: the
+# classifiers' / the char task's).
+RECIPE_ROWS = {
+    "sign": ("1-bit", "plain chain: compressed_allreduce + optimizer", ("none", "none")),
+    "sgd-sign": ("1-bit", "recipe: jc.sgd", ("none", "sgd-none")),
+    "sgd-sign-nesterov": ("1-bit", "recipe: jc.sgd, nesterov", ("none", "sgd-none")),
+    "sgd-sign-ef21": ("1-bit", "recipe: jc.sgd, EF21-SGDM", ("none", "sgd-none")),
+    "sgd-sign-accordion": ("1-bit", "recipe: jc.sgd + Accordion (int8)", ("none", "sgd-none")),
+    "topk1%": ("top-k 1%", "plain chain: compressed_allreduce + optimizer", ("none", "none")),
+    "sgd-topk1%": ("top-k 1%", "recipe: jc.sgd", ("none", "sgd-none")),
+    "sgd-topk1%-accordion": (
+        "top-k 1%",
+        "recipe: jc.sgd + Accordion (top-k 10%)",
+        ("none", "sgd-none"),
+    ),
+    "dgc0.1%": ("top-k 0.1%", "jc.dgc + plain SGD", ("none", "none")),
+    "int8": ("int8", "plain chain: compressed_allreduce + optimizer", ("none", "none")),
+    "sgd-int8": ("int8", "recipe: jc.sgd", ("none", "sgd-none")),
+    "powersgd4": ("PowerSGD 4", "plain chain: powersgd + optimizer", ("none", "none")),
+    "onebit_adam": ("1-bit Adam", "recipe: jc.onebit_adam", ("adam", "none")),
+    "zero_one_adam": ("0/1 Adam", "recipe: jc.zero_one_adam", ("adam", "none")),
+}
+
+
+def _convergence_recipes(data: dict[str, Any], path: pathlib.Path) -> str:
+    runs = {(r["task"], r["method"]): r for r in data["runs"]}
+    out = []
+    for task in ("digits", "mnist1d", "char"):
+        rows = []
+        for method, (family, how, bases) in RECIPE_ROWS.items():
+            r = runs.get((task, method))
+            base = runs.get((task, bases[1] if task == "char" else bases[0]))
+            if r is None or base is None:
+                continue
+            char = r["metric"].startswith("eval_loss")
+            delta = (
+                f"{100 * (r['value'] / base['value'] - 1):+.1f}%"
+                if char
+                else f"{100 * (r['value'] - base['value']):+.1f} pt"
+            )
+            rows.append(
+                [
+                    family,
+                    how,
+                    f"`{method}`",
+                    f"{r['value']:.4f}",
+                    f"{base['value']:.4f} (`{base['method']}`)",
+                    delta,
+                    _bytes(r["bytes_per_step"]),
+                    f"{base['bytes_per_step'] / r['bytes_per_step']:.1f}x",
+                ]
+            )
+        if not rows:
+            continue
+        any_run = next(r for (t, _), r in runs.items() if t == task)
+        metric = "held-out loss (nats/byte)" if task == "char" else "test accuracy"
+        out.append(f"**{task}**, {any_run['steps']} steps, {metric}:\n")
+        header = [
+            "family",
+            "how",
+            "method",
+            "value",
+            "uncompressed",
+            "delta",
+            "bytes/step",
+            "fewer bytes",
+        ]
+        out.append(_markdown((header, rows)))
+    return (
+        "\n\n".join(out)
+        + "\n\n"
+        + _source(path, data, "python -m benchmarks.convergence --label recipes")
+    )
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "convergence_recipes": (
+        _convergence_recipes,
+        "python -m benchmarks.convergence --label recipes",
+    ),
     "wire_bytes": (_wire_bytes, "python -m benchmarks.wire_bytes"),
     "sparse_wire_bytes": (_sparse_wire_bytes, "python -m benchmarks.topk_speed"),
     "topk_speed": (_topk_speed, "python -m benchmarks.topk_speed"),
     "codec_speed": (_codec_speed, "python -m benchmarks.codec_speed"),
     "network": (_network, "sudo python -m benchmarks.network"),
+    "time_to_accuracy": (_time_to_accuracy, "sudo python -m benchmarks.time_to_accuracy"),
     "gpu_step": (_gpu_step, "python -m benchmarks.gpu_step"),
     "powersgd_convergence": (_powersgd, "python -m benchmarks.powersgd_convergence"),
     "powersgd_convergence_sgd": (_powersgd, "python -m benchmarks.powersgd_convergence"),

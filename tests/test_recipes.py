@@ -287,8 +287,19 @@ def test_accordion_errors_name_the_argument():
     [
         ("sgd-sign", jc.sgd, {"codec": jc.sign(), "momentum": 0.9}),
         ("onebit", jc.onebit_adam, {"freeze_step": 2, "min_size": 1}),
+        (
+            "zero_one",
+            jc.zero_one_adam,
+            {
+                "codec": jc.identity(),
+                "error_feedback": None,
+                "var_freeze_step": 3,
+                "var_update_scaler": 1,
+                "local_step_scaler": 1,
+            },
+        ),
     ],
-    ids=["sgd", "onebit_adam"],
+    ids=["sgd", "onebit_adam", "zero_one_adam"],
 )
 def test_recipes_compose_with_inject_hyperparams(name, factory, kwargs):
     """The learning rate (and momentum, betas, freeze step) become hyperparameters in the

@@ -596,6 +596,11 @@ def test_pmap_matches_shard_map(row, init):
         if same_shapes(outside, state):  # nothing depends on where it was built: same state
             assert_trees_equal(outside, state)
             return
+        if row.id not in OUTSIDE_STATE_RUNS:
+            # A state built outside the mesh differs only in the server residual's room
+            # (the whole vector, each device reading its chunk): the same code for every
+            # exchange, run on one row per transform (a second pmap compile each).
+            pytest.skip(f"server residual built outside the mesh: run on {OUTSIDE_STATE_RUNS}")
         state = outside
     for t in range(STEPS):
         out, _, state = pmap_step(row.id)(grads(t), state, replicated)
@@ -613,6 +618,11 @@ def test_pmap_matches_shard_map(row, init):
             np.testing.assert_array_equal(mine, np.broadcast_to(mine[0], mine.shape))
             mine = mine[0]
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+# Rows whose state built outside the mesh (jc.replicate) is run under pmap, one per transform
+# that keeps a two-phase server residual.
+OUTSIDE_STATE_RUNS = ("sign-two_phase", "topk-two_phase", "dgc-two_phase", "onebit_adam")
 
 
 @functools.cache

@@ -309,7 +309,13 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
             0.0
             if make is None
             else char_transformer.train(
-                make, 1, optimizer="adam", seed=seed, return_details=True, report_bytes=True
+                make,
+                1,
+                optimizer="adam",
+                schedule="constant",
+                seed=seed,
+                return_details=True,
+                report_bytes=True,
             )["bytes_per_device"]
         )
     for t in range(steps if regimes else 0):

@@ -76,6 +76,28 @@ def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_stat
     return mean, exchange_state
 
 
+def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
+    """The ``compressed_allreduce`` that carries a 1-bit Adam momentum (residual feedback,
+    ``jc.sign()`` by default), the axes of its float32 rounds and their bucket size."""
+    options = {"error_feedback": "residual", **exchange_options(exchange)}
+    if "worker_momentum" in options:
+        raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
+    inner = compressed_allreduce(sign() if codec is None else codec, axis_name, **options)
+    every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
+    return inner, every_axis, options.get("bucket_bytes", 2**25)
+
+
+def adam_round(grads: Any, mu: Any, nu: Any, b1, b2, every_axis: Any, bucket_bytes: int):
+    """One uncompressed Adam round: the float32 mean gradient (bucketed ``pmean``) moves the
+    momentum and the variance. Returns ``(mu, nu, non-finite flag)``."""
+    leaves, treedef = jax.tree.flatten(as_float32(grads))
+    means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
+    g = jax.tree.unflatten(treedef, means)
+    mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, mu, g)
+    nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, nu, g)
+    return mu, nu, collectives.local_nonfinite(held)
+
+
 def zeros_f32(tree: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 
@@ -97,17 +119,12 @@ def scale_by_onebit_adam(
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`onebit_adam` (before the learning rate); see there."""
-    codec = sign() if codec is None else codec
     freeze_step = check_number("freeze_step", freeze_step, 1, float("inf"), integer=True)
     b1 = check_number("b1", b1, 0.0, 1.0)
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, float("inf"))
-    options = {"error_feedback": "residual", **exchange_options(exchange)}
-    if "worker_momentum" in options:
-        raise TypeError("jc.onebit_adam keeps its own momentum: drop `worker_momentum`")
-    inner = compressed_allreduce(codec, axis_name, **options)
-    every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
-    bucket_bytes = options.get("bucket_bytes", 2**25)
+    inner, every_axis, bucket_bytes = momentum_exchange("onebit_adam", codec, axis_name, exchange)
+    inner_axis = exchange_options(exchange).get("inner_axis_name")
 
     def init_fn(params):
         zeros = zeros_f32(params)
@@ -117,12 +134,8 @@ def scale_by_onebit_adam(
 
     def warmup(grads, state, params):
         """Adam on the float32 mean gradient (uncompressed), variance still learning."""
-        leaves, treedef = jax.tree.flatten(as_float32(grads))
-        means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
-        g = jax.tree.unflatten(treedef, means)
-        mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
-        nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, state.nu, g)
-        return mu, nu, state.exchange, collectives.local_nonfinite(held)
+        mu, nu, bad = adam_round(grads, state.mu, state.nu, b1, b2, every_axis, bucket_bytes)
+        return mu, nu, state.exchange, bad
 
     def compressed(grads, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
@@ -139,7 +152,7 @@ def scale_by_onebit_adam(
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        skeleton.begin("onebit_adam", updates, params, axis_name, options.get("inner_axis_name"))
+        skeleton.begin("onebit_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
         mu, nu, exchange_state, bad = jax.lax.cond(

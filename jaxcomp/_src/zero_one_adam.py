@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs import sign
 from jaxcomp._src.codecs.base import Codec
-from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
     adam_direction,
+    adam_round,
     as_float32,
     check_number,
+    momentum_exchange,
     preconditioned_mean,
     zeros_f32,
 )
@@ -78,7 +79,6 @@ def scale_by_zero_one_adam(
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`zero_one_adam` (before the learning rate); see there."""
-    codec = sign() if codec is None else codec
     inf = float("inf")
     freeze = check_number("var_freeze_step", var_freeze_step, 1, inf, integer=True)
     var_scaler = check_number("var_update_scaler", var_update_scaler, 1, inf, integer=True)
@@ -87,12 +87,8 @@ def scale_by_zero_one_adam(
     b1 = check_number("b1", b1, 0.0, 1.0)
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, inf)
-    options = {"error_feedback": "residual", **exchange_options(exchange)}
-    if "worker_momentum" in options:
-        raise TypeError("jc.zero_one_adam keeps its own momentum: drop `worker_momentum`")
-    inner = compressed_allreduce(codec, axis_name, **options)
-    every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
-    bucket_bytes = options.get("bucket_bytes", 2**25)
+    inner, every_axis, bucket_bytes = momentum_exchange("zero_one_adam", codec, axis_name, exchange)
+    inner_axis = exchange_options(exchange).get("inner_axis_name")
 
     def init_fn(params):
         zeros = zeros_f32(params)
@@ -107,19 +103,8 @@ def scale_by_zero_one_adam(
 
     def full(grads, state, params):
         """Adam on the float32 mean gradient: momentum and variance both move."""
-        leaves, treedef = jax.tree.flatten(as_float32(grads))
-        means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
-        g = jax.tree.unflatten(treedef, means)
-        mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, g)
-        nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, state.nu, g)
-        return (
-            mu,
-            nu,
-            state.pending,
-            state.exchange,
-            state.variance_updates + 1,
-            collectives.local_nonfinite(held),
-        )
+        mu, nu, bad = adam_round(grads, state.mu, state.nu, b1, b2, every_axis, bucket_bytes)
+        return mu, nu, state.pending, state.exchange, state.variance_updates + 1, bad
 
     def compressed(grads, state, params):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""
@@ -160,7 +145,7 @@ def scale_by_zero_one_adam(
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        skeleton.begin("zero_one_adam", updates, params, axis_name, options.get("inner_axis_name"))
+        skeleton.begin("zero_one_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
         kind = round_kind(state.count, freeze, var_scaler, local_scaler, clip)

@@ -128,7 +128,7 @@ def scale_by_zero_one_adam(
         return mu, state.nu, pending, exchange_state, state.variance_updates, bad
 
     def skipped(grads, state, params):
-        """No communication: the synchronized momentum decays and moves the params on every
+        """No gradient on the wire: the synchronized momentum decays and moves the params on every
         device alike; each device keeps ``(1 - b1) g_i`` for its next exchange."""
         grads = as_float32(grads)
         mu = jax.tree.map(lambda m: b1 * m, state.mu)

@@ -12,6 +12,7 @@ Every benchmark imports it as ``from benchmarks import common`` and is run as
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import platform
@@ -183,6 +184,34 @@ def mlp_train_step(codec: Any, params: Any, mesh: Any, axis: str, lr: float = 1e
         step, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)), out_specs=(P(), specs)
     )
     return jax.jit(fn), state
+
+
+def classifier_mlp(sizes: tuple[int, ...]) -> tuple[Callable, Callable, Callable]:
+    """A ReLU MLP classifier of layer ``sizes``: ``(init(key) -> params, logits(params, x),
+    loss(params, x, y))``, He-initialized weights ``w{i}``, zero biases ``b{i}``, mean
+    softmax cross-entropy (the model of the convergence, gossip and time-to-accuracy runs)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def init(key):
+        p = {}
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            key, sub = jax.random.split(key)
+            p[f"w{i}"] = jax.random.normal(sub, (a, b)) * math.sqrt(2.0 / a)
+            p[f"b{i}"] = jnp.zeros((b,))
+        return p
+
+    def logits(p, x):
+        for i in range(len(sizes) - 1):
+            x = x @ p[f"w{i}"] + p[f"b{i}"]
+            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
+        return x
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
+
+    return init, logits, loss
 
 
 def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 1, pipeline: int = 1) -> float:

@@ -186,22 +186,7 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
     sizes = (xtr.shape[1], 256, 10) if task == "digits" else (xtr.shape[1], 256, 256, 10)
 
-    def init(key):
-        p = {}
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            key, sub = jax.random.split(key)
-            p[f"w{i}"] = jax.random.normal(sub, (a, b)) * math.sqrt(2.0 / a)
-            p[f"b{i}"] = jnp.zeros((b,))
-        return p
-
-    def logits_fn(p, x):
-        for i in range(len(sizes) - 1):
-            x = x @ p[f"w{i}"] + p[f"b{i}"]
-            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
-        return x
-
-    def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y).mean()
+    init, logits_fn, loss_fn = common.classifier_mlp(sizes)
 
     if method in RECIPES:
         factory, tx = RECIPES[method], RECIPES[method](AXIS, recipe_lr(method, task))

@@ -278,22 +278,7 @@ def mlp_task(task, jax, jnp, np, optax, replicated) -> dict:
     (xtr, ytr), (xte, yte) = common.load_digits_split(0)
     sizes = SIZES[task]
 
-    def init_fn(key):
-        p = {}
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            key, sub = jax.random.split(key)
-            p[f"w{i}"] = jax.random.normal(sub, (a, b)) * math.sqrt(2.0 / a)
-            p[f"b{i}"] = jnp.zeros((b,))
-        return p
-
-    def logits_fn(p, x):
-        for i in range(len(sizes) - 1):
-            x = x @ p[f"w{i}"] + p[f"b{i}"]
-            x = jax.nn.relu(x) if i < len(sizes) - 2 else x
-        return x
-
-    def loss_fn(p, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, x), y).mean()
+    init_fn, logits_fn, loss_fn = common.classifier_mlp(sizes)
 
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(logits_fn(p, xte), -1) == yte))
 

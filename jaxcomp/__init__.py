@@ -35,6 +35,7 @@ from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compress
 from jaxcomp._src.delayed import DelayedState, delayed
 from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.diloco import DiLoCoState, diloco
+from jaxcomp._src.finite import apply_if_finite
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
@@ -48,6 +49,7 @@ from jaxcomp._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 __version__ = "0.1.0"
 
 __all__ = [
+    "apply_if_finite",
     "Accordion",
     "AccordionState",
     "accordion",

@@ -385,6 +385,20 @@ CHECKS = [
     ("gossip_bytes", "topology", lambda: jc.gossip_bytes({}, 8, topology="star"), ValueError),
     ("topology", "name", lambda: jc.topology("star", 8), ValueError),
     ("topology", "n", lambda: jc.topology("ring", 0), ValueError),
+    ("apply_if_finite", "inner", lambda: jc.apply_if_finite(S, "d", 3), TypeError),
+    ("apply_if_finite", "axis_name", lambda: jc.apply_if_finite(SGD, None, 3), ValueError),
+    (
+        "apply_if_finite",
+        "max_consecutive_errors",
+        lambda: jc.apply_if_finite(SGD, "d", -1),
+        ValueError,
+    ),
+    (
+        "apply_if_finite",
+        "max_consecutive_errors",
+        lambda: jc.apply_if_finite(SGD, "d", 1.5),
+        TypeError,
+    ),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
@@ -394,6 +408,18 @@ CHECKS = [
 def _gossip_update(x, axis_name, params):
     tx = jc.gossip(SGD, axis_name)
     return tx.update(x, tx.init(x), params)[0]
+
+
+def _finite_update(x, axis_name):
+    """jc.apply_if_finite's update (optax.apply_if_finite's around a jaxcomp transform when
+    ``axis_name`` is None)."""
+    inner = jc.compressed_allreduce(S, "data", min_size=16)
+    tx = (
+        optax.apply_if_finite(inner, 3)
+        if axis_name is None
+        else jc.apply_if_finite(SGD, axis_name, 3)
+    )
+    return tx.update(x, tx.init(x), x)[0]
 
 
 # Checks at trace time, inside shard_map over axis "data" (8 devices): pmean/psum arguments.
@@ -415,6 +441,13 @@ TRACE_CHECKS = [
         ValueError,
     ),
     ("psum", "axis_name", lambda x: jc.psum(x, "model", S), ValueError),
+    ("apply_if_finite (update)", "axis_name", lambda x: _finite_update(x, "model"), ValueError),
+    (
+        "optax.apply_if_finite around a jaxcomp transform (update)",
+        "inner",
+        lambda x: _finite_update(x, None),
+        ValueError,
+    ),
     ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
     ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
     (

@@ -112,11 +112,11 @@ def test_inject_hyperparams_traced_shape_arg_is_a_clear_error():
 # contract suite (tests/test_contract.py) checks that for every transform.
 
 
-def test_apply_if_finite_around_the_whole_chain_is_rejected_by_shard_map():
-    # Its reject branch returns the raw per-device gradients, which are not the replicated
-    # mean: shard_map's vma check refuses it. Wrap the optimizer after jaxcomp instead.
+def test_apply_if_finite_around_the_whole_chain_is_refused_with_the_fix():
+    # Its lax.cond is decided per device: a device with a NaN would skip the exchange while
+    # the others wait in it. Refused at trace time, naming jc.apply_if_finite.
     tx = optax.apply_if_finite(optax.chain(compress(), optax.sgd(0.1)), 3)
-    with pytest.raises(TypeError, match="cond branches"):
+    with pytest.raises(ValueError, match=r"jc\.apply_if_finite"):
         run(tx, steps=1)
 
 

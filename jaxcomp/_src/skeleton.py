@@ -24,12 +24,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import collectives, server
+from jaxcomp._src import collectives, finite, server
 from jaxcomp._src import layout as layouts
 
 
 def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name: Any = None) -> int:
     """Trace-time checks every update does first; returns the size of ``axis_name``."""
+    finite.refuse_optax_skip(name)
     layouts.check_like_params(updates, params, name)
     n = collectives.axis_size(axis_name)
     collectives.check_inner_axis(axis_name, inner_axis_name)

@@ -1,0 +1,176 @@
+"""A non-finite step is skipped on every device at once (``jc.apply_if_finite``), never hangs.
+
+A NaN (or inf) in ONE device's gradient at one step, under ``jax.shard_map`` and ``jax.pmap``:
+with ``jc.apply_if_finite`` the run goes on and ends bit-identical (max |difference| 0) to a
+run that never saw that step, state included. ``optax.apply_if_finite`` around a jaxcomp
+transform (whose per-device ``lax.cond`` would leave the other devices waiting in the
+exchange) is refused at trace time with the fix named. Each step is compiled once and reused
+by both runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import N, mesh, per_device, shard
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+PARAMS = {"w": jnp.full((16, 64), 0.1), "b": jnp.zeros((64,))}
+BAD_DEVICE, BAD_STEP, STEPS = 5, 2, 4
+
+
+def sgd():
+    return jc.sgd(0.1, jc.int_quant(8), "data", min_size=64)
+
+
+def grads(t, bad=None):
+    key = jax.random.PRNGKey(100 + t)
+    g = {
+        "w": jax.random.normal(key, (N, 16, 64)) + 0.2,
+        "b": jax.random.normal(jax.random.fold_in(key, 1), (N, 64)),
+    }
+    if bad is not None:
+        g["w"] = g["w"].at[BAD_DEVICE, 3, 7].set(bad)
+    return g
+
+
+def run(step, params, state, skip_bad_step, bad=jnp.nan):
+    """``STEPS`` steps; step ``BAD_STEP`` poisoned on one device, or left out entirely."""
+    for t in range(STEPS):
+        if t == BAD_STEP and skip_bad_step:
+            continue
+        params, state = step(params, state, grads(t, bad if t == BAD_STEP else None))
+    return params, state
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@functools.cache
+def shard_map_step(tx_fn=sgd):
+    tx = jc.apply_if_finite(tx_fn(), "data", 3)
+    m = mesh()
+    state = jc.sharded_init(tx, PARAMS, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(params, state, g):
+        updates, state = tx.update(jax.tree.map(lambda a: a[0], g), state, params)
+        return optax.apply_updates(params, updates), state
+
+    fn = per_device(step, (P(), specs, P("data")), (P(), specs), m)
+    params = jax.tree.map(lambda a: shard(a, m, P()), PARAMS)
+    return (lambda p, s, g: fn(p, s, shard(g, m))), params, state
+
+
+def test_nan_on_one_device_is_skipped_everywhere_under_shard_map():
+    step, params, state = shard_map_step()
+    with_bad = run(step, params, state, skip_bad_step=False, bad=jnp.inf)
+    assert int(with_bad[1].total_notfinite) == 1 and int(with_bad[1].notfinite_count) == 0
+    without = run(step, params, state, skip_bad_step=True)
+    assert_trees_equal(with_bad[0], without[0])  # max |difference| 0
+    assert_trees_equal(with_bad[1].inner_state, without[1].inner_state)
+    moved = float(jnp.abs(with_bad[0]["w"] - PARAMS["w"]).max())
+    assert moved > 0.05, moved  # the other steps did train
+
+
+def test_nan_on_one_device_is_skipped_everywhere_under_pmap():
+    tx = jc.apply_if_finite(sgd(), "data", 3)
+    params = jc.replicate(PARAMS, N)
+    state = jax.pmap(tx.init, axis_name="data")(params)
+
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    fn = jax.pmap(step, axis_name="data")
+    blocking = lambda *a: jax.block_until_ready(fn(*a))  # noqa: E731
+    with_bad = run(blocking, params, state, skip_bad_step=False)
+    without = run(blocking, params, state, skip_bad_step=True)
+    assert_trees_equal(with_bad[0], without[0])
+    assert_trees_equal(with_bad[1].inner_state, without[1].inner_state)
+    assert np.asarray(with_bad[1].total_notfinite).tolist() == [1] * N
+    assert float(jnp.abs(with_bad[0]["w"] - PARAMS["w"]).max()) > 0.05  # it trained
+
+
+def test_a_run_of_bad_steps_longer_than_the_limit_lets_one_through():
+    # optax's rule: after max_consecutive_errors skipped steps the next bad one goes through
+    # (jaxcomp's exchange then gives NaN everywhere and keeps its memories).
+    step, params, state = shard_map_step()
+    for t in range(4):
+        new_params, state = step(params, state, grads(t, jnp.nan))
+        skipped = t < 3
+        assert int(state.notfinite_count) == t + 1
+        assert bool(np.isfinite(np.asarray(new_params["w"])).all()) == skipped
+        if skipped:
+            assert_trees_equal(new_params, params)
+
+
+def gossip_step():
+    tx = jc.apply_if_finite(jc.gossip(optax.sgd(0.1), "data"), "data", 3)
+    m = mesh()
+    replicas = jc.replica_params(PARAMS, m, "data")
+    state = jc.sharded_init(tx, PARAMS, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(replicas, state, g):
+        params = jc.own(replicas)
+        updates, state = tx.update(jax.tree.map(lambda a: a[0], g), state, params)
+        return jc.slot(optax.apply_updates(params, updates)), state
+
+    fn = per_device(step, (P("data"), specs, P("data")), (P("data"), specs), m)
+    return (lambda p, s, g: fn(p, s, shard(g, m))), replicas, state
+
+
+def test_gossip_skips_the_step_on_every_device():
+    step, replicas, state = gossip_step()
+    with_bad = run(step, replicas, state, skip_bad_step=False)
+    without = run(step, replicas, state, skip_bad_step=True)
+    assert_trees_equal(with_bad[0], without[0])
+    assert_trees_equal(with_bad[1].inner_state, without[1].inner_state)
+
+
+def _eval_step(tx, under):
+    """Trace (never run) one step of ``tx`` under shard_map or pmap."""
+    m = mesh()
+
+    def step(params, state, g):
+        return tx.update(g, state, params)
+
+    if under == "pmap":
+        params = jc.replicate(PARAMS, N)
+        state = jax.eval_shape(jax.pmap(tx.init, axis_name="data"), params)
+        return jax.eval_shape(jax.pmap(step, axis_name="data"), params, state, params)
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), PARAMS)
+    specs = jc.state_specs(state, "data")
+    fn = jax.shard_map(
+        lambda p, s, g: step(p, s, jax.tree.map(lambda a: a[0], g)),
+        mesh=m,
+        in_specs=(P(), specs, P("data")),
+        out_specs=(P(), specs),
+    )
+    placed = lambda tree, spec: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec)), tree
+    )
+    return jax.eval_shape(fn, placed(PARAMS, P()), state, placed(grads(0), P("data")))
+
+
+@pytest.mark.parametrize("under", ["shard_map", "pmap"])
+def test_optax_apply_if_finite_around_a_jaxcomp_transform_is_refused_with_the_fix(under):
+    for inner in (sgd(), jc.gossip(optax.sgd(0.1), "data")):
+        with pytest.raises(ValueError, match=r"jc\.apply_if_finite\(tx, axis_name"):
+            _eval_step(optax.apply_if_finite(inner, 3), under)
+    # Around the optimizer after the exchange it is fine (the exchange is outside the cond).
+    tx = optax.chain(
+        jc.compressed_allreduce(jc.int_quant(8), "data", min_size=64),
+        optax.apply_if_finite(optax.sgd(0.1), 3),
+    )
+    _eval_step(tx, under)

@@ -41,6 +41,7 @@ from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
+from jaxcomp._src.resize import resize_state, restore_target
 from jaxcomp._src.sgd import sgd
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
@@ -98,6 +99,8 @@ __all__ = [
     "psum",
     "qsgd",
     "replicate",
+    "resize_state",
+    "restore_target",
     "mean_replica",
     "own",
     "replica_params",

@@ -156,6 +156,223 @@ def test_restore_in_fresh_process_continues_bit_identically(tmp_path):
             np.testing.assert_array_equal(resumed[k], np.asarray(v), err_msg=f"{name}/{k}")
 
 
+# --------------------------------------------------------------------------- other device counts
+#
+# jc.resize_state moves a state between device counts keeping what each per-device field
+# stands for: the mean over devices of every per-device float leaf (error feedback's
+# held-back part of the mean update, EF21's h = mean_i h_i, momenta), the two-phase server
+# residual's whole-leaf values (re-cut into owned chunks), the replicated fields as they are.
+
+
+def resize_transforms():
+    import optax
+
+    import jaxcomp as jc
+
+    two_phase = {"strategy": "two_phase", "min_size": 64}
+    return {
+        "sgd_sign_two_phase": jc.sgd(0.05, jc.sign(), "data", **two_phase),
+        "ef21_int4": jc.compressed_allreduce(jc.int_quant(4), "data", error_feedback="ef21"),
+        "dgc_two_phase": jc.dgc(0.05, "data", **two_phase),
+        "powersgd": jc.powersgd(2, "data", min_size=64),
+        "onebit_adam": jc.onebit_adam(0.01, "data", freeze_step=2, min_size=64),
+        "diloco_int8": jc.diloco(optax.adam(0.01), "data", 4, codec=jc.int_quant(8), delay=1),
+    }
+
+
+RESIZE_PARAMS = {"w": (48, 64), "b": (64,), "v": (300,)}
+
+
+def _params():
+    import jax
+
+    return {k: jax.ShapeDtypeStruct(s, np.float32) for k, s in RESIZE_PARAMS.items()}
+
+
+def _filled(tx, mesh, n, seed=0):
+    """A state of ``tx`` as saved on ``n`` devices, every float leaf random (nothing zero)."""
+    import jax
+
+    import jaxcomp as jc
+
+    rng = np.random.default_rng(seed)
+    target = jc.restore_target(tx, _params(), mesh, "data", n)
+
+    def fill(a):
+        if np.issubdtype(a.dtype, np.floating):
+            x = rng.standard_normal(a.shape).astype(a.dtype)
+        else:
+            x = np.zeros(a.shape, a.dtype)
+        return jax.device_put(x, a.sharding)
+
+    return jax.tree.map(fill, target)
+
+
+def held(state, n):
+    """{path: what the leaf stands for}: per-device float leaves their mean over devices,
+    two-phase server residuals their whole-leaf values, every other leaf itself."""
+    import jax
+
+    import jaxcomp as jc
+
+    specs = jc.state_specs(state, "data")
+    out = {}
+    for (path, x), spec in zip(
+        jax.tree_util.tree_leaves_with_path(state),
+        jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)),
+        strict=True,
+    ):
+        where, x = jax.tree_util.keystr(path), np.asarray(x, np.float64)
+        if "server_residual" in where:
+            # a leaf of the params dict, or (DiLoCo's exchange) of its list of leaves
+            name = getattr(path[-1], "key", None) or sorted(RESIZE_PARAMS)[path[-1].idx]
+            size = int(np.prod(RESIZE_PARAMS[name]))
+            out[where] = x.reshape(-1)[:size]
+        elif len(spec) and spec[0] == "data" and x.dtype.kind == "f":
+            assert x.shape[0] == n, where
+            out[where] = x.mean(0)
+        else:
+            out[where] = x
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(resize_transforms()))
+def test_resize_8_to_4_to_8_keeps_what_every_field_holds(name):
+    import jax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = resize_transforms()[name]
+    mesh8, mesh4 = mesh(8), mesh(4)
+    state8 = _filled(tx, mesh8, 8)
+    before = held(state8, 8)
+    state4 = jc.resize_state(state8, tx, _params(), mesh4, "data")
+    # the layout jc.sharded_init gives on 4 devices
+    want = jc.restore_target(tx, _params(), mesh4, "data", 4)
+    specs = jc.state_specs(state4, "data")
+    jax.tree.map(lambda a, w: np.testing.assert_equal(a.shape, w.shape), state4, want)
+    jax.tree.map(lambda a, s: np.testing.assert_equal(a.sharding.spec, s), state4, specs)
+    back = jc.resize_state(state4, tx, _params(), mesh8, "data")
+    for state, n in ((state4, 4), (back, 8)):
+        after = held(state, n)
+        assert after.keys() == before.keys()
+        for k in before:  # EF mass (and every mean) conserved, to float rounding
+            np.testing.assert_allclose(after[k], before[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    if "two_phase" in name:  # the owned chunks were re-cut: 8 x 384 -> 4 x 768 -> 8 x 384
+        assert any("server_residual" in k for k in before)
+
+
+def test_resize_refuses_what_it_cannot_move():
+    import jax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    rank2, rank4 = jc.powersgd(2, "data", min_size=64), jc.powersgd(4, "data", min_size=64)
+    state = _filled(rank2, mesh(8), 8)
+    with pytest.raises(ValueError, match=r"`state` field `.*q.*` has shape \(64, 2\)"):
+        jc.resize_state(state, rank4, _params(), mesh(4), "data")
+    with pytest.raises(ValueError, match="`state` does not have the structure"):
+        jc.resize_state({"w": jax.numpy.zeros(3)}, rank2, _params(), mesh(4), "data")
+    with pytest.raises(ValueError, match="`axis_name`"):
+        jc.resize_state(state, rank2, _params(), mesh(4), ("data", "model"))
+
+
+def _trainer(mesh, tx):
+    """(params, jitted step, batch(t)) of a small regression on ``mesh``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from jaxcomp.cpu import blocking
+
+    key = jax.random.PRNGKey(0)
+    target = jax.random.normal(jax.random.fold_in(key, 99), RESIZE_PARAMS["w"])
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"] + p["b"] - x @ target) ** 2) + jnp.mean((p["v"] - 1) ** 2)
+
+    specs = jc.state_specs(jc.restore_target(tx, _params(), mesh, "data", mesh.size), "data")
+
+    def step_fn(p, s, x):
+        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    step = blocking(
+        jax.jit(
+            jax.shard_map(
+                step_fn, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
+            )
+        )
+    )
+
+    def batch(t):
+        x = jax.random.normal(jax.random.fold_in(key, 1000 + t), (32, RESIZE_PARAMS["w"][0]))
+        return jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    return step, batch, jax.jit(loss)
+
+
+def test_orbax_checkpoint_moves_8_to_4_to_8_devices_and_trains_on(tmp_path):
+    """Saved on 8 devices, restored on 4, trained, saved, restored on 8, trained: the
+    error-feedback mass is conserved at every move and the loss keeps going down."""
+    import jax
+    import orbax.checkpoint as ocp
+    from helpers import mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    tx = resize_transforms()["sgd_sign_two_phase"]
+    mesh8, mesh4 = mesh(8), mesh(4)
+    step8, batch8, loss = _trainer(mesh8, tx)
+    step4, batch4, _ = _trainer(mesh4, tx)
+    params = jax.device_put(
+        {k: np.full(s, 0.1, np.float32) for k, s in RESIZE_PARAMS.items()},
+        NamedSharding(mesh8, P()),
+    )
+    state = jc.sharded_init(tx, params, mesh8, "data")
+    x0 = np.asarray(batch8(0))  # the loss is read on the host, whatever the mesh
+
+    def host_loss(p):
+        return float(loss(jax.device_get(p), x0))
+
+    losses = [host_loss(params)]
+    with ocp.StandardCheckpointer() as ckpt:
+        for hop, (step, batch, n_from, to) in enumerate(
+            [(step8, batch8, 8, mesh4), (step4, batch4, 4, mesh8), (step8, batch8, 8, None)]
+        ):
+            for t in range(3):
+                params, state = step(params, state, batch(t))
+            losses.append(host_loss(params))
+            if to is None:
+                break
+            ckpt.save(tmp_path / str(hop), {"params": params, "opt_state": state})
+            ckpt.wait_until_finished()
+            replicated = NamedSharding(to, P())
+            target = {
+                "params": jax.tree.map(
+                    lambda a, r=replicated: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=r),
+                    params,
+                ),
+                "opt_state": jc.restore_target(tx, params, to, "data", n_from),
+            }
+            saved = ckpt.restore(tmp_path / str(hop), target)
+            moved = jc.resize_state(saved["opt_state"], tx, params, to, "data")
+            before, after = held(state, n_from), held(moved, to.size)
+            assert max(float(np.abs(before[k]).max()) for k in before if "memory" in k) > 0
+            for k in before:
+                np.testing.assert_allclose(after[k], before[k], rtol=1e-6, atol=1e-7, err_msg=k)
+            params, state = saved["params"], moved
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
 if __name__ == "__main__":
     from jaxcomp.cpu import use_cpu_devices
 

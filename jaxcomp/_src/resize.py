@@ -1,0 +1,261 @@
+"""Checkpoints across device counts: per-device state moved from ``n`` devices to ``m``.
+
+A jaxcomp state saved on ``n`` devices holds ``n`` rows in every per-device field (error
+feedback memories, worker momenta, the two-phase server residual's owned chunks). Restoring
+it on ``m`` devices with orbax's ``strict=False`` would cut or pad those rows, and with them
+what error feedback holds back. :func:`resize_state` moves each field by what it means:
+
+* Memories of a MEAN exchange (residual ``e_i``, EF21 ``h_i``, DGC's ``u_i`` and ``v_i``,
+  PowerSGD's error, worker momenta, pending pseudo-gradients, an inner optimizer's moments):
+  device ``i`` adds its row to what it sends and the exchange divides by the number of
+  devices, so what the rows stand for is their mean, ``(1/n) sum_i e_i`` (what is held back
+  of the mean update; EF21's invariant ``h = mean_i h_i``). The fold keeps that mean:
+  ``n -> m = n / k`` gives each new device the average of its ``k`` old ones; ``n -> m = k n``
+  gives each new device a copy of its old one. (Keeping the plain sum instead would scale
+  the held-back update by ``n / m``.) In general old device ``i`` goes to new device
+  ``floor(i m / n)`` (or new ``j`` takes old ``floor(j n / m)``), weighted so that
+  ``(1/m) sum_j e'_j = (1/n) sum_i e_i``.
+* The two-phase server residual (each device owns the chunk ``ceil(d / n)`` of a leaf's
+  re-encoding error, already in units of the mean): the chunks are joined into the leaf's
+  whole residual and cut again into ``m`` chunks, a copy (padding past the leaf's ``d``
+  values belongs to no parameter and is dropped).
+* Integer per-device leaves (an inner optimizer's step count): new device ``j`` takes the
+  row of the first old device folded into it.
+* Replicated fields (PowerSGD's ``Q``, EF21's estimate, keys, step counts, replicated
+  momenta, outer optimizer states) are kept as they are: they are the same on every device
+  and do not depend on the number of devices. Keys stay: each device derives its own with
+  ``fold_in(key, axis_index)``.
+
+Anything else (a per-device field whose shape depends on the device count in another way,
+a hierarchical two-axis layout) is refused with the field named.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp._src import collectives, sharding
+
+
+def _check_axis(mesh: Any, axis_name: Any) -> str:
+    if isinstance(axis_name, tuple | list):
+        raise ValueError(
+            f"`axis_name` {axis_name!r}: resize_state moves state over one data axis; a "
+            "hierarchical (two-axis) state's chunk layout depends on both axes"
+        )
+    if axis_name not in getattr(mesh, "shape", {}):
+        raise ValueError(
+            f"`axis_name` {axis_name!r} is not an axis of `mesh` (axes: {tuple(mesh.shape)})"
+        )
+    return axis_name
+
+
+def _abstract(tx: Any, params: Any, axis_name: str, n: int) -> tuple[Any, Any]:
+    """Per-device abstract state of ``tx`` on ``n`` devices and its ``state_specs``."""
+    abstract = sharding.abstract_init(
+        tx, params, types.SimpleNamespace(shape={axis_name: n}), axis_name
+    )
+    return abstract, sharding.state_specs(abstract, axis_name)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _per_device(spec: Any, axis_name: str) -> bool:
+    return isinstance(spec, P) and len(spec) > 0 and spec[0] == axis_name
+
+
+def restore_target(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    num_devices: int,
+) -> Any:
+    """The abstract state of ``tx`` as saved on ``num_devices`` devices, laid out on ``mesh``.
+
+    An orbax restore target for a checkpoint written on another number of devices: every
+    leaf a ``jax.ShapeDtypeStruct`` with the saved global shape (per-device fields
+    ``(num_devices, ...)``) and a replicated ``NamedSharding`` on ``mesh`` (every process
+    reads the whole state; :func:`resize_state` then moves it to ``mesh``).
+
+    Args:
+      tx: the optimizer the state belongs to.
+      params: the params (arrays or ``ShapeDtypeStruct``s), for the shapes.
+      mesh: the mesh to restore onto.
+      axis_name: the data axis.
+      num_devices: the size of the data axis when the checkpoint was saved.
+
+    Returns:
+      A tree like the state, of ``jax.ShapeDtypeStruct``.
+
+    Example::
+
+        target = jc.restore_target(tx, params, mesh4, "data", num_devices=8)
+        saved = ocp.StandardCheckpointer().restore(path, target)
+        state = jc.resize_state(saved, tx, params, mesh4, "data")
+    """
+    _check_axis(mesh, axis_name)
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"`num_devices` must be an int >= 1, got {num_devices!r}")
+    abstract, specs = _abstract(tx, params, axis_name, num_devices)
+    replicated = NamedSharding(mesh, P())
+
+    def saved(a, spec):
+        shape = (num_devices, *a.shape[1:]) if _per_device(spec, axis_name) else a.shape
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=replicated)
+
+    return jax.tree.map(saved, abstract, specs)
+
+
+def _fold(rows: np.ndarray, m: int) -> np.ndarray:
+    """``n`` rows to ``m``, keeping the mean over rows (integer rows: the first folded in)."""
+    n = rows.shape[0]
+    if n >= m:
+        group = np.arange(n) * m // n
+        if not np.issubdtype(rows.dtype, np.floating):
+            return rows[np.searchsorted(group, np.arange(m))]
+        out = np.zeros((m, *rows.shape[1:]), rows.dtype)
+        np.add.at(out, group, rows)
+        return (out * np.asarray(m / n, rows.dtype)).astype(rows.dtype)
+    source = np.arange(m) * n // m
+    if not np.issubdtype(rows.dtype, np.floating):
+        return rows[source]
+    copies = np.bincount(source, minlength=n)[source]
+    weight = (m / n / copies).astype(rows.dtype).reshape(-1, *([1] * (rows.ndim - 1)))
+    return rows[source] * weight
+
+
+def _rechunk(rows: np.ndarray, width: int, m: int, where: str) -> np.ndarray:
+    """A server residual's ``n`` owned chunks as ``m`` chunks of ``width``.
+
+    Device ``i`` owns values ``[i c, (i + 1) c)`` of the whole (leaf, or flat) vector, so
+    the rows joined are the whole vector and its padding; cut again, every real value stays
+    (a vector of ``d`` values fits ``n c >= d`` and ``m width >= d``), padding is dropped.
+    """
+    n, old = rows.shape
+    if n * old > collectives.MAX_SEGMENT:
+        raise ValueError(
+            f"`state` field `{where}`: cannot move a server residual of {n} x {old} values: "
+            "a vector over 2**31 - 1 values travels in several segments, chunked apart"
+        )
+    whole = rows.reshape(-1)[: m * width]
+    return np.pad(whole, (0, m * width - whole.size)).reshape(m, width)
+
+
+def _move_leaf(old: Any, saved: Any, new: Any, per_device: bool, where: str) -> np.ndarray:
+    """One leaf: as saved on ``n`` devices (``saved``: its expected global shape) to its
+    global shape ``new`` on ``m`` devices."""
+    old = np.asarray(jax.device_get(old))
+    if old.shape != tuple(saved.shape):
+        raise ValueError(
+            f"`state` field `{where}` has shape {old.shape}, but `tx` keeps "
+            f"{tuple(saved.shape)} there: is it the state of this `tx` and these params (a "
+            "server residual built outside the mesh, by tx.init, cannot be moved)?"
+        )
+    if not per_device:
+        return old
+    if old.shape[1:] == tuple(new.shape[1:]):
+        return _fold(old, new.shape[0])
+    if "server_residual" in where and old.ndim == 2:
+        return _rechunk(old, new.shape[1], new.shape[0], where)
+    raise ValueError(
+        f"`state` field `{where}`: cannot move a per-device leaf of shape {old.shape[1:]} "
+        f"on {old.shape[0]} devices and {tuple(new.shape[1:])} on {new.shape[0]}: "
+        "resize_state moves leaves shaped alike on both, and two-phase server residuals"
+    )
+
+
+def resize_state(
+    state: Any,
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+) -> Any:
+    r"""A state saved on ``n`` devices, moved to the ``m`` devices of ``mesh``'s data axis.
+
+    Per-device fields are folded so that their mean over devices, what they stand for in a
+    mean exchange, is kept (see the module docstring for every field):
+
+    .. math::
+
+        e'_j = \frac{m}{n} \sum_{i:\ \lfloor i m / n \rfloor = j} e_i \quad (n \ge m),
+        \qquad e'_j = \frac{m}{n\, c_i}\, e_{i}, \ i = \lfloor j n / m \rfloor \quad (n < m)
+
+    (``c_i``: the number of new devices that take old device ``i``), so that
+    ``(1/m) sum_j e'_j = (1/n) sum_i e_i`` (``8 -> 4``: each new device holds the average
+    of two old ones; ``4 -> 8``: each old row is copied to two devices). The two-phase
+    server residual is re-cut into ``m`` owned chunks; replicated fields (keys, counts,
+    PowerSGD's ``Q``, EF21's estimate) are kept.
+    The work runs on the host (numpy): the process must see the whole state, as
+    :func:`restore_target` lays it out.
+
+    Args:
+      state: the state with global arrays as saved (per-device fields ``(n, ...)``), e.g.
+        restored with :func:`restore_target`, or a live ``jc.sharded_init`` state.
+      tx: the optimizer the state belongs to (for the state's layout on ``m`` devices).
+      params: the params (arrays or ``ShapeDtypeStruct``s, replicated over the data axis:
+        not ``param_specs`` model shards, not replica stacks).
+      mesh: the new mesh; its ``axis_name`` has ``m`` devices.
+      axis_name: the data axis (one axis; hierarchical states are refused).
+
+    Returns:
+      The state for ``m`` devices, placed on ``mesh`` with ``jc.state_specs`` shardings:
+      ready for the ``shard_map`` step built on ``mesh``.
+
+    Raises:
+      ValueError: a field it cannot move (named), a state of another structure, a bad axis.
+
+    Example::
+
+        ckpt = ocp.StandardCheckpointer()
+        ckpt.save(path, state8)                            # on 8 devices
+        ...                                                 # later, on 4 devices:
+        saved = ckpt.restore(path, jc.restore_target(tx, params, mesh4, "data", 8))
+        state4 = jc.resize_state(saved, tx, params, mesh4, "data")
+
+    References:
+      Error feedback's invariant (what is held back is delayed, not lost): Karimireddy et
+      al., 2019, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes";
+      EF21's ``h = mean_i h_i``: Richtarik et al., 2021, "EF21".
+    """
+    _check_axis(mesh, axis_name)
+    m = mesh.shape[axis_name]
+    abstract, specs = _abstract(tx, params, axis_name, m)
+    per_device = [_per_device(s, axis_name) for s in jax.tree.leaves(specs, is_leaf=_is_spec)]
+    with_path, old_def = jax.tree_util.tree_flatten_with_path(state)
+    new_leaves, new_def = jax.tree.flatten(abstract)
+    if old_def != new_def:
+        raise ValueError(
+            "`state` does not have the structure of tx.init(params) (is it the state of "
+            f"this `tx`?): {str(old_def)[:200]} vs {str(new_def)[:200]}"
+        )
+    rows = [np.shape(x)[0] for (_, x), p in zip(with_path, per_device, strict=True) if p]
+    n = rows[0] if rows else m
+    saved = jax.tree.leaves(_abstract(tx, params, axis_name, n)[0])
+    placed = []
+    for (path, x), s, a, p, sp in zip(
+        with_path,
+        saved,
+        new_leaves,
+        per_device,
+        jax.tree.leaves(specs, is_leaf=_is_spec),
+        strict=True,
+    ):
+        where = jax.tree_util.keystr(path)
+        lead = (n, *s.shape[1:]) if p else s.shape
+        goal = (m, *a.shape[1:]) if p else a.shape
+        moved = _move_leaf(
+            x, jax.ShapeDtypeStruct(lead, s.dtype), jax.ShapeDtypeStruct(goal, a.dtype), p, where
+        )
+        placed.append(jax.device_put(moved, NamedSharding(mesh, sp)))
+    return jax.tree.unflatten(new_def, placed)

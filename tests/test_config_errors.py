@@ -33,6 +33,12 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
 SGD = optax.sgd(0.1)
 
+
+def _resize(state, axis_name):
+    tx = jc.compressed_allreduce(S, "data")
+    return jc.resize_state(state, tx, {"w": np.zeros((64, 48), np.float32)}, mesh(4), axis_name)
+
+
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
     ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
@@ -398,6 +404,14 @@ CHECKS = [
         "max_consecutive_errors",
         lambda: jc.apply_if_finite(SGD, "d", 1.5),
         TypeError,
+    ),
+    ("resize_state", "axis_name", lambda: _resize({}, "model"), ValueError),
+    ("resize_state", "state", lambda: _resize({"w": np.zeros(3)}, "data"), ValueError),
+    (
+        "restore_target",
+        "num_devices",
+        lambda: jc.restore_target(SGD, {"w": np.zeros(3)}, mesh(), "data", 0),
+        ValueError,
     ),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),

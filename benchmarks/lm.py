@@ -1,0 +1,647 @@
+"""Language models over slow links: a GPT-style decoder trained with every recipe of jaxcomp
+against AdamW data parallel, the same tokens for every run.
+
+The model is the pre-norm decoder of ``benchmarks/char_transformer.py`` (Flax NNX: causal
+self-attention, a 4x GELU MLP, learned positions, bytes as the 256-token vocabulary). The text
+ships offline: ``--data pydoc`` (default) is the English help() pages of CPython
+(``pydoc_data.topics``, ~0.47 MB), ``--data PATH`` any UTF-8 text file (a held-out check on
+other data); ``--d-model``, ``--layers``, ``--heads``, ``--context`` size another model.
+The last 10% of the text is held out. Every run starts from the same initialization and draws
+the same batches, so every recipe sees the same tokens in the same number of steps.
+
+Configs: ``--config cpu`` (the default and the reference of the docs: 2 layers, d_model 128,
+context 64, 2 sequences per device, 300 steps; 2-10 minutes per recipe on 8 CPU devices of a
+loaded 2-core machine), ``--quick`` (a smoke run: the cpu config for 40 steps and three
+recipes, a few minutes) and ``--config gpu`` (6 layers, d_model 512, context 256, 16
+sequences per device, 3000 steps; sized for 8 accelerators).
+
+Baseline: ``adamw`` (``optax.adamw``, 5% warm-up then cosine to 10%, weight decay 0.1, the
+gradients averaged by ``pmean`` every step). Every recipe (the registry :data:`RECIPES`, to
+which other modules add rows) is either data parallel (params replicated, the transform
+returns the mean) or per replica (``jc.local_sgd``, ``jc.diloco``: params per replica,
+``M`` replicas of ``n / M`` devices each on a replica x data mesh, the gradient averaged
+inside a replica by ``pmean`` every step). Replica runs are evaluated on the mean replica
+(after a sync it is every replica); ``nocomm`` (every device alone) on device 0's model.
+
+Bytes per step: ring-model bytes per device of the step's collectives (read from the lowered
+program, as ``jc.comm_report``'s ``logical``), averaged over the run: a step whose program
+holds a ``lax.cond`` between exchanges is costed by the branch each step takes (1-bit / 0/1
+Adam: the bytes of that round's exchange; periodic recipes: the step lowered at each distinct
+sync pattern, ``at_count``), weighted by how often it runs. ``slow_bytes_per_step`` counts
+only the collectives across replicas (a replica's inner ``pmean`` runs on its fast link).
+
+Writes ``benchmarks/results/lm.json`` (``lm_quick.json`` with ``--quick``; ``--tag T``
+gives ``lm_T[_quick].json``), after every recipe (a bounded run keeps what finished; ``--resume``
+goes on from it), and ``lm[_quick|_T].png`` (the loss curves)::
+
+    python -m benchmarks.lm                                  # every recipe, cpu config
+    python -m benchmarks.lm --recipes adamw diloco-int4-H30  # some (--resume: add to lm.json)
+    python -m benchmarks.lm --quick                          # smoke run, a few minutes
+    python -m benchmarks.lm --config gpu                     # 8 accelerators
+    python -m benchmarks.lm --data other.txt --d-model 96 --tag heldout
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import common
+
+AXIS = "data"  # the data axis (inside a replica for replica recipes)
+REPLICA = "replica"  # the replica axis of per-replica recipes (the slow link)
+WEIGHT_DECAY = 0.1
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "cpu": dict(d_model=128, layers=2, heads=4, context=64, batch_per_device=2, steps=300, lr=3e-3),
+    "gpu": dict(
+        d_model=512, layers=6, heads=8, context=256, batch_per_device=16, steps=3000, lr=1e-3
+    ),
+}
+QUICK_STEPS, QUICK_RECIPES = 40, ["adamw", "int8-adamw", "diloco-int4-H10"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What every recipe of one benchmark run shares (sizes, steps, the learning rate)."""
+
+    steps: int
+    lr: float
+    devices: int
+
+    def schedule(self, peak: float | None = None) -> Any:
+        """5% linear warm-up, cosine decay to 10% of ``peak`` (default ``lr``) at ``steps``."""
+        import optax
+
+        peak = self.lr if peak is None else peak
+        return optax.warmup_cosine_decay_schedule(
+            0.0, peak, max(1, self.steps // 20), self.steps, end_value=0.1 * peak
+        )
+
+    def adamw(self, peak: float | None = None) -> Any:
+        import optax
+
+        return optax.adamw(self.schedule(peak), weight_decay=WEIGHT_DECAY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One row of the benchmark.
+
+    Attributes:
+      make: ``make(run, axis_name) -> optax transform``. Data parallel: the whole optimizer,
+        fed each device's gradient (it averages; ``averages=False``: fed the ``pmean``).
+        Per replica: fed the replica's mean gradient, params per replica.
+      kind: ``"dp"`` (params replicated) or ``"replica"`` (params per replica).
+      averages: (``dp``) whether the transform itself averages over the axis.
+      replicas: (``replica``) ``M``, replicas of ``n / M`` devices (None: one per device).
+      schedule: (``replica``) the sync schedule (``sync_every``, ``fragments``, ``delay``,
+        ``start_step``) of a transform built on ``jaxcomp._src.periodic``: its bytes are read
+        per sync pattern.
+      regimes: (``dp``) ``{name: make(run, axis) -> the exchange of that round}`` for a step
+        that switches between exchanges in a ``lax.cond``; ``regime(run, t)`` names the round
+        step ``t`` takes. None: the compiled step's bytes.
+      evaluate: ``"mean"`` (the mean replica) or ``"first"`` (device 0's own model).
+      note: what the row shows.
+    """
+
+    make: Callable[[Run, Any], Any]
+    kind: str = "dp"
+    averages: bool = True
+    replicas: int | None = None
+    schedule: dict[str, int] | None = None
+    regimes: dict[str, Callable[[Run, Any], Any] | None] | None = None
+    regime: Callable[[Run, int], str] | None = None
+    evaluate: str = "mean"
+    note: str = ""
+
+
+def _mean_exchange(run: Run, axis: Any) -> Any:
+    import jaxcomp as jc
+
+    return jc.compressed_allreduce(jc.identity(), axis, error_feedback=None)
+
+
+def _sign_exchange(run: Run, axis: Any) -> Any:
+    import jaxcomp as jc
+
+    return jc.compressed_allreduce(jc.sign(), axis)
+
+
+def onebit_freeze(run: Run) -> int:
+    return max(1, run.steps // 6)
+
+
+ZERO_ONE = {"var_update_scaler": 8, "local_step_scaler": 100, "local_step_clipper": 16}
+
+
+def zero_one_freeze(run: Run) -> int:
+    return max(1, run.steps // 3)
+
+
+def _zero_one_regime(run: Run, t: int) -> str:
+    from jaxcomp._src.zero_one_adam import round_kind
+
+    gaps = (ZERO_ONE["var_update_scaler"], ZERO_ONE["local_step_scaler"])
+    kind = int(round_kind(t, zero_one_freeze(run), *gaps, ZERO_ONE["local_step_clipper"]))
+    return ("full", "compressed", "skipped")[kind]
+
+
+def _chain(codec_factory: Callable[[], Any]) -> Callable[[Run, Any], Any]:
+    def make(run: Run, axis: Any) -> Any:
+        import optax
+
+        import jaxcomp as jc
+
+        return optax.chain(jc.compressed_allreduce(codec_factory(), axis), run.adamw())
+
+    return make
+
+
+def _powersgd(rank: int, **kw: Any) -> Callable[[Run, Any], Any]:
+    def make(run: Run, axis: Any) -> Any:
+        import optax
+
+        import jaxcomp as jc
+
+        return optax.chain(jc.powersgd(rank, axis, **kw), run.adamw())
+
+    return make
+
+
+def _diloco(
+    sync_every: int, codec: str | None = "int4", outer: tuple[float, float] | None = None, **kw
+) -> Callable[[Run, Any], Any]:
+    """``jc.diloco`` of AdamW; ``outer=(lr, momentum)``: Nesterov SGD (None: the defaults)."""
+
+    def make(run: Run, axis: Any) -> Any:
+        import optax
+
+        import jaxcomp as jc
+
+        c = None if codec is None else common.make_codec(codec)
+        o = None
+        if outer is not None:
+            lr, momentum = outer
+            o = optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
+        return jc.diloco(run.adamw(), axis, sync_every, codec=c, outer=o, **kw)
+
+    return make
+
+
+def _dl(h: int, outer: tuple[float, float] | None = None, m: int | None = None, **kw) -> Recipe:
+    return Recipe(
+        _diloco(h, outer=outer, **kw), kind="replica", replicas=m, schedule={"sync_every": h}
+    )
+
+
+def _local(sync_every: int) -> Callable[[Run, Any], Any]:
+    def make(run: Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.local_sgd(run.adamw(), axis, sync_every)
+
+    return make
+
+
+def _q(name: str) -> Callable[[], Any]:
+    return lambda: common.make_codec(name)
+
+
+def _onebit(run: Run, axis: Any) -> Any:
+    import jaxcomp as jc
+
+    return jc.onebit_adam(
+        run.schedule(), axis, freeze_step=onebit_freeze(run), weight_decay=WEIGHT_DECAY
+    )
+
+
+def _zero_one(run: Run, axis: Any) -> Any:
+    import jaxcomp as jc
+
+    return jc.zero_one_adam(
+        run.schedule(),
+        axis,
+        var_freeze_step=zero_one_freeze(run),
+        weight_decay=WEIGHT_DECAY,
+        **ZERO_ONE,
+    )
+
+
+RECIPES: dict[str, Recipe] = {
+    "adamw": Recipe(lambda run, axis: run.adamw(), averages=False, note="baseline: pmean"),
+    "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
+    "onebit_adam": Recipe(
+        _onebit,
+        regimes={"warmup": _mean_exchange, "compressed": _sign_exchange},
+        regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
+    ),
+    "zero_one_adam": Recipe(
+        _zero_one,
+        regimes={"full": _mean_exchange, "compressed": _sign_exchange, "skipped": None},
+        regime=_zero_one_regime,
+    ),
+    "powersgd4-adamw": Recipe(_powersgd(4)),
+    "powersgd16-adamw": Recipe(_powersgd(16)),
+    "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
+    "topk1%-adamw": Recipe(_chain(_q("topk1%")), note="known bad: top-k before Adam"),
+    "nocomm": Recipe(
+        _local(10**9), kind="replica", schedule={"sync_every": 10**9}, evaluate="first"
+    ),
+    "local-H10": Recipe(_local(10), kind="replica", schedule={"sync_every": 10}),
+    "diloco-int4-H10": _dl(10),
+    "diloco-int4-H30": _dl(30),
+    "local-H10-M2": Recipe(_local(10), kind="replica", replicas=2, schedule={"sync_every": 10}),
+    "diloco-int4-H30-M2": _dl(30, m=2),
+    # The outer step, (lr, Nesterov momentum): the paper's 0.7 / 0.9 and the sweep.
+    "diloco-int4-H30-outer0.7-0.9": _dl(30, (0.7, 0.9)),
+    "diloco-int4-H10-outer0.7-0.9": _dl(10, (0.7, 0.9)),
+    "diloco-int4-H30-outer1.0-0": _dl(30, (1.0, 0.0)),
+    "diloco-int4-H30-outer0.7-0.6": _dl(30, (0.7, 0.6)),
+    "diloco-int4-H30-outer1.0-0.5": _dl(30, (1.0, 0.5)),
+    "diloco-int4-H30-outer1.5-0": _dl(30, (1.5, 0.0)),
+}
+
+
+# --------------------------------------------------------------------------- data and model
+
+
+def load_text(data: str = "pydoc") -> Any:
+    """The text as one uint8 array: ``"pydoc"`` (CPython's help() pages) or a file's bytes."""
+    import numpy as np
+
+    if data == "pydoc":
+        from benchmarks import char_transformer
+
+        return char_transformer.load_text()
+    path = pathlib.Path(data)
+    if not path.is_file():
+        raise ValueError(f"`--data` must be 'pydoc' or a text file, got {data!r}")
+    return np.frombuffer(path.read_bytes(), np.uint8)
+
+
+class Task:
+    """The text split, the model (params and loss) and the batches every recipe shares."""
+
+    def __init__(self, args: argparse.Namespace, devices: int):
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        from benchmarks import char_transformer as ct
+
+        text = load_text(args.data)
+        cut = int(0.9 * len(text))
+        self.train_text, self.eval_text = text[:cut], text[cut:]
+        self.context, self.per_device, self.n = args.context, args.batch_per_device, devices
+        self.seed = args.seed
+
+        def make_model():
+            return ct.CharTransformer(
+                context=args.context,
+                d=args.d_model,
+                layers=args.layers,
+                heads=args.heads,
+                rngs=nnx.Rngs(args.seed),
+            )
+
+        self.graphdef = nnx.graphdef(nnx.eval_shape(make_model))
+        self.params = jax.device_get(jax.jit(lambda: nnx.state(make_model()))())
+        self.eval_tokens = self.sample(np.random.default_rng(12345), self.eval_text, 256)
+        self._eval = jax.jit(self.loss)
+        self.reset()
+
+    def reset(self) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(self.seed)
+
+    def sample(self, rng, source, size):
+        import numpy as np
+
+        starts = rng.integers(0, len(source) - self.context - 1, size)
+        return np.stack([source[s : s + self.context + 1] for s in starts]).astype(np.int32)
+
+    def batch(self):
+        """The next global batch (every recipe draws the same sequence of batches)."""
+        return self.sample(self.rng, self.train_text, self.n * self.per_device)
+
+    def loss(self, p, tokens):
+        import optax
+        from flax import nnx
+
+        logits = nnx.merge(self.graphdef, p)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def eval_loss(self, p) -> float:
+        import jax.numpy as jnp
+
+        return float(self._eval(p, jnp.asarray(self.eval_tokens)))
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def build(task: Task, recipe: Recipe, run: Run, fixed: int | None = None):
+    """``(step, params, state, put)``: the jitted ``shard_map`` step of ``recipe``; with
+    ``fixed`` the periodic state's step count is that constant (one sync pattern compiled)."""
+    import jax
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from jaxcomp._src.periodic import at_count
+
+    n = task.n
+    if recipe.kind == "dp":
+        mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
+        tx = recipe.make(run, AXIS)
+        state = jc.sharded_init(tx, task.params, mesh, AXIS)
+        specs = jc.state_specs(state, AXIS)
+        params = jax.device_put(task.params, NamedSharding(mesh, P()))
+
+        def step(p, s, tokens):
+            loss, g = jax.value_and_grad(task.loss)(jax.lax.pcast(p, AXIS, to="varying"), tokens)
+            if not recipe.averages:
+                g = jax.lax.pmean(g, AXIS)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, jax.lax.pmean(loss, AXIS)
+
+        pspec, batch_spec = P(), P(AXIS)
+    else:
+        m = recipe.replicas or n
+        if n % m:
+            raise ValueError(f"{m} replicas do not divide {n} devices")
+        mesh = jax.make_mesh((m, n // m), (REPLICA, AXIS), axis_types=(AxisType.Explicit,) * 2)
+        tx = recipe.make(run, REPLICA)
+        state = jc.sharded_init(tx, task.params, mesh, REPLICA)
+        specs = jc.state_specs(state, REPLICA)
+        params = jc.replica_params(task.params, mesh, REPLICA)
+
+        def step(r, s, tokens):
+            if fixed is not None:
+                s = at_count(s, fixed)
+            # Varying over the data axis too: no implicit all-reduce by grad.
+            p = jc.own(r)
+            local = jax.lax.pcast(p, AXIS, to="varying")
+            loss, g = jax.value_and_grad(task.loss)(local, tokens)
+            g = jax.lax.pmean(g, AXIS)  # plain data parallel inside the replica
+            u, s = tx.update(g, s, p)
+            return jc.slot(optax.apply_updates(p, u)), s, jax.lax.pmean(loss, (REPLICA, AXIS))
+
+        pspec, batch_spec = P(REPLICA), P((REPLICA, AXIS))
+    fn = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(pspec, specs, batch_spec), out_specs=(pspec, specs, P())
+        ),
+        donate_argnums=(0, 1),
+    )
+    sharding = NamedSharding(mesh, batch_spec)
+    return fn, params, state, lambda b: jax.device_put(b, sharding)
+
+
+def lowered(fn, *args) -> list:
+    """The collectives of ``fn``'s lowered program, ring-model bytes per device (as
+    ``jc.comm_report``'s ``logical``), read without compiling it."""
+    import jax
+
+    from jaxcomp._src.accounting import parse_stablehlo_collectives
+
+    return parse_stablehlo_collectives(fn.lower(*args).as_text(), jax.device_count())
+
+
+def step_bytes(task: Task, recipe: Recipe, run: Run, fn, params, state, sample) -> dict:
+    """Bytes per step averaged over the run (see the module docstring)."""
+    import optax
+
+    from jaxcomp._src.periodic import schedule as exchanges
+
+    if recipe.kind == "replica":
+        inner = task.n // (recipe.replicas or task.n)
+        patterns: dict[tuple, int] = {}
+        for c in range(run.steps):
+            key = exchanges(c, **{"sync_every": 1, **(recipe.schedule or {})})
+            patterns[key] = patterns.get(key, 0) + 1
+        total = slow = 0.0
+        by_pattern = {}
+        for key, count in patterns.items():
+            c0 = next(c for c in range(run.steps) if exchanges(c, **recipe.schedule) == key)
+            f, p, s, _ = build(task, recipe, run, fixed=c0)
+            ops = lowered(f, p, s, sample)
+            every = sum(c.bytes_per_device for c in ops)
+            # Collectives inside one replica (group of `inner` devices) run on its fast link.
+            across = sum(c.bytes_per_device for c in ops if inner == 1 or c.group_size != inner)
+            by_pattern[str(key)] = {"bytes": every, "slow": across}
+            total += every * count
+            slow += across * count
+        return {
+            "bytes_per_step": total / run.steps,
+            "slow_bytes_per_step": slow / run.steps,
+            "bytes_by_pattern": by_pattern,
+        }
+    if recipe.regimes:
+        regime_bytes = {}
+        for name, make in recipe.regimes.items():
+            if make is None:
+                regime_bytes[name] = 0.0
+                continue
+            one = Recipe(lambda r, a, make=make: optax.chain(make(r, a), optax.sgd(0.0)))
+            f, p, s, _ = build(task, one, run)
+            regime_bytes[name] = sum(c.bytes_per_device for c in lowered(f, p, s, sample))
+        taken: dict[str, int] = {}
+        for t in range(run.steps):
+            k = recipe.regime(run, t)
+            taken[k] = taken.get(k, 0) + 1
+        b = sum(regime_bytes[k] * c for k, c in taken.items()) / run.steps
+        return {
+            "bytes_per_step": b,
+            "slow_bytes_per_step": b,
+            "regime_bytes": regime_bytes,
+            "regime_steps": taken,
+        }
+    b = sum(c.bytes_per_device for c in lowered(fn, params, state, sample))
+    return {"bytes_per_step": b, "slow_bytes_per_step": b}
+
+
+def train(task: Task, name: str, recipe: Recipe, run: Run, eval_every: int) -> dict:
+    import jax
+    import numpy as np
+
+    import jaxcomp as jc
+
+    t0 = time.perf_counter()
+    fn, params, state, put = build(task, recipe, run)
+    task.reset()
+    sample = put(task.batch())
+    task.reset()
+    wire = step_bytes(task, recipe, run, fn, params, state, sample)
+    setup = time.perf_counter() - t0
+
+    def model(p):
+        host = jax.device_get(p)
+        if recipe.kind == "dp":
+            return host
+        if recipe.evaluate == "first":
+            return jax.tree.map(lambda x: x[0], host)
+        return jc.mean_replica(host)
+
+    curve, evals = [], []
+    start = time.perf_counter()
+    for t in range(run.steps):
+        params, state, loss = jax.block_until_ready(fn(params, state, put(task.batch())))
+        curve.append(float(loss))
+        if (t + 1) % eval_every == 0 or t + 1 == run.steps:
+            evals.append((t + 1, task.eval_loss(model(params))))
+    seconds = time.perf_counter() - start
+    final = jax.device_get(params)
+    spread = 0.0
+    if recipe.kind == "replica":
+        spread = max(float(np.abs(a - a.mean(0)).max()) for a in jax.tree.leaves(final))
+    return {
+        "recipe": name,
+        "kind": recipe.kind,
+        "replicas": (recipe.replicas or task.n) if recipe.kind == "replica" else 1,
+        "note": recipe.note,
+        "eval_loss": evals[-1][1],
+        "evals": evals,
+        "final_train_loss": float(np.mean(curve[-20:])),
+        "curve": curve,
+        "replica_spread": spread,
+        "train_seconds": seconds,
+        "setup_seconds": setup,
+        **wire,
+    }
+
+
+# --------------------------------------------------------------------------- output
+
+
+def finish(runs: list[dict]) -> None:
+    """Gaps and byte ratios against the ``adamw`` run."""
+    base = next((r for r in runs if r["recipe"] == "adamw"), None)
+    if base is None:
+        return
+    for r in runs:
+        r["gap"] = r["eval_loss"] / base["eval_loss"] - 1.0
+        r["bytes_ratio"] = base["bytes_per_step"] / max(r["slow_bytes_per_step"], 1e-9)
+
+
+def print_table(runs: list[dict]) -> None:
+    print(f"{'recipe':28s}{'eval':>8s}{'gap':>8s}{'B/step':>12s}{'fewer':>9s}{'s':>6s}")
+    for r in runs:
+        print(
+            f"{r['recipe']:28s}{r['eval_loss']:8.4f}{100 * r.get('gap', math.nan):7.1f}%"
+            f"{r['slow_bytes_per_step']:12.0f}{r.get('bytes_ratio', math.nan):8.1f}x"
+            f"{r['train_seconds']:6.0f}"
+        )
+
+
+def draw(runs: list[dict], path: pathlib.Path) -> None:
+    import numpy as np
+
+    def one(ax):
+        for r in runs:
+            c = np.asarray(r["curve"])
+            k = max(1, len(c) // 30)
+            smooth = np.convolve(c, np.ones(k) / k, mode="valid")
+            ax.plot(
+                np.arange(len(smooth)) + k, smooth, label=f"{r['recipe']} ({r['eval_loss']:.3f})"
+            )
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (nats per byte)")
+        ax.legend(fontsize=7)
+
+    common.plot(path, one, "LM benchmark: train loss (held-out loss in the legend)")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "Overwrites benchmarks/results/lm.json and lm.png (lm_quick.* with --quick, lm_TAG.* "
+            "with --tag). Time: the cpu config takes 2-10 min per recipe on 8 CPU devices of a "
+            "loaded 2-core machine (hours for every recipe); --quick a few minutes."
+        ),
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: the cpu config for {QUICK_STEPS} steps, recipes {QUICK_RECIPES} "
+        "unless --recipes; writes lm_quick.*",
+    )
+    parser.add_argument("--config", choices=tuple(CONFIGS), default=None)
+    parser.add_argument(
+        "--recipes", nargs="+", default=None, help="names in RECIPES (default: every one)"
+    )
+    parser.add_argument("--data", default="pydoc", help="'pydoc' or a UTF-8 text file")
+    for k in ("d_model", "layers", "heads", "context", "batch_per_device", "steps"):
+        parser.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None, help="AdamW's peak learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
+    parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")
+    parser.add_argument("--resume", action="store_true", help="keep the recipes already run")
+    args = parser.parse_args(argv)
+    config = dict(CONFIGS[args.config or "cpu"])
+    if args.quick:
+        config["steps"] = QUICK_STEPS
+        args.recipes = args.recipes or QUICK_RECIPES
+    for k, v in config.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    unknown = [r for r in args.recipes or () if r not in RECIPES]
+    if unknown:
+        parser.error(f"unknown recipes {unknown}; known: {list(RECIPES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(args.devices)  # only where there is no accelerator
+    import jax
+
+    jax.config.update("jax_cpu_enable_async_dispatch", False)  # XLA:CPU collectives
+    name = "lm" + (f"_{args.tag}" if args.tag else "")
+    path = common.result_path(name, args.quick)
+    runs: list[dict] = []
+    if args.resume and path.exists():
+        import json
+
+        runs = json.loads(path.read_text())["runs"]
+    task = Task(args, jax.device_count())
+    run = Run(steps=args.steps, lr=args.lr, devices=jax.device_count())
+    names = args.recipes or list(RECIPES)
+    if "adamw" not in names and not any(r["recipe"] == "adamw" for r in runs):
+        names = ["adamw", *names]
+    for recipe_name in names:
+        if any(r["recipe"] == recipe_name for r in runs):
+            continue
+        t0 = time.perf_counter()
+        r = train(task, recipe_name, RECIPES[recipe_name], run, args.eval_every)
+        runs.append(r)
+        finish(runs)
+        print(
+            f"{recipe_name}: held-out {r['eval_loss']:.4f}  gap {100 * r.get('gap', 0):+.1f}%  "
+            f"{r['slow_bytes_per_step']:.0f} B/step  {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+        config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
+        out = {"environment": common.environment(), "config": config, "runs": runs}
+        common.write_json(path, out, quiet=True)
+    print_table(runs)
+    common.write_json(path, out)
+    draw(runs, path.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -547,6 +547,7 @@ def test_docs_table_and_tested_checks_agree():
         ("compressed_allreduce, powersgd (init/update)", "mask", ValueError): (
             test_mask_of_wrong_structure_says_so
         ),
+        (update, "param_specs", ValueError): test_explicit_model_axis_says_so,
     }
     assert all(test.__name__.startswith("test_") for test in elsewhere.values())
     tested = {(f, arg, exc) for f, arg, _, exc in CHECKS + TRACE_CHECKS} | set(elsewhere)
@@ -683,3 +684,21 @@ def test_pmean_and_transforms_split_huge_leaves():
         out = in_shard_map(lambda g, s, tx=tx: tx.update(g, s)[0], tree, state, specs)
         assert {k: v.shape for k, v in out.items()} == {k: v.shape for k, v in params.items()}
     assert math.prod(big["w"].shape) > 2**32 and np.iinfo(np.int32).max == 2**31 - 1
+
+
+def test_explicit_model_axis_says_so():
+    """Params sharded over an Explicit model axis (tests/test_mesh.py measures why)."""
+    from jax.sharding import AxisType
+
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    tx = jc.compressed_allreduce(S, "data", min_size=16, param_specs={"w": P(None, "model")})
+
+    def body(g):
+        return tx.update(g, tx.init(g), g)[0]
+
+    f = jax.shard_map(body, mesh=m, in_specs=P(), out_specs=P(), axis_names={"data"})
+    x = {
+        "w": jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(m, P(None, "model")))
+    }
+    with pytest.raises(ValueError, match=r"`param_specs`.*AxisType\.Auto"):
+        jax.eval_shape(f, x)

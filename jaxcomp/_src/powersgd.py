@@ -396,8 +396,9 @@ def powersgd(
         of ``PartitionSpec`` (or ``NamedSharding``). Each device then compresses its own block
         of every leaf (per-block scales and selections) and keeps its memories sharded like
         the params: no gradient-sized traffic over the other axes. Build the state with
-        ``jc.sharded_init(tx, params, mesh, axis_name, param_specs)``. With explicit axes
-        (``AxisType.Explicit``) the blocks are read from the inputs' types when this is None.
+        ``jc.sharded_init(tx, params, mesh, axis_name, param_specs)``. The model axis must
+        be ``AxisType.Auto``: an Explicit one is refused (the data-manual ``shard_map``
+        would gather every model-sharded operand in float32); None beside an Auto axis warns.
       inner_axis_name: a fast mesh axis (devices of one host) averaged uncompressed first
         (float32 ``pmean``); PowerSGD then runs over ``axis_name`` between hosts, every device
         of a host sending the host's payload (``L`` copies per host on the outer axis; see

@@ -202,7 +202,7 @@ def sharded_init(
 
     Params sharded over other mesh axes (``param_specs``: a tree like the params of
     ``PartitionSpec`` or ``NamedSharding``; a data x model mesh whose step is
-    ``jax.shard_map(..., axis_names={axis_name})`` with the model axis explicit): each
+    ``jax.shard_map(..., axis_names={axis_name})``, the model axis ``AxisType.Auto``): each
     device then inits the state of its own block of every param, and every state array is
     laid out over the mesh by :func:`state_specs` with those ``param_specs``: memories
     ``P(axis_name, *param_spec)``, so no device holds more than its block. The step's

@@ -9,6 +9,8 @@ compiled program.
 from jaxcomp._src.accounting import CommReport, comm_report, format_bytes
 from jaxcomp._src.accumulate import AccumulateState, accumulate
 from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
+from jaxcomp._src.autotune import Plan as AutotunePlan
+from jaxcomp._src.autotune import autotune
 from jaxcomp._src.codecs import (
     CODECS,
     Codec,
@@ -54,6 +56,8 @@ __all__ = [
     "Accordion",
     "AccordionState",
     "accordion",
+    "AutotunePlan",
+    "autotune",
     "AccumulateState",
     "accumulate",
     "CODECS",

@@ -1,0 +1,87 @@
+"""jc.autotune: the byte-and-latency prediction, the plan it returns, its errors."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import jaxcomp as jc
+from jaxcomp._src import autotune as tuning
+
+LINK = {k: tuning.LinkFit(1e-3, 1e9) for k in tuning.KINDS}
+
+
+def test_prediction_is_the_alpha_beta_model():
+    n, sizes = 8, [1000, 100_000]
+    sec, ring = tuning.predict_seconds(None, "pmean", sizes, n, LINK, 2**25, 0)
+    assert ring == pytest.approx(2 * 7 / 8 * 4 * 101_000)
+    assert sec == pytest.approx(1e-3 + ring / 1e9)
+    int8 = jc.int_quant(8)
+    sec, ring = tuning.predict_seconds(int8, "two_phase", sizes, n, LINK, 2**25, 4096, (0.01, 0.02))
+    big = jc.strategy_bytes(int8, 100_000, n)["two_phase"]
+    small = 2 * 7 / 8 * 4 * 1000  # the 1000-float leaf travels plain (min_size 4096)
+    assert ring == pytest.approx(big + small)
+    # plain leaf: 1 call; two phases: 1 call each; codec: (1 + 1/n) encodes + 2 decodes
+    assert sec == pytest.approx(3e-3 + (big + small) / 1e9 + (1 + 1 / n) * 0.01 + 2 * 0.02)
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e5, 1e7]
+    fit = tuning._fit(sizes, [2e-4 + s / 5e8 for s in sizes])
+    assert fit.alpha_s == pytest.approx(2e-4) and fit.bandwidth == pytest.approx(5e8)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w": np.zeros((64, 256), np.float32), "b": np.zeros(64, np.float32)}
+    return jc.autotune(
+        params,
+        mesh,
+        "data",
+        codecs=[None, jc.int_quant(8)],
+        strategies=["two_phase", "allgather"],
+        min_sizes=[0],
+        check=2,
+        reps=1,
+        link_sizes=(1024, 16384),
+    )
+
+
+def test_plan_times_plain_and_the_best_predictions(plan):
+    assert len(plan.table) == 3 and {r.name for r in plan.table} == {"none", "int8"}
+    measured = [r for r in plan.table if not math.isnan(r.measured_ms)]
+    assert len(measured) == 3 and all(r.measured_ms > 0 for r in measured)
+    plain = next(r for r in plan.table if r.codec is None)
+    best = min(measured, key=lambda r: r.measured_ms)
+    if plan.codec is None:  # plain unless a codec measured clearly faster
+        assert best.codec is None or best.measured_ms > (1 - tuning.MARGIN) * plain.measured_ms
+    else:
+        assert plan.table[0].codec == plan.codec
+        assert plan.table[0].measured_ms <= (1 - tuning.MARGIN) * plain.measured_ms
+    int8_rows = [r for r in plan.table if r.strategy == "two_phase"]
+    assert int8_rows[0].bytes_per_device == pytest.approx(
+        sum(jc.strategy_bytes(jc.int_quant(8), d, 8)["two_phase"] for d in (64 * 256, 64))
+    )
+    assert set(plan.exchange()) == {"strategy", "bucket_bytes", "min_size"}
+    assert "<" in plan.format()
+    assert set(plan.link) == set(tuning.KINDS) and all(f.bandwidth > 0 for f in plan.link.values())
+
+
+def test_bad_arguments_are_named():
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w": np.zeros(64, np.float32)}
+    with pytest.raises(ValueError, match="`axis_name`"):
+        jc.autotune(params, mesh, "batch")
+    with pytest.raises(TypeError, match="`codecs`"):
+        jc.autotune(params, mesh, "data", codecs=["int8"])
+    with pytest.raises(ValueError, match="`params`"):
+        jc.autotune({"i": np.zeros(4, np.int32)}, mesh, "data")
+
+
+def test_function_stays_callable_after_cli_import():
+    import jaxcomp.autotune as cli
+
+    assert callable(jc.autotune) and callable(cli)
+    assert "--params" in cli._parser().format_help()

@@ -190,6 +190,27 @@ def worker(args) -> None:
             ts.append(time.perf_counter() - t0)
         return 1e3 * float(np.median(ts)), 1e3 * float(np.min(ts)), first.is_deleted()
 
+    def autotuned(params, mesh, row):
+        """Run jc.autotune on the MLP's tree; record its table; the chosen exchange."""
+        plan = jc.autotune(params, mesh, AXIS, budget_s=args.timeout / 4)
+        row["autotune"] = [
+            {k: v for k, v in r._asdict().items() if k != "codec"} for r in plan.table
+        ]
+        chosen = (
+            plan.table[0]
+            if plan.codec is not None
+            else next(r for r in plan.table if r.codec is None)
+        )
+        row["chosen"] = chosen.name if plan.codec is not None else "pmean"
+        row["predicted_ms"], row["autotune_measured_ms"] = chosen.predicted_ms, chosen.measured_ms
+        if plan.codec is None:
+            return {"codec": None}, "auto"
+        return {
+            "codec": plan.codec,
+            "bucket_bytes": plan.bucket_bytes,
+            "min_size": plan.min_size,
+        }, plan.strategy
+
     rows = []
     for name in ["pmean", *args.codecs]:
         t_start = time.perf_counter()
@@ -198,8 +219,13 @@ def worker(args) -> None:
         spec, _, feedback = name.partition(":")
         base, _, strategy = spec.partition("@")
         strategy, feedback = strategy or "auto", None if feedback == "none" else "auto"
-        codec = None if name == "pmean" or rank_r else common.make_codec(base)
         row = {"framework": "jaxcomp", "codec": name, "size": d, "devices": n}
+        tuned = {}
+        if name == "autotune":  # the plan jc.autotune picks for the MLP on this link
+            tuned, strategy = autotuned(fresh_params(), mesh, row)
+            codec = tuned.pop("codec")
+        else:
+            codec = None if name == "pmean" or rank_r else common.make_codec(base)
         if rank_r is None:
             if codec is None:
                 body = lambda g: jax.lax.pmean(g[0], AXIS)  # noqa: E731
@@ -224,7 +250,7 @@ def worker(args) -> None:
                 exchange = jc.powersgd(rank_r, AXIS, start_step=0)
             elif codec is not None:
                 exchange = jc.compressed_allreduce(
-                    codec, AXIS, strategy=strategy, error_feedback=feedback
+                    codec, AXIS, strategy=strategy, error_feedback=feedback, **tuned
                 )
             else:
                 exchange = None

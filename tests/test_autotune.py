@@ -69,17 +69,6 @@ def test_plan_times_plain_and_the_best_predictions(plan):
     assert set(plan.link) == set(tuning.KINDS) and all(f.bandwidth > 0 for f in plan.link.values())
 
 
-def test_bad_arguments_are_named():
-    mesh = jax.make_mesh((8,), ("data",))
-    params = {"w": np.zeros(64, np.float32)}
-    with pytest.raises(ValueError, match="`axis_name`"):
-        jc.autotune(params, mesh, "batch")
-    with pytest.raises(TypeError, match="`codecs`"):
-        jc.autotune(params, mesh, "data", codecs=["int8"])
-    with pytest.raises(ValueError, match="`params`"):
-        jc.autotune({"i": np.zeros(4, np.int32)}, mesh, "data")
-
-
 def test_function_stays_callable_after_cli_import():
     import jaxcomp.autotune as cli
 

@@ -32,6 +32,7 @@ from jaxcomp import launch
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
 SGD = optax.sgd(0.1)
+_W = {"w": np.zeros(64, np.float32)}
 
 
 def _resize(state, axis_name):
@@ -416,6 +417,15 @@ CHECKS = [
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
+    ("autotune", "axis_name", lambda: jc.autotune(_W, mesh(), "batch"), ValueError),
+    ("autotune", "codecs", lambda: jc.autotune(_W, mesh(), "data", codecs=["int8"]), TypeError),
+    (
+        "autotune",
+        "params",
+        lambda: jc.autotune({"i": np.zeros(4, np.int32)}, mesh(), "data"),
+        ValueError,
+    ),
+    ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
 ]
 
 

@@ -1,24 +1,50 @@
-"""mkdocs hook: turn ``<!-- bench:NAME -->`` markers into tables read from benchmark results.
+"""The measured tables of the docs pages, rendered from ``benchmarks/results/*.json``.
 
-The numbers on the docs pages come from ``benchmarks/results/*.json`` at build time, never
-typed by hand. A marker names a result file without its extension (``wire_bytes`` reads
-``wire_bytes.json``, or ``wire_bytes_quick.json`` when only a quick run exists). A missing
-file becomes a note saying which command produces it; ``<!-- bench:others -->`` lists every
-result file that no marker on the page names, each as a generic table.
+The numbers on the docs pages are never typed by hand. A marker pair names a result file
+without its extension (``wire_bytes`` reads ``wire_bytes.json``, or ``wire_bytes_quick.json``
+when only a quick run exists)::
+
+    <!-- bench:wire_bytes -->
+    (the table, written by the command below)
+    <!-- /bench:wire_bytes -->
+
+A missing file becomes a note saying which command produces it; ``<!-- bench:others -->``
+lists every result file that no marker on any page names, each as a generic table.
+
+The tables are committed inside the Markdown, so the pages read the same on GitHub as on the
+built site. After a benchmark run rewrites a result file, render them again::
+
+    python -m docs.hooks.bench_tables --write     # rewrite every stale table in docs/*.md
+    python -m docs.hooks.bench_tables --check     # exit 1 and name the stale pages
+
+A lone begin marker (no end marker yet) is filled on ``--write``. As an mkdocs hook this
+module changes nothing: it warns about a stale page, which fails ``mkdocs build --strict``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import math
 import pathlib
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ROOT / "docs"
 MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_]+)\s*-->")
+# A begin marker, and the table up to its end marker when the page already holds one.
+BLOCK = re.compile(
+    r"<!--\s*bench:(?P<name>[A-Za-z0-9_]+)\s*-->"
+    r"(?:(?P<body>.*?)<!--\s*/bench:(?P=name)\s*-->)?",
+    re.DOTALL,
+)
+WRITE_COMMAND = "python -m docs.hooks.bench_tables --write"
+log = logging.getLogger("mkdocs.hooks.bench_tables")
 MAX_GENERIC_ROWS = 40
 
 Table = tuple[list[str], list[list[str]]]
@@ -598,11 +624,60 @@ def render_others(named: set[str]) -> str:
     return "\n\n".join(f"### `{s}`\n\n{render(s)}" for s in stems)
 
 
-def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    named = set(MARKER.findall(markdown)) - {"others"}
+def _named_on_pages(docs: pathlib.Path = DOCS) -> set[str]:
+    """The result names that a marker on some page of ``docs`` names."""
+    pages = (p for p in docs.rglob("*.md") if "hooks" not in p.parts)
+    return {name for p in pages for name in MARKER.findall(p.read_text())} - {"others"}
+
+
+def render_page(markdown: str) -> str:
+    """``markdown`` with every marker pair holding its table rendered from the results now
+    (``others``: the result files that no page of the docs names)."""
+    named = _named_on_pages() if "bench:others" in markdown else set()
 
     def replace(match: re.Match) -> str:
-        name = match.group(1)
-        return render_others(named) if name == "others" else render(name)
+        name = match.group("name")
+        table = render_others(named) if name == "others" else render(name)
+        return f"<!-- bench:{name} -->\n\n{table}\n\n<!-- /bench:{name} -->"
 
-    return MARKER.sub(replace, markdown)
+    return BLOCK.sub(replace, markdown)
+
+
+def stale_pages(docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
+    """The Markdown files under ``docs`` whose committed tables differ from the results."""
+    pages = sorted(p for p in docs.rglob("*.md") if "hooks" not in p.parts)
+    return [p for p in pages if render_page(p.read_text()) != p.read_text()]
+
+
+def on_page_markdown(markdown: str, page: Any = None, **kwargs: Any) -> str:
+    """mkdocs hook: the page as committed; a warning (an error under ``--strict``) if stale."""
+    if render_page(markdown) != markdown:
+        where = getattr(getattr(page, "file", None), "src_uri", "a page")
+        log.warning("%s: benchmark tables are stale; run `%s`", where, WRITE_COMMAND)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m docs.hooks.bench_tables",
+        description="Render the benchmark tables of docs/*.md from benchmarks/results/*.json "
+        "(between <!-- bench:NAME --> and <!-- /bench:NAME --> markers). Takes about a second.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the stale pages in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
+    args = parser.parse_args(argv)
+    stale = stale_pages()
+    for path in stale:
+        if args.write:
+            path.write_text(render_page(path.read_text()))
+        print(f"{'rewrote' if args.write else 'stale'}: {path.relative_to(ROOT)}")
+    if args.check and stale:
+        print(f"run `{WRITE_COMMAND}`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

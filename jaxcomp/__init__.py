@@ -6,7 +6,7 @@ transform that adds error feedback; ``jc.comm_report`` reads the bytes on the wi
 compiled program.
 """
 
-from jaxcomp._src.accounting import CommReport, comm_report, format_bytes
+from jaxcomp._src.accounting import CommReport, Conditional, at_count, comm_report, format_bytes
 from jaxcomp._src.accumulate import AccumulateState, accumulate
 from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
 from jaxcomp._src.autotune import Plan as AutotunePlan
@@ -85,6 +85,8 @@ __all__ = [
     "threshold",
     "top_k",
     "CommReport",
+    "Conditional",
+    "at_count",
     "CompressedAllreduceState",
     "cast",
     "choose_strategy",

@@ -524,3 +524,114 @@ def test_mesh_axes_replica_groups_of_newer_jax():
     )
     (c,) = parse_stablehlo_collectives(shlo, 8)
     assert c.group_size == 2 and c.bytes_per_device == ring_bytes("all-reduce", 1024, 2)
+
+
+# --------------------------------------------------------------------------- branches
+
+
+_REPORTS = {}  # one compile shared by the branch tests
+
+
+def _cond_program(mesh):
+    """psum f32[2] always; cond: false -> psum f16[8], true -> switch(0: nothing,
+    1: psum f32[8], 2: all_gather f32[8])."""
+    if "cond" not in _REPORTS:
+        _REPORTS["cond"] = _compile_cond_program(mesh)
+    return _REPORTS["cond"]
+
+
+def _compile_cond_program(mesh):
+    def f(x, c):
+        def inner(y):
+            return jax.lax.switch(
+                jnp.clip(c[1], 0, 2),
+                [
+                    lambda y: y,
+                    lambda y: jax.lax.psum(y, "data"),
+                    lambda y: jax.lax.all_gather(y, "data", tiled=True)[:8],
+                ],
+                y,
+            )
+
+        def half(y):
+            return jax.lax.psum(y.astype(jnp.float16), "data").astype(jnp.float32)
+
+        y = jax.lax.cond(c[0] > 0, inner, half, x)
+        return jax.lax.psum(y[:2], "data")
+
+    step = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(DATA, P()), out_specs=P(), check_vma=False)
+    )
+    return comm_report(step, put(jnp.ones(64), mesh), put(jnp.zeros(2, jnp.int32), mesh, P()))
+
+
+def test_branches_each_counted_and_weighted(mesh):
+    r = _cond_program(mesh)
+    f16, f32, gather, always = 2 * 7 / 8 * 16, 2 * 7 / 8 * 32, 7 / 8 * 256, 2 * 7 / 8 * 8
+    assert r.bytes_per_device == always + f16 + f32 + gather == 322.0
+    for logical in (False, True):
+        conds = r.logical_conditionals if logical else r.conditionals
+        assert [(c.index, c.num_branches, c.parent) for c in conds] == [
+            (0, 2, None),
+            (1, 3, (0, 1)),
+        ]
+        branches = [c.branch for c in (r.logical if logical else r.collectives)]
+        assert sorted(branches) == [(), ((0, 0),), ((0, 1), (1, 1)), ((0, 1), (1, 2))]
+        assert r.branch_bytes(logical) == {
+            None: always,
+            (0, 0): f16,
+            (0, 1): 0.0,
+            (1, 0): 0.0,
+            (1, 1): f32,
+            (1, 2): gather,
+        }
+        # 3 of 4 calls take the true branch; of those, 1:1:1 over the switch (counts are fine).
+        mean = r.mean_bytes_per_device({0: [1, 3], 1: [5, 5, 5]}, logical=logical)
+        assert mean == pytest.approx(always + f16 / 4 + 3 / 4 * (f32 + gather) / 3) == 91.0
+    assert "[cond 1 branch 2]" in str(r)
+
+
+@pytest.mark.parametrize(
+    ("weights", "match"),
+    [
+        (None, "no weights for conditional 0 .*28 B, 0 B"),
+        ([1, 1], "has 2 conditionals"),
+        ({0: [1, 1], 1: [1, 1]}, "must be 3 finite"),
+        ({0: [1, 1], 1: [0, 0, 0]}, "not all zero"),
+        ({0: [1, -1], 1: [1, 1, 1]}, "non-negative"),
+        ({0: [1, 1], 1: [1, 1, 1], 2: [1]}, r"conditionals \[2\]"),
+    ],
+)
+def test_branch_weights_errors(mesh, weights, match):
+    with pytest.raises(ValueError, match=match):
+        _cond_program(mesh).mean_bytes_per_device(weights)
+
+
+def test_onebit_adam_warmup_branch_and_at_count(mesh):
+    import optax
+
+    import jaxcomp as jc
+
+    params = put({"w": jnp.ones((64, 64))}, mesh, P())
+    tx = jc.onebit_adam(1e-3, "data", freeze_step=10)
+    state = jc.sharded_init(tx, params, mesh, "data")
+    specs = jc.state_specs(state, "data")
+    x = put(jnp.ones((8, 64)), mesh)
+
+    def report(count=None):
+        def step(p, s, x):
+            p_varying = jax.lax.pcast(p, "data", to="varying")
+            g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(p_varying)
+            u, s = tx.update(g, s if count is None else jc.at_count(s, count), p)
+            return optax.apply_updates(p, u), s
+
+        shapes = dict(in_specs=(P(), specs, DATA), out_specs=(P(), specs))
+        return comm_report(jax.jit(jax.shard_map(step, mesh=mesh, **shapes)), params, state, x)
+
+    r, warmup = report(), report(0)
+    sign = 2 * 7 / 8 * (8 * 16 * 4 + 8 * 4)  # all-to-all + all-gather of 1-bit words + scales
+    full = 2 * 7 / 8 * 4096 * 4
+    assert r.branch_bytes() == {None: 0.0, (0, 0): sign, (0, 1): full}
+    assert warmup.bytes_per_device == full and warmup.conditionals == ()
+    # 1000 steps: 10 warm-up (the cond's true branch), 990 compressed.
+    assert r.mean_bytes_per_device([990, 10]) == pytest.approx((990 * sign + 10 * full) / 1000)

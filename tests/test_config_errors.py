@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp import launch
+from jaxcomp._src.accounting import Collective
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
@@ -39,6 +40,13 @@ def _resize(state, axis_name):
     tx = jc.compressed_allreduce(S, "data")
     return jc.resize_state(state, tx, {"w": np.zeros((64, 48), np.float32)}, mesh(4), axis_name)
 
+
+# A report of one all-reduce in branch 1 of a two-branch conditional (built by hand).
+_BRANCHY = jc.CommReport(
+    collectives=(Collective("all-reduce", ("f32",), ((8,),), 32, 8, 56.0, branch=((0, 1),)),),
+    logical=(),
+    conditionals=(jc.Conditional(0, "conditional", 2),),
+)
 
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
@@ -426,6 +434,12 @@ CHECKS = [
         ValueError,
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
+    (
+        "CommReport.mean_bytes_per_device",
+        "branch_weights",
+        lambda: _BRANCHY.mean_bytes_per_device(),
+        ValueError,
+    ),
 ]
 
 

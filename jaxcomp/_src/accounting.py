@@ -54,11 +54,14 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = [
     "KINDS",
     "Collective",
     "CommReport",
+    "Conditional",
+    "at_count",
     "array_nbytes",
     "comm_report",
     "dtype_bits",
@@ -100,6 +103,9 @@ class Collective:
       in_loop: whether the op sits in a ``while`` body/condition (or a computation
         called from one), so its true cost is ``bytes_per_device`` times the trip count.
         Only detected in compiled HLO.
+      branch: where the op sits in ``lax.cond`` / ``lax.switch`` branches, outermost first:
+        ``((k, i), ...)`` is branch ``i`` of conditional ``k`` (see :class:`Conditional`);
+        ``()`` for an op that runs on every call.
     """
 
     kind: str
@@ -110,6 +116,7 @@ class Collective:
     bytes_per_device: float
     name: str = ""
     in_loop: bool = False
+    branch: tuple[tuple[int, int], ...] = ()
 
     @property
     def dtype(self) -> str:
@@ -127,6 +134,28 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class Conditional:
+    """One ``lax.cond`` / ``lax.switch`` of a program whose branches hold collectives.
+
+    Branch ``i`` is ``branches[i]`` of ``lax.switch``; for ``lax.cond(pred, true_fun,
+    false_fun)`` branch 0 is ``false_fun`` and branch 1 is ``true_fun``.
+
+    Attributes:
+      index: its number among the conditionals that hold collectives, in program order (an
+        outer conditional before those inside its branches); :attr:`Collective.branch` and
+        ``branch_weights`` use it.
+      name: its instruction name in the program (``"conditional.2"``, ``"%4"``).
+      num_branches: how many branches it has.
+      parent: ``(k, i)`` when it sits in branch ``i`` of conditional ``k``, else ``None``.
+    """
+
+    index: int
+    name: str
+    num_branches: int
+    parent: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class CommReport:
     """Collectives of one compiled program, with ring-model byte counts.
 
@@ -137,17 +166,28 @@ class CommReport:
     Optimal All-reduce Algorithms for Clusters of Workstations", JPDC 2009).
     ``ratio_to(other)`` is ``other.bytes_per_device / self.bytes_per_device``.
 
+    A program with ``lax.cond`` / ``lax.switch`` runs one branch per call while
+    ``bytes_per_device`` counts every branch. With ``w_{k,i}`` the share of the calls of
+    conditional ``k`` that take branch ``i``, :meth:`mean_bytes_per_device` is the mean per call:
+    ``sum_c bytes(c) * prod_{(k, i) in branch(c)} w_{k,i}`` (an op outside every branch has
+    weight 1; an inner conditional's weights count the calls its enclosing branch runs).
+
     Attributes:
       collectives: collectives of the compiled (optimized) HLO, in program order.
       logical: collectives of the logical StableHLO program, in program order.
       hlo_text: the compiled HLO text that was parsed.
       stablehlo_text: the StableHLO text that was parsed.
+      conditionals: the conditionals of the compiled program that hold collectives (XLA drops
+        a conditional whose predicate is a constant: see :func:`at_count`).
+      logical_conditionals: the same for the logical program.
     """
 
     collectives: tuple[Collective, ...]
     logical: tuple[Collective, ...]
     hlo_text: str = dataclasses.field(default="", repr=False, compare=False)
     stablehlo_text: str = dataclasses.field(default="", repr=False, compare=False)
+    conditionals: tuple[Conditional, ...] = ()
+    logical_conditionals: tuple[Conditional, ...] = ()
 
     @property
     def bytes_per_device(self) -> float:
@@ -175,6 +215,50 @@ class CommReport:
     def largest(self, k: int = 5) -> list[Collective]:
         """The ``k`` compiled collectives sending the most bytes, largest first."""
         return sorted(self.collectives, key=lambda c: c.bytes_per_device, reverse=True)[:k]
+
+    def branch_bytes(self, logical: bool = False) -> dict[tuple[int, int] | None, float]:
+        """Bytes per device per call of each branch: ``{(k, i): bytes}`` for branch ``i`` of
+        conditional ``k`` (its own collectives, not those of conditionals inside it; 0.0 for a
+        branch that sends nothing), and ``{None: bytes}`` for the collectives every call runs.
+        ``logical=True`` reads the logical program."""
+        conditionals = self.logical_conditionals if logical else self.conditionals
+        out: dict[tuple[int, int] | None, float] = {None: 0.0}
+        out.update({(c.index, i): 0.0 for c in conditionals for i in range(c.num_branches)})
+        for c in self.logical if logical else self.collectives:
+            key = c.branch[-1] if c.branch else None
+            out[key] += c.bytes_per_device
+        return out
+
+    def mean_bytes_per_device(self, branch_weights: Any = None, *, logical: bool = False) -> float:
+        """Mean bytes per device per call of a program with branches (see the class docstring).
+
+        Args:
+          branch_weights: how often each branch runs: ``{k: [w_0, w_1, ...]}`` per conditional
+            ``k`` of :attr:`conditionals` (counts or shares: each list is normalized), or one
+            list when the program has one conditional. ``None`` for a program without any.
+          logical: weigh the logical program's collectives instead of the compiled ones.
+
+        Returns:
+          ``sum_c bytes(c) * prod_{(k, i) in c.branch} w_{k,i}``.
+
+        Raises:
+          ValueError: a conditional without weights (the error names its branches' bytes), a
+            conditional the program does not have, or weights that are negative, not finite,
+            all zero or not one per branch.
+
+        Example::
+
+            report = jc.comm_report(step, params, state, x, y)   # 1-bit Adam, freeze_step=50
+            report.mean_bytes_per_device([950, 50])   # 1000 steps: 50 warm-up (cond's true branch)
+        """
+        conditionals = self.logical_conditionals if logical else self.conditionals
+        w = _branch_frequencies(branch_weights, conditionals, self.branch_bytes(logical))
+        return float(
+            sum(
+                c.bytes_per_device * math.prod(w[k][i] for k, i in c.branch)
+                for c in (self.logical if logical else self.collectives)
+            )
+        )
 
     def ratio_to(self, other: CommReport) -> float:
         """``other.bytes_per_device / self.bytes_per_device``: the saving of ``self``.
@@ -487,9 +571,9 @@ def parse_hlo_collectives(text: str, num_devices: int | None = None) -> list[Col
     """Every collective in an HLO module's text (compiled or not), in text order.
 
     Handles tuple results (combined all-reduces, all-to-all over several arrays), async
-    ``-start`` ops (``-done`` ops are ignored), ops in nested computations, and the
+    ``-start`` ops (``-done`` ops are ignored), ops in nested computations, the
     replica-group spellings ``{{0,1},{2,3}}``, ``[2,4]<=[8]``, ``[2,4]<=[4,2]T(1,0)`` and
-    ``{}``.
+    ``{}``, and ops in ``conditional`` branches (:attr:`Collective.branch`).
 
     Args:
       text: HLO text, e.g. ``jax.jit(f).lower(x).compile().as_text()``.
@@ -497,6 +581,11 @@ def parse_hlo_collectives(text: str, num_devices: int | None = None) -> list[Col
         neither ``replica_count`` nor ``num_partitions``; defaults to
         ``jax.device_count()``.
     """
+    return _hlo_program(text, num_devices)[0]
+
+
+def _hlo_collectives(text: str, num_devices: int | None) -> list[Collective]:
+    """:func:`parse_hlo_collectives` without the branches."""
     replicas, partitions = _hlo_header(text)
     fallback = num_devices if num_devices is not None else jax.device_count()
     lines = _COMMENT_RE.sub("", text).splitlines()
@@ -661,8 +750,10 @@ def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> li
 
     Understands both ``"stablehlo.all_reduce"(...)`` (generic, as JAX prints it) and the
     unquoted spelling, multi-line ops whose type signature follows a region
-    (``}) : (tensor<8xf16>) -> tensor<8xf16>``), several operands per op, and
-    ``replica_groups`` / ``source_target_pairs`` given as ``dense<...>`` attributes.
+    (``}) : (tensor<8xf16>) -> tensor<8xf16>``), several operands per op,
+    ``replica_groups`` / ``source_target_pairs`` given as ``dense<...>`` attributes, and ops
+    in the regions of ``stablehlo.case`` / ``stablehlo.if`` (:attr:`Collective.branch`; ops
+    in a function that a branch calls count as unconditional).
 
     Args:
       text: MLIR text, e.g. ``jax.jit(f).lower(x).as_text()``.
@@ -670,6 +761,11 @@ def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> li
         ``mhlo.num_replicas`` nor ``mhlo.num_partitions``; defaults to
         ``jax.device_count()``.
     """
+    return _stablehlo_program(text, num_devices)[0]
+
+
+def _stablehlo_collectives(text: str, num_devices: int | None) -> list[Collective]:
+    """:func:`parse_stablehlo_collectives` without the branches."""
     replicas = _module_attr(text, "mhlo.num_replicas")
     partitions = _module_attr(text, "mhlo.num_partitions")
     fallback = num_devices if num_devices is not None else jax.device_count()
@@ -708,6 +804,242 @@ def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> li
     return out
 
 
+# --------------------------------------------------------------------------- branches
+
+_HLO_CONDITIONAL_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=.*?\sconditional\(")
+_HLO_TRUE_FALSE_RE = re.compile(
+    r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)"
+)
+_SHLO_CONDITIONAL_RE = re.compile(
+    r"(?P<lhs>%[\w#.\-]+)(?::\d+)?\s*=\s*\"?stablehlo\.(?P<op>case|if)\b"
+)
+
+Path = tuple[tuple[int, int], ...]
+# A conditional as found, before numbering: (name, number of branches, branches it sits in).
+RawConditional = tuple[str, int, Path]
+
+
+def _hlo_computations(lines: Iterable[str]) -> tuple[dict[str, list[str]], str]:
+    """The instruction lines of each computation, and the name of the entry computation."""
+    comps: dict[str, list[str]] = {}
+    entry = current = ""
+    for line in lines:
+        head = _HLO_COMPUTATION_RE.match(line)
+        if head and not line[:1].isspace():
+            current = head.group("name")
+            comps[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _hlo_branch_names(line: str) -> list[str]:
+    """The branch computations of a ``conditional`` line, in branch-index order (for the
+    predicate form, index 0 is ``false_computation``, as in ``lax.cond``)."""
+    m = _HLO_BRANCHES_RE.search(line)
+    if m:
+        return [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
+    m = _HLO_TRUE_FALSE_RE.search(line)
+    return [m.group(2), m.group(1)] if m else []
+
+
+def _hlo_branch_map(lines: list[str]) -> tuple[dict[str, Path], list[RawConditional]]:
+    """The branches each computation reached from the entry runs in, and every conditional
+    in pre-order (an outer conditional before the ones inside its branches)."""
+    comps, entry = _hlo_computations(lines)
+    paths: dict[str, Path] = {}
+    found: list[RawConditional] = []
+
+    def walk(comp: str, path: Path) -> None:
+        if comp in paths:
+            return
+        paths[comp] = path
+        for line in comps.get(comp, ()):
+            m = _HLO_CONDITIONAL_RE.match(line)
+            if m:
+                branches = _hlo_branch_names(line)
+                found.append((m.group("name"), len(branches), path))
+                k = len(found) - 1
+                for i, b in enumerate(branches):
+                    walk(b, (*path, (k, i)))
+            else:
+                for callee in _HLO_CALLEE_RE.findall(line):
+                    walk(callee, path)
+
+    walk(entry, ())
+    return paths, found
+
+
+def _hlo_program(
+    text: str, num_devices: int | None
+) -> tuple[list[Collective], tuple[Conditional, ...]]:
+    """The collectives of an HLO text with their branches, and its numbered conditionals."""
+    lines = _COMMENT_RE.sub("", text).splitlines()
+    comp_paths, raw = _hlo_branch_map(lines)
+    paths, current = [], ""
+    for line in lines:
+        head = _HLO_COMPUTATION_RE.match(line)
+        if head and not line[:1].isspace():
+            current = head.group("name")
+        elif _HLO_OP_RE.match(line):
+            paths.append(comp_paths.get(current, ()))
+    return _number_branches(_hlo_collectives(text, num_devices), paths, raw)
+
+
+def _regions(text: str, start: int) -> list[tuple[int, int]]:
+    """The spans of the regions ``({...}, {...})`` whose opening parenthesis is at ``start``."""
+    spans: list[tuple[int, int]] = []
+    depth, begin, i = 0, start, start
+    while 0 <= i < len(text):
+        ch = text[i]
+        if ch == '"':
+            i = text.find('"', i + 1)
+        elif ch in "([{":
+            depth += 1
+            begin = i if depth == 2 and ch == "{" else begin
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 1 and ch == "}":
+                spans.append((begin, i))
+            if depth == 0:
+                break
+        i = i + 1 if i >= 0 else i
+    return spans
+
+
+def _stablehlo_program(
+    text: str, num_devices: int | None
+) -> tuple[list[Collective], tuple[Conditional, ...]]:
+    """The collectives of a StableHLO text with their branches, and its numbered conditionals
+    (``stablehlo.if``'s first region is the true branch: index 1, as in ``lax.cond``)."""
+    conds = []
+    for m in _SHLO_CONDITIONAL_RE.finditer(text):
+        spans = _regions(text, text.find("({", m.end()))
+        order = [1, 0] if m.group("op") == "if" and len(spans) == 2 else range(len(spans))
+        conds.append((m.group("lhs"), m.start(), list(zip(spans, order, strict=True))))
+
+    def locate(offset: int) -> Path:
+        return tuple(
+            (k, i)
+            for k, (_, _, regions) in enumerate(conds)
+            for (a, b), i in regions
+            if a < offset < b
+        )
+
+    raw = [(name, len(regions), locate(pos)) for name, pos, regions in conds]
+    paths = [locate(m.start()) for m in _SHLO_OP_RE.finditer(text)]
+    return _number_branches(_stablehlo_collectives(text, num_devices), paths, raw)
+
+
+def _number_branches(
+    collectives: list[Collective], paths: list[Path], raw: list[RawConditional]
+) -> tuple[list[Collective], tuple[Conditional, ...]]:
+    """Number the conditionals that hold collectives 0, 1, ... (pre-order kept) and give each
+    collective its :attr:`Collective.branch` in those numbers."""
+    used = sorted({k for path in paths for k, _ in path})
+    new = {k: j for j, k in enumerate(used)}
+    conditionals = tuple(
+        Conditional(new[k], raw[k][0], raw[k][1], (new[raw[k][2][-1][0]], raw[k][2][-1][1]))
+        if raw[k][2]
+        else Conditional(new[k], raw[k][0], raw[k][1])
+        for k in used
+    )
+    out = [
+        dataclasses.replace(c, branch=tuple((new[k], i) for k, i in path))
+        for c, path in zip(collectives, paths, strict=True)
+    ]
+    return out, conditionals
+
+
+def _normalized(weights: Any, cond: Conditional) -> list[float]:
+    """``weights`` of one conditional as frequencies summing to 1 (counts are fine)."""
+    w = [float(x) for x in weights]
+    if len(w) != cond.num_branches or any(not math.isfinite(x) or x < 0 for x in w) or not sum(w):
+        raise ValueError(
+            f"`branch_weights` of conditional {cond.index} (`{cond.name}`) must be "
+            f"{cond.num_branches} finite, non-negative numbers (how often each branch runs), "
+            f"not all zero; got {list(weights)}"
+        )
+    return [x / sum(w) for x in w]
+
+
+def _branch_frequencies(
+    weights: Any, conditionals: Sequence[Conditional], branch_bytes: dict
+) -> dict[int, list[float]]:
+    """``branch_weights`` as ``{conditional: frequencies}``; a sequence stands for the only
+    conditional's weights."""
+    if weights is None:
+        weights = {}
+    elif not hasattr(weights, "items"):
+        if len(conditionals) != 1:
+            raise ValueError(
+                f"`branch_weights`: the program has {len(conditionals)} conditionals that hold "
+                "collectives; pass a dict {conditional: weights per branch}"
+            )
+        weights = {0: weights}
+    unknown = set(weights) - {c.index for c in conditionals}
+    if unknown:
+        raise ValueError(
+            f"`branch_weights` names conditionals {sorted(unknown)} that the program does not "
+            f"have; it has {[c.index for c in conditionals]}"
+        )
+    for c in conditionals:
+        if c.index not in weights:
+            each = ", ".join(
+                format_bytes(branch_bytes.get((c.index, i), 0.0)) for i in range(c.num_branches)
+            )
+            raise ValueError(
+                f"`branch_weights` has no weights for conditional {c.index} (`{c.name}`, "
+                f"{c.num_branches} branches sending {each}); pass {{{c.index}: [how often "
+                "each branch runs]}"
+            )
+    return {c.index: _normalized(weights[c.index], c) for c in conditionals}
+
+
+def at_count(state: Any, count: int) -> Any:
+    """``state`` with the step count of every jaxcomp state in it replaced by the constant
+    ``count``, to lower one step of a schedule.
+
+    Called inside a step function on its optimizer state, before ``tx.update``: every
+    ``lax.cond`` / ``lax.switch`` that a jaxcomp transform takes on its step count (1-bit
+    Adam's warm-up, 0/1 Adam's rounds, PowerSGD's start, local SGD's and DiLoCo's syncs) then
+    has a constant predicate, XLA drops the branches not taken, and :func:`comm_report` of the
+    compiled step shows the traffic of that step alone. Without it, weigh the branches with
+    :meth:`CommReport.mean_bytes_per_device`. Only the shape of the count is kept: for
+    accounting, not for training.
+
+    Args:
+      state: an optimizer state (any pytree holding jaxcomp states, e.g. an optax chain's).
+      count: the step count (the number of updates applied before the step).
+
+    Returns:
+      ``state`` with each ``count`` field of a jaxcomp state a NumPy constant of its shape.
+
+    Example::
+
+        def step_at(t):
+            def step(p, s, x, y):
+                g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x, y)
+                u, s = tx.update(g, jc.at_count(s, t), p)
+                return optax.apply_updates(p, u), s
+            return jax.jit(jax.shard_map(step, ...))
+
+        warmup = jc.comm_report(step_at(0), params, state, x, y).bytes_per_device
+    """
+
+    def is_state(node: Any) -> bool:
+        fields = getattr(type(node), "_fields", ())
+        return "count" in fields and type(node).__module__.startswith("jaxcomp.")
+
+    def fix(node: Any) -> Any:
+        if not is_state(node):
+            return node
+        return node._replace(count=np.full(np.shape(node.count), count, np.int32))
+
+    return jax.tree.map(fix, state, is_leaf=is_state)
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -729,7 +1061,9 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
     bytes one device sends per call in the ring model (see :class:`CommReport`): e.g. an
     all-reduce of ``S`` bytes over ``n`` devices sends ``2(n-1)/n S`` (the bandwidth-optimal
     ring of Patarasuk and Yuan, JPDC 2009). Latency, topology and loop trip counts are not
-    modelled.
+    modelled. Collectives inside ``lax.cond`` / ``lax.switch`` branches are all counted in
+    ``bytes_per_device``; :meth:`CommReport.branch_bytes` gives each branch's and
+    :meth:`CommReport.mean_bytes_per_device` the mean over how often each branch runs.
 
     Example::
 
@@ -740,11 +1074,15 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
     hlo = lowered.compile().as_text() or ""
     logical = lowered.as_text() or ""
     ndev = jax.device_count()
+    collectives, conditionals = _hlo_program(hlo, ndev)
+    logical_collectives, logical_conditionals = _stablehlo_program(logical, ndev)
     return CommReport(
-        collectives=tuple(parse_hlo_collectives(hlo, ndev)),
-        logical=tuple(parse_stablehlo_collectives(logical, ndev)),
+        collectives=tuple(collectives),
+        logical=tuple(logical_collectives),
         hlo_text=hlo,
         stablehlo_text=logical,
+        conditionals=conditionals,
+        logical_conditionals=logical_conditionals,
     )
 
 
@@ -762,7 +1100,9 @@ def _table(title: str, cs: Sequence[Collective]) -> list[str]:
     header = ("kind", "dtype", "shape", "group", "bytes/device")
     rows = [
         (
-            c.kind + (" (loop)" if c.in_loop else ""),
+            c.kind
+            + (" (loop)" if c.in_loop else "")
+            + "".join(f" [cond {k} branch {i}]" for k, i in c.branch[-1:]),
             c.dtype,
             c.shape_str(),
             str(c.group_size),
@@ -790,4 +1130,9 @@ def _format_report(r: CommReport) -> str:
     lines.append(f"  total: {format_bytes(r.logical_bytes_per_device)} per device per call")
     if any(c.in_loop for c in r.collectives):
         lines.append("  (loop): inside a while loop, counted once; multiply by the trip count")
+    if r.conditionals:
+        lines.append(
+            "  [cond k branch i]: runs only when conditional k takes branch i; the totals count "
+            "every branch, mean_bytes_per_device(branch_weights) weighs them"
+        )
     return "\n".join(lines)

@@ -267,7 +267,12 @@ def train(
         return held_out
     details = {"eval_loss": held_out, "train_loss": curve, "seconds": seconds}
     if report is not None:
-        details.update(bytes_per_device=report.bytes_per_device, collectives=report.count)
+        details.update(
+            bytes_per_device=report.bytes_per_device,
+            collectives=report.count,
+            branch_bytes=report.branch_bytes(),  # per lax.cond / switch branch
+            report=report,
+        )
     # Steady-state bytes of the gradient exchange (ring model), whatever the warm-up.
     floats = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     if compression == "powersgd":

@@ -72,40 +72,34 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
     "zero_one_adam": lambda axis, lr: jc.zero_one_adam(lr, axis, **ZERO_ONE),
 }
-# Recipes whose step holds a lax.cond/switch between exchanges: the lowered program counts
-# every branch, so their bytes per step are averaged over the branches each step took.
-# method -> {regime: transform whose exchange is that regime's (None: nothing on the wire)}.
-REGIMES: dict[str, dict[str, Callable[[str], Any] | None]] = {
-    "onebit_adam": {
-        "warmup": lambda axis: jc.compressed_allreduce(jc.identity(), axis, error_feedback=None),
-        "compressed": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
-    },
-    "zero_one_adam": {
-        "full": lambda axis: jc.compressed_allreduce(jc.identity(), axis, error_feedback=None),
-        "compressed": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
-        "skipped": None,
-    },
-    "sgd-topk1%-accordion": {
-        "critical": lambda axis: jc.compressed_allreduce(jc.top_k(0.1), axis),
-        "other": lambda axis: jc.compressed_allreduce(jc.top_k(0.01), axis),
-    },
-    "sgd-sign-accordion": {
-        "critical": lambda axis: jc.compressed_allreduce(jc.int_quant(8), axis),
-        "other": lambda axis: jc.compressed_allreduce(jc.sign(), axis),
-    },
+# Recipes whose step holds one lax.cond/switch between exchanges: the program counts every
+# branch, so their bytes per step are ``CommReport.mean_bytes_per_device`` weighted by the
+# branches the steps took. method -> the names of the branches, in branch-index order.
+REGIMES: dict[str, tuple[str, ...]] = {
+    "onebit_adam": ("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)
+    "zero_one_adam": ("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
+    "sgd-topk1%-accordion": ("other", "critical"),  # lax.cond(critical, gentle, codec)
+    "sgd-sign-accordion": ("other", "critical"),
 }
 
 
-def regime(method: str, step: int, state: Any) -> str:
-    """The branch of ``REGIMES[method]`` that step ``step`` (taken from ``state``) runs."""
+def regime(method: str, step: int, state: Any) -> int:
+    """The branch of the step's conditional that step ``step`` (taken from ``state``) runs."""
     if method == "onebit_adam":
-        return "warmup" if step < ONEBIT_FREEZE else "compressed"
+        return int(step < ONEBIT_FREEZE)
     if method == "zero_one_adam":
         from jaxcomp._src.zero_one_adam import round_kind
 
-        kind = int(round_kind(step, ZERO_ONE["var_freeze_step"], *ZERO_ONE_GAPS))
-        return ("full", "compressed", "skipped")[kind]
-    return "critical" if bool(state[0].adaptive.critical) else "other"
+        return int(round_kind(step, ZERO_ONE["var_freeze_step"], *ZERO_ONE_GAPS))
+    return int(bool(state[0].adaptive.critical))
+
+
+def branch_mean(method: str, report: Any, counts: list[int], logical: bool) -> tuple:
+    """(bytes per step weighted by ``counts``, {branch name: its bytes}, {name: steps})."""
+    names = REGIMES[method]
+    each = report.branch_bytes(logical)
+    mean = report.mean_bytes_per_device(counts, logical=logical)
+    return mean, {n: each[0, i] for i, n in enumerate(names)}, dict(zip(names, counts, strict=True))
 
 
 ONEBIT_FREEZE = 50
@@ -179,7 +173,6 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp._src import accounting
 
     (xtr, ytr), (xte, yte) = load(task, seed)
     n = jax.device_count()
@@ -216,37 +209,25 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
     sample = (put(xtr[:batch]), put(ytr[:batch]))
 
-    def lowered_bytes(tx, averages: bool = True) -> float:
-        step, state = build(tx, averages)
-        text = step.lower(params, state, *sample).as_text()
-        return float(
-            sum(c.bytes_per_device for c in accounting.parse_stablehlo_collectives(text, n))
-        )
-
     step, state = build(tx, factory is not None)
-    logical_bytes = lowered_bytes(tx, factory is not None)
-    regimes = {
-        name: 0.0 if make is None else lowered_bytes(optax.chain(make(AXIS), optax.sgd(0.1)))
-        for name, make in REGIMES.get(method, {}).items()
-    }
-    taken: dict[str, int] = {}
+    report = jc.comm_report(step, params, state, *sample)
+    logical_bytes = report.logical_bytes_per_device
+    counts = [0] * len(REGIMES.get(method, ()))
     rng = np.random.RandomState(seed)
     curve = []
     start = time.perf_counter()
     for t in range(steps):
-        if regimes:
-            name = regime(method, t, state)
-            taken[name] = taken.get(name, 0) + 1
+        if counts:
+            counts[regime(method, t, state)] += 1
         idx = rng.randint(0, len(xtr), batch)
         params, state, loss = jax.block_until_ready(
             step(params, state, put(xtr[idx]), put(ytr[idx]))
         )
         curve.append(float(loss))
     seconds = time.perf_counter() - start
-    if regimes:
-        bytes_per_step = sum(regimes[k] * c for k, c in taken.items()) / max(steps, 1)
-    else:
-        bytes_per_step = logical_bytes
+    regimes, taken, bytes_per_step = {}, {}, logical_bytes
+    if counts:
+        bytes_per_step, regimes, taken = branch_mean(method, report, counts, logical=True)
     logits = logits_fn(jax.device_get(params), jnp.asarray(xte))
     return {
         "metric": "test_accuracy",
@@ -287,28 +268,12 @@ def train_char(method: str, steps: int, seed: int = 0) -> dict:
             f"{method}: its regimes are read from the state each step, which the char loop "
             "does not expose; run it on digits or mnist1d"
         )
-    regimes, taken = {}, {}
-    for name, make in REGIMES.get(method, {}).items():
-        # One step of the same model with that regime's exchange: its compiled bytes.
-        regimes[name] = (
-            0.0
-            if make is None
-            else char_transformer.train(
-                make,
-                1,
-                optimizer="adam",
-                schedule="constant",
-                seed=seed,
-                return_details=True,
-                report_bytes=True,
-            )["bytes_per_device"]
-        )
-    for t in range(steps if regimes else 0):
-        name = regime(method, t, None)
-        taken[name] = taken.get(name, 0) + 1
-    bytes_per_step = (
-        sum(regimes[k] * c for k, c in taken.items()) / steps if regimes else r["bytes_per_device"]
-    )
+    regimes, taken, bytes_per_step = {}, {}, r["bytes_per_device"]
+    if method in REGIMES:
+        counts = [0] * len(REGIMES[method])
+        for t in range(steps):
+            counts[regime(method, t, None)] += 1
+        bytes_per_step, regimes, taken = branch_mean(method, r["report"], counts, logical=False)
     return {
         "metric": "eval_loss_nats_per_byte",
         "value": r["eval_loss"],

@@ -195,7 +195,6 @@ def train(task_name: str, method: str, steps: int, eval_every: int, seed: int = 
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp._src.periodic import at_count
 
     task = Task(task_name, steps, seed)
     mesh = jax.make_mesh((task.n,), (AXIS,), axis_types=(AxisType.Explicit,))
@@ -213,7 +212,7 @@ def train(task_name: str, method: str, steps: int, eval_every: int, seed: int = 
     def make_step(fixed: int | None = None):
         def step(r, s, *batch):
             if fixed is not None:
-                s = at_count(s, fixed)
+                s = jc.at_count(s, fixed)
             if replicated:
                 p = jc.own(r)
                 loss, g = jax.value_and_grad(task.loss)(p, *batch)
@@ -361,7 +360,6 @@ def link_worker(args) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp._src.periodic import at_count
 
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     n, rank = jax.device_count(), jax.process_index()
@@ -393,7 +391,7 @@ def link_worker(args) -> None:
         def make_step(fixed=None, tx=tx, replicated=replicated, pspec=pspec, specs=specs):
             def body(r, s, x, y):
                 if fixed is not None:
-                    s = at_count(s, fixed)
+                    s = jc.at_count(s, fixed)
                 if replicated:
                     p = jc.own(r)
                     g = jax.grad(common.mlp_loss)(p, x, y)

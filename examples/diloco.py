@@ -33,7 +33,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcomp._src.periodic import at_count, schedule  # noqa: E402
+from jaxcomp._src.periodic import schedule  # noqa: E402
 
 AXIS = "data"
 
@@ -108,7 +108,7 @@ def train(
         def make_step(count=None):
             def replica_step(replicas, s, x, y):
                 if count is not None:  # a constant count: only that step's collectives
-                    s = at_count(s, count)
+                    s = jc.at_count(s, count)
                 p = jc.own(replicas)  # this device's params
                 u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
                 return jc.slot(optax.apply_updates(p, u)), s

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import pathlib
 import re
 import sys
@@ -31,6 +32,18 @@ def quickstart_code(readme: pathlib.Path) -> str:
     return match.group(1) + "\n"
 
 
+class _CompileCounter(logging.Handler):
+    """Counts jax's "Finished XLA compilation of <name>" log records."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.DEBUG)
+        self.name, self.count = name, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.count += "XLA compilation of" in message and self.name in message
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
@@ -39,14 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
+    import jax
+
+    # Count the XLA compiles of the step: params placed as the step returns them compile once
+    # (comm_report's compile is reused by the first call).
+    compiles = _CompileCounter("jit(step)")
+    logging.getLogger("jax").addHandler(compiles)
+    jax.config.update("jax_log_compiles", True)
     out = io.StringIO()
     namespace = {"__name__": "__main__"}
     with contextlib.redirect_stdout(out):
         exec(compile(quickstart_code(args.readme), str(args.readme), "exec"), namespace)
+    jax.config.update("jax_log_compiles", False)
     printed = out.getvalue()
     print(printed, end="")
-
-    import jax
 
     import jaxcomp
 
@@ -63,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     # sign: 1 bit + a scale per block for w; the 16-float bias goes through plain pmean.
     assert float(saving.group(1)) > 20, printed
     assert jax.device_count() == 8
+    assert compiles.count <= 1, f"the step compiled {compiles.count} times"
+    print(f"step compiled {compiles.count} time(s)")
     print("quickstart OK")
     return 0
 

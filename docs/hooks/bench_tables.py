@@ -443,8 +443,15 @@ def _generic(data: Any, path: pathlib.Path) -> str:
         text = _markdown((["key", "value"], [[k, _fmt(v)] for k, v in scalars.items()]))
     else:
         text = f"`{json.dumps(data)[:200]}`"
-    command = f"python -m benchmarks.{path.stem.removesuffix('_quick')}"
-    return f"{text}\n\n" + _source(path, data, command)
+    return f"{text}\n\n" + _source(path, data, f"python -m benchmarks.{_module(path.stem)}")
+
+
+def _module(stem: str) -> str:
+    """The benchmark module that writes ``stem`` (``hot_path_before_h100host`` is written by
+    ``hot_path`` with ``--out``): the longest module name that ``stem`` starts with."""
+    modules = [p.stem for p in (ROOT / "benchmarks").glob("*.py")]
+    found = [m for m in modules if stem == m or stem.startswith(m + "_")]
+    return max(found, key=len) if found else stem.removesuffix("_quick")
 
 
 def _diloco(data: dict[str, Any], path: pathlib.Path) -> str:
@@ -601,7 +608,7 @@ def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str]:
     variants = [k for k in RENDERERS if name.startswith(k + "_")]
     if variants:
         return RENDERERS[max(variants, key=len)]
-    return _generic, f"python -m benchmarks.{name}"
+    return _generic, f"python -m benchmarks.{_module(name)}"
 
 
 def render(name: str) -> str:

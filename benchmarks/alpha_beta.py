@@ -32,7 +32,6 @@ benchmark measures those. Writes ``benchmarks/results/alpha_beta.json`` and
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -142,13 +141,17 @@ def draw(rows, path, title) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="alpha_beta.json and .png (`--name`: another stem; `--quick`: alpha_beta_quick.*)",
+        takes="a few seconds (a model in Python; it reads codec_speed.json)",
+    )
     ap.add_argument("--quick", action="store_true", help="same model, written as *_quick")
     ap.add_argument("--params", type=float, default=25e6, help="gradient floats d")
-    ap.add_argument("--compute-ms", type=float, default=100.0)
+    ap.add_argument("--compute-ms", type=float, default=100.0, help="compute time of one step (ms)")
     ap.add_argument("--alpha-us", type=float, default=20.0, help="latency per message")
     ap.add_argument("--codec-scale", type=float, default=1.0, help="multiplies measured codec cost")
-    ap.add_argument("--codecs", nargs="+", default=CODECS)
+    ap.add_argument("--codecs", nargs="+", default=CODECS, help="codecs modelled")
     ap.add_argument("--name", default="alpha_beta", help="output file stem (keep variants apart)")
     args = ap.parse_args(argv)
     costs, source = codec_costs()

@@ -319,13 +319,25 @@ def data_parallel(step, tx, params, workers=None, batches=1, outputs=0):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rank", type=int, default=4)
-    parser.add_argument("--optimizer", choices=("adam", "sgd", "plain_sgd"), default="adam")
-    parser.add_argument("--lr", type=float, default=None)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Writes no file: prints the held-out loss of each run (the convergence "
+        "benchmarks call train() and write the results). 300 steps take a few minutes on "
+        "8 CPU devices.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD rank")
+    parser.add_argument(
+        "--optimizer", choices=("adam", "sgd", "plain_sgd"), default="adam", help="the optimizer"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (None: the optimizer's)"
+    )
     parser.add_argument("--start-step", type=int, default=10, help="PowerSGD warm-up steps")
-    parser.add_argument("--batch-per-device", type=int, default=2)
+    parser.add_argument(
+        "--batch-per-device", type=int, default=2, help="sequences per device per step"
+    )
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument(
         "--workers", type=int, help="emulate this many workers on one device (jax.vmap)"

@@ -11,6 +11,7 @@ Every benchmark imports it as ``from benchmarks import common`` and is run as
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -291,3 +293,27 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- --help
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with every option's default and the epilog's paragraphs kept."""
+
+
+def arg_parser(doc: str, *, writes: str, takes: str) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark script. Its ``--help`` gives the first paragraph of
+    the script's docstring, every option's default, which result files a run overwrites and
+    how long a run takes (``takes``: measured on the hosts named)."""
+    epilog = (
+        f"Writes {writes} in benchmarks/results/ (or in $JAXCOMP_BENCH_RESULTS), replacing "
+        "the committed file of that name: the docs' tables are rendered from it "
+        "(`python -m docs.hooks.bench_tables --write` re-renders them; `git checkout "
+        f"benchmarks/results` undoes a run). Takes {takes}."
+    )
+    return argparse.ArgumentParser(
+        description=" ".join(doc.strip().split("\n\n")[0].split()),
+        epilog="\n".join(textwrap.wrap(epilog, 88)),
+        formatter_class=HelpFormatter,
+    )

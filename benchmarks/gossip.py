@@ -635,7 +635,14 @@ def draw(out: dict, quick: bool, label: str | None = None) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes=(
+            "gossip.json and gossip_PART.png (`--label L`: gossip_L.*; `--merge` keeps the other "
+            "parts)"
+        ),
+        takes="about 20 minutes on the 2-core CPU host (1,169 s); the network part needs root",
+    )
     ap.add_argument("--quick", action="store_true", help="digits 100 steps, mixing, bytes")
     ap.add_argument(
         "--parts",
@@ -644,8 +651,12 @@ def main(argv=None) -> int:
         choices=("convergence", "mixing", "bytes", "network"),
         help="default: all (--quick: convergence, mixing, bytes)",
     )
-    ap.add_argument("--tasks", nargs="+", choices=list(STEPS), default=None)
-    ap.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    ap.add_argument(
+        "--tasks", nargs="+", choices=list(STEPS), default=None, help="tasks (None: all)"
+    )
+    ap.add_argument(
+        "--methods", nargs="+", choices=list(METHODS), default=list(METHODS), help="methods"
+    )
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
     ap.add_argument("--char-lr", type=float, default=3e-3, help="char task: Adam's peak lr")
     ap.add_argument("--cd-every", type=int, default=50, help="consensus distance every k steps")

@@ -21,7 +21,6 @@ backend and device are recorded. Writes ``benchmarks/results/gpu_step.json`` and
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import statistics
 import sys
@@ -115,7 +114,11 @@ def draw(rows: list[dict], path, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="gpu_step.json and .png (`--out`: another path; `--quick`: gpu_step_quick.*)",
+        takes="10-20 s on an H100; `--quick` under a minute on a CPU",
+    )
     ap.add_argument(
         "--quick", action="store_true", help=f"MLP {QUICK_MLP}, {QUICK_CODECS}".replace("%", "%%")
     )

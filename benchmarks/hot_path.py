@@ -25,7 +25,6 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -183,9 +182,20 @@ def draw(data: dict, path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="hot_path.json and .png (`--label L`: hot_path_L.*; `--quick`: *_quick)",
+        takes="under a minute of timed calls on the 2-core CPU host (41 s), plus compiles",
+    )
     ap.add_argument("--quick", action="store_true", help="a 1.6M-param MLP, 3 rows")
-    ap.add_argument("--rows", nargs="+", default=None, choices=list(ROWS), metavar="ROW")
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        default=None,
+        choices=list(ROWS),
+        metavar="ROW",
+        help="rows to run (None: all)",
+    )
     ap.add_argument("--reps", type=int, default=7, help="timed calls per row (at least 7)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
     ap.add_argument("--label", default=None, help="write hot_path_LABEL.json (e.g. before)")

@@ -26,7 +26,6 @@ of issue 14) the params' specs are passed too. Writes
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import re
@@ -213,7 +212,11 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="mesh_bytes.json (`--label L`: mesh_bytes_L.json; `--quick`: *_quick)",
+        takes="10-20 s on the 2-core CPU host",
+    )
     ap.add_argument("--quick", action="store_true", help="a 256-1024-256 MLP")
     ap.add_argument("--sizes", type=int, nargs=3, default=None, help="d_in hidden d_out")
     ap.add_argument("--codec", default="sign", help="the compressed rows' codec (default sign)")

@@ -550,9 +550,15 @@ def draw(rows: list[dict], path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="network.json and .png (`--label L`: network_L.*; `--quick`: *_quick)",
+        takes="2-11 minutes (98-641 s; needs root and iproute2 for the shaped link)",
+    )
     ap.add_argument("--quick", action="store_true", help="1gbit, 4M floats, pmean + sign")
-    ap.add_argument("--rates", nargs="+", default=None)
+    ap.add_argument(
+        "--rates", nargs="+", default=None, help="tc rates (None: 1gbit 100mbit 10gbit)"
+    )
     ap.add_argument(
         "--codecs",
         nargs="+",
@@ -561,7 +567,7 @@ def main(argv=None) -> int:
             f"default {' '.join(CODECS)} (powersgdR: rank R; NAME@STRATEGY, e.g. fp16@two_phase)"
         ).replace("%", "%%"),
     )
-    ap.add_argument("-n", "--num-processes", type=int, default=2)
+    ap.add_argument("-n", "--num-processes", type=int, default=2, help="JAX processes")
     ap.add_argument("--size", type=int, default=None, help="gradient floats (default 25M)")
     ap.add_argument("--reps", type=int, default=None, help="timed calls (default 5; 2 at <1gbit)")
     ap.add_argument("--batch", type=int, default=8, help="MLP batch per process")

@@ -241,13 +241,17 @@ def draw(ax, table: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=1 << 20)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap = common.arg_parser(
+        __doc__,
+        writes="scale_bytes.json and .png (`--quick`: *_quick; `--only` merges into the file)",
+        takes="minutes (not recorded); `--quick` is a smoke run",
+    )
+    ap.add_argument("--size", type=int, default=1 << 20, help="vector floats (bytes part)")
+    ap.add_argument("--steps", type=int, default=1000, help="digits training steps")
+    ap.add_argument("--seeds", type=int, default=3, help="digits seeds per row")
     ap.add_argument("--quick", action="store_true", help="100 steps, 1 seed, small vector")
     ap.add_argument("--bytes-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--skip-digits", action="store_true")
+    ap.add_argument("--skip-digits", action="store_true", help="bytes part only")
     ap.add_argument(
         "--only",
         action="append",

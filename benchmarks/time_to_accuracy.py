@@ -535,18 +535,22 @@ def run_rate(ns, rate: str, args, procs: list) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = common.arg_parser(
+        __doc__,
+        writes="time_to_accuracy.json and .png (after every rate)",
+        takes="about 1 hour for both rates (3,516 s; needs root and iproute2 for the shaped link)",
+    )
     ap.add_argument("--quick", action="store_true", help="1gbit, digits, none + sgd-sign")
     ap.add_argument("--rates", nargs="+", default=None, help=f"default {' '.join(RATES)}")
-    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=None)
+    ap.add_argument("--tasks", nargs="+", choices=TASKS, default=None, help="tasks (None: all)")
     ap.add_argument(
         "--methods", nargs="+", default=None, help=f"default {' '.join(METHODS)}".replace("%", "%%")
     )
     ap.add_argument("--steps", type=int, default=None, help=f"per task default {STEPS}")
     ap.add_argument("--eval-every", type=int, default=None, help=f"default {EVAL_EVERY}")
     ap.add_argument("--tol", type=float, default=TOL, help="loss targets: <= target*(1+tol)")
-    ap.add_argument("-n", "--num-processes", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-n", "--num-processes", type=int, default=2, help="JAX processes")
+    ap.add_argument("--seed", type=int, default=0, help="initialization and batches")
     ap.add_argument("--no-torch", action="store_true", help="no torch DDP PowerSGD runs")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per rate, bounded")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -30,7 +30,6 @@ another path for part 1)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -180,10 +179,17 @@ def wire_bytes(sizes=(2, 4, 8)) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", type=int, default=1 << 24)
-    parser.add_argument("--ratio", type=float, default=0.001)
-    parser.add_argument("--reps", type=int, default=7)
+    parser = common.arg_parser(
+        __doc__,
+        writes=(
+            "topk_speed.json (`--out`: another path) and sparse_wire_bytes.json (unless "
+            "`--no-wire-bytes`)"
+        ),
+        takes="a few minutes on the 2-core CPU host (not recorded)",
+    )
+    parser.add_argument("--size", type=int, default=1 << 24, help="values to select from")
+    parser.add_argument("--ratio", type=float, default=0.001, help="k / size")
+    parser.add_argument("--reps", type=int, default=7, help="timed calls (median)")
     parser.add_argument(
         "--more-ratios",
         nargs="*",

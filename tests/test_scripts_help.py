@@ -9,6 +9,7 @@ All scripts start in parallel: each import of jax takes a second or two.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,17 @@ def test_script_answers_help(helps, script):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:500]
     assert "--" in proc.stdout  # it lists its options
+
+
+@pytest.mark.parametrize("script", [s for s in COMMANDS if s.startswith("benchmarks/")])
+def test_benchmark_help_says_defaults_what_it_writes_and_how_long(helps, script):
+    """Every option (but --help) has a help text with its default; the epilog names the files
+    a run overwrites (or that it writes none) and how long it takes."""
+    text = helps[script].stdout
+    options = re.findall(r"^  -", text, re.M)
+    assert text.count("(default:") == len(options) - 1, text
+    out = " ".join(text.split())
+    assert "Writes " in out and ("Takes " in out or " take " in out), out[-600:]
 
 
 def test_multihost_run_directly_says_how_to_launch():

@@ -636,7 +636,9 @@ def top_k(
     what is not sent until it grows large enough (Stich et al., 2018). See :class:`TopK`.
 
     Args:
-      ratio: fraction of coordinates sent, in (0, 1].
+      ratio: fraction of coordinates sent, in (0, 1]: a fraction, not a percentage.
+        ``top_k(1)`` sends every coordinate (no compression); 1% is ``top_k(0.01)``, the codec
+        that ``jc.get_codec("topk1%")`` names (registry names are percentages).
       approx: how the ``k`` entries are selected (see :class:`TopK`): ``False`` /
         ``"exact"`` (``jax.lax.top_k``), ``"blocked"`` (two-stage, the same set as exact
         top-k, faster on large vectors), ``"sample"`` (DGC's sampled threshold, fixed

@@ -33,11 +33,13 @@ def test_no_committed_table_is_stale():
 def test_every_marker_holds_its_table():
     for page in PAGES:
         text = page.read_text()
-        begins = re.findall(r"<!--\s*bench:(\w+)\s*-->", text)
-        ends = re.findall(r"<!--\s*/bench:(\w+)\s*-->", text)
+        begins = re.findall(r"^<!--\s*bench:(\w+)\s*-->$", text, re.M)
+        ends = re.findall(r"^<!--\s*/bench:(\w+)\s*-->$", text, re.M)
         assert begins == ends, f"{page.name}: a marker without its table"
         for name in begins:
-            body = text.split(f"<!-- bench:{name} -->", 1)[1].split(f"<!-- /bench:{name} -->")[0]
+            body = text.split(f"\n<!-- bench:{name} -->\n", 1)[1].split(f"<!-- /bench:{name} -->")[
+                0
+            ]
             assert "|---|" in body or "No other result files" in body, (page.name, name)
             assert "rendered generically" not in body, (page.name, name)  # a format changed
 

@@ -36,12 +36,13 @@ from typing import Any
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-MARKER = re.compile(r"<!--\s*bench:([A-Za-z0-9_]+)\s*-->")
+# Markers stand on lines of their own (a marker quoted inside a sentence is text).
+MARKER = re.compile(r"^<!--\s*bench:([A-Za-z0-9_]+)\s*-->[ \t]*$", re.MULTILINE)
 # A begin marker, and the table up to its end marker when the page already holds one.
 BLOCK = re.compile(
-    r"<!--\s*bench:(?P<name>[A-Za-z0-9_]+)\s*-->"
-    r"(?:(?P<body>.*?)<!--\s*/bench:(?P=name)\s*-->)?",
-    re.DOTALL,
+    r"^<!--\s*bench:(?P<name>[A-Za-z0-9_]+)\s*-->[ \t]*$"
+    r"(?:(?P<body>.*?)^<!--\s*/bench:(?P=name)\s*-->[ \t]*$)?",
+    re.DOTALL | re.MULTILINE,
 )
 WRITE_COMMAND = "python -m docs.hooks.bench_tables --write"
 log = logging.getLogger("mkdocs.hooks.bench_tables")

@@ -356,7 +356,6 @@ def build(task: Task, recipe: Recipe, run: Run, fixed: int | None = None):
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp._src.periodic import at_count
 
     n = task.n
     if recipe.kind == "dp":
@@ -386,7 +385,7 @@ def build(task: Task, recipe: Recipe, run: Run, fixed: int | None = None):
 
         def step(r, s, tokens):
             if fixed is not None:
-                s = at_count(s, fixed)
+                s = jc.at_count(s, fixed)
             # Varying over the data axis too: no implicit all-reduce by grad.
             p = jc.own(r)
             local = jax.lax.pcast(p, AXIS, to="varying")
@@ -561,12 +560,12 @@ def draw(runs: list[dict], path: pathlib.Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=(
-            "Overwrites benchmarks/results/lm.json and lm.png (lm_quick.* with --quick, lm_TAG.* "
-            "with --tag). Time: the cpu config takes 2-10 min per recipe on 8 CPU devices of a "
-            "loaded 2-core machine (hours for every recipe); --quick a few minutes."
+    parser = common.arg_parser(
+        __doc__,
+        writes="lm.json and lm.png (lm_quick.* with --quick, lm_TAG.* with --tag)",
+        takes=(
+            "2-10 min per recipe with the cpu config on 8 CPU devices of a loaded 2-core "
+            "machine (hours for every recipe); --quick a few minutes"
         ),
     )
     parser.add_argument(
@@ -575,16 +574,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"smoke run: the cpu config for {QUICK_STEPS} steps, recipes {QUICK_RECIPES} "
         "unless --recipes; writes lm_quick.*",
     )
-    parser.add_argument("--config", choices=tuple(CONFIGS), default=None)
     parser.add_argument(
-        "--recipes", nargs="+", default=None, help="names in RECIPES (default: every one)"
+        "--config", choices=tuple(CONFIGS), default=None, help="model and run size (None: cpu)"
+    )
+    parser.add_argument(
+        "--recipes", nargs="+", default=None, help="names in RECIPES (None: every one)"
     )
     parser.add_argument("--data", default="pydoc", help="'pydoc' or a UTF-8 text file")
     for k in ("d_model", "layers", "heads", "context", "batch_per_device", "steps"):
-        parser.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+        parser.add_argument(
+            "--" + k.replace("_", "-"), type=int, default=None, help="None: the config's"
+        )
     parser.add_argument("--lr", type=float, default=None, help="AdamW's peak learning rate")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="initialization and batches")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")
     parser.add_argument("--resume", action="store_true", help="keep the recipes already run")

@@ -17,7 +17,6 @@ Writes ``benchmarks/results/memory.json`` (``--quick``: memory_quick.json, a sma
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from benchmarks import common
@@ -91,10 +90,10 @@ def measure(name: str, tx, plain: bool, params, mesh, batch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Overwrites benchmarks/results/memory.json (memory_quick.json with --quick).",
+    ap = common.arg_parser(
+        __doc__,
+        writes="memory.json (memory_quick.json with --quick)",
+        takes="one compile per transform (duration not recorded; --quick is a small MLP)",
     )
     ap.add_argument("--quick", action="store_true", help=f"a small MLP {QUICK_MLP}")
     ap.add_argument("--devices", type=int, default=8, help="simulated CPU devices")

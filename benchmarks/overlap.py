@@ -160,10 +160,10 @@ def _row(name: str, kind: str, compute: float, exchange: float, step: float) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Overwrites benchmarks/results/overlap.json (or overlap_LABEL.json).",
+    ap = common.arg_parser(
+        __doc__,
+        writes="overlap.json (or overlap_LABEL.json with --label)",
+        takes="up to --timeout seconds per rate (duration not recorded; needs root and iproute2)",
     )
     ap.add_argument("--rates", nargs="+", default=["1gbit"], help="tc rates to shape the link")
     ap.add_argument("-n", "--num-processes", type=int, default=2, help="JAX processes")

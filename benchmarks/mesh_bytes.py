@@ -22,10 +22,17 @@ of issue 14) the params' specs are passed too. Writes
     python -m benchmarks.mesh_bytes --label before     # mesh_bytes_before.json
     python -m benchmarks.mesh_bytes                    # mesh_bytes.json
     python -m benchmarks.mesh_bytes --quick            # a 256-1024-256 MLP (smoke test)
+    python -m benchmarks.mesh_bytes --explicit         # mesh_bytes_explicit.json
+
+``--explicit``: the model axis is ``AxisType.Explicit`` and each step runs inside
+``jax.sharding.auto_axes(step, axes="model", out_sharding=...)``, the pattern jaxcomp names
+when it refuses params sharded over an Explicit axis (a ``shard_map`` manual over the data
+axis alone gathers every operand sharded over an Explicit axis at its boundary).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -103,7 +110,7 @@ def state_and_specs(tx, params, mesh, pspecs):
     return state, jc.state_specs(state, DATA)
 
 
-def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
+def measure(sharded: bool, method: str, sizes, run: bool, explicit: bool = False) -> dict:
     import warnings
 
     import jax
@@ -115,7 +122,8 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
     import jaxcomp as jc
 
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    mesh = jax.make_mesh(MESH, (DATA, MODEL), axis_types=(AxisType.Explicit, AxisType.Auto))
+    model_type = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh(MESH, (DATA, MODEL), axis_types=(AxisType.Explicit, model_type))
     d_in, hidden, d_out = sizes
     rng = np.random.RandomState(0)
     host = {
@@ -141,7 +149,7 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
         tx = opt
     else:
         # Each device compresses its own block of the model-sharded leaves (param_specs).
-        blocks = {"param_specs": pspecs} if sharded else {}
+        blocks = {"param_specs": pspecs}  # P() everywhere when replicated: no warning
         tx = optax.chain(jc.compressed_allreduce(common.make_codec(method), DATA, **blocks), opt)
     state, sspecs = state_and_specs(tx, params, mesh, pspecs)
 
@@ -152,18 +160,24 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
+    stepped = jax.shard_map(
+        step,
+        mesh=None if explicit else mesh,  # explicit: the context mesh (auto_axes makes it)
+        in_specs=(P(), sspecs, P(DATA), P(DATA)),
+        out_specs=(P(), sspecs),
+        axis_names={DATA},
+    )
+    if explicit:  # the model axis made Auto for the step: jaxcomp refuses it Explicit
+        layout = (pspecs, jax.tree.map(lambda a: a.sharding.spec, state))
+        stepped = jax.sharding.auto_axes(stepped, axes=MODEL, out_sharding=layout)
     fn = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), sspecs, P(DATA), P(DATA)),
-            out_specs=(P(), sspecs),
-            axis_names={DATA},
-        ),
+        stepped,
         donate_argnums=(0, 1),
         out_shardings=(pshard, jax.tree.map(lambda a: a.sharding, state)),
     )
-    report = jc.comm_report(fn, params, state, x, y)
+    context = jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
+    with context:
+        report = jc.comm_report(fn, params, state, x, y)
     kernel = min(d_in * hidden, hidden * d_out)
     threshold = 0.5 * 4 * kernel / MESH[1]
 
@@ -206,7 +220,8 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
         "f32_gradient_sized_over_model": suspects,
     }
     if run:  # prove it runs: one step, blocked
-        params, state = jax.block_until_ready(fn(params, state, x, y))
+        with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+            params, state = jax.block_until_ready(fn(params, state, x, y))
         row["ran"] = bool(all(np.isfinite(np.asarray(v)).all() for v in params.values()))
     return row
 
@@ -214,7 +229,10 @@ def measure(sharded: bool, method: str, sizes, run: bool) -> dict:
 def main(argv=None) -> int:
     ap = common.arg_parser(
         __doc__,
-        writes="mesh_bytes.json (`--label L`: mesh_bytes_L.json; `--quick`: *_quick)",
+        writes=(
+            "mesh_bytes.json (`--label L`: mesh_bytes_L.json; `--explicit`: "
+            "mesh_bytes_explicit.json; `--quick`: *_quick)"
+        ),
         takes="10-20 s on the 2-core CPU host",
     )
     ap.add_argument("--quick", action="store_true", help="a 256-1024-256 MLP")
@@ -222,6 +240,11 @@ def main(argv=None) -> int:
     ap.add_argument("--codec", default="sign", help="the compressed rows' codec (default sign)")
     ap.add_argument("--no-run", action="store_true", help="compile only, do not run one step")
     ap.add_argument("--label", default=None, help="write mesh_bytes_LABEL.json (e.g. before)")
+    ap.add_argument(
+        "--explicit",
+        action="store_true",
+        help="an Explicit model axis, made Auto for the step (jax.sharding.auto_axes)",
+    )
     args = ap.parse_args(argv)
     sizes = tuple(args.sizes or (QUICK_SIZES if args.quick else SIZES))
 
@@ -232,7 +255,7 @@ def main(argv=None) -> int:
     rows = []
     for method in ["pmean", args.codec]:
         for sharded in (True, False):
-            row = measure(sharded, method, sizes, run=not args.no_run)
+            row = measure(sharded, method, sizes, run=not args.no_run, explicit=args.explicit)
             rows.append(row)
             print(
                 f"{row['params']:17s} {method:6s} {row['bytes_per_device'] / 1e6:9.3f} MB/device"
@@ -255,6 +278,7 @@ def main(argv=None) -> int:
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
         "label": args.label,
         "mesh": {DATA: MESH[0], MODEL: MESH[1]},
+        "model_axis": "Explicit, made Auto for the step" if args.explicit else "Auto",
         "sizes": list(sizes),
         "params": sizes[0] * sizes[1] + sizes[1] + sizes[1] * sizes[2] + sizes[2],
         "codec": args.codec,
@@ -265,7 +289,8 @@ def main(argv=None) -> int:
         "seconds": round(time.perf_counter() - start, 1),
         "rows": rows,
     }
-    name = "mesh_bytes" + (f"_{args.label}" if args.label else "")
+    label = args.label or ("explicit" if args.explicit else None)
+    name = "mesh_bytes" + (f"_{label}" if label else "")
     common.write_json(common.result_path(name, args.quick), out)
     return 0
 

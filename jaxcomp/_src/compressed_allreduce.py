@@ -166,9 +166,10 @@ def compressed_allreduce(
     gradient on any device makes the compressed output NaN on every device and leaves the
     whole state unchanged, so ``optax.apply_if_finite`` can skip the step and lose nothing.
     Put it around the optimizer that follows (``optax.chain(jc.compressed_allreduce(...),
-    optax.apply_if_finite(optax.sgd(...), 3))``): wrapped around the whole chain under
-    ``shard_map``, its reject branch returns the per-device gradients, which do not match the
-    replicated mean and fail the vma check.
+    optax.apply_if_finite(optax.sgd(...), 3))``), or wrap the whole chain in
+    ``jc.apply_if_finite(chain, axis_name, 3)``. ``optax.apply_if_finite`` around this
+    transform decides per device (a device that skips would leave the others waiting in the
+    exchange) and is refused at trace time.
 
     Args:
       codec: a jaxcomp codec, e.g. ``jc.int_quant(8)``, ``jc.sign()``.

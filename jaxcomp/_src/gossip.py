@@ -110,8 +110,9 @@ def gossip(
 
     A non-finite gradient (or inner update) on any device makes every device's output NaN
     and leaves the whole state, the inner state and the public copies, unchanged on every
-    device (one 4-byte flag all-reduce keeps the verdict identical), so
-    ``optax.apply_if_finite`` around the gossip skips the step everywhere.
+    device (one 4-byte flag all-reduce keeps the verdict identical). To skip such a step
+    on every device wrap the gossip in ``jc.apply_if_finite(tx, axis_name, 3)``;
+    ``optax.apply_if_finite`` around it decides per device and is refused at trace time.
 
     Args:
       inner: the optax transform each device steps with (e.g. ``optax.adam(1e-3)``); its

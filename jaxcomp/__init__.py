@@ -40,6 +40,7 @@ from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.finite import apply_if_finite
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
+from jaxcomp._src.nnx import nnx_optimizer, nnx_state_specs
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
@@ -97,6 +98,8 @@ __all__ = [
     "identity",
     "int_quant",
     "natural",
+    "nnx_optimizer",
+    "nnx_state_specs",
     "OneBitAdamState",
     "ZeroOneAdamState",
     "zero_one_adam",

@@ -274,7 +274,9 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
-        skeleton.check_state("compressed_allreduce", state, lambda: fields(layout), layout, flat)
+        skeleton.check_state(
+            "compressed_allreduce", state, lambda: fields(layout), layout, flat, axis_name
+        )
         grads = layouts.compressed_vectors(updates, layout)
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
         momentum = None

@@ -218,6 +218,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
                 for k in ("inner", "anchor", "outer", "pending")
                 if k in fields
             },
+            cfg.axis_name,
         )
         groups = groups_of(cfg, params)
         inner_old = jax.tree.map(lambda a: a[0], state.inner)

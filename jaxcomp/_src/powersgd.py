@@ -476,7 +476,13 @@ def powersgd(
         n_dev = skeleton.begin("powersgd", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
         p = plan(updates)
-        skeleton.check_state("powersgd", state, lambda: fields(p, jax.random.PRNGKey(0)), p.layout)
+        skeleton.check_state(
+            "powersgd",
+            state,
+            lambda: fields(p, jax.random.PRNGKey(0)),
+            p.layout,
+            axis_name=axis_name,
+        )
         key, step_key = jax.random.split(state.key)
         plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, layouts.PLAIN)])
         lows = _leaves_of(updates, p.layout, layouts.COMPRESSED)

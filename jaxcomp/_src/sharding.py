@@ -36,6 +36,18 @@ def _names(axis_name: Any) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
+def check_mesh_axes(mesh: Any, axis_name: Any, argument: str = "axis_name") -> None:
+    """Raise a ValueError naming ``argument`` if ``mesh`` lacks one of the axes in ``axis_name``."""
+    names = _names(axis_name)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if not names or missing:
+        raise ValueError(
+            f"`{argument}`={axis_name!r} names {missing or 'no'} axis that the mesh does not have "
+            f"(the mesh's axes: {tuple(mesh.axis_names)}); pass the data axis of the mesh, "
+            f"e.g. {argument}={mesh.axis_names[0]!r}."
+        )
+
+
 def spec_of(x: Any) -> P:
     """A PartitionSpec from a spec, a ``NamedSharding`` or an array carrying one."""
     if isinstance(x, P):
@@ -140,10 +152,47 @@ def state_specs(
     param's own spec behind the data axis, ``P("data", *param_spec)`` (replicated fields:
     ``param_spec``), so each device holds only its model shard of every memory.
     """
+    if mesh is not None:
+        check_mesh_axes(mesh, axis_name, "axis_name")
+    if type(state).__name__ == "Optimizer" and _from_nnx(state):
+        from jaxcomp._src.nnx import nnx_state_specs
+
+        return nnx_state_specs(state, axis_name, param_specs, params, mesh)
+    state = _unwrap_nnx(state, axis_name)
     lead = tuple(_names(axis_name))
     lead = (lead if len(lead) > 1 else lead[0],)
     context = None if param_specs is None else _param_context(param_specs, params, mesh)
     return _specs(state, lead, context)
+
+
+def _from_nnx(x: Any) -> bool:
+    return type(x).__module__.startswith("flax.nnx")
+
+
+def _unwrap_nnx(state: Any, axis_name: Any) -> Any:
+    """The state with Flax NNX Variables taken off its arrays (``optimizer.opt_state``); a
+    flattened NNX state (``nnx.split`` / ``nnx.state`` of an optimizer: NNX turned the state's
+    NamedTuples into dicts, so per-device fields cannot be told apart) is refused."""
+
+    def is_variable(x):
+        return _from_nnx(x) and hasattr(x, "get_value")
+
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: is_variable(x) or is_sharded_state(x))
+    if not any(is_variable(x) for x in nodes):
+        return state
+    if not any(is_sharded_state(x) for x in nodes):
+        raise ValueError(
+            "jc.state_specs got Flax NNX variables (nnx.split / nnx.state of an nnx.Optimizer) "
+            "and no jaxcomp state: NNX flattened the state's NamedTuples into dicts, so the "
+            "per-device fields (error-feedback memories) cannot be told from replicated ones "
+            "and would all get P(). Pass the optimizer itself: "
+            f"jc.nnx_state_specs(optimizer, {axis_name!r}) (or jc.state_specs(optimizer, "
+            f"{axis_name!r})), the optimizer built by jc.nnx_optimizer(model, tx, mesh, "
+            f"{axis_name!r})."
+        )
+    return jax.tree.map(
+        lambda x: x.get_value() if is_variable(x) else x, state, is_leaf=is_variable
+    )
 
 
 def _specs(state: Any, lead: tuple, context: tuple | None) -> Any:
@@ -210,6 +259,7 @@ def sharded_init(
     the arrays carry their model sharding).
     """
     names = _names(axis_name)
+    check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
         abstract = abstract_init(tx, params, mesh, axis_name)
         manual = state_specs(abstract, axis_name)

@@ -34,7 +34,92 @@ def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name:
     layouts.check_like_params(updates, params, name)
     n = collectives.axis_size(axis_name)
     collectives.check_inner_axis(axis_name, inner_axis_name)
+    check_varying_gradients(name, updates, axis_name)
     return n
+
+
+# --------------------------------------------------------------------------- varying axes (vma)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` may differ between devices: jax's
+    varying-manual-axes type (``jax.typeof(x).vma``), empty where jax does not track it."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def tracks_variance(axis_name: Any) -> bool:
+    """True inside ``jax.shard_map(..., check_vma=True)`` over every axis of ``axis_name``:
+    there a value's type says whether it differs per device. ``pmap``, ``vmap`` and
+    ``check_vma=False`` do not track it (``axis_index`` is then typed invariant)."""
+    names = collectives.axis_names(axis_name)
+    return all(a in varying_axes(jax.lax.axis_index(a)) for a in names)
+
+
+def _invariant_leaves(tree: Any, names: tuple) -> list[str]:
+    """Paths of the non-scalar floating leaves of ``tree`` typed invariant over ``names``."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact) or jnp.ndim(leaf) == 0:
+            continue
+        if not set(names) <= varying_axes(leaf):
+            out.append(jax.tree_util.keystr(path))
+    return out
+
+
+def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
+    """Refuse gradients already identical on every device (``check_vma=True`` only).
+
+    Params that enter ``shard_map`` replicated (``P()``) are invariant over the data axis;
+    ``jax.grad`` of them transposes the implicit ``pcast`` into a float32 ``psum``: every
+    device then holds the SUM of all gradients, sends that same sum through the codec, and
+    the mean that comes back is the sum — a step ``n`` times too large, after a full
+    uncompressed all-reduce. Nothing of this is detectable without ``check_vma``.
+    """
+    if not tracks_variance(axis_name):
+        return
+    names = collectives.axis_names(axis_name)
+    bad = _invariant_leaves(updates, names)
+    if bad:
+        raise ValueError(
+            f"{name}: the gradients at {_short(bad)} are identical on every device of "
+            f"axis {axis_name!r} (jax's varying-axes type: invariant). They were already "
+            "summed over the devices: params passed to shard_map as P() and differentiated "
+            "directly get an implicit float32 all-reduce of their gradients, so every device "
+            "would send the same sum and the step would come out n times too large. Make the "
+            f"params per-device before the gradient: jax.lax.pcast(params, {axis_name!r}, "
+            f"to='varying') (Flax NNX: jax.lax.pcast(model, {axis_name!r}, to='varying') "
+            "before nnx.grad). Gradients meant to be equal on every device need no exchange: "
+            "use the plain optax optimizer."
+        )
+
+
+def check_per_device(name: str, state: Any, axis_name: Any) -> None:
+    """Refuse a per-device state field that entered the step replicated (``check_vma=True``).
+
+    Per-device fields (``PER_DEVICE_FIELDS``: error-feedback memories, per-device momenta)
+    must enter ``shard_map`` with ``P(axis_name)``; entered as ``P()`` every device starts
+    from one copy and only one device's copy leaves the step.
+    """
+    fields = getattr(type(state), "PER_DEVICE_FIELDS", ())
+    if not fields or not tracks_variance(axis_name):
+        return
+    names = collectives.axis_names(axis_name)
+    for field in fields:
+        bad = _invariant_leaves(getattr(state, field), names)
+        if bad:
+            raise ValueError(
+                f"{name} state field `{field}` (one value per device) entered the step "
+                f"replicated over axis {axis_name!r} (at {_short(bad)}): every device would "
+                "start from the same copy and only one device's copy would be kept. Build the "
+                f"state with jc.sharded_init(tx, params, mesh, {axis_name!r}) and pass "
+                f"jc.state_specs(state, {axis_name!r}) as its in_specs and out_specs; with "
+                f"Flax NNX, jc.nnx_optimizer(model, tx, mesh, {axis_name!r}) and "
+                f"jc.nnx_state_specs(optimizer, {axis_name!r}) for nnx.shard_map."
+            )
 
 
 def zeros_like_compressed(layout: layouts.Layout, shape_fn: Callable | None = None) -> Any:
@@ -77,12 +162,15 @@ def vectors(field: Any) -> list[jax.Array]:
     return [jnp.ravel(a) for a in layouts.field_leaves(field)]
 
 
-def check_fields(name: str, state: Any, expected: dict[str, Any]) -> None:
+def check_fields(name: str, state: Any, expected: dict[str, Any], axis_name: Any = None) -> None:
     """Raise a clear error if a state field does not have the expected structure and shapes.
 
     ``expected`` maps a field name to a tree of ``jax.ShapeDtypeStruct`` (or None) built for
-    the current gradients, e.g. ``jax.eval_shape`` of the init.
+    the current gradients, e.g. ``jax.eval_shape`` of the init. Given ``axis_name``, the
+    per-device fields must also vary over it (:func:`check_per_device`).
     """
+    if axis_name is not None:
+        check_per_device(name, state, axis_name)
     for field, want in expected.items():
         got = getattr(state, field)
         got_s = jax.tree.map(lambda a: tuple(jnp.shape(a)), got)
@@ -100,7 +188,12 @@ def check_fields(name: str, state: Any, expected: dict[str, Any]) -> None:
 
 
 def check_state(
-    name: str, state: Any, fields: Callable[[], dict], layout: layouts.Layout, flat: bool = False
+    name: str,
+    state: Any,
+    fields: Callable[[], dict],
+    layout: layouts.Layout,
+    flat: bool = False,
+    axis_name: Any = None,
 ) -> None:
     """:func:`check_fields` against ``fields()`` (the init's fields for these gradients,
     traced abstractly); a server residual built outside the mesh (room for whole vectors,
@@ -108,7 +201,7 @@ def check_state(
     expected = jax.eval_shape(fields)
     if "server_residual" in expected and server.is_whole(state.server_residual, layout, flat):
         expected["server_residual"] = state.server_residual
-    check_fields(name, state, expected)
+    check_fields(name, state, expected, axis_name)
 
 
 def _short(tree: Any) -> str:

@@ -1,0 +1,147 @@
+"""Flax NNX: an ``nnx.Optimizer`` holding per-device jaxcomp state, and its ``nnx.shard_map`` specs.
+
+``nnx.Optimizer(model, tx, wrt=nnx.Param)`` runs ``tx.init`` once, outside any mesh: every
+error-feedback memory comes out as one device's ``(1, *shape)`` slot, and an
+``nnx.shard_map`` that passes the optimizer as ``P()`` hands all devices that one copy and
+keeps one device's copy on the way out. :func:`nnx_optimizer` builds the optimizer with the
+state of :func:`jaxcomp.sharded_init` instead (per-device fields laid out ``P(axis_name)``
+over the mesh, every empty slot left as optax's ``MaskedNode``, never wrapped in a
+``Variable``), and :func:`nnx_state_specs` gives the ``nnx.StateSharding`` that
+``nnx.shard_map``'s ``in_specs`` / ``out_specs`` take for it::
+
+    optimizer = jc.nnx_optimizer(model, tx, mesh, "data")
+    opt_specs = jc.nnx_state_specs(optimizer, "data")
+
+Flax is imported only when these functions run: the library itself does not depend on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp._src import sharding
+
+
+def _is_variable(x: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+def nnx_optimizer(
+    model: Any,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    axis_name: Any,
+    *,
+    wrt: Any = None,
+    param_specs: Any = None,
+) -> Any:
+    """An ``nnx.Optimizer(model, tx, wrt=wrt)`` whose state is :func:`jaxcomp.sharded_init`'s.
+
+    Per-device fields (error-feedback memories, per-device momenta) get one slot per device
+    of ``axis_name``, laid out ``P(axis_name)``: the global array of a ``(64, 48)`` kernel's
+    memory is ``(n, 64, 48)`` and each device of an ``nnx.shard_map`` sees its own
+    ``(1, 64, 48)``. Every other field (keys, step counts) is replicated. The optimizer is
+    a plain ``nnx.Optimizer``: ``optimizer.update(model, grads)`` inside the step, the state
+    checkpoints like any NNX state.
+
+    Math: the state is :math:`s_0 = (\\mathrm{init}_1(\\theta), \\dots,
+    \\mathrm{init}_n(\\theta))` stacked along the device axis, the same as
+    ``jc.sharded_init(tx, params, mesh, axis_name)`` on the pure params.
+
+    Args:
+      model: the NNX module whose ``wrt`` variables ``tx`` updates.
+      tx: any optax transform; jaxcomp transforms in it bind ``axis_name``.
+      mesh: the mesh of the ``nnx.shard_map`` step.
+      axis_name: the data axis (a name, or a tuple of names for a hierarchical exchange).
+      wrt: the ``nnx.Optimizer`` filter of the updated variables (default ``nnx.Param``).
+      param_specs: for params sharded over other mesh axes, as in
+        :func:`jaxcomp.sharded_init`.
+
+    Returns:
+      An ``nnx.Optimizer`` with ``tx`` and the per-device state, ready for the
+      ``nnx.shard_map`` whose optimizer spec is :func:`nnx_state_specs` of it.
+
+    Example::
+
+      optimizer = jc.nnx_optimizer(model, jc.sgd(0.05, jc.sign(), "data"), mesh, "data")
+      opt_specs = jc.nnx_state_specs(optimizer, "data")
+
+      @nnx.jit
+      @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P("data"), P("data")),
+                     out_specs=P())
+      def train_step(model, optimizer, x, y):
+          local = jc.nnx_varying(model, "data")   # per-device params: no implicit all-reduce
+          grads = nnx.grad(loss_fn)(local, x, y)
+          optimizer.update(model, grads)
+          return loss
+
+    References:
+      Flax NNX, ``nnx.Optimizer`` and ``nnx.shard_map``: https://flax.readthedocs.io
+    """
+    from flax import nnx
+
+    wrt = nnx.Param if wrt is None else wrt
+    sharding.check_mesh_axes(mesh, axis_name, "axis_name")
+    params = nnx.as_pure(nnx.state(model, wrt))
+    state = sharding.sharded_init(tx, params, mesh, axis_name, param_specs)
+    optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
+    optimizer.tx = tx
+    optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, state))
+    return optimizer
+
+
+def nnx_state_specs(
+    optimizer: Any, axis_name: Any, param_specs: Any = None, params: Any = None, mesh: Any = None
+) -> Any:
+    """The ``nnx.StateSharding`` of an ``nnx.Optimizer`` holding jaxcomp state.
+
+    Each per-device field of a jaxcomp state gets ``P(axis_name)`` (behind it the param's
+    own spec, given ``param_specs``), every other variable (the step count, keys, other
+    optax states) ``P()``: exactly :func:`jaxcomp.state_specs` of the optimizer's pure
+    state, keyed by the optimizer's variable paths, the form ``nnx.shard_map``'s
+    ``in_specs`` and ``out_specs`` take.
+
+    Args:
+      optimizer: an ``nnx.Optimizer`` (from :func:`nnx_optimizer`, or any whose state was
+        placed the same way).
+      axis_name: the data axis (a name or a tuple of names).
+      param_specs, params, mesh: as in :func:`jaxcomp.state_specs`.
+
+    Returns:
+      ``nnx.StateSharding`` mapping every variable path of ``optimizer`` to its
+      ``PartitionSpec``.
+
+    Example::
+
+      opt_specs = jc.nnx_state_specs(optimizer, "data")
+      nnx.shard_map(step, mesh=mesh, in_specs=(P(), opt_specs, P("data")), out_specs=P())
+    """
+    from flax import nnx
+
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            "jc.nnx_state_specs: `optimizer` must be an nnx.Optimizer (jc.nnx_optimizer(model, "
+            f"tx, mesh, axis_name)), got {type(optimizer).__name__}; for a pure optax state "
+            "use jc.state_specs(state, axis_name)."
+        )
+    pure = nnx.as_pure(optimizer.opt_state)
+    specs = sharding.state_specs(pure, axis_name, param_specs, params, mesh)
+    by_variable: dict[int, P] = {}
+
+    def record(variable, spec):
+        if _is_variable(variable):
+            by_variable[id(variable)] = spec if isinstance(spec, P) else P()
+
+    jax.tree.map(record, optimizer.opt_state, specs, is_leaf=_is_variable)
+    flat = {
+        path: by_variable.get(id(node), P())
+        for path, node in nnx.iter_graph(optimizer)
+        if _is_variable(node)
+    }
+    return nnx.StateSharding(nnx.State.from_flat_path(flat))

@@ -1,12 +1,13 @@
 """Data-parallel Flax NNX training with a compressed gradient all-reduce.
 
-A small MLP on scikit-learn's digits (ships offline), data-parallel with ``jax.shard_map``
-over all devices (8 simulated CPU devices when there is no accelerator). The model's params
-(a pure dict from ``nnx.split``) are updated by the recipe ``jc.sgd(lr, codec, "data")``
+A small MLP on scikit-learn's digits (ships offline), data-parallel with ``nnx.shard_map``
+under ``nnx.jit`` over all devices (8 simulated CPU devices when there is no accelerator).
+The model is updated by an ``nnx.Optimizer`` holding the recipe ``jc.sgd(lr, codec, "data")``
 (momentum SGD, the default: each device's momentum goes through the codec, with error
-feedback) or by ``optax.chain(jc.compressed_allreduce(codec, "data"), optax.adamw(...))``.
-The optimizer state is built per device by ``jc.sharded_init``;
-the step donates params and state. Bytes on the wire come from the compiled step
+feedback) or ``optax.chain(jc.compressed_allreduce(codec, "data"), optax.adamw(...))``.
+``jc.nnx_optimizer`` builds the optimizer with one error-feedback memory per device (laid out
+``P("data")``), ``jc.nnx_state_specs`` gives its specs for ``nnx.shard_map``; the step
+donates model and optimizer. Bytes on the wire come from the compiled step
 (``jc.comm_report``).
 
     python examples/flax_nnx_train.py --codec sign           # one run
@@ -97,6 +98,32 @@ def make_transform(
     return optax.chain(jc.compressed_allreduce(codec, AXIS, **options), optimizer)
 
 
+def loss_fn(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def make_step(mesh, opt_specs, reduce_plain: bool):
+    """The train step (model, optimizer, x, y) -> mean loss, updating both in place.
+
+    ``opt_specs``: ``jc.nnx_state_specs(optimizer, "data")``. ``jax.lax.pcast`` makes the
+    replicated params per-device before ``nnx.grad``: without it jax would all-reduce every
+    gradient in float32 (and jaxcomp refuses the summed gradients). ``reduce_plain``: the
+    uncompressed baseline, ``lax.pmean`` of the gradients before a plain optax optimizer.
+    """
+
+    @nnx.jit(donate_argnums=(0, 1))
+    @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P(AXIS), P(AXIS)), out_specs=P())
+    def step(model, optimizer, x, y):
+        local = jax.lax.pcast(model, AXIS, to="varying")
+        loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+        if reduce_plain:
+            grads = jax.lax.pmean(grads, AXIS)
+        optimizer.update(model, grads)  # jaxcomp's exchange averages the gradients
+        return jax.lax.pmean(loss, AXIS)
+
+    return step
+
+
 def train(
     codec_name: str = "none",
     *,
@@ -121,10 +148,6 @@ def train(
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
-    replicated = NamedSharding(mesh, P())
-    model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
-    graphdef, params = nnx.split(model)
-    params = params.to_pure_dict()
     inner = make_optimizer(optimizer, lr, momentum)
     tx = make_transform(
         codec_name,
@@ -135,43 +158,21 @@ def train(
         **(compress_kwargs or {}),
     )
 
-    def loss_fn(model, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+    def build(tx, reduce_plain):
+        model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
+        opt = jc.nnx_optimizer(model, tx, mesh, AXIS)  # per-device memories, P("data")
+        step = blocking(make_step(mesh, jc.nnx_state_specs(opt, AXIS), reduce_plain))
+        return step, model, opt
 
-    def test_loss(p) -> float:
-        return float(loss_fn(nnx.merge(graphdef, nnx.State(p)), jnp.asarray(xte), jnp.asarray(yte)))
-
-    def build_step(tx, reduce_plain):
-        # The error-feedback memory differs per device: the state lives outside the step as
-        # arrays sharded P("data") (jc.sharded_init / jc.state_specs). Params and state are
-        # donated, so the memories are updated in place.
-        opt_state = jc.sharded_init(tx, params, mesh, AXIS)
-        specs = jc.state_specs(opt_state, AXIS)
-
-        def step(p, s, x, y):
-            # pcast: params are replicated; make them per-device before grad, so JAX does
-            # not insert an implicit f32 all-reduce of every gradient.
-            local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
-            g = nnx.grad(loss_fn)(local, x, y).to_pure_dict()
-            if reduce_plain:
-                g = jax.lax.pmean(g, AXIS)
-            updates, s = tx.update(g, s, p)  # jc.compressed_allreduce averages g, then opt
-            return optax.apply_updates(p, updates), s
-
-        sm = jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
-        )
-        return blocking(jax.jit(sm, donate_argnums=(0, 1))), opt_state
-
-    step, opt_state = build_step(tx, codec_name == "none")
-    base_step, base_state = build_step(inner, True)
+    step, model, opt = build(tx, codec_name == "none")
+    base_step, base_model, base_opt = build(inner, True)
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
-    p = jax.device_put(params, replicated)
     sample = (put(xtr[:batch]), put(ytr[:batch]))
-    bytes_step = jc.comm_report(step, p, opt_state, *sample).bytes_per_device
-    base_bytes = jc.comm_report(base_step, p, base_state, *sample).bytes_per_device
+    bytes_step = jc.comm_report(step, model, opt, *sample).bytes_per_device
+    base_bytes = jc.comm_report(base_step, base_model, base_opt, *sample).bytes_per_device
 
-    initial_loss = test_loss(params)
+    xte, yte = jnp.asarray(xte), jnp.asarray(yte)
+    initial_loss = float(loss_fn(model, xte, yte))
     rng = np.random.RandomState(seed)
     iterator = range(steps)
     if progress:
@@ -180,10 +181,11 @@ def train(
         iterator = tqdm(iterator, desc=codec_name, leave=False)
     for _ in iterator:
         idx = rng.randint(0, len(xtr), batch)
-        p, opt_state = step(p, opt_state, put(xtr[idx]), put(ytr[idx]))
-    logits = nnx.merge(graphdef, nnx.State(p))(jnp.asarray(xte))
-    accuracy = float(jnp.mean(jnp.argmax(logits, -1) == yte))
-    return Result(codec_name, accuracy, bytes_step, base_bytes, test_loss(p), initial_loss)
+        step(model, opt, put(xtr[idx]), put(ytr[idx]))
+    accuracy = float(jnp.mean(jnp.argmax(model(xte), -1) == yte))
+    return Result(
+        codec_name, accuracy, bytes_step, base_bytes, float(loss_fn(model, xte, yte)), initial_loss
+    )
 
 
 def print_table(results: list[Result]) -> None:
@@ -199,19 +201,27 @@ def print_table(results: list[Result]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     ap.add_argument(
         "--codec",
         default="sign",
         help=f"one of: none, {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
     )
-    ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES)
+    ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES, help="the exchange")
     ap.add_argument(
-        "--error-feedback", default="auto", choices=["auto", "residual", "ef21", "none"]
+        "--error-feedback",
+        default="auto",
+        choices=["auto", "residual", "ef21", "none"],
+        help="error-feedback kind",
     )
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
-    ap.add_argument("--lr", type=float, default=None, help="default: sgd 0.05, adamw 0.002")
+    ap.add_argument("--steps", type=int, default=1000, help="training steps per codec")
+    ap.add_argument(
+        "--optimizer", default="sgd", choices=["sgd", "adamw"], help="the optax optimizer"
+    )
+    ap.add_argument("--lr", type=float, default=None, help="None: sgd 0.05, adamw 0.002")
     ap.add_argument("--demo", action="store_true", help="compare several codecs (make demo)")
     args = ap.parse_args(argv)
     ef = None if args.error_feedback == "none" else args.error_feedback

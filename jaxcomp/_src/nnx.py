@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import sharding
@@ -48,7 +49,8 @@ def nnx_optimizer(
     memory is ``(n, 64, 48)`` and each device of an ``nnx.shard_map`` sees its own
     ``(1, 64, 48)``. Every other field (keys, step counts) is replicated. The optimizer is
     a plain ``nnx.Optimizer``: ``optimizer.update(model, grads)`` inside the step, the state
-    checkpoints like any NNX state.
+    checkpoints like any NNX state. The model's ``wrt`` variables and the step count are
+    placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them.
 
     Math: the state is :math:`s_0 = (\\mathrm{init}_1(\\theta), \\dots,
     \\mathrm{init}_n(\\theta))` stacked along the device axis, the same as
@@ -90,10 +92,22 @@ def nnx_optimizer(
     sharding.check_mesh_axes(mesh, axis_name, "axis_name")
     params = nnx.as_pure(nnx.state(model, wrt))
     state = sharding.sharded_init(tx, params, mesh, axis_name, param_specs)
+    nnx.update(model, _placed(params, mesh, param_specs))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, state))
+    optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), NamedSharding(mesh, P())))
     return optimizer
+
+
+def _placed(params: Any, mesh: Any, param_specs: Any) -> Any:
+    """``params`` laid out on ``mesh``: replicated, or by ``param_specs``."""
+    if param_specs is None:
+        return jax.device_put(params, NamedSharding(mesh, P()))
+    specs = jax.tree.map(
+        sharding.spec_of, param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
+    )
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
 
 
 def nnx_state_specs(

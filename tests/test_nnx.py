@@ -1,0 +1,210 @@
+"""Flax NNX and Linen: ``nnx.Optimizer`` through ``jc.nnx_optimizer`` trains exactly like the
+``jax.shard_map`` + ``jc.sharded_init`` reference; the silent misuses are refused at trace time.
+
+Refused (``check_vma=True``), for every transform (the check lives in the shared skeleton):
+per-device state entering the step replicated (``P()``), and gradients already summed over the
+devices (params differentiated without ``jax.lax.pcast``). ``jc.state_specs`` reads an
+``nnx.Optimizer`` and refuses the flattened ``nnx.split`` state. Programs are traced or
+compiled once per transform (module caches) on a 16-32-4 MLP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import N, mesh, per_device, shard
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+AXIS = "data"
+STEPS = 20
+TRANSFORMS = {
+    "sgd_sign": lambda: jc.sgd(0.05, jc.sign(), AXIS, min_size=16),
+    "powersgd": lambda: optax.chain(
+        jc.powersgd(2, AXIS, start_step=2, min_size=16), optax.sgd(0.1, momentum=0.9)
+    ),
+    "compressed_allreduce_int8": lambda: optax.chain(
+        jc.compressed_allreduce(jc.int_quant(8), AXIS, min_size=16), optax.sgd(0.1)
+    ),
+    "dgc": lambda: optax.chain(jc.dgc(0.1, AXIS, min_size=16), optax.sgd(0.1)),
+    "onebit_adam": lambda: jc.onebit_adam(1e-3, AXIS, freeze_step=2, min_size=16),
+    "zero_one_adam": lambda: jc.zero_one_adam(1e-3, AXIS, var_freeze_step=2, min_size=16),
+}
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(16, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def loss_fn(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def batches():
+    rng = np.random.RandomState(0)
+    x = rng.randn(STEPS, 8 * N, 16).astype(np.float32)
+    y = rng.randint(0, 4, (STEPS, 8 * N)).astype(np.int32)
+    return [(shard(x[i]), shard(y[i])) for i in range(STEPS)]
+
+
+def nnx_step(opt_specs, check_vma=True, pcast=True):
+    """The step Flax's docs teach: nnx.jit over nnx.shard_map, optimizer.update inside."""
+
+    @nnx.jit
+    @nnx.shard_map(
+        mesh=mesh(),
+        in_specs=(P(), opt_specs, P(AXIS), P(AXIS)),
+        out_specs=P(),
+        check_vma=check_vma,
+    )
+    def step(model, optimizer, x, y):
+        local = jax.lax.pcast(model, AXIS, to="varying") if pcast else model
+        grads = nnx.grad(loss_fn)(local, x, y)
+        optimizer.update(model, grads)
+        return jnp.zeros(())
+
+    return step
+
+
+@functools.cache
+def trained(name: str) -> tuple[dict, dict]:
+    """(reference params, NNX params) after STEPS steps of transform ``name``."""
+    data = batches()
+    tx = TRANSFORMS[name]()
+    graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
+    params = state.to_pure_dict()
+    opt_state = jc.sharded_init(tx, params, mesh(), AXIS)
+    specs = jc.state_specs(opt_state, AXIS)
+
+    def ref_step(p, s, x, y):
+        local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
+        updates, s = tx.update(nnx.grad(loss_fn)(local, x, y).to_pure_dict(), s, p)
+        return optax.apply_updates(p, updates), s
+
+    ref = per_device(ref_step, (P(), specs, P(AXIS), P(AXIS)), (P(), specs))
+    p = jax.device_put(params, NamedSharding(mesh(), P()))
+    for x, y in data:
+        p, opt_state = ref(p, opt_state, x, y)
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = jc.nnx_optimizer(model, TRANSFORMS[name](), mesh(), AXIS)
+    step = nnx_step(jc.nnx_state_specs(optimizer, AXIS))
+    for x, y in data:
+        jax.block_until_ready(step(model, optimizer, x, y))
+    return p, nnx.state(model, nnx.Param).to_pure_dict()
+
+
+@pytest.mark.parametrize("name", ["sgd_sign", "powersgd"])
+def test_nnx_optimizer_trains_exactly_like_the_shard_map_reference(name):
+    ref, got = trained(name)
+    diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), ref, got)))
+    moved = max(jax.tree.leaves(jax.tree.map(lambda a: float(jnp.max(jnp.abs(a))), ref)))
+    print(f"{name}: max |param difference| after {STEPS} steps = {diff:.3g}")
+    assert moved > 0.1  # the params are real
+    assert diff <= 1e-6
+
+
+def test_nnx_state_specs_shard_exactly_the_per_device_fields():
+    model = MLP(nnx.Rngs(0))
+    optimizer = jc.nnx_optimizer(model, TRANSFORMS["sgd_sign"](), mesh(), AXIS)
+    specs = jc.nnx_state_specs(optimizer, AXIS)
+    flat = {
+        path: spec
+        for spec, filt in zip(specs.shardings, specs.filters, strict=True)
+        for path in filt.paths
+    }
+    assert flat[("step",)] == P()
+    assert flat[("opt_state", 0, "count")] == P()
+    assert flat[("opt_state", 0, "memory", "hidden", "kernel")] == P(AXIS)
+    assert flat[("opt_state", 0, "momentum", "out", "bias")] == P(AXIS)
+    # The small bias has no memory: its slot stays optax's MaskedNode, no Variable, no spec.
+    assert ("opt_state", 0, "memory", "out", "bias") not in flat
+    memory = optimizer.opt_state[0].memory["hidden"]["kernel"].get_value()
+    assert memory.shape == (N, 16, 32) and memory.sharding.spec == P(AXIS, None, None)
+    assert jc.state_specs(optimizer, AXIS) == specs  # state_specs reads the optimizer too
+    _, state = nnx.split((model, optimizer))
+    with pytest.raises(ValueError, match=r"jc\.nnx_state_specs\(optimizer, 'data'\)"):
+        jc.state_specs(state, AXIS)  # nnx.split flattened the state types: refused
+
+
+def test_naive_nnx_optimizer_is_refused_with_the_fix_named():
+    """nnx.Optimizer's own init, passed as P(): one memory copy for all devices."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, TRANSFORMS["sgd_sign"](), wrt=nnx.Param)
+    x, y = batches()[0]
+    with pytest.raises(ValueError, match=r"`memory`.*jc\.nnx_optimizer\(model, tx, mesh"):
+        nnx_step(P())(model, optimizer, x, y)
+
+
+# --------------------------------------------------------------------------- every transform
+
+
+def _params():
+    return nnx.split(MLP(nnx.Rngs(0)))[1].to_pure_dict()
+
+
+def _trace(tx, state, state_spec, grads_spec):
+    """Trace (not compile) one update under shard_map, check_vma on."""
+
+    def body(p, s, x):
+        g = jax.tree.map(lambda a: a * jnp.sum(x), p)  # varying where p is
+        if grads_spec == "summed":  # what jax.grad gives for P() params: the psum
+            g = jax.lax.psum(g, AXIS)
+        return tx.update(g, s, p)[0]
+
+    fn = jax.shard_map(
+        body, mesh=mesh(), in_specs=(P(), state_spec, P(AXIS)), out_specs=P(), check_vma=True
+    )
+    p = jax.device_put(_params(), NamedSharding(mesh(), P()))
+    return jax.jit(fn).trace(p, state, shard(np.ones(N, np.float32)))
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_every_transform_refuses_replicated_state_and_summed_gradients(name):
+    tx = TRANSFORMS[name]()
+    state = jc.sharded_init(tx, _params(), mesh(), AXIS)
+    with pytest.raises(ValueError, match=r"jax\.lax\.pcast\(params, 'data', to='varying'\)"):
+        _trace(tx, state, jc.state_specs(state, AXIS), "summed")
+    replicated = tx.init(_params())
+    with pytest.raises(ValueError, match=r"entered the step replicated.*jc\.sharded_init"):
+        _trace(tx, replicated, P(), "varying")
+
+
+def test_pcast_params_and_sharded_state_trace():
+    """The right pattern passes both checks (the refusals above are not over-eager)."""
+    tx = TRANSFORMS["compressed_allreduce_int8"]()
+
+    def body(p, s, x):
+        local = jax.lax.pcast(p, AXIS, to="varying")
+        g = jax.grad(lambda q: sum(jnp.sum(a) for a in jax.tree.leaves(q)) * jnp.sum(x))(local)
+        return tx.update(g, s, p)[0]
+
+    state = jc.sharded_init(tx, _params(), mesh(), AXIS)
+    specs = jc.state_specs(state, AXIS)
+    fn = jax.shard_map(body, mesh=mesh(), in_specs=(P(), specs, P(AXIS)), out_specs=P())
+    p = jax.device_put(_params(), NamedSharding(mesh(), P()))
+    jax.jit(fn).trace(p, state, shard(np.ones(N, np.float32)))
+
+
+def test_a_mesh_without_the_axis_is_a_value_error_naming_it():
+    tx = TRANSFORMS["sgd_sign"]()
+    with pytest.raises(ValueError, match=r"`axis_name`='batch'.*axes: \('data',\)"):
+        jc.sharded_init(tx, _params(), mesh(), "batch")
+    state = jax.eval_shape(tx.init, _params())
+    with pytest.raises(ValueError, match=r"`axis_name`='batch'"):
+        jc.state_specs(state, "batch", param_specs=_params(), mesh=mesh())
+    with pytest.raises(ValueError, match=r"`axis_name`='batch'"):
+        jc.nnx_optimizer(MLP(nnx.Rngs(0)), tx, mesh(), "batch")

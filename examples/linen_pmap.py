@@ -1,15 +1,25 @@
-"""The classic Flax Linen ``TrainState`` + ``jax.pmap`` step, with a compressed gradient mean.
+"""The classic Flax Linen ``TrainState`` step, with a compressed gradient mean, under
+``jax.pmap`` or ``jax.shard_map``.
 
-Two ways to drop jaxcomp into an existing pmap training loop:
+Two ways to drop jaxcomp into an existing training loop:
 
 * ``--variant pmean``: replace ``grads = jax.lax.pmean(grads, "batch")`` by
   ``grads = jc.pmean(grads, "batch", codec)``. One line, stateless, no error feedback.
 * ``--variant ef``: chain ``jc.compressed_allreduce`` in front of the optimizer and call
   ``state.apply_gradients(grads=local_grads)``; the error-feedback memory lives in the
-  ``TrainState``'s ``opt_state``, one per device (``jc.replicate`` stacks the state; under
-  ``pmap`` every leaf has a leading device axis, and the memories diverge as they should).
+  ``TrainState``'s ``opt_state``, one per device.
+
+Per-device memory, by ``--parallel``:
+
+* ``pmap``: every leaf of the ``TrainState`` has a leading device axis; ``jc.replicate``
+  stacks the state and the memories diverge as they should.
+* ``shard_map``: ``state.replace(opt_state=jc.sharded_init(tx, params, mesh, "batch"))``
+  and ``jc.state_specs(state, "batch")`` (a ``TrainState`` of specs: params ``P()``,
+  memories ``P("batch")``) as the step's in/out specs; the step passes the params through
+  ``jax.lax.pcast(params, "batch", to="varying")`` before ``jax.grad``.
 
     python examples/linen_pmap.py --variant ef --codec sign
+    python examples/linen_pmap.py --variant ef --codec sign --parallel shard_map
     python examples/linen_pmap.py --variant pmean --codec int8 --steps 300
 """
 
@@ -31,9 +41,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 AXIS = "batch"
 VARIANTS = ("plain", "pmean", "ef")
+PARALLEL = ("pmap", "shard_map")
 
 
 def load_digits_split(seed: int = 0):
@@ -73,11 +86,13 @@ def loss_fn(params, apply_fn, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def make_step(variant: str, codec: jc.Codec | None):
-    """The pmapped train step: (state, x, y) -> state, every leaf with a device axis."""
+def train_step(variant: str, codec: jc.Codec | None, pcast: bool = False):
+    """One device's step: (state, x, y) -> state. ``pcast``: under ``shard_map``, make the
+    replicated params per-device first, so ``jax.grad`` adds no float32 all-reduce."""
 
     def step(state: train_state.TrainState, x, y):
-        grads = jax.grad(loss_fn)(state.params, state.apply_fn, x, y)
+        params = jax.lax.pcast(state.params, AXIS, to="varying") if pcast else state.params
+        grads = jax.grad(loss_fn)(params, state.apply_fn, x, y)
         if variant == "plain":
             grads = jax.lax.pmean(grads, AXIS)  # the line jaxcomp replaces
         elif variant == "pmean":
@@ -86,7 +101,30 @@ def make_step(variant: str, codec: jc.Codec | None):
         # variant "ef": local grads; jc.compressed_allreduce in state.tx averages them
         return state.apply_gradients(grads=grads)
 
-    return blocking(jax.pmap(step, axis_name=AXIS, donate_argnums=(0,)))
+    return step
+
+
+def make_step(variant: str, codec: jc.Codec | None):
+    """The pmapped train step: (state, x, y) -> state, every leaf with a device axis."""
+    return blocking(jax.pmap(train_step(variant, codec), axis_name=AXIS, donate_argnums=(0,)))
+
+
+def make_shard_map_step(variant: str, codec: jc.Codec | None, mesh, specs):
+    """The same step under ``jax.shard_map``: ``specs = jc.state_specs(state, AXIS)``."""
+    step = jax.shard_map(
+        train_step(variant, codec, pcast=True),
+        mesh=mesh,
+        in_specs=(specs, P(AXIS), P(AXIS)),
+        out_specs=specs,
+    )
+    return blocking(jax.jit(step, donate_argnums=(0,)))
+
+
+def sharded_state(state: train_state.TrainState, mesh) -> train_state.TrainState:
+    """``state`` for a ``shard_map`` step: the optimizer state per device
+    (``jc.sharded_init``), everything else replicated on ``mesh``."""
+    state = jax.device_put(state, NamedSharding(mesh, P()))
+    return state.replace(opt_state=jc.sharded_init(state.tx, state.params, mesh, AXIS))
 
 
 def make_tx(variant: str, codec: jc.Codec | None, lr: float, momentum: float):
@@ -107,10 +145,14 @@ def train(
     momentum: float = 0.9,
     seed: int = 0,
     progress: bool = False,
+    parallel: str = "pmap",
 ) -> Result:
-    """Train the Linen MLP on digits with ``jax.pmap`` over all local devices."""
+    """Train the Linen MLP on digits over all local devices, with ``jax.pmap`` or
+    ``jax.shard_map`` (``parallel``)."""
     if variant not in VARIANTS:
         raise ValueError(f"`variant` must be one of {VARIANTS}, got {variant!r}")
+    if parallel not in PARALLEL:
+        raise ValueError(f"`parallel` must be one of {PARALLEL}, got {parallel!r}")
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     n = jax.local_device_count()
     if batch % n:
@@ -118,21 +160,25 @@ def train(
     codec = None if variant == "plain" else jc.get_codec(codec_name)
     model = MLP(hidden)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 64)))["params"]
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
 
-    def replicated_state(variant):
+    def build(variant):
         tx = make_tx(variant, codec, lr, momentum)
         state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-        return jc.replicate(state, n)  # per-device copies; EF memories then diverge
+        if parallel == "pmap":  # per-device copies; EF memories then diverge
+            return make_step(variant, codec), jc.replicate(state, n)
+        state = sharded_state(state, mesh)
+        return make_shard_map_step(variant, codec, mesh, jc.state_specs(state, AXIS)), state
 
     def shard(a):
-        return a.reshape(n, -1, *a.shape[1:])
+        if parallel == "pmap":
+            return a.reshape(n, -1, *a.shape[1:])
+        return jax.device_put(a, NamedSharding(mesh, P(AXIS)))
 
-    step = make_step(variant, codec)
-    state = replicated_state(variant)
+    step, state = build(variant)
     sample = (shard(xtr[:batch]), shard(ytr[:batch]))
     bytes_step = jc.comm_report(step, state, *sample).bytes_per_device
-    baseline = make_step("plain", None)
-    base_bytes = jc.comm_report(baseline, replicated_state("plain"), *sample).bytes_per_device
+    base_bytes = jc.comm_report(*build("plain"), *sample).bytes_per_device
 
     rng = np.random.RandomState(seed)
     iterator = range(steps)
@@ -143,10 +189,12 @@ def train(
     for _ in iterator:
         idx = rng.randint(0, len(xtr), batch)
         state = step(state, shard(xtr[idx]), shard(ytr[idx]))
-    first = jax.tree.map(lambda a: a[0], state.params)
-    # Every device must hold the same params: the update is the (compressed) mean.
-    spread = max(float(jnp.max(jnp.abs(a - a[0]))) for a in jax.tree.leaves(state.params))
-    assert spread == 0.0, f"devices disagree on the params by {spread}"
+    first = state.params
+    if parallel == "pmap":
+        first = jax.tree.map(lambda a: a[0], state.params)
+        # Every device must hold the same params: the update is the (compressed) mean.
+        spread = max(float(jnp.max(jnp.abs(a - a[0]))) for a in jax.tree.leaves(state.params))
+        assert spread == 0.0, f"devices disagree on the params by {spread}"
     logits = model.apply({"params": first}, jnp.asarray(xte))
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == yte))
     name = "none" if variant == "plain" else codec_name
@@ -154,19 +202,31 @@ def train(
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", default="ef", choices=VARIANTS)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--variant", default="ef", choices=VARIANTS, help="how jaxcomp enters")
+    ap.add_argument("--parallel", default="pmap", choices=PARALLEL, help="jax.pmap or shard_map")
     ap.add_argument(
         "--codec",
         default="sign",
         help=f"one of: {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
     )
-    ap.add_argument("--steps", type=int, default=500)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--steps", type=int, default=500, help="training steps")
+    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     args = ap.parse_args(argv)
-    print(f"devices: {jax.local_device_count()} x {jax.devices()[0].platform}; Linen MLP, pmap")
+    platform = jax.devices()[0].platform
+    print(f"devices: {jax.local_device_count()} x {platform}; Linen MLP, {args.parallel}")
     for variant in ("plain", args.variant):
-        r = train(variant, args.codec, steps=args.steps, lr=args.lr, progress=True)
+        r = train(
+            variant,
+            args.codec,
+            steps=args.steps,
+            lr=args.lr,
+            progress=True,
+            parallel=args.parallel,
+        )
         print(
             f"  {variant:6s} {r.codec:8s} acc {100 * r.accuracy:5.1f}%  "
             f"{jc.format_bytes(r.bytes_per_step)}/step/device  "

@@ -48,6 +48,22 @@ _BRANCHY = jc.CommReport(
     conditionals=(jc.Conditional(0, "conditional", 2),),
 )
 
+
+def _nnx_optimizer(axis_name):
+    from flax import nnx
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    return jc.nnx_optimizer(model, jc.sgd(0.1, S, "data"), mesh(), axis_name)
+
+
+def _nnx_split_state():
+    """``nnx.split`` of a model and its optimizer: the state's NamedTuples become dicts."""
+    from flax import nnx
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    return nnx.split((model, nnx.Optimizer(model, jc.sgd(0.1, S, "data"), wrt=nnx.Param)))[1]
+
+
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
     ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
@@ -440,6 +456,16 @@ CHECKS = [
         lambda: _BRANCHY.mean_bytes_per_device(),
         ValueError,
     ),
+    ("sharded_init", "axis_name", lambda: jc.sharded_init(SGD, _W, mesh(), "batch"), ValueError),
+    (
+        "state_specs",
+        "axis_name",
+        lambda: jc.state_specs(SGD.init(_W), "batch", param_specs=_W, mesh=mesh()),
+        ValueError,
+    ),
+    ("state_specs", "state", lambda: jc.state_specs(_nnx_split_state(), "data"), ValueError),
+    ("nnx_optimizer", "axis_name", lambda: _nnx_optimizer("batch"), ValueError),
+    ("nnx_state_specs", "optimizer", lambda: jc.nnx_state_specs({}, "data"), TypeError),
 ]
 
 
@@ -494,7 +520,16 @@ TRACE_CHECKS = [
         lambda x: jc.psum(x, "data", jc.top_k(0.1), strategy="allreduce"),
         ValueError,
     ),
+    # check_vma=True: gradients already summed over the devices (params not pcast) ...
+    ("every transform (update)", "updates", lambda x: _update(jax.lax.psum(x, "data")), ValueError),
+    # ... and a per-device state entering replicated (here: built inside the step).
+    ("every transform (update)", "state", lambda x: _update(x), ValueError),
 ]
+
+
+def _update(grads):
+    tx = jc.compressed_allreduce(S, "data", min_size=16)
+    return tx.update(grads, tx.init(grads), grads)[0]
 
 
 def _id(row):
@@ -630,7 +665,10 @@ def test_tree_of_same_size_but_other_leaves_says_so(name):
         with pytest.raises(ValueError, match=r"does not match the params tree"):
             in_shard_map(lambda g, tx=tx: tx.update(g, state, params)[0], other)
     ok = {"w": jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)}
-    assert in_shard_map(lambda g: tx.update(g, state, params)[0], ok)["w"].shape == (16, 32)
+    state, specs = abstract_state(tx, params)  # per device, P("data"): a closed-over state
+    # would enter replicated (refused, see test_replicated_state_and_summed_updates_refused)
+    got = in_shard_map(lambda g, s: tx.update(g, s, params)[0], ok, state, specs)
+    assert got["w"].shape == (16, 32)
 
 
 def _sds8(n):

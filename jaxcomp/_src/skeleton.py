@@ -85,7 +85,7 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     bad = _invariant_leaves(updates, names)
     if bad:
         raise ValueError(
-            f"{name}: the gradients at {_short(bad)} are identical on every device of "
+            f"{name}: the gradients (`updates`) at {_short(bad)} are identical on every device of "
             f"axis {axis_name!r} (jax's varying-axes type: invariant). They were already "
             "summed over the devices: params passed to shard_map as P() and differentiated "
             "directly get an implicit float32 all-reduce of their gradients, so every device "
@@ -169,8 +169,6 @@ def check_fields(name: str, state: Any, expected: dict[str, Any], axis_name: Any
     the current gradients, e.g. ``jax.eval_shape`` of the init. Given ``axis_name``, the
     per-device fields must also vary over it (:func:`check_per_device`).
     """
-    if axis_name is not None:
-        check_per_device(name, state, axis_name)
     for field, want in expected.items():
         got = getattr(state, field)
         got_s = jax.tree.map(lambda a: tuple(jnp.shape(a)), got)
@@ -185,6 +183,8 @@ def check_fields(name: str, state: Any, expected: dict[str, Any], axis_name: Any
             "build it with jax.pmap(tx.init, axis_name=...) or give every state leaf a "
             "leading device axis (jc.replicate)."
         )
+    if axis_name is not None:
+        check_per_device(name, state, axis_name)
 
 
 def check_state(

@@ -78,13 +78,14 @@ def nnx_optimizer(
       @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P("data"), P("data")),
                      out_specs=P())
       def train_step(model, optimizer, x, y):
-          local = jc.nnx_varying(model, "data")   # per-device params: no implicit all-reduce
-          grads = nnx.grad(loss_fn)(local, x, y)
+          local = jax.lax.pcast(model, "data", to="varying")  # no implicit sum of grads
+          loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
           optimizer.update(model, grads)
-          return loss
+          return jax.lax.pmean(loss, "data")
 
     References:
-      Flax NNX, ``nnx.Optimizer`` and ``nnx.shard_map``: https://flax.readthedocs.io
+      Flax NNX, ``nnx.Optimizer`` and ``nnx.shard_map``: https://flax.readthedocs.io;
+      docs/flax.md.
     """
     from flax import nnx
 

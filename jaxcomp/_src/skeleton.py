@@ -77,7 +77,9 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     ``jax.grad`` of them transposes the implicit ``pcast`` into a float32 ``psum``: every
     device then holds the SUM of all gradients, sends that same sum through the codec, and
     the mean that comes back is the sum — a step ``n`` times too large, after a full
-    uncompressed all-reduce. Nothing of this is detectable without ``check_vma``.
+    uncompressed all-reduce. Refused rather than divided by ``n``: the division would hide
+    that all-reduce. With ``check_vma=False`` jax adds no such all-reduce (each device's
+    gradient is its own) and nothing is checked.
     """
     if not tracks_variance(axis_name):
         return
@@ -102,7 +104,8 @@ def check_per_device(name: str, state: Any, axis_name: Any) -> None:
 
     Per-device fields (``PER_DEVICE_FIELDS``: error-feedback memories, per-device momenta)
     must enter ``shard_map`` with ``P(axis_name)``; entered as ``P()`` every device starts
-    from one copy and only one device's copy leaves the step.
+    from one copy and only one device's copy leaves the step. With ``check_vma=False`` this
+    cannot be seen (docs/flax.md says what goes wrong then).
     """
     fields = getattr(type(state), "PER_DEVICE_FIELDS", ())
     if not fields or not tracks_variance(axis_name):

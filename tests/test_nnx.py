@@ -175,10 +175,10 @@ def _trace(tx, state, state_spec, grads_spec):
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_every_transform_refuses_replicated_state_and_summed_gradients(name):
     tx = TRANSFORMS[name]()
-    state = jc.sharded_init(tx, _params(), mesh(), AXIS)
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), AXIS), _params())
     with pytest.raises(ValueError, match=r"jax\.lax\.pcast\(params, 'data', to='varying'\)"):
         _trace(tx, state, jc.state_specs(state, AXIS), "summed")
-    replicated = tx.init(_params())
+    replicated = jax.eval_shape(tx.init, _params())
     with pytest.raises(ValueError, match=r"entered the step replicated.*jc\.sharded_init"):
         _trace(tx, replicated, P(), "varying")
 
@@ -192,7 +192,7 @@ def test_pcast_params_and_sharded_state_trace():
         g = jax.grad(lambda q: sum(jnp.sum(a) for a in jax.tree.leaves(q)) * jnp.sum(x))(local)
         return tx.update(g, s, p)[0]
 
-    state = jc.sharded_init(tx, _params(), mesh(), AXIS)
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), AXIS), _params())
     specs = jc.state_specs(state, AXIS)
     fn = jax.shard_map(body, mesh=mesh(), in_specs=(P(), specs, P(AXIS)), out_specs=P())
     p = jax.device_put(_params(), NamedSharding(mesh(), P()))

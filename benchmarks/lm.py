@@ -26,8 +26,9 @@ inside a replica by ``pmean`` every step). Replica runs are evaluated on the mea
 Bytes per step: ring-model bytes per device of the step's collectives (read from the lowered
 program, as ``jc.comm_report``'s ``logical``), averaged over the run: a step whose program
 holds a ``lax.cond`` between exchanges is costed by the branch each step takes (1-bit / 0/1
-Adam: the bytes of that round's exchange; periodic recipes: the step lowered at each distinct
-sync pattern, ``at_count``), weighted by how often it runs. ``slow_bytes_per_step`` counts
+Adam: ``CommReport.mean_bytes_per_device`` of the step, its branches weighted by how often
+each runs; periodic recipes: the step lowered at each distinct sync pattern,
+``jc.at_count``), weighted by how often it runs. ``slow_bytes_per_step`` counts
 only the collectives across replicas (a replica's inner ``pmean`` runs on its fast link).
 
 Writes ``benchmarks/results/lm.json`` (``lm_quick.json`` with ``--quick``; ``--tag T``
@@ -103,9 +104,13 @@ class Recipe:
       schedule: (``replica``) the sync schedule (``sync_every``, ``fragments``, ``delay``,
         ``start_step``) of a transform built on ``jaxcomp._src.periodic``: its bytes are read
         per sync pattern.
-      regimes: (``dp``) ``{name: make(run, axis) -> the exchange of that round}`` for a step
-        that switches between exchanges in a ``lax.cond``; ``regime(run, t)`` names the round
-        step ``t`` takes. None: the compiled step's bytes.
+      branches: (``dp``) the names of the branches of the step's one ``lax.cond`` /
+        ``lax.switch`` between exchanges, in branch-index order; ``regime(run, t)`` names the
+        one step ``t`` takes, and the bytes per step are the step's own branches weighted by
+        how often each runs (``CommReport.mean_bytes_per_device``).
+      regimes: (``dp``, without ``branches``) ``{name: make(run, axis) -> the exchange of that
+        round}``, each round's bytes read from a step of its own. None (and no ``branches``):
+        the step's bytes.
       evaluate: ``"mean"`` (the mean replica) or ``"first"`` (device 0's own model).
       note: what the row shows.
     """
@@ -117,6 +122,7 @@ class Recipe:
     schedule: dict[str, int] | None = None
     regimes: dict[str, Callable[[Run, Any], Any] | None] | None = None
     regime: Callable[[Run, int], str] | None = None
+    branches: tuple[str, ...] | None = None
     evaluate: str = "mean"
     note: str = ""
 
@@ -238,12 +244,12 @@ RECIPES: dict[str, Recipe] = {
     "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
     "onebit_adam": Recipe(
         _onebit,
-        regimes={"warmup": _mean_exchange, "compressed": _sign_exchange},
+        branches=("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)
         regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
     ),
     "zero_one_adam": Recipe(
         _zero_one,
-        regimes={"full": _mean_exchange, "compressed": _sign_exchange, "skipped": None},
+        branches=("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
         regime=_zero_one_regime,
     ),
     "powersgd4-adamw": Recipe(_powersgd(4)),
@@ -415,6 +421,25 @@ def lowered(fn, *args) -> list:
     return parse_stablehlo_collectives(fn.lower(*args).as_text(), jax.device_count())
 
 
+def branch_bytes(recipe: Recipe, run: Run, fn, params, state, sample) -> dict:
+    """Bytes per step of a step with one ``lax.cond`` / ``lax.switch`` between exchanges: each
+    branch's bytes from the step's own lowered program, weighted by how often it runs."""
+    import jaxcomp as jc
+
+    report = jc.comm_report(fn, params, state, sample)
+    counts = [0] * len(recipe.branches)
+    for t in range(run.steps):
+        counts[recipe.branches.index(recipe.regime(run, t))] += 1
+    b = report.mean_bytes_per_device(counts, logical=True)
+    each = report.branch_bytes(logical=True)
+    return {
+        "bytes_per_step": b,
+        "slow_bytes_per_step": b,
+        "regime_bytes": {name: each[0, i] for i, name in enumerate(recipe.branches)},
+        "regime_steps": dict(zip(recipe.branches, counts, strict=True)),
+    }
+
+
 def step_bytes(task: Task, recipe: Recipe, run: Run, fn, params, state, sample) -> dict:
     """Bytes per step averaged over the run (see the module docstring)."""
     import optax
@@ -444,6 +469,8 @@ def step_bytes(task: Task, recipe: Recipe, run: Run, fn, params, state, sample) 
             "slow_bytes_per_step": slow / run.steps,
             "bytes_by_pattern": by_pattern,
         }
+    if recipe.branches:
+        return branch_bytes(recipe, run, fn, params, state, sample)
     if recipe.regimes:
         regime_bytes = {}
         for name, make in recipe.regimes.items():

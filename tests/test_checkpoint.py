@@ -177,6 +177,13 @@ def resize_transforms():
         "powersgd": jc.powersgd(2, "data", min_size=64),
         "onebit_adam": jc.onebit_adam(0.01, "data", freeze_step=2, min_size=64),
         "diloco_int8": jc.diloco(optax.adam(0.01), "data", 4, codec=jc.int_quant(8), delay=1),
+        "zero_one_adam": jc.zero_one_adam(0.01, "data", var_freeze_step=2, min_size=64),
+        "accumulate_ef21": jc.accumulate(
+            jc.compressed_allreduce(jc.sign(), "data", error_feedback="ef21", min_size=64), 3
+        ),
+        "apply_if_finite_sgd": jc.apply_if_finite(
+            jc.sgd(0.1, jc.sign(), "data", min_size=64), "data", 3
+        ),
     }
 
 

@@ -168,6 +168,9 @@ def test_optax_apply_if_finite_around_a_jaxcomp_transform_is_refused_with_the_fi
     for inner in (sgd(), jc.gossip(optax.sgd(0.1), "data")):
         with pytest.raises(ValueError, match=r"jc\.apply_if_finite\(tx, axis_name"):
             _eval_step(optax.apply_if_finite(inner, 3), under)
+    multi = optax.MultiSteps(sgd(), 2, should_skip_update_fn=optax.skip_not_finite)
+    with pytest.raises(ValueError, match=r"MultiSteps\(should_skip_update_fn=skip_not_finite"):
+        _eval_step(multi.gradient_transformation(), under)
     # Around the optimizer after the exchange it is fine (the exchange is outside the cond).
     tx = optax.chain(
         jc.compressed_allreduce(jc.int_quant(8), "data", min_size=64),

@@ -19,31 +19,48 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from optax.transforms import _conditionality
+from optax.transforms import _accumulation, _conditionality
 
 from jaxcomp._src import collectives
 from jaxcomp._src.codecs.base import check_int
 
 _OPTAX_SKIP_FILE = inspect.getsourcefile(_conditionality)
+_MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
+# optax's skip rules for MultiSteps, each decided from this device's own gradients
+_PER_DEVICE_SKIPS = (optax.skip_not_finite, optax.skip_large_updates)
+
+
+def _skips_per_device(frame: Any) -> str | None:
+    """The optax wrapper this frame runs, where it decides per device whether to run its
+    inner update: ``optax.apply_if_finite``, or ``optax.MultiSteps`` with a skip rule."""
+    code = frame.f_code
+    if code.co_name == "do_update" and code.co_filename == _OPTAX_SKIP_FILE:
+        return "optax.apply_if_finite"
+    if code.co_name == "update" and code.co_filename == _MULTI_STEPS_FILE:
+        rule = getattr(frame.f_locals.get("self"), "_should_skip_update_fn", None)
+        if getattr(rule, "func", rule) in _PER_DEVICE_SKIPS:
+            return f"optax.MultiSteps(should_skip_update_fn={getattr(rule, 'func', rule).__name__})"
+    return None
 
 
 def refuse_optax_skip(name: str) -> None:
-    """Raise if this update is traced inside ``optax.apply_if_finite``'s per-device branch.
+    """Raise if this update is traced inside ``optax.apply_if_finite``'s per-device branch
+    (or ``optax.MultiSteps``' with ``skip_not_finite`` / ``skip_large_updates``).
 
-    Its ``lax.cond`` is decided by each device's own gradients, so a jaxcomp exchange inside
+    Their ``lax.cond`` is decided by each device's own gradients, so a jaxcomp exchange inside
     it runs on some devices only and hangs (see the module docstring). Called at trace time
     by every jaxcomp transform; nothing of it reaches the compiled step.
     """
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "do_update" and code.co_filename == _OPTAX_SKIP_FILE:
+        wrapper = _skips_per_device(frame)
+        if wrapper is not None:
             raise ValueError(
-                f"jc.{name} is the `inner` transform of optax.apply_if_finite, which decides "
-                "per device whether to run it: with a NaN on one device that device skips the "
-                f"exchange and the others wait in its collective for ever. Wrap it in "
+                f"jc.{name} is the `inner` transform of {wrapper}, which decides per device "
+                "whether to run it: with a NaN on one device that device skips the exchange "
+                "and the others wait in its collective for ever. Wrap it in "
                 "jc.apply_if_finite(tx, axis_name, max_consecutive_errors) instead (one "
-                "verdict, reduced over the axis), or put optax.apply_if_finite around the "
+                "verdict, reduced over the axis), or put the optax wrapper around the "
                 f"optimizer chained after jc.{name}."
             )
         frame = frame.f_back

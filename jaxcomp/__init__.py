@@ -9,8 +9,7 @@ compiled program.
 from jaxcomp._src.accounting import CommReport, Conditional, at_count, comm_report, format_bytes
 from jaxcomp._src.accumulate import AccumulateState, accumulate
 from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
-from jaxcomp._src.autotune import Plan as AutotunePlan
-from jaxcomp._src.autotune import autotune
+from jaxcomp._src.autotune import AutotunePlan, autotune
 from jaxcomp._src.codecs import (
     CODECS,
     Codec,

@@ -60,7 +60,7 @@ class LinkFit(NamedTuple):
 
 
 class Candidate(NamedTuple):
-    """One row of :attr:`Plan.table`."""
+    """One row of :attr:`AutotunePlan.table`."""
 
     name: str  # "none" (plain pmean) or the codec's name
     codec: Codec | None
@@ -73,7 +73,7 @@ class Candidate(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class AutotunePlan:
     """What :func:`autotune` chose, and why (``table``: every candidate, fastest first)."""
 
     codec: Codec | None  # None: no compression (plain pmean is fastest here)
@@ -368,7 +368,7 @@ def autotune(
     budget_s: float = 60.0,
     reps: int = 3,
     link_sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22),
-) -> Plan:
+) -> AutotunePlan:
     """Measure the link and the codecs on ``mesh``, predict every candidate, time the best.
 
     For each candidate ``c`` (codec, strategy, bucket size, ``min_size``) the predicted time
@@ -401,7 +401,7 @@ def autotune(
       link_sizes: float32 elements per device of the arrays timed to fit the link.
 
     Returns:
-      A :class:`Plan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``, ``table``
+      A :class:`AutotunePlan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``, ``table``
       (every candidate with bytes, predicted and measured ms; measured first, fastest first)
       and ``link`` (the fitted latency and bandwidth per collective).
 
@@ -433,7 +433,7 @@ def autotune(
     )
 
 
-def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) -> Plan:
+def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) -> AutotunePlan:
     """Time plain pmean and the ``check`` best predicted candidates; the fastest is the plan."""
     tree = jax.tree.map(lambda x: _per_device(mesh, axis_name, np.shape(x), 7), params)
     plain = next(r for r in rows if r.codec is None)
@@ -454,4 +454,4 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
     if best.codec is not None and best.measured_ms > (1 - MARGIN) * timed[id(plain)]:
         best = next(r for r in rows if r.codec is None)  # not clearly faster: keep plain
     strategy = "auto" if best.codec is None else best.strategy
-    return Plan(best.codec, strategy, best.bucket_bytes, best.min_size, tuple(rows), link)
+    return AutotunePlan(best.codec, strategy, best.bucket_bytes, best.min_size, tuple(rows), link)

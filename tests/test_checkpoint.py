@@ -270,6 +270,23 @@ def test_resize_8_to_4_to_8_keeps_what_every_field_holds(name):
         assert any("server_residual" in k for k in before)
 
 
+def test_resize_to_a_count_that_does_not_divide_keeps_the_means():
+    import jax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = resize_transforms()["sgd_sign_two_phase"]
+    state = _filled(tx, mesh(8), 8)
+    before = held(state, 8)
+    for m in (3, 5):  # 8 -> 3: groups of 3, 3, 2 rows; 3 -> 5: 2, 2, 1 copies
+        state = jc.resize_state(state, tx, _params(), mesh(m), "data")
+        after = held(state, m)
+        for k in before:
+            np.testing.assert_allclose(after[k], before[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert jax.tree.leaves(state)[0].sharding.mesh.size == 5
+
+
 def test_resize_refuses_what_it_cannot_move():
     import jax
     from helpers import mesh

@@ -36,6 +36,7 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -117,21 +118,22 @@ def restore_target(
 
 
 def _fold(rows: np.ndarray, m: int) -> np.ndarray:
-    """``n`` rows to ``m``, keeping the mean over rows (integer rows: the first folded in)."""
+    """``n`` rows to ``m``, keeping the mean over rows (integer rows: the first folded in).
+
+    Floats narrower than float32 (a bf16 moment) are summed in float32."""
     n = rows.shape[0]
+    group = np.arange(n) * m // n  # n >= m: old row i goes to new row group[i]
+    source = np.arange(m) * n // m  # n < m: new row j takes old row source[j]
+    if not jnp.issubdtype(rows.dtype, jnp.floating):
+        return rows[np.searchsorted(group, np.arange(m))] if n >= m else rows[source]
+    wide = rows.astype(np.promote_types(np.float32, np.result_type(rows.dtype, np.float32)))
     if n >= m:
-        group = np.arange(n) * m // n
-        if not np.issubdtype(rows.dtype, np.floating):
-            return rows[np.searchsorted(group, np.arange(m))]
-        out = np.zeros((m, *rows.shape[1:]), rows.dtype)
-        np.add.at(out, group, rows)
-        return (out * np.asarray(m / n, rows.dtype)).astype(rows.dtype)
-    source = np.arange(m) * n // m
-    if not np.issubdtype(rows.dtype, np.floating):
-        return rows[source]
+        out = np.zeros((m, *rows.shape[1:]), wide.dtype)
+        np.add.at(out, group, wide)
+        return (out * wide.dtype.type(m / n)).astype(rows.dtype)
     copies = np.bincount(source, minlength=n)[source]
-    weight = (m / n / copies).astype(rows.dtype).reshape(-1, *([1] * (rows.ndim - 1)))
-    return rows[source] * weight
+    weight = (m / n / copies).astype(wide.dtype).reshape(-1, *([1] * (rows.ndim - 1)))
+    return (wide[source] * weight).astype(rows.dtype)
 
 
 def _rechunk(rows: np.ndarray, width: int, m: int, where: str) -> np.ndarray:

@@ -12,7 +12,10 @@ they are absent, so the same script runs on a pod unchanged)::
 Every line a process prints is prefixed with ``[rank]``. All loops are bounded: the
 launcher waits at most ``--timeout`` seconds, and when one process fails the others get
 ``--grace`` seconds to notice before they are killed, so a crash never becomes a hang.
-The exit status is the first non-zero status seen (0 when all succeed).
+The launcher names the first rank that failed and how (``[launch] rank 2 exited with status
+1`` or ``... was killed by signal 9 (SIGKILL)``) and exits with that rank's status in the
+shell's convention: the status itself, or ``128 + signal`` for a rank a signal killed (124
+when the whole run timed out); 0 when all succeed.
 """
 
 from __future__ import annotations
@@ -89,6 +92,34 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
+def exit_status(returncode: int) -> int:
+    """A child's ``returncode`` in the shell's convention: ``-sig`` (killed) -> ``128 + sig``.
+
+    ``subprocess`` reports a child killed by signal ``s`` as ``-s``; ``sys.exit(-9)`` would
+    exit 247 (the low byte), which reads as no signal at all. The shell says ``128 + s``.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_status(rank: int, returncode: int) -> str:
+    """``rank 2 exited with status 1`` or ``rank 2 was killed by signal 9 (SIGKILL)``."""
+    if returncode >= 0:
+        return f"rank {rank} exited with status {returncode}"
+    try:
+        name = f" ({signal.Signals(-returncode).name})"
+    except ValueError:
+        name = ""
+    return f"rank {rank} was killed by signal {-returncode}{name}"
+
+
+def _first_failure(procs: Sequence[subprocess.Popen]) -> tuple[int, int] | None:
+    """``(rank, returncode)`` of the lowest rank that has ended with a non-zero status."""
+    for rank, p in enumerate(procs):
+        if p.returncode not in (None, 0):
+            return rank, p.returncode
+    return None
+
+
 def run(
     argv: Sequence[str],
     num_processes: int,
@@ -101,6 +132,15 @@ def run(
     out=None,
 ) -> int:
     """Run ``python argv...`` as ``num_processes`` processes; return the first failing status.
+
+    The first rank seen failing is named on ``out`` (``[launch] rank r exited with status s``
+    or ``... was killed by signal s (SIGNAME)``); its status is returned in the shell's
+    convention (:func:`exit_status`: ``128 + signal`` for a killed rank), 124 when ``timeout``
+    ran out with every rank still alive, 0 when all succeed.
+
+    Example::
+
+        status = run(["examples/multihost.py", "--steps", "5"], 2)  # 0 when both ranks succeed
 
     Raises:
       ValueError: ``num_processes`` < 1, ``local_devices`` < 1, or a non-positive timeout.
@@ -141,9 +181,10 @@ def run(
         # and a failed process behind it would never be noticed)
         while any([p.poll() is None for p in procs]):
             now = time.monotonic()
-            codes = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if codes and failed_at is None:
-                status, failed_at = codes[0], now
+            first = _first_failure(procs)
+            if first is not None and failed_at is None:
+                out.write(f"[launch] {describe_status(*first)}\n")
+                status, failed_at = exit_status(first[1]), now
             if now > deadline or (failed_at is not None and now - failed_at > grace):
                 out.write(
                     f"[launch] killing the remaining processes "
@@ -159,8 +200,11 @@ def run(
             p.wait()
         for t in pumps:
             t.join(timeout=5)
-    codes = [p.returncode for p in procs if p.returncode != 0]
-    return status or (codes[0] if codes else 0)
+    first = _first_failure(procs)
+    if not status and first is not None:
+        out.write(f"[launch] {describe_status(*first)}\n")
+        status = exit_status(first[1])
+    return status
 
 
 def main(args: Sequence[str] | None = None) -> int:

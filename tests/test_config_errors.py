@@ -64,6 +64,12 @@ def _nnx_split_state():
     return nnx.split((model, nnx.Optimizer(model, jc.sgd(0.1, S, "data"), wrt=nnx.Param)))[1]
 
 
+_AXIS_FACTORIES = (
+    "compressed_allreduce, dgc, powersgd, sgd, onebit_adam, zero_one_adam, local_sgd, diloco, "
+    "gossip, delayed"
+)
+_INNER_FACTORIES = "compressed_allreduce, dgc, powersgd"
+
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
     ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
@@ -438,6 +444,16 @@ CHECKS = [
         lambda: jc.restore_target(SGD, {"w": np.zeros(3)}, mesh(), "data", 0),
         ValueError,
     ),
+    (_AXIS_FACTORIES, "axis_name", lambda: jc.sgd(0.1, S, None), ValueError),
+    (_AXIS_FACTORIES, "axis_name", lambda: jc.local_sgd(SGD, 3, 2), TypeError),
+    (_INNER_FACTORIES, "inner_axis_name", lambda: jc.dgc(0.1, "d", inner_axis_name=()), ValueError),
+    (
+        _INNER_FACTORIES,
+        "inner_axis_name",
+        lambda: jc.powersgd(2, "d", inner_axis_name=1),
+        TypeError,
+    ),
+    ("accumulate", "tx", lambda: jc.accumulate(None, 4), TypeError),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),
@@ -512,6 +528,8 @@ TRACE_CHECKS = [
         lambda x: _finite_update(x, None),
         ValueError,
     ),
+    ("pmean, psum, consensus_distance", "axis_name", lambda x: jc.psum(x, None, S), ValueError),
+    ("pmean, psum, consensus_distance", "axis_name", lambda x: jc.pmean(x, 0, S), TypeError),
     ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
     ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
     (

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src.codecs.base import check_int
+from jaxcomp._src.periodic import check_transform
 
 
 class AccumulateState(NamedTuple):
@@ -104,6 +105,7 @@ def accumulate(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`AccumulateState`.
     """
+    tx = check_transform("tx", tx)
     every_k = check_int("every_k", every_k, 1)
     if not isinstance(use_grad_mean, bool):
         raise TypeError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}")

@@ -84,6 +84,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp._src import buckets, shards
+from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
+    axis_names,
+    check_axes,
+    check_axis_name,
+    check_mesh_axis,
+)
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, scaled
@@ -108,18 +114,9 @@ class Reduced(NamedTuple):
     bad: jax.Array  # bool[]: some input on some device was non-finite (same on every device)
 
 
-def axis_names(*axes: Any) -> tuple:
-    """Flatten axis names (a name, a tuple of names, or None) into one tuple."""
-    out: tuple = ()
-    for a in axes:
-        if a is None:
-            continue
-        out += tuple(a) if isinstance(a, tuple | list) else (a,)
-    return out
-
-
 def axis_size(axis_name: Any) -> int:
     """Size of a bound mesh axis (or tuple of axes), with a clear error when it is not bound."""
+    check_axis_name(axis_name)
     names = axis_names(axis_name)
     try:
         return int(jax.lax.axis_size(names if len(names) != 1 else names[0]))
@@ -142,6 +139,7 @@ def check_inner_axis(axis_name: Any, inner_axis_name: Any) -> None:
     """``inner_axis_name`` must be bound and distinct from ``axis_name`` (trace time)."""
     if inner_axis_name is None:
         return
+    check_axis_name(inner_axis_name, "inner_axis_name")
     shared = set(axis_names(axis_name)) & set(axis_names(inner_axis_name))
     if shared:
         raise ValueError(
@@ -740,7 +738,7 @@ def psum(
     ``psum(x) = n * pmean(x) ~ sum_i decode(encode(x_i))`` over the ``n`` devices of the
     axis (or axes); the strategies, bytes and references are those of :func:`pmean`.
     """
-    n = axis_size(axis_names(axis_name, inner_axis_name))
+    n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
     mean = pmean(
         tree,
         axis_name,

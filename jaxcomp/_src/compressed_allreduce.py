@@ -219,6 +219,7 @@ def compressed_allreduce(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
     """
+    collectives.check_axes(axis_name, inner_axis_name)
     collectives.check_codec(codec)
     collectives.check_pair(codec, strategy)
     adaptive = check_adaptive(adaptive)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import periodic
+from jaxcomp._src import collectives, periodic
 
 
 class DelayedState(NamedTuple):
@@ -63,6 +63,8 @@ def delayed(
       Federated Learning", NeurIPS 2021.
     """
     tx = periodic.check_transform("tx", tx)
+    if axis_name is not None:
+        collectives.check_axis_name(axis_name)
 
     def init_fn(params):
         pending = jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.result_type(p)), params)

@@ -170,8 +170,7 @@ def dgc(
       Bandwidth for Distributed Training", ICLR 2018. https://arxiv.org/abs/1712.01887
     """
     ratio = check_ratio(ratio)
-    if axis_name is None:
-        raise ValueError("`axis_name` is required: the data-parallel mesh axis, e.g. 'data'")
+    collectives.check_axes(axis_name, inner_axis_name)
     momentum = check_fraction("momentum", momentum)
     if not isinstance(nesterov, bool):
         raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")

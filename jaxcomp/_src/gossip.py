@@ -159,8 +159,7 @@ def gossip(
       Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017 (D-PSGD).
     """
     inner = _check_inner(inner)
-    if axis_name is None:
-        raise ValueError("`axis_name` must name the mesh axis the replicas live on, got None")
+    collectives.check_axis_name(axis_name)
     topology_name = topologies.check_topology(topology)
     if codec is not None:
         collectives.check_codec(codec)
@@ -373,6 +372,7 @@ def consensus_distance(replicas: Any, axis_name: Any = None) -> jax.Array:
         mean = jnp.mean(flat, axis=0)
         spread = jnp.max(jnp.linalg.norm(flat - mean, axis=1))
     else:
+        collectives.axis_size(axis_name)  # a named error where the axis is not bound
         flat = jnp.concatenate([x.reshape(-1) for x in leaves])
         mean = jax.lax.pmean(flat, axis_name)
         spread = jax.lax.pmax(jnp.linalg.norm(flat - mean), axis_name)

@@ -165,6 +165,7 @@ def groups_of(cfg: Config, params: Any) -> list[list[int]]:
 
 def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
     """The optax transform of ``cfg``."""
+    collectives.check_axis_name(cfg.axis_name)
     inner, exchange = cfg.inner, cfg.exchange()
     axes = cfg.axes
     fields = cfg.state_type._fields

@@ -431,6 +431,7 @@ def powersgd(
       Vogels, Karimireddy, Jaggi, 2019. PowerSGD: Practical Low-Rank Gradient Compression
       for Distributed Optimization. NeurIPS. https://arxiv.org/abs/1905.13727
     """
+    collectives.check_axes(axis_name, inner_axis_name)
     rank = check_int("rank", rank, 1)
     start_step = check_int("start_step", start_step, 0)
     min_size = check_int("min_size", min_size, 0)

@@ -26,6 +26,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._src.axes import check_axis_name
+
 
 def is_sharded_state(node: Any) -> bool:
     """A jaxcomp state NamedTuple with per-device fields."""
@@ -152,6 +154,7 @@ def state_specs(
     param's own spec behind the data axis, ``P("data", *param_spec)`` (replicated fields:
     ``param_spec``), so each device holds only its model shard of every memory.
     """
+    check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
         check_mesh_axes(mesh, axis_name, "axis_name")
     if type(state).__name__ == "Optimizer" and _from_nnx(state):

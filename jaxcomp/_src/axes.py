@@ -1,0 +1,60 @@
+"""Mesh axis arguments: flattening them, and the checks that name a bad one.
+
+Every public factory that takes an ``axis_name`` checks it here at construction (None, an
+empty tuple, a non-str), and the functions that take a mesh check that the mesh has it, so
+a misspelt or missing axis is a ValueError naming the argument, never jax's bare
+``KeyError`` or "unbound axis name: None" deep inside a trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def axis_names(*axes: Any) -> tuple:
+    """Flatten axis names (a name, a tuple of names, or None) into one tuple."""
+    out: tuple = ()
+    for a in axes:
+        if a is None:
+            continue
+        out += tuple(a) if isinstance(a, tuple | list) else (a,)
+    return out
+
+
+def check_axis_name(axis_name: Any, name: str = "axis_name") -> Any:
+    """Construction-time check of a mesh axis argument: a name (str) or a tuple of names.
+
+    ``None`` would reduce over no axis at all (``jax.lax.psum(x, ())`` is ``x``): refused with
+    a ValueError, as is an empty tuple; any other type with a TypeError naming ``name``.
+    """
+    if axis_name is None or (isinstance(axis_name, tuple | list) and not axis_name):
+        raise ValueError(
+            f"`{name}` is required: a mesh axis name such as 'data' (the name given to "
+            f"jax.make_mesh and bound by jax.shard_map or jax.pmap), got {axis_name!r}"
+        )
+    names = tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+    if not all(isinstance(a, str) for a in names):
+        raise TypeError(
+            f"`{name}` must be a mesh axis name (a str such as 'data') or a tuple of them, "
+            f"got {type(axis_name).__name__} {axis_name!r}"
+        )
+    return axis_name
+
+
+def check_mesh_axis(mesh: Any, axis_name: Any, name: str = "axis_name") -> Any:
+    """``axis_name`` must name axes of ``mesh`` (a ValueError listing the mesh's axes if not)."""
+    check_axis_name(axis_name, name)
+    missing = [a for a in axis_names(axis_name) if a not in tuple(mesh.axis_names)]
+    if missing:
+        raise ValueError(
+            f"`{name}` {axis_name!r} is not an axis of the mesh: {missing} missing from its "
+            f"axes {tuple(mesh.axis_names)}; pass one of those (the data-parallel axis)"
+        )
+    return axis_name
+
+
+def check_axes(axis_name: Any, inner_axis_name: Any = None) -> None:
+    """Construction-time check of a transform's ``axis_name`` and optional ``inner_axis_name``."""
+    check_axis_name(axis_name)
+    if inner_axis_name is not None:
+        check_axis_name(inner_axis_name, "inner_axis_name")

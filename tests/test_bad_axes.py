@@ -3,8 +3,9 @@
 Each public transform factory refuses ``axis_name=None`` (ValueError: it would reduce over no
 axis at all) and a non-str name (TypeError) at construction; ``inner_axis_name`` likewise.
 At trace time a name the mesh lacks is a ValueError ("... is not bound here") from every
-update and collective, and ``jc.sharded_init`` / ``jc.state_specs`` with a mesh name the axis
-the mesh lacks. Everything is traced with ``jax.eval_shape``: nothing compiles.
+collective (from every update: item 7 of the contract suites), and ``jc.sharded_init`` /
+``jc.state_specs`` name an axis the mesh lacks. Traced with ``jax.eval_shape``: nothing
+compiles.
 """
 
 from __future__ import annotations
@@ -73,36 +74,8 @@ def test_accumulate_refuses_a_missing_transform():
 PARAMS = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))}
 
 
-def _trace_update(tx, replicas: bool):
-    """eval_shape of one update under shard_map over 'data' (8 devices)."""
-    m = mesh()
-    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), PARAMS)
-    specs = jc.state_specs(state, "data")
-    pspec = P("data") if replicas else P()
-    own = jc.own if replicas else (lambda p: p)
-
-    def step(p, s, g):
-        g = jax.tree.map(lambda a: a[0], g)
-        out = tx.update(g, s, own(p))[0]
-        return jc.slot(out) if replicas else out
-
-    grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct((8, *a.shape), a.dtype), PARAMS)
-    params = grads if replicas else PARAMS  # replicas: one copy per device
-    f = jax.shard_map(step, mesh=m, in_specs=(pspec, specs, P("data")), out_specs=pspec)
-    place = lambda t, sp: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, sp)), t
-    )
-    return jax.eval_shape(f, place(params, pspec), state, place(grads, P("data")))
-
-
-@pytest.mark.parametrize("name", sorted(set(FACTORIES) - {"delayed"}))
-def test_update_over_an_axis_the_mesh_lacks_says_so(name):
-    replicas = name in ("local_sgd", "diloco", "gossip")
-    _trace_update(FACTORIES[name]("data"), replicas)  # the right axis traces
-    with pytest.raises(ValueError, match=r"`axis_name` 'batch' is not bound"):
-        _trace_update(FACTORIES[name]("batch"), replicas)
-
-
+# Every transform's update over an axis the mesh lacks: item 7 of tests/test_contract.py and
+# tests/test_contract_replicas.py. The collectives:
 @pytest.mark.parametrize(
     "call",
     [

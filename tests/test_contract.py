@@ -707,3 +707,49 @@ def test_bad_arguments_name_the_argument(row, case):
         )
         with pytest.raises(ValueError, match="state"):
             b.jitted.trace(g, state, b.params)
+
+
+# --------------------------------------------------------------------------- 8. finite outliers
+
+# One element of one device's gradient at step 0: the issue's 2e19 (its square overflows
+# float32) and 3e38 (near float32's largest, 3.4e38).
+OUTLIERS = (2e19, 3e38)
+
+
+def finite_outlier_run(row_id: str, value: float) -> tuple[dict, Any]:
+    """The row's trajectory with ``value`` at ``w[0, 0]`` of device 0 at step 0: last output
+    and last state."""
+    b = built(row_id)
+    state = b.state0
+    for t in range(STEPS):
+        g = grads(t)
+        if t == 0:
+            g["w"][0, 0, 0] = value
+        out, _, state = b.step(g, state)
+    return jax.tree.map(np.asarray, out), state
+
+
+def float_leaves(state: Any) -> list[tuple[str, np.ndarray]]:
+    leaves = [(jax.tree_util.keystr(k), np.asarray(x)) for k, x in jax.tree.leaves_with_path(state)]
+    return [(k, x) for k, x in leaves if np.issubdtype(x.dtype, np.floating)]
+
+
+def dead(a: np.ndarray, columns: bool) -> np.ndarray:
+    """Whether the leaf (or, ``columns``, each slice along its last axis) is all zero."""
+    return (a == 0).reshape(-1, a.shape[-1] if columns and a.ndim else 1).all(0)
+
+
+@pytest.mark.parametrize("value", OUTLIERS)
+def test_finite_outlier_leaves_no_state_zero_or_nonfinite(row, value):
+    """A finite input never leaves carried state NaN, inf or newly zero (a PowerSGD Q column
+    whose norm overflowed stayed 0 for ever): every norm and rescale of state is guarded."""
+    out, state = finite_outlier_run(row.id, value)
+    _, states = trajectory(row.id)
+    for (path, got), (_, ref) in zip(float_leaves(state), float_leaves(states[-1]), strict=True):
+        assert np.isfinite(got).all(), f"non-finite state {path} after {value:g}"
+        # Nothing zero that the run without the outlier holds non-zero: no leaf, and no
+        # column of PowerSGD's warm-start Q (..., m, rank).
+        columns = ".q" in path
+        assert not (dead(got, columns) & ~dead(ref, columns)).any(), f"zeroed state {path}"
+    for k in row.compressed:
+        assert np.isfinite(out[k]).all() and np.abs(out[k]).max() > 0, k

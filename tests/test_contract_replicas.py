@@ -597,3 +597,29 @@ def test_bad_arguments_name_the_argument(row, case):
         state = jax.eval_shape(lambda p: jc.sharded_init(b.tx, p, b.mesh, "data"), other)
         with pytest.raises(ValueError, match="state"):
             b.jitted.trace(b.replicas0, state, g)
+
+
+# --------------------------------------------------------------------------- 8. finite outliers
+
+
+@pytest.mark.parametrize("value", (2e19, 3e38))
+def test_finite_outlier_leaves_no_state_zero_or_nonfinite(row, value):
+    """One finite outlier in device 0's gradient at step 0 (2e19: its square overflows
+    float32; 3e38: near its largest): no state left NaN, inf or newly all-zero, outputs
+    finite (the replicas themselves may leave float32's range: -LR * 3e38 is finite)."""
+    b = built(row.id)
+    reference = trajectory(row.id).states[-1]
+    replicas, state = b.replicas0, b.state0
+    for t in range(STEPS):
+        g = grads(t, row.shapes)
+        first = sorted(row.shapes)[-1]
+        if t == 0:
+            g[first].reshape(N, -1)[0, 0] = value
+        out, replicas, state = b.step(replicas, state, g)
+        assert all(np.isfinite(np.asarray(o)).all() for o in jax.tree.leaves(out)), t
+    got = [np.asarray(x) for x in jax.tree.leaves(state)]
+    ref = [np.asarray(x) for x in jax.tree.leaves(reference)]
+    for a, r in zip(got, ref, strict=True):
+        if np.issubdtype(a.dtype, np.floating):
+            assert np.isfinite(a).all(), f"non-finite state {a.shape} after {value:g}"
+            assert (a != 0).any() or not (r != 0).any(), f"zeroed state {a.shape}"

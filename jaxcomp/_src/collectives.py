@@ -84,13 +84,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp._src import buckets, shards
+from jaxcomp._src import layout as layouts
 from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     axis_names,
     check_axes,
     check_axis_name,
     check_mesh_axis,
 )
-from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, scaled
 from jaxcomp._src.cost import (  # noqa: F401  (re-exported: the public bytes model)

@@ -19,7 +19,12 @@ import optax
 
 from jaxcomp._src import buckets, collectives, server, shards, skeleton
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
+from jaxcomp._src.codecs.base import (
+    check_fraction,
+    check_int,
+    check_positive_float,
+    scaled_global_norm,
+)
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
 
 DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
@@ -243,7 +248,7 @@ def dgc(
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
         if clip_norm is not None:
-            norm = jnp.sqrt(sum(jnp.sum(a * a) for a in g + p))
+            norm = scaled_global_norm(g + p)  # overflows only past float32's range
             limit = clip_norm / math.sqrt(n)
             scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
             g, p = [a * scale for a in g], [a * scale for a in p]

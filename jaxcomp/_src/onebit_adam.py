@@ -11,7 +11,7 @@ import optax
 
 from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs import sign
-from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import F32_MAX, Codec, saturating_square
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
 
@@ -94,7 +94,10 @@ def adam_round(grads: Any, mu: Any, nu: Any, b1, b2, every_axis: Any, bucket_byt
     means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
     g = jax.tree.unflatten(treedef, means)
     mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, mu, g)
-    nu = jax.tree.map(lambda v, x: b2 * v + (1.0 - b2) * x * x, nu, g)
+    # A finite outlier's square saturates instead of leaving nu inf (frozen for ever).
+    nu = jax.tree.map(
+        lambda v, x: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(x), F32_MAX), nu, g
+    )
     return mu, nu, collectives.local_nonfinite(held)
 
 

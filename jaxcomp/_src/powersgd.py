@@ -29,7 +29,7 @@ import optax
 
 from jaxcomp._src import collectives, shards, skeleton
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.codecs.base import check_int
+from jaxcomp._src.codecs.base import check_int, safe_divide, scaled_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -256,6 +256,20 @@ def _orthogonalize_groups(plan: Plan, ps: list[jax.Array], epsilon: float) -> li
     return out
 
 
+def _unit_columns(q: jax.Array, old: jax.Array) -> jax.Array:
+    """``q``'s columns (``(B, m, r)``, over ``m``) at unit norm, to warm-start the next step.
+
+    Only their directions matter (the scale cancels in :func:`orthogonalize`). The norm is
+    taken after dividing by the column's largest entry, as :func:`orthogonalize` does: the
+    plain ``sqrt(sum q^2)`` overflows to inf from entries of ~1.8e19 (one large finite
+    gradient value), and ``q / inf`` is a zero column from which power iteration never
+    recovers. A zero column keeps its old direction for the same reason.
+    """
+    norm = scaled_norm(q, axis=1, keepdims=True)
+    keep = norm > 0
+    return jnp.where(keep, safe_divide(q, norm), old)
+
+
 def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     """PowerSGD on the ``(B, n, m)`` batches ``ms`` and plain pmean of the ``plain`` vector.
 
@@ -282,13 +296,7 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     shares = [outer(a, b) for a, b in zip(ps, local, strict=True)]  # P P^T M_i
     bad = collectives.local_nonfinite((round1, q_sum))
     if warm_start:
-        # Keep Q's column directions (their scale cancels in orthogonalize): a zero matrix
-        # keeps its old Q instead of a zero one, from which power iteration cannot recover.
-        nxt = []
-        for a, old in zip(qn, q, strict=True):
-            norm = jnp.sqrt(jnp.sum(a * a, axis=1, keepdims=True))
-            nxt.append(jnp.where(norm > 0, a / jnp.where(norm > 0, norm, 1.0), old))
-        return means, shares, plain_mean, tuple(nxt), bad
+        return means, shares, plain_mean, tuple(map(_unit_columns, qn, q)), bad
     return means, shares, plain_mean, (), bad
 
 

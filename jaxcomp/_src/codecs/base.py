@@ -214,3 +214,47 @@ def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
     """
     zero = den == 0
     return jnp.where(zero, 0.0, num / jnp.where(zero, 1.0, den))
+
+
+#: float32's largest finite value: where a square or a sum of finite values saturates.
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
+    """``sum_j |xb[b, j]| / count[b]`` per row, summed pre-scaled so it never overflows.
+
+    ``sum |x| / c`` overflows float32 once the row's sum leaves its range (two values of
+    2e38, or one of 3e38 beside a few thousand of 1e35: what an error-feedback memory holds
+    after a finite outlier), and the scale of every later step would be inf. Each term is
+    divided first, so the result is at most ``max |x|``. NaN and inf still propagate.
+    """
+    return jnp.sum(jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None], axis=1)
+
+
+def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:
+    """The 2-norm ``sqrt(sum x^2)`` over ``axis``, computed as ``m sqrt(sum (x/m)^2)`` with
+    ``m = max |x|``, so that it overflows only where the norm itself exceeds float32's range
+    (``sum x^2`` overflows from ``|x| ~ 1.8e19``) and never underflows to 0 for tiny ``x``.
+
+    A zero ``x`` has norm 0; NaN and inf propagate.
+    """
+    biggest = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    unit = safe_divide(x, biggest)
+    norm = biggest * jnp.sqrt(jnp.sum(unit * unit, axis=axis, keepdims=True))
+    return norm if keepdims else jnp.squeeze(norm, axis=axis)
+
+
+def saturating_square(x: jax.Array) -> jax.Array:
+    """``min(x^2, F32_MAX)``: a finite ``x`` has a finite square (``x^2`` is inf from
+    ``|x| ~ 1.8e19``), so a second-moment estimate fed a finite outlier stays finite and
+    decays back; NaN and inf stay non-finite."""
+    return jnp.minimum(x * x, F32_MAX)
+
+
+def scaled_global_norm(arrays: list[jax.Array]) -> jax.Array:
+    """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded)."""
+    if not arrays:
+        return jnp.zeros([], jnp.float32)
+    biggest = jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in arrays]))
+    total = sum(jnp.sum(jnp.square(safe_divide(a, biggest))) for a in arrays)
+    return biggest * jnp.sqrt(total)

@@ -22,6 +22,7 @@ from jaxcomp._src.codecs.base import (
     check_int,
     check_positive_float,
     check_vector,
+    mean_abs,
     per_value,
     require_key,
     safe_divide,
@@ -245,7 +246,7 @@ class IntQuant(Codec):
                 code = (u < p_pos).astype(jnp.uint32)
             else:
                 count = jnp.clip(d - jnp.arange(xb.shape[0]) * self.block_size, 1, self.block_size)
-                scale = jnp.sum(jnp.abs(xb), axis=1) / count
+                scale = mean_abs(xb, count)  # summed pre-scaled: never overflows
                 code = (xb >= 0).astype(jnp.uint32)
         else:
             L = self.levels

@@ -7,7 +7,15 @@ import dataclasses
 import jax.numpy as jnp
 
 from jaxcomp._src.codecs import packing
-from jaxcomp._src.codecs.base import Codec, blocks, ceil_div, check_int, check_vector, per_value
+from jaxcomp._src.codecs.base import (
+    Codec,
+    blocks,
+    ceil_div,
+    check_int,
+    check_vector,
+    mean_abs,
+    per_value,
+)
 from jaxcomp._src.codecs.quantize import sum_of_decodes
 
 _SCALES = (None, "mean")
@@ -48,7 +56,7 @@ class Sign(Codec):
         absx = jnp.abs(xb)
         if self.scale == "mean":
             count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
-            scale = jnp.sum(absx, axis=1) / count
+            scale = mean_abs(xb, count)  # summed pre-scaled: never overflows
         else:  # 1 for a non-zero block, 0 for a zero block; NaN/inf propagate through 0 * max
             absmax = jnp.max(absx, axis=1, initial=0.0)
             scale = (absmax > 0).astype(jnp.float32) + 0.0 * absmax

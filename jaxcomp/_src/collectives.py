@@ -8,15 +8,21 @@ strategy           bytes per device                   when
 =================  =================================  =========================================
 ``allreduce``      ``2 (n-1)/n * P(d)``               summable payloads (identity, cast bf16/fp16)
 ``allgather``      ``(n-1) * P(d)``                   any codec; grows linearly with n
-``two_phase``      ``2 (n-1) * P(ceil(d/n))``         any codec; ~ ``2 P(d)`` whatever n
-                   ``~= 2 (n-1)/n * P(d)``
+``two_phase``      ``2 (n-1) * P(ceil(d/n))``         any codec; ~ ``2 P(d)`` while ``d/n``
+                   ``~= 2 (n-1)/n * P(d)``            spans many blocks (see below)
 ``majority_vote``  ``2 (n-1) * 4 ceil(W/n)``          sign codecs; ``W = ceil(d/32)`` words of
                    ``+ 2 (n-1)/n * 4 * blocks``       bits each way, plus one psum of the scales
 =================  =================================  =========================================
 
 Plain ``pmean`` of float32 sends ``2 (n-1)/n * 4d``. So all-gather saves ``8d / (n P)`` —
 at n = 8 int8 saves nothing and 1-bit only 8x — while two-phase keeps ``4d / P`` (1-bit:
-~32x) at any n.
+~32x) at any n *for large vectors*: each of the ``2 (n-1)`` chunks a device sends carries its
+own scales and padding to whole words, ``P(ceil(d/n)) = ceil(d/n) * b + c``, so two-phase
+sends ``~2 P(d) + 2 (n-1) c``. The second term grows with n and dominates once ``d/n`` is
+a few blocks: on a 4,079-float tree sign's bytes per device grow 1.77x from 8 to 32
+devices. For a leaf of a few floats every payload costs more than the floats themselves (a
+7-float leaf at 32 devices: sign 248 B, plain ``pmean`` 54 B); ``auto`` then sends it
+through plain float32 ``pmean``.
 
 ``two_phase`` (reduce-scatter style): split the vector into n chunks, encode each,
 ``all_to_all`` so device i receives everybody's chunk i, decode and average it, re-encode the
@@ -44,11 +50,22 @@ Only compressed payloads cross the slow axis. See :func:`hierarchical_bytes`.
 
 With ``allreduce`` the payload is also *added* in its own type (fp16 sums round at
 ~2^-11 of the running sum): error feedback cannot see that rounding, it happens in the
-network. Integer payloads are never summed in their narrow type (int8 sums overflow).
+network. So that a mean that fits the type never overflows in that sum (8 devices of fp16
+10000: the sum, 80000, is past fp16's 65504), each device encodes ``x / n`` and the psum
+*is* the mean (as torch's fp16 hook divides by the world size first); the price is
+``log2 n`` bits of range at the small end (fp16 values below ``6e-5 n`` lose precision).
+The rounding of a ring sum grows with n (``benchmarks/narrow_sum.py``: fp16's relative
+error 2.9e-4 at n = 2, 5.2e-4 at 16, 3.9e-3 at 1024; bf16's 2.3e-3, 4.2e-3 and 0.34),
+so ``auto`` psums fp16/bf16 payloads only up to n = 8, where it stays within 2x of
+``two_phase``'s (2.1e-4 / 1.7e-3 at any n), and above sends them ``two_phase``: the owner adds
+the decoded chunks in float32, at the same bytes. ``allgather`` and ``two_phase`` always
+add in float32. Integer payloads are never summed in their narrow type (int8 sums overflow).
 
 ``auto`` picks, per vector, the strategy with the fewest bytes in the table above; a
-summable codec always uses ``allreduce`` (same bytes as two-phase, exact sums); a tie
-goes to ``allgather`` (one encode, one compression error). What it picks for a vector of
+summable codec uses ``allreduce`` (same bytes as two-phase, one psum) while its sum in its
+own type stays accurate (float32 always, fp16/bf16 up to 8 devices); a tie goes to
+``allgather`` (one encode, one compression error); plain float32 ``pmean`` where it is
+cheaper than all of them. What it picks for a vector of
 ``d = 2^20`` floats, and the saving against plain ``pmean`` (``jc.choose_strategy``,
 ``jc.strategy_bytes``; the same on the outer axis of a hierarchical mesh of n hosts)::
 
@@ -250,6 +267,13 @@ def _sent(payloads, xs, codec):
 # mean, with ``fill`` NaN when the step is not finite).
 
 
+def _allreduce_encode(xs, keys, ctx):
+    """Summable payloads of ``x / n``: their psum is the mean, and a mean that fits the
+    payload's type (fp16: 65504) never overflows in the sum, as ``x``'s sum could."""
+    scale = 1.0 / ctx.n
+    return [ctx.codec.encode(x * scale, k) for x, k in zip(xs, keys, strict=True)]
+
+
 def _allreduce_exchange(payloads, ctx, servers):
     summed, held = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
     return summed, held
@@ -257,10 +281,29 @@ def _allreduce_exchange(payloads, ctx, servers):
 
 def _allreduce_decode(xs, payloads, summed, ctx, fill):
     mean = [
-        scaled(ctx.codec.decode(s, x.shape[0]), 1.0 / ctx.n, fill)
-        for s, x in zip(summed, xs, strict=True)
+        scaled(ctx.codec.decode(s, x.shape[0]), 1.0, fill) for s, x in zip(summed, xs, strict=True)
     ]
-    return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
+    sent = [s * float(ctx.n) for s in _sent(payloads, xs, ctx.codec)]  # back in units of x
+    return mean, sent, [None] * len(xs)
+
+
+def _plain_encode(xs, keys, ctx):
+    """``x / n`` in float32, for a segment where plain ``pmean`` is the cheapest (``auto``)."""
+    return [x * (1.0 / ctx.n) for x in xs]
+
+
+def _plain_exchange(payloads, ctx, servers):
+    return buckets.exchange(
+        payloads,
+        lambda b: jax.lax.psum(b, ctx.axis_name),
+        bucket_bytes=ctx.bucket_bytes,
+        with_buckets=True,
+    )
+
+
+def _plain_decode(xs, payloads, summed, ctx, fill):
+    """The exact float32 mean; this device sent ``x`` itself (nothing held back)."""
+    return [scaled(s, 1.0, fill) for s in summed], list(xs), [None] * len(xs)
 
 
 def _allgather_exchange(payloads, ctx, servers):
@@ -404,7 +447,8 @@ class _Context(NamedTuple):
 
 #: strategy -> (encode, exchange, decode)
 _STRATEGIES = {
-    "allreduce": (_encode, _allreduce_exchange, _allreduce_decode),
+    "allreduce": (_allreduce_encode, _allreduce_exchange, _allreduce_decode),
+    "plain": (_plain_encode, _plain_exchange, _plain_decode),
     "allgather": (_encode, _allgather_exchange, _allgather_decode),
     "two_phase": (_encode_two_phase, _two_phase_exchange, _two_phase_decode),
     "majority_vote": (_encode, _vote_exchange, _vote_decode),
@@ -737,6 +781,16 @@ def psum(
 
     ``psum(x) = n * pmean(x) ~ sum_i decode(encode(x_i))`` over the ``n`` devices of the
     axis (or axes); the strategies, bytes and references are those of :func:`pmean`.
+
+    The sum is that of ``jax.lax.psum``: in the leaf's own type. What travels is the mean
+    (each device's ``x / n`` through the codec), so the wire never overflows where the mean
+    fits; the product ``n * mean`` is formed in float32 and cast to the leaf's dtype, so a
+    sum that leaves the leaf's range is inf there, as ``jax.lax.psum`` gives (8 devices of
+    fp16 10000: inf in an fp16 leaf, 80000 in a float32 one).
+
+    Example::
+
+        total = jc.psum(grads, "data", jc.cast("bf16"))  # inside jax.shard_map over "data"
     """
     n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
     mean = pmean(

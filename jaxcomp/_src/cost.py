@@ -87,7 +87,38 @@ def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
     out["two_phase"] = 2 * (n - 1) * codec.payload_bytes(ceil_div(d, n)) if d else 0.0
     if codec.votes:
         out["majority_vote"] = majority_vote_bytes(codec, d, n)
+    out["plain"] = plain_bytes(d, n)
     return out
+
+
+def plain_bytes(d: int, n: int) -> float:
+    """Ring bytes per device of plain float32 ``pmean`` of ``d`` floats: ``2 (n-1)/n * 4d``."""
+    return 2 * (n - 1) / n * 4 * d
+
+
+#: Devices up to which a ring all-reduce that adds a summable payload in its own narrow type
+#: stays accurate: its relative error within 2x that of ``two_phase`` (which adds in float32
+#: and rounds the mean once more, at the same bytes). Simulated by ``benchmarks/narrow_sum.py``
+#: (``benchmarks/results/narrow_sum.json``): fp16's ring error grows from 2.9e-4 at n = 2 to
+#: 5.2e-4 at 16 and 3.9e-3 at 1024 against two-phase's 2.1e-4; bf16's from 2.3e-3 to 4.2e-3
+#: at 16 and 0.34 at 1024 (a partial sum stops growing once the parts fall under half its
+#: ulp) against 1.7e-3. Past it ``auto`` sends such codecs ``two_phase``.
+RING_SUM_MAX_DEVICES = {"float16": 8, "bfloat16": 8}
+
+
+@functools.lru_cache(maxsize=256)
+def _summed_dtype(codec: Codec) -> str | None:
+    """The narrowest floating dtype among the payload leaves ``allreduce`` psums."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    payload = jax.eval_shape(codec.encode, jax.ShapeDtypeStruct((8,), jnp.float32), key)
+    floats = [a.dtype for a in jax.tree.leaves(payload) if jnp.issubdtype(a.dtype, jnp.floating)]
+    return min(floats, key=lambda t: t.itemsize).name if floats else None
+
+
+def ring_sum_accurate(codec: Codec, n: int) -> bool:
+    """Whether ``n`` devices may add ``codec``'s payloads in their own type (a psum) and stay
+    accurate: always for float32, up to :data:`RING_SUM_MAX_DEVICES` for fp16 and bf16."""
+    return n <= RING_SUM_MAX_DEVICES.get(_summed_dtype(codec), n)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -124,15 +155,23 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
     """Resolve ``"auto"`` (and validate an explicit choice) for a vector of size ``d``.
 
     ``auto = argmin_s strategy_bytes(codec, d, n)[s]`` over the strategies below.
-    ``auto`` takes the fewest bytes among ``allreduce`` (summable codecs: exact sums, same
-    bytes as two-phase, so always taken for them), ``allgather`` and ``two_phase`` (a tie
-    goes to ``allgather``: one encode, no second compression error). It never picks
-    ``majority_vote``: the sign of a vote is not the mean the other strategies estimate.
+    ``auto`` takes the fewest bytes among ``allreduce`` (summable codecs: one psum, the same
+    bytes as two-phase, so taken for them while the sum in their type stays accurate:
+    :func:`ring_sum_accurate`; past it, fp16/bf16 go ``two_phase``, which adds in float32),
+    ``allgather`` and ``two_phase`` (a tie goes to ``allgather``: one encode, no second
+    compression error). Where plain float32 ``pmean`` sends fewer bytes still (a leaf of a
+    few floats: a payload's scales, words and per-chunk padding cost more than the floats
+    themselves; ``strategy_bytes(...)["plain"]``), it returns ``"plain"``: the leaf is
+    averaged uncompressed and exactly. It never picks ``majority_vote``: the sign of a vote
+    is not the mean the other strategies estimate.
     """
     check_pair(codec, strategy)
     if strategy != "auto":
         return strategy
-    if codec.summable:
-        return "allreduce"
     costs = strategy_bytes(codec, d, n)
-    return min(("allgather", "two_phase"), key=lambda s: (costs[s], s != "allgather"))
+    if codec.summable:
+        exact = ring_sum_accurate(codec, n) or costs["two_phase"] > costs["allreduce"]
+        best = "allreduce" if exact else "two_phase"
+    else:
+        best = min(("allgather", "two_phase"), key=lambda s: (costs[s], s != "allgather"))
+    return "plain" if costs["plain"] < costs[best] else best

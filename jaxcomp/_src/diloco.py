@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jaxcomp._src import feedback, periodic
+from jaxcomp._src import periodic
 from jaxcomp._src.codecs.base import Codec
 
 
@@ -36,6 +36,7 @@ def diloco(
     fragments: int = 1,
     delay: int = 0,
     mix: float | None = None,
+    **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``H`` inner steps per device, then an outer step on the averaged
     pseudo-gradient; optionally compressed, streamed in fragments and overlapped.
@@ -85,6 +86,11 @@ def diloco(
       delay: ``tau`` in ``[0, H)``, steps between a fragment's snapshot and its exchange.
       mix: the weight of the new global params when a delayed exchange lands (default 0.5
         with ``delay``, else 1: restart from them).
+      **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
+        ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
+        float32, so on a small model ``codec=jc.int_quant(4)`` compresses nothing unless
+        ``min_size`` is lowered; ``init`` warns then), ``granularity``, ``bucket_bytes``,
+        ``seed``, ``server_feedback``. Only with ``codec``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`DiLoCoState`.
@@ -107,28 +113,22 @@ def diloco(
       Towards a Distributed Free Lunch", 2025; Jaghouar et al., "INTELLECT-1 Technical
       Report", 2024 (int8 outer all-reduce).
     """
-    inner = periodic.check_transform("inner", inner)
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
     outer = periodic.check_transform("outer", outer)
     sync_every, fragments, delay, _ = periodic.check_common(sync_every, fragments, delay)
     mix = periodic.check_mix(mix)
-    if mix is None:
-        mix = 0.5 if delay else 1.0
-    feedback.check_kind(error_feedback)
-    if codec is not None:  # its own checks (codec, error_feedback), naming the argument
-        periodic.compressed_allreduce(codec, axis_name, error_feedback=error_feedback)
-    cfg = periodic.Config(
-        name="diloco",
-        state_type=DiLoCoState,
-        inner=inner,
-        axis_name=axis_name,
-        sync_every=sync_every,
-        outer=outer,
+    return periodic.build(
+        "diloco",
+        DiLoCoState,
+        inner,
+        axis_name,
+        sync_every,
         codec=codec,
         error_feedback=error_feedback,
+        exchange=exchange,
+        outer=outer,
         fragments=fragments,
         delay=delay,
-        mix=mix,
+        mix=(0.5 if delay else 1.0) if mix is None else mix,
     )
-    return periodic.make(cfg)

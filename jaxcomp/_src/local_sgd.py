@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jaxcomp._src import feedback, periodic
+from jaxcomp._src import periodic
 from jaxcomp._src.codecs.base import Codec
 
 
@@ -30,6 +30,7 @@ def local_sgd(
     codec: Codec | None = None,
     start_step: int = 0,
     error_feedback: str | None = "auto",
+    **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local SGD: each device runs ``inner`` on its own gradients; every ``sync_every`` steps
     the params are averaged over ``axis_name``.
@@ -66,6 +67,10 @@ def local_sgd(
       start_step: average every step before this step (post-local SGD); 0: local from the
         start.
       error_feedback: the codec's feedback, as for :func:`jaxcomp.compressed_allreduce`.
+      **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
+        ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
+        float32; ``init`` warns when that leaves the codec nothing to compress),
+        ``granularity``, ``bucket_bytes``, ``seed``, ``server_feedback``. Only with ``codec``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`LocalSGDState`.
@@ -86,20 +91,15 @@ def local_sgd(
       Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019;
       Lin, Stich, Patel, Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020.
     """
-    inner = periodic.check_transform("inner", inner)
     sync_every, _, _, start_step = periodic.check_common(sync_every, start_step=start_step)
-    feedback.check_kind(error_feedback)
-    if codec is not None:  # its own checks (codec, error_feedback), naming the argument
-        periodic.compressed_allreduce(codec, axis_name, error_feedback=error_feedback)
-    cfg = periodic.Config(
-        name="local_sgd",
-        state_type=LocalSGDState,
-        inner=inner,
-        axis_name=axis_name,
-        sync_every=sync_every,
-        outer=None,
+    return periodic.build(
+        "local_sgd",
+        LocalSGDState,
+        inner,
+        axis_name,
+        sync_every,
         codec=codec,
         error_feedback=error_feedback,
+        exchange=exchange,
         start_step=start_step,
     )
-    return periodic.make(cfg)

@@ -25,14 +25,17 @@ device: each fragment's pseudo-gradient snapshot waiting for its delayed exchang
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+import inspect
+import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import collectives, feedback, skeleton
 from jaxcomp._src.codecs.base import check_int
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
@@ -109,6 +112,7 @@ class Config:
     delay: int = 0
     mix: float = 1.0
     start_step: int = 0
+    options: tuple = ()  # (name, value) pairs: the codec exchange's options (EXCHANGE_OPTIONS)
 
     @property
     def axes(self) -> tuple:
@@ -117,7 +121,9 @@ class Config:
     def exchange(self) -> optax.GradientTransformation | None:
         if self.codec is None:
             return None
-        return compressed_allreduce(self.codec, self.axis_name, error_feedback=self.error_feedback)
+        return compressed_allreduce(
+            self.codec, self.axis_name, error_feedback=self.error_feedback, **dict(self.options)
+        )
 
     def offset(self, f: int) -> int:
         return f * self.sync_every // self.fragments
@@ -137,6 +143,78 @@ class Config:
         if not isinstance(count, jax.core.Tracer):
             return int(count) >= self.delay and self.due(int(count) - self.delay, f)
         return (count >= self.delay) & self.due(count - self.delay, f)
+
+
+#: The options of the codec's exchange (``jc.compressed_allreduce``) that ``jc.local_sgd`` and
+#: ``jc.diloco`` pass on (``**exchange``). ``min_size``: leaves with fewer elements go through
+#: plain float32 ``pmean`` (default 1024, as ``jc.compressed_allreduce``).
+EXCHANGE_OPTIONS = (
+    "strategy",
+    "min_size",
+    "granularity",
+    "bucket_bytes",
+    "seed",
+    "server_feedback",
+)
+MIN_SIZE = inspect.signature(compressed_allreduce).parameters["min_size"].default
+
+
+def check_exchange(name: str, codec: Any, exchange: dict) -> tuple:
+    """``exchange`` (the ``**exchange`` keywords) as sorted ``(name, value)`` pairs; an error
+    naming a keyword that is no exchange option, or options given without a codec."""
+    unknown = sorted(set(exchange) - set(EXCHANGE_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"jc.{name}: unexpected keyword {unknown[0]!r}; the codec exchange takes "
+            f"{', '.join(EXCHANGE_OPTIONS)}"
+        )
+    if exchange and codec is None:
+        raise TypeError(
+            f"jc.{name}: `{sorted(exchange)[0]}` sets the codec's exchange, but `codec` is None "
+            "(the sync is a plain float32 pmean): pass codec= or drop it"
+        )
+    return tuple(sorted(exchange.items()))
+
+
+def warn_if_nothing_compressed(cfg: Config, parts: list[list[Any]]) -> None:
+    """A codec that compresses no leaf (every float leaf under ``min_size``) is a silent no-op:
+    the bytes equal ``codec=None``. Say so once, at init, with the fix."""
+    min_size = dict(cfg.options).get("min_size", MIN_SIZE)
+    sizes = [int(jnp.size(x)) for p in parts for x in p]
+    if sizes and max(sizes) < max(min_size, 1):
+        warnings.warn(
+            f"jc.{cfg.name}: codec {cfg.codec} compresses none of the params: every float "
+            f"leaf has fewer than min_size={min_size} elements (largest: {max(sizes)}) and is "
+            f"sent as plain float32; pass min_size=0 (or a smaller value) to compress them",
+            stacklevel=2,
+        )
+
+
+def build(
+    name: str,
+    state_type: type,
+    inner: Any,
+    axis_name: Any,
+    sync_every: Any,
+    *,
+    codec: Any,
+    error_feedback: Any,
+    exchange: dict,
+    **schedule: Any,
+) -> optax.GradientTransformationExtraArgs:
+    """The checks ``jc.local_sgd`` and ``jc.diloco`` share, then :func:`make`. ``schedule``:
+    ``outer``, ``fragments``, ``delay``, ``mix``, ``start_step`` (already checked)."""
+    inner = check_transform("inner", inner)
+    collectives.check_axis_name(axis_name)
+    sync_every = check_int("sync_every", sync_every, 1)
+    feedback.check_kind(error_feedback)
+    options = check_exchange(name, codec, exchange)
+    outer = schedule.pop("outer", None)
+    cfg = Config(name, state_type, inner, axis_name, sync_every, outer, codec, error_feedback)
+    cfg = dataclasses.replace(cfg, options=options, **schedule)
+    if codec is not None:  # its own checks (codec, options), naming the argument
+        cfg.exchange()
+    return make(cfg)
 
 
 def cond(pred: Any, true_fn: Any, false_fn: Any, operands: Any) -> Any:
@@ -163,11 +241,142 @@ def groups_of(cfg: Config, params: Any) -> list[list[int]]:
     return [[floats[j] for j in g] for g in partition(sizes, cfg.fragments)]
 
 
+class _Exchange(NamedTuple):
+    """How a sync averages pseudo-gradients and moves the anchor (one per transform)."""
+
+    cfg: Config
+    exchange: optax.GradientTransformation | None  # the codec's compressed_allreduce, or None
+
+    def average(self, delta: list, ex_state: Any) -> tuple[list, Any]:
+        """The mean over devices (through the codec with its feedback, or pmean)."""
+        if self.exchange is None:
+            return jax.lax.pmean(delta, self.cfg.axis_name), ex_state
+        return self.exchange.update(delta, ex_state, None)
+
+    def outer_step(self, mean: list, outer_state: Any, anchor: list) -> tuple[list, Any]:
+        """The new anchor: minus the mean (local SGD), or the outer optimizer's step."""
+        if self.cfg.outer is None:
+            return [a - m for a, m in zip(anchor, mean, strict=True)], outer_state
+        u, outer_state = self.cfg.outer.update(mean, outer_state, anchor)
+        return [a + v.astype(F32) for a, v in zip(anchor, u, strict=True)], outer_state
+
+
+def _local(p: jax.Array, v: jax.Array) -> jax.Array:
+    """This device's params after the inner step, in float32."""
+    return optax.apply_updates(p, v).astype(F32)
+
+
+def _restart(target: list, p_f: list, u_f: list, bad: jax.Array, axes: tuple) -> list:
+    """The updates moving each param to its target, NaN everywhere if ``bad`` (a mean that
+    is not finite: the state keeps its old anchor). The target is rounded to the param's
+    dtype first, so replicas of a narrow dtype agree wherever ``p + u`` can land on it."""
+    return [
+        _varying(
+            jnp.where(bad, jnp.nan, t.astype(p.dtype).astype(F32) - p.astype(F32)).astype(v.dtype),
+            axes,
+        )
+        for t, p, v in zip(target, p_f, u_f, strict=True)
+    ]
+
+
+def _keep(ops: tuple, axes: tuple) -> tuple:
+    """No exchange this step: the inner updates, the fragment's state as it was."""
+    _, u_f, a_f, o_f, e_f = ops[:5]
+    return [_varying(v, axes) for v in u_f], a_f, o_f, e_f, jnp.zeros([], bool)
+
+
+def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
+    """Average the pseudo-gradients, step the anchor, restart every device from it."""
+    p_f, u_f, a_f, o_f, e_f = ops
+    delta = [a - _local(p, v) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
+    mean, e_f = ex.average(delta, e_f)
+    a_f, o_f = ex.outer_step(mean, o_f, a_f)
+    bad = _nonfinite(mean)
+    return _restart(a_f, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
+
+
+def _snapshot(ops: tuple, axes: tuple) -> list:
+    """Delayed sync, at the fragment's sync step: keep this device's pseudo-gradient."""
+    p_f, u_f, a_f, _ = ops
+    return [_varying((a - _local(p, v))[None], axes) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
+
+
+def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
+    """Delayed sync, ``delay`` steps later: average the snapshots, step the anchor, and mix
+    it into the params that went on meanwhile (weight ``mix``)."""
+    p_f, u_f, a_f, o_f, e_f, w_f = ops
+    mean, e_f = ex.average([w[0] for w in w_f], e_f)
+    a_f, o_f = ex.outer_step(mean, o_f, a_f)
+    mix = ex.cfg.mix
+    target = [(1.0 - mix) * _local(p, v) + mix * a for p, v, a in zip(p_f, u_f, a_f, strict=True)]
+    bad = _nonfinite(mean)
+    return _restart(target, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
+
+
+def _fragment_step(ex: _Exchange, ops: tuple, pending: Any, count: Any, f: int) -> tuple:
+    """Fragment ``f``'s step: ``(outs, anchor, outer, exchange, bad, pending)``."""
+    cfg, axes = ex.cfg, ex.cfg.axes
+    keep = functools.partial(_keep, axes=axes)
+    if not cfg.delay:
+        now = functools.partial(_sync_now, ex, axes=axes)
+        return (*cond(cfg.due(count, f), now, keep, ops), None)
+    hold = lambda o: [_varying(w, axes) for w in o[3]]  # noqa: E731
+    snapshot = functools.partial(_snapshot, axes=axes)
+    w_new = cond(cfg.due(count, f), snapshot, hold, (*ops[:3], pending))
+    land = functools.partial(_land, ex, axes=axes)
+    return (*cond(cfg.lands(count, f), land, keep, (*ops, pending)), w_new)
+
+
+def _check_update(cfg: Config, updates: Any, state: Any, params: Any, expected: Any) -> None:
+    """Trace-time checks: ``params`` given, the gradient tree and the state match them."""
+    if params is None:
+        raise ValueError(
+            f"{cfg.name} needs `params` in update(grads, state, params): it moves each "
+            "device's own params to the synchronized ones"
+        )
+    skeleton.begin(cfg.name, updates, params, cfg.axis_name)
+    names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]
+    skeleton.check_fields(cfg.name, state, {k: getattr(expected, k) for k in names}, cfg.axis_name)
+
+
+def _fields_of(state: Any) -> dict[str, Any]:
+    """The per-fragment fields of ``state`` as mutable lists (None where absent)."""
+    get = lambda k: getattr(state, k, None)  # noqa: E731
+    return {
+        "outer": None if get("outer") is None else list(state.outer),
+        "exchange": None if state.exchange is None else list(state.exchange),
+        "pending": list(state.pending) if get("pending") else None,
+    }
+
+
+def _sync_fragments(ex: _Exchange, state: Any, treedef: Any, p_leaves: list, u_leaves: list):
+    """Every fragment's step; returns ``(outs, anchor, per-fragment fields, bad)``."""
+    groups = groups_of(ex.cfg, jax.tree.unflatten(treedef, p_leaves))
+    out, anchor = list(u_leaves), treedef.flatten_up_to(state.anchor)
+    new_anchor, parts, bad = list(anchor), _fields_of(state), jnp.zeros([], bool)
+    for f, idx in enumerate(groups):
+        at = lambda k: None if parts[k] is None else parts[k][f]  # noqa: E731, B023
+        ops = (
+            [p_leaves[i] for i in idx],
+            [u_leaves[i] for i in idx],
+            [anchor[i] for i in idx],
+            at("outer"),
+            at("exchange"),
+        )
+        outs, a_f, o_f, e_f, b, w_f = _fragment_step(ex, ops, at("pending"), state.count, f)
+        for i, o, a in zip(idx, outs, a_f, strict=True):
+            out[i], new_anchor[i] = o, a
+        for k, v in (("outer", o_f), ("exchange", e_f), ("pending", w_f)):
+            if parts[k] is not None:
+                parts[k][f] = v
+        bad = bad | b
+    return out, new_anchor, parts, bad
+
+
 def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
     """The optax transform of ``cfg``."""
     collectives.check_axis_name(cfg.axis_name)
-    inner, exchange = cfg.inner, cfg.exchange()
-    axes = cfg.axes
+    inner, ex = cfg.inner, _Exchange(cfg, cfg.exchange())
     fields = cfg.state_type._fields
 
     def init_fn(params):
@@ -185,142 +394,30 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         parts = [[anchor[i] for i in g] for g in groups]
         if cfg.outer is not None:
             values["outer"] = tuple(cfg.outer.init(p) for p in parts)
-        if exchange is not None:
-            values["exchange"] = tuple(exchange.init(p) for p in parts)
+        if ex.exchange is not None:
+            values["exchange"] = tuple(ex.exchange.init(p) for p in parts)
+            warn_if_nothing_compressed(cfg, parts)
         if cfg.delay:
             values["pending"] = tuple([jnp.zeros((1, *x.shape), F32) for x in p] for p in parts)
         return cfg.state_type(**{k: v for k, v in values.items() if k in fields})
 
-    def average(delta, ex_state):
-        """The mean over devices (through the codec with its feedback, or pmean)."""
-        if exchange is None:
-            return jax.lax.pmean(delta, cfg.axis_name), ex_state
-        return exchange.update(delta, ex_state, None)
-
-    def outer_step(mean, outer_state, anchor):
-        if cfg.outer is None:
-            return [a - m for a, m in zip(anchor, mean, strict=True)], outer_state
-        u, outer_state = cfg.outer.update(mean, outer_state, anchor)
-        return [a + v.astype(F32) for a, v in zip(anchor, u, strict=True)], outer_state
-
     def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(
-                f"{cfg.name} needs `params` in update(grads, state, params): it moves each "
-                "device's own params to the synchronized ones"
-            )
-        skeleton.begin(cfg.name, updates, params, cfg.axis_name)
-        expected = jax.eval_shape(init_fn, params)
-        skeleton.check_fields(
-            cfg.name,
-            state,
-            {
-                k: getattr(expected, k)
-                for k in ("inner", "anchor", "outer", "pending")
-                if k in fields
-            },
-            cfg.axis_name,
-        )
-        groups = groups_of(cfg, params)
+        _check_update(cfg, updates, state, params, jax.eval_shape(init_fn, params))
         inner_old = jax.tree.map(lambda a: a[0], state.inner)
         u, inner_new = inner.update(updates, inner_old, params, **extra_args)
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = treedef.flatten_up_to(u)
         local_bad = _nonfinite([x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)])
-        count = state.count
-        out = list(u_leaves)
-        anchor = treedef.flatten_up_to(state.anchor)
-        new_anchor = list(anchor)
-        new_outer = list(state.outer) if "outer" in fields and state.outer is not None else None
-        new_ex = list(state.exchange) if state.exchange is not None else None
-        new_pending = list(state.pending) if "pending" in fields and state.pending else None
-        bad = jnp.zeros([], bool)
-
-        def local_of(p, v):
-            return optax.apply_updates(p, v).astype(F32)
-
-        for f, idx in enumerate(groups):
-            p_f, u_f = [p_leaves[i] for i in idx], [u_leaves[i] for i in idx]
-            a_f = [anchor[i] for i in idx]
-            o_f = None if new_outer is None else new_outer[f]
-            e_f = None if new_ex is None else new_ex[f]
-
-            def restart(target, p_f, u_f, bad):
-                """The updates moving each param to its target; NaN everywhere if ``bad``
-                (a mean that is not finite: the state keeps its old anchor)."""
-                return [
-                    _varying(jnp.where(bad, jnp.nan, t - p.astype(F32)).astype(v.dtype), axes)
-                    for t, p, v in zip(target, p_f, u_f, strict=True)
-                ]
-
-            if not cfg.delay:
-
-                def sync(ops):
-                    p_f, u_f, a_f, o_f, e_f = ops
-                    delta = [a - local_of(p, v) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
-                    mean, e_f = average(delta, e_f)
-                    a_f, o_f = outer_step(mean, o_f, a_f)
-                    bad = _nonfinite(mean)
-                    return restart(a_f, p_f, u_f, bad), a_f, o_f, e_f, bad
-
-                def keep(ops):
-                    p_f, u_f, a_f, o_f, e_f = ops
-                    return [_varying(v, axes) for v in u_f], a_f, o_f, e_f, jnp.zeros([], bool)
-
-                ops = (p_f, u_f, a_f, o_f, e_f)
-                outs, a_f, o_f, e_f, b = cond(cfg.due(count, f), sync, keep, ops)
-            else:
-                w_f = new_pending[f]
-
-                def snapshot(ops):
-                    p_f, u_f, a_f, w_f = ops
-                    return [
-                        _varying((a - local_of(p, v))[None], axes)
-                        for a, p, v in zip(a_f, p_f, u_f, strict=True)
-                    ]
-
-                def hold(ops):
-                    return [_varying(w, axes) for w in ops[3]]
-
-                w_new = cond(cfg.due(count, f), snapshot, hold, (p_f, u_f, a_f, w_f))
-
-                def land(ops):
-                    p_f, u_f, a_f, o_f, e_f, w_f = ops
-                    mean, e_f = average([w[0] for w in w_f], e_f)
-                    a_f, o_f = outer_step(mean, o_f, a_f)
-                    target = [
-                        (1.0 - cfg.mix) * local_of(p, v) + cfg.mix * a
-                        for p, v, a in zip(p_f, u_f, a_f, strict=True)
-                    ]
-                    bad = _nonfinite(mean)
-                    return restart(target, p_f, u_f, bad), a_f, o_f, e_f, bad
-
-                def wait(ops):
-                    p_f, u_f, a_f, o_f, e_f, _ = ops
-                    return [_varying(v, axes) for v in u_f], a_f, o_f, e_f, jnp.zeros([], bool)
-
-                ops = (p_f, u_f, a_f, o_f, e_f, w_f)
-                outs, a_f, o_f, e_f, b = cond(cfg.lands(count, f), land, wait, ops)
-                new_pending[f] = w_new
-            for i, o in zip(idx, outs, strict=True):
-                out[i] = o
-            for i, a in zip(idx, a_f, strict=True):
-                new_anchor[i] = a
-            if new_outer is not None:
-                new_outer[f] = o_f
-            if new_ex is not None:
-                new_ex[f] = e_f
-            bad = bad | b
-
+        out, anchor, parts, bad = _sync_fragments(ex, state, treedef, p_leaves, u_leaves)
         values = {
             "inner": _where(local_bad, state.inner, jax.tree.map(lambda a: a[None], inner_new)),
-            "count": count + 1,
-            "anchor": jax.tree.unflatten(treedef, new_anchor),
-            "outer": None if new_outer is None else tuple(new_outer),
-            "exchange": None if new_ex is None else tuple(new_ex),
+            "count": state.count + 1,
+            "anchor": jax.tree.unflatten(treedef, anchor),
+            "outer": None if parts["outer"] is None else tuple(parts["outer"]),
+            "exchange": None if parts["exchange"] is None else tuple(parts["exchange"]),
             "pending": None
-            if new_pending is None
-            else _where(local_bad, state.pending, tuple(new_pending)),
+            if parts["pending"] is None
+            else _where(local_bad, state.pending, tuple(parts["pending"])),
         }
         new_state = cfg.state_type(**{k: v for k, v in values.items() if k in fields})
         # A sync whose mean is not finite (the flag is identical on every device) leaves the

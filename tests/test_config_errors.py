@@ -454,6 +454,8 @@ CHECKS = [
         TypeError,
     ),
     ("accumulate", "tx", lambda: jc.accumulate(None, 4), TypeError),
+    ("local_sgd, diloco", "min_size", lambda: jc.diloco(SGD, "d", 2, min_size=0), TypeError),
+    ("local_sgd, diloco", "mask", lambda: jc.local_sgd(SGD, "d", 2, codec=S, mask={}), TypeError),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),

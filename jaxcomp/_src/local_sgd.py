@@ -74,6 +74,9 @@ def local_sgd(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`LocalSGDState`.
+      Updates of bf16/fp16 leaves come back in float32, so that after a sync
+      ``optax.apply_updates`` gives every replica the anchor bit for bit (float32 params:
+      to the rounding of ``p + (anchor - p)``, at most an ulp of the leaf's largest value).
 
     Example::
 

@@ -266,13 +266,27 @@ def _local(p: jax.Array, v: jax.Array) -> jax.Array:
     return optax.apply_updates(p, v).astype(F32)
 
 
+def wide(dtype: Any) -> Any:
+    """The dtype of the updates returned for a float leaf of ``dtype``: float32 at least.
+
+    A bf16/fp16 param's target (the anchor, rounded to the param's dtype) differs from the
+    param by a float32-exact amount, and ``optax.apply_updates`` adds a float32 update in
+    float32 before casting back: every replica lands on the same bf16/fp16 value, bit for
+    bit. An update in the narrow type would round ``target - p`` per device first.
+    """
+    return jnp.promote_types(dtype, F32)
+
+
 def _restart(target: list, p_f: list, u_f: list, bad: jax.Array, axes: tuple) -> list:
     """The updates moving each param to its target, NaN everywhere if ``bad`` (a mean that
     is not finite: the state keeps its old anchor). The target is rounded to the param's
-    dtype first, so replicas of a narrow dtype agree wherever ``p + u`` can land on it."""
+    dtype first and the update is float32 for narrow params (:func:`wide`): ``p + u`` then
+    gives every replica the same value (float32 params: up to the rounding of ``p + u``)."""
     return [
         _varying(
-            jnp.where(bad, jnp.nan, t.astype(p.dtype).astype(F32) - p.astype(F32)).astype(v.dtype),
+            jnp.where(bad, jnp.nan, t.astype(p.dtype).astype(F32) - p.astype(F32)).astype(
+                wide(v.dtype)
+            ),
             axes,
         )
         for t, p, v in zip(target, p_f, u_f, strict=True)
@@ -280,9 +294,11 @@ def _restart(target: list, p_f: list, u_f: list, bad: jax.Array, axes: tuple) ->
 
 
 def _keep(ops: tuple, axes: tuple) -> tuple:
-    """No exchange this step: the inner updates, the fragment's state as it was."""
+    """No exchange this step: the inner updates (float32 for narrow params, as
+    :func:`_restart`'s), the fragment's state as it was."""
     _, u_f, a_f, o_f, e_f = ops[:5]
-    return [_varying(v, axes) for v in u_f], a_f, o_f, e_f, jnp.zeros([], bool)
+    outs = [_varying(v.astype(wide(v.dtype)), axes) for v in u_f]
+    return outs, a_f, o_f, e_f, jnp.zeros([], bool)
 
 
 def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:

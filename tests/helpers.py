@@ -148,3 +148,54 @@ def held_back(state, params: dict, memory=("memory",), hosts: int = N) -> dict:
             if s is not None:
                 total[k] += s
     return total
+
+
+# --------------------------------------------------------------------------- the contract suites
+#
+# What tests/test_contract.py and tests/test_contract_replicas.py both check with.
+
+
+def skip_unless(row, item: str) -> None:
+    """Skip ``item`` of the contract for ``row`` where the row says why it does not apply."""
+    import pytest
+
+    reason = row.skip_reason(item)
+    if reason:
+        pytest.skip(reason)
+
+
+def assert_trees_equal(a, b) -> None:
+    """Same structure, every leaf bit-identical."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def sharded_like(leaf, mesh, spec) -> bool:
+    """``leaf`` is laid out on ``mesh`` as ``spec`` says."""
+    return leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+
+
+#: Contract item 8: one element of one device's gradient at step 0, finite but huge: the
+#: issue's 2e19 (its square overflows float32) and 3e38 (near float32's largest, 3.4e38).
+OUTLIERS = (2e19, 3e38)
+
+
+def assert_state_survives_outlier(state, reference, value: float) -> None:
+    """After a finite outlier, no float state leaf is NaN/inf or all zero where ``reference``
+    (the same run without it) is not; no column of PowerSGD's warm-start Q (``.q``,
+    ``(..., m, rank)``) is zero either (an overflowed column norm left one 0 for ever)."""
+
+    def leaves(tree):
+        pairs = [
+            (jax.tree_util.keystr(k), np.asarray(x)) for k, x in jax.tree.leaves_with_path(tree)
+        ]
+        return [(k, x) for k, x in pairs if np.issubdtype(x.dtype, np.floating)]
+
+    def dead(a, columns):
+        return (a == 0).reshape(-1, a.shape[-1] if columns and a.ndim else 1).all(0)
+
+    for (path, got), (_, ref) in zip(leaves(state), leaves(reference), strict=True):
+        assert np.isfinite(got).all(), f"non-finite state {path} after {value:g}"
+        columns = ".q" in path
+        assert not (dead(got, columns) & ~dead(ref, columns)).any(), f"zeroed state {path}"

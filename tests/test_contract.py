@@ -31,14 +31,19 @@ import numpy as np
 import optax
 import pytest
 from helpers import (
+    OUTLIERS,
     Blocking,
     N,
+    assert_state_survives_outlier,
+    assert_trees_equal,
     held_back,
     jaxcomp_nodes,
     jaxcomp_state,
     per_leaf,
     replicated_per_leaf,
     server_per_leaf,
+    sharded_like,
+    skip_unless,
 )
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -423,18 +428,6 @@ def row(request) -> Row:
     return ROW_BY_ID[request.param]
 
 
-def skip_unless(row: Row, item: str) -> None:
-    reason = row.skip_reason(item)
-    if reason:
-        pytest.skip(reason)
-
-
-def assert_trees_equal(a: Any, b: Any) -> None:
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def same_on_every_device(out: dict) -> None:
     for k, a in out.items():
         np.testing.assert_array_equal(a, np.broadcast_to(a[0], a.shape), err_msg=k)
@@ -510,10 +503,6 @@ def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
 # --------------------------------------------------------------------------- 3. specs, sharded init
 
 
-def _equivalent(leaf: jax.Array, mesh, spec: P) -> bool:
-    return leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
-
-
 def test_state_specs_sharded_init_and_zero_gradient(row):
     b = built(row.id)
     state, specs = b.state0, b.specs
@@ -521,7 +510,7 @@ def test_state_specs_sharded_init_and_zero_gradient(row):
     assert jax.tree.structure(state) == jax.tree.structure(specs, is_leaf=is_spec)
     pairs = list(zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True))
     for leaf, spec in pairs:
-        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+        assert sharded_like(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
     # The per-device fields of jaxcomp states, and only they, are sharded over the data axis
     # (both axes, hierarchical): device i holds row block i. Keys, counts, replicated
     # estimates and the follower's state are replicated.
@@ -550,7 +539,7 @@ def test_state_specs_sharded_init_and_zero_gradient(row):
         jax.tree.leaves(new_state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
     )
     for leaf, spec in new_pairs:
-        assert _equivalent(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
+        assert sharded_like(leaf, b.mesh, spec), (leaf.shape, leaf.sharding, spec)
         if spec != P():
             assert not np.asarray(leaf).any()
 
@@ -711,10 +700,6 @@ def test_bad_arguments_name_the_argument(row, case):
 
 # --------------------------------------------------------------------------- 8. finite outliers
 
-# One element of one device's gradient at step 0: the issue's 2e19 (its square overflows
-# float32) and 3e38 (near float32's largest, 3.4e38).
-OUTLIERS = (2e19, 3e38)
-
 
 def finite_outlier_run(row_id: str, value: float) -> tuple[dict, Any]:
     """The row's trajectory with ``value`` at ``w[0, 0]`` of device 0 at step 0: last output
@@ -729,27 +714,11 @@ def finite_outlier_run(row_id: str, value: float) -> tuple[dict, Any]:
     return jax.tree.map(np.asarray, out), state
 
 
-def float_leaves(state: Any) -> list[tuple[str, np.ndarray]]:
-    leaves = [(jax.tree_util.keystr(k), np.asarray(x)) for k, x in jax.tree.leaves_with_path(state)]
-    return [(k, x) for k, x in leaves if np.issubdtype(x.dtype, np.floating)]
-
-
-def dead(a: np.ndarray, columns: bool) -> np.ndarray:
-    """Whether the leaf (or, ``columns``, each slice along its last axis) is all zero."""
-    return (a == 0).reshape(-1, a.shape[-1] if columns and a.ndim else 1).all(0)
-
-
 @pytest.mark.parametrize("value", OUTLIERS)
 def test_finite_outlier_leaves_no_state_zero_or_nonfinite(row, value):
     """A finite input never leaves carried state NaN, inf or newly zero (a PowerSGD Q column
     whose norm overflowed stayed 0 for ever): every norm and rescale of state is guarded."""
     out, state = finite_outlier_run(row.id, value)
-    _, states = trajectory(row.id)
-    for (path, got), (_, ref) in zip(float_leaves(state), float_leaves(states[-1]), strict=True):
-        assert np.isfinite(got).all(), f"non-finite state {path} after {value:g}"
-        # Nothing zero that the run without the outlier holds non-zero: no leaf, and no
-        # column of PowerSGD's warm-start Q (..., m, rank).
-        columns = ".q" in path
-        assert not (dead(got, columns) & ~dead(ref, columns)).any(), f"zeroed state {path}"
+    assert_state_survives_outlier(state, trajectory(row.id)[1][-1], value)
     for k in row.compressed:
         assert np.isfinite(out[k]).all() and np.abs(out[k]).max() > 0, k

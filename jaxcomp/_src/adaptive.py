@@ -22,7 +22,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src.codecs.base import Codec, check_int, check_positive_float
+from jaxcomp._src.codecs.base import (
+    F32_MAX,
+    Codec,
+    check_int,
+    check_positive_float,
+    saturating_square,
+)
 
 
 class AccordionState(NamedTuple):
@@ -48,7 +54,9 @@ class Accordion:
 
     def update(self, state: AccordionState, count: jax.Array, outs: list) -> AccordionState:
         """Add this step's squared output norm; at an interval's end decide the next regime."""
-        norm = state.norm + sum((jnp.vdot(o, o) for o in outs), jnp.zeros([], jnp.float32))
+        # Squares saturate at float32's largest (a finite outlier never leaves it inf).
+        step = sum((jnp.sum(saturating_square(o)) for o in outs), jnp.zeros([], jnp.float32))
+        norm = jnp.minimum(state.norm + jnp.minimum(step, F32_MAX), F32_MAX)
         ends = (count + 1) % self.interval == 0
         mean = norm / self.interval
         change = jnp.abs(mean - state.previous) / jnp.maximum(state.previous, 1e-30)

@@ -1,0 +1,46 @@
+"""The float32 overflow guards of carried state, as pure functions (no devices, no compile).
+
+The contract suites' item 8 runs every transform through finite outliers; these pin the
+guards themselves: a norm or mean of finite values is finite (and right), a square
+saturates, PowerSGD's warm-start rescale keeps a column with a 2e19 entry, Accordion's
+running squared norm stays finite.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcomp as jc
+from jaxcomp._src.codecs.base import F32_MAX, mean_abs, saturating_square, scaled_norm
+from jaxcomp._src.powersgd import _unit_columns
+
+
+def test_norm_and_mean_of_finite_values_stay_finite():
+    x = jnp.asarray([[3e38, -3e38, 1.0], [2e19, 0.0, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
+    assert not np.isfinite(float(jnp.sqrt(jnp.sum(x[1] * x[1]))))  # the plain norm: inf
+    norms = np.asarray(scaled_norm(x[1:], axis=1))
+    np.testing.assert_allclose(norms, [2e19, 0.0], rtol=1e-6)
+    means = np.asarray(mean_abs(x, jnp.asarray([3, 3, 3])))
+    np.testing.assert_allclose(means, [2e38, 2e19 / 3, 0.0], rtol=1e-6)
+    assert np.isnan(float(mean_abs(jnp.asarray([[jnp.nan, 1.0]]), jnp.asarray([2]))[0]))
+    sq = np.asarray(saturating_square(jnp.asarray([2e19, -1e30, 3.0, jnp.inf])))
+    np.testing.assert_array_equal(sq, [F32_MAX, F32_MAX, 9.0, F32_MAX])
+
+
+def test_powersgd_warm_start_keeps_a_column_with_a_huge_entry():
+    q = jnp.zeros((1, 48, 1), jnp.float32).at[0, 0, 0].set(2e19).at[0, 1, 0].set(1.0)
+    old = jnp.ones((1, 48, 1), jnp.float32) / np.sqrt(48.0)
+    unit = np.asarray(_unit_columns(q, old))[0, :, 0]
+    np.testing.assert_allclose(unit[:2], [1.0, 5e-20], rtol=1e-6)  # not the zero column
+    zero = np.asarray(_unit_columns(jnp.zeros_like(q), old))
+    np.testing.assert_array_equal(zero, np.asarray(old))  # a zero column keeps its direction
+
+
+def test_accordion_norm_saturates_and_recovers():
+    a = jc.accordion(jc.int_quant(8), interval=2)
+    state = a.init()
+    for t, v in enumerate([3e38, 1.0, 1.0, 1.0]):
+        state = a.update(state, jnp.int32(t), [jnp.full((8,), v, jnp.float32)])
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in state[1:]), t
+    assert float(state.previous) == 8.0  # the last interval's mean squared norm

@@ -582,7 +582,32 @@ def _convergence_recipes(data: dict[str, Any], path: pathlib.Path) -> str:
     )
 
 
+# ------------------------------------------------------------------------- narrow_sum
+
+
+def _narrow_sum(data: dict[str, Any], path: pathlib.Path) -> str:
+    """Relative error of the mean against n: ring sum in the type vs float32 sums."""
+    types = ("float16", "bfloat16")
+    header = ["devices"] + [f"{t} {s}" for t in types for s in ("ring", "two-phase", "all-gather")]
+    rows = [
+        [n] + [_fmt(data[t]["errors"][n][s], 2) for t in types for s in _NARROW]
+        for n in data[types[0]]["errors"]
+    ]
+    bounds = ", ".join(f"{t} up to n = {data[t]['ring_accurate_up_to']}" for t in types)
+    note = (
+        f"Relative error of the mean, {_fmt(data['size'])} floats per device, "
+        f"{data['seeds']} seeds. The ring stays within {_fmt(data['factor'])}x of two-phase's "
+        f"error: {bounds}."
+    )
+    command = "python -m benchmarks.narrow_sum"
+    return note + "\n\n" + _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
+_NARROW = ("allreduce", "two_phase", "allgather")
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -23,6 +23,7 @@ from jaxcomp._src.codecs import (
     terngrad,
     threshold_2bit,
 )
+from jaxcomp._src.codecs.chunked import ChunkedTopK, chunked_top_k
 from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
 from jaxcomp._src.collectives import (
     STRATEGIES,
@@ -61,6 +62,8 @@ __all__ = [
     "AccumulateState",
     "accumulate",
     "CODECS",
+    "ChunkedTopK",
+    "chunked_top_k",
     "get_codec",
     "STRATEGIES",
     "Codec",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.chunked import chunked_top_k
 from jaxcomp._src.codecs.quantize import (
     cast,
     identity,
@@ -46,6 +47,8 @@ CODECS: dict[str, Callable[[], Codec]] = {
     "topk10%_ternary": lambda: top_k(0.1, values="sign"),
     "randk10%": lambda: random_k(0.1),
     "threshold": lambda: threshold(0.5, 64),
+    "chunked_topk_2bit": lambda: chunked_top_k(8, chunk=256, bits=2),
+    "chunked_topk_f32": lambda: chunked_top_k(8, chunk=256, bits=None),
 }
 """Named codec configurations: ``name -> factory`` (zero-argument), e.g. ``"int8"`` ->
 ``int_quant(8)``, ``"sign"`` -> ``sign("mean")``, ``"qsgd"`` -> ``qsgd(16)``. The math and the

@@ -47,6 +47,7 @@ from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_spe
 from jaxcomp._src.resize import resize_state, restore_target
 from jaxcomp._src.sgd import sgd
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
+from jaxcomp._src.sparseloco import SparseFeedbackState, SparseLoCoState, sparseloco
 from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
 from jaxcomp._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
@@ -120,6 +121,9 @@ __all__ = [
     "sharded_init",
     "sign",
     "sgd",
+    "SparseFeedbackState",
+    "SparseLoCoState",
+    "sparseloco",
     "state_specs",
     "strategy_bytes",
     "terngrad",

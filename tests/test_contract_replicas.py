@@ -49,6 +49,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src import sparse_exchange
 from jaxcomp._src.periodic import at_count
 
 SHAPES = {"w": (64, 48), "b": (48,), "v": (2048,)}
@@ -90,7 +91,7 @@ def exchange_memory(state: Any, shapes: dict) -> np.ndarray:
     for k, m in zip(names, ex.memory, strict=True):
         if m is not None and not isinstance(m, optax.MaskedNode):
             held[k] += np.asarray(m, np.float64).mean(0)
-    server = ex.server_residual or [None] * len(names)
+    server = getattr(ex, "server_residual", None) or [None] * len(names)
     for k, s in zip(names, server, strict=True):
         if s is not None and not isinstance(s, optax.MaskedNode):
             size = int(np.prod(shapes[k]))
@@ -167,6 +168,18 @@ DILOCO_ERRORS = (
     ("mix", "half"),
     ("codec", "int4"),
 )
+SPARSELOCO_ERRORS = (
+    ("inner", None),
+    ("outer", "sgd"),
+    ("sync_every", 0),
+    ("density", 0.0),
+    ("density", 1.5),
+    ("chunk", 0),
+    ("bits", 9),
+    ("ef_decay", 1.5),
+    ("averaging", "median"),
+    ("min_size", -1),
+)
 GOSSIP_ERRORS = (
     ("inner", "sgd"),
     ("topology", "star"),
@@ -231,6 +244,12 @@ def gossip(topology: str, codec=None) -> dict:
     )
 
 
+def sparse_wire(codec, shapes: dict, min_size: int = 1024) -> float:
+    """Bytes per device of a chunked top-k all-gather of every leaf (pmean below min_size)."""
+    sizes = [int(np.prod(s)) for s in shapes.values()]
+    return sparse_exchange.wire_bytes(sizes, codec, N, min_size)
+
+
 # Compiling a codec's exchange under pmap costs ~15 s on the 2-core CI host: the periodic
 # core's pmap path is checked by the local SGD rows, compressed_allreduce's by test_contract.
 PMAP_SHARED = "the shared core under pmap: local SGD rows; the codec under pmap: test_contract"
@@ -269,6 +288,19 @@ ROWS = [
             ("law", "Nesterov outer, delayed and mixed: conservation is diloco-int4's"),
             ("pmap", PMAP_SHARED),
         ),
+    ),
+]
+ROWS += [
+    Row(
+        # Plain residual feedback (ef_decay=1): nothing is lost, so DiLoCo's law holds.
+        "sparseloco-ef1",
+        functools.partial(jc.sparseloco, inner(), sync_every=2, ef_decay=1.0),
+        law=law_pseudo_gradient,
+        shapes=dict(STREAM_SHAPES),
+        compressed=("w", "v"),
+        bad=SPARSELOCO_ERRORS,
+        skip=(("pmap", PMAP_SHARED),),
+        wire=lambda shapes: sparse_wire(jc.chunked_top_k(32, 2048, 2), shapes),
     ),
 ]
 ROWS += [

@@ -1,0 +1,93 @@
+"""All-gather of chunked top-k payloads: what SparseLoCo and DeMo put on the wire.
+
+Each device encodes its vectors with :func:`jaxcomp.chunked_top_k`, the payloads (packed
+indices, packed value codes, per-chunk scales) travel in one bucketed ``all_gather``, and every
+device decodes all of them into the same mean: over every device, or (Templar's merge) per
+coordinate over the devices that sent it. Small vectors go through a float32 ``pmean``.
+Nothing here holds state: the transforms keep their error feedback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp._src import buckets, collectives
+from jaxcomp._src.codecs.chunked import ChunkedTopK
+
+#: How the gathered payloads are averaged: over every device, or per coordinate over the
+#: devices whose payload holds it (Templar).
+AVERAGING = ("all", "senders")
+
+
+def check_averaging(averaging: Any) -> str:
+    if averaging not in AVERAGING:
+        raise ValueError(f"`averaging` must be one of {AVERAGING}, got {averaging!r}")
+    return averaging
+
+
+class Exchanged(NamedTuple):
+    """What one exchange gives back, per vector (in the order given)."""
+
+    means: list  # f32 vectors, identical on every device; NaN everywhere if `bad`
+    sent: list  # f32 vectors: what this device's payload decodes to (the vector, if dense)
+    bad: jax.Array  # bool[]: some device's input was not finite (identical on every device)
+
+
+def exchange(
+    vectors: list[jax.Array],
+    codec: ChunkedTopK,
+    axis_name: Any,
+    *,
+    min_size: int,
+    averaging: str = "all",
+    bucket_bytes: int = buckets.BUCKET_BYTES,
+) -> Exchanged:
+    """The mean over ``axis_name`` of each 1-D float32 vector: through ``codec`` (one
+    all-gather of the payloads, bucketed) where it has at least ``min_size`` entries, by a
+    float32 ``pmean`` below. The non-finite flag is read from what every device received
+    (the payloads' per-chunk scales flag a NaN or inf), so it is the same everywhere."""
+    sparse = [i for i, v in enumerate(vectors) if v.shape[0] >= max(min_size, 1)]
+    dense = [i for i, v in enumerate(vectors) if i not in sparse]
+    payloads = [codec.encode(vectors[i]) for i in sparse]
+    gathered, held = buckets.exchange(
+        payloads,
+        lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
+        bucket_bytes=bucket_bytes,
+        with_buckets=True,
+    )
+    plain, held_plain = collectives.plain_mean(
+        [vectors[i] for i in dense], axis_name, bucket_bytes, with_buckets=True
+    )
+    bad = collectives.local_nonfinite(
+        [h for h in [*held, *held_plain] if jnp.issubdtype(h.dtype, jnp.floating)]
+    )
+    fill = jnp.where(bad, jnp.nan, 0.0)
+    n = collectives.axis_size(axis_name)
+    means: list[Any] = [None] * len(vectors)
+    sent: list[Any] = [None] * len(vectors)
+    for i, p, g in zip(sparse, payloads, gathered, strict=True):
+        d = vectors[i].shape[0]
+        if averaging == "senders":
+            means[i] = codec.decode_mean_of_senders(g, d, fill=fill)
+        else:
+            means[i] = codec.decode_sum(g, d, scale=1.0 / n, fill=fill)
+        sent[i] = codec.decode(p, d)
+    for i, m in zip(dense, plain, strict=True):
+        means[i], sent[i] = collectives.poison(m, bad), vectors[i]
+    return Exchanged(means, sent, bad)
+
+
+def wire_bytes(sizes: list[int], codec: ChunkedTopK, n: int, min_size: int) -> float:
+    """Ring-model bytes per device of one :func:`exchange` of vectors of ``sizes`` over ``n``
+    devices: ``(n - 1) * payload_bytes`` per sparse vector (all-gather), ``2 (n - 1) / n * 4 d``
+    per dense one (pmean)."""
+    total = 0.0
+    for d in sizes:
+        if d >= max(min_size, 1):
+            total += (n - 1) * codec.payload_bytes(d)
+        else:
+            total += 2 * (n - 1) / n * 4 * d
+    return total

@@ -1,0 +1,209 @@
+"""SparseLoCo: DiLoCo's pseudo-gradient with decayed error feedback, top-k per chunk, 2 bits.
+
+Built on the periodic core (:mod:`jaxcomp._src.periodic`) that runs ``jc.local_sgd`` and
+``jc.diloco``: inner steps on each device, a sync in a ``lax.cond`` every ``H`` steps. Only
+the exchange differs: :func:`sparse_feedback`, an optax transform of the pseudo-gradients
+that keeps the decayed error feedback and sends chunked top-k payloads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import periodic, sparse_exchange
+from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
+from jaxcomp._src.codecs.chunked import ChunkedTopK, chunked_top_k
+
+F32 = jnp.float32
+
+
+class SparseFeedbackState(NamedTuple):
+    """State of the SparseLoCo exchange of one fragment (nested in :class:`SparseLoCoState`)."""
+
+    memory: Any  # per device: f32[1, *shape] error feedback per compressed leaf, None if dense
+
+    PER_DEVICE_FIELDS = ("memory",)
+
+
+class SparseLoCoState(NamedTuple):
+    """State of :func:`sparseloco`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+
+    inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
+    anchor: Any  # identical on every device: f32 global params, like the params
+    outer: Any  # identical on every device: the outer optax state (a 1-tuple), or None
+    exchange: Any  # (SparseFeedbackState,): the per-device error feedback
+    count: jax.Array  # int32[]: number of updates applied
+
+    PER_DEVICE_FIELDS = ("inner",)
+
+
+def sparse_feedback(
+    codec: ChunkedTopK,
+    axis_name: Any,
+    *,
+    ef_decay: float,
+    min_size: int,
+    averaging: str = "all",
+) -> optax.GradientTransformation:
+    r"""The mean over devices of a list of vectors-shaped arrays ``D_i``, through ``codec``
+    with decayed error feedback (SparseLoCo)::
+
+        e_i <- beta e_i + D_i;   out = mean_i C(e_i);   e_i <- e_i - C(e_i)
+
+    Leaves under ``min_size`` values are averaged exactly (``pmean``) and keep no memory. A
+    non-finite ``D`` on any device gives NaN outputs everywhere and keeps every memory.
+    """
+
+    def init_fn(leaves):
+        return SparseFeedbackState(
+            [
+                jnp.zeros((1, *jnp.shape(x)), F32) if jnp.size(x) >= min_size else None
+                for x in leaves
+            ]
+        )
+
+    def update_fn(deltas, state, params=None):
+        del params
+        targets = [
+            d.astype(F32) if m is None else ef_decay * m[0] + d.astype(F32)
+            for d, m in zip(deltas, state.memory, strict=True)
+        ]
+        out = sparse_exchange.exchange(
+            [t.reshape(-1) for t in targets],
+            codec,
+            axis_name,
+            min_size=min_size,
+            averaging=averaging,
+        )
+        memory = [
+            None if m is None else jnp.where(out.bad, m, (t - s.reshape(t.shape))[None])
+            for m, t, s in zip(state.memory, targets, out.sent, strict=True)
+        ]
+        means = [m.reshape(t.shape) for m, t in zip(out.means, targets, strict=True)]
+        return means, SparseFeedbackState(memory)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config(periodic.Config):
+    """The periodic core's config with SparseLoCo's exchange in place of a codec's."""
+
+    feedback: Any = None
+
+    def exchange(self) -> optax.GradientTransformation:
+        return self.feedback
+
+
+def check_decay(ef_decay: Any) -> float:
+    """``ef_decay`` in [0, 1] (1: the plain residual error feedback), else an error naming it."""
+    if isinstance(ef_decay, int | float) and not isinstance(ef_decay, bool) and ef_decay == 1:
+        return 1.0
+    return check_fraction("ef_decay", ef_decay)
+
+
+def check_density(density: Any, chunk: int) -> int:
+    """``k = ceil(density * chunk)`` values kept per chunk, or an error naming ``density``."""
+    density = check_positive_float("density", density, upper=1.0)
+    return max(1, math.ceil(density * chunk - 1e-9))
+
+
+def sparseloco(
+    inner: optax.GradientTransformation,
+    axis_name: Any,
+    sync_every: int,
+    *,
+    density: float = 64 / 4096,
+    chunk: int = 4096,
+    bits: int | None = 2,
+    ef_decay: float = 0.95,
+    outer: optax.GradientTransformation | None = None,
+    averaging: str = "all",
+    min_size: int = 1024,
+) -> optax.GradientTransformationExtraArgs:
+    r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
+    feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
+
+    Params are per-device replicas (:func:`jaxcomp.replica_params`), as for
+    :func:`jaxcomp.diloco`. With ``H = sync_every``, ``beta = ef_decay`` and ``C`` the
+    chunked top-k codec (:func:`jaxcomp.chunked_top_k`: ``k = ceil(density * chunk)`` per
+    chunk, ``bits``-bit values)::
+
+        theta_i <- theta_i + inner(g_i)                       # every step, on each device
+        every H steps:
+          D_i  = x - theta_i                                   # the pseudo-gradient
+          e_i <- beta e_i + D_i                                # decayed error feedback
+          Delta = mean_i C(e_i);   e_i <- e_i - C(e_i)
+          x    <- x - Delta            (or x + outer(Delta))   # no outer momentum by default
+          theta_i <- x                                         # every device restarts
+
+    The payloads travel in one all-gather (indices in ``ceil(log2 chunk)`` bits, values in
+    ``bits`` bits, a float32 scale per chunk): at the defaults 116 bytes per 4096 values.
+    ``averaging="senders"`` takes each coordinate's mean over the devices that sent it
+    (Templar's merge) instead of over all of them. Leaves under ``min_size`` values are
+    averaged exactly by ``pmean``. The decayed error feedback takes the place of DiLoCo's
+    outer Nesterov momentum. Non-finite values behave as in :func:`jaxcomp.diloco`: a sync
+    whose mean is not finite leaves the whole state (error feedback too) as it was.
+
+    Args:
+      inner: the optax transform each device runs on its own gradients (e.g.
+        ``optax.adamw(1e-3)``).
+      axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
+      sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30).
+      density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%).
+      chunk: values per chunk (default 4096 = 64 x 64; indices take ``ceil(log2 chunk)`` bits).
+      bits: bits per sent value, in [1, 8] (default 2), or None for float32 values.
+      ef_decay: ``beta`` in [0, 1], the error feedback's decay (default 0.95; 1: plain
+        residual error feedback, nothing lost).
+      outer: None (``x <- x - Delta``, an outer lr of 1) or an optax transform fed ``Delta``
+        (e.g. ``optax.sgd(0.7)`` for a smaller outer lr).
+      averaging: ``"all"`` (mean over every device) or ``"senders"`` (per coordinate, over
+        the devices that sent it).
+      min_size: leaves with fewer values go through a float32 ``pmean``, >= 0.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
+
+    Example::
+
+        tx = jc.sparseloco(optax.adamw(1e-3), "data", sync_every=30)
+        replicas = jc.replica_params(params, mesh, "data")
+        opt_state = jc.sharded_init(tx, params, mesh, "data")
+        # the step is DiLoCo's: jc.own(replicas), grad, tx.update(g, opt_state, p), jc.slot
+
+    References:
+      Sarfi, Therien, Lidin, Belilovsky, "Communication Efficient LLM Pre-training with
+      SparseLoCo", arXiv 2508.15706, 2025; Templar, "Covenant-72B", arXiv 2603.08163, 2026;
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", 2023.
+    """
+    inner = periodic.check_transform("inner", inner)
+    if outer is not None:
+        outer = periodic.check_transform("outer", outer)
+    sync_every, _, _, _ = periodic.check_common(sync_every)
+    chunk = check_int("chunk", chunk, 1, 2**30)
+    codec = chunked_top_k(check_density(density, chunk), chunk, bits)
+    ef_decay = check_decay(ef_decay)
+    averaging = sparse_exchange.check_averaging(averaging)
+    min_size = check_int("min_size", min_size, 0)
+    feedback = sparse_feedback(
+        codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging
+    )
+    cfg = _Config(
+        name="sparseloco",
+        state_type=SparseLoCoState,
+        inner=inner,
+        axis_name=axis_name,
+        sync_every=sync_every,
+        outer=outer,
+        codec=codec,
+        error_feedback=None,
+        feedback=feedback,
+    )
+    return periodic.make(cfg)

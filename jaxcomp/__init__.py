@@ -35,6 +35,7 @@ from jaxcomp._src.collectives import (
 )
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.delayed import DelayedState, delayed
+from jaxcomp._src.demo import DeMoState, demo, scale_by_demo
 from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.finite import apply_if_finite
@@ -69,6 +70,9 @@ __all__ = [
     "STRATEGIES",
     "Codec",
     "DGCState",
+    "DeMoState",
+    "demo",
+    "scale_by_demo",
     "DelayedState",
     "delayed",
     "DiLoCoState",

@@ -153,6 +153,15 @@ POWERSGD_ERRORS = (
     ("error_feedback", 1),
     ("seed", -1),
 )
+DEMO_ERRORS = (
+    ("chunk", 0),
+    ("topk", 0),
+    ("decay", 1.5),
+    ("weight_decay", -1.0),
+    ("sign", "yes"),
+    ("bits", 9),
+    ("min_size", -1),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +311,15 @@ ROWS = [
         fed=fed_dgc,
         compressed=("w",),
         bad=DGC_ERRORS,
+    ),
+    Row(
+        # DeMo with decay 1 and no sign: each device's momentum accumulates its gradients,
+        # the sent DCT components leave it, and -0.1 times their mean is the output.
+        "demo-accumulate",
+        functools.partial(jc.demo, 0.1, decay=1.0, sign=False),
+        memory=("momentum",),
+        out_scale=-0.1,
+        bad=DEMO_ERRORS,
     ),
     Row(
         "powersgd-start0",

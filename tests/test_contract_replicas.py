@@ -247,7 +247,8 @@ def gossip(topology: str, codec=None) -> dict:
 def sparse_wire(codec, shapes: dict, min_size: int = 1024) -> float:
     """Bytes per device of a chunked top-k all-gather of every leaf (pmean below min_size)."""
     sizes = [int(np.prod(s)) for s in shapes.values()]
-    return sparse_exchange.wire_bytes(sizes, codec, N, min_size)
+    codecs = [codec if d >= min_size else None for d in sizes]
+    return sparse_exchange.wire_bytes(sizes, codecs, N)
 
 
 # Compiling a codec's exchange under pmap costs ~15 s on the 2-core CI host: the periodic

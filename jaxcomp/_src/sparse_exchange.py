@@ -38,20 +38,19 @@ class Exchanged(NamedTuple):
 
 def exchange(
     vectors: list[jax.Array],
-    codec: ChunkedTopK,
+    codecs: list[ChunkedTopK | None],
     axis_name: Any,
     *,
-    min_size: int,
     averaging: str = "all",
     bucket_bytes: int = buckets.BUCKET_BYTES,
 ) -> Exchanged:
-    """The mean over ``axis_name`` of each 1-D float32 vector: through ``codec`` (one
-    all-gather of the payloads, bucketed) where it has at least ``min_size`` entries, by a
-    float32 ``pmean`` below. The non-finite flag is read from what every device received
-    (the payloads' per-chunk scales flag a NaN or inf), so it is the same everywhere."""
-    sparse = [i for i, v in enumerate(vectors) if v.shape[0] >= max(min_size, 1)]
-    dense = [i for i, v in enumerate(vectors) if i not in sparse]
-    payloads = [codec.encode(vectors[i]) for i in sparse]
+    """The mean over ``axis_name`` of each 1-D float32 vector: through its codec (one
+    all-gather of every payload, bucketed), or by a float32 ``pmean`` where its codec is
+    None. The non-finite flag is read from what every device received (the payloads'
+    per-chunk scales flag a NaN or inf), so it is the same everywhere."""
+    sparse = [i for i, c in enumerate(codecs) if c is not None]
+    dense = [i for i, c in enumerate(codecs) if c is None]
+    payloads = [codecs[i].encode(vectors[i]) for i in sparse]
     gathered, held = buckets.exchange(
         payloads,
         lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
@@ -69,7 +68,7 @@ def exchange(
     means: list[Any] = [None] * len(vectors)
     sent: list[Any] = [None] * len(vectors)
     for i, p, g in zip(sparse, payloads, gathered, strict=True):
-        d = vectors[i].shape[0]
+        codec, d = codecs[i], vectors[i].shape[0]
         if averaging == "senders":
             means[i] = codec.decode_mean_of_senders(g, d, fill=fill)
         else:
@@ -80,13 +79,13 @@ def exchange(
     return Exchanged(means, sent, bad)
 
 
-def wire_bytes(sizes: list[int], codec: ChunkedTopK, n: int, min_size: int) -> float:
+def wire_bytes(sizes: list[int], codecs: list[ChunkedTopK | None], n: int) -> float:
     """Ring-model bytes per device of one :func:`exchange` of vectors of ``sizes`` over ``n``
     devices: ``(n - 1) * payload_bytes`` per sparse vector (all-gather), ``2 (n - 1) / n * 4 d``
-    per dense one (pmean)."""
+    per dense one (pmean, codec None)."""
     total = 0.0
-    for d in sizes:
-        if d >= max(min_size, 1):
+    for d, codec in zip(sizes, codecs, strict=True):
+        if codec is not None:
             total += (n - 1) * codec.payload_bytes(d)
         else:
             total += 2 * (n - 1) / n * 4 * d

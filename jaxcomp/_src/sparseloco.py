@@ -76,9 +76,8 @@ def sparse_feedback(
         ]
         out = sparse_exchange.exchange(
             [t.reshape(-1) for t in targets],
-            codec,
+            [None if m is None else codec for m in state.memory],
             axis_name,
-            min_size=min_size,
             averaging=averaging,
         )
         memory = [

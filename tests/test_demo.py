@@ -1,0 +1,112 @@
+"""DeMo: the block DCT, the top-k of each block's components, the sign update with decoupled
+weight decay, and the bytes. The contract items (conservation with ``decay=1, sign=False``,
+poison and freeze, specs, orbax, pmap) are the ``demo-accumulate`` row of
+tests/test_contract.py."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.fft
+from helpers import N, mesh, per_device, shard
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src import demo as demo_lib
+
+SHAPES = {"w": (100, 256), "b": (64,)}  # w: 2 x 4 blocks of 64 x 64 (padded rows); b: dense
+LR, WD, TOPK = 0.01, 0.1, 16
+
+
+def test_block_dct_is_scipy_dct_and_inverts_exactly():
+    d = demo_lib.dct_matrix(64)
+    np.testing.assert_allclose(d @ d.T, np.eye(64), atol=1e-6)
+    x = np.random.default_rng(0).standard_normal((130, 70)).astype(np.float32)
+    shapes = ((130, 70), (300,), (3, 5, 64))
+    ys = [np.random.default_rng(1).standard_normal(s).astype(np.float32) for s in shapes]
+
+    @jax.jit  # one program for every check
+    def run(x, ys):
+        b = demo_lib.Blocks.of(x.shape, 64)
+        back = [demo_lib.Blocks.of(y.shape, 64) for y in ys]
+        return b.forward(x), [c.inverse(c.forward(y)) for c, y in zip(back, ys, strict=True)]
+
+    coeffs, rounds = run(x, ys)
+    coeffs = np.asarray(coeffs).reshape(3, 2, 64, 64)
+    padded = np.pad(x, ((0, 62), (0, 58))).reshape(3, 64, 2, 64).transpose(0, 2, 1, 3)
+    want = scipy.fft.dctn(padded, axes=(2, 3), norm="ortho")
+    np.testing.assert_allclose(coeffs, want, atol=2e-5)
+    for y, r in zip(ys, rounds, strict=True):
+        np.testing.assert_allclose(r, y, atol=2e-5)
+
+
+@functools.cache
+def demo_step():
+    tx = jc.demo(LR, "data", topk=TOPK, weight_decay=WD)
+    m = mesh()
+    params = {
+        k: np.random.default_rng(3).standard_normal(s).astype(np.float32) for k, s in SHAPES.items()
+    }
+    params = jax.device_put(params, NamedSharding(m, P()))
+    state = jc.sharded_init(tx, params, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(g, s, p):
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return u, s
+
+    fn = per_device(step, (P("data"), specs, P()), (P(), specs), m)
+    return fn, params, state
+
+
+def grads() -> dict:
+    rng = np.random.default_rng(4)
+    return {k: rng.standard_normal((N, *s)).astype(np.float32) + 0.2 for k, s in SHAPES.items()}
+
+
+def test_sign_update_of_the_mean_sent_components_and_weight_decay():
+    fn, params, state = demo_step()
+    g = grads()
+    u, after = fn(shard(g), state, params)
+    mom = np.asarray(after[0].momentum["w"])  # (n, 100, 256): what each device kept
+    sent = g["w"] - mom  # m_i = g_i on the first step; what left it was sent
+    blocks = demo_lib.Blocks.of((100, 256), 64)
+    for i in (0, 5):  # each device sent TOPK components of each full 64 x 64 block
+        # (the blocks of rows 64..99 are zero-padded: what leaves m_i there is the sent
+        # components cropped to the real rows, no longer sparse in the DCT basis)
+        comps = np.asarray(blocks.forward(jnp.asarray(sent[i]))).reshape(-1, 64 * 64)[:4]
+        assert ((np.abs(comps) > 1e-4).sum(1) == TOPK).all()
+        kept = np.asarray(blocks.forward(jnp.asarray(mom[i]))).reshape(-1, 64 * 64)[:4]
+        # the sent components are the largest of each block (8-bit values: within 1/255)
+        big = np.abs(np.asarray(blocks.forward(jnp.asarray(g["w"][i])))).reshape(-1, 4096)[:4]
+        kth = np.sort(big, axis=1)[:, -TOPK]
+        assert (np.abs(kept) <= kth[:, None] * (1 + 2 / 255) + 1e-5).all()
+    q = sent.mean(0)
+    p = np.asarray(params["w"])
+    sure = np.abs(q) > 1e-4
+    want = -LR * (np.sign(q) + WD * p)
+    np.testing.assert_allclose(np.asarray(u["w"])[sure], want[sure], rtol=1e-5, atol=1e-7)
+    # a small leaf sends its whole momentum (pmean) and keeps none
+    want_b = -LR * (np.sign(g["b"].mean(0)) + WD * np.asarray(params["b"]))
+    np.testing.assert_allclose(np.asarray(u["b"]), want_b, rtol=1e-5, atol=1e-7)
+    assert not np.asarray(after[0].momentum["b"]).any()
+
+
+def test_bytes_are_the_model_and_beat_pmean_80x():
+    fn, params, state = demo_step()
+    report = jc.comm_report(fn.fn, shard(grads()), state, params)
+    want = demo_lib.wire_bytes(params, N, topk=TOPK)
+    assert report.bytes_per_device == pytest.approx(want)
+    # 64 x 64 blocks at the defaults: 16 x 12-bit indices + 16 x 8-bit values + a scale
+    assert (
+        demo_lib._codec(demo_lib.Blocks.of((64, 64), 64), 64, 16, 8).payload_bytes(4096)
+        == (16 * 12 + 16 * 8) // 8 + 4
+    )
+    big = {"w": jax.ShapeDtypeStruct((512, 1024), jnp.float32)}
+    pmean = 2 * (N - 1) / N * 4 * 512 * 1024
+    assert pmean / demo_lib.wire_bytes(big, N) == pytest.approx(4096 / 44, rel=1e-9)  # 93x

@@ -1,0 +1,116 @@
+"""SparseLoCo and its chunked top-k codec: packed bits, per-chunk selection, decayed error
+feedback, Templar's mean over senders, bytes. The contract items (conservation with
+``ef_decay=1``, poison and freeze, specs, orbax, bytes of the compiled step) are the
+``sparseloco-ef1`` row of tests/test_contract_replicas.py; the registry rows
+``chunked_topk_*`` run the codec suite (tests/test_codecs.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from helpers import N, per_device, shard
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src.codecs.chunked import pack_stream, unpack_stream
+from jaxcomp._src.sparseloco import sparse_feedback
+
+
+def test_index_and_value_bits_are_packed_end_to_end():
+    # 12-bit indices straddle word boundaries: 8 of them fill exactly 3 words.
+    codes = np.random.default_rng(0).integers(0, 4096, 101).astype(np.uint32)
+    words = pack_stream(jnp.asarray(codes), 12)
+    assert words.dtype == jnp.uint32 and words.shape == (38,)  # ceil(101 * 12 / 32)
+    np.testing.assert_array_equal(unpack_stream(words, 12, 101), codes)
+    # Templar's setting: 64 of 4096 per chunk, 12-bit indices, 2-bit values, one f32 scale.
+    codec = jc.chunked_top_k(64, chunk=4096, bits=2)
+    assert codec.index_bits(4096) == 12
+    assert codec.payload_bytes(4096) == 64 * 12 // 8 + 64 * 2 // 8 + 4 == 116
+    assert codec.payload_bytes(3 * 4096 + 5) == 4 * (4 * 64 * 12 // 32 + 4 * 64 * 2 // 32 + 4)
+    assert jc.chunked_top_k(64, 4096, None).payload_bytes(4096) == 64 * 12 // 8 + 4 * 64
+
+
+def test_top_k_in_every_chunk_and_two_bit_levels():
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    exact = np.asarray(jc.chunked_top_k(5, chunk=256, bits=None).roundtrip(jnp.asarray(x)))
+    for j in range(4):  # 3 full chunks and a padded one of 232 values
+        part, got = x[256 * j : 256 * (j + 1)], exact[256 * j : 256 * (j + 1)]
+        keep = np.argsort(-np.abs(part))[:5]
+        want = np.zeros_like(part)
+        want[keep] = part[keep]
+        np.testing.assert_array_equal(got, want)
+    two = np.asarray(jc.chunked_top_k(5, chunk=256, bits=2).roundtrip(jnp.asarray(x)))
+    np.testing.assert_array_equal(two != 0, exact != 0)
+    for j in range(4):
+        s = np.abs(exact[256 * j : 256 * (j + 1)]).max()
+        levels = np.array([-s, -s / 3, s / 3, s], np.float32)
+        sent = two[256 * j : 256 * (j + 1)][exact[256 * j : 256 * (j + 1)] != 0]
+        assert np.abs(sent[:, None] - levels[None]).min(1).max() < 1e-6 * s
+        # each kept value is rounded to its nearest level: at most s / 3 away
+        orig = exact[256 * j : 256 * (j + 1)][exact[256 * j : 256 * (j + 1)] != 0]
+        assert np.abs(sent - orig).max() <= s / 3 + 1e-6
+
+
+CODEC = jc.chunked_top_k(2, chunk=64, bits=None)
+
+
+@functools.cache
+def feedback_step(averaging: str):
+    """One jitted exchange of SparseLoCo's feedback over 8 devices: (out, memory)."""
+    tx = sparse_feedback(CODEC, "data", ef_decay=0.5, min_size=64, averaging=averaging)
+
+    def step(d, e):
+        out, state = tx.update([d[0][0], d[1][0]], jc.SparseFeedbackState([e[0], None]))
+        return [o[None] for o in out], state.memory[0]
+
+    return per_device(step, (P("data"), P("data")), (P(), P("data")))
+
+
+def test_decayed_error_feedback_and_mean_of_senders():
+    """Device i sends spikes of height i + 1 at coordinates 2i, 2i + 1 of a 128-vector (its
+    two largest in chunk 0) and coordinate 127 (shared); a small leaf goes through pmean."""
+    d = np.zeros((N, 128), np.float32)
+    for i in range(N):
+        d[i, 2 * i : 2 * i + 2] = i + 1
+        d[i, 100] = 10.0 + i  # chunk 1: the largest, every device
+        d[i, 127] = 5.0  # chunk 1: the second largest, every device
+        d[i, 64] = 0.25  # never sent: stays in memory
+    small = np.random.default_rng(2).standard_normal((N, 10)).astype(np.float32)
+    memory = np.full((N, 1, 128), 2.0, np.float32)
+    memory[:, 0, 64:] = 0.0
+    memory[:, 0, 50:64] = 0.0
+    outs = {}
+    for averaging in ("all", "senders"):
+        out, mem = feedback_step(averaging)(shard([d, small]), shard(memory))
+        outs[averaging] = [np.asarray(o)[0] for o in out]
+        # e <- 0.5 e + D; sent = C(e); e <- e - sent (identical for both averagings)
+        target = 0.5 * memory[:, 0] + d
+        sent = np.stack([np.asarray(CODEC.roundtrip(jnp.asarray(t))) for t in target])
+        np.testing.assert_allclose(np.asarray(mem), target - sent, atol=1e-6)
+        np.testing.assert_allclose(outs[averaging][1], small.mean(0), rtol=1e-6)
+    all_, senders = outs["all"][0], outs["senders"][0]
+    np.testing.assert_allclose(all_[100], np.mean(10.0 + np.arange(N)), rtol=1e-6)
+    np.testing.assert_allclose(senders[100], np.mean(10.0 + np.arange(N)), rtol=1e-6)
+    np.testing.assert_allclose(all_[127], 5.0, rtol=1e-6)
+    # Coordinates 0..15: device 0..7's own spikes, 1 + 0.5 * 2 = 2 for device 0 ... sent by
+    # one device each: the mean over all divides by 8, the mean over senders does not.
+    target = 0.5 * memory[:, 0] + d
+    for i in range(N):
+        own = target[i, 2 * i]
+        np.testing.assert_allclose(senders[2 * i], own, rtol=1e-6)
+        np.testing.assert_allclose(all_[2 * i], own / N, rtol=1e-6)
+    assert all_[64] == 0.0 and senders[64] == 0.0
+
+
+def test_sync_bytes_at_templar_density_and_h30():
+    """At the defaults a 64 x 64 chunk costs 116 bytes; all-gathered over 8 devices at H = 30
+    against a per-step f32 pmean (ring model) the saving is 30 * 16384 * 2 (n-1)/n / ((n-1)
+    116) = 1059x for the compressed leaves."""
+    codec = jc.chunked_top_k(64, 4096, 2)
+    d = 4096 * 256
+    pmean = 2 * (N - 1) / N * 4 * d
+    sync = (N - 1) * codec.payload_bytes(d)
+    assert 30 * pmean / sync == np.float64(30 * 16384 * 2 / N / 116)
+    assert 1058 < 30 * pmean / sync < 1060

@@ -95,11 +95,17 @@ def make(method: str, args) -> tuple[str, optax.GradientTransformation]:
 
 def train(method: str, args) -> tuple[float, float]:
     """(test accuracy, bytes per step per device averaged over the run)."""
+    kind, tx = make(method, args)
+    return run(tx, kind, args.steps, args.sync_every)
+
+
+def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
+    """Train ``tx`` (``kind``: ``"pmean"``, ``"replica"`` or ``"demo"``) for ``steps``:
+    (test accuracy, bytes per step per device; a replica step syncs every ``sync_every``)."""
     (xtr, ytr), (xte, yte) = load_digits()
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Explicit,))
     params = init_params(jax.random.PRNGKey(0))
     put = lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS)))  # noqa: E731
-    kind, tx = make(method, args)
     state = jc.sharded_init(tx, params, mesh, AXIS)
     specs = jc.state_specs(state, AXIS)
     if kind == "replica":
@@ -108,14 +114,14 @@ def train(method: str, args) -> tuple[float, float]:
         p, pspecs = jax.device_put(params, NamedSharding(mesh, P())), P()
     sample = (put(xtr[:256]), put(ytr[:256]))
     if kind == "replica":  # the sync step's bytes, once per period
-        sync = compile_step(mesh, tx, specs, pspecs, kind, args.sync_every - 1)
-        per_step = jc.comm_report(sync, p, state, *sample).bytes_per_device / args.sync_every
+        sync = compile_step(mesh, tx, specs, pspecs, kind, sync_every - 1)
+        per_step = jc.comm_report(sync, p, state, *sample).bytes_per_device / sync_every
     else:
         fn = compile_step(mesh, tx, specs, pspecs, kind)
         per_step = jc.comm_report(fn, p, state, *sample).bytes_per_device
     step = blocking(compile_step(mesh, tx, specs, pspecs, kind))
     rng = np.random.RandomState(1)
-    for _ in range(args.steps):
+    for _ in range(steps):
         idx = rng.randint(0, len(xtr), 256)
         p, state = step(p, state, put(xtr[idx]), put(ytr[idx]))
     final = jax.device_get(p)

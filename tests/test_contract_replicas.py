@@ -303,6 +303,17 @@ ROWS += [
         skip=(("pmap", PMAP_SHARED),),
         wire=lambda shapes: sparse_wire(jc.chunked_top_k(32, 2048, 2), shapes),
     ),
+    Row(
+        # Through jc.compressed_allreduce's two-phase exchange: its server residual holds
+        # the owners' second error, and the law counts it.
+        "sparseloco-two_phase-ef1",
+        functools.partial(jc.sparseloco, inner(), sync_every=2, ef_decay=1.0, strategy="two_phase"),
+        law=law_pseudo_gradient,
+        shapes=dict(STREAM_SHAPES),
+        compressed=("w", "v"),
+        bad=SPARSELOCO_ERRORS + (("strategy", "ring"), ("averaging", "senders")),
+        skip=(("pmap", PMAP_SHARED),),
+    ),
 ]
 ROWS += [
     Row("gossip-ring-int8", **gossip("ring", jc.int_quant(8))),

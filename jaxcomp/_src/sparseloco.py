@@ -19,6 +19,7 @@ import optax
 from jaxcomp._src import periodic, sparse_exchange
 from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.chunked import ChunkedTopK, chunked_top_k
+from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
 F32 = jnp.float32
 
@@ -37,7 +38,7 @@ class SparseLoCoState(NamedTuple):
     inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
     anchor: Any  # identical on every device: f32 global params, like the params
     outer: Any  # identical on every device: the outer optax state (a 1-tuple), or None
-    exchange: Any  # (SparseFeedbackState,): the per-device error feedback
+    exchange: Any  # (SparseFeedbackState,) or, two-phase, (CompressedAllreduceState,)
     count: jax.Array  # int32[]: number of updates applied
 
     PER_DEVICE_FIELDS = ("inner",)
@@ -90,6 +91,23 @@ def sparse_feedback(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def decayed(
+    exchange: optax.GradientTransformation, ef_decay: float
+) -> optax.GradientTransformation:
+    r"""``jc.compressed_allreduce`` (residual feedback) with its memory decayed: it is fed
+    ``D + (beta - 1) e``, so it sends ``C(beta e + D)`` and keeps ``beta e + D - C(...)``."""
+
+    def update_fn(deltas, state, params=None):
+        if ef_decay != 1.0:
+            deltas = [
+                d if isinstance(m, optax.MaskedNode) or m is None else d + (ef_decay - 1.0) * m[0]
+                for d, m in zip(deltas, state.memory, strict=True)
+            ]
+        return exchange.update(deltas, state, params)
+
+    return optax.GradientTransformation(exchange.init, update_fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config(periodic.Config):
     """The periodic core's config with SparseLoCo's exchange in place of a codec's."""
@@ -124,6 +142,7 @@ def sparseloco(
     ef_decay: float = 0.95,
     outer: optax.GradientTransformation | None = None,
     averaging: str = "all",
+    strategy: str = "allgather",
     min_size: int = 1024,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
@@ -164,6 +183,12 @@ def sparseloco(
         (e.g. ``optax.sgd(0.7)`` for a smaller outer lr).
       averaging: ``"all"`` (mean over every device) or ``"senders"`` (per coordinate, over
         the devices that sent it).
+      strategy: ``"allgather"`` (every device's payload to every device, SparseLoCo's) or
+        ``"two_phase"`` (:func:`jaxcomp.compressed_allreduce`'s reduce-scatter style: each
+        device owns ``1/n`` of every leaf, sums what the others sent of it, sends that sum
+        again through the codec; its second error stays in a server residual, not decayed;
+        ``averaging`` must be ``"all"``). All-gather costs each device ``(n - 1) P`` bytes,
+        two-phase about ``2 (n - 1) / n P``.
       min_size: leaves with fewer values go through a float32 ``pmean``, >= 0.
 
     Returns:
@@ -191,9 +216,21 @@ def sparseloco(
     ef_decay = check_decay(ef_decay)
     averaging = sparse_exchange.check_averaging(averaging)
     min_size = check_int("min_size", min_size, 0)
-    feedback = sparse_feedback(
-        codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging
-    )
+    if strategy == "two_phase":
+        if averaging != "all":
+            raise ValueError(
+                "`averaging`='senders' needs every device's payload: use `strategy`='allgather'"
+            )
+        ex = compressed_allreduce(
+            codec, axis_name, error_feedback="residual", strategy="two_phase", min_size=min_size
+        )
+        feedback = decayed(ex, ef_decay)
+    elif strategy == "allgather":
+        feedback = sparse_feedback(
+            codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging
+        )
+    else:
+        raise ValueError(f"`strategy` must be 'allgather' or 'two_phase', got {strategy!r}")
     cfg = _Config(
         name="sparseloco",
         state_type=SparseLoCoState,

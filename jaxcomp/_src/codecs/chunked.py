@@ -176,10 +176,11 @@ class ChunkedTopK(Codec):
         if d == 0:
             return jnp.zeros((0,), jnp.float32)
         indices, values = jax.vmap(lambda p: self._slots(p, d))(payloads)
-        idx = indices.reshape(-1)
-        total = jnp.zeros((d,), jnp.float32).at[idx].add(values.reshape(-1), mode="drop")
+        n, idx = indices.shape[0], indices.reshape(-1)
+        # Summed pre-scaled by 1/n (a mean that fits float32 never overflows), then n / count.
+        total = jnp.zeros((d,), jnp.float32).at[idx].add(values.reshape(-1) / n, mode="drop")
         count = jnp.zeros((d,), jnp.float32).at[idx].add(1.0, mode="drop")
-        return fill + total / jnp.maximum(count, 1.0)
+        return fill + total * (n / jnp.maximum(count, 1.0))
 
 
 def chunked_top_k(k: int = 64, chunk: int = 4096, bits: int | None = 2) -> ChunkedTopK:

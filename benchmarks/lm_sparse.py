@@ -1,0 +1,89 @@
+"""SparseLoCo and DeMo on the LM benchmark (``benchmarks/lm.py``), against AdamW data parallel.
+
+Adds the rows of :data:`RECIPES` to ``benchmarks.lm.RECIPES`` and runs that benchmark (the
+same model, tokens, steps and bytes accounting as every other LM recipe)::
+
+    python -m benchmarks.lm_sparse                       # the cpu config, every row below
+    python -m benchmarks.lm_sparse --recipes demo-1e-3   # (adamw is always run first)
+
+Writes ``benchmarks/results/lm_sparse.json`` and ``lm_sparse.png`` (``--tag T``:
+``lm_T.json``).
+
+* ``sparseloco-H30``: ``jc.sparseloco(AdamW, H=30)`` at its defaults (64 of every 4096
+  values, 2-bit values, error feedback decayed by 0.95, no outer momentum), the mean over
+  every device; ``-senders``: Templar's mean over the devices that sent each coordinate.
+* ``demo-LR``: ``jc.demo`` at its defaults (64 x 64 blocks, 16 components each, 8-bit values,
+  momentum 0.999) with AdamW's schedule at peak ``LR`` and its weight decay (0.1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import lm
+
+
+def _sparseloco(sync_every: int, **kw: Any):
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.sparseloco(run.adamw(), axis, sync_every, **kw)
+
+    return make
+
+
+def _demo(peak: float, **kw: Any):
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.demo(run.schedule(peak), axis, weight_decay=lm.WEIGHT_DECAY, **kw)
+
+    return make
+
+
+RECIPES: dict[str, lm.Recipe] = {
+    "nocomm": lm.RECIPES["nocomm"],
+    "sparseloco-H30": lm.Recipe(
+        _sparseloco(30), kind="replica", schedule={"sync_every": 30}, note="mean over all"
+    ),
+    "sparseloco-H30-senders": lm.Recipe(
+        _sparseloco(30, averaging="senders"),
+        kind="replica",
+        schedule={"sync_every": 30},
+        note="Templar: mean over senders",
+    ),
+    "sparseloco-H10": lm.Recipe(
+        _sparseloco(10), kind="replica", schedule={"sync_every": 10}, note="mean over all"
+    ),
+    "sparseloco-H30-two_phase": lm.Recipe(
+        _sparseloco(30, strategy="two_phase"),
+        kind="replica",
+        schedule={"sync_every": 30},
+        note="reduce-scatter style exchange",
+    ),
+    "demo-1e-3": lm.Recipe(_demo(1e-3), note="sign update, peak lr 1e-3"),
+    "demo-3e-4": lm.Recipe(_demo(3e-4), note="sign update, peak lr 3e-4"),
+    "demo-3e-3": lm.Recipe(_demo(3e-3), note="sign update, peak lr 3e-3"),
+    "demo-1e-3-k32": lm.Recipe(_demo(1e-3, topk=32), note="DeMo's topk 32"),
+    "demo-1e-3-all": lm.Recipe(_demo(1e-3, min_size=0), note="every leaf compressed"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"of {list(RECIPES)}")
+    ap.add_argument("--steps", type=int, default=None, help="default: the quick config's")
+    ap.add_argument("--resume", action="store_true", help="keep the recipes already run")
+    ap.add_argument("--tag", default="sparse", help="write benchmarks/results/lm_TAG.json")
+    args = ap.parse_args(argv)
+    lm.RECIPES.update(RECIPES)
+    extra = ["--resume"] if args.resume else []
+    if args.steps is not None:
+        extra += ["--steps", str(args.steps)]
+    return lm.main(["--config", "cpu", "--tag", args.tag, "--recipes", *args.recipes, *extra])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

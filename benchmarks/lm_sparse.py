@@ -72,9 +72,17 @@ RECIPES: dict[str, lm.Recipe] = {
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            "Writes benchmarks/results/lm_TAG.json and lm_TAG.png (adamw is run first unless "
+            "--resume finds it there). Takes 3-20 minutes per recipe on 8 CPU devices of a "
+            "loaded 2-core machine (the compile of a sync step is a good part of it)."
+        ),
+    )
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES), help=f"of {list(RECIPES)}")
-    ap.add_argument("--steps", type=int, default=None, help="default: the quick config's")
+    ap.add_argument("--steps", type=int, default=None, help="steps (None: the cpu config's 300)")
     ap.add_argument("--resume", action="store_true", help="keep the recipes already run")
     ap.add_argument("--tag", default="sparse", help="write benchmarks/results/lm_TAG.json")
     args = ap.parse_args(argv)

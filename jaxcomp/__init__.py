@@ -39,6 +39,7 @@ from jaxcomp._src.demo import DeMoState, demo, scale_by_demo
 from jaxcomp._src.dgc import DGCState, dgc
 from jaxcomp._src.diloco import DiLoCoState, diloco
 from jaxcomp._src.finite import apply_if_finite
+from jaxcomp._src.fsdp import fsdp_gather, fsdp_residual
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.nnx import nnx_optimizer, nnx_state_specs
@@ -47,6 +48,7 @@ from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
 from jaxcomp._src.resize import resize_state, restore_target
 from jaxcomp._src.sgd import sgd
+from jaxcomp._src.sharded import all_gather, psum_scatter
 from jaxcomp._src.sharding import replicate, sharded_init, state_specs
 from jaxcomp._src.sparseloco import SparseFeedbackState, SparseLoCoState, sparseloco
 from jaxcomp._src.topology import TOPOLOGIES, Topology, topology
@@ -56,6 +58,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "apply_if_finite",
+    "all_gather",
+    "fsdp_gather",
+    "fsdp_residual",
+    "psum_scatter",
     "Accordion",
     "AccordionState",
     "accordion",

@@ -25,6 +25,9 @@ Conventions every codec follows:
   NaN or an inf (a scale from ``max |x|`` or ``mean |x|``, or the saturating cast itself),
   so a transform detects a bad gradient from the small payload instead of another pass
   over ``x``.
+* ``dense``: every coordinate travels (casts, quantizers, signs); False for sparse codecs
+  (top-k, random-k, threshold), whose decoding is zero off the selected coordinates, so they
+  cannot carry values that must all arrive (an FSDP weight all-gather).
 * ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
   (None where no such bound holds).
 """
@@ -80,6 +83,7 @@ class Codec:
     shared_randomness = False
     votes = False
     flags_nonfinite = False
+    dense = True
 
     @property
     def name(self) -> str:

@@ -395,6 +395,8 @@ def select_top_k(x: jax.Array, k: int, method: str = "exact") -> jax.Array:
 class SparseCodec(Codec):
     """Shared machinery of the sparse codecs: payload ``(indices, *value_parts)``."""
 
+    dense = False  # only the k selected coordinates travel
+
     def size(self, d: int) -> int:
         """``k``: the number of (index, value) slots in the payload for a vector of size ``d``."""
         raise NotImplementedError

@@ -49,6 +49,7 @@ class _Config(NamedTuple):
     weights: Codec | None
     grads: Codec | None
     bucket_bytes: int
+    varying: frozenset  # the mesh axes the shards vary over
 
 
 def _check_codec(name: str, codec: Any, need_dense: bool) -> Codec | None:
@@ -116,7 +117,23 @@ def _gather_bwd(cfg, residual, cts):
             ]
         )
     grads = [o.reshape(ct.shape[1:]).astype(ct.dtype) for o, ct in zip(own, cts, strict=True)]
+    _check_cotangent_axes(grads, cfg.varying)
     return grads, new_residual
+
+
+def _check_cotangent_axes(grads: list, varying: frozenset) -> None:
+    """A gradient that varies over more axes than its shard would need a hidden float32
+    all-reduce over those axes: refuse it, naming the fix."""
+    extra = set().union(*[_vma(g) for g in grads]) - varying if grads else set()
+    if extra:
+        axes = tuple(sorted(extra, key=str))
+        raise ValueError(
+            f"`shards` are the same on every device of mesh axes {axes} but their gradients "
+            f"differ there (the loss depends on per-device data over {axes}); summing them "
+            f"would be a hidden float32 all-reduce. Pass jax.lax.pcast(shards, {axes}, "
+            "to='varying') to fsdp_gather and reduce the gradients over those axes yourself "
+            "(e.g. jc.compressed_allreduce)"
+        )
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -249,18 +266,19 @@ def fsdp_gather(
       Trillion Parameter Models", SC 2020; Seide et al., "1-Bit Stochastic Gradient Descent",
       Interspeech 2014 (error feedback).
     """
+    leaves, treedef = jax.tree.flatten(shards)
     cfg = _Config(
         axis_name,
         inner_axis_name,
         _check_codec("weights", weights, True),
         _check_codec("grads", grads, False),
         buckets.check_bucket_bytes(bucket_bytes),
+        frozenset().union(*[_vma(a) for a in leaves]) if leaves else frozenset(),
     )
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise TypeError(f"`axis` must be an int, got {type(axis).__name__} {axis!r}")
-    leaves, treedef = jax.tree.flatten(shards)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shards)]
     _check_shards(leaves, paths, axis)
     stacked = _gather(leaves, _check_residual(residual, leaves, treedef, n), cfg)

@@ -165,12 +165,15 @@ def setup(params, mesh, tx, error_feedback: bool):
     return shards, opt_state, residual, (shard_specs, state_specs, residual_specs)
 
 
-def make_mesh(replicas: int):
-    n = jax.device_count()
+def make_mesh(replicas: int, devices: int | None = None):
+    """``(replica, data)`` over ``devices`` devices (default all), or ``(data,)``."""
+    n = devices or jax.device_count()
     if n % replicas:
         raise ValueError(f"`replicas`={replicas} must divide the {n} devices")
     shape, names = ((replicas, n // replicas), (REPLICA, DATA)) if replicas > 1 else ((n,), (DATA,))
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+    return jax.make_mesh(
+        shape, names, axis_types=(AxisType.Explicit,) * len(shape), devices=jax.devices()[:n]
+    )
 
 
 def batches(seed: int, text: np.ndarray, size: int, context: int):
@@ -206,22 +209,24 @@ def train(
     context: int = 64,
     seed: int = 0,
     eval_sequences: int = 256,
+    devices: int | None = None,
     verbose: bool = False,
 ) -> dict:
     """Train for ``steps`` and return ``eval_loss`` (held-out nats per byte), the train loss
     curve, ``bytes_per_device`` of one step (``jc.comm_report``), ``seconds`` and ``digest``
-    (SHA-256 of the final params)."""
-    mesh = make_mesh(replicas)
+    (SHA-256 of the final params). ``devices``: use the first that many devices (default
+    all)."""
+    mesh = make_mesh(replicas, devices)
     text = load_text()
     split = int(0.9 * len(text))
     params = jax.jit(lambda: init_params(jax.random.PRNGKey(seed), d_model, layers, context))()
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps))
     tx = optax.adamw(schedule, weight_decay=0.01)
     if replicas > 1:
         tx = optax.chain(jc.compressed_allreduce(jc.get_codec(replica_codec), REPLICA), tx)
     shards, opt_state, residual, specs = setup(params, mesh, tx, error_feedback)
     step = make_step(mesh, tx, codec(weights), codec(grads), error_feedback, specs)
-    data = batches(seed, text[:split], jax.device_count() * batch_per_device, context)
+    data = batches(seed, text[:split], mesh.size * batch_per_device, context)
     tokens = put_batch(next(data), mesh)
     report = jc.comm_report(step, shards, opt_state, residual, tokens)
     curve, start = [], time.perf_counter()

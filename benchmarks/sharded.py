@@ -1,0 +1,157 @@
+"""FSDP through compressed collectives: bytes, quality and codec cost of ``jc.fsdp_gather``.
+
+Three measurements, all in one run, on the GPT-style character LM of ``examples/fsdp_lm.py``
+(every weight sharded over the data axis, AdamW on the shards):
+
+* ``bytes``: ``jc.comm_report`` of the compiled FSDP step, per device, with int8 weights and
+  int4 gradients (and int4 / 2-bit) against the float32 FSDP step (``jax.lax`` collectives),
+  at 4 and 8 devices: the ratio should be flat in ``n``.
+* ``quality``: held-out loss (nats per byte, on text the model never saw) after the same
+  steps, same seed, same batches: float32, int8/int4, int4/int2, each gradient codec with and
+  without error feedback; a second, smaller model (``d_model`` 64) gates the int8/int4 result.
+* ``codec_cost``: encoding (quantize + pack) a shard of the gathered weights on one CPU
+  device, in copies of the same array (``jnp.copy`` under ``jit``), median of ``--reps``.
+
+Writes ``benchmarks/results/sharded.json``::
+
+    python -m benchmarks.sharded                 # 300 steps
+    python -m benchmarks.sharded --quick         # 20 steps, fewer runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from benchmarks import common
+
+QUALITY = [  # (name, weights, grads, error feedback, d_model)
+    ("float32", "none", "none", False, 128),
+    ("int8/int4", "int8", "int4", False, 128),
+    ("int8/int4+ef", "int8", "int4", True, 128),
+    ("int4/int2", "int4", "int2", False, 128),
+    ("int4/int2+ef", "int4", "int2", True, 128),
+    ("float32 d64", "none", "none", False, 64),
+    ("int8/int4 d64", "int8", "int4", False, 64),
+]
+QUICK_QUALITY = [QUALITY[0], QUALITY[1], QUALITY[4]]
+
+
+def example():
+    """``examples/fsdp_lm.py`` as a module (examples are scripts, not a package)."""
+    path = common.ROOT / "examples" / "fsdp_lm.py"
+    spec = importlib.util.spec_from_file_location("fsdp_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_bytes(lm) -> list[dict]:
+    """Bytes per device of one compiled step (no training): compressed over float32."""
+    rows = []
+    for n in (4, 8):
+        base = lm.train(0, weights="none", grads="none", devices=n, eval_sequences=8)
+        for w, g in (("int8", "int4"), ("int4", "int2")):
+            r = lm.train(0, weights=w, grads=g, devices=n, eval_sequences=8)
+            rows.append(
+                {
+                    "devices": n,
+                    "weights": w,
+                    "grads": g,
+                    "bytes_per_device": r["bytes_per_device"],
+                    "float32_bytes_per_device": base["bytes_per_device"],
+                    "ratio": round(r["bytes_per_device"] / base["bytes_per_device"], 4),
+                }
+            )
+            print(f"  n={n} {w}/{g}: {rows[-1]['ratio']:.4f}x the float32 step", flush=True)
+    return rows
+
+
+def measure_quality(lm, runs, steps: int) -> list[dict]:
+    rows = []
+    for name, w, g, ef, d in runs:
+        r = lm.train(steps, weights=w, grads=g, error_feedback=ef, d_model=d)
+        rows.append(
+            {
+                "run": name,
+                "weights": w,
+                "grads": g,
+                "error_feedback": ef,
+                "d_model": d,
+                "params": r["params"],
+                "steps": steps,
+                "eval_loss": round(r["eval_loss"], 5),
+                "final_train_loss": round(r["train_loss"][-1], 5),
+                "seconds": round(r["seconds"], 2),
+            }
+        )
+        print(f"  {name}: held-out loss {r['eval_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    for row in rows:
+        base = next(
+            b for b in rows if b["run"].startswith("float32") and b["d_model"] == row["d_model"]
+        )
+        row["eval_loss_ratio"] = round(row["eval_loss"] / base["eval_loss"], 5)
+    return rows
+
+
+def measure_codec_cost(size: int, reps: int) -> list[dict]:
+    """Encode of ``size`` float32 values (one device's shard) in copies of the array."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomp as jc
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (size,))
+    copy = jax.jit(jnp.copy)
+    copy_s = common.median_seconds(lambda: copy(x), reps)
+    rows = []
+    for name in ("int8", "int4"):
+        codec = jc.get_codec(name)
+        encode = jax.jit(lambda v, c=codec: c.encode(v))
+        decode = jax.jit(lambda p, c=codec: c.decode(p, size))
+        payload = encode(x)
+        enc_s = common.median_seconds(lambda e=encode: e(x), reps)
+        dec_s = common.median_seconds(lambda d=decode, p=payload: d(p), reps)
+        rows.append(
+            {
+                "codec": name,
+                "size": size,
+                "encode_copies": round(enc_s / copy_s, 3),
+                "decode_copies": round(dec_s / copy_s, 3),
+            }
+        )
+        print(f"  {name}: encode {enc_s / copy_s:.2f} copies, decode {dec_s / copy_s:.2f}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=None, help="default 300 (--quick: 20)")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--codec-size", type=int, default=1 << 22)
+    parser.add_argument("--skip", nargs="*", default=[], choices=("bytes", "quality", "codec"))
+    args = parser.parse_args(argv)
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(8)
+    lm = example()
+    steps = args.steps or (20 if args.quick else 300)
+    out = {"environment": common.environment(), "steps": steps}
+    if "bytes" not in args.skip:
+        print("bytes per device of one FSDP step:", flush=True)
+        out["bytes"] = measure_bytes(lm)
+    if "codec" not in args.skip:
+        print("codec cost on one device:", flush=True)
+        out["codec_cost"] = measure_codec_cost(args.codec_size, args.reps)
+    path = common.result_path("sharded", args.quick)
+    if "quality" not in args.skip:
+        print(f"held-out loss after {steps} steps, 8 devices:", flush=True)
+        out["quality"] = measure_quality(lm, QUICK_QUALITY if args.quick else QUALITY, steps)
+    common.write_json(path, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

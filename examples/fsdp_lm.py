@@ -241,7 +241,8 @@ def train(
         if verbose and (i % 50 == 0 or i == steps - 1):
             print(f"  step {i:4d}  loss {curve[-1]:.4f}  {time.perf_counter() - start:.1f} s")
     seconds = time.perf_counter() - start
-    full = jax.tree.map(np.asarray, gather_params(shards, mesh))
+    # Replicated on every device: each process reads its own copy.
+    full = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), gather_params(shards, mesh))
     held_out = next(batches(12345, text[split:], eval_sequences, context))
     digest = hashlib.sha256(b"".join(a.tobytes() for a in jax.tree.leaves(full))).hexdigest()
     return {

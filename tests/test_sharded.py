@@ -6,6 +6,9 @@ identity codec and ``None`` are compared with ``jax.lax`` bit for bit.
 """
 
 import functools
+import io
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp import launch
 
 ROWS = 4  # per device
 W = jnp.round(jax.random.normal(jax.random.PRNGKey(0), (N * ROWS, 6)) * 4)
@@ -218,3 +222,29 @@ def test_fsdp_step_bytes_int8_weights_int4_grads_under_a_fifth(n):
     # (1 + 4/256) / 4 for int8 and (1/2 + 4/256) / 4 for int4, plus 8 bytes of non-finite flag.
     assert ratios[1] / ratios[0] == pytest.approx((1.015625 + 0.515625) / 8, abs=1e-4)
     assert ratios[1] / ratios[0] <= 0.2
+
+
+# --------------------------------------------------------------------------- two processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_fsdp_example_over_two_gloo_processes():
+    """examples/fsdp_lm.py in 2 processes x 2 CPU devices: a 2 x 2 mesh (replica x data),
+    FSDP with error feedback inside, jc.compressed_allreduce across: both end equal."""
+    out = io.StringIO()
+    args = ["--multiprocess", "--steps", "3", "--no-baseline", "--d-model", "32"]
+    status = launch.run(
+        [str(ROOT / "examples" / "fsdp_lm.py"), *args, "--replicas", "2", "--ef"],
+        2,
+        local_devices=2,
+        timeout=600,
+        out=out,
+    )
+    text = out.getvalue()
+    assert status == 0, text[-3000:]
+    digests = dict(re.findall(r"^\[(\d)\] \[\d\] params sha256 ([0-9a-f]{64})$", text, re.M))
+    assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], text[-3000:]
+    losses = re.findall(r"train loss ([\d.]+) -> ([\d.]+)", text)
+    assert len(losses) == 2 and all(float(b) < float(a) for a, b in losses), text[-3000:]

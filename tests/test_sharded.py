@@ -248,3 +248,28 @@ def test_fsdp_example_over_two_gloo_processes():
     assert sorted(digests) == ["0", "1"] and digests["0"] == digests["1"], text[-3000:]
     losses = re.findall(r"train loss ([\d.]+) -> ([\d.]+)", text)
     assert len(losses) == 2 and all(float(b) < float(a) for a, b in losses), text[-3000:]
+
+
+def test_hpz_remat_policy_keeps_the_backward_regather_on_the_fast_axis():
+    """Under jax.checkpoint, the re-gather of the backward crosses the slow axis again
+    unless the slow hop's result ("fsdp_secondary") is saved: then only the inner hop."""
+    m = mesh_2x4()
+    spec = P(("host", "local"))
+    two = functools.partial(jc.fsdp_gather, axis_name="host", inner_axis_name="local")
+
+    def grad_fn(policy):
+        layer = jax.checkpoint(
+            lambda w, x: jax.lax.psum(_loss(two, w, x), ("host", "local")), policy=policy
+        )
+        value_and_grad = jax.value_and_grad(layer)  # the loss too: the forward is not dead
+        step = jax.shard_map(value_and_grad, mesh=m, in_specs=(spec, spec), out_specs=(P(), spec))
+        return jax.jit(step)
+
+    def slow_gathers(policy):
+        report = jc.comm_report(grad_fn(policy), shard(W, m, spec), shard(X, m, spec))
+        return [c for c in report.logical if c.kind == "all-gather" and c.group_size == 2]
+
+    saved = jax.checkpoint_policies.save_only_these_names("fsdp_secondary")
+    remat_all, hpz = slow_gathers(None), slow_gathers(saved)
+    assert len(hpz) == 2  # int8 codes and their scales, once (the forward)
+    assert len(remat_all) == 4  # and again in the backward

@@ -5,7 +5,7 @@ Three measurements, all in one run, on the GPT-style character LM of ``examples/
 
 * ``bytes``: ``jc.comm_report`` of the compiled FSDP step, per device, with int8 weights and
   int4 gradients (and int4 / 2-bit) against the float32 FSDP step (``jax.lax`` collectives),
-  at 4 and 8 devices: the ratio should be flat in ``n``.
+  at 8 devices (the quality runs' steps) and 4: the ratio should be flat in ``n``.
 * ``quality``: held-out loss (nats per byte, on text the model never saw) after the same
   steps, same seed, same batches: float32, int8/int4, int4/int2, each gradient codec with and
   without error feedback; a second, smaller model (``d_model`` 64) gates the int8/int4 result.
@@ -14,7 +14,7 @@ Three measurements, all in one run, on the GPT-style character LM of ``examples/
 
 Writes ``benchmarks/results/sharded.json``::
 
-    python -m benchmarks.sharded                 # 300 steps
+    python -m benchmarks.sharded                 # 200 steps
     python -m benchmarks.sharded --quick         # 20 steps, fewer runs
 """
 
@@ -47,12 +47,26 @@ def example():
     return module
 
 
-def measure_bytes(lm) -> list[dict]:
-    """Bytes per device of one compiled step (no training): compressed over float32."""
+def measure_bytes(lm, quality: list[dict], devices=(4,)) -> list[dict]:
+    """Bytes per device of one compiled step: compressed over float32, at 8 devices from the
+    quality runs, at ``devices`` from compiled steps that do not train."""
     rows = []
-    for n in (4, 8):
+    base8 = next((q for q in quality if q["run"] == "float32"), None)
+    for q in quality if base8 else []:
+        if q["d_model"] == 128 and not q["error_feedback"] and q["run"] != "float32":
+            rows.append(
+                {
+                    "devices": 8,
+                    "weights": q["weights"],
+                    "grads": q["grads"],
+                    "bytes_per_device": q["bytes_per_device"],
+                    "float32_bytes_per_device": base8["bytes_per_device"],
+                    "ratio": round(q["bytes_per_device"] / base8["bytes_per_device"], 4),
+                }
+            )
+    for n in devices:
         base = lm.train(0, weights="none", grads="none", devices=n, eval_sequences=8)
-        for w, g in (("int8", "int4"), ("int4", "int2")):
+        for w, g in (("int8", "int4"),):
             r = lm.train(0, weights=w, grads=g, devices=n, eval_sequences=8)
             rows.append(
                 {
@@ -68,7 +82,9 @@ def measure_bytes(lm) -> list[dict]:
     return rows
 
 
-def measure_quality(lm, runs, steps: int) -> list[dict]:
+def measure_quality(lm, runs, steps: int, save) -> list[dict]:
+    """Held-out loss of each run, its ratio to float32's (same ``d_model``); ``save(rows)``
+    after each run (a partial result survives an interrupted run)."""
     rows = []
     for name, w, g, ef, d in runs:
         r = lm.train(steps, weights=w, grads=g, error_feedback=ef, d_model=d)
@@ -84,9 +100,11 @@ def measure_quality(lm, runs, steps: int) -> list[dict]:
                 "eval_loss": round(r["eval_loss"], 5),
                 "final_train_loss": round(r["train_loss"][-1], 5),
                 "seconds": round(r["seconds"], 2),
+                "bytes_per_device": r["bytes_per_device"],
             }
         )
         print(f"  {name}: held-out loss {r['eval_loss']:.4f} ({r['seconds']:.0f} s)", flush=True)
+        save(rows)
     for row in rows:
         base = next(
             b for b in rows if b["run"].startswith("float32") and b["d_model"] == row["d_model"]
@@ -128,7 +146,7 @@ def measure_codec_cost(size: int, reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--steps", type=int, default=None, help="default 300 (--quick: 20)")
+    parser.add_argument("--steps", type=int, default=None, help="default 200 (--quick: 20)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--codec-size", type=int, default=1 << 22)
     parser.add_argument("--skip", nargs="*", default=[], choices=("bytes", "quality", "codec"))
@@ -137,19 +155,27 @@ def main(argv: list[str] | None = None) -> int:
 
     use_cpu_devices(8)
     lm = example()
-    steps = args.steps or (20 if args.quick else 300)
+    steps = args.steps or (20 if args.quick else 200)
     out = {"environment": common.environment(), "steps": steps}
+    path = common.result_path("sharded", args.quick)
+
+    def save(rows=None):
+        if rows is not None:
+            out["quality"] = rows
+        common.write_json(path, out, quiet=rows is not None)
+
+    if "quality" not in args.skip:
+        print(f"held-out loss after {steps} steps, 8 devices:", flush=True)
+        runs = QUICK_QUALITY if args.quick else QUALITY
+        out["quality"] = measure_quality(lm, runs, steps, save)
     if "bytes" not in args.skip:
         print("bytes per device of one FSDP step:", flush=True)
-        out["bytes"] = measure_bytes(lm)
+        out["bytes"] = measure_bytes(lm, out.get("quality", []))
+        save()
     if "codec" not in args.skip:
         print("codec cost on one device:", flush=True)
         out["codec_cost"] = measure_codec_cost(args.codec_size, args.reps)
-    path = common.result_path("sharded", args.quick)
-    if "quality" not in args.skip:
-        print(f"held-out loss after {steps} steps, 8 devices:", flush=True)
-        out["quality"] = measure_quality(lm, QUICK_QUALITY if args.quick else QUALITY, steps)
-    common.write_json(path, out)
+    save()
     return 0
 
 

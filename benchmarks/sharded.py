@@ -20,7 +20,6 @@ Writes ``benchmarks/results/sharded.json``::
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 
@@ -144,12 +143,25 @@ def measure_codec_cost(size: int, reps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--steps", type=int, default=None, help="default 200 (--quick: 20)")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--codec-size", type=int, default=1 << 22)
-    parser.add_argument("--skip", nargs="*", default=[], choices=("bytes", "quality", "codec"))
+    parser = common.arg_parser(
+        __doc__,
+        writes="sharded.json (`--quick`: sharded_quick.json)",
+        takes=(
+            "about an hour on the shared 2-core CPU host (7 runs of 200 steps); `--quick` "
+            "about 9 minutes"
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help="20 steps, 3 runs")
+    parser.add_argument("--steps", type=int, default=None, help="None: 200 (--quick: 20)")
+    parser.add_argument("--reps", type=int, default=7, help="timing samples of the codec cost")
+    parser.add_argument("--codec-size", type=int, default=1 << 22, help="values encoded")
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=("bytes", "quality", "codec"),
+        help="measurements to leave out",
+    )
     args = parser.parse_args(argv)
     from jaxcomp.cpu import use_cpu_devices
 

@@ -210,12 +210,13 @@ def train(
     seed: int = 0,
     eval_sequences: int = 256,
     devices: int | None = None,
+    report_bytes: bool = True,
     verbose: bool = False,
 ) -> dict:
     """Train for ``steps`` and return ``eval_loss`` (held-out nats per byte), the train loss
     curve, ``bytes_per_device`` of one step (``jc.comm_report``), ``seconds`` and ``digest``
     (SHA-256 of the final params). ``devices``: use the first that many devices (default
-    all)."""
+    all); ``report_bytes=False`` skips ``comm_report`` (one compile less; bytes NaN)."""
     mesh = make_mesh(replicas, devices)
     text = load_text()
     split = int(0.9 * len(text))
@@ -228,7 +229,7 @@ def train(
     step = make_step(mesh, tx, codec(weights), codec(grads), error_feedback, specs)
     data = batches(seed, text[:split], mesh.size * batch_per_device, context)
     tokens = put_batch(next(data), mesh)
-    report = jc.comm_report(step, shards, opt_state, residual, tokens)
+    report = jc.comm_report(step, shards, opt_state, residual, tokens) if report_bytes else None
     curve, start = [], time.perf_counter()
     for i in range(steps):
         if i:
@@ -248,7 +249,7 @@ def train(
     return {
         "eval_loss": float(jax.jit(loss_fn)(full, held_out)),
         "train_loss": curve,
-        "bytes_per_device": report.bytes_per_device,
+        "bytes_per_device": report.bytes_per_device if report else float("nan"),
         "seconds": seconds,
         "digest": digest,
         "params": sum(a.size for a in jax.tree.leaves(full)),
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (one process)")
     parser.add_argument("--multiprocess", action="store_true", help="join jaxcomp.launch")
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true", help="only the compressed run")
+    parser.add_argument("--no-report", action="store_true", help="skip comm_report (a compile)")
     args = parser.parse_args(argv)
     if args.multiprocess:
         from jaxcomp.launch import initialize
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             replicas=args.replicas,
             replica_codec=args.replica_codec,
             d_model=args.d_model,
+            report_bytes=not args.no_report,
         )
         tag = f"[{jax.process_index()}] " if args.multiprocess else ""
         print(

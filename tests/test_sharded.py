@@ -234,7 +234,7 @@ def test_fsdp_example_over_two_gloo_processes():
     """examples/fsdp_lm.py in 2 processes x 2 CPU devices: a 2 x 2 mesh (replica x data),
     FSDP with error feedback inside, jc.compressed_allreduce across: both end equal."""
     out = io.StringIO()
-    args = ["--multiprocess", "--steps", "3", "--no-baseline", "--d-model", "32"]
+    args = ["--multiprocess", "--steps", "3", "--no-baseline", "--no-report", "--d-model", "32"]
     status = launch.run(
         [str(ROOT / "examples" / "fsdp_lm.py"), *args, "--replicas", "2", "--ef"],
         2,

@@ -20,6 +20,7 @@ Writes ``benchmarks/results/sharded.json``::
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 
@@ -142,6 +143,84 @@ def measure_codec_cost(size: int, reps: int) -> list[dict]:
     return rows
 
 
+def link_worker(args) -> None:
+    """One of the processes of ``--link``: time the float32 and the int8/int4 FSDP step of a
+    ``size x size`` linear layer sharded over every process (one device each)."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from jaxcomp.launch import initialize
+
+    initialize()
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Explicit,))
+    shard = NamedSharding(mesh, P("data"))
+    size, n = args.link_size, jax.device_count()
+    w = jax.jit(lambda: 0.01 * jax.random.normal(jax.random.PRNGKey(0), (size, size)),
+                out_shardings=shard)()  # fmt: skip
+    x = jax.jit(lambda: jax.random.normal(jax.random.PRNGKey(1), (8 * n, size)),
+                out_shardings=shard)()  # fmt: skip
+    rows = {}
+    for name, codecs in (
+        ("float32", (None, None)),
+        ("int8/int4", (jc.int_quant(8), jc.int_quant(4))),
+    ):
+
+        def step(w, x, codecs=codecs):
+            def loss(w):
+                full = jc.fsdp_gather(w, "data", weights=codecs[0], grads=codecs[1])
+                return jnp.sum((x @ full) ** 2) / 2
+
+            return w - 1e-9 * jax.grad(loss)(w)
+
+        fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"),) * 2, out_specs=P("data")))
+        report = jc.comm_report(fn, w, x)
+        seconds = common.median_seconds(lambda fn=fn: fn(w, x), args.reps)
+        rows[name] = {"seconds": seconds, "bytes_per_device": report.bytes_per_device}
+        print(f"[{jax.process_index()}] {name}: {seconds * 1e3:.0f} ms/step", flush=True)
+    rows["speedup"] = rows["float32"]["seconds"] / rows["int8/int4"]["seconds"]
+    rows["params"] = size * size
+    if jax.process_index() == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+
+
+def measure_link(args) -> dict | None:
+    """``--link``: 2 processes in a network namespace whose loopback is shaped to
+    ``--link-rate`` (1 Gbit/s)."""
+    import json
+    import os
+    import tempfile
+
+    from benchmarks import network
+
+    reason = network.skip_reason()
+    if reason:
+        print(f"link: skipped ({reason})")
+        return None
+    ns = network.Namespace(f"jaxcomp-sharded-{os.getpid()}").open()
+    out = tempfile.mktemp(suffix=".json")
+    try:
+        ns.shape(args.link_rate)
+        argv = ["--link-worker", "--out", out, "--link-size", str(args.link_size)]
+        code = network.launch(
+            ns, args.link_rate, __file__, [*argv, "--reps", str(args.reps)], 2, 900, []
+        )
+        if code != 0:
+            raise RuntimeError(f"link workers failed with status {code}")
+        with open(out) as f:
+            result = json.load(f)
+    finally:
+        ns.close()
+    result.update(rate=args.link_rate, tbf=" ".join(network.TBF), processes=2)
+    print(f"link: int8/int4 FSDP step {result['speedup']:.2f}x faster than float32")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = common.arg_parser(
         __doc__,
@@ -162,7 +241,21 @@ def main(argv: list[str] | None = None) -> int:
         choices=("bytes", "quality", "codec"),
         help="measurements to leave out",
     )
+    parser.add_argument("--link", action="store_true", help="only the shaped-link run (root)")
+    parser.add_argument("--link-size", type=int, default=5120, help="--link: layer is size^2")
+    parser.add_argument("--link-rate", default="1gbit", help="--link: tc tbf rate")
+    parser.add_argument("--link-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.link_worker:
+        link_worker(args)
+        return 0
+    if args.link:
+        result = measure_link(args)
+        if result is not None:
+            suffix = "" if args.link_rate == "1gbit" else f"_{args.link_rate}"
+            common.write_json(common.result_path(f"sharded_link{suffix}", False), result)
+        return 0
     from jaxcomp.cpu import use_cpu_devices
 
     use_cpu_devices(8)

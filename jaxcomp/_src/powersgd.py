@@ -486,11 +486,7 @@ def powersgd(
         updates = collectives.inner_mean(updates, inner_axis_name)
         p = plan(updates)
         skeleton.check_state(
-            "powersgd",
-            state,
-            lambda: fields(p, jax.random.PRNGKey(0)),
-            p.layout,
-            axis_name=axis_name,
+            "powersgd", state, lambda: fields(p, jax.random.PRNGKey(0)), p.layout, False, axis_name
         )
         key, step_key = jax.random.split(state.key)
         plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, layouts.PLAIN)])

@@ -18,6 +18,7 @@ Under ``jax.pmap`` every leaf carries a leading device axis instead: build the s
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -153,11 +154,17 @@ def state_specs(
     ``param_specs`` are not arrays). A per-leaf field shaped like its param then carries the
     param's own spec behind the data axis, ``P("data", *param_spec)`` (replicated fields:
     ``param_spec``), so each device holds only its model shard of every memory.
+
+    Flax NNX: an ``nnx.Optimizer`` gives :func:`jaxcomp.nnx_state_specs` of it (the
+    ``nnx.StateSharding`` for ``nnx.shard_map``), and ``optimizer.opt_state`` its spec tree;
+    the state of ``nnx.split`` / ``nnx.state`` is refused (NNX has flattened the state's
+    types into dicts: the per-device fields cannot be told apart).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
         check_mesh_axes(mesh, axis_name, "axis_name")
-    if type(state).__name__ == "Optimizer" and _from_nnx(state):
+    nnx = sys.modules.get("flax.nnx")  # imported by the caller, or not needed
+    if nnx is not None and isinstance(state, nnx.Optimizer):
         from jaxcomp._src.nnx import nnx_state_specs
 
         return nnx_state_specs(state, axis_name, param_specs, params, mesh)
@@ -185,10 +192,10 @@ def _unwrap_nnx(state: Any, axis_name: Any) -> Any:
         return state
     if not any(is_sharded_state(x) for x in nodes):
         raise ValueError(
-            "jc.state_specs got Flax NNX variables (nnx.split / nnx.state of an nnx.Optimizer) "
-            "and no jaxcomp state: NNX flattened the state's NamedTuples into dicts, so the "
-            "per-device fields (error-feedback memories) cannot be told from replicated ones "
-            "and would all get P(). Pass the optimizer itself: "
+            "jc.state_specs: `state` holds Flax NNX variables (nnx.split / nnx.state of an "
+            "nnx.Optimizer) and no jaxcomp state: NNX flattened the state's NamedTuples into "
+            "dicts, so the per-device fields (error-feedback memories) cannot be told from "
+            "replicated ones and would all get P(). Pass the optimizer itself: "
             f"jc.nnx_state_specs(optimizer, {axis_name!r}) (or jc.state_specs(optimizer, "
             f"{axis_name!r})), the optimizer built by jc.nnx_optimizer(model, tx, mesh, "
             f"{axis_name!r})."

@@ -52,8 +52,8 @@ def nnx_optimizer(
     checkpoints like any NNX state. The model's ``wrt`` variables and the step count are
     placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them.
 
-    Math: the state is :math:`s_0 = (\\mathrm{init}_1(\\theta), \\dots,
-    \\mathrm{init}_n(\\theta))` stacked along the device axis, the same as
+    The state is the per-device inits stacked along the device axis,
+    ``s_0 = (init_1(params), ..., init_n(params))``: exactly
     ``jc.sharded_init(tx, params, mesh, axis_name)`` on the pure params.
 
     Args:
@@ -126,7 +126,9 @@ def nnx_state_specs(
       optimizer: an ``nnx.Optimizer`` (from :func:`nnx_optimizer`, or any whose state was
         placed the same way).
       axis_name: the data axis (a name or a tuple of names).
-      param_specs, params, mesh: as in :func:`jaxcomp.state_specs`.
+      param_specs: params sharded over other mesh axes, as in :func:`jaxcomp.state_specs`.
+      params: the params' shapes where ``param_specs`` are not arrays (as there).
+      mesh: the mesh, to check ``axis_name`` and read block shapes (as there).
 
     Returns:
       ``nnx.StateSharding`` mapping every variable path of ``optimizer`` to its

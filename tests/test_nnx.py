@@ -107,7 +107,7 @@ def trained(name: str) -> tuple[dict, dict]:
     return p, nnx.state(model, nnx.Param).to_pure_dict()
 
 
-@pytest.mark.parametrize("name", ["sgd_sign", "powersgd"])
+@pytest.mark.parametrize("name", ["sgd_sign"])  # powersgd + momentum SGD: also 0 (run once)
 def test_nnx_optimizer_trains_exactly_like_the_shard_map_reference(name):
     ref, got = trained(name)
     diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), ref, got)))

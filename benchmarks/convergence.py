@@ -6,6 +6,9 @@ Tasks (all ship offline), each data-parallel on 8 CPU devices (or the accelerato
   metric: test accuracy (397 held-out images);
 * ``mnist1d`` — the ``mnist1d`` package's generated dataset (4000/1000, 40 features), MLP
   40-256-256-10, same optimizer; metric: test accuracy;
+* ``teacher`` — a task labelled by a fixed random teacher network
+  (``common.load_teacher_split``: 32 Gaussian features, 4000/1000, 10 classes), MLP
+  32-256-256-10, same optimizer; no recipe was tuned on it (the held-out check);
 * ``char`` — the character transformer of ``benchmarks/char_transformer.py`` on
   ``pydoc_data.topics`` (Adam, cosine schedule); metric: held-out loss in nats per byte.
 
@@ -38,8 +41,8 @@ import jaxcomp as jc
 from benchmarks import common
 
 AXIS = "data"
-TASKS = ("digits", "mnist1d", "char")
-STEPS = {"digits": 1000, "mnist1d": 2000, "char": 300}
+TASKS = ("digits", "mnist1d", "teacher", "char")
+STEPS = {"digits": 1000, "mnist1d": 2000, "teacher": 1000, "char": 300}
 # Transforms that are not one codec: name -> (factory(axis) -> transform, has its own momentum).
 TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
     "dgc0.1%": (lambda axis: jc.dgc(0.001, axis), True),
@@ -55,8 +58,14 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
 RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-sign": lambda axis, lr: jc.sgd(lr, jc.sign(), axis),
     "sgd-sign-nesterov": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, nesterov=True),
+    "sgd-sign-heavyball": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, nesterov=False),
+    "sgd-sign-b64": lambda axis, lr: jc.sgd(lr, jc.sign(block_size=64), axis),
+    "sgd-sign-b64-heavyball": lambda axis, lr: jc.sgd(
+        lr, jc.sign(block_size=64), axis, nesterov=False
+    ),
     "sgd-sign-ef21": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, error_feedback="ef21"),
     "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
+    "sgd-topk1%-heavyball": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, nesterov=False),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
     "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
         lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)
@@ -149,6 +158,8 @@ def load(task: str, seed: int = 0):
 
     if task == "digits":
         return common.load_digits_split(seed)
+    if task == "teacher":
+        return common.load_teacher_split(seed)
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
@@ -162,8 +173,14 @@ def load(task: str, seed: int = 0):
     )
 
 
-def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
-    """MLP data-parallel with ``method``; test accuracy, loss curve, bytes per step."""
+def train_classifier(
+    task: str, method: str, steps: int, seed: int = 0, eval_at: tuple[int, ...] = ()
+) -> dict:
+    """MLP data-parallel with ``method``; test accuracy, loss curve, bytes per step.
+
+    ``eval_at``: also the test accuracy after these many steps (``"checkpoints"``); with the
+    constant learning rate of the classifiers it is the accuracy of a run that long (same
+    seed, batches and steps so far)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -214,6 +231,12 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
     counts = [0] * len(REGIMES.get(method, ()))
     rng = np.random.RandomState(seed)
     curve = []
+    checkpoints = {}
+
+    def accuracy(p) -> float:
+        logits = logits_fn(jax.device_get(p), jnp.asarray(xte))
+        return float(jnp.mean(jnp.argmax(logits, -1) == yte))
+
     start = time.perf_counter()
     for t in range(steps):
         if counts:
@@ -223,14 +246,16 @@ def train_classifier(task: str, method: str, steps: int, seed: int = 0) -> dict:
             step(params, state, put(xtr[idx]), put(ytr[idx]))
         )
         curve.append(float(loss))
+        if t + 1 in eval_at and t + 1 < steps:
+            checkpoints[t + 1] = accuracy(params)
     seconds = time.perf_counter() - start
     regimes, taken, bytes_per_step = {}, {}, logical_bytes
     if counts:
         bytes_per_step, regimes, taken = branch_mean(method, report, counts, logical=True)
-    logits = logits_fn(jax.device_get(params), jnp.asarray(xte))
     return {
         "metric": "test_accuracy",
-        "value": float(jnp.mean(jnp.argmax(logits, -1) == yte)),
+        "value": accuracy(params),
+        "checkpoints": checkpoints,
         "final_train_loss": float(np.mean(curve[-20:])),
         "curve": curve,
         "bytes_per_step": bytes_per_step,
@@ -299,13 +324,17 @@ def previous_runs(path) -> list[dict]:
 
 
 def finish(runs: list[dict]) -> None:
-    """Ratios and deltas against the ``none`` run of the same task."""
+    """Ratios and deltas against the ``none`` run of the same task (and checkpoints)."""
     for r in runs:
         base = next((b for b in runs if b["task"] == r["task"] and b["method"] == "none"), None)
         if base is None:
             continue
         r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
         r["delta"] = r["value"] - base["value"]
+        marks = base.get("checkpoints", {})
+        r["checkpoint_delta"] = {
+            k: v - marks[k] for k, v in r.get("checkpoints", {}).items() if k in marks
+        }
 
 
 def print_table(runs: list[dict]) -> None:
@@ -361,6 +390,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", nargs="+", default=None, help="default: every codec family")
     ap.add_argument("--steps", type=int, default=None, help="default per task: " + str(STEPS))
     ap.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
+    ap.add_argument(
+        "--eval-at", nargs="*", type=int, default=[], help="also the accuracy after N steps"
+    )
     ap.add_argument("--budget", type=float, default=None, help="stop starting runs after s")
     ap.add_argument("--label", default="", help="write convergence_LABEL.json (and .png)")
     ap.add_argument(
@@ -393,7 +425,7 @@ def main(argv=None) -> int:
         if task == "char":
             r = train_char(method, steps)
         else:
-            r = train_classifier(task, method, steps)
+            r = train_classifier(task, method, steps, eval_at=tuple(args.eval_at))
         r.update(task=task, method=method, steps=steps, seconds=time.perf_counter() - t0)
         runs.append(r)
         finish(runs)

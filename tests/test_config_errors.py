@@ -214,6 +214,7 @@ CHECKS = [
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=1.0), ValueError),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
     ("sgd", "worker_momentum", lambda: jc.sgd(0.1, S, "d", worker_momentum=0.9), TypeError),
+    ("sgd", "nesterov", lambda: jc.sgd(0.1, S, "d", nesterov="yes"), TypeError),
     ("onebit_adam", "freeze_step", lambda: jc.onebit_adam(1e-3, "d", freeze_step=0), ValueError),
     (
         "onebit_adam",

@@ -240,10 +240,10 @@ ROWS = [
         fed=fed_worker_momentum,
     ),
     Row(
-        # jc.sgd at lr 0.1, momentum 0.9: the update is -0.1 / (1 - 0.9) = -1 times the mean
-        # of the sent momenta; every leaf's momentum (the small one's too) is fed.
+        # jc.sgd at lr 0.1, momentum 0.9, heavy ball: the update is -0.1 / (1 - 0.9) = -1 times
+        # the mean of the sent momenta; every leaf's momentum (the small one's too) is fed.
         "sgd-sign",
-        functools.partial(jc.sgd, 0.1, jc.sign(), momentum=BETA),
+        functools.partial(jc.sgd, 0.1, jc.sign(), momentum=BETA, nesterov=False),
         memory=("memory",),
         fed=fed_worker_momentum,
         out_scale=-1.0,

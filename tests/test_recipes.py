@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.sgd import look_ahead
 
 SHAPES = {"w": (32, 48), "b": (48,)}
 STEPS = 5
@@ -131,11 +132,22 @@ def test_sgd_schedule_and_zero_momentum():
     assert_close(Run(tx).outs, reference(optax.sgd(schedule)))
 
 
-def test_sgd_nesterov_conserves_the_look_ahead():
-    """With a codec, what the devices sent plus what they hold back is the sum of the
-    look-aheads beta m_t + (1 - beta) mean g_t (m_t the momentum of the mean gradient)."""
+def test_sgd_look_ahead_is_the_default_for_biased_codecs():
+    """``nesterov=None`` (default): the look-ahead for biased codecs (sign, top-k), heavy-ball
+    momentum for unbiased ones (identity, stochastic), so uncompressed stays optax.sgd."""
+    assert [look_ahead(None, c) for c in (jc.sign(), jc.sign(block_size=64), jc.top_k(0.01))] == [
+        True
+    ] * 3
+    assert [look_ahead(None, c) for c in (jc.identity(), jc.qsgd(16))] == [False, False]
+    assert look_ahead(False, jc.sign()) is False and look_ahead(True, jc.identity()) is True
+
+
+def test_sgd_default_conserves_the_look_ahead():
+    """With a biased codec and the default ``nesterov``, what the devices sent plus what they
+    hold back is the sum of the look-aheads beta m_t + (1 - beta) mean g_t (m_t the momentum
+    of the mean gradient)."""
     beta = 0.9
-    run = Run(jc.sgd(0.1, jc.top_k(0.05), "data", momentum=beta, nesterov=True, min_size=1))
+    run = Run(jc.sgd(0.1, jc.top_k(0.05), "data", momentum=beta, min_size=1))
     m = {k: np.zeros(s) for k, s in SHAPES.items()}
     sent = {k: np.zeros(s) for k, s in SHAPES.items()}
     look = {k: np.zeros(s) for k, s in SHAPES.items()}

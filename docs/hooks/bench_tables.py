@@ -606,7 +606,56 @@ def _narrow_sum(data: dict[str, Any], path: pathlib.Path) -> str:
 _NARROW = ("allreduce", "two_phase", "allgather")
 
 
+# method -> what it is (the defaults table: 300 and 1000 steps against momentum SGD).
+DEFAULT_ROWS = {
+    "sgd-sign": "`jc.sgd(lr, jc.sign(), axis)` (default: look-ahead)",
+    "sgd-sign-heavyball": "`jc.sgd(..., jc.sign(), nesterov=False)` (heavy ball)",
+    "sgd-sign-heavyball-allgather": 'heavy ball, `strategy="allgather"` (one compression)',
+    "sgd-sign-b64": "`jc.sgd(lr, jc.sign(block_size=64), axis)` (default)",
+    "sgd-sign-b64-heavyball": "`jc.sgd(..., jc.sign(block_size=64), nesterov=False)`",
+    "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead)",
+    "sgd-topk1%-heavyball": "`jc.sgd(..., jc.top_k(0.01), nesterov=False)` (heavy ball)",
+    "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)`",
+}
+
+
+def _convergence_defaults(data: dict[str, Any], path: pathlib.Path) -> str:
+    """Test accuracy after 300 and 1000 steps (one run, ``--eval-at 300``) against the
+    uncompressed momentum SGD run (``none``) of the same task."""
+    runs = {(r["task"], r["method"]): r for r in data["runs"]}
+    out = []
+    for task in dict.fromkeys(r["task"] for r in data["runs"]):
+        base = runs.get((task, "none"))
+        if base is None:
+            continue
+        marks = sorted(base.get("checkpoints", {}), key=int)
+
+        def cells(r: dict[str, Any], base=base, marks=marks) -> list[str]:
+            got = [r.get("checkpoints", {}).get(k) for k in marks] + [r["value"]]
+            want = [base["checkpoints"][k] for k in marks] + [base["value"]]
+            return [
+                "–" if a is None else f"{a:.4f} ({100 * (a - b):+.1f} pt)"
+                for a, b in zip(got, want, strict=True)
+            ]
+
+        header = ["method", *[f"{k} steps" for k in marks], f"{base['steps']} steps"]
+        rows = [["momentum SGD, `pmean` (`none`)", *cells(base), _bytes(base["bytes_per_step"])]]
+        for method, how in DEFAULT_ROWS.items():
+            r = runs.get((task, method))
+            if r is not None:
+                saving = base["bytes_per_step"] / r["bytes_per_step"]
+                rows.append([how, *cells(r), f"{_bytes(r['bytes_per_step'])} ({saving:.1f}x)"])
+        out.append(f"**{task}**, test accuracy (delta against `none`):\n")
+        out.append(_markdown((header + ["bytes/step (fewer)"], rows)))
+    command = "python -m benchmarks.convergence --label defaults --steps 1000 --eval-at 300"
+    return "\n\n".join(out) + "\n\n" + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "convergence_defaults": (
+        _convergence_defaults,
+        "python -m benchmarks.convergence --label defaults --steps 1000 --eval-at 300",
+    ),
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "convergence_recipes": (
         _convergence_recipes,

@@ -93,6 +93,29 @@ def _like_momentum(layout: layouts.Layout, compressed: list, plain: list) -> Any
     )
 
 
+def _worker_momentum(beta, nesterov: bool, layout: layouts.Layout, field, grads, plain):
+    """Per device, on every floating leaf: ``m_i <- beta m_i + (1 - beta) g_i``.
+
+    Returns the new momenta (``[compressed, plain]`` vectors) and what is sent in place of
+    the gradients: the momentum, or Nesterov's look-ahead ``beta m_i + (1 - beta) g_i``
+    with the new ``m_i`` (compressed vectors, plain leaves in their shapes).
+    """
+    flat_plain = [jnp.ravel(g).astype(jnp.float32) for g in plain]
+    old = layouts.split_floats(layout, skeleton.vectors(field))
+    momentum = [
+        [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
+        for ms, gs in zip(old, (grads, flat_plain), strict=True)
+    ]
+    sends = momentum
+    if nesterov:
+        sends = [
+            [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
+            for ms, gs in zip(momentum, (grads, flat_plain), strict=True)
+        ]
+    plain = [v.reshape(jnp.shape(g)) for v, g in zip(sends[1], plain, strict=True)]
+    return momentum, sends[0], plain
+
+
 def compressed_allreduce(
     codec: Codec,
     axis_name: Any,
@@ -282,22 +305,9 @@ def compressed_allreduce(
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
         momentum = None
         if beta is not None:
-            # Per device, on every floating leaf: m_i <- beta m_i + (1 - beta) g_i; the new
-            # momentum is sent (or Nesterov's look-ahead beta m_i + (1 - beta) g_i).
-            flat_plain = [jnp.ravel(g).astype(jnp.float32) for g in plain]
-            old = layouts.split_floats(layout, skeleton.vectors(state.momentum))
-            momentum = [
-                [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
-                for ms, gs in zip(old, (grads, flat_plain), strict=True)
-            ]
-            sends = momentum
-            if worker_nesterov:
-                sends = [
-                    [beta * m + (1.0 - beta) * g for m, g in zip(ms, gs, strict=True)]
-                    for ms, gs in zip(momentum, (grads, flat_plain), strict=True)
-                ]
-            grads = sends[0]
-            plain = [v.reshape(jnp.shape(g)) for v, g in zip(sends[1], plain, strict=True)]
+            momentum, grads, plain = _worker_momentum(
+                beta, worker_nesterov, layout, state.momentum, grads, plain
+            )
         plain_out, plain_bad = skeleton.plain_means(plain, every_axis, bucket_bytes)
         kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
@@ -327,14 +337,17 @@ def compressed_allreduce(
                 bucket_bytes,
             )
 
-        if adaptive is None or not grads:
-            reduced = reduce(codec)
-        else:
+        def reduce_in_regime() -> collectives.Reduced:
+            """Through ``codec``; with Accordion, through the gentle codec when critical."""
+            if adaptive is None or not grads:
+                return reduce(codec)
             sizes = server.bound_sizes(axis_name, inner_axis_name) if use_server else None
             _check_same_servers(plan, codec, adaptive.gentle, strategy, sizes)
-            reduced = jax.lax.cond(
+            return jax.lax.cond(
                 state.adaptive.critical, lambda: reduce(adaptive.gentle), lambda: reduce(codec)
             )
+
+        reduced = reduce_in_regime()
         means, sent = plan.join(reduced.mean), plan.join(reduced.sent)
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]

@@ -53,6 +53,34 @@ def _matrix_mask(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: len(leaf.shape) > 1, tree)
 
 
+def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
+    """Local gradient clipping: every leaf scaled by ``min(1, limit / ||(g, p)||)``."""
+    norm = scaled_global_norm(g + p)  # overflows only past float32's range
+    scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
+    return [a * scale for a in g], [a * scale for a in p]
+
+
+def _correct(momentum, nesterov: bool, velocity: list, accumulation: list, g: list):
+    """Momentum correction: ``u <- m u + g``, ``v <- v + u`` (Nesterov: ``u <- m (u + g)``,
+    ``v <- v + u + g``). Returns the new velocities and accumulations."""
+    if nesterov:
+        u = [momentum * (w + a) for w, a in zip(velocity, g, strict=True)]
+        v = [acc + uu + a for acc, uu, a in zip(accumulation, u, g, strict=True)]
+    else:
+        u = [momentum * w + a for w, a in zip(velocity, g, strict=True)]
+        v = [acc + uu for acc, uu in zip(accumulation, u, strict=True)]
+    return u, v
+
+
+def _plain_momentum(momentum, nesterov: bool, traces: list, means: list) -> tuple[list, list]:
+    """Momentum SGD's trace on the leaves sent by plain ``pmean``: the new traces and the
+    output (the trace, or Nesterov's ``mean + m * trace``)."""
+    traces = [momentum * t + m for t, m in zip(traces, means, strict=True)]
+    if nesterov:
+        return traces, [m + momentum * t for m, t in zip(means, traces, strict=True)]
+    return traces, traces
+
+
 def dgc(
     ratio: float = 0.001,
     axis_name: Any = None,
@@ -248,21 +276,14 @@ def dgc(
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
         if clip_norm is not None:
-            norm = scaled_global_norm(g + p)  # overflows only past float32's range
-            limit = clip_norm / math.sqrt(n)
-            scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
-            g, p = [a * scale for a in g], [a * scale for a in p]
-
-        velocity, accumulation = (
+            g, p = _clip_local(g, p, clip_norm / math.sqrt(n))
+        u, v = _correct(
+            momentum,
+            nesterov,
             skeleton.vectors(state.velocity),
             skeleton.vectors(state.accumulation),
+            g,
         )
-        if nesterov:
-            u = [momentum * (w + a) for w, a in zip(velocity, g, strict=True)]
-            v = [acc + uu + a for acc, uu, a in zip(accumulation, u, g, strict=True)]
-        else:
-            u = [momentum * w + a for w, a in zip(velocity, g, strict=True)]
-            v = [acc + uu for acc, uu in zip(accumulation, u, strict=True)]
 
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         key, step_key = jax.random.split(state.key)
@@ -292,14 +313,8 @@ def dgc(
                 stage, [reduce_with(c) for c in codecs], servers
             )
 
-        traces = [
-            momentum * t + m
-            for t, m in zip(layouts.field_leaves(state.momentum), plain_mean, strict=True)
-        ]
-        plain_out = (
-            [m + momentum * t for m, t in zip(plain_mean, traces, strict=True)]
-            if nesterov
-            else traces
+        traces, plain_out = _plain_momentum(
+            momentum, nesterov, layouts.field_leaves(state.momentum), plain_mean
         )
 
         new_velocity = [

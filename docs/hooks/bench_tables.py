@@ -647,11 +647,46 @@ def _convergence_defaults(data: dict[str, Any], path: pathlib.Path) -> str:
                 rows.append([how, *cells(r), f"{_bytes(r['bytes_per_step'])} ({saving:.1f}x)"])
         out.append(f"**{task}**, test accuracy (delta against `none`):\n")
         out.append(_markdown((header + ["bytes/step (fewer)"], rows)))
-    command = "python -m benchmarks.convergence --label defaults --steps 1000 --eval-at 300"
+    command = data.get("environment", {}).get("command") or RENDERERS[path.stem][1]
     return "\n\n".join(out) + "\n\n" + _source(path, data, command)
 
 
+def _convergence_diagnosis(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``--diagnose`` runs: accuracy and training loss against ``none``, and the exchange's
+    measurements (``exchange_diagnostics``) averaged over the steps they were taken at."""
+    runs = data["runs"]
+    base = next((r for r in runs if r["method"] == "none"), None)
+    keys = [
+        ("update_over_uncompressed", "‖update‖ / ‖uncompressed‖"),
+        ("cosine", "cosine"),
+        ("memory_over_momentum", "‖e‖ / ‖mean m‖"),
+        ("server_over_momentum", "‖server residual‖ / ‖mean m‖"),
+    ]
+    rows = []
+    for r in runs:
+        d = r.get("diagnostics") or []
+        means = [sum(x[k] for x in d) / len(d) if d else math.nan for k, _ in keys]
+        delta = "" if base is None else f" ({100 * (r['value'] - base['value']):+.1f} pt)"
+        rows.append(
+            [
+                DEFAULT_ROWS.get(r["method"], f"`{r['method']}`"),
+                f"{r['value']:.4f}{delta}",
+                f"{r['final_train_loss']:.4f}",
+                *[_fmt(x) for x in means],
+            ]
+        )
+    header = ["method", "test accuracy", "training loss", *[h for _, h in keys]]
+    steps = sorted({x["step"] for r in runs for x in r.get("diagnostics") or []})
+    note = f"{runs[0]['task']}, {runs[0]['steps']} steps; means over steps {steps}."
+    command = data.get("environment", {}).get("command") or RENDERERS[path.stem][1]
+    return _markdown((header, rows)) + f"\n\n{note} " + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "convergence_diagnosis": (
+        _convergence_diagnosis,
+        "python -m benchmarks.convergence --label diagnosis --diagnose 50",
+    ),
     "convergence_defaults": (
         _convergence_defaults,
         "python -m benchmarks.convergence --label defaults --steps 1000 --eval-at 300",

@@ -126,8 +126,48 @@ def test_network_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_teacher_task_is_fixed():
+    """The held-out classifier task: the same teacher, inputs and labels on every call."""
+    import numpy as np
+
+    from benchmarks import common
+
+    (x, y), (xt, yt) = common.load_teacher_split()
+    assert x.shape == (4000, 32) and xt.shape == (1000, 32) and x.dtype == np.float32
+    train = [379, 244, 240, 455, 408, 711, 531, 571, 337, 124]
+    assert np.bincount(y, minlength=10).tolist() == train
+    assert np.bincount(yt, minlength=10).tolist() == [90, 67, 50, 126, 111, 170, 122, 143, 87, 34]
+    (x2, y2), _ = common.load_teacher_split()
+    np.testing.assert_array_equal(x, x2)
+    np.testing.assert_array_equal(y, y2)
+
+
+def test_exchange_diagnostics_against_the_uncompressed_update():
+    """Two devices, one leaf: momenta m_1 = (1, 0), m_2 = (0, 1) (previous zero), lr 0.1,
+    beta 0.9: the uncompressed heavy-ball update is -1 * mean m = (-0.5, -0.5)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from benchmarks.convergence import exchange_diagnostics
+
+    m = np.eye(2)
+    old = (SimpleNamespace(momentum={"w": np.zeros((2, 2))}),)
+    new = (SimpleNamespace(momentum={"w": m}, memory={"w": 3 * m}, server_residual={"w": None}),)
+    before, after = {"w": np.zeros(2)}, {"w": np.array([-1.0, 0.0])}
+    d = exchange_diagnostics(before, after, old, new, 0.1, look_ahead=False)
+    assert d["update_over_uncompressed"] == pytest.approx(1 / math.sqrt(0.5))
+    assert d["cosine"] == pytest.approx(math.sqrt(0.5))
+    # rms over devices of ||e_i|| = 3, ||mean m|| = sqrt(0.5)
+    assert d["memory_over_momentum"] == pytest.approx(3 / math.sqrt(0.5))
+    assert d["server_over_momentum"] == 0.0
+    # The look-ahead sends m + 0.9 (m - 0) = 1.9 m: same direction, 1.9x the norm.
+    d = exchange_diagnostics(before, after, old, new, 0.1, look_ahead=True)
+    assert d["update_over_uncompressed"] == pytest.approx(1 / (1.9 * math.sqrt(0.5)))
+
+
 def test_convergence_quick(tmp_path):
-    run_bench("convergence.py", "--quick", "--steps", "30", out=tmp_path)
+    run_bench("convergence.py", "--quick", "--steps", "30", "--eval-at", "10", out=tmp_path)
     data = load(tmp_path, "convergence_quick.json")
     assert data["complete"]
     runs = {r["method"]: r for r in data["runs"]}
@@ -138,6 +178,8 @@ def test_convergence_quick(tmp_path):
         assert len(r["curve"]) == 30 and all(math.isfinite(v) for v in r["curve"])
         assert r["curve"][-1] < r["curve"][0]  # it learns
         assert 0.5 < r["value"] <= 1.0  # digits test accuracy after 30 steps
+        assert 0.0 < r["checkpoints"]["10"] <= 1.0  # and after 10 (--eval-at)
+    assert runs["none"]["checkpoint_delta"] == {"10": 0.0}
     assert (tmp_path / "convergence_digits_quick.png").stat().st_size > 0
 
 

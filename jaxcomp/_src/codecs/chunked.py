@@ -95,6 +95,7 @@ class ChunkedTopK(Codec):
     bits: int | None = 2
 
     flags_nonfinite = True
+    dense = False  # only the k selected coordinates of each chunk travel
 
     def layout(self, d: int) -> tuple[int, int, int]:
         """``(c, kc, rows)``: the chunk size used for ``d`` values (``min(chunk, d)``), the

@@ -227,6 +227,30 @@ CHECKS = [
     ("onebit_adam", "eps", lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, eps=-1.0), ValueError),
     (
         "onebit_adam",
+        "weight_decay",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=-0.1),
+        ValueError,
+    ),
+    (
+        "onebit_adam",
+        "weight_decay",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=None),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "weight_decay",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay="0.1"),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "weight_decay",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay=-1.0),
+        ValueError,
+    ),
+    (
+        "onebit_adam",
         "b1",
         lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, b1="0.9"),
         TypeError,

@@ -321,3 +321,11 @@ def test_recipes_compose_with_inject_hyperparams(name, factory, kwargs):
     run = Run(injected)
     assert float(run.states[-1].hyperparams["learning_rate"]) == pytest.approx(1e-2)
     assert_close(run.outs, shared(name).outs, rtol=1e-5)
+
+
+def test_onebit_adam_weight_decay_is_adamw_and_masked():
+    """``weight_decay=`` is AdamW's decoupled decay: in the warm-up 1-bit Adam is optax.adamw
+    on the mean gradient, the mask as ``optax.adamw``'s (here: the bias not decayed)."""
+    mask = {"w": True, "b": False}
+    tx = jc.onebit_adam(LR, "data", freeze_step=10, weight_decay=0.1, weight_decay_mask=mask)
+    assert_close(Run(tx).outs, reference(optax.adamw(LR, weight_decay=0.1, mask=mask)))

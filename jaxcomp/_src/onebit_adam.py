@@ -42,17 +42,38 @@ def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool =
     return value
 
 
+def filled_variance(nu: Any) -> Any:
+    """The frozen variance with each zero coordinate given its leaf's mean nonzero variance.
+
+    A coordinate whose gradient was zero through the whole warm-up (the embedding row of a
+    token not yet seen, a feature that appears later) has ``v = 0`` when the variance
+    freezes: left at zero it could never move again (a zero preconditioner), and ``eps``
+    alone would scale its 1-bit momentum by ``1 / eps``. Its leaf's mean variance is the
+    preconditioner of a typical coordinate of the same tensor: the coordinate then learns
+    at Adam's usual step size. A leaf whose variance is zero everywhere stays zero (its
+    update is zero). Identical on every device, like ``nu``.
+    """
+
+    def one(v):
+        positive = v > 0
+        count = jnp.sum(positive)
+        mean = jnp.sum(jnp.where(positive, v, 0.0)) / jnp.maximum(count, 1)
+        return jnp.where(positive, v, mean)
+
+    return jax.tree.map(one, nu)
+
+
 def adam_direction(mu: Any, nu: Any, like: Any, mu_scale, nu_scale, eps, bad) -> Any:
-    """``mu_hat / (sqrt(nu_hat) + eps)`` per leaf in the dtype of ``like``; zero where the
-    variance is exactly zero (a coordinate whose gradient was always zero, e.g. a constant
-    input pixel: a 1-bit momentum gives it +-scale, which ``eps`` would blow up by 1e8), and
-    NaN everywhere when ``bad``."""
+    """``mu_hat / (sqrt(nu_hat) + eps)`` per leaf in the dtype of ``like``, with ``nu`` the
+    :func:`filled_variance`; zero where that is still zero (a leaf whose gradient was always
+    zero: a 1-bit momentum gives it +-scale, which ``eps`` would blow up by 1e8), and NaN
+    everywhere when ``bad``."""
 
     def one(m, v, g):
         d = mu_scale * m / (jnp.sqrt(nu_scale * v) + eps)
         return collectives.poison(jnp.where(v > 0, d, 0.0), bad).astype(g.dtype)
 
-    return jax.tree.map(one, mu, nu, like)
+    return jax.tree.map(one, mu, filled_variance(nu), like)
 
 
 def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_state, params):
@@ -63,10 +84,13 @@ def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_stat
     change of units, so the mean is the same; but the codec's error (and the error-feedback
     memory) then lives where the update does: a 1-bit momentum sent as it is gives every
     coordinate of a leaf the same magnitude, and coordinates of small variance turn that into
-    huge steps. Coordinates whose variance is zero send and keep nothing (their update is
-    zero). Returns ``(mean momentum, new exchange state)``.
+    huge steps. The variance is :func:`filled_variance` (a coordinate unseen during the
+    warm-up takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps
+    nothing (its update is zero). Returns ``(mean momentum, new exchange state)``.
     """
-    scale = jax.tree.map(lambda v: jnp.where(v > 0, 1.0 / (jnp.sqrt(nu_scale * v) + eps), 0.0), nu)
+    scale = jax.tree.map(
+        lambda v: jnp.where(v > 0, 1.0 / (jnp.sqrt(nu_scale * v) + eps), 0.0), filled_variance(nu)
+    )
     sent, exchange_state = inner.update(
         jax.tree.map(jnp.multiply, local, scale), exchange_state, params
     )
@@ -181,6 +205,8 @@ def onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen and the momentum
@@ -199,16 +225,19 @@ def onebit_adam(
             m  <- mean_i C(m_i + e_i)               # worker error e_i; two_phase adds the
                                                     # chunk owners' server error; sent in
                                                     # units of m / (sqrt(v_hat) + eps)
-        x <- x - lr * m_hat / (sqrt(v_hat) + eps)   # bias-corrected as Adam (v's correction
-                                                    # frozen with v)
+        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # bias-corrected as Adam (v's
+                                                    # correction frozen with v); wd: AdamW's
+                                                    # decoupled weight decay (optax.adamw)
 
     The momentum travels in Adam's preconditioned units, ``m_i / (sqrt(v_hat) + eps)`` (``v``
     is frozen and the same on every device, so the mean is unchanged): sent as it is, a
     1-bit momentum gives every coordinate of a leaf the same magnitude, and coordinates of
     small variance turn that into steps that diverge (measured: docs, "Choosing a codec").
-    Coordinates whose variance is exactly zero (their gradient was always zero, e.g. a
-    constant input feature) get a zero update: a 1-bit momentum sends them ``+-scale``,
-    which ``eps`` alone would multiply by ``1 / eps``.
+    A coordinate whose variance is exactly zero at the freeze (its gradient was zero through
+    the warm-up: the embedding row of a token not seen yet) is preconditioned by its leaf's
+    mean variance, so it still learns at Adam's step size once its gradient appears (frozen
+    at zero it would never move; ``eps`` alone would multiply its 1-bit momentum by
+    ``1 / eps``). A leaf whose variance is zero everywhere gets a zero update.
 
     Every device restarts its momentum step from the synchronized ``m``, as in the paper's
     Algorithm 1. The warm-up runs inside a ``jax.lax.cond`` on the step count, so a compiled
@@ -229,6 +258,10 @@ def onebit_adam(
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
+      weight_decay: AdamW's decoupled weight decay ``wd`` (>= 0; 0: Adam), scaled by the
+        learning rate as ``optax.adamw``; computed from the params, so nothing is sent.
+      weight_decay_mask: None (decay every param) or, as ``optax.adamw``'s ``mask``, a tree
+        of bools like the params (or a callable of the params giving one): True where decayed.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -236,7 +269,7 @@ def onebit_adam(
 
     Example::
 
-        tx = jc.onebit_adam(3e-3, "data", freeze_step=100)
+        tx = jc.onebit_adam(3e-3, "data", freeze_step=100, weight_decay=0.1)
         opt_state = jc.sharded_init(tx, params, mesh, "data")
 
     References:
@@ -247,5 +280,15 @@ def onebit_adam(
         scale_by_onebit_adam(
             axis_name, freeze_step=freeze_step, codec=codec, b1=b1, b2=b2, eps=eps, **exchange
         ),
+        *decoupled_weight_decay(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+def decoupled_weight_decay(weight_decay: Any, mask: Any) -> tuple:
+    """``(optax.add_decayed_weights(weight_decay, mask),)``, or ``()`` for a zero decay (Adam:
+    the chain stays as it was). Checks ``weight_decay`` >= 0, naming it."""
+    weight_decay = check_number("weight_decay", weight_decay, 0.0, float("inf"))
+    if not isinstance(weight_decay, jax.core.Tracer) and float(weight_decay) == 0.0:
+        return ()
+    return (optax.add_decayed_weights(weight_decay, mask),)

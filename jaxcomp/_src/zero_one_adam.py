@@ -17,6 +17,7 @@ from jaxcomp._src.onebit_adam import (
     adam_round,
     as_float32,
     check_number,
+    decoupled_weight_decay,
     momentum_exchange,
     preconditioned_mean,
     zeros_f32,
@@ -181,6 +182,8 @@ def zero_one_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam: 1-bit Adam whose variance is updated on ever sparser rounds and frozen at
@@ -195,7 +198,8 @@ def zero_one_adam(
             (sent in units of m / (sqrt(v_hat) + eps), as jc.onebit_adam does)
         SKIPPED (after the freeze, between synced rounds): no gradient on the wire
             m <- b1 m;  p_i <- p_i + (1 - b1) g_i        # sent at the next synced round
-        x <- x - lr * m_hat / (sqrt(v_hat) + eps)        # 0 where v == 0, as 1-bit Adam
+        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # v as 1-bit Adam (a zero
+                                                     # coordinate takes its leaf's mean)
 
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);
@@ -222,6 +226,8 @@ def zero_one_adam(
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
+      weight_decay: AdamW's decoupled weight decay (>= 0; 0: Adam), as ``optax.adamw``.
+      weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask``.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -248,5 +254,6 @@ def zero_one_adam(
             eps=eps,
             **exchange,
         ),
+        *decoupled_weight_decay(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )

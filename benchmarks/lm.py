@@ -271,6 +271,8 @@ RECIPES: dict[str, Recipe] = {
     "diloco-int4-H30-outer0.7-0.6": _dl(30, (0.7, 0.6)),
     "diloco-int4-H30-outer1.0-0.5": _dl(30, (1.0, 0.5)),
     "diloco-int4-H30-outer1.5-0": _dl(30, (1.5, 0.0)),
+    "diloco-int4-H30-M2-outer0.7-0.9": _dl(30, (0.7, 0.9), m=2),
+    "diloco-int4-H30-M2-outer1.0-0": _dl(30, (1.0, 0.0), m=2),
 }
 
 

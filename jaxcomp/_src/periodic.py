@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, feedback, skeleton
+from jaxcomp._src import collectives, feedback, replicas, skeleton
 from jaxcomp._src.codecs.base import check_int
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
@@ -351,6 +351,7 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, expected: 
             "device's own params to the synchronized ones"
         )
     skeleton.begin(cfg.name, updates, params, cfg.axis_name)
+    replicas.check_within_replica(cfg.name, updates, params, cfg.axis_name)
     names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]
     skeleton.check_fields(cfg.name, state, {k: getattr(expected, k) for k in names}, cfg.axis_name)
 

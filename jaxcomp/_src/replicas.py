@@ -93,3 +93,35 @@ def mean_replica(replicas: Any) -> Any:
         return jnp.min(x, axis=0)
 
     return jax.tree.map(mean, replicas)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` differs per device (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    if kind is not None:
+        return frozenset(kind.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def check_within_replica(name: str, grads: Any, params: Any, axis_name: Any) -> None:
+    """Refuse, at trace time, gradients that still differ inside a replica.
+
+    Over a replica x data mesh (``jc.diloco(inner, "replica", ...)`` with plain data
+    parallelism inside each replica) every device of a replica must feed the transform the
+    replica's mean gradient: a gradient leaf that varies over a mesh axis (``shard_map``'s
+    ``vma``) over which neither its param nor ``axis_name`` varies would give each device of
+    the replica its own inner optimizer state and params, silently. Not checked where the
+    types carry no ``vma`` (``check_vma=False``, ``pmap``).
+    """
+    names = set(tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,))
+    for g, p in zip(jax.tree.leaves(grads), jax.tree.leaves(params), strict=False):
+        extra = varying_axes(g) - varying_axes(p) - names
+        if extra:
+            axes = tuple(sorted(extra))
+            raise ValueError(
+                f"{name}: the gradients vary over mesh axes {axes} inside each replica of "
+                f"`axis_name`={axis_name!r}: average them first, "
+                f"`grads = jax.lax.pmean(grads, {axes[0]!r})` (data parallel inside a replica), "
+                "or name every axis in `axis_name`"
+            )

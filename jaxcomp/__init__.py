@@ -10,6 +10,7 @@ from jaxcomp._src.accounting import CommReport, Conditional, at_count, comm_repo
 from jaxcomp._src.accumulate import AccumulateState, accumulate
 from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
 from jaxcomp._src.autotune import AutotunePlan, autotune
+from jaxcomp._src.clipping import clip_by_global_norm
 from jaxcomp._src.codecs import (
     CODECS,
     Codec,
@@ -62,6 +63,7 @@ __all__ = [
     "fsdp_gather",
     "fsdp_residual",
     "psum_scatter",
+    "clip_by_global_norm",
     "Accordion",
     "AccordionState",
     "accordion",

@@ -231,6 +231,9 @@ CHECKS = [
         lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=-0.1),
         ValueError,
     ),
+    ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm(0.0, "d"), ValueError),
+    ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm("1", "d"), TypeError),
+    ("clip_by_global_norm", "bound", lambda: jc.clip_by_global_norm(1.0, "d", bound=1), TypeError),
     (
         "onebit_adam",
         "weight_decay",

@@ -137,3 +137,55 @@ def test_gradients_not_averaged_inside_a_replica_are_refused():
     fn, r, state, targets = replica_step("diloco", inner_mean=False)
     with pytest.raises(ValueError, match=r"jax.lax.pmean\(grads, 'data'\)"):
         fn.lower(r, state, targets)
+
+
+# --------------------------------------------------------------------------- clipping
+
+CLIP = 1.0
+
+
+@functools.cache
+def clip_step(bound: bool):
+    """Per-device gradients through ``jc.clip_by_global_norm`` (and, for comparison, optax's
+    clipping of the mean and of each device): (ours mean, exact, optax local) per call."""
+    m = mesh()
+    tx = jc.clip_by_global_norm(CLIP, "data", bound=bound)
+
+    def step(g):
+        g = g[0]
+        ours, _ = tx.update({"w": g}, tx.init(None))
+        local, _ = optax.clip_by_global_norm(CLIP).update({"w": g}, optax.EmptyState())
+        exact, _ = optax.clip_by_global_norm(CLIP).update(
+            {"w": jax.lax.pmean(g, "data")}, optax.EmptyState()
+        )
+        mean = lambda t: jax.lax.pmean(t["w"], "data")  # noqa: E731
+        return mean(ours), exact["w"], mean(local), ours["w"][None]
+
+    run = Blocking(
+        jax.jit(
+            jax.shard_map(step, mesh=m, in_specs=P("data"), out_specs=(P(), P(), P(), P("data")))
+        )
+    )
+    return lambda g: run(jax.device_put(g, NamedSharding(m, P("data"))))
+
+
+def test_clip_by_global_norm_clips_the_mean_where_devices_disagree():
+    rng = np.random.default_rng(0)
+    noise = jnp.asarray(rng.standard_normal((N, 4096)).astype(np.float32) / 8.0)  # |g_i| ~ 8
+    ours, exact, local, per_device = clip_step(False)(noise)
+    norm = lambda x: float(jnp.linalg.norm(x))  # noqa: E731
+    assert norm(exact) == pytest.approx(CLIP, rel=1e-5)
+    assert norm(ours) == pytest.approx(CLIP, rel=0.1)  # DGC's c sqrt(n) per device
+    assert norm(local) == pytest.approx(CLIP / np.sqrt(N), rel=0.1)  # optax before: too hard
+    assert np.linalg.norm(np.asarray(per_device), axis=1).max() <= CLIP * np.sqrt(N) * (1 + 1e-5)
+    # bound=True: the mean never passes c (here the devices agree: no averaging-out).
+    agree = jnp.broadcast_to(noise[0], noise.shape)
+    ours, exact, _, _ = clip_step(True)(agree)
+    assert norm(ours) == pytest.approx(norm(exact), rel=1e-5)
+    # Zero stays zero, a NaN stays NaN, a huge finite gradient gives a finite one.
+    for g, ok in ((jnp.zeros_like(noise), "zero"), (noise.at[3, 0].set(jnp.nan), "nan")):
+        out = np.asarray(clip_step(False)(g)[3])
+        assert (out == 0).all() if ok == "zero" else np.isnan(out[3]).any()
+    huge = np.asarray(clip_step(False)(noise * 3e37)[3])
+    assert np.isfinite(huge).all()
+    assert np.linalg.norm(huge, axis=1).max() == pytest.approx(CLIP * np.sqrt(N), rel=1e-4)

@@ -1,0 +1,103 @@
+"""Gradient clipping before a compressed exchange: each device clips its own gradient so that
+the mean over the axis is clipped as data parallel would clip it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomp._src import collectives
+from jaxcomp._src.onebit_adam import check_number
+
+
+def safe_global_norm(tree: Any) -> jax.Array:
+    """The float32 L2 norm of every floating leaf, computed after dividing by the largest
+    magnitude, so finite inputs near float32's range give a finite norm (0 for zeros; NaN or
+    inf for non-finite inputs)."""
+    leaves = [
+        jnp.asarray(x, jnp.float32)
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) if x.size else 0.0 for x in leaves]))
+    safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
+    total = sum(jnp.sum(jnp.square(x / safe)) for x in leaves)
+    return jnp.where(jnp.isfinite(top), safe * jnp.sqrt(total), top)
+
+
+def clip_by_global_norm(
+    max_norm: float, axis_name: Any, *, bound: bool = False
+) -> optax.GradientTransformation:
+    r"""Clip each device's gradient so that the mean gradient's norm is about ``max_norm``.
+
+    ``optax.clip_by_global_norm(c)`` chained before a jaxcomp recipe clips each device's
+    gradient ``g_i`` by its own norm, which is larger than the norm of the mean gradient
+    (noise averages out): it clips too often and too hard (a per-device ``c`` gave an update
+    norm 0.073 where data parallel, clipping the mean, gave 0.100). The mean is not known
+    before the exchange, so this clips each device at a threshold scaled to the mean::
+
+        tau = c sqrt(n)    (default)       DGC's local clipping (threshold c N^{-1/2} on each
+                                           node of a *sum*), written for a *mean* over n:
+                                           n devices' independent gradients of norm tau
+                                           average to norm ~ tau / sqrt(n) = c
+        tau = c            (bound=True)    a guarantee: ||mean_i g_i'|| <= c always
+        g_i' = g_i * min(1, tau / ||g_i||)
+
+    The default matches clipping of the mean where the devices' gradients disagree (noise
+    dominates: small per-device batches); where they agree (a loss spike seen by every
+    device) the mean may reach ``c sqrt(n)``. ``bound=True`` never lets the mean past ``c``
+    but clips harder where they disagree. Where the exchange returns the mean (a
+    ``jc.compressed_allreduce`` or ``jc.powersgd`` chain), ``optax.clip_by_global_norm(c)``
+    placed *after* it and before the optimizer clips the mean exactly: prefer that order.
+    Recipes that exchange a momentum (``jc.sgd``, ``jc.onebit_adam``, ``jc.zero_one_adam``)
+    never form the mean gradient: chain this before them.
+
+    A zero gradient stays zero; a non-finite gradient stays non-finite (never hidden). The
+    norm is computed after scaling by the largest magnitude (no float32 overflow).
+
+    Args:
+      max_norm: ``c`` > 0, the norm the mean gradient is clipped to.
+      axis_name: the data-parallel axis the recipe after it averages over.
+      bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
+
+    Returns:
+      An ``optax.GradientTransformation`` (stateless) to chain before the recipe.
+
+    Example::
+
+        tx = optax.chain(jc.clip_by_global_norm(1.0, "data"), jc.sgd(0.1, jc.sign(), "data"))
+
+    References:
+      Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression", ICLR 2018 (local gradient
+      clipping); Pascanu, Mikolov, Bengio, "On the difficulty of training recurrent neural
+      networks", ICML 2013 (clipping by the global norm).
+    """
+    max_norm = check_number("max_norm", max_norm, 0.0, float("inf"))
+    if not isinstance(max_norm, jax.core.Tracer) and float(max_norm) == 0.0:
+        raise ValueError("`max_norm` must be > 0, got 0")
+    if not isinstance(bound, bool):
+        raise TypeError(f"`bound` must be a bool, got {bound!r}")
+
+    def update_fn(updates, state, params=None):
+        del params
+        n = collectives.axis_size(axis_name)
+        limit = max_norm if bound else max_norm * math.sqrt(n)
+        norm = safe_global_norm(updates)
+        factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
+        clipped = jax.tree.map(
+            lambda x: (
+                (x * factor).astype(x.dtype)
+                if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+                else x
+            ),
+            updates,
+        )
+        return clipped, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

@@ -588,6 +588,27 @@ def draw(runs: list[dict], path: pathlib.Path) -> None:
     common.plot(path, one, "LM benchmark: train loss (held-out loss in the legend)")
 
 
+def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> int:
+    """Add the runs of ``others`` (result files of the same config, e.g. run in parallel
+    processes) to ``path``'s, a recipe already there kept, and redraw."""
+    import json
+
+    data = json.loads(path.read_text()) if path.exists() else None
+    for other in others:
+        extra = json.loads(other.read_text())
+        data = data or extra
+        if extra["config"] != data["config"]:
+            raise ValueError(f"{other} ran another config: {extra['config']} != {data['config']}")
+        runs += [r for r in extra["runs"] if all(r["recipe"] != q["recipe"] for q in runs)]
+        data.setdefault("merged", []).append(extra["environment"]["command"])
+    finish(runs)
+    data["runs"] = runs
+    print_table(runs)
+    common.write_json(path, data)
+    draw(runs, path.with_suffix(".png"))
+    return 0
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = common.arg_parser(
         __doc__,
@@ -620,6 +641,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")
     parser.add_argument("--resume", action="store_true", help="keep the recipes already run")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        help="add the runs of these result files (same config) to the output and exit",
+    )
     args = parser.parse_args(argv)
     config = dict(CONFIGS[args.config or "cpu"])
     if args.quick:
@@ -645,10 +672,12 @@ def main(argv: list[str] | None = None) -> int:
     name = "lm" + (f"_{args.tag}" if args.tag else "")
     path = common.result_path(name, args.quick)
     runs: list[dict] = []
-    if args.resume and path.exists():
+    if (args.resume or args.merge) and path.exists():
         import json
 
         runs = json.loads(path.read_text())["runs"]
+    if args.merge:
+        return merge(path, runs, [pathlib.Path(m) for m in args.merge])
     task = Task(args, jax.device_count())
     run = Run(steps=args.steps, lr=args.lr, devices=jax.device_count())
     names = args.recipes or list(RECIPES)

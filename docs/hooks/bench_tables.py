@@ -682,6 +682,24 @@ def _convergence_diagnosis(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + f"\n\n{note} " + _source(path, data, command)
 
 
+def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
+    header = ["recipe", "replicas", "held-out loss", "vs AdamW DP", "bytes/step", "x fewer"]
+    rows = []
+    for r in data["runs"]:
+        gap = r.get("gap")
+        rows.append(
+            [
+                f"`{r['recipe']}`",
+                str(r.get("replicas", 1)),
+                f"{r['eval_loss']:.4f}",
+                "–" if gap is None else f"{100 * gap:+.1f}%",
+                _bytes(r["slow_bytes_per_step"]),
+                _fmt(r.get("bytes_ratio")),
+            ]
+        )
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, "python -m benchmarks.lm")
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "convergence_diagnosis": (
         _convergence_diagnosis,
@@ -692,6 +710,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
         "python -m benchmarks.convergence --label defaults --steps 1000 --eval-at 300",
     ),
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
+    "lm": (_lm, "python -m benchmarks.lm"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

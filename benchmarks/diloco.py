@@ -11,7 +11,7 @@ initialization, same batches and same number of steps (so the same tokens) for e
   in nats per byte of the mean replica.
 
 The inner optimizer of local SGD and DiLoCo is the data-parallel run's optimizer, run by each
-device on its own batch; DiLoCo's outer optimizer is its default (Nesterov SGD, lr 0.7,
+device on its own batch; DiLoCo's outer optimizer is the paper's (Nesterov SGD, lr 0.7,
 momentum 0.9). Bytes per step are ring-model bytes per device read from the lowered step
 program (``jc.comm_report``), averaged over the run: the step is compiled once per distinct
 exchange pattern of the schedule (its count fixed, so the compiled program holds only that
@@ -83,6 +83,10 @@ def make_transform(name: str, inner: Any, steps: int) -> tuple[str, Any, dict]:
         return kind, inner, {}
     if kind == "delayed":
         return kind, jc.delayed(inner, axis_name=AXIS), {}
+    if kind == "diloco":  # the outer step of the recorded runs: the paper's
+        import optax
+
+        kw.setdefault("outer", optax.sgd(0.7, momentum=0.9, nesterov=True))
     factory = jc.local_sgd if kind == "local_sgd" else jc.diloco
     schedule = {k: kw[k] for k in ("sync_every", "fragments", "delay", "start_step") if k in kw}
     return kind, factory(inner, AXIS, **kw), schedule

@@ -219,12 +219,11 @@ def _q(name: str) -> Callable[[], Any]:
     return lambda: common.make_codec(name)
 
 
-def _onebit(run: Run, axis: Any) -> Any:
+def _onebit(run: Run, axis: Any, freeze: int | None = None) -> Any:
     import jaxcomp as jc
 
-    return jc.onebit_adam(
-        run.schedule(), axis, freeze_step=onebit_freeze(run), weight_decay=WEIGHT_DECAY
-    )
+    freeze = freeze or onebit_freeze(run)
+    return jc.onebit_adam(run.schedule(), axis, freeze_step=freeze, weight_decay=WEIGHT_DECAY)
 
 
 def _zero_one(run: Run, axis: Any) -> Any:
@@ -252,6 +251,12 @@ RECIPES: dict[str, Recipe] = {
         branches=("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
         regime=_zero_one_regime,
     ),
+    "onebit_adam-freeze100": Recipe(
+        lambda run, axis: _onebit(run, axis, freeze=max(1, run.steps // 3)),
+        regimes={"warmup": _mean_exchange, "compressed": _sign_exchange},
+        regime=lambda run, t: "warmup" if t < max(1, run.steps // 3) else "compressed",
+        note="freeze at a third of the steps",
+    ),
     "powersgd4-adamw": Recipe(_powersgd(4)),
     "powersgd16-adamw": Recipe(_powersgd(16)),
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
@@ -273,6 +278,7 @@ RECIPES: dict[str, Recipe] = {
     "diloco-int4-H30-outer1.5-0": _dl(30, (1.5, 0.0)),
     "diloco-int4-H30-M2-outer0.7-0.9": _dl(30, (0.7, 0.9), m=2),
     "diloco-int4-H30-M2-outer1.0-0": _dl(30, (1.0, 0.0), m=2),
+    "diloco-int4-H30-M2-outer0.7-0.6": _dl(30, (0.7, 0.6), m=2),
 }
 
 

@@ -180,6 +180,25 @@ def _powersgd(rank: int, **kw: Any) -> Callable[[Run, Any], Any]:
     return make
 
 
+POWERSGD_START = 10  # jc.powersgd's default warm-up of plain pmean steps
+
+
+def _psgd(rank: int) -> Recipe:
+    """PowerSGD rank ``rank`` then AdamW; bytes: plain pmean for the warm-up (its
+    ``lax.cond``), then the compressed exchange (lowered with ``start_step=0``)."""
+
+    def compressed(run: Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.powersgd(rank, axis, start_step=0)
+
+    return Recipe(
+        _powersgd(rank),
+        regimes={"warmup": _mean_exchange, "compressed": compressed},
+        regime=lambda run, t: "warmup" if t < POWERSGD_START else "compressed",
+    )
+
+
 def _diloco(
     sync_every: int, codec: str | None = "int4", outer: tuple[float, float] | None = None, **kw
 ) -> Callable[[Run, Any], Any]:
@@ -257,8 +276,8 @@ RECIPES: dict[str, Recipe] = {
         regime=lambda run, t: "warmup" if t < max(1, run.steps // 3) else "compressed",
         note="freeze at a third of the steps",
     ),
-    "powersgd4-adamw": Recipe(_powersgd(4)),
-    "powersgd16-adamw": Recipe(_powersgd(16)),
+    "powersgd4-adamw": _psgd(4),
+    "powersgd16-adamw": _psgd(16),
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
     "topk1%-adamw": Recipe(_chain(_q("topk1%")), note="known bad: top-k before Adam"),
     "nocomm": Recipe(
@@ -615,6 +634,24 @@ def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> i
     return 0
 
 
+def rebytes(path: pathlib.Path, runs: list[dict], task: Task, run: Run, names: list[str]) -> int:
+    """Recompute the bytes per step of the runs of ``names`` in ``path`` (no training)."""
+    import json
+
+    for r in runs:
+        if r["recipe"] in names:
+            recipe = RECIPES[r["recipe"]]
+            fn, params, state, put = build(task, recipe, run)
+            task.reset()
+            r.update(step_bytes(task, recipe, run, fn, params, state, put(task.batch())))
+    finish(runs)
+    data = json.loads(path.read_text())
+    data["runs"] = runs
+    print_table(runs)
+    common.write_json(path, data)
+    return 0
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = common.arg_parser(
         __doc__,
@@ -648,6 +685,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")
     parser.add_argument("--resume", action="store_true", help="keep the recipes already run")
     parser.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="recompute the bytes of --recipes in the output file (lowering only) and exit",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         default=None,
@@ -678,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "lm" + (f"_{args.tag}" if args.tag else "")
     path = common.result_path(name, args.quick)
     runs: list[dict] = []
-    if (args.resume or args.merge) and path.exists():
+    if (args.resume or args.merge or args.bytes_only) and path.exists():
         import json
 
         runs = json.loads(path.read_text())["runs"]
@@ -686,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge(path, runs, [pathlib.Path(m) for m in args.merge])
     task = Task(args, jax.device_count())
     run = Run(steps=args.steps, lr=args.lr, devices=jax.device_count())
+    if args.bytes_only:
+        return rebytes(path, runs, task, run, args.recipes or [])
     names = args.recipes or list(RECIPES)
     if "adamw" not in names and not any(r["recipe"] == "adamw" for r in runs):
         names = ["adamw", *names]

@@ -251,3 +251,19 @@ def test_linen_train_state_shard_map_equals_pmap():
     print(f"Linen TrainState, shard_map vs pmap after 3 steps: {max(jax.tree.leaves(diff)):.3g}")
     assert max(jax.tree.leaves(diff)) <= 1e-6
     assert np.max(np.abs(np.asarray(sharded.params["Dense_0"]["kernel"]) - kernel0)) > 0
+
+
+def test_state_over_nnx_state_params_keeps_their_variables():
+    # A transform's state that mirrors an nnx.State of Params (PowerSGD: the bias is not a
+    # matrix, its slot a MaskedNode) keeps the Param nodes; its specs match its structure.
+    model = nnx.Sequential(
+        nnx.Linear(64, 128, rngs=nnx.Rngs(0)), nnx.LayerNorm(128, rngs=nnx.Rngs(0))
+    )
+    params = nnx.state(model, nnx.Param)
+    tx = optax.chain(jc.powersgd(2, "data"), optax.adamw(1e-3))
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+    assert jax.tree.structure(specs) == jax.tree.structure(jax.tree.map(lambda _: P(), state))
+    error = state[0].error
+    w = jax.tree.leaves(error, is_leaf=lambda x: isinstance(x, jax.Array))[0]
+    assert w.shape == (N, 64, 128) and w.sharding.spec[0] == "data"

@@ -48,7 +48,7 @@ DEFAULT_BUCKETS = (buckets.BUCKET_BYTES,)
 #: Leaf sizes below which leaves go through plain pmean (per-leaf choice).
 DEFAULT_MIN_SIZES = (0, 4096)
 #: A compressed candidate must measure this much faster than plain pmean to be chosen.
-MARGIN = 0.05
+MARGIN = 0.10
 KINDS = ("all_reduce", "all_gather", "all_to_all")
 
 

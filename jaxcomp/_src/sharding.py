@@ -184,8 +184,9 @@ def _unwrap_nnx(state: Any, axis_name: Any) -> Any:
     flattened NNX state (``nnx.split`` / ``nnx.state`` of an optimizer: NNX turned the state's
     NamedTuples into dicts, so per-device fields cannot be told apart) is refused."""
 
-    def is_variable(x):
-        return _from_nnx(x) and hasattr(x, "get_value")
+    def is_variable(x):  # an nnx.Optimizer's state wrapper (OptState / OptVariable), not a
+        # Param of an nnx.State params tree that a transform's state mirrors (kept as it is)
+        return _from_nnx(x) and any(c.__name__ == "OptState" for c in type(x).__mro__)
 
     nodes = jax.tree.leaves(state, is_leaf=lambda x: is_variable(x) or is_sharded_state(x))
     if not any(is_variable(x) for x in nodes):

@@ -29,8 +29,6 @@ Writes ``benchmarks/results/narrow_sum.json`` and ``narrow_sum.png`` (a few seco
 
 from __future__ import annotations
 
-import argparse
-
 import ml_dtypes
 import numpy as np
 
@@ -98,8 +96,10 @@ def overflow_devices(value: float, dtype) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    parser = common.arg_parser(
+        __doc__,
+        writes="narrow_sum.json and narrow_sum.png (--quick: narrow_sum_quick.*)",
+        takes="seconds (numpy only, no devices)",
     )
     parser.add_argument("--size", type=int, default=8192, help="floats per device")
     parser.add_argument("--seeds", type=int, default=3, help="independent draws per n")

@@ -192,20 +192,32 @@ def mlp_train_step(codec: Any, params: Any, mesh: Any, axis: str, lr: float = 1e
     on by default). Params are replicated, the batch sharded on ``axis``. Returns
     ``(step, state)``: ``step(params, state, x, y) -> (params, state)``.
     """
+    import optax
+
+    import jaxcomp as jc
+
+    opt = optax.sgd(lr)
+    tx = opt if codec is None else optax.chain(jc.compressed_allreduce(codec, axis, **kw), opt)
+    return mlp_tx_step(tx, params, mesh, axis, pmean_first=codec is None)
+
+
+def mlp_tx_step(tx: Any, params: Any, mesh: Any, axis: str, *, pmean_first: bool, donate=False):
+    """One data-parallel step of :func:`mlp_loss` through the optax transform ``tx``, jitted
+    ``shard_map`` over ``axis`` (params replicated, batch sharded, the state from
+    ``jc.sharded_init``). ``pmean_first``: ``jax.lax.pmean`` the gradient before ``tx`` (plain
+    optimizers); ``donate``: params and state donated. Returns ``(step, state)``."""
     import jax
     import optax
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
 
-    opt = optax.sgd(lr)
-    tx = opt if codec is None else optax.chain(jc.compressed_allreduce(codec, axis, **kw), opt)
     state = jc.sharded_init(tx, params, mesh, axis)
     specs = jc.state_specs(state, axis)
 
     def step(p, s, x, y):
         g = jax.grad(mlp_loss)(jax.lax.pcast(p, axis, to="varying"), x, y)
-        if codec is None:
+        if pmean_first:
             g = jax.lax.pmean(g, axis)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
@@ -213,7 +225,7 @@ def mlp_train_step(codec: Any, params: Any, mesh: Any, axis: str, lr: float = 1e
     fn = jax.shard_map(
         step, mesh=mesh, in_specs=(P(), specs, P(axis), P(axis)), out_specs=(P(), specs)
     )
-    return jax.jit(fn), state
+    return jax.jit(fn, donate_argnums=(0, 1) if donate else ()), state
 
 
 def classifier_mlp(sizes: tuple[int, ...]) -> tuple[Callable, Callable, Callable]:

@@ -51,27 +51,9 @@ def measure(name: str, tx, plain: bool, params, mesh, batch: int) -> dict:
     """Compile the donated step and read its memory analysis (bytes per device)."""
     import jax
     import numpy as np
-    import optax
     from jax.sharding import PartitionSpec as P
 
-    import jaxcomp as jc
-
-    state = jc.sharded_init(tx, params, mesh, AXIS)
-    specs = jc.state_specs(state, AXIS)
-
-    def step(p, s, x, y):
-        g = jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
-        if plain:
-            g = jax.lax.pmean(g, AXIS)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    fn = jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
-        ),
-        donate_argnums=(0, 1),
-    )
+    fn, state = common.mlp_tx_step(tx, params, mesh, AXIS, pmean_first=plain, donate=True)
     n = mesh.shape[AXIS]
     sizes = (params["w0"].shape[0], params[f"w{len(params) // 2 - 1}"].shape[1])
     rows = jax.sharding.NamedSharding(mesh, P(AXIS))

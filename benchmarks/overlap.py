@@ -117,7 +117,9 @@ def worker(args) -> None:
                 if (kind == "delayed")
                 else inner
             )
-            step, state = _train_step(full, codec[name] is None and kind == "step", params, mesh)
+            step, state = common.mlp_tx_step(
+                full, params, mesh, AXIS, pmean_first=codec[name] is None and kind == "step"
+            )
             ms = timed_steps(step, params, state)
             result["rows"].append(_row(name, kind, compute, exchange, ms))
             if rank == 0:
@@ -125,29 +127,6 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
-
-
-def _train_step(tx, pmean_first: bool, params, mesh):
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    import jaxcomp as jc
-
-    state = jc.sharded_init(tx, params, mesh, AXIS)
-    specs = jc.state_specs(state, AXIS)
-
-    def step(p, s, x, y):
-        g = jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
-        if pmean_first:
-            g = jax.lax.pmean(g, AXIS)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    fn = jax.shard_map(
-        step, mesh=mesh, in_specs=(P(), specs, P(AXIS), P(AXIS)), out_specs=(P(), specs)
-    )
-    return jax.jit(fn), state
 
 
 def _row(name: str, kind: str, compute: float, exchange: float, step: float) -> dict:

@@ -40,16 +40,31 @@ def transforms():
     }
 
 
+def _step(tx, loss, mesh, specs):
+    """The blocking jitted shard_map step of ``loss`` through ``tx`` (batch sharded on data)."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp.cpu import blocking
+
+    def step_fn(p, s, x):
+        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    return blocking(jax.jit(fn))
+
+
 def setup(name):
     """(mesh, params, abstract state with shardings, jitted step, batch(t)) for one transform."""
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp.cpu import blocking
 
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     tx = transforms()[name]
@@ -66,18 +81,7 @@ def setup(name):
     def loss(p, x):
         return jnp.mean((x @ p["w"] + p["b"] - x @ target) ** 2)
 
-    def step_fn(p, s, x):
-        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    step = blocking(
-        jax.jit(
-            jax.shard_map(
-                step_fn, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
-            )
-        )
-    )
+    step = _step(tx, loss, mesh, specs)
 
     def batch(t):
         x = jax.random.normal(jax.random.fold_in(key, 1000 + t), (8 * 4, SHAPES["w"][0]))
@@ -307,12 +311,10 @@ def _trainer(mesh, tx):
     """(params, jitted step, batch(t)) of a small regression on ``mesh``."""
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp.cpu import blocking
 
     key = jax.random.PRNGKey(0)
     target = jax.random.normal(jax.random.fold_in(key, 99), RESIZE_PARAMS["w"])
@@ -322,18 +324,7 @@ def _trainer(mesh, tx):
 
     specs = jc.state_specs(jc.restore_target(tx, _params(), mesh, "data", mesh.size), "data")
 
-    def step_fn(p, s, x):
-        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    step = blocking(
-        jax.jit(
-            jax.shard_map(
-                step_fn, mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
-            )
-        )
-    )
+    step = _step(tx, loss, mesh, specs)
 
     def batch(t):
         x = jax.random.normal(jax.random.fold_in(key, 1000 + t), (32, RESIZE_PARAMS["w"][0]))

@@ -201,6 +201,8 @@ def worker(args) -> None:
             if plan.codec is not None
             else next(r for r in plan.table if r.codec is None)
         )
+        row["link"] = {k: fit._asdict() for k, fit in plan.link.items()}
+        row["codec_ms"] = plan.codec_ms
         row["chosen"] = chosen.name if plan.codec is not None else "pmean"
         row["predicted_ms"], row["autotune_measured_ms"] = chosen.predicted_ms, chosen.measured_ms
         if plan.codec is None:

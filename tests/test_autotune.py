@@ -74,3 +74,17 @@ def test_function_stays_callable_after_cli_import():
 
     assert callable(jc.autotune) and callable(cli)
     assert "--params" in cli._parser().format_help()
+
+
+def test_calibration_scales_wire_and_codec_leave_one_out():
+    def row(name, model, codec_ms, measured=math.nan):
+        codec = None if name == "none" else jc.int_quant(8)
+        return tuning.Candidate(name, codec, "s", 1, 0, 1.0, model, measured, model, codec_ms)
+
+    # lam = 120 / 100; measured = lam * wire + 0.5 * codec for both timed codecs
+    rows = [row("none", 100, 0, 120), row("a", 50, 20, 46), row("b", 60, 40, 44), row("c", 80, 10)]
+    got = {r.name: r.predicted_ms for r in tuning.calibrate(rows)}
+    # plain keeps its model; "a" from "b" alone (kappa 0.5), "c" from both
+    assert got == pytest.approx({"none": 100, "a": 46, "b": 44, "c": 1.2 * 70 + 0.5 * 10})
+    alone = tuning.calibrate(rows[:2])  # no other timed codec: the model's codec passes
+    assert alone[1].predicted_ms == pytest.approx(1.2 * 30 + 20)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp._src import buckets
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
 from jaxcomp._src.codecs.quantize import cast, int_quant
-from jaxcomp._src.cost import check_pair, strategy_bytes
+from jaxcomp._src.cost import _summed_dtype, check_pair, strategy_bytes
 
 #: Candidates when ``codecs=None``: the codecs that keep quality without error feedback
 #: (16-bit casts and int8 blocks). Aggressive codecs (sign, top-k) only when listed.
@@ -49,7 +49,10 @@ DEFAULT_BUCKETS = (buckets.BUCKET_BYTES,)
 DEFAULT_MIN_SIZES = (0, 4096)
 #: A compressed candidate must measure this much faster than plain pmean to be chosen.
 MARGIN = 0.10
-KINDS = ("all_reduce", "all_gather", "all_to_all")
+#: Collectives whose latency and bandwidth are fitted. ``all_reduce_16``: a psum of float16
+#: (what a 16-bit cast's ``allreduce`` runs); over gloo it ran 1.6x slower than a float32
+#: psum of the same bytes (1 Gbit/s, 2 processes), so it gets a fit of its own.
+KINDS = ("all_reduce", "all_gather", "all_to_all", "all_reduce_16")
 
 
 class LinkFit(NamedTuple):
@@ -68,8 +71,10 @@ class Candidate(NamedTuple):
     bucket_bytes: int
     min_size: int
     bytes_per_device: float  # ring-model bytes one device sends per exchange
-    predicted_ms: float
+    predicted_ms: float  # calibrated (see autotune); model_ms before calibration
     measured_ms: float  # nan where not timed
+    model_ms: float = math.nan  # the alpha-beta model + standalone codec passes
+    codec_model_ms: float = 0.0  # the codec passes' share of model_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,7 @@ class AutotunePlan:
     min_size: int
     table: tuple[Candidate, ...]
     link: dict[str, LinkFit]
+    codec_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def compressed(self) -> bool:
@@ -127,11 +133,13 @@ def _median_time(fn: Callable[[], Any], reps: int) -> float:
     return float(np.median(times))
 
 
-def _per_device(mesh: Any, axis_name: Any, shape: tuple[int, ...], seed: int) -> jax.Array:
-    """A random float32 array ``[n, *shape]`` laid out one row per device of ``axis_name``."""
+def _per_device(
+    mesh: Any, axis_name: Any, shape: tuple[int, ...], seed: int, dtype: Any = np.float32
+) -> jax.Array:
+    """A random array ``[n, *shape]`` laid out one row per device of ``axis_name``."""
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     x = np.random.default_rng(seed).standard_normal((n, *shape), dtype=np.float32)
-    return jax.device_put(x, NamedSharding(mesh, P(axis_name)))
+    return jax.device_put(x.astype(dtype), NamedSharding(mesh, P(axis_name)))
 
 
 def _names(axis_name: Any) -> tuple:
@@ -141,7 +149,7 @@ def _names(axis_name: Any) -> tuple:
 def _collective(kind: str, axis_name: Any, n: int) -> Callable[[jax.Array], jax.Array]:
     def run(x):
         x = x[0]
-        if kind == "all_reduce":
+        if kind in ("all_reduce", "all_reduce_16"):
             out = jax.lax.psum(x, axis_name)
         elif kind == "all_gather":
             out = jax.lax.all_gather(x, axis_name, tiled=True)
@@ -154,7 +162,7 @@ def _collective(kind: str, axis_name: Any, n: int) -> Callable[[jax.Array], jax.
 
 def _ring_bytes(kind: str, size_bytes: float, n: int) -> float:
     """Ring-model bytes per device (comm_report's model) for an input of ``size_bytes``."""
-    if kind == "all_reduce":
+    if kind in ("all_reduce", "all_reduce_16"):
         return 2 * (n - 1) / n * size_bytes
     if kind == "all_gather":
         return (n - 1) * size_bytes  # output n * size, (n-1)/n of it received
@@ -172,10 +180,12 @@ def _fit(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
 def measure_link(
     mesh: Any, axis_name: Any, sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22), reps: int = 3
 ) -> dict[str, LinkFit]:
-    """Fit latency and bandwidth of all-reduce, all-gather and all-to-all over ``axis_name``.
+    """Fit latency and bandwidth of all-reduce (float32 and float16), all-gather and
+    all-to-all over ``axis_name``.
 
-    ``sizes``: float32 elements per device of the arrays timed (rounded to a multiple of the
-    axis size). Returns ``{kind: LinkFit}``; timings are reduced over processes (max).
+    ``sizes``: elements per device of the arrays timed (rounded to a multiple of the axis
+    size; float32, float16 for ``all_reduce_16``). Returns ``{kind: LinkFit}``; timings are
+    reduced over processes (max).
     """
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     sizes = [ceil_div(s, n) * n for s in sizes]
@@ -190,12 +200,14 @@ def measure_link(
                 check_vma=False,
             )
         )
+        dtype = np.float16 if kind == "all_reduce_16" else np.float32
         for j, s in enumerate(sizes):
-            x = _per_device(mesh, axis_name, (s,), j)
+            x = _per_device(mesh, axis_name, (s,), j, dtype)
             times[i, j] = _median_time(lambda fn=fn, x=x: fn(x), reps)
     times = _reduce_over_processes(times)
+    width = {kind: 2 if kind == "all_reduce_16" else 4 for kind in KINDS}
     return {
-        kind: _fit([_ring_bytes(kind, 4 * s, n) for s in sizes], times[i])
+        kind: _fit([_ring_bytes(kind, width[kind] * s, n) for s in sizes], times[i])
         for i, kind in enumerate(KINDS)
     }
 
@@ -248,7 +260,9 @@ def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int) ->
         return [("all_reduce", _ring_bytes("all_reduce", total, n), total)] if total else []
     ring = sum(strategy_bytes(codec, d, n)[strategy] for d in sizes)
     if strategy == "allreduce":
-        return [("all_reduce", ring, ring * n / (2 * (n - 1)))]
+        narrow = _summed_dtype(codec) in ("float16", "bfloat16")
+        kind = "all_reduce_16" if narrow else "all_reduce"
+        return [(kind, ring, ring * n / (2 * (n - 1)))]
     if strategy == "allgather":
         return [("all_gather", ring, ring / (n - 1))]
     chunk = sum(n * codec.payload_bytes(ceil_div(d, n)) for d in sizes)
@@ -425,12 +439,57 @@ def autotune(
         frac = sum(d for d in sizes if d >= ms) / sum(sizes) if codec is not None else 0.0
         cs = tuple(frac * t for t in costs.get(codec, (0.0, 0.0)))
         sec, ring = predict_seconds(codec, strategy, sizes, n, link, bb, ms, cs)
-        name = codec_label(codec)
-        rows.append(Candidate(name, codec, strategy, bb, ms, ring, 1e3 * sec, math.nan))
-    rows.sort(key=lambda r: r.predicted_ms)
-    return _checked_plan(
+        wire, _ = predict_seconds(codec, strategy, sizes, n, link, bb, ms)
+        ms_ = 1e3 * sec
+        rows.append(
+            Candidate(
+                codec_label(codec), codec, strategy, bb, ms, ring, ms_, math.nan, ms_,
+                1e3 * (sec - wire),
+            )
+        )  # fmt: skip
+    rows.sort(key=lambda r: r.model_ms)
+    plan = _checked_plan(
         params, mesh, axis_name, rows, check, budget_s - (time.perf_counter() - t0), reps, link
     )
+    cost_ms = {codec_label(c): (1e3 * e, 1e3 * d) for c, (e, d) in costs.items()}
+    return dataclasses.replace(plan, codec_ms=cost_ms)
+
+
+def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
+    """``predicted_ms`` of every row from its model, calibrated on the timed rows.
+
+    The model splits into the wire (``model_ms - codec_model_ms``) and the codec passes
+    (``codec_model_ms``, from the standalone encode / decode timings). Two factors correct it:
+    ``lam = measured / model`` of plain pmean (the tree-sized float32 all-reduce: the link at
+    this size, burst and load) scales every wire time, and ``kappa``, the least-squares fit of
+    ``measured - lam * wire = kappa * codec`` over the timed compressed rows, scales the codec
+    passes (inside an exchange they fuse and overlap with other work: on XLA:CPU over gloo
+    ``kappa`` came out near 0.5). A timed row is predicted without its own measurement
+    (``kappa`` from the other timed rows, leave-one-out; plain pmean keeps its model), so
+    its ``predicted_ms`` against ``measured_ms`` is a fair test of the model.
+    """
+    plain = next((r for r in rows if r.codec is None and not math.isnan(r.measured_ms)), None)
+    lam = plain.measured_ms / plain.model_ms if plain is not None and plain.model_ms > 0 else 1.0
+    timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
+
+    def kappa(skip: Candidate | None) -> float:
+        pts = [r for r in timed if r is not skip and r.codec_model_ms > 0]
+        den = sum(r.codec_model_ms**2 for r in pts)
+        if not den:
+            return 1.0
+        num = sum(r.codec_model_ms * (r.measured_ms - lam * (r.model_ms - r.codec_model_ms))
+                  for r in pts)  # fmt: skip
+        return min(max(num / den, 0.1), 10.0)
+
+    out = []
+    for r in rows:
+        if r.codec is None:
+            out.append(r._replace(predicted_ms=r.model_ms if r is plain else lam * r.model_ms))
+            continue
+        k = kappa(r if any(r is t for t in timed) else None)
+        wire = r.model_ms - r.codec_model_ms
+        out.append(r._replace(predicted_ms=lam * wire + k * r.codec_model_ms))
+    return out
 
 
 def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) -> AutotunePlan:
@@ -448,7 +507,7 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
             else {"strategy": r.strategy, "bucket_bytes": r.bucket_bytes, "min_size": r.min_size}
         )
         timed[id(r)] = 1e3 * exchange_seconds(tree, mesh, axis_name, r.codec, reps, **exchange)
-    rows = [r._replace(measured_ms=timed.get(id(r), math.nan)) for r in rows]
+    rows = calibrate([r._replace(measured_ms=timed.get(id(r), math.nan)) for r in rows])
     rows.sort(key=lambda r: (math.isnan(r.measured_ms), r.measured_ms, r.predicted_ms))
     best = rows[0]
     if best.codec is not None and best.measured_ms > (1 - MARGIN) * timed[id(plain)]:

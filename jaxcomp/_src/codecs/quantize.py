@@ -136,6 +136,11 @@ class Cast(Codec):
     def decode(self, payload, d):
         return payload.astype(jnp.float32)
 
+    def decode_sum(self, payloads, d, scale=1.0, fill=0.0):
+        # One widening add per device row: XLA:CPU's reduce over the leading axis of a
+        # [n, d] stack ran 7-10x slower than n - 1 adds (d = 25M: 2.2 s against 0.2 s).
+        return sum_of_decodes(self, payloads, d, scale, fill)
+
     def payload_bytes(self, d):
         return d * self.dtype.itemsize
 

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
+    load_before = os.getloadavg()[0]
     ns, procs, results = network.Namespace(f"jaxcomp-overlap-{os.getpid()}").open(), [], {}
     try:
         for rate in args.rates:
@@ -186,8 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ns.close()
     name = f"overlap_{args.label}" if args.label else "overlap"
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # other work skews timings
     common.write_json(
-        common.RESULTS / f"{name}.json", {"environment": common.environment(), "rates": results}
+        common.RESULTS / f"{name}.json",
+        {"environment": common.environment(), "loadavg": load, "rates": results},
     )
     return 0
 

@@ -340,6 +340,108 @@ def _network(data: dict[str, Any], path: pathlib.Path) -> str:
     )
 
 
+def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
+    """The network table, then each ``autotune`` row's candidates: predicted (calibrated),
+    the uncalibrated model and measured exchange ms."""
+    parts = [_network(data, path)]
+    for r in data["rows"]:
+        if "autotune" not in r:
+            continue
+        body = []
+        for c in r["autotune"]:
+            meas = c.get("measured_ms", math.nan)
+            err = (c["predicted_ms"] / meas - 1) if meas == meas and meas else math.nan
+            body.append(
+                [
+                    f"`{c['name']}`",
+                    c["strategy"],
+                    _fmt(c["min_size"]),
+                    _bytes(c["bytes_per_device"]),
+                    _fmt(c.get("model_ms", math.nan), 4),
+                    _fmt(c["predicted_ms"], 4),
+                    _fmt(meas, 4),
+                    "–" if err != err else f"{100 * err:+.0f}%",
+                ]
+            )
+        header = ["candidate", "strategy", "min_size", "bytes/device", "model ms"]
+        header += ["predicted ms", "measured ms", "error"]
+        load = r.get("host_load")
+        parts.append(
+            f"`jc.autotune` at {r.get('rate', '?')} (host load {load}; chose "
+            f"`{r.get('chosen')}`): exchange of the MLP's gradient, every candidate.\n\n"
+            + _markdown((header, body))
+        )
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def _overlap(data: dict[str, Any], path: pathlib.Path) -> str:
+    header = ["rate", "exchange", "step", "compute ms", "exchange ms", "step ms"]
+    header += ["compute + exchange", "max", "step / max", "overlap"]
+    body = [
+        [
+            rate,
+            f"`{r['exchange']}`",
+            r["kind"],
+            _fmt(r["compute_ms"], 4),
+            _fmt(r["exchange_ms"], 4),
+            _fmt(r["step_ms"], 4),
+            _fmt(r["sum_ms"], 4),
+            _fmt(r["max_ms"], 4),
+            f"{r['step_over_max']:.2f}",
+            f"{r['overlap']:.2f}",
+        ]
+        for rate, one in data["rates"].items()
+        for r in one["rows"]
+    ]
+    first = next(iter(data["rates"].values()))
+    head = (
+        f"{first.get('devices', '?')} JAX processes over gloo on the shaped loopback, MLP "
+        f"25.2M params, batch {first.get('batch', '?')} per process; median ms. overlap = "
+        "(compute + exchange - step) / min(compute, exchange): 0 = the parts run one after "
+        "the other, 1 = the shorter one is hidden."
+        + (f" Host load {data['loadavg']}." if "loadavg" in data else "")
+    )
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "sudo python -m benchmarks.overlap"
+    )
+
+
+# --------------------------------------------------------------------------- lm_link
+
+
+def _lm_link(data: dict[str, Any], path: pathlib.Path) -> str:
+    header = ["recipe", "steps", "ms/step", "held-out loss", "time to target s"]
+    header += ["speedup to target", "speedup at own loss"]
+
+    def opt(v, spec):
+        return "never" if v is None else format(v, spec)
+
+    body = [
+        [
+            f"`{r['recipe']}`",
+            _fmt(r["steps"]),
+            _fmt(r["ms_per_step"], 4),
+            f"{r['final_eval_loss']:.4f}",
+            opt(r["time_to_target_s"], ".1f"),
+            opt(r["speedup_to_target"], ".2f") + ("x" if r["speedup_to_target"] else ""),
+            opt(r["speedup_at_own_loss"], ".2f") + ("x" if r["speedup_at_own_loss"] else ""),
+        ]
+        for r in data["runs"]
+    ]
+    head = (
+        f"{data['num_processes']} JAX processes over gloo at {data['rate']} "
+        f"(tbf {data['tbf']}); target = `adamw`'s final held-out loss "
+        f"{data['runs'][0]['target_loss']:.4f}; wall clock of process 0, compile and "
+        f"evaluation excluded; host load {data.get('loadavg')}."
+    )
+    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "sudo python -m benchmarks.lm_link"
+    )
+
+
 # ------------------------------------------------------------------ time_to_accuracy
 
 
@@ -720,6 +822,9 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "topk_speed": (_topk_speed, "python -m benchmarks.topk_speed"),
     "codec_speed": (_codec_speed, "python -m benchmarks.codec_speed"),
     "network": (_network, "sudo python -m benchmarks.network"),
+    "network_autotune": (_network_autotune, "sudo python -m benchmarks.network --label autotune"),
+    "overlap": (_overlap, "sudo python -m benchmarks.overlap"),
+    "lm_link": (_lm_link, "sudo python -m benchmarks.lm_link"),
     "time_to_accuracy": (_time_to_accuracy, "sudo python -m benchmarks.time_to_accuracy"),
     "gpu_step": (_gpu_step, "python -m benchmarks.gpu_step"),
     "powersgd_convergence": (_powersgd, "python -m benchmarks.powersgd_convergence"),

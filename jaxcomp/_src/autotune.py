@@ -3,8 +3,9 @@
 :func:`autotune` answers, on the devices at hand, "which codec and strategy make this tree's
 mean fastest, and is any faster than plain ``pmean``?" in four steps:
 
-1. **link**: time ``psum``, ``all_gather`` and ``all_to_all`` of float32 arrays of a few sizes
-   over ``axis_name`` and fit ``t = alpha + bytes / bandwidth`` per collective (ring-model
+1. **link**: time ``psum`` (of float32, and of float16: ``all_reduce_16``), ``all_gather`` and
+   ``all_to_all`` of arrays of a few sizes over ``axis_name`` and fit
+   ``t = alpha + bytes / bandwidth`` per collective (ring-model
    bytes per device, as :func:`jaxcomp.comm_report` counts them: the alpha-beta model of
    Hockney, "The communication challenge for MPP", Parallel Computing 1994);
 2. **codec cost**: time each candidate codec's encode and decode on one device over the
@@ -13,7 +14,10 @@ mean fastest, and is any faster than plain ``pmean``?" in four steps:
    :func:`jaxcomp.strategy_bytes`), one latency per bucket and phase, plus its codec passes;
 4. **check**: time the best few predictions (and plain ``pmean``) for real and keep the fastest
    measured one. Plain ``pmean`` wins unless a candidate measures faster, so the plan never
-   makes the exchange slower than it was on these devices.
+   makes the exchange slower than it was on these devices;
+5. **calibrate** (:func:`calibrate`): the table's ``predicted_ms`` scales the wire time by
+   plain ``pmean``'s measured / modelled ratio and the codec passes by a factor fitted on the
+   timed candidates, each timed candidate predicted without its own timing (leave-one-out).
 
 Every process measures; the timings are reduced (max over processes) before any decision, so
 every process reaches the same plan.
@@ -395,7 +399,8 @@ def autotune(
     ``check`` best predictions and plain ``pmean`` are then timed for real
     (:func:`exchange_seconds`); the plan is the fastest measured, so it is plain ``pmean``
     (``plan.codec is None``) unless compression measured faster. Timings are the max over
-    processes, so every process makes the same choice.
+    processes, so every process makes the same choice. The table's ``predicted_ms`` are
+    calibrated on the timed rows (:func:`calibrate`; ``model_ms``: before calibration).
 
     Args:
       params: a pytree of arrays shaped like one device's gradient (values unused).
@@ -416,8 +421,9 @@ def autotune(
 
     Returns:
       A :class:`AutotunePlan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``, ``table``
-      (every candidate with bytes, predicted and measured ms; measured first, fastest first)
-      and ``link`` (the fitted latency and bandwidth per collective).
+      (every candidate with bytes, predicted and measured ms; measured first, fastest first),
+      ``link`` (the fitted latency and bandwidth per collective) and ``codec_ms`` (encode and
+      decode ms of the tree per codec).
 
     Example::
 
@@ -458,15 +464,33 @@ def autotune(
 def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
     """``predicted_ms`` of every row from its model, calibrated on the timed rows.
 
-    The model splits into the wire (``model_ms - codec_model_ms``) and the codec passes
-    (``codec_model_ms``, from the standalone encode / decode timings). Two factors correct it:
-    ``lam = measured / model`` of plain pmean (the tree-sized float32 all-reduce: the link at
-    this size, burst and load) scales every wire time, and ``kappa``, the least-squares fit of
-    ``measured - lam * wire = kappa * codec`` over the timed compressed rows, scales the codec
-    passes (inside an exchange they fuse and overlap with other work: on XLA:CPU over gloo
-    ``kappa`` came out near 0.5). A timed row is predicted without its own measurement
-    (``kappa`` from the other timed rows, leave-one-out; plain pmean keeps its model), so
-    its ``predicted_ms`` against ``measured_ms`` is a fair test of the model.
+    The model splits into the wire ``w = model_ms - codec_model_ms`` and the codec passes
+    ``c = codec_model_ms`` (from the standalone encode / decode timings). Two factors correct
+    it::
+
+        lam   = measured / model of plain pmean      (the tree-sized float32 all-reduce)
+        kappa = argmin_k sum_timed (measured - lam * w - k * c)^2   (clipped to [0.1, 10])
+        predicted = lam * w + kappa * c
+
+    ``lam`` is the link at this size, burst and load; ``kappa`` is how much the codec passes
+    cost inside an exchange against alone (they fuse with the sum and the re-encode). Each
+    timed compressed row is predicted with ``kappa`` fitted on the *other* timed rows
+    (leave-one-out; 1 when there are none) and plain pmean keeps its model, so a timed row's
+    ``predicted_ms`` against its ``measured_ms`` is a fair test of the model.
+
+    Args:
+      rows: the candidates, ``measured_ms`` NaN where not timed.
+
+    Returns:
+      The rows in the same order, ``predicted_ms`` calibrated.
+
+    Example::
+
+      rows = jaxcomp._src.autotune.calibrate(plan.table)   # what autotune did to its table
+
+    Reference: the alpha-beta model of Hockney, "The communication challenge for MPP",
+    Parallel Computing 1994, with the codec's passes added as in Agarwal et al., "On the
+    Utility of Gradient Compression in Distributed Training Systems", MLSys 2022.
     """
     plain = next((r for r in rows if r.codec is None and not math.isnan(r.measured_ms)), None)
     lam = plain.measured_ms / plain.model_ms if plain is not None and plain.model_ms > 0 else 1.0

@@ -223,3 +223,20 @@ def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
     assert len(mesh["rows"]) == 4 and mesh["mesh"] == {"data": 4, "model": 2}
     assert 0.3 < mesh["pmean_sharded_over_replicated"] < 0.7  # pmean of model shards: ~half
     assert mesh["sharded_over_replicated"] > 0
+
+
+def test_lm_link_time_to_loss_interpolates():
+    from benchmarks import lm_link
+
+    evals = [(30, 10.0, 3.0), (60, 20.0, 2.0), (90, 30.0, 1.5)]
+    assert lm_link.time_to(evals, 2.5) == pytest.approx(15.0)  # halfway from 3.0 to 2.0
+    assert lm_link.time_to(evals, 3.5) == pytest.approx(10.0)  # reached at the first eval
+    assert lm_link.time_to(evals, 1.0) is None
+    runs = [
+        {"recipe": "adamw", "evals": evals, "final_eval_loss": 1.5, "train_seconds": 30.0},
+        {"recipe": "x", "evals": [(30, 1.0, 2.5), (60, 2.0, 2.0)], "final_eval_loss": 2.0,
+         "train_seconds": 2.0},
+    ]  # fmt: skip
+    lm_link.summarize(runs)
+    assert runs[1]["time_to_target_s"] is None and runs[1]["speedup_to_target"] is None
+    assert runs[1]["speedup_at_own_loss"] == pytest.approx(20.0 / 2.0)  # adamw hit 2.0 at 20 s

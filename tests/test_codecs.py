@@ -196,3 +196,12 @@ def test_bits_really_packed():
     assert jc.natural().payload_bytes(d) == d // 8 + d  # 9 bits per value
     words, _ = jc.sign().encode(jnp.ones(d))
     assert words.dtype == jnp.uint32 and words.shape == (d // 32,)
+
+
+def test_cast_decode_sum_adds_rows_exactly():
+    """Cast.decode_sum adds the decoded rows one by one (not XLA:CPU's slow reduce over the
+    device axis): the same float32 as adding them in order, and the scale and fill applied."""
+    rows = jnp.asarray(np.random.default_rng(0).standard_normal((3, 1000)), jnp.float16)
+    want = (rows[0].astype(jnp.float32) + rows[1] + rows[2]) * 0.5 + 1.0
+    got = jc.cast("fp16").decode_sum(rows, 1000, scale=0.5, fill=1.0)
+    assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))

@@ -486,6 +486,11 @@ def summarize(rate: str, data: dict, n: int) -> list[dict]:
             if own is not None and "step_ms" in own:
                 r["step_speedup"] = own["step_ms"] / r["step_ms"]
             r["step_link_ms"] = 1e3 * n * r["step_bytes_per_device"] * 8 / bits
+        if "predicted_ms" in r and "step_ms" in r and "step_ms" in base:
+            # the plan's step: the plain step's compute (its step less its exchange) plus the
+            # predicted exchange, against the autotuned step measured
+            r["predicted_step_ms"] = base["step_ms"] - base["allreduce_ms"] + r["predicted_ms"]
+            r["step_prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1.0
         peer = by_name.get(TORCH_PEER.get(r["codec"], ""))
         if peer is not None and "step_ms" in r:
             r["vs_torch"] = peer["step_ms"] / r["step_ms"]

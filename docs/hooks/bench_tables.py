@@ -366,9 +366,16 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
         header = ["candidate", "strategy", "min_size", "bytes/device", "model ms"]
         header += ["predicted ms", "measured ms", "error"]
         load = r.get("host_load")
+        step = ""
+        if "predicted_step_ms" in r:
+            step = (
+                f" Predicted step {r['predicted_step_ms']:.0f} ms (plain step's compute + "
+                f"predicted exchange) against {r['step_ms']:.0f} ms measured "
+                f"({100 * r['step_prediction_error']:+.0f}%)."
+            )
         parts.append(
             f"`jc.autotune` at {r.get('rate', '?')} (host load {load}; chose "
-            f"`{r.get('chosen')}`): exchange of the MLP's gradient, every candidate.\n\n"
+            f"`{r.get('chosen')}`): exchange of the MLP's gradient, every candidate.{step}\n\n"
             + _markdown((header, body))
         )
     return "\n\n".join(parts)

@@ -39,6 +39,8 @@ import optax
 
 import jaxcomp as jc
 from benchmarks import common
+from jaxcomp._src import warmup
+from jaxcomp._src.dgc import DEFAULT_WARMUP_SCHEDULE
 
 AXIS = "data"
 TASKS = ("digits", "mnist1d", "teacher", "char")
@@ -46,6 +48,7 @@ STEPS = {"digits": 1000, "mnist1d": 2000, "teacher": 1000, "char": 300}
 # Transforms that are not one codec: name -> (factory(axis) -> transform, has its own momentum).
 TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
     "dgc0.1%": (lambda axis: jc.dgc(0.001, axis), True),
+    "dgc0.1%-nowarmup": (lambda axis: jc.dgc(0.001, axis, warmup_steps=0), True),
     "powersgd4": (lambda axis: jc.powersgd(4, axis), False),
     "signsgd_mv": (
         lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
@@ -70,6 +73,7 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-sign-ef21": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, error_feedback="ef21"),
     "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
     "sgd-topk1%-heavyball": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, nesterov=False),
+    "sgd-topk1%-nowarmup": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, warmup_steps=0),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
     "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
         lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)
@@ -93,6 +97,34 @@ REGIMES: dict[str, tuple[str, ...]] = {
     "sgd-topk1%-accordion": ("other", "critical"),  # lax.cond(critical, gentle, codec)
     "sgd-sign-accordion": ("other", "critical"),
 }
+
+
+# Methods with a density warm-up (one lax.switch on the step count, stage by stage, then the
+# codec): method -> (warm-up steps, stages, branches of the switch). Their bytes per step are
+# the steady state's (the last branch); "mean_bytes_per_step" weighs every stage by its steps.
+WARMUPS: dict[str, tuple[int, int, int]] = {
+    "sgd-topk1%": (warmup.DENSITY_WARMUP_STEPS, 3, 4),  # 25%, 6.25%, 1.5625%, then 1%
+    "sgd-topk1%-heavyball": (warmup.DENSITY_WARMUP_STEPS, 3, 4),
+    # 25%, 6.25%, 1.5625%, 0.4%, then 0.1% (the schedule's last stage is the codec's ratio).
+    "dgc0.1%": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
+}
+
+
+def warmup_bytes(method: str, report: Any, steps: int) -> dict:
+    """Bytes per step of a warm-up method: steady state (after the warm-up), the mean over
+    ``steps`` steps, and each branch's."""
+    length, stages, branches = WARMUPS[method]
+    per_stage = warmup.stage_steps(steps, length, stages)
+    counts = per_stage[: branches - 1] + [sum(per_stage[branches - 1 :])]
+    stages = branches - 1
+    each = report.branch_bytes(logical=True)
+    stage_bytes = [each[None] + each[0, i] for i in range(stages + 1)]
+    return {
+        "bytes_per_step": stage_bytes[-1],
+        "mean_bytes_per_step": report.mean_bytes_per_device(counts, logical=True),
+        "regime_bytes": {f"stage{i}": b for i, b in enumerate(stage_bytes)},
+        "regime_steps": {f"stage{i}": c for i, c in enumerate(counts)},
+    }
 
 
 def regime(method: str, step: int, state: Any) -> int:
@@ -225,7 +257,9 @@ def train_classifier(
     ``eval_at``: also the test accuracy after these many steps (``"checkpoints"``); with the
     constant learning rate of the classifiers it is the accuracy of a run that long (same
     seed, batches and steps so far). ``diagnose``: every that many steps of a ``jc.sgd``
-    recipe, :func:`exchange_diagnostics` (``"diagnostics"``)."""
+    recipe, :func:`exchange_diagnostics` (``"diagnostics"``). ``seed`` draws the
+    initialization and the batches; the data (split, mnist1d's set, the teacher) stay those of
+    seed 0, so seeds measure the training's noise on one fixed task and test set."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -235,7 +269,7 @@ def train_classifier(
 
     import jaxcomp as jc
 
-    (xtr, ytr), (xte, yte) = load(task, seed)
+    (xtr, ytr), (xte, yte) = load(task)
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
     sizes = (xtr.shape[1], 256, 10) if task == "digits" else (xtr.shape[1], 256, 256, 10)
@@ -306,6 +340,13 @@ def train_classifier(
     regimes, taken, bytes_per_step = {}, {}, logical_bytes
     if counts:
         bytes_per_step, regimes, taken = branch_mean(method, report, counts, logical=True)
+    warm = warmup_bytes(method, report, steps) if method in WARMUPS else {}
+    if warm:
+        bytes_per_step, regimes, taken = (
+            warm["bytes_per_step"],
+            warm["regime_bytes"],
+            warm["regime_steps"],
+        )
     return {
         "metric": "test_accuracy",
         "value": accuracy(params),
@@ -314,10 +355,12 @@ def train_classifier(
         "final_train_loss": float(np.mean(curve[-20:])),
         "curve": curve,
         "bytes_per_step": bytes_per_step,
+        "mean_bytes_per_step": warm.get("mean_bytes_per_step", bytes_per_step),
         "program_bytes": logical_bytes,  # every branch of the step's program
         "regime_bytes": regimes,
         "regime_steps": taken,
         "train_seconds": seconds,
+        "seed": seed,
     }
 
 
@@ -381,7 +424,15 @@ def previous_runs(path) -> list[dict]:
 def finish(runs: list[dict]) -> None:
     """Ratios and deltas against the ``none`` run of the same task (and checkpoints)."""
     for r in runs:
-        base = next((b for b in runs if b["task"] == r["task"] and b["method"] == "none"), None)
+        seed = r.get("seed", 0)
+        base = next(
+            (
+                b
+                for b in runs
+                if b["task"] == r["task"] and b["method"] == "none" and b.get("seed", 0) == seed
+            ),
+            None,
+        )
         if base is None:
             continue
         r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
@@ -455,6 +506,13 @@ def main(argv=None) -> int:
         help="every N steps of a jc.sgd recipe: update norm and cosine against the "
         "uncompressed update, error-feedback memory and server residual norms",
     )
+    ap.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="seeds of the initialization and batches (the data stay seed 0's); one run each",
+    )
     ap.add_argument("--budget", type=float, default=None, help="stop starting runs after s")
     ap.add_argument("--label", default="", help="write convergence_LABEL.json (and .png)")
     ap.add_argument(
@@ -471,36 +529,36 @@ def main(argv=None) -> int:
     path = common.result_path("convergence" + (f"_{args.label}" if args.label else ""), args.quick)
     runs: list[dict] = previous_runs(path) if args.resume else []
     start = time.perf_counter()
-    jobs = [(m, t) for m in methods for t in tasks]
-    done = {(r["method"], r["task"], r["steps"]) for r in runs}
+    jobs = [(m, t, s) for s in args.seeds for m in methods for t in tasks]
+    done = {(r["method"], r["task"], r["steps"], r.get("seed", 0)) for r in runs}
     todo = [
-        (m, t)
-        for m, t in jobs
-        if (m, t, args.steps or (40 if args.quick else STEPS[t])) not in done
+        (m, t, s)
+        for m, t, s in jobs
+        if (m, t, args.steps or (40 if args.quick else STEPS[t]), s) not in done
     ]
-    for method, task in common.progress(todo, "convergence"):
+    for method, task, seed in common.progress(todo, "convergence"):
         if args.budget is not None and time.perf_counter() - start > args.budget:
             print(f"budget of {args.budget:.0f} s spent: stopping before {method}/{task}")
             break
         steps = args.steps or (40 if args.quick else STEPS[task])
         t0 = time.perf_counter()
         if task == "char":
-            r = train_char(method, steps)
+            r = train_char(method, steps, seed=seed)
         else:
             r = train_classifier(
-                task, method, steps, eval_at=tuple(args.eval_at), diagnose=args.diagnose
+                task, method, steps, seed, eval_at=tuple(args.eval_at), diagnose=args.diagnose
             )
-        r.update(task=task, method=method, steps=steps, seconds=time.perf_counter() - t0)
+        r.update(task=task, method=method, steps=steps, seed=seed, seconds=time.perf_counter() - t0)
         runs.append(r)
         finish(runs)
         print(
-            f"{task:8s} {method:11s} {r['metric']} {r['value']:.4f} "
+            f"{task:8s} {method:11s} seed {seed} {r['metric']} {r['value']:.4f} "
             f"{r.get('compression', math.nan):.1f}x fewer bytes  {r['seconds']:.0f} s",
             flush=True,
         )
         out = {"environment": common.environment(), "complete": False, "runs": runs}
         common.write_json(path, out)
-    finished = {(r["method"], r["task"]) for r in runs}
+    finished = {(r["method"], r["task"], r.get("seed", 0)) for r in runs}
     out = {
         "environment": common.environment(),
         "complete": all(job in finished for job in jobs),

@@ -32,6 +32,7 @@ from jaxcomp._src.accounting import Collective
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
+TOPK = jc.top_k(0.01)
 SGD = optax.sgd(0.1)
 _W = {"w": np.zeros(64, np.float32)}
 
@@ -215,6 +216,29 @@ CHECKS = [
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
     ("sgd", "worker_momentum", lambda: jc.sgd(0.1, S, "d", worker_momentum=0.9), TypeError),
     ("sgd", "nesterov", lambda: jc.sgd(0.1, S, "d", nesterov="yes"), TypeError),
+    ("sgd", "warmup_steps", lambda: jc.sgd(0.1, TOPK, "d", warmup_steps=-1), ValueError),
+    ("sgd", "warmup_steps", lambda: jc.sgd(0.1, TOPK, "d", warmup_steps="100"), TypeError),
+    (
+        "compressed_allreduce",
+        "warmup_steps",
+        lambda: jc.compressed_allreduce(TOPK, "d", warmup_steps=1.5),
+        TypeError,
+    ),
+    # A density warm-up needs a biased sparse codec (sign has no density) and no Accordion.
+    (
+        "compressed_allreduce",
+        "warmup_steps",
+        lambda: jc.compressed_allreduce(S, "d", warmup_steps=10),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
+        "warmup_steps",
+        lambda: jc.compressed_allreduce(
+            TOPK, "d", warmup_steps=10, adaptive=jc.accordion(jc.top_k(0.1))
+        ),
+        ValueError,
+    ),
     ("onebit_adam", "freeze_step", lambda: jc.onebit_adam(1e-3, "d", freeze_step=0), ValueError),
     (
         "onebit_adam",

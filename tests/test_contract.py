@@ -251,7 +251,10 @@ ROWS = [
     ),
     Row(
         "sgd-topk-nesterov",
-        functools.partial(jc.sgd, 0.1, jc.top_k(0.01), momentum=BETA, nesterov=True),
+        # warmup_steps=0: the density warm-up's stages are tests/test_warmup.py's.
+        functools.partial(
+            jc.sgd, 0.1, jc.top_k(0.01), momentum=BETA, nesterov=True, warmup_steps=0
+        ),
         law="Nesterov sends beta m_i + (1 - beta) g_i, not the momentum: tests/test_recipes.py",
         out_scale=-1.0,
         bad=SGD_ERRORS,
@@ -298,7 +301,8 @@ ROWS = [
     ),
     Row(
         "dgc-allgather",
-        functools.partial(jc.dgc, ratio=0.01),
+        # warmup_steps=0: the density warm-up's stages are tests/test_warmup.py's.
+        functools.partial(jc.dgc, ratio=0.01, warmup_steps=0),
         memory=("accumulation",),
         fed=fed_dgc,
         compressed=("w",),
@@ -306,7 +310,7 @@ ROWS = [
     ),
     Row(
         "dgc-two_phase",
-        functools.partial(jc.dgc, ratio=0.01, strategy="two_phase"),
+        functools.partial(jc.dgc, ratio=0.01, strategy="two_phase", warmup_steps=0),
         memory=("accumulation",),
         fed=fed_dgc,
         compressed=("w",),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton
+from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
@@ -66,16 +66,19 @@ def check_momentum(name: str, value: Any) -> Any:
     return check_fraction(name, value) or None
 
 
-def _check_same_servers(plan, codec: Codec, gentle: Codec, strategy: str, sizes) -> None:
-    """Accordion's two codecs share the two-phase server residuals: they must use two_phase
-    on the same segments (``sizes``: the bound ``(n, n_inner)``, None without residuals)."""
+def _check_same_servers(
+    plan, codec: Codec, gentle: Codec, strategy: str, sizes, option: str = "adaptive"
+) -> None:
+    """Accordion's two codecs (or the warm-up's stages) share the two-phase server residuals:
+    they must use two_phase on the same segments (``sizes``: the bound ``(n, n_inner)``, None
+    without residuals)."""
     if sizes is None:
         return
     if server.chunk_sizes(plan, codec, strategy, *sizes) != server.chunk_sizes(
         plan, gentle, strategy, *sizes
     ):
         raise ValueError(
-            f"`adaptive`: with `strategy`={strategy!r}, {gentle.name} and {codec.name} choose "
+            f"`{option}`: with `strategy`={strategy!r}, {gentle.name} and {codec.name} choose "
             "different strategies for some leaves; name one (`strategy`='two_phase' or "
             "'allgather') so both share the server residual"
         )
@@ -133,6 +136,7 @@ def compressed_allreduce(
     adaptive: Any = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
     param_specs: Any = None,
+    warmup_steps: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -229,6 +233,12 @@ def compressed_allreduce(
         would gather every model-sharded operand in float32); None beside an Auto axis warns.
       bucket_bytes: encoded payloads of all leaves travel in buckets of about this many
         bytes, one collective per bucket per phase (default 32 MiB).
+      warmup_steps: density warm-up of a sparse codec (``jc.top_k``): the first steps send
+        ``codec`` at densities 25%, 6.25%, 1.5625%, ... (a factor of 4 per stage, while above
+        its ratio), each for ``warmup_steps / stages`` steps, then ``codec`` itself (DGC's
+        warm-up, :mod:`jaxcomp._src.warmup`). One ``jax.lax.switch`` on the step count
+        (``jc.comm_report`` counts every stage: weigh them with ``mean_bytes_per_device``).
+        0 (default): none. :func:`jaxcomp.sgd` turns it on for top-k.
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
@@ -248,6 +258,12 @@ def compressed_allreduce(
     adaptive = check_adaptive(adaptive)
     if adaptive is not None:
         collectives.check_pair(adaptive.gentle, strategy)
+    stages = warmup.stage_codecs(codec, warmup_steps)
+    if stages and adaptive is not None:
+        raise ValueError(
+            "`warmup_steps` and `adaptive` both choose the codec of a step: pass "
+            "warmup_steps=0 with adaptive=jc.accordion(...)"
+        )
     collectives.check_granularity(granularity)
     error_feedback = _resolve_feedback(error_feedback, codec, strategy)
     min_size = check_int("min_size", min_size, 0)
@@ -338,10 +354,17 @@ def compressed_allreduce(
             )
 
         def reduce_in_regime() -> collectives.Reduced:
-            """Through ``codec``; with Accordion, through the gentle codec when critical."""
+            """Through ``codec``; with Accordion, through the gentle codec when critical;
+            during a density warm-up, through the stage's codec."""
+            sizes = server.bound_sizes(axis_name, inner_axis_name) if use_server else None
+            if stages and grads:
+                for c in stages:
+                    _check_same_servers(plan, codec, c, strategy, sizes, "warmup_steps")
+                return warmup.switch(
+                    state.count, warmup_steps, [lambda c=c: reduce(c) for c in (*stages, codec)]
+                )
             if adaptive is None or not grads:
                 return reduce(codec)
-            sizes = server.bound_sizes(axis_name, inner_axis_name) if use_server else None
             _check_same_servers(plan, codec, adaptive.gentle, strategy, sizes)
             return jax.lax.cond(
                 state.adaptive.critical, lambda: reduce(adaptive.gentle), lambda: reduce(codec)

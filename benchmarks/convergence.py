@@ -74,6 +74,9 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
     "sgd-topk1%-heavyball": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, nesterov=False),
     "sgd-topk1%-nowarmup": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, warmup_steps=0),
+    "sgd-topk1%-heavyball-nowarmup": lambda axis, lr: jc.sgd(
+        lr, jc.top_k(0.01), axis, nesterov=False, warmup_steps=0
+    ),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
     "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
         lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)
@@ -104,8 +107,8 @@ REGIMES: dict[str, tuple[str, ...]] = {
 # the steady state's (the last branch); "mean_bytes_per_step" weighs every stage by its steps.
 WARMUPS: dict[str, tuple[int, int, int]] = {
     "sgd-topk1%": (warmup.DENSITY_WARMUP_STEPS, 3, 4),  # 25%, 6.25%, 1.5625%, then 1%
-    "sgd-topk1%-heavyball": (warmup.DENSITY_WARMUP_STEPS, 3, 4),
     # 25%, 6.25%, 1.5625%, 0.4%, then 0.1% (the schedule's last stage is the codec's ratio).
+    "sgd-topk1%-heavyball": (warmup.DENSITY_WARMUP_STEPS, 3, 4),
     "dgc0.1%": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
 }
 
@@ -437,9 +440,11 @@ def finish(runs: list[dict]) -> None:
             continue
         r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
         r["delta"] = r["value"] - base["value"]
-        marks = base.get("checkpoints", {})
+        marks = {str(k): v for k, v in base.get("checkpoints", {}).items()}  # JSON: str keys
         r["checkpoint_delta"] = {
-            k: v - marks[k] for k, v in r.get("checkpoints", {}).items() if k in marks
+            str(k): v - marks[str(k)]
+            for k, v in r.get("checkpoints", {}).items()
+            if str(k) in marks
         }
 
 

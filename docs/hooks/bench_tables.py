@@ -722,40 +722,78 @@ DEFAULT_ROWS = {
     "sgd-sign-heavyball-allgather": 'heavy ball, `strategy="allgather"` (one compression)',
     "sgd-sign-b64": "`jc.sgd(lr, jc.sign(block_size=64), axis)` (default)",
     "sgd-sign-b64-heavyball": "`jc.sgd(..., jc.sign(block_size=64), nesterov=False)`",
-    "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead)",
-    "sgd-topk1%-heavyball": "`jc.sgd(..., jc.top_k(0.01), nesterov=False)` (heavy ball)",
-    "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)`",
+    "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead, 100-step warm-up)",
+    "sgd-topk1%-nowarmup": "`jc.sgd(..., jc.top_k(0.01), warmup_steps=0)` (look-ahead)",
+    "sgd-topk1%-heavyball-nowarmup": (
+        "`jc.sgd(..., jc.top_k(0.01), nesterov=False, warmup_steps=0)` (heavy ball)"
+    ),
+    "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: 100-step warm-up)",
+    "dgc0.1%-nowarmup": "`jc.dgc(0.001, axis, warmup_steps=0)` + `optax.sgd(lr)`",
 }
 
 
+def _accuracy_at(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """{seed: {step count: test accuracy}} of a method's runs: each run's final accuracy at
+    its own length and its ``--eval-at`` checkpoints."""
+    out: dict[int, dict[str, float]] = {}
+    for r in runs:
+        marks = out.setdefault(r.get("seed", 0), {})
+        marks.update({str(k): v for k, v in r.get("checkpoints", {}).items()})
+        marks[str(r["steps"])] = r["value"]
+    return out
+
+
+def _seed_cell(acc: dict[int, dict[str, float]], base: dict[int, dict[str, float]], mark: str):
+    """Mean accuracy and mean delta (points) over the seeds both have at ``mark``; with
+    several seeds, their number and the range of the deltas."""
+    seeds = [s for s in acc if mark in acc[s] and mark in base.get(s, {})]
+    if not seeds:
+        return "–"
+    deltas = [100 * (acc[s][mark] - base[s][mark]) for s in seeds]
+    mean = sum(acc[s][mark] for s in seeds) / len(seeds)
+    if len(seeds) == 1:
+        return f"{mean:.4f} ({deltas[0]:+.1f} pt)"
+    if acc is base:  # the baseline: the spread of its own accuracy
+        values = [acc[s][mark] for s in seeds]
+        return f"{mean:.4f} ({len(seeds)} seeds: {min(values):.4f} to {max(values):.4f})"
+    spread = f"{len(seeds)} seeds: {min(deltas):+.1f} to {max(deltas):+.1f}"
+    return f"{mean:.4f} ({sum(deltas) / len(deltas):+.1f} pt; {spread})"
+
+
+def _bytes_cells(runs: list[dict[str, Any]], base: dict[str, Any]) -> list[str]:
+    """Steady-state bytes per step (fewer than ``none``'s) and the mean over the longest run
+    (a density warm-up sends more in its first steps)."""
+    r = max((r for r in runs if "bytes_per_step" in r), key=lambda r: r["steps"])
+    steady, mean = r["bytes_per_step"], r.get("mean_bytes_per_step", r["bytes_per_step"])
+    return [
+        f"{_bytes(steady)} ({base['bytes_per_step'] / steady:.1f}x)",
+        f"{_bytes(mean)} ({base['bytes_per_step'] / mean:.1f}x)",
+    ]
+
+
 def _convergence_defaults(data: dict[str, Any], path: pathlib.Path) -> str:
-    """Test accuracy after 300 and 1000 steps (one run, ``--eval-at 300``) against the
-    uncompressed momentum SGD run (``none``) of the same task."""
-    runs = {(r["task"], r["method"]): r for r in data["runs"]}
+    """Test accuracy after 300 and 1000 steps (``--eval-at 300``, ``--seeds``) against the
+    uncompressed momentum SGD run (``none``) of the same task and seed: means over seeds."""
     out = []
     for task in dict.fromkeys(r["task"] for r in data["runs"]):
-        base = runs.get((task, "none"))
-        if base is None:
+        by = {}
+        for r in data["runs"]:
+            if r["task"] == task:
+                by.setdefault(r["method"], []).append(r)
+        if "none" not in by:
             continue
-        marks = sorted(base.get("checkpoints", {}), key=int)
-
-        def cells(r: dict[str, Any], base=base, marks=marks) -> list[str]:
-            got = [r.get("checkpoints", {}).get(k) for k in marks] + [r["value"]]
-            want = [base["checkpoints"][k] for k in marks] + [base["value"]]
-            return [
-                "–" if a is None else f"{a:.4f} ({100 * (a - b):+.1f} pt)"
-                for a, b in zip(got, want, strict=True)
-            ]
-
-        header = ["method", *[f"{k} steps" for k in marks], f"{base['steps']} steps"]
-        rows = [["momentum SGD, `pmean` (`none`)", *cells(base), _bytes(base["bytes_per_step"])]]
-        for method, how in DEFAULT_ROWS.items():
-            r = runs.get((task, method))
-            if r is not None:
-                saving = base["bytes_per_step"] / r["bytes_per_step"]
-                rows.append([how, *cells(r), f"{_bytes(r['bytes_per_step'])} ({saving:.1f}x)"])
-        out.append(f"**{task}**, test accuracy (delta against `none`):\n")
-        out.append(_markdown((header + ["bytes/step (fewer)"], rows)))
+        base = _accuracy_at(by["none"])
+        marks = sorted({m for s in base.values() for m in s}, key=int)
+        base_run = max(by["none"], key=lambda r: r["steps"])
+        header = ["method", *[f"{k} steps" for k in marks], "bytes/step (fewer)", "mean, all steps"]
+        rows = []
+        for method, how in {"none": "momentum SGD, `pmean` (`none`)", **DEFAULT_ROWS}.items():
+            if method in by:
+                acc = base if method == "none" else _accuracy_at(by[method])
+                cells = [_seed_cell(acc, base, k) for k in marks]
+                rows.append([how, *cells, *_bytes_cells(by[method], base_run)])
+        out.append(f"**{task}**, test accuracy (delta against `none`, same seed):\n")
+        out.append(_markdown((header, rows)))
     command = data.get("environment", {}).get("command") or RENDERERS[path.stem][1]
     return "\n\n".join(out) + "\n\n" + _source(path, data, command)
 

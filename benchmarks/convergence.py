@@ -49,6 +49,8 @@ STEPS = {"digits": 1000, "mnist1d": 2000, "teacher": 1000, "char": 300}
 TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
     "dgc0.1%": (lambda axis: jc.dgc(0.001, axis), True),
     "dgc0.1%-nowarmup": (lambda axis: jc.dgc(0.001, axis, warmup_steps=0), True),
+    "dgc0.1%-nesterov": (lambda axis: jc.dgc(0.001, axis, nesterov=True), True),
+    "dgc0.1%-nomask": (lambda axis: jc.dgc(0.001, axis, momentum_masking=False), True),
     "powersgd4": (lambda axis: jc.powersgd(4, axis), False),
     "signsgd_mv": (
         lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
@@ -73,10 +75,8 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-sign-ef21": lambda axis, lr: jc.sgd(lr, jc.sign(), axis, error_feedback="ef21"),
     "sgd-topk1%": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis),
     "sgd-topk1%-heavyball": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, nesterov=False),
-    "sgd-topk1%-nowarmup": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, warmup_steps=0),
-    "sgd-topk1%-heavyball-nowarmup": lambda axis, lr: jc.sgd(
-        lr, jc.top_k(0.01), axis, nesterov=False, warmup_steps=0
-    ),
+    # DGC's density warm-up (25%, 6.25%, 1.5625% for ~33 steps each, then 1%): off by default.
+    "sgd-topk1%-warmup100": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, warmup_steps=100),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
     "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
         lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)
@@ -106,10 +106,11 @@ REGIMES: dict[str, tuple[str, ...]] = {
 # codec): method -> (warm-up steps, stages, branches of the switch). Their bytes per step are
 # the steady state's (the last branch); "mean_bytes_per_step" weighs every stage by its steps.
 WARMUPS: dict[str, tuple[int, int, int]] = {
-    "sgd-topk1%": (warmup.DENSITY_WARMUP_STEPS, 3, 4),  # 25%, 6.25%, 1.5625%, then 1%
+    "sgd-topk1%-warmup100": (100, 3, 4),  # 25%, 6.25%, 1.5625%, then 1%
     # 25%, 6.25%, 1.5625%, 0.4%, then 0.1% (the schedule's last stage is the codec's ratio).
-    "sgd-topk1%-heavyball": (warmup.DENSITY_WARMUP_STEPS, 3, 4),
     "dgc0.1%": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
+    "dgc0.1%-nesterov": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
+    "dgc0.1%-nomask": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
 }
 
 
@@ -438,7 +439,8 @@ def finish(runs: list[dict]) -> None:
         )
         if base is None:
             continue
-        r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
+        if "bytes_per_step" in base and "bytes_per_step" in r:  # value-only runs have none
+            r["compression"] = base["bytes_per_step"] / r["bytes_per_step"]
         r["delta"] = r["value"] - base["value"]
         marks = {str(k): v for k, v in base.get("checkpoints", {}).items()}  # JSON: str keys
         r["checkpoint_delta"] = {
@@ -454,7 +456,7 @@ def print_table(runs: list[dict]) -> None:
         print(
             f"{r['task']:8s} {r['method']:11s}{r.get('compression', math.nan):>7.1f}x"
             f"{r['value']:>9.4f}{r.get('delta', math.nan):>+9.4f}"
-            f"{r['bytes_per_step'] / 1024:>10.1f}"
+            f"{r.get('bytes_per_step', math.nan) / 1024:>10.1f}"
         )
 
 
@@ -465,7 +467,7 @@ def draw(runs: list[dict], quick: bool, label: str = "") -> None:
 
         def one(ax, task=task):
             for r in runs:
-                if r["task"] != task:
+                if r["task"] != task or "curve" not in r:  # value-only runs have no curve
                     continue
                 c = np.asarray(r["curve"])
                 w = max(1, len(c) // 50)

@@ -251,10 +251,7 @@ ROWS = [
     ),
     Row(
         "sgd-topk-nesterov",
-        # warmup_steps=0: the density warm-up's stages are tests/test_warmup.py's.
-        functools.partial(
-            jc.sgd, 0.1, jc.top_k(0.01), momentum=BETA, nesterov=True, warmup_steps=0
-        ),
+        functools.partial(jc.sgd, 0.1, jc.top_k(0.01), momentum=BETA, nesterov=True),
         law="Nesterov sends beta m_i + (1 - beta) g_i, not the momentum: tests/test_recipes.py",
         out_scale=-1.0,
         bad=SGD_ERRORS,

@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src import warmup
-from jaxcomp._src.sgd import density_warmup
 
 
 def test_ramp_and_stages_are_exact():
@@ -30,14 +29,13 @@ def test_ramp_and_stages_are_exact():
     assert warmup.stage_steps(50, 0, 3) == [0, 0, 0, 50]
 
 
-def test_defaults_turn_the_warmup_on_for_biased_sparse_codecs_only():
+def test_warmup_is_dgc_default_and_off_elsewhere():
     assert warmup.DENSITY_WARMUP_STEPS == 100
-    assert density_warmup(None, jc.top_k(0.01), {}) == 100
-    assert density_warmup(None, jc.sign(), {}) == 0
-    assert density_warmup(None, jc.random_k(0.01), {}) == 0  # unbiased: rescaled instead
-    assert density_warmup(None, jc.top_k(0.01), {"adaptive": jc.accordion(jc.top_k(0.1))}) == 0
-    assert density_warmup(7, jc.top_k(0.01), {}) == 7
     assert inspect.signature(jc.dgc).parameters["warmup_steps"].default == 100
+    assert inspect.signature(jc.compressed_allreduce).parameters["warmup_steps"].default == 0
+    assert warmup.sparse_ratio(jc.top_k(0.01)) == 0.01
+    assert warmup.sparse_ratio(jc.sign()) is None
+    assert warmup.sparse_ratio(jc.random_k(0.01)) is None  # unbiased: rescaled instead
 
 
 D = 64 * 64

@@ -722,11 +722,9 @@ DEFAULT_ROWS = {
     "sgd-sign-heavyball-allgather": 'heavy ball, `strategy="allgather"` (one compression)',
     "sgd-sign-b64": "`jc.sgd(lr, jc.sign(block_size=64), axis)` (default)",
     "sgd-sign-b64-heavyball": "`jc.sgd(..., jc.sign(block_size=64), nesterov=False)`",
-    "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead, 100-step warm-up)",
-    "sgd-topk1%-nowarmup": "`jc.sgd(..., jc.top_k(0.01), warmup_steps=0)` (look-ahead)",
-    "sgd-topk1%-heavyball-nowarmup": (
-        "`jc.sgd(..., jc.top_k(0.01), nesterov=False, warmup_steps=0)` (heavy ball)"
-    ),
+    "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead)",
+    "sgd-topk1%-heavyball": "`jc.sgd(..., jc.top_k(0.01), nesterov=False)` (heavy ball)",
+    "sgd-topk1%-warmup100": "`jc.sgd(..., jc.top_k(0.01), warmup_steps=100)` (density warm-up)",
     "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: 100-step warm-up)",
     "dgc0.1%-nowarmup": "`jc.dgc(0.001, axis, warmup_steps=0)` + `optax.sgd(lr)`",
 }

@@ -238,7 +238,7 @@ def compressed_allreduce(
         its ratio), each for ``warmup_steps / stages`` steps, then ``codec`` itself (DGC's
         warm-up, :mod:`jaxcomp._src.warmup`). One ``jax.lax.switch`` on the step count
         (``jc.comm_report`` counts every stage: weigh them with ``mean_bytes_per_device``).
-        0 (default): none. :func:`jaxcomp.sgd` turns it on for top-k.
+        0 (default): none (also in :func:`jaxcomp.sgd`; :func:`jaxcomp.dgc` has its own).
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::

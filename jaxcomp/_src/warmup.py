@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from jaxcomp._src.codecs.base import Codec, check_int
 
-#: Default steps of the density warm-up of ``jc.dgc`` and of top-k in ``jc.sgd``: 5-10% of a
-#: run of 1000-2000 steps, a small share of a long one.
+#: Default steps of the density warm-up of ``jc.dgc`` (5-10% of a run of 1000-2000 steps, a
+#: small share of a long one); ``jc.compressed_allreduce`` and ``jc.sgd`` default to none.
 DENSITY_WARMUP_STEPS = 100
 #: Density of the first stage, and the factor it falls by per stage (DGC's schedule).
 FIRST_DENSITY = 0.25

@@ -727,6 +727,8 @@ DEFAULT_ROWS = {
     "sgd-topk1%-warmup100": "`jc.sgd(..., jc.top_k(0.01), warmup_steps=100)` (density warm-up)",
     "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: 100-step warm-up)",
     "dgc0.1%-nowarmup": "`jc.dgc(0.001, axis, warmup_steps=0)` + `optax.sgd(lr)`",
+    "dgc0.1%-nesterov": "`jc.dgc(0.001, axis, nesterov=True)` + `optax.sgd(lr)`",
+    "dgc0.1%-nomask": "`jc.dgc(0.001, axis, momentum_masking=False)` + `optax.sgd(lr)`",
 }
 
 

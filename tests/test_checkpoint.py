@@ -177,7 +177,7 @@ def resize_transforms():
     return {
         "sgd_sign_two_phase": jc.sgd(0.05, jc.sign(), "data", **two_phase),
         "ef21_int4": jc.compressed_allreduce(jc.int_quant(4), "data", error_feedback="ef21"),
-        "dgc_two_phase": jc.dgc(0.05, "data", **two_phase),
+        "dgc_two_phase": jc.dgc(0.05, "data", warmup_steps=0, **two_phase),
         "powersgd": jc.powersgd(2, "data", min_size=64),
         "onebit_adam": jc.onebit_adam(0.01, "data", freeze_step=2, min_size=64),
         "diloco_int8": jc.diloco(optax.adam(0.01), "data", 4, codec=jc.int_quant(8), delay=1),

@@ -46,7 +46,7 @@ def transforms():
         "random_k_allreduce": ca(jc.random_k(0.1), strategy="allreduce"),
         "top_k_residual": ca(jc.top_k(0.05), error_feedback="residual"),
         "bf16_allreduce_residual": ca(jc.cast("bf16"), error_feedback="residual"),
-        "dgc_two_phase": jc.dgc(0.05, "data", min_size=64, strategy="two_phase"),
+        "dgc_two_phase": jc.dgc(0.05, "data", min_size=64, strategy="two_phase", warmup_steps=0),
         "powersgd": jc.powersgd(2, "data", start_step=2, min_size=64),
     }
 

@@ -34,7 +34,7 @@ TRANSFORMS = {
     "compressed_allreduce_int8": lambda: optax.chain(
         jc.compressed_allreduce(jc.int_quant(8), AXIS, min_size=16), optax.sgd(0.1)
     ),
-    "dgc": lambda: optax.chain(jc.dgc(0.1, AXIS, min_size=16), optax.sgd(0.1)),
+    "dgc": lambda: optax.chain(jc.dgc(0.1, AXIS, min_size=16, warmup_steps=0), optax.sgd(0.1)),
     "onebit_adam": lambda: jc.onebit_adam(1e-3, AXIS, freeze_step=2, min_size=16),
     "zero_one_adam": lambda: jc.zero_one_adam(1e-3, AXIS, var_freeze_step=2, min_size=16),
 }

@@ -370,6 +370,7 @@ def test_dgc_conserves_momentum_corrected_velocity(masking, strategy, nesterov):
         momentum_masking=masking,
         strategy=strategy,
         min_size=10,
+        warmup_steps=0,
     )
 
     def fed(g, s):  # what enters the accumulation this step (compressed leaves: only "w")

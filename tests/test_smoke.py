@@ -87,7 +87,7 @@ TRANSFORMS = {
         2.0,
     ),
     "dgc 5%": (
-        lambda: optax.chain(jc.dgc(0.05, "data", momentum=0.9), optax.sgd(LR)),
+        lambda: optax.chain(jc.dgc(0.05, "data", momentum=0.9, warmup_steps=0), optax.sgd(LR)),
         0.15,
         2.0,
     ),

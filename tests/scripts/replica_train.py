@@ -70,7 +70,7 @@ def families() -> dict[str, optax.GradientTransformation]:
         "qsgd": ca(jc.qsgd(16, bucket_size=128)),
         "random_k": ca(jc.random_k(0.1)),
         "top_k": ca(jc.top_k(0.05), error_feedback="residual"),
-        "dgc": jc.dgc(0.05, AXIS, momentum=0.9, min_size=64),
+        "dgc": jc.dgc(0.05, AXIS, momentum=0.9, min_size=64, warmup_steps=0),
         "powersgd": jc.powersgd(2, AXIS, start_step=3, min_size=64),
         # One flat bucket each (granularity="flat"): half the compiled code of two leaves.
         "fp16": flat(jc.cast("fp16")),

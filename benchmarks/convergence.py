@@ -56,6 +56,19 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
         lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
         False,
     ),
+    # Error-feedback memories kept in bfloat16 (against the codec rows "sign", "int8").
+    "sign-bf16memory": (
+        lambda axis: jc.compressed_allreduce(
+            jc.sign(), axis, min_size=1024, memory_dtype="bfloat16"
+        ),
+        False,
+    ),
+    "int8-bf16memory": (
+        lambda axis: jc.compressed_allreduce(
+            jc.int_quant(8), axis, min_size=1024, memory_dtype="bfloat16"
+        ),
+        False,
+    ),
 }
 # Optimizer-level recipes: name -> factory(axis, learning rate or schedule) -> the whole
 # optimizer (the exchange and the step). Classifiers use the baseline's lr (0.05); the char

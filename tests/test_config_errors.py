@@ -212,6 +212,12 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", worker_momentum=0.9, worker_nesterov=1),
         TypeError,
     ),
+    (
+        "compressed_allreduce",
+        "memory_dtype",
+        lambda: jc.compressed_allreduce(S, "d", memory_dtype="int8"),
+        ValueError,
+    ),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=1.0), ValueError),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
     ("sgd", "worker_momentum", lambda: jc.sgd(0.1, S, "d", worker_momentum=0.9), TypeError),

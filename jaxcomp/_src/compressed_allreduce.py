@@ -23,8 +23,8 @@ class CompressedAllreduceState(NamedTuple):
     (small, masked, integer); each array carries a leading axis of 1, this device's slot.
     """
 
-    memory: Any  # per device, f32[1, *leaf.shape] per compressed leaf: residual e_i or EF21's h_i
-    server_residual: Any  # per device, f32[1, c] per compressed two-phase leaf: the owned
+    memory: Any  # per device, [1, *leaf.shape] (f32 or memory_dtype) per compressed leaf: e_i, h_i
+    server_residual: Any  # per device, [1, c] (f32 or memory_dtype) per two-phase leaf: the owned
     #                       chunk's re-encoding error (c = ceil(size / n)); None if unused
     estimate: Any  # identical on every device, f32[*leaf.shape] per compressed leaf: EF21's h
     key: chex.PRNGKey  # uint32[2], identical on every device; split every step
@@ -137,6 +137,7 @@ def compressed_allreduce(
     bucket_bytes: int = buckets.BUCKET_BYTES,
     param_specs: Any = None,
     warmup_steps: int = 0,
+    memory_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -239,6 +240,10 @@ def compressed_allreduce(
         warm-up, :mod:`jaxcomp._src.warmup`). One ``jax.lax.switch`` on the step count
         (``jc.comm_report`` counts every stage: weigh them with ``mean_bytes_per_device``).
         0 (default): none (also in :func:`jaxcomp.sgd`; :func:`jaxcomp.dgc` has its own).
+      memory_dtype: the type the error-feedback memories (``memory``, ``server_residual``)
+        are kept in, as optax's ``mu_dtype``: None (float32) or ``jnp.bfloat16`` (half the
+        state; read as float32, stored rounded to nearest and saturating, so a finite memory
+        never becomes inf). ``jnp.float16`` also works but saturates at 65504.
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
@@ -276,6 +281,7 @@ def compressed_allreduce(
     if not isinstance(worker_nesterov, bool):
         raise TypeError(f"`worker_nesterov` must be a bool, got {worker_nesterov!r}")
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
+    memory_dtype = feedback.check_memory_dtype(memory_dtype)
 
     flat = granularity == "flat"
 
@@ -291,10 +297,12 @@ def compressed_allreduce(
         """Every per-leaf field, zeros (None where unused: orbax saves no zero-size array)."""
         some = bool(layout.compressed_size)
         return {
-            "memory": skeleton.zeros_like_compressed(layout)
+            "memory": skeleton.zeros_like_compressed(layout, dtype=memory_dtype)
             if some and error_feedback is not None
             else None,
-            "server_residual": server.zeros(layout, chunks(layout), flat, use_server and some),
+            "server_residual": server.zeros(
+                layout, chunks(layout), flat, use_server and some, memory_dtype
+            ),
             "estimate": skeleton.zeros_like_compressed(layout, lambda s: s)
             if some and error_feedback == "ef21"
             else None,
@@ -328,7 +336,7 @@ def compressed_allreduce(
         kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
 
-        memory = skeleton.vectors(state.memory) if kind else [None] * len(grads)
+        memory = feedback.widened(skeleton.vectors(state.memory) if kind else [None] * len(grads))
         targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
 
         plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
@@ -376,7 +384,7 @@ def compressed_allreduce(
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
 
         new_memory = [
-            feedback.next_memory(m, t, s, kind)
+            feedback.to_memory(feedback.next_memory(m, t, s, kind), memory_dtype)
             for m, t, s in zip(memory, targets, sent, strict=True)
         ]
         new_state = CompressedAllreduceState(

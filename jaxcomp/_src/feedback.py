@@ -35,11 +35,19 @@ running estimate ``h``, which tracks ``mean_i g_i``.
 ``None``: no memory, ``out = mean_i C(g_i)`` (right for unbiased codecs).
 
 ``"auto"``: ``"residual"`` for biased codecs, ``None`` for unbiased ones.
+
+Memories may be kept in bfloat16 (``memory_dtype=jnp.bfloat16``, as optax's ``mu_dtype``):
+read widened to float32, updated in float32, stored rounded to nearest (saturating at the
+type's largest finite value). Each step then loses the rounding of ``e_i`` (relative
+``2^-9``), a fraction of what the codec drops, for half the memory.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 
 KINDS = ("auto", "residual", "ef21", None)
 
@@ -85,3 +93,46 @@ def next_memory(memory: jax.Array, sent_target: jax.Array, sent: jax.Array, kind
 def output(mean: jax.Array, estimate: jax.Array, kind) -> jax.Array:
     """What the transform returns: the mean of what was sent, or EF21's global estimate."""
     return estimate + mean if kind == "ef21" else mean
+
+
+#: The types an error-feedback memory may be kept in (``memory_dtype=``).
+MEMORY_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_memory_dtype(memory_dtype: Any) -> Any:
+    """``memory_dtype`` as a jnp dtype: None is float32; bfloat16 and float16 halve the memory.
+
+    Raises a ValueError naming the argument for any other type (an integer memory would
+    truncate what compression drops; float64 is not used by jaxcomp's float32 work).
+    """
+    if memory_dtype is None:
+        return jnp.dtype(jnp.float32)
+    try:
+        dtype = jnp.dtype(memory_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in MEMORY_DTYPES:
+        raise ValueError(
+            f"`memory_dtype` must be None (float32), jnp.float32, jnp.bfloat16 or jnp.float16, "
+            f"got {memory_dtype!r}"
+        )
+    return dtype
+
+
+def widened(memories: list) -> list:
+    """Memories as float32 for the step's work (None entries stay None)."""
+    return [None if m is None else m.astype(jnp.float32) for m in memories]
+
+
+def to_memory(x: jax.Array, dtype: Any) -> jax.Array:
+    """A float32 memory ``x`` stored as ``dtype``, rounded to nearest and saturating.
+
+    Finite values beyond the type's largest finite value are clipped to it (float32's
+    3.4e38 would round to bfloat16's inf, float16 overflows at 65504), so a finite memory
+    never becomes inf by being stored; NaN and inf stay what they are (a non-finite step is
+    frozen before it is stored, ``skeleton.freeze``).
+    """
+    if dtype == jnp.float32:
+        return x
+    big = float(jnp.finfo(dtype).max)
+    return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import collectives
+from jaxcomp._src import collectives, feedback
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import Codec, ceil_div
 
@@ -56,7 +56,13 @@ def bound_sizes(axis_name: Any, inner_axis_name: Any) -> tuple[int, int] | None:
     return None if n is None or n_inner is None else (n, n_inner)
 
 
-def zeros(layout: layouts.Layout, chunks: Chunks | None, flat: bool, used: bool = True) -> Any:
+def zeros(
+    layout: layouts.Layout,
+    chunks: Chunks | None,
+    flat: bool,
+    used: bool = True,
+    dtype: Any = jnp.float32,
+) -> Any:
     """The initial field: zeros of the owned chunks of every compressed leaf (None if unused).
 
     Built outside the mesh (``chunks`` None, the number of devices unknown: ``tx.init``
@@ -71,7 +77,7 @@ def zeros(layout: layouts.Layout, chunks: Chunks | None, flat: bool, used: bool 
         widths = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
     else:
         widths = [sum(c) for c in chunks.sizes]
-    arrays = [jnp.zeros((1, w), jnp.float32) for w in widths]
+    arrays = [jnp.zeros((1, w), dtype) for w in widths]
     if flat:
         return arrays[0] if arrays else None
     return layouts.like_compressed(layout, arrays) if arrays else None
@@ -176,6 +182,7 @@ def write(
             width = d if whole_room else c
             part, chunk = vector[offset : offset + width], next(it)
             if chunk is not None:
+                chunk = feedback.to_memory(chunk, vector.dtype)
                 part = owner.put(part, chunk) if whole_room else chunk
             kept.append(part)
             offset += width

@@ -125,8 +125,10 @@ def check_per_device(name: str, state: Any, axis_name: Any) -> None:
             )
 
 
-def zeros_like_compressed(layout: layouts.Layout, shape_fn: Callable | None = None) -> Any:
-    """Per-device float32 zeros for every compressed leaf, None elsewhere.
+def zeros_like_compressed(
+    layout: layouts.Layout, shape_fn: Callable | None = None, dtype: Any = jnp.float32
+) -> Any:
+    """Per-device zeros (float32 unless ``dtype``) for every compressed leaf, None elsewhere.
 
     ``shape_fn(leaf_shape) -> shape`` (default: ``(1, *leaf_shape)``, a per-device memory);
     a leaf whose ``shape_fn`` returns None gets None.
@@ -136,7 +138,7 @@ def zeros_like_compressed(layout: layouts.Layout, shape_fn: Callable | None = No
         shape_fn(s) for s, g in zip(layout.shapes, layout.groups, strict=True) if g == "compressed"
     ]
     return layouts.like_compressed(
-        layout, [None if s is None else jnp.zeros(s, jnp.float32) for s in shapes]
+        layout, [None if s is None else jnp.zeros(s, dtype) for s in shapes]
     )
 
 

@@ -6,7 +6,9 @@ replicated, batch sharded, params and state donated) and reads XLA's
 ``compiled.memory_analysis()``: ``arguments`` (params, state, batch), ``temporaries`` (what the
 program allocates while it runs), ``outputs`` and ``aliased`` (outputs written into donated
 arguments). Each is divided by the bytes of the float32 params, so ``optax.sgd`` with momentum
-holds 2.0 argument copies (params + momentum). Plain optimizers average the gradient with
+holds 2.0 argument copies (params + momentum). Rows marked "bf16 memory" keep the error-
+feedback memories in bfloat16 (``memory_dtype="bfloat16"``). Plain optimizers average the
+gradient with
 ``jax.lax.pmean``; jaxcomp transforms replace that exchange. Nothing runs: compile only.
 
 Writes ``benchmarks/results/memory.json`` (``--quick``: memory_quick.json, a small MLP)::
@@ -33,6 +35,7 @@ def transforms() -> dict:
     import jaxcomp as jc
 
     adamw = optax.adamw(1e-3)
+    bf16 = {"memory_dtype": "bfloat16"}
     return {
         "optax.sgd(momentum)": (optax.sgd(0.1, momentum=0.9), True),
         "jc.sgd(int8)": (jc.sgd(0.1, jc.int_quant(8), AXIS), False),
@@ -44,6 +47,13 @@ def transforms() -> dict:
         "powersgd r4 + adamw": (optax.chain(jc.powersgd(4, AXIS), adamw), False),
         "jc.onebit_adam": (jc.onebit_adam(1e-3, AXIS, freeze_step=100), False),
         "jc.zero_one_adam": (jc.zero_one_adam(1e-3, AXIS, var_freeze_step=100), False),
+        # Error-feedback memories in bfloat16 (memory_dtype=): half of that state.
+        "jc.sgd(int8), bf16 memory": (jc.sgd(0.1, jc.int_quant(8), AXIS, **bf16), False),
+        "jc.sgd(sign), bf16 memory": (jc.sgd(0.1, jc.sign(), AXIS, **bf16), False),
+        "jc.onebit_adam, bf16 memory": (
+            jc.onebit_adam(1e-3, AXIS, freeze_step=100, **bf16),
+            False,
+        ),
     }
 
 

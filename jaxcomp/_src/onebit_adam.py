@@ -3,6 +3,7 @@ exchanged through a 1-bit codec with worker and server error feedback."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -111,18 +112,28 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis, options.get("bucket_bytes", 2**25)
 
 
-def adam_round(grads: Any, mu: Any, nu: Any, b1, b2, every_axis: Any, bucket_bytes: int):
-    """One uncompressed Adam round: the float32 mean gradient (bucketed ``pmean``) moves the
-    momentum and the variance. Returns ``(mu, nu, non-finite flag)``."""
+def mean_gradient(grads: Any, every_axis: Any, bucket_bytes: int) -> tuple[Any, jax.Array]:
+    """The float32 mean gradient (bucketed ``pmean``) and its non-finite flag."""
     leaves, treedef = jax.tree.flatten(as_float32(grads))
     means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
-    g = jax.tree.unflatten(treedef, means)
+    return jax.tree.unflatten(treedef, means), collectives.local_nonfinite(held)
+
+
+def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
+    """Adam's ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2`` (the square
+    saturating: a finite outlier never leaves ``v`` inf, frozen for ever)."""
     mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, mu, g)
-    # A finite outlier's square saturates instead of leaving nu inf (frozen for ever).
     nu = jax.tree.map(
         lambda v, x: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(x), F32_MAX), nu, g
     )
-    return mu, nu, collectives.local_nonfinite(held)
+    return mu, nu
+
+
+def adam_round(grads: Any, mu: Any, nu: Any, b1, b2, every_axis: Any, bucket_bytes: int):
+    """One uncompressed Adam round: the float32 mean gradient (bucketed ``pmean``) moves the
+    momentum and the variance. Returns ``(mu, nu, non-finite flag)``."""
+    g, bad = mean_gradient(grads, every_axis, bucket_bytes)
+    return (*adam_moments(mu, nu, g, b1, b2), bad)
 
 
 def zeros_f32(tree: Any) -> Any:
@@ -159,10 +170,15 @@ def scale_by_onebit_adam(
             count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros, exchange=inner.init(params)
         )
 
+    # The lax.cond returns one params-sized tree (the warm-up's mean gradient or the
+    # compression stage's mean momentum) and the exchange state; Adam's moments are moved
+    # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
+    # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
+
     def warmup(grads, state, params):
-        """Adam on the float32 mean gradient (uncompressed), variance still learning."""
-        mu, nu, bad = adam_round(grads, state.mu, state.nu, b1, b2, every_axis, bucket_bytes)
-        return mu, nu, state.exchange, bad
+        """The float32 mean gradient (uncompressed): Adam with the variance still learning."""
+        g, bad = mean_gradient(grads, every_axis, bucket_bytes)
+        return g, state.exchange, bad
 
     def compressed(grads, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
@@ -170,7 +186,13 @@ def scale_by_onebit_adam(
         mu, exchange_state = preconditioned_mean(
             inner, local, state.nu, frozen_scale(state.count), eps, state.exchange, params
         )
-        return mu, state.nu, exchange_state, collectives.local_nonfinite(mu)
+        return mu, exchange_state, collectives.local_nonfinite(mu)
+
+    def moments(state, warm, x):
+        """Warm-up: Adam's moments moved by the mean gradient ``x``; after: ``mu = x``."""
+        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
+        pick = functools.partial(jax.tree.map, lambda a, b: jnp.where(warm, a, b))
+        return pick(mu, x), pick(nu, state.nu)
 
     def frozen_scale(count):
         """Adam's bias correction of the variance, frozen at ``freeze_step``."""
@@ -182,16 +204,22 @@ def scale_by_onebit_adam(
         skeleton.begin("onebit_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
-        mu, nu, exchange_state, bad = jax.lax.cond(
-            state.count < freeze_step, warmup, compressed, updates, state, params
-        )
+        warm = state.count < freeze_step
+        x, exchange_state, bad = jax.lax.cond(warm, warmup, compressed, updates, state, params)
+        mu, nu = moments(state, warm, x)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         nu_scale = frozen_scale(state.count)
-        # A non-finite step: NaN everywhere (not just where the mean was), state kept.
-        direction = adam_direction(mu, nu, updates, mu_scale, nu_scale, eps, bad)
         new_state = OneBitAdamState(count=state.count + 1, mu=mu, nu=nu, exchange=exchange_state)
-        return direction, skeleton.freeze(bad, state, new_state)
+        new_state = skeleton.freeze(bad, state, new_state)
+        # A non-finite step: NaN everywhere (not just where the mean was), state kept. The
+        # direction reads the frozen state (the same where the step is finite): the new
+        # mu and nu then have one reader each, written once into the state's own buffers
+        # (read before the freeze, each was a params-sized temporary).
+        direction = adam_direction(
+            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad
+        )
+        return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

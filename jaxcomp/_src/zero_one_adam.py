@@ -155,8 +155,6 @@ def scale_by_zero_one_adam(
         )
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
-        nu_scale = variance_scale(variance_updates)
-        direction = adam_direction(mu, nu, updates, mu_scale, nu_scale, eps, bad)
         new_state = ZeroOneAdamState(
             count=state.count + 1,
             variance_updates=variance_updates,
@@ -165,7 +163,13 @@ def scale_by_zero_one_adam(
             pending=pending,
             exchange=exchange_state,
         )
-        return direction, skeleton.freeze(bad, state, new_state)
+        new_state = skeleton.freeze(bad, state, new_state)
+        # Read from the frozen state (as onebit_adam): no params-sized temporary per moment.
+        nu_scale = variance_scale(new_state.variance_updates)
+        direction = adam_direction(
+            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad
+        )
+        return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

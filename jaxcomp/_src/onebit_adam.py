@@ -129,13 +129,6 @@ def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
     return mu, nu
 
 
-def adam_round(grads: Any, mu: Any, nu: Any, b1, b2, every_axis: Any, bucket_bytes: int):
-    """One uncompressed Adam round: the float32 mean gradient (bucketed ``pmean``) moves the
-    momentum and the variance. Returns ``(mu, nu, non-finite flag)``."""
-    g, bad = mean_gradient(grads, every_axis, bucket_bytes)
-    return (*adam_moments(mu, nu, g, b1, b2), bad)
-
-
 def zeros_f32(tree: Any) -> Any:
     return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), tree)
 

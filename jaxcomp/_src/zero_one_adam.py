@@ -14,10 +14,11 @@ from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
     adam_direction,
-    adam_round,
+    adam_moments,
     as_float32,
     check_number,
     decoupled_weight_decay,
+    mean_gradient,
     momentum_exchange,
     preconditioned_mean,
     zeros_f32,
@@ -102,10 +103,15 @@ def scale_by_zero_one_adam(
             exchange=inner.init(params),
         )
 
+    # The lax.switch returns one params-sized tree (the variance round's mean gradient, the
+    # compressed round's mean momentum, zeros in a skipped round) and the exchange state;
+    # Adam's moments and the pending sums move outside it, in place (returned from the
+    # branches, XLA copied each out of the switch's buffers).
+
     def full(grads, state, params):
-        """Adam on the float32 mean gradient: momentum and variance both move."""
-        mu, nu, bad = adam_round(grads, state.mu, state.nu, b1, b2, every_axis, bucket_bytes)
-        return mu, nu, state.pending, state.exchange, state.variance_updates + 1, bad
+        """The float32 mean gradient: momentum and variance both move (outside)."""
+        g, bad = mean_gradient(grads, every_axis, bucket_bytes)
+        return g, state.exchange, bad
 
     def compressed(grads, state, params):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""
@@ -124,21 +130,32 @@ def scale_by_zero_one_adam(
             state.exchange,
             params,
         )
-        pending = jax.tree.map(jnp.zeros_like, state.pending)
-        bad = collectives.local_nonfinite(mu)
-        return mu, state.nu, pending, exchange_state, state.variance_updates, bad
+        return mu, exchange_state, collectives.local_nonfinite(mu)
 
     def skipped(grads, state, params):
-        """No gradient on the wire: the synchronized momentum decays and moves the params on every
-        device alike; each device keeps ``(1 - b1) g_i`` for its next exchange."""
-        grads = as_float32(grads)
-        mu = jax.tree.map(lambda m: b1 * m, state.mu)
-        pending = jax.tree.map(lambda p, x: p + (1.0 - b1) * x[None], state.pending, grads)
+        """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
+        update with a zero mean) and moves the params on every device alike."""
         # One scalar all-reduce: a non-finite gradient on any device poisons every device's
         # update and keeps every state as it was (nothing gradient-sized on the wire).
-        flag = collectives.local_nonfinite(grads).astype(jnp.float32)
+        flag = collectives.local_nonfinite(as_float32(grads)).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
-        return mu, state.nu, pending, state.exchange, state.variance_updates, bad
+        return jax.tree.map(jnp.zeros_like, state.mu), state.exchange, bad
+
+    def moved(state, kind, x, grads):
+        """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x``:
+        a skipped round keeps ``(1 - b1) g_i`` pending for the next exchange, which empties
+        it."""
+        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
+        mu = jax.tree.map(lambda a, b: jnp.where(kind == COMPRESSED, b, a), mu, x)
+        nu = jax.tree.map(lambda a, b: jnp.where(kind == FULL, a, b), nu, state.nu)
+        pending = jax.tree.map(
+            lambda p, g: jnp.where(
+                kind == COMPRESSED, 0.0, jnp.where(kind == SKIPPED, p + (1.0 - b1) * g[None], p)
+            ),
+            state.pending,
+            as_float32(grads),
+        )
+        return mu, nu, pending
 
     def variance_scale(variance_updates):
         """Adam's bias correction of the variance after that many variance rounds."""
@@ -150,9 +167,11 @@ def scale_by_zero_one_adam(
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
         kind = round_kind(state.count, freeze, var_scaler, local_scaler, clip)
-        mu, nu, pending, exchange_state, variance_updates, bad = jax.lax.switch(
+        x, exchange_state, bad = jax.lax.switch(
             kind, (full, compressed, skipped), updates, state, params
         )
+        mu, nu, pending = moved(state, kind, x, updates)
+        variance_updates = state.variance_updates + (kind == FULL).astype(jnp.int32)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = ZeroOneAdamState(

@@ -199,10 +199,45 @@ def _psgd(rank: int) -> Recipe:
     )
 
 
+def reset_every(inner: Any, period: int) -> Any:
+    """``inner`` whose float state (Adam's moments) is zeroed before every ``period``-th
+    update after the first, its integer state (step counts: the schedule, bias correction)
+    kept: DiLoCo with the inner optimizer's moments reset at every sync."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def init_fn(params):
+        return (inner.init(params), jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        s, count = state
+        fresh = (count > 0) & (count % period == 0)
+
+        def zero(x):
+            floating = jnp.issubdtype(jnp.result_type(x), jnp.floating)
+            return jnp.where(fresh, jnp.zeros_like(x), x) if floating else x
+
+        u, s = inner.update(updates, jax.tree.map(zero, s), params)
+        return u, (s, count + 1)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def _diloco(
-    sync_every: int, codec: str | None = "int4", outer: tuple[float, float] | None = None, **kw
+    sync_every: int,
+    codec: str | None = "int4",
+    outer: tuple[float, float] | None = None,
+    *,
+    inner_lr: float | None = None,
+    outer_warmup: int = 0,
+    reset: bool = False,
+    **kw,
 ) -> Callable[[Run, Any], Any]:
-    """``jc.diloco`` of AdamW; ``outer=(lr, momentum)``: Nesterov SGD (None: the defaults)."""
+    """``jc.diloco`` of AdamW (peak ``inner_lr``, None: the run's); ``outer=(lr, momentum)``:
+    Nesterov SGD (None: the defaults), its lr warmed up linearly over the first
+    ``outer_warmup`` outer steps (from ``lr / outer_warmup``); ``reset``: the inner moments
+    zeroed at every sync (:func:`reset_every`)."""
 
     def make(run: Run, axis: Any) -> Any:
         import optax
@@ -211,10 +246,15 @@ def _diloco(
 
         c = None if codec is None else common.make_codec(codec)
         o = None
-        if outer is not None:
-            lr, momentum = outer
+        if outer is not None or outer_warmup:
+            lr, momentum = outer or (0.7, 0.6)
+            if outer_warmup:
+                lr = optax.linear_schedule(lr / outer_warmup, lr, outer_warmup - 1)
             o = optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum))
-        return jc.diloco(run.adamw(), axis, sync_every, codec=c, outer=o, **kw)
+        inner = run.adamw(inner_lr)
+        if reset:
+            inner = reset_every(inner, sync_every)
+        return jc.diloco(inner, axis, sync_every, codec=c, outer=o, **kw)
 
     return make
 
@@ -299,6 +339,14 @@ RECIPES: dict[str, Recipe] = {
     "diloco-int4-H30-M2-outer0.7-0.9": _dl(30, (0.7, 0.9), m=2),
     "diloco-int4-H30-M2-outer1.0-0": _dl(30, (1.0, 0.0), m=2),
     "diloco-int4-H30-M2-outer0.7-0.6": _dl(30, (0.7, 0.6), m=2),
+    # Inner peak lr (AdamW's 3e-3 scaled by sqrt(replica batch / global batch)), an outer
+    # warm-up over 3 outer steps, the inner moments reset at every sync.
+    "diloco-int4-H30-inner1e-3": _dl(30, inner_lr=1e-3),
+    "diloco-int4-H30-M2-inner2e-3": _dl(30, m=2, inner_lr=2e-3),
+    "diloco-int4-H30-outerwarmup3": _dl(30, outer_warmup=3),
+    "diloco-int4-H30-reset": _dl(30, reset=True),
+    "diloco-int4-H30-M2-outerwarmup3": _dl(30, m=2, outer_warmup=3),
+    "diloco-int4-H30-M2-reset": _dl(30, m=2, reset=True),
 }
 
 
@@ -545,10 +593,12 @@ def train(task: Task, name: str, recipe: Recipe, run: Run, eval_every: int) -> d
             return jax.tree.map(lambda x: x[0], host)
         return jc.mean_replica(host)
 
-    curve, evals = [], []
+    curve, evals, step_seconds = [], [], []
     start = time.perf_counter()
     for t in range(run.steps):
+        t1 = time.perf_counter()
         params, state, loss = jax.block_until_ready(fn(params, state, put(task.batch())))
+        step_seconds.append(time.perf_counter() - t1)
         curve.append(float(loss))
         if (t + 1) % eval_every == 0 or t + 1 == run.steps:
             evals.append((t + 1, task.eval_loss(model(params))))
@@ -568,9 +618,51 @@ def train(task: Task, name: str, recipe: Recipe, run: Run, eval_every: int) -> d
         "curve": curve,
         "replica_spread": spread,
         "train_seconds": seconds,
+        "step_seconds": step_seconds,
         "setup_seconds": setup,
         **wire,
     }
+
+
+# --------------------------------------------------------------------------- modelled time
+
+LINKS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}  # bits per second of the modelled slow link
+
+
+def step_compute(r: dict) -> float:
+    """A run's measured wall seconds per step: the median of ``step_seconds`` (older results:
+    ``train_seconds / steps``)."""
+    import statistics
+
+    times = r.get("step_seconds")
+    return statistics.median(times) if times else r["train_seconds"] / len(r["curve"])
+
+
+def steps_to_loss(curve: list[float], target: float, window: int = 20) -> int | None:
+    """The first step count whose ``window``-step mean training loss is at most ``target``
+    (None: never in the run); the same mean as a run's ``final_train_loss``."""
+    for t in range(window, len(curve) + 1):
+        if sum(curve[t - window : t]) / window <= target:
+            return t
+    return None
+
+
+def modelled_seconds(
+    r: dict, target: float, bits_per_second: float, compute: float | None = None
+) -> float | None:
+    """MODELLED (not measured) wall seconds until run ``r`` reaches training loss ``target``
+    on a link of ``bits_per_second``: ``steps * (compute + 8 bytes / bandwidth)``.
+
+    ``steps`` from the measured loss curve (:func:`steps_to_loss`), ``bytes`` the measured
+    ``slow_bytes_per_step`` (ring model, averaged over the run), ``compute`` seconds per step
+    (None: the run's own :func:`step_compute`). No overlap of compute and communication, no
+    latency: a model for comparing recipes, not a measurement of a network.
+    """
+    steps = steps_to_loss(r["curve"], target)
+    if steps is None:
+        return None
+    compute = step_compute(r) if compute is None else compute
+    return steps * (compute + 8.0 * r["slow_bytes_per_step"] / bits_per_second)
 
 
 # --------------------------------------------------------------------------- output

@@ -23,13 +23,19 @@ from typing import Any
 from benchmarks import lm
 
 
-def _sparseloco(sync_every: int, **kw: Any):
+def _sparseloco(sync_every: int, inner_lr: float | None = None, **kw: Any):
     def make(run: lm.Run, axis: Any) -> Any:
         import jaxcomp as jc
 
-        return jc.sparseloco(run.adamw(), axis, sync_every, **kw)
+        return jc.sparseloco(run.adamw(inner_lr), axis, sync_every, **kw)
 
     return make
+
+
+def _sl(h: int, note: str, m: int | None = None, **kw: Any) -> lm.Recipe:
+    return lm.Recipe(
+        _sparseloco(h, **kw), kind="replica", replicas=m, schedule={"sync_every": h}, note=note
+    )
 
 
 def _demo(peak: float, **kw: Any):
@@ -61,11 +67,18 @@ RECIPES: dict[str, lm.Recipe] = {
         schedule={"sync_every": 30},
         note="reduce-scatter style exchange",
     ),
+    "sparseloco-H30-senders-inner1e-3": _sl(
+        30, "senders, inner peak lr 1e-3", inner_lr=1e-3, averaging="senders"
+    ),
+    "sparseloco-H30-M2-senders": _sl(30, "2 replicas of 4, senders", m=2, averaging="senders"),
+    "sparseloco-H30-M2": _sl(30, "2 replicas of 4, mean over all", m=2),
     "demo-1e-3": lm.Recipe(_demo(1e-3), note="sign update, peak lr 1e-3"),
     "demo-3e-4": lm.Recipe(_demo(3e-4), note="sign update, peak lr 3e-4"),
     "demo-3e-3": lm.Recipe(_demo(3e-3), note="sign update, peak lr 3e-3"),
     "demo-1e-3-k32": lm.Recipe(_demo(1e-3, topk=32), note="DeMo's topk 32"),
     "demo-1e-3-all": lm.Recipe(_demo(1e-3, min_size=0), note="every leaf compressed"),
+    "demo-3e-3-all": lm.Recipe(_demo(3e-3, min_size=0), note="peak lr 3e-3, every leaf"),
+    "demo-2e-3-all": lm.Recipe(_demo(2e-3, min_size=0), note="peak lr 2e-3, every leaf"),
 }
 
 

@@ -245,3 +245,31 @@ def test_lm_link_time_to_loss_interpolates():
     lm_link.summarize(runs)
     assert runs[1]["time_to_target_s"] is None and runs[1]["speedup_to_target"] is None
     assert runs[1]["speedup_at_own_loss"] == pytest.approx(20.0 / 2.0)  # adamw hit 2.0 at 20 s
+
+
+def test_lm_modelled_time_to_loss_and_moment_reset():
+    """benchmarks/lm.py: the modelled time to a loss (steps from the curve, bytes over the
+    link, no measurement), and DiLoCo's inner moments zeroed at a sync, counts kept."""
+    import numpy as np
+    import optax
+
+    from benchmarks import lm
+
+    run = {"curve": [3.0] * 30 + [2.0] * 40, "slow_bytes_per_step": 1.25e6, "train_seconds": 7.0}
+    assert lm.steps_to_loss(run["curve"], 2.5) == 40  # the 20-step mean reaches 2.5 at step 40
+    assert lm.steps_to_loss(run["curve"], 1.9) is None
+    assert lm.step_compute(run) == pytest.approx(0.1)  # no step_seconds: train_seconds / steps
+    # 40 steps x (0.1 s + 8 x 1.25e6 bits / 1e8 bit/s) = 40 x 0.2 s
+    assert lm.modelled_seconds(run, 2.5, 100e6) == pytest.approx(8.0)
+    run["step_seconds"] = [0.3, 0.05, 0.05]
+    assert lm.modelled_seconds(run, 2.5, 1e9, compute=0.0) == pytest.approx(0.4)
+    assert lm.step_compute(run) == pytest.approx(0.05)  # the median
+
+    tx = lm.reset_every(optax.adam(0.1), 2)
+    s = tx.init(np.zeros(3, np.float32))
+    g = np.ones(3, np.float32)
+    for _ in range(3):
+        _, s = tx.update(g, s)
+    mu, count = s[0][0].mu, s[0][0].count
+    np.testing.assert_allclose(mu, 0.1 * g, rtol=1e-6)  # zeroed before the 3rd update, then one
+    assert int(count) == 3 and int(s[1]) == 3  # the counts (schedule, bias correction) kept

@@ -844,7 +844,42 @@ def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
                 _fmt(r.get("bytes_ratio")),
             ]
         )
-    return _markdown((header, rows)) + "\n\n" + _source(path, data, "python -m benchmarks.lm")
+    table = _markdown((header, rows)) + "\n\n" + _source(path, data, "python -m benchmarks.lm")
+    return table + _lm_time(data["runs"])
+
+
+def _lm_time(runs: list[dict[str, Any]]) -> str:
+    """The MODELLED time to AdamW's final training loss (and to 8% above it) on a slow
+    link, from each run's loss curve and bytes (``benchmarks.lm.modelled_seconds``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import lm
+
+    base = next((r for r in runs if r["recipe"] == "adamw"), None)
+    if base is None or "curve" not in base:
+        return ""
+    compute = lm.step_compute(base)
+    targets = (base["final_train_loss"], 1.08 * base["final_train_loss"])
+    ref = [[lm.modelled_seconds(base, t, bw, compute) for bw in lm.LINKS.values()] for t in targets]
+    rows = []
+    for r in runs:
+        row = [f"`{r['recipe']}`"]
+        for target, refs in zip(targets, ref, strict=True):
+            row.append(str(lm.steps_to_loss(r["curve"], target) or "not reached"))
+            for bw, b in zip(lm.LINKS.values(), refs, strict=True):
+                t = lm.modelled_seconds(r, target, bw, compute)
+                row.append("–" if t is None else f"{t:,.0f} s ({b / t:.2f}x)")
+        rows.append(row)
+    links = list(lm.LINKS)
+    header = ["recipe", "steps to L", *links, "steps to 1.08 L", *links]
+    note = (
+        f"**Modelled, not measured**: seconds = steps x ({compute:.3f} s + 8 x bytes per step"
+        " / link bits per second), `L` = AdamW's final training loss "
+        f"({base['final_train_loss']:.4f}, the mean of its last 20 steps), steps = the first "
+        "step whose 20-step mean training loss reaches it; compute = AdamW's median measured "
+        "step on this host for every recipe; (x) = AdamW's modelled time over the recipe's."
+    )
+    return "\n\n" + _markdown((header, rows)) + "\n\n" + note
 
 
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {

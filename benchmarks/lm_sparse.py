@@ -79,6 +79,8 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-1e-3-all": lm.Recipe(_demo(1e-3, min_size=0), note="every leaf compressed"),
     "demo-3e-3-all": lm.Recipe(_demo(3e-3, min_size=0), note="peak lr 3e-3, every leaf"),
     "demo-2e-3-all": lm.Recipe(_demo(2e-3, min_size=0), note="peak lr 2e-3, every leaf"),
+    "demo-6e-3-all": lm.Recipe(_demo(6e-3, min_size=0), note="peak lr 6e-3, every leaf"),
+    "demo-1e-2-all": lm.Recipe(_demo(1e-2, min_size=0), note="peak lr 1e-2, every leaf"),
 }
 
 

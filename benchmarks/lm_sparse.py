@@ -12,8 +12,10 @@ Writes ``benchmarks/results/lm_sparse.json`` and ``lm_sparse.png`` (``--tag T``:
 * ``sparseloco-H30``: ``jc.sparseloco(AdamW, H=30)`` at its defaults (64 of every 4096
   values, 2-bit values, error feedback decayed by 0.95, no outer momentum), the mean over
   every device; ``-senders``: Templar's mean over the devices that sent each coordinate.
-* ``demo-LR``: ``jc.demo`` at its defaults (64 x 64 blocks, 16 components each, 8-bit values,
-  momentum 0.999) with AdamW's schedule at peak ``LR`` and its weight decay (0.1).
+* ``demo-LR-all``: ``jc.demo`` at its defaults (64 x 64 blocks, 16 components each, 8-bit
+  values, momentum 0.999, every leaf through DeMo) with AdamW's schedule at peak ``LR`` and
+  its weight decay (0.1); ``demo-LR``: the leaves under 1024 values sent whole
+  (``min_size=1024``).
 """
 
 from __future__ import annotations
@@ -70,17 +72,22 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-senders-inner1e-3": _sl(
         30, "senders, inner peak lr 1e-3", inner_lr=1e-3, averaging="senders"
     ),
+    "sparseloco-H30-senders-inner6e-3": _sl(
+        30, "senders, inner peak lr 6e-3", inner_lr=6e-3, averaging="senders"
+    ),
     "sparseloco-H30-M2-senders": _sl(30, "2 replicas of 4, senders", m=2, averaging="senders"),
     "sparseloco-H30-M2": _sl(30, "2 replicas of 4, mean over all", m=2),
-    "demo-1e-3": lm.Recipe(_demo(1e-3), note="sign update, peak lr 1e-3"),
-    "demo-3e-4": lm.Recipe(_demo(3e-4), note="sign update, peak lr 3e-4"),
-    "demo-3e-3": lm.Recipe(_demo(3e-3), note="sign update, peak lr 3e-3"),
-    "demo-1e-3-k32": lm.Recipe(_demo(1e-3, topk=32), note="DeMo's topk 32"),
+    "demo-1e-3": lm.Recipe(_demo(1e-3, min_size=1024), note="peak lr 1e-3, small leaves whole"),
+    "demo-3e-4": lm.Recipe(_demo(3e-4, min_size=1024), note="peak lr 3e-4, small leaves whole"),
+    "demo-3e-3": lm.Recipe(_demo(3e-3, min_size=1024), note="peak lr 3e-3, small leaves whole"),
+    "demo-1e-3-k32": lm.Recipe(_demo(1e-3, topk=32, min_size=1024), note="DeMo's topk 32"),
     "demo-1e-3-all": lm.Recipe(_demo(1e-3, min_size=0), note="every leaf compressed"),
     "demo-3e-3-all": lm.Recipe(_demo(3e-3, min_size=0), note="peak lr 3e-3, every leaf"),
     "demo-2e-3-all": lm.Recipe(_demo(2e-3, min_size=0), note="peak lr 2e-3, every leaf"),
     "demo-6e-3-all": lm.Recipe(_demo(6e-3, min_size=0), note="peak lr 6e-3, every leaf"),
     "demo-1e-2-all": lm.Recipe(_demo(1e-2, min_size=0), note="peak lr 1e-2, every leaf"),
+    "demo-3e-3-decay0.99": lm.Recipe(_demo(3e-3, decay=0.99), note="momentum decay 0.99"),
+    "demo-3e-3-k32": lm.Recipe(_demo(3e-3, topk=32), note="DeMo's topk 32"),
 }
 
 

@@ -87,6 +87,8 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-6e-3-all": lm.Recipe(_demo(6e-3, min_size=0), note="peak lr 6e-3, every leaf"),
     "demo-1e-2-all": lm.Recipe(_demo(1e-2, min_size=0), note="peak lr 1e-2, every leaf"),
     "demo-3e-3-decay0.99": lm.Recipe(_demo(3e-3, decay=0.99), note="momentum decay 0.99"),
+    "demo-3e-3-decay0.9": lm.Recipe(_demo(3e-3, decay=0.9), note="momentum decay 0.9"),
+    "demo-3e-3-decay0.7": lm.Recipe(_demo(3e-3, decay=0.7), note="momentum decay 0.7"),
     "demo-3e-3-k32": lm.Recipe(_demo(3e-3, topk=32), note="DeMo's topk 32"),
 }
 

@@ -339,17 +339,13 @@ RECIPES: dict[str, Recipe] = {
     "diloco-int4-H30-M2-outer0.7-0.9": _dl(30, (0.7, 0.9), m=2),
     "diloco-int4-H30-M2-outer1.0-0": _dl(30, (1.0, 0.0), m=2),
     "diloco-int4-H30-M2-outer0.7-0.6": _dl(30, (0.7, 0.6), m=2),
-    # Inner peak lr (AdamW's 3e-3 scaled by sqrt(replica batch / global batch)), an outer
-    # warm-up over 3 outer steps, the inner moments reset at every sync.
+    # The inner peak lr (1e-3: AdamW's 3e-3 scaled by sqrt(replica batch / global batch)), an
+    # outer warm-up over 3 outer steps, the inner moments reset at every sync.
     "diloco-int4-H30-inner1e-3": _dl(30, inner_lr=1e-3),
     "diloco-int4-H30-inner6e-3": _dl(30, inner_lr=6e-3),
     "diloco-int4-H30-M2-outer1.5-0": _dl(30, (1.5, 0.0), m=2),
-    "diloco-int4-H30-M2-outer1.0-0.5": _dl(30, (1.0, 0.5), m=2),
-    "diloco-int4-H30-M2-inner2e-3": _dl(30, m=2, inner_lr=2e-3),
     "diloco-int4-H30-outerwarmup3": _dl(30, outer_warmup=3),
     "diloco-int4-H30-reset": _dl(30, reset=True),
-    "diloco-int4-H30-M2-outerwarmup3": _dl(30, m=2, outer_warmup=3),
-    "diloco-int4-H30-M2-reset": _dl(30, m=2, reset=True),
 }
 
 

@@ -69,27 +69,17 @@ RECIPES: dict[str, lm.Recipe] = {
         schedule={"sync_every": 30},
         note="reduce-scatter style exchange",
     ),
-    "sparseloco-H30-senders-inner1e-3": _sl(
-        30, "senders, inner peak lr 1e-3", inner_lr=1e-3, averaging="senders"
-    ),
-    "sparseloco-H30-senders-inner6e-3": _sl(
-        30, "senders, inner peak lr 6e-3", inner_lr=6e-3, averaging="senders"
-    ),
     "sparseloco-H30-M2-senders": _sl(30, "2 replicas of 4, senders", m=2, averaging="senders"),
-    "sparseloco-H30-M2": _sl(30, "2 replicas of 4, mean over all", m=2),
     "demo-1e-3": lm.Recipe(_demo(1e-3, min_size=1024), note="peak lr 1e-3, small leaves whole"),
     "demo-3e-4": lm.Recipe(_demo(3e-4, min_size=1024), note="peak lr 3e-4, small leaves whole"),
     "demo-3e-3": lm.Recipe(_demo(3e-3, min_size=1024), note="peak lr 3e-3, small leaves whole"),
     "demo-1e-3-k32": lm.Recipe(_demo(1e-3, topk=32, min_size=1024), note="DeMo's topk 32"),
     "demo-1e-3-all": lm.Recipe(_demo(1e-3, min_size=0), note="every leaf compressed"),
     "demo-3e-3-all": lm.Recipe(_demo(3e-3, min_size=0), note="peak lr 3e-3, every leaf"),
-    "demo-2e-3-all": lm.Recipe(_demo(2e-3, min_size=0), note="peak lr 2e-3, every leaf"),
     "demo-6e-3-all": lm.Recipe(_demo(6e-3, min_size=0), note="peak lr 6e-3, every leaf"),
-    "demo-1e-2-all": lm.Recipe(_demo(1e-2, min_size=0), note="peak lr 1e-2, every leaf"),
     "demo-3e-3-decay0.99": lm.Recipe(_demo(3e-3, decay=0.99), note="momentum decay 0.99"),
     "demo-3e-3-decay0.9": lm.Recipe(_demo(3e-3, decay=0.9), note="momentum decay 0.9"),
     "demo-3e-3-decay0.7": lm.Recipe(_demo(3e-3, decay=0.7), note="momentum decay 0.7"),
-    "demo-3e-3-k32": lm.Recipe(_demo(3e-3, topk=32), note="DeMo's topk 32"),
 }
 
 

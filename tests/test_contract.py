@@ -236,6 +236,7 @@ ROWS = [
         "int8-auto-bf16memory",
         allreduce(jc.int_quant(8), strategy="auto", memory_dtype="bfloat16"),
         atol=2e-4,
+        skip=(("pmap", "the memory's type changes no collective: int8-auto's pmap items"),),
     ),
     Row(
         "int8-ef21",

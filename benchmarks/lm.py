@@ -278,14 +278,14 @@ def _q(name: str) -> Callable[[], Any]:
     return lambda: common.make_codec(name)
 
 
-def _onebit(run: Run, axis: Any, freeze: int | None = None) -> Any:
+def _onebit(run: Run, axis: Any, freeze: int | None = None, **kw: Any) -> Any:
     import jaxcomp as jc
 
     freeze = freeze or onebit_freeze(run)
-    return jc.onebit_adam(run.schedule(), axis, freeze_step=freeze, weight_decay=WEIGHT_DECAY)
+    return jc.onebit_adam(run.schedule(), axis, freeze_step=freeze, weight_decay=WEIGHT_DECAY, **kw)
 
 
-def _zero_one(run: Run, axis: Any) -> Any:
+def _zero_one(run: Run, axis: Any, **kw: Any) -> Any:
     import jaxcomp as jc
 
     return jc.zero_one_adam(
@@ -293,8 +293,20 @@ def _zero_one(run: Run, axis: Any) -> Any:
         axis,
         var_freeze_step=zero_one_freeze(run),
         weight_decay=WEIGHT_DECAY,
-        **ZERO_ONE,
+        **{**ZERO_ONE, **kw},
     )
+
+
+def _f32(make: Callable[..., Any]) -> Callable[[Run, Any], Any]:
+    """``make`` with the momentum exchanged exactly (``jc.identity()``): what freezing the
+    variance (and skipping rounds) costs without the 1-bit codec."""
+
+    def f32(run: Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return make(run, axis, codec=jc.identity())
+
+    return f32
 
 
 RECIPES: dict[str, Recipe] = {
@@ -310,6 +322,18 @@ RECIPES: dict[str, Recipe] = {
         branches=("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
         regime=_zero_one_regime,
     ),
+    "onebit_adam-f32": Recipe(
+        _f32(_onebit),
+        branches=("compressed", "warmup"),
+        regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
+        note="diagnosis: the variance frozen, the momentum exchanged in float32",
+    ),
+    "zero_one_adam-f32": Recipe(
+        _f32(_zero_one),
+        branches=("full", "compressed", "skipped"),
+        regime=_zero_one_regime,
+        note="diagnosis: 0/1 Adam's rounds, the momentum exchanged in float32",
+    ),
     "onebit_adam-freeze100": Recipe(
         lambda run, axis: _onebit(run, axis, freeze=max(1, run.steps // 3)),
         regimes={"warmup": _mean_exchange, "compressed": _sign_exchange},
@@ -317,6 +341,7 @@ RECIPES: dict[str, Recipe] = {
         note="freeze at a third of the steps",
     ),
     "powersgd4-adamw": _psgd(4),
+    "powersgd8-adamw": _psgd(8),
     "powersgd16-adamw": _psgd(16),
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
     "topk1%-adamw": Recipe(_chain(_q("topk1%")), note="known bad: top-k before Adam"),

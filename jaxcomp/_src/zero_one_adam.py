@@ -261,6 +261,14 @@ def zero_one_adam(
         x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # v as 1-bit Adam (a zero
                                                      # coordinate takes its leaf's mean)
 
+    A coordinate whose variance is still zero (no gradient in any variance round yet: a token
+    not seen so far) is preconditioned by its leaf's mean variance in the compressed rounds,
+    and the 1-bit momentum gives it a momentum of the leaf's typical size. The variance round
+    that first gives it a variance of its own multiplies that momentum by
+    ``(sqrt(v_hat_new) + eps) / (sqrt(v_hat_mean) + eps)``, so ``m / (sqrt(v_hat) + eps)``,
+    what the compressed rounds sent, carries over; divided by a rare token's small variance
+    as it was, it made steps thousands of times Adam's (the embedding of the LM benchmark).
+
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);
     after the freeze, synced rounds are the multiples of a gap that doubles every

@@ -297,12 +297,6 @@ def _zero_one(run: Run, axis: Any, **kw: Any) -> Any:
     )
 
 
-def _block_sign(block: int) -> Any:
-    import jaxcomp as jc
-
-    return jc.sign(block_size=block)
-
-
 def _f32(make: Callable[..., Any]) -> Callable[[Run, Any], Any]:
     """``make`` with the momentum exchanged exactly (``jc.identity()``): what freezing the
     variance (and skipping rounds) costs without the 1-bit codec."""
@@ -339,12 +333,6 @@ RECIPES: dict[str, Recipe] = {
         branches=("full", "compressed", "skipped"),
         regime=_zero_one_regime,
         note="diagnosis: 0/1 Adam's rounds, the momentum exchanged in float32",
-    ),
-    "onebit_adam-block256": Recipe(
-        lambda run, axis: _onebit(run, axis, codec=_block_sign(256)),
-        branches=("compressed", "warmup"),
-        regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
-        note="a sign scale per 256 values instead of one per chunk",
     ),
     "onebit_adam-freeze100": Recipe(
         lambda run, axis: _onebit(run, axis, freeze=max(1, run.steps // 3)),

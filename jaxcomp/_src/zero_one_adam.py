@@ -69,8 +69,8 @@ def round_kind(count: jax.Array, freeze: Any, var_scaler: Any, local_scaler: Any
 
 
 def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
-    r"""Per leaf, ``(sqrt(new_scale F(nu_new)) + eps) / (sqrt(old_scale F(nu_old)) + eps)``
-    where ``nu_old`` is zero, 1 elsewhere (``F``: :func:`filled_variance`).
+    r"""Per leaf, ``min(1, (sqrt(new_scale F(nu_new)) + eps) / (sqrt(old_scale F(nu_old)) +
+    eps))`` where ``nu_old`` is zero, 1 elsewhere (``F``: :func:`filled_variance`).
 
     A coordinate whose variance is still zero (its gradient was zero in every variance
     round) is preconditioned by its leaf's mean variance in the compressed rounds, and a
@@ -80,13 +80,17 @@ def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
     Adam's (measured on the LM benchmark: embedding updates of norm 20-8300 where the other
     leaves move 0.1-0.2). Multiplying the old momentum by this ratio keeps
     ``m / (sqrt(v_hat) + eps)``, what the compressed rounds sent, across the variance update.
+    At most 1: a variance of its own above the leaf's mean only shrinks the step, and the
+    momentum is never scaled up (no overflow; square roots taken before the products).
     """
 
-    def one(v0, v1, f0, f1):
-        ratio = (jnp.sqrt(new_scale * f1) + eps) / (jnp.sqrt(old_scale * f0) + eps)
+    def one(v0, f0, f1):
+        num = jnp.sqrt(new_scale) * jnp.sqrt(f1) + eps
+        den = jnp.sqrt(old_scale) * jnp.sqrt(f0) + eps
+        ratio = jnp.where(den > num, num / jnp.where(den > 0, den, 1.0), 1.0)
         return jnp.where(v0 > 0, 1.0, ratio)
 
-    return jax.tree.map(one, nu_old, nu_new, filled_variance(nu_old), filled_variance(nu_new))
+    return jax.tree.map(one, nu_old, filled_variance(nu_old), filled_variance(nu_new))
 
 
 def scale_by_zero_one_adam(
@@ -265,9 +269,10 @@ def zero_one_adam(
     not seen so far) is preconditioned by its leaf's mean variance in the compressed rounds,
     and the 1-bit momentum gives it a momentum of the leaf's typical size. The variance round
     that first gives it a variance of its own multiplies that momentum by
-    ``(sqrt(v_hat_new) + eps) / (sqrt(v_hat_mean) + eps)``, so ``m / (sqrt(v_hat) + eps)``,
-    what the compressed rounds sent, carries over; divided by a rare token's small variance
-    as it was, it made steps thousands of times Adam's (the embedding of the LM benchmark).
+    ``(sqrt(v_hat_new) + eps) / (sqrt(v_hat_mean) + eps)`` (at most 1), so
+    ``m / (sqrt(v_hat) + eps)``, what the compressed rounds sent, carries over; divided by a
+    rare token's small variance as it was, it made steps thousands of times Adam's (the
+    embedding of the LM benchmark).
 
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);

@@ -80,6 +80,8 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-3e-3-decay0.99": lm.Recipe(_demo(3e-3, decay=0.99), note="momentum decay 0.99"),
     "demo-3e-3-decay0.9": lm.Recipe(_demo(3e-3, decay=0.9), note="momentum decay 0.9"),
     "demo-3e-3-decay0.7": lm.Recipe(_demo(3e-3, decay=0.7), note="momentum decay 0.7"),
+    "demo-3e-3-decay0.8": lm.Recipe(_demo(3e-3, decay=0.8), note="momentum decay 0.8"),
+    "demo-3e-3-decay0.95": lm.Recipe(_demo(3e-3, decay=0.95), note="momentum decay 0.95"),
 }
 
 

@@ -4,15 +4,16 @@ Examples run as ``python examples/NAME.py``, benchmarks as ``python -m benchmark
 from the repository root. The benchmarks' shared modules are not scripts; any other file
 must have a ``__main__`` entry point. ``examples/multihost.py`` run directly (outside
 ``python -m jaxcomp.launch`` and a cluster) exits non-zero and says how to launch it.
-All scripts start in parallel: each import of jax takes a second or two.
+The ``--help`` answers come from one process (``tests/scripts/help_all.py``): an import of
+jax per script would cost a second or two each.
 """
 
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,9 +43,11 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def helps() -> dict[str, subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        procs = pool.map(lambda args: _run([*args, "--help"]), COMMANDS.values())
-        return dict(zip(COMMANDS, procs, strict=True))
+    driver = ROOT / "tests" / "scripts" / "help_all.py"
+    proc = _run([sys.executable, str(driver), json.dumps(COMMANDS)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: subprocess.CompletedProcess(COMMANDS[name], **a) for name, a in answers.items()}
 
 
 def test_every_benchmark_module_is_a_script_or_the_harness():

@@ -1,0 +1,44 @@
+"""Ask every script for ``--help`` in ONE process and print the answers as JSON.
+
+``python tests/scripts/help_all.py CMD_JSON`` where CMD_JSON maps a name to the command a
+user types (``[python, examples/x.py]`` or ``[python, -m, benchmarks.x]``). Each script runs
+as its command would run it (``runpy`` with ``__main__``, ``sys.argv`` and ``sys.path[0]``
+as Python sets them) with ``--help`` appended; its stdout, stderr and exit code are kept.
+One process imports jax, flax and the harness once instead of once per script: the
+scripts' ``--help`` paths never touch a device, so they do not disturb each other.
+"""
+
+import contextlib
+import io
+import json
+import runpy
+import sys
+
+
+def _answer(command: list[str]) -> dict:
+    out, err = io.StringIO(), io.StringIO()
+    is_module = command[1] == "-m"
+    target = command[2] if is_module else command[1]
+    argv, path = sys.argv[:], sys.path[:]
+    sys.argv = [target, *command[3 if is_module else 2 :], "--help"]
+    if not is_module:
+        sys.path.insert(0, target.rsplit("/", 1)[0])
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if is_module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException as e:  # noqa: BLE001 - reported to the test, like a crash
+            print(f"{type(e).__name__}: {e}", file=err)
+            code = 1
+    sys.argv, sys.path[:] = argv, path
+    return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+if __name__ == "__main__":
+    commands = json.loads(sys.argv[1])
+    print(json.dumps({name: _answer(cmd) for name, cmd in commands.items()}))

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import flax_nnx_train as example  # noqa: E402
 
-STEPS = 1000
+STEPS = 400
 
 
 @pytest.fixture(scope="module")

@@ -465,9 +465,9 @@ def test_char_transformer_workers_match_devices():
     """The example with ``workers=8`` (vmap on one device) ends where 8 devices do: the
     emulation behind benchmarks/powersgd_convergence.py's GPU figures."""
     example = load_module("benchmarks", "char_transformer")
-    kw = dict(d_model=32, layers=1, heads=2, context=16, eval_sequences=16, return_details=True)
-    options = {"start_step": 4}
-    sharded = example.train("powersgd", 8, powersgd_options=options, **kw)
-    emulated = example.train("powersgd", 8, powersgd_options=options, workers=N, **kw)
+    kw = dict(d_model=16, layers=1, heads=1, context=8, eval_sequences=8, return_details=True)
+    options = {"start_step": 2}
+    sharded = example.train("powersgd", 4, powersgd_options=options, **kw)
+    emulated = example.train("powersgd", 4, powersgd_options=options, workers=N, **kw)
     np.testing.assert_allclose(emulated["train_loss"], sharded["train_loss"], rtol=1e-5)
     assert emulated["eval_loss"] == pytest.approx(sharded["eval_loss"], rel=1e-5)

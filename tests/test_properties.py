@@ -145,7 +145,7 @@ def _encode_decode(codec, d: int, dtype):
     return jax.jit(jax.vmap(one))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(NAMES),
     d=st.sampled_from(VALUE_SIZES),

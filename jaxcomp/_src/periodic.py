@@ -79,11 +79,11 @@ def partition(sizes: list[int], fragments: int) -> list[list[int]]:
 
 
 def _varying(x: jax.Array, axes: tuple) -> jax.Array:
-    """``x`` typed as varying over ``axes`` (a no-op where it already is, or outside vma)."""
-    vma = getattr(jax.typeof(x), "vma", None)
-    if vma is None:
+    """``x`` typed as varying over ``axes`` (a no-op where it already is, or where the
+    context does not track variance: pmap, ``check_vma=False``)."""
+    if not skeleton.tracks_variance(axes):
         return x
-    missing = tuple(a for a in axes if a not in vma)
+    missing = tuple(a for a in axes if a not in skeleton.varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

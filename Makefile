@@ -29,8 +29,11 @@ demo: $(STAMP)
 
 # The suite compiles at XLA:CPU backend optimization level 0 (tests/conftest.py); its smoke
 # subset (tests marked smoke) runs at XLA's default level instead, the code users run.
+# --dist loadscope keeps each test module on one worker, so a module's cached compiled steps
+# (the contract suites' trajectories) are built once, not once per worker: the replicas'
+# contract suite took 56 s of CPU instead of 73 s.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 -m "not smoke" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope -m "not smoke" tests
 	$(MAKE) test-smoke-opt
 
 test-smoke-opt: $(STAMP)

@@ -58,6 +58,23 @@ def scaled(total: jax.Array, scale: float = 1.0, fill: jax.Array | float = 0.0) 
     return total
 
 
+def sum_of_decodes(codec: Codec, payloads, d: int, scale=1.0, fill=0.0) -> jax.Array:
+    """``fill + scale * sum_j decode(payloads[j])``, one fused decode-and-add pass per device.
+
+    Decoding the whole ``[n, d]`` stack and reducing it over the device axis was 6x slower
+    than two decodes for d = 25M on XLA:CPU (1.6 s vs 0.25 s each; float16 casts 7-10x).
+    """
+    n = jax.tree.leaves(payloads)[0].shape[0]
+
+    def add(j, total):
+        return total + codec.decode(jax.tree.map(lambda a: a[j], payloads), d)
+
+    # Start from the first decode (not zeros): under shard_map the carry must have the same
+    # varying axes as the payloads (two_phase decodes an all_to_all result).
+    first = codec.decode(jax.tree.map(lambda a: a[0], payloads), d)
+    return scaled(jax.lax.fori_loop(1, n, add, first), scale, fill)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """Base class of every codec. Subclasses are frozen (hashable, static under jit).
@@ -114,12 +131,12 @@ class Codec:
         """``fill + scale * sum_j decode(payloads[j])`` over a stack of payloads (leading
         axis = devices). ``scale = 1/n`` gives the mean; a NaN ``fill`` poisons every entry.
 
-        The default decodes each and adds; sparse codecs override it with one scatter-add of
-        the scaled values into a single dense buffer that starts at ``fill``, so neither the
-        mean nor the poisoning costs another pass over ``d`` floats.
+        The default decodes each device's payload and adds it to the running sum, one fused
+        decode-and-add pass per device (:func:`sum_of_decodes`); sparse codecs override it
+        with one scatter-add of the scaled values into a single dense buffer that starts at
+        ``fill``, so neither the mean nor the poisoning costs another pass over ``d`` floats.
         """
-        total = jnp.sum(jax.vmap(lambda p: self.decode(p, d))(payloads), axis=0)
-        return scaled(total, scale, fill)
+        return sum_of_decodes(self, payloads, d, scale, fill)
 
     def encode_rows(self, rows: jax.Array, keys: jax.Array | None = None) -> Payload:
         """Encode each row of ``rows`` (``[r, c]``) on its own: a payload stacked on axis 0.

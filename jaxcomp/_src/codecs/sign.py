@@ -16,7 +16,6 @@ from jaxcomp._src.codecs.base import (
     mean_abs,
     per_value,
 )
-from jaxcomp._src.codecs.quantize import sum_of_decodes
 
 _SCALES = (None, "mean")
 
@@ -66,9 +65,6 @@ class Sign(Codec):
         words, scale = payload
         negative = packing.unpack(words, 1, d)
         return jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
-
-    def decode_sum(self, payloads, d, scale=1.0, fill=0.0):
-        return sum_of_decodes(self, payloads, d, scale, fill)
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))

@@ -40,7 +40,6 @@ import optax
 import jaxcomp as jc
 from benchmarks import common
 from jaxcomp._src import warmup
-from jaxcomp._src.dgc import DEFAULT_WARMUP_SCHEDULE
 
 AXIS = "data"
 TASKS = ("digits", "mnist1d", "teacher", "char")
@@ -49,6 +48,10 @@ STEPS = {"digits": 1000, "mnist1d": 2000, "teacher": 1000, "char": 300}
 TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
     "dgc0.1%": (lambda axis: jc.dgc(0.001, axis), True),
     "dgc0.1%-nowarmup": (lambda axis: jc.dgc(0.001, axis, warmup_steps=0), True),
+    **{
+        f"dgc0.1%-warmup{w}": (lambda axis, w=w: jc.dgc(0.001, axis, warmup_steps=w), True)
+        for w in (100, 150, 200, 300)
+    },
     "dgc0.1%-nesterov": (lambda axis: jc.dgc(0.001, axis, nesterov=True), True),
     "dgc0.1%-nomask": (lambda axis: jc.dgc(0.001, axis, momentum_masking=False), True),
     "powersgd4": (lambda axis: jc.powersgd(4, axis), False),
@@ -118,12 +121,20 @@ REGIMES: dict[str, tuple[str, ...]] = {
 # Methods with a density warm-up (one lax.switch on the step count, stage by stage, then the
 # codec): method -> (warm-up steps, stages, branches of the switch). Their bytes per step are
 # the steady state's (the last branch); "mean_bytes_per_step" weighs every stage by its steps.
+def _warmup(steps: int, ratio: float) -> tuple[int, int, int]:
+    stages = len(warmup.densities(ratio))
+    return steps, stages, stages + 1
+
+
 WARMUPS: dict[str, tuple[int, int, int]] = {
-    "sgd-topk1%-warmup100": (100, 3, 4),  # 25%, 6.25%, 1.5625%, then 1%
-    # 25%, 6.25%, 1.5625%, 0.4%, then 0.1% (the schedule's last stage is the codec's ratio).
-    "dgc0.1%": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
-    "dgc0.1%-nesterov": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
-    "dgc0.1%-nomask": (warmup.DENSITY_WARMUP_STEPS, len(DEFAULT_WARMUP_SCHEDULE), 5),
+    "sgd-topk1%-warmup100": _warmup(100, 0.01),
+    "sgd-topk1%-gtopk-warmup100": _warmup(100, 0.01),  # 25%, 6.25%, 1.5625%, then 1%
+    # 25%, 6.25%, 1.5625%, 0.4%, then 0.1%, over the warm-up's steps.
+    **{
+        m: _warmup(warmup.DGC_WARMUP_STEPS, 0.001)
+        for m in ("dgc0.1%", "dgc0.1%-nesterov", "dgc0.1%-nomask")
+    },
+    **{f"dgc0.1%-warmup{w}": _warmup(w, 0.001) for w in (100, 150, 200, 300)},
 }
 
 

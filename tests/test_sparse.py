@@ -445,6 +445,27 @@ def test_dgc_warmup_schedule(mesh):
     assert nonzeros[0] > 4 * nonzeros[1] and nonzeros[1] > 4 * nonzeros[3]
 
 
+def test_dgc_warmup_keeps_momentum_then_masks(mesh):
+    # A 100% warm-up stage (sparsity 0) for 2 steps: no momentum factor masking there, so DGC
+    # is exactly momentum SGD on the mean gradient (masking would make it plain SGD); from
+    # step 2 on (1%) a sent coordinate's velocity is zeroed again.
+    params = {"w": jnp.zeros((64, 64))}
+    tx = dgc(0.01, "data", warmup_steps=2, warmup_schedule=(0.0,), min_size=1, sample_ratio=None)
+    f, state = _update_fn(tx, params, mesh)
+    trace = np.zeros((64, 64))
+    for t in range(3):
+        g = normal(N, 64, 64, seed=t)
+        out, state = f(_stack({"w": g}, mesh), state)
+        trace = 0.9 * trace + g.mean(0)
+        if t < 2:
+            np.testing.assert_allclose(out["w"], trace, rtol=1e-5, atol=1e-6)
+            assert np.all(np.asarray(state.velocity["w"]) != 0)
+    # Each device sent k = ceil(0.01 * 4096) = 41 values and zeroed exactly their velocity.
+    zeroed = (np.asarray(state.velocity["w"]) == 0).reshape(N, -1).sum(1)
+    assert zeroed.tolist() == [41] * N
+    assert 41 <= np.count_nonzero(out["w"]) <= N * 41
+
+
 def test_dgc_sampled_selection_conserves_gradient_mass(mesh):
     # 256 x 256 at 1%: k = 656 from a sample of 3197 (DGC's sampled threshold, not the exact
     # fallback). Without momentum, what was sent plus what waits is all that came in.

@@ -21,6 +21,11 @@ def test_ramp_and_stages_are_exact():
     assert warmup.ramp(0.001) == (0.25, 0.0625, 0.015625, 0.00390625)
     assert warmup.ramp(0.0625) == (0.25,)
     assert warmup.ramp(0.25) == warmup.ramp(0.5) == ()
+    # One definition of the stages: DGC's sparsity schedules go through the same function.
+    assert warmup.densities(0.001) == warmup.ramp(0.001)
+    dgc_paper = (0.75, 0.9375, 0.984375, 0.996, 0.999)  # 99.9% is the codec's own ratio
+    assert warmup.densities(0.001, dgc_paper) == pytest.approx((0.25, 0.0625, 0.015625, 0.004))
+    assert warmup.densities(0.001, (0.75, 0.99)) == pytest.approx((0.25, 0.01))
     # 100 steps over 3 stages: steps 0-33, 34-66, 67-99, then the codec from step 100 on.
     stages = [warmup.stage(t, 100, 3) for t in (0, 33, 34, 66, 67, 99, 100, 10**6)]
     assert stages == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -30,8 +35,8 @@ def test_ramp_and_stages_are_exact():
 
 
 def test_warmup_is_dgc_default_and_off_elsewhere():
-    assert warmup.DENSITY_WARMUP_STEPS == 100
-    assert inspect.signature(jc.dgc).parameters["warmup_steps"].default == 100
+    assert warmup.DGC_WARMUP_STEPS == 200
+    assert inspect.signature(jc.dgc).parameters["warmup_steps"].default == 200
     assert inspect.signature(jc.compressed_allreduce).parameters["warmup_steps"].default == 0
     assert warmup.sparse_ratio(jc.top_k(0.01)) == 0.01
     assert warmup.sparse_ratio(jc.sign()) is None

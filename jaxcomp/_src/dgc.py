@@ -27,8 +27,6 @@ from jaxcomp._src.codecs.base import (
 )
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
 
-DEFAULT_WARMUP_SCHEDULE = (0.75, 0.9375, 0.984375, 0.996, 0.999)
-
 
 class DGCState(NamedTuple):
     """State of :func:`dgc`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
@@ -53,13 +51,25 @@ def _matrix_mask(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: len(leaf.shape) > 1, tree)
 
 
-def warmup_ratios(schedule: Sequence[float], ratio: float) -> tuple[float, ...]:
-    """The densities ``max(1 - s, ratio)`` of the warm-up stages, the stages at ``ratio`` at
-    the end dropped (the codec itself runs them: no branch of its own)."""
-    ratios = [max(1.0 - s, ratio) for s in schedule]
-    while ratios and ratios[-1] <= ratio * (1 + 1e-9):  # 1 - 0.999 is 0.001 + 1e-18
-        ratios.pop()
-    return tuple(ratios)
+def _check_schedule(schedule: Any, warmup_steps: int) -> tuple[float, ...] | None:
+    """``warmup_schedule`` of :func:`dgc`: None (the 4x ramp), or sparsities in [0, 1)."""
+    if schedule is None:
+        return None
+    if isinstance(schedule, str) or not isinstance(schedule, Sequence):
+        raise TypeError(
+            f"`warmup_schedule` must be a sequence of sparsities or None, got {schedule!r}"
+        )
+    if warmup_steps and not schedule:
+        raise ValueError("`warmup_schedule` must have at least one stage when warmup_steps > 0")
+    return tuple(check_fraction("warmup_schedule", s) for s in schedule)
+
+
+def _mask(velocity: list, sent: list, masking: Any) -> list:
+    """Momentum factor masking: ``u_i <- 0`` where ``v_i`` was sent, when ``masking`` (a
+    Python or traced bool: the sparse regime after the warm-up)."""
+    if masking is False:
+        return velocity
+    return [jnp.where((s != 0) & masking, 0.0, u) for s, u in zip(sent, velocity, strict=True)]
 
 
 def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
@@ -98,8 +108,8 @@ def dgc(
     nesterov: bool = False,
     momentum_masking: bool = True,
     clip_norm: float | None = None,
-    warmup_steps: int = warmup.DENSITY_WARMUP_STEPS,
-    warmup_schedule: Sequence[float] = DEFAULT_WARMUP_SCHEDULE,
+    warmup_steps: int = warmup.DGC_WARMUP_STEPS,
+    warmup_schedule: Sequence[float] | None = None,
     sample_ratio: float | None = 0.01,
     min_size: int = 1024,
     strategy: str = "allgather",
@@ -229,10 +239,7 @@ def dgc(
         if not (math.isfinite(clip_norm) and clip_norm > 0):
             raise ValueError(f"`clip_norm` must be > 0 and finite, got {clip_norm}")
     warmup_steps = check_int("warmup_steps", warmup_steps, 0)
-    schedule = tuple(warmup_schedule)
-    if warmup_steps and not schedule:
-        raise ValueError("`warmup_schedule` must have at least one stage when warmup_steps > 0")
-    schedule = tuple(check_fraction("warmup_schedule", s) for s in schedule)
+    schedule = _check_schedule(warmup_schedule, warmup_steps)
     if sample_ratio is not None:
         sample_ratio = check_positive_float("sample_ratio", sample_ratio, upper=1.0)
     min_size = check_int("min_size", min_size, 0)
@@ -244,13 +251,11 @@ def dgc(
         )
     seed = check_int("seed", seed, 0)
 
-    stage_ratios = warmup_ratios(schedule, ratio) if warmup_steps else ()
     if sample_ratio is None:
-        codecs = [top_k(r, approx="blocked") for r in (*stage_ratios, ratio)]
+        codec = top_k(ratio, approx="blocked")
     else:
-        codecs = [
-            top_k(r, approx="sample", sample_ratio=sample_ratio) for r in (*stage_ratios, ratio)
-        ]
+        codec = top_k(ratio, approx="sample", sample_ratio=sample_ratio)
+    codecs = [*warmup.stage_codecs(codec, warmup_steps, schedule), codec]
     use_server = strategy != "allgather"
 
     def chunks(layout: layouts.Layout):
@@ -319,24 +324,18 @@ def dgc(
 
             return branch
 
-        if len(codecs) == 1:
-            means, sent, new_servers, bad = reduce_with(codecs[0])(servers)
-        else:
-            stage = jnp.minimum(
-                warmup.stage(state.count, warmup_steps, len(schedule)), len(codecs) - 1
-            )
-            means, sent, new_servers, bad = jax.lax.switch(
-                stage, [reduce_with(c) for c in codecs], servers
-            )
+        means, sent, new_servers, bad = warmup.switch(
+            state.count, warmup_steps, [reduce_with(c) for c in codecs], servers
+        )
 
         traces, plain_out = _plain_momentum(
             momentum, nesterov, layouts.field_leaves(state.momentum), plain_mean
         )
 
-        new_velocity = [
-            jnp.where(s != 0, 0.0, uu) if momentum_masking else uu
-            for s, uu in zip(sent, u, strict=True)
-        ]
+        # Masking only once the warm-up is over: at a warm-up density it would zero the
+        # velocity of most coordinates every few steps (momentum SGD -> plain SGD).
+        sparse_regime = len(codecs) == 1 or state.count >= warmup_steps
+        new_velocity = _mask(u, sent, momentum_masking and sparse_regime)
         new_state = DGCState(
             velocity=skeleton.like_state(layout, new_velocity) if g else None,
             accumulation=skeleton.like_state(

@@ -6,6 +6,10 @@ most coordinates untouched for hundreds of steps. The density starts high and fa
 exponentially (the paper: 25%, 6.25%, 1.5625%, 0.4%, 0.1%, a factor of 4 per stage) to the
 codec's ratio. Payload shapes are static, so each stage is its own codec and its own branch of
 a ``jax.lax.switch`` on the step count: compiled once, one branch runs per step.
+
+One warm-up serves ``jc.compressed_allreduce(warmup_steps=...)`` (and so ``jc.sgd``) and
+``jc.dgc``: :func:`densities` gives the stages (:func:`ramp` by default), :func:`stage` their
+timing (``steps / stages`` steps each, the codec's own ratio from step ``steps`` on).
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import jax.numpy as jnp
 
 from jaxcomp._src.codecs.base import Codec, check_int
 
-#: Default steps of the density warm-up of ``jc.dgc`` (5-10% of a run of 1000-2000 steps, a
-#: small share of a long one); ``jc.compressed_allreduce`` and ``jc.sgd`` default to none.
-DENSITY_WARMUP_STEPS = 100
+#: Default steps of the density warm-up of ``jc.dgc``; ``jc.compressed_allreduce`` and
+#: ``jc.sgd`` default to none.
+DGC_WARMUP_STEPS = 200
+DENSITY_WARMUP_STEPS = DGC_WARMUP_STEPS
 #: Density of the first stage, and the factor it falls by per stage (DGC's schedule).
 FIRST_DENSITY = 0.25
 FACTOR = 4.0
@@ -33,6 +38,21 @@ def ramp(ratio: float, first: float = FIRST_DENSITY, factor: float = FACTOR) -> 
     ``(0.25, 0.0625, 0.015625)``."""
     count = max(0, math.ceil(math.log(first / ratio, factor) - 1e-9))
     return tuple(first / factor**j for j in range(count))
+
+
+def densities(ratio: float, sparsities: Any = None) -> tuple[float, ...]:
+    """The densities of the warm-up stages before ``ratio``: :func:`ramp` for None, else
+    ``max(1 - s, ratio)`` for each sparsity ``s`` in ``sparsities`` (DGC's way of writing a
+    schedule, e.g. ``(0.75, 0.9375, 0.984375, 0.996, 0.999)``), the trailing stages at
+    ``ratio`` dropped (the codec itself runs them). ``densities(0.001)`` is
+    ``(0.25, 0.0625, 0.015625, 0.00390625)``; ``densities(0.001, (0.75, 0.99))`` is
+    ``(0.25, 0.01)``."""
+    if sparsities is None:
+        return ramp(ratio)
+    out = [max(1.0 - s, ratio) for s in sparsities]
+    while out and out[-1] <= ratio * (1 + 1e-9):  # 1 - 0.999 is 0.001 + 1e-18
+        out.pop()
+    return tuple(out)
 
 
 def stage(count: Any, steps: int, stages: int) -> Any:
@@ -54,8 +74,8 @@ def sparse_ratio(codec: Codec) -> float | None:
     return float(ratio)
 
 
-def stage_codecs(codec: Codec, steps: int) -> tuple[Codec, ...]:
-    """The codecs of the warm-up stages of ``codec`` (``codec`` at the ramp's densities); empty
+def stage_codecs(codec: Codec, steps: int, sparsities: Any = None) -> tuple[Codec, ...]:
+    """The codecs of the warm-up stages of ``codec`` (``codec`` at :func:`densities`); empty
     for ``steps == 0``. ``steps > 0`` needs a biased sparse codec (``sparse_ratio``)."""
     steps = check_int("warmup_steps", steps, 0)
     if not steps:
@@ -66,15 +86,15 @@ def stage_codecs(codec: Codec, steps: int) -> tuple[Codec, ...]:
             f"`warmup_steps`={steps} ramps the density of a sparse codec (jc.top_k(...)); "
             f"{getattr(codec, 'name', codec)!r} has none: pass warmup_steps=0"
         )
-    return tuple(dataclasses.replace(codec, ratio=r) for r in ramp(ratio))
+    return tuple(dataclasses.replace(codec, ratio=r) for r in densities(ratio, sparsities))
 
 
-def switch(count: jax.Array, steps: int, branches: list) -> Any:
-    """Run ``branches[stage(count, steps, len(branches) - 1)]()``: the warm-up stages, then the
-    last branch (the codec's own ratio) from step ``steps`` on."""
+def switch(count: jax.Array, steps: int, branches: list, *operands: Any) -> Any:
+    """Run ``branches[stage(count, steps, len(branches) - 1)](*operands)``: the warm-up
+    stages, then the last branch (the codec's own ratio) from step ``steps`` on."""
     if len(branches) == 1:
-        return branches[0]()
-    return jax.lax.switch(stage(count, steps, len(branches) - 1), branches)
+        return branches[0](*operands)
+    return jax.lax.switch(stage(count, steps, len(branches) - 1), branches, *operands)
 
 
 def stage_steps(total: int, steps: int, stages: int) -> list[int]:

@@ -93,6 +93,10 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "sgd-topk1%-heavyball": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, nesterov=False),
     # DGC's density warm-up (25%, 6.25%, 1.5625% for ~33 steps each, then 1%): off by default.
     "sgd-topk1%-warmup100": lambda axis, lr: jc.sgd(lr, jc.top_k(0.01), axis, warmup_steps=100),
+    # One compression (all-gather, ~3.5x the bytes of two_phase at 8 devices) and the warm-up.
+    "sgd-topk1%-allgather-warmup100": lambda axis, lr: jc.sgd(
+        lr, jc.top_k(0.01), axis, strategy="allgather", warmup_steps=100
+    ),
     "sgd-int8": lambda axis, lr: jc.sgd(lr, jc.int_quant(8), axis),
     "sgd-topk1%-accordion": lambda axis, lr: jc.sgd(
         lr, jc.top_k(0.01), axis, adaptive=jc.accordion(jc.top_k(0.1), interval=ACCORDION_EVERY)

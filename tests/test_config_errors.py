@@ -380,6 +380,12 @@ CHECKS = [
         lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=(1.0,)),
         ValueError,
     ),
+    (
+        "dgc",
+        "warmup_schedule",
+        lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=0.9),
+        TypeError,
+    ),
     ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=-1), ValueError),
     ("dgc", "min_size", lambda: jc.dgc(0.01, "d", min_size=1.5), TypeError),
     ("dgc", "strategy", lambda: jc.dgc(0.01, "d", strategy="allreduce"), ValueError),

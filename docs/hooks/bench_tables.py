@@ -725,6 +725,8 @@ DEFAULT_ROWS = {
     "sgd-topk1%": "`jc.sgd(lr, jc.top_k(0.01), axis)` (default: look-ahead)",
     "sgd-topk1%-heavyball": "`jc.sgd(..., jc.top_k(0.01), nesterov=False)` (heavy ball)",
     "sgd-topk1%-warmup100": "`jc.sgd(..., jc.top_k(0.01), warmup_steps=100)` (density warm-up)",
+    "sgd-topk1%-allgather-warmup100": '`jc.sgd(..., jc.top_k(0.01), strategy="allgather", '
+    "warmup_steps=100)`",
     "dgc0.1%": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: 200-step warm-up)",
     "dgc0.1%-warmup200": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: `warmup_steps=200`)",
     "dgc0.1%-warmup150": "`jc.dgc(0.001, axis, warmup_steps=150)` + `optax.sgd(lr)`",

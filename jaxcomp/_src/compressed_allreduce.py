@@ -239,7 +239,8 @@ def compressed_allreduce(
         its ratio), each for ``warmup_steps / stages`` steps, then ``codec`` itself (DGC's
         warm-up, :mod:`jaxcomp._src.warmup`). One ``jax.lax.switch`` on the step count
         (``jc.comm_report`` counts every stage: weigh them with ``mean_bytes_per_device``).
-        0 (default): none (also in :func:`jaxcomp.sgd`; :func:`jaxcomp.dgc` has its own).
+        0 (default): none (also in :func:`jaxcomp.sgd`; :func:`jaxcomp.dgc` runs the same
+        stages, 200 steps by default).
       memory_dtype: the type the error-feedback memories (``memory``, ``server_residual``)
         are kept in, as optax's ``mu_dtype``: None (float32) or ``jnp.bfloat16`` (half the
         state; read as float32, stored rounded to nearest and saturating, so a finite memory

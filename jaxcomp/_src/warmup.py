@@ -26,7 +26,6 @@ from jaxcomp._src.codecs.base import Codec, check_int
 #: Default steps of the density warm-up of ``jc.dgc``; ``jc.compressed_allreduce`` and
 #: ``jc.sgd`` default to none.
 DGC_WARMUP_STEPS = 200
-DENSITY_WARMUP_STEPS = DGC_WARMUP_STEPS
 #: Density of the first stage, and the factor it falls by per stage (DGC's schedule).
 FIRST_DENSITY = 0.25
 FACTOR = 4.0

@@ -276,6 +276,27 @@ def exchange_diagnostics(
     }
 
 
+def dgc_diagnostics(start: Any, params: Any, state: Any, lr: float = 0.05) -> dict:
+    """What ``jc.dgc`` holds back, against how far the weights have moved since step 0.
+
+    On the sparsified leaves: ``lr * ||mean_i v_i|| / ||w - w_0||`` (the update waiting in the
+    devices' accumulations ``v_i``, over the distance travelled) and the same for the
+    velocities ``u_i``."""
+    import numpy as np
+
+    s = state[0]
+    keys = [k for k, v in s.accumulation.items() if hasattr(v, "shape")]
+    flat = lambda f: np.concatenate([np.asarray(f(k), np.float64).ravel() for k in keys])  # noqa: E731
+    moved = np.linalg.norm(flat(lambda k: np.asarray(params[k]) - np.asarray(start[k])))
+    held = np.linalg.norm(flat(lambda k: np.asarray(s.accumulation[k]).mean(0)))
+    return {
+        "held_back_over_moved": float(lr * held / moved),
+        "velocity_over_moved": float(
+            lr * np.linalg.norm(flat(lambda k: np.asarray(s.velocity[k]).mean(0))) / moved
+        ),
+    }
+
+
 def train_classifier(
     task: str,
     method: str,
@@ -289,7 +310,8 @@ def train_classifier(
     ``eval_at``: also the test accuracy after these many steps (``"checkpoints"``); with the
     constant learning rate of the classifiers it is the accuracy of a run that long (same
     seed, batches and steps so far). ``diagnose``: every that many steps of a ``jc.sgd``
-    recipe, :func:`exchange_diagnostics` (``"diagnostics"``). ``seed`` draws the
+    recipe, :func:`exchange_diagnostics`, of ``jc.dgc``, :func:`dgc_diagnostics`
+    (``"diagnostics"``). ``seed`` draws the
     initialization and the batches; the data (split, mnist1d's set, the teacher) stay those of
     seed 0, so seeds measure the training's noise on one fixed task and test set."""
     import jax
@@ -349,6 +371,8 @@ def train_classifier(
         (recipe_lr(method, task), "heavyball" not in method) if diagnose and sgd_recipe else None
     )
 
+    origin = jax.device_get(params) if diagnose and method.startswith("dgc") else None
+
     def accuracy(p) -> float:
         logits = logits_fn(jax.device_get(p), jnp.asarray(xte))
         return float(jnp.mean(jnp.argmax(logits, -1) == yte))
@@ -365,6 +389,8 @@ def train_classifier(
         if watch and (t + 1) % diagnose == 0:
             d = exchange_diagnostics(*before[:1], params, before[1], state, *watch)
             diagnostics.append({"step": t + 1, **d})
+        if origin is not None and (t + 1) % diagnose == 0:
+            diagnostics.append({"step": t + 1, **dgc_diagnostics(origin, params, state)})
         curve.append(float(loss))
         if t + 1 in eval_at and t + 1 < steps:
             checkpoints[t + 1] = accuracy(params)
@@ -539,7 +565,8 @@ def main(argv=None) -> int:
         type=int,
         default=0,
         help="every N steps of a jc.sgd recipe: update norm and cosine against the "
-        "uncompressed update, error-feedback memory and server residual norms",
+        "uncompressed update, error-feedback memory and server residual norms; of jc.dgc: "
+        "the update its accumulations hold back over the distance the weights moved",
     )
     ap.add_argument(
         "--seeds",

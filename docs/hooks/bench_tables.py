@@ -731,7 +731,7 @@ DEFAULT_ROWS = {
     "dgc0.1%-warmup200": "`jc.dgc(0.001, axis)` + `optax.sgd(lr)` (default: `warmup_steps=200`)",
     "dgc0.1%-warmup150": "`jc.dgc(0.001, axis, warmup_steps=150)` + `optax.sgd(lr)`",
     "dgc0.1%-warmup100": "`jc.dgc(0.001, axis, warmup_steps=100)` + `optax.sgd(lr)`",
-    "dgc0.1%-nowarmup": "`jc.dgc(0.001, axis, warmup_steps=0)` + `optax.sgd(lr)`",
+    "dgc0.1%-nowarmup": "`jc.dgc(0.001, axis, warmup_steps=0)` + `optax.sgd(lr)` (no warm-up)",
     "dgc0.1%-nesterov": "`jc.dgc(0.001, axis, nesterov=True)` + `optax.sgd(lr)`",
     "dgc0.1%-nomask": "`jc.dgc(0.001, axis, momentum_masking=False)` + `optax.sgd(lr)`",
 }
@@ -834,6 +834,36 @@ def _convergence_diagnosis(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + f"\n\n{note} " + _source(path, data, command)
 
 
+def _convergence_diagnosis_dgc(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``--diagnose`` runs of ``jc.dgc``: accuracy against ``none`` (same seed) and what the
+    accumulations hold back over the distance moved (``dgc_diagnostics``), seed means."""
+    runs = data["runs"]
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["method"], []).append(r)
+    base = _accuracy_at(by.pop("none"))
+    marks = sorted({m for s in base.values() for m in s}, key=int)
+    steps = sorted({x["step"] for r in runs for x in r.get("diagnostics") or []})
+    header = ["method", *[f"{k} steps" for k in marks]]
+    header += [f"held back / moved, step {s}" for s in steps[1::2]]
+    rows = []
+    for method, rs in by.items():
+        held = [
+            sum(x["held_back_over_moved"] for r in rs for x in r["diagnostics"] if x["step"] == s)
+            / len(rs)
+            for s in steps[1::2]
+        ]
+        acc = _accuracy_at(rs)
+        cells = [_seed_cell(acc, base, k) for k in marks]
+        rows.append([DEFAULT_ROWS.get(method, f"`{method}`"), *cells, *[_fmt(h) for h in held]])
+    note = (
+        f"{runs[0]['task']}, {runs[0]['steps']} steps; held back / moved is "
+        "`lr * ||mean_i v_i|| / ||w - w_0||` on the sparsified leaves, mean over the seeds."
+    )
+    command = data.get("environment", {}).get("command") or RENDERERS[path.stem][1]
+    return _markdown((header, rows)) + f"\n\n{note} " + _source(path, data, command)
+
+
 def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
     header = ["recipe", "replicas", "held-out loss", "vs AdamW DP", "bytes/step", "x fewer"]
     rows = []
@@ -891,6 +921,10 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "convergence_diagnosis": (
         _convergence_diagnosis,
         "python -m benchmarks.convergence --label diagnosis --diagnose 50",
+    ),
+    "convergence_diagnosis_dgc": (
+        _convergence_diagnosis_dgc,
+        "python -m benchmarks.convergence --label diagnosis_dgc --diagnose 50",
     ),
     "convergence_defaults": (
         _convergence_defaults,

@@ -167,6 +167,27 @@ def test_exchange_diagnostics_against_the_uncompressed_update():
     assert d["update_over_uncompressed"] == pytest.approx(1 / (1.9 * math.sqrt(0.5)))
 
 
+def test_dgc_diagnostics_hold_back_over_distance_moved():
+    """Two devices, one leaf moved by (3, 4) (norm 5): accumulations v_1 = (2, 0),
+    v_2 = (0, 2) hold back lr * ||mean v|| = 0.1 * sqrt(2); velocities u_i = (1, 1) the same
+    over 2; plain (None) leaves are skipped."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from benchmarks.convergence import dgc_diagnostics
+
+    state = (
+        SimpleNamespace(
+            accumulation={"w": 2 * np.eye(2), "b": None},
+            velocity={"w": np.ones((2, 2)), "b": None},
+        ),
+    )
+    d = dgc_diagnostics({"w": np.zeros(2)}, {"w": np.array([3.0, 4.0])}, state, lr=0.1)
+    assert d["held_back_over_moved"] == pytest.approx(0.1 * math.sqrt(2) / 5)
+    assert d["velocity_over_moved"] == pytest.approx(0.1 * math.sqrt(2) / 5)
+
+
 def test_convergence_quick(tmp_path):
     run_bench("convergence.py", "--quick", "--steps", "30", "--eval-at", "10", out=tmp_path)
     data = load(tmp_path, "convergence_quick.json")

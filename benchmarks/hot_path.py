@@ -55,18 +55,22 @@ QUICK_ROWS = ["sign", "int8", "sign (no feedback)"]
 TARGET_COPIES = 3.0  # int8 and fp16 with error feedback (sign: 2)
 
 
-def timed(fn, args, reps: int, warmup: int, const=()) -> list[float]:
+def timed(fn, args, reps: int, warmup: int, const=(), cpu=None) -> list[float]:
     """Milliseconds of ``reps`` calls ``fn(*args, *const)`` after ``warmup``; each call's
-    output is the next ``args`` (they are donated), each blocked until ready."""
+    output is the next ``args`` (they are donated), each blocked until ready. ``cpu``: a list
+    that gets each call's CPU milliseconds (``time.process_time``: every thread of the
+    process, user + system), which other work on a shared host disturbs less than wall time."""
     import jax
 
     for _ in range(warmup):
         args = jax.block_until_ready(fn(*args, *const))
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         args = jax.block_until_ready(fn(*args, *const))
         times.append(1e3 * (time.perf_counter() - t0))
+        if cpu is not None:
+            cpu.append(1e3 * (time.process_time() - c0))
     return times
 
 
@@ -101,8 +105,10 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
 
     copy = jax.jit(lambda g: (jax.tree.map(lambda x: x * 1.0001, g),), donate_argnums=0)
 
+    copy_cpu: list[float] = []
+
     def copy_times():
-        return timed(copy, (fresh_grads(),), reps, warmup)
+        return timed(copy, (fresh_grads(),), reps, warmup, cpu=copy_cpu)
 
     copy_ms = copy_times()
     rows = []
@@ -139,7 +145,8 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
         )
         grads = fresh_grads()
         memory = update.lower(grads, state, params).compile().memory_analysis()
-        times = timed(update, (grads, state), reps, warmup, const=(params,))
+        cpu: list[float] = []
+        times = timed(update, (grads, state), reps, warmup, const=(params,), cpu=cpu)
         row = {
             "name": name,
             "codec": what,
@@ -151,6 +158,8 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
             "update_ms": statistics.median(times),
             "update_min_ms": min(times),
             "times_ms": [round(t, 3) for t in times],
+            "update_cpu_ms": statistics.median(cpu),
+            "cpu_times_ms": [round(t, 3) for t in cpu],
             "seconds": round(time.perf_counter() - t_start, 1),
         }
         rows.append(row)
@@ -158,8 +167,10 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
         del update, state
     copy_ms += copy_times()
     copy_median = statistics.median(copy_ms)
+    copy_cpu_median = statistics.median(copy_cpu)
     for row in rows:
         row["copies"] = row["update_ms"] / copy_median
+        row["cpu_copies"] = row["update_cpu_ms"] / copy_cpu_median  # CPU time, in copies
         row["copies_spread"] = [  # the row's fastest and slowest call, in copies
             min(row["times_ms"]) / copy_median,
             max(row["times_ms"]) / copy_median,
@@ -170,6 +181,7 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
         "mlp": list(sizes),
         "copy_ms": copy_median,
         "copy_times_ms": [round(t, 3) for t in copy_ms],
+        "copy_cpu_ms": copy_cpu_median,
         "reps": reps,
         "warmup": warmup,
         "target_copies": TARGET_COPIES,
@@ -248,7 +260,8 @@ def main(argv=None) -> int:
     for r in data["rows"]:
         print(
             f"{r['name']:20s} {r['update_ms']:9.1f} ms {r['copies']:7.1f} copies "
-            f"(calls {r['copies_spread'][0]:.1f}-{r['copies_spread'][1]:.1f}); "
+            f"(calls {r['copies_spread'][0]:.1f}-{r['copies_spread'][1]:.1f}; "
+            f"CPU time {r['cpu_copies']:.1f}); "
             f"temporaries {r['temp_copies']:.2f}, arguments {r['argument_copies']:.2f} copies"
         )
     name = "hot_path" + (f"_{args.label}" if args.label else "")

@@ -130,6 +130,8 @@ class Reduced(NamedTuple):
     sent: list  # f32[d_s]: what this device's contribution decodes to (for error feedback)
     server: list  # f32[c_s]: the owned chunk's new re-encoding error (two_phase), else None
     bad: jax.Array  # bool[]: some input on some device was non-finite (same on every device)
+    error: list | None = None  # f32[d_s]: segment - sent, what this device's contribution
+    #                            dropped (residual error feedback), formed in the encoding pass
 
 
 def axis_size(axis_name: Any) -> int:
@@ -253,8 +255,11 @@ def _floats(arrays: list) -> list[jax.Array]:
 
 
 def _encode(xs, keys, ctx):
-    """One payload per segment (allreduce, allgather, majority_vote)."""
-    return [ctx.codec.encode(x, k) for x, k in zip(xs, keys, strict=True)]
+    """One payload per segment and what it drops, ``x - decode(payload)`` (allgather,
+    majority_vote): :meth:`Codec.encode_with_error`, so the error comes from the encoding
+    pass, not from a second pass that decodes the payload."""
+    pairs = [ctx.codec.encode_with_error(x, k) for x, k in zip(xs, keys, strict=True)]
+    return [p for p, _ in pairs], [e for _, e in pairs]
 
 
 def _sent(payloads, xs, codec):
@@ -262,17 +267,29 @@ def _sent(payloads, xs, codec):
     return [codec.decode(p, x.shape[0]) for p, x in zip(payloads, xs, strict=True)]
 
 
-# Each strategy is three steps: encode (per segment), exchange (the collectives; returns what
-# decoding needs and the floating arrays that every device now holds, from which a
-# ``flags_nonfinite`` codec's non-finite flag is read at no extra pass), decode (into the
-# mean, with ``fill`` NaN when the step is not finite).
+# Each strategy is three steps: encode (per segment: the payloads and what they drop, the
+# residual ``x - sent``), exchange (the collectives; returns what decoding needs and the
+# floating arrays that every device now holds, from which a ``flags_nonfinite`` codec's
+# non-finite flag is read at no extra pass), decode (into the mean, with ``fill`` NaN when
+# the step is not finite).
 
 
 def _allreduce_encode(xs, keys, ctx):
     """Summable payloads of ``x / n``: their psum is the mean, and a mean that fits the
     payload's type (fp16: 65504) never overflows in the sum, as ``x``'s sum could."""
     scale = 1.0 / ctx.n
-    return [ctx.codec.encode(x * scale, k) for x, k in zip(xs, keys, strict=True)]
+    payloads = [ctx.codec.encode(x * scale, k) for x, k in zip(xs, keys, strict=True)]
+    # This device's contribution, in units of x, is n decode(payload): elementwise beside the
+    # cast (one fused pass for cast payloads).
+    errors = [
+        x - _times(ctx.codec.decode(p, x.shape[0]), ctx.n)
+        for p, x in zip(payloads, xs, strict=True)
+    ]
+    return payloads, errors
+
+
+def _times(x: jax.Array, n: int) -> jax.Array:
+    return x if n == 1 else x * float(n)
 
 
 def _allreduce_exchange(payloads, ctx, servers):
@@ -284,13 +301,13 @@ def _allreduce_decode(xs, payloads, summed, ctx, fill):
     mean = [
         scaled(ctx.codec.decode(s, x.shape[0]), 1.0, fill) for s, x in zip(summed, xs, strict=True)
     ]
-    sent = [s * float(ctx.n) for s in _sent(payloads, xs, ctx.codec)]  # back in units of x
+    sent = [_times(s, ctx.n) for s in _sent(payloads, xs, ctx.codec)]  # back in units of x
     return mean, sent, [None] * len(xs)
 
 
 def _plain_encode(xs, keys, ctx):
     """``x / n`` in float32, for a segment where plain ``pmean`` is the cheapest (``auto``)."""
-    return [x * (1.0 / ctx.n) for x in xs]
+    return [x * (1.0 / ctx.n) for x in xs], [jnp.zeros_like(x) for x in xs]
 
 
 def _plain_exchange(payloads, ctx, servers):
@@ -333,12 +350,15 @@ def _rows(x: jax.Array, n: int) -> jax.Array:
 
 
 def _encode_two_phase(xs, keys, ctx):
-    """Worker payloads: each segment cut in ``n`` chunks, encoded row by row (batched)."""
-    out = []
+    """Worker payloads: each segment cut in ``n`` chunks, encoded row by row (batched), and
+    what they drop (the rows' errors, end to end)."""
+    payloads, errors = [], []
     for x, k in zip(xs, keys, strict=True):
         worker_key = None if k is None else jax.random.split(jax.random.split(k)[0], ctx.n)
-        out.append(ctx.codec.encode_rows(_rows(x, ctx.n), worker_key))
-    return out
+        payload, error = ctx.codec.encode_rows_with_error(_rows(x, ctx.n), worker_key)
+        payloads.append(payload)
+        errors.append(error.reshape(-1)[: x.shape[0]])
+    return payloads, errors
 
 
 def _two_phase_exchange(payloads, ctx, servers):
@@ -475,10 +495,10 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         idx = [i for i, c in enumerate(chosen) if c == name]
         xs = [segments[i] for i in idx]
         ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], [x.shape[0] for x in xs])
-        payloads = encode(xs, ctx.keys, ctx)
+        payloads, errors = encode(xs, ctx.keys, ctx)
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
-        groups.append((decode, idx, ctx, xs, payloads, exchanged, held))
+        groups.append((decode, idx, ctx, xs, payloads, exchanged, held, errors))
     if codec.flags_nonfinite:
         local, shared = local_nonfinite([g[6] for g in groups]), True
     else:
@@ -491,11 +511,12 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
     mean: list = [None] * len(segments)
     sent: list = [None] * len(segments)
     server: list = [None] * len(segments)
-    for decode, idx, ctx, xs, payloads, exchanged, _ in groups:
+    error: list = [None] * len(segments)
+    for decode, idx, ctx, xs, payloads, exchanged, _, errors in groups:
         m, s, r = decode(xs, payloads, exchanged, ctx, fill)
         for j, i in enumerate(idx):
-            mean[i], sent[i], server[i] = m[j], s[j], r[j]
-    return Reduced(mean, sent, server, fill_bad)
+            mean[i], sent[i], server[i], error[i] = m[j], s[j], r[j], errors[j]
+    return Reduced(mean, sent, server, fill_bad, error)
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
@@ -528,11 +549,12 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     )
     fill = jnp.where(bad, jnp.nan, 0.0)
     mean = [g.reshape(-1)[: x.shape[0]] + fill for g, x in zip(gathered, segments, strict=True)]
-    sent = [
-        x - n_inner * _place(p - s, li, n_inner * p.shape[0], x.shape[0])
-        for x, p, s in zip(segments, parts, r.sent, strict=True)
+    error = [
+        n_inner * _place(e, li, n_inner * p.shape[0], x.shape[0])
+        for x, p, e in zip(segments, parts, r.error, strict=True)
     ]
-    return Reduced(mean, sent, r.server, bad)
+    sent = [x - e for x, e in zip(segments, error, strict=True)]
+    return Reduced(mean, sent, r.server, bad, error)
 
 
 def server_size(d: int, n: int, n_inner: int = 1) -> int:
@@ -562,11 +584,13 @@ def reduce_segments(
     leaves' means). ``Reduced.bad`` is the step's flag, identical on every device; it
     poisons every mean (NaN). Codecs that ``flags_nonfinite`` read it from the payloads every
     device received (no pass over the input, no extra collective); the others from their
-    input, with one scalar psum.
+    input, with one scalar psum. ``Reduced.error`` is what each segment's payload drops on
+    this device (``segment - sent``), from :meth:`Codec.encode_with_error` in the encoding
+    step: residual error feedback stores it as the new memory.
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
-        return Reduced([], [], [], shards.any_block(bad))
+        return Reduced([], [], [], shards.any_block(bad), [])
     if inner_axis_name is None:
         return _reduce_flat(
             segments, axis_name, codec, strategy, key, servers, extra_bad, bucket_bytes

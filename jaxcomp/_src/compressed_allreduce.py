@@ -384,9 +384,11 @@ def compressed_allreduce(
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
 
+        # Residual feedback: e' = (g + e) - C(g + e), as the encoding step formed it.
+        errors = plan.join(reduced.error) if kind == "residual" else [None] * len(means)
         new_memory = [
-            feedback.to_memory(feedback.next_memory(m, t, s, kind), memory_dtype)
-            for m, t, s in zip(memory, targets, sent, strict=True)
+            feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
+            for m, t, s, r in zip(memory, targets, sent, errors, strict=True)
         ]
         new_state = CompressedAllreduceState(
             memory=skeleton.like_state(layout, new_memory) if kind else state.memory,

@@ -81,10 +81,17 @@ def to_send(grad: jax.Array, memory: jax.Array, kind) -> jax.Array:
     return grad
 
 
-def next_memory(memory: jax.Array, sent_target: jax.Array, sent: jax.Array, kind) -> jax.Array:
-    """Memory after a step; ``sent`` is what the codec's payload decodes to."""
+def next_memory(
+    memory: jax.Array, sent_target: jax.Array, sent: jax.Array, kind, error: Any = None
+) -> jax.Array:
+    """Memory after a step; ``sent`` is what the codec's payload decodes to.
+
+    ``error``: ``sent_target - sent`` as the encoding step formed it
+    (:meth:`jaxcomp.Codec.encode_with_error`; ``collectives.Reduced.error``), the same values:
+    residual feedback then stores it, and ``g + e`` and ``sent`` are not formed again.
+    """
     if kind == "residual":
-        return sent_target - sent
+        return sent_target - sent if error is None else error
     if kind == "ef21":
         return memory + sent
     return memory

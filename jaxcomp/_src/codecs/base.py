@@ -122,6 +122,32 @@ class Codec:
     def decode(self, payload: Payload, d: int) -> jax.Array:
         raise NotImplementedError
 
+    def encode_with_error(
+        self, x: jax.Array, key: jax.Array | None = None
+    ) -> tuple[Payload, jax.Array]:
+        """The payload of ``x`` and what it drops: ``(encode(x), x - decode(encode(x)))``.
+
+        Residual error feedback keeps ``e' = x - C(x)``. Codecs that know their own rounding
+        (int_quant: ``x - q s``, cast: ``x - f32(t(x))``, sign: ``x - s sign(x)``) override
+        this to form the error from the values they quantize, in the pass that encodes,
+        instead of a second pass that unpacks the payload; the result is the same, bit for
+        bit. This default decodes the payload.
+
+        Args:
+          x: ``float[d]``, the vector to send.
+          key: the PRNG key of stochastic codecs (the same as :meth:`encode`'s).
+
+        Returns:
+          ``(payload, error)`` with ``error`` ``float32[d]``.
+
+        Example::
+
+            payload, error = jc.int_quant(8).encode_with_error(x)   # error = x - C(x)
+        """
+        x = check_vector(x, self)
+        payload = self.encode(x, key)
+        return payload, x - self.decode(payload, x.shape[0])
+
     def payload_bytes(self, d: int) -> int:
         raise NotImplementedError
 
@@ -137,6 +163,15 @@ class Codec:
         ``fill``, so neither the mean nor the poisoning costs another pass over ``d`` floats.
         """
         return sum_of_decodes(self, payloads, d, scale, fill)
+
+    def encode_rows_with_error(
+        self, rows: jax.Array, keys: jax.Array | None = None
+    ) -> tuple[Payload, jax.Array]:
+        """:meth:`encode_rows` and each row's error ``rows - decode(encode(rows))``
+        (``[r, c]``), one batched :meth:`encode_with_error`."""
+        if keys is None:
+            return jax.vmap(lambda row: self.encode_with_error(row, None))(rows)
+        return jax.vmap(self.encode_with_error)(rows, keys)
 
     def encode_rows(self, rows: jax.Array, keys: jax.Array | None = None) -> Payload:
         """Encode each row of ``rows`` (``[r, c]``) on its own: a payload stacked on axis 0.
@@ -241,15 +276,46 @@ def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
 F32_MAX = float(np.finfo(np.float32).max)
 
 
+#: Rows are first folded ``ROW_GROUPS`` to one by elementwise max / add of equal column slices.
+ROW_GROUPS = 8
+
+
+def _fold_rows(values: jax.Array, combine) -> jax.Array:
+    """``[r, b] -> [r, b / 8]``: the 8 column groups combined elementwise (b % 8 == 0).
+
+    An elementwise stage is fused with what produces ``values`` (a sum ``g + e``, an
+    ``abs``); a reduce is not on XLA:CPU (its reduce kernels read a materialized input), so
+    reducing ``[r, b]`` at once writes the whole producer out first: a gradient-sized
+    temporary. Folded, only ``b / 8`` per row is written before the reduce.
+    """
+    r, b = values.shape
+    if b % ROW_GROUPS or b < 8 * ROW_GROUPS:
+        return values
+    x = values.reshape(r, ROW_GROUPS, b // ROW_GROUPS)
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        x = combine(x[:, :half], x[:, half:])
+    return x[:, 0]
+
+
+def max_abs(xb: jax.Array) -> jax.Array:
+    """``max_j |xb[b, j]|`` per row (0 for an empty row); NaN propagates. The same value as
+    ``jnp.max(jnp.abs(xb), axis=1)``, bit for bit, without a temporary as large as ``xb``."""
+    return jnp.max(_fold_rows(jnp.abs(xb), jnp.maximum), axis=1, initial=0.0)
+
+
 def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
     """``sum_j |xb[b, j]| / count[b]`` per row, summed pre-scaled so it never overflows.
 
     ``sum |x| / c`` overflows float32 once the row's sum leaves its range (two values of
     2e38, or one of 3e38 beside a few thousand of 1e35: what an error-feedback memory holds
     after a finite outlier), and the scale of every later step would be inf. Each term is
-    divided first, so the result is at most ``max |x|``. NaN and inf still propagate.
+    divided first, so the result is at most ``max |x|``. NaN and inf still propagate. The
+    terms are added in 8 column groups first (:func:`max_abs`), so the summation order is
+    that of a pairwise tree, not of one reduce.
     """
-    return jnp.sum(jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None], axis=1)
+    terms = jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None]
+    return jnp.sum(_fold_rows(terms, jnp.add), axis=1)
 
 
 def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:

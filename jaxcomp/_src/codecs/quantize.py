@@ -22,6 +22,7 @@ from jaxcomp._src.codecs.base import (
     check_int,
     check_positive_float,
     check_vector,
+    max_abs,
     mean_abs,
     per_value,
     require_key,
@@ -218,7 +219,7 @@ class IntQuant(Codec):
         """(packed codes, per-block scales) of ``x``; ``u``: uniform noise, one per padded value."""
         d = x.shape[0]
         xb = blocks(x, self.block_size)
-        absmax = jnp.max(jnp.abs(xb), axis=1, initial=0.0)
+        absmax = max_abs(xb)
         if self.stochastic:
             u = u[: xb.size].reshape(xb.shape)
         if self.bits == 1:

@@ -13,6 +13,7 @@ from jaxcomp._src.codecs.base import (
     ceil_div,
     check_int,
     check_vector,
+    max_abs,
     mean_abs,
     per_value,
 )
@@ -52,12 +53,11 @@ class Sign(Codec):
         d = x.shape[0]
         bs = self._block(d)
         xb = blocks(x, bs)
-        absx = jnp.abs(xb)
         if self.scale == "mean":
             count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
             scale = mean_abs(xb, count)  # summed pre-scaled: never overflows
         else:  # 1 for a non-zero block, 0 for a zero block; NaN/inf propagate through 0 * max
-            absmax = jnp.max(absx, axis=1, initial=0.0)
+            absmax = max_abs(xb)
             scale = (absmax > 0).astype(jnp.float32) + 0.0 * absmax
         return packing.pack((x < 0).astype(jnp.uint32), 1), scale
 

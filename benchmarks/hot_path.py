@@ -14,7 +14,9 @@ Rows: sign, int8, fp16 with residual feedback (the line drawn: 3 copies), top-k 
 feedback, plain ``jax.lax.pmean`` of the tree, and sign, int8, fp16 with the memories in
 bfloat16 (``memory_dtype``). Each row also records the compiled update's temporaries and
 arguments (``memory_analysis()``, in copies of the gradient: deterministic, unlike the
-times on a shared host). The state is built with
+times on a shared host) and each call's CPU time (``time.process_time``, every thread:
+``cpu_copies`` is the row's median over the copy's, less disturbed by other work on the host
+than wall time). The state is built with
 ``jc.sharded_init`` and its specs from ``jc.state_specs``, so the script does not depend on
 the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after ``--warmup``,
 each blocked until ready; the copy is timed before and after the rows (its samples pooled).

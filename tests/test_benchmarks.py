@@ -234,9 +234,10 @@ def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
         assert r["update_ms"] > 0 and math.isfinite(r["copies"]) and r["copies"] > 0
     # Compiled, deterministic: the update's temporaries in copies of the gradient (1 device,
     # gradient and state donated). With residual feedback one gradient-sized buffer, g + e
-    # (int8 1.17, sign 0.88 measured); without feedback next to nothing (0.06).
+    # or the donated gradient's copy (int8 1.17, sign 0.95 measured); without feedback the
+    # scale's eight-group fold, an eighth of a leaf (0.26; 0.06 when reduced at once).
     temps = {r["name"]: r["temp_copies"] for r in hot["rows"]}
-    assert temps["int8"] < 1.25 and temps["sign"] < 1.0 and temps["sign (no feedback)"] < 0.1
+    assert temps["int8"] < 1.25 and temps["sign"] < 1.0 and temps["sign (no feedback)"] < 0.3
     assert (tmp_path / "hot_path_t_quick.png").stat().st_size > 0
 
     run_bench("compile_size.py", "--quick", "--strategies", "auto", out=tmp_path)

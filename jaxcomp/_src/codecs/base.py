@@ -125,24 +125,30 @@ class Codec:
     def encode_with_error(
         self, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[Payload, jax.Array]:
-        """The payload of ``x`` and what it drops: ``(encode(x), x - decode(encode(x)))``.
+        r"""The payload of ``x`` and what it drops: ``(encode(x), x - decode(encode(x)))``.
 
-        Residual error feedback keeps ``e' = x - C(x)``. Codecs that know their own rounding
-        (int_quant: ``x - q s``, cast: ``x - f32(t(x))``, sign: ``x - s sign(x)``) override
-        this to form the error from the values they quantize, in the pass that encodes,
-        instead of a second pass that unpacks the payload; the result is the same, bit for
-        bit. This default decodes the payload.
+        Residual error feedback (Seide et al., 2014; Karimireddy et al., ICML 2019) keeps
+        ``e' = x - C(x)`` with ``x = g + e``; the collectives take it from here, in the step
+        that encodes, instead of forming ``(g + e) - C(g + e)`` after the exchange. This
+        default decodes the payload; XLA fuses that decode into the pass that writes the new
+        memory (no separate pass, no gradient-sized buffer of ``C(x)``). Reading the payload
+        there is also what orders the memory's in-place write after the encoding: a codec
+        that overrides this to form the error from its quantized values (int8:
+        ``x - q s``) drops that edge, and XLA:CPU then copies the donated memory (measured on
+        ``jc.sgd(int8)``: fewer temporaries, but a slower ``tx.update`` on one device). An
+        override must return the same values, bit for bit (``tests/test_encode_error.py``).
 
         Args:
           x: ``float[d]``, the vector to send.
           key: the PRNG key of stochastic codecs (the same as :meth:`encode`'s).
 
         Returns:
-          ``(payload, error)`` with ``error`` ``float32[d]``.
+          ``(payload, error)``: the payload of :meth:`encode` and ``error = x - decode(payload)``,
+          ``float32[d]``.
 
         Example::
 
-            payload, error = jc.int_quant(8).encode_with_error(x)   # error = x - C(x)
+            payload, error = jc.int_quant(8).encode_with_error(x)   # error: x - C(x)
         """
         x = check_vector(x, self)
         payload = self.encode(x, key)

@@ -309,6 +309,41 @@ def _f32(make: Callable[..., Any]) -> Callable[[Run, Any], Any]:
     return f32
 
 
+def _ob(divisor: int = 6, note: str = "", **kw: Any) -> Recipe:
+    """``jc.onebit_adam`` frozen at ``steps // divisor`` with ``kw`` (``codec``: a factory)."""
+
+    def make(run: Run, axis: Any) -> Any:
+        extra = {k: (v() if callable(v) else v) for k, v in kw.items()}
+        return _onebit(run, axis, freeze=max(1, run.steps // divisor), **extra)
+
+    return Recipe(
+        make,
+        branches=("compressed", "warmup"),
+        regime=lambda run, t: "warmup" if t < max(1, run.steps // divisor) else "compressed",
+        note=note,
+    )
+
+
+def _zo(note: str = "", **kw: Any) -> Recipe:
+    """``jc.zero_one_adam`` at the benchmark's settings with ``kw``."""
+
+    def make(run: Run, axis: Any) -> Any:
+        return _zero_one(run, axis, **{k: (v() if callable(v) else v) for k, v in kw.items()})
+
+    return Recipe(
+        make, branches=("full", "compressed", "skipped"), regime=_zero_one_regime, note=note
+    )
+
+
+def _codec(name: str, **kw: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        import jaxcomp as jc
+
+        return getattr(jc, name)(**kw)
+
+    return make
+
+
 RECIPES: dict[str, Recipe] = {
     "adamw": Recipe(lambda run, axis: run.adamw(), averages=False, note="baseline: pmean"),
     "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
@@ -326,7 +361,7 @@ RECIPES: dict[str, Recipe] = {
         _f32(_onebit),
         branches=("compressed", "warmup"),
         regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
-        note="diagnosis: the variance frozen, the momentum exchanged in float32",
+        note="diagnosis: the momentum exchanged in float32",
     ),
     "zero_one_adam-f32": Recipe(
         _f32(_zero_one),
@@ -340,6 +375,16 @@ RECIPES: dict[str, Recipe] = {
         regime=lambda run, t: "warmup" if t < max(1, run.steps // 3) else "compressed",
         note="freeze at a third of the steps",
     ),
+    "onebit_adam-frozen": _ob(rescale_variance=False, note="the paper's variance: frozen as is"),
+    "zero_one_adam-frozen": _zo(rescale_variance=False, note="variance not rescaled"),
+    "zero_one_adam-clip1": _zo(local_step_clipper=1, note="no skipped rounds"),
+    "zero_one_adam-f32-clip1": _zo(
+        codec=_codec("identity"), local_step_clipper=1, note="no skipped rounds, float32"
+    ),
+    "onebit_adam-f32-freeze100": _ob(3, codec=_codec("identity"), note="float32, freeze at 100"),
+    "onebit_adam-meansign": _ob(codec=_codec("sign"), note="jc.sign(): mean-|x| scale"),
+    "zero_one_adam-meansign": _zo(codec=_codec("sign"), note="jc.sign(): mean-|x| scale"),
+    "onebit_adam-freeze25": _ob(12, note="freeze at a twelfth of the steps"),
     "powersgd4-adamw": _psgd(4),
     "powersgd8-adamw": _psgd(8),
     "powersgd16-adamw": _psgd(16),

@@ -346,6 +346,18 @@ CHECKS = [
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, worker_momentum=0.9),
         TypeError,
     ),
+    (
+        "onebit_adam",
+        "rescale_variance",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, rescale_variance="yes"),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "rescale_variance",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, rescale_variance=1),
+        TypeError,
+    ),
     ("accordion", "gentle", lambda: jc.accordion("top_k"), TypeError),
     ("accordion", "interval", lambda: jc.accordion(jc.top_k(0.1), interval=0), ValueError),
     ("accordion", "threshold", lambda: jc.accordion(jc.top_k(0.1), threshold=0.0), ValueError),

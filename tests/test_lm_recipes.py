@@ -87,6 +87,33 @@ def test_zero_one_adam_a_late_rare_coordinate_does_not_blow_up_at_a_variance_rou
     assert 0.4 * adam[0] < ours[0] < TARGET, (ours[0], adam[0])
 
 
+def test_rms_sign_keeps_the_norm_at_the_bytes_of_sign():
+    """1-bit Adam's default codec: signs scaled by the root mean square of their block, so
+    ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for this x, norm 7.0 < 10.0),
+    at exactly ``jc.sign()``'s bytes; zero stays zero, a finite outlier a finite scale, a
+    non-finite input non-finite."""
+    from jaxcomp._src.onebit_adam import rms_sign
+
+    c, d = rms_sign(), 4
+    x = jnp.array([6.0, -8.0, 0.0, 0.0])  # ||x||_2 = 10, rms 5; mean |x| 3.5
+    np.testing.assert_allclose(c.decode(c.encode(x), d), [5.0, -5.0, 5.0, 5.0])
+    np.testing.assert_allclose(jc.sign().decode(jc.sign().encode(x), d), [3.5, -3.5, 3.5, 3.5])
+    blocked = rms_sign(block_size=2)  # per block: rms(6, -8) = sqrt(50), rms(0, 0) = 0
+    np.testing.assert_allclose(
+        blocked.decode(blocked.encode(x), d), [50**0.5, -(50**0.5), 0.0, 0.0], rtol=1e-6
+    )
+    for n in (1, 31, 1000, 4097):
+        assert c.payload_bytes(n) == jc.sign().payload_bytes(n)
+    np.testing.assert_array_equal(c.decode(c.encode(jnp.zeros(d)), d), np.zeros(d))
+    big = c.decode(c.encode(jnp.array([3e38, -3e38, 1.0, 0.0])), d)
+    assert np.all(np.isfinite(big)) and float(big[0]) == pytest.approx(3e38 / 2**0.5, rel=1e-5)
+    for bad in (np.nan, np.inf):
+        out = c.decode(c.encode(jnp.array([1.0, bad, 0.0, 2.0])), d)
+        assert not np.isfinite(np.asarray(out)).any()
+    with pytest.raises(ValueError, match="block_size"):
+        rms_sign(block_size=0)
+
+
 # --------------------------------------------------------------------------- replica x data
 
 M, W = 2, 16  # 2 replicas of 4 devices; one leaf of W floats

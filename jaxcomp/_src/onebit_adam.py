@@ -3,6 +3,7 @@ exchanged through a 1-bit codec with worker and server error feedback."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -11,8 +12,16 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs import sign
-from jaxcomp._src.codecs.base import F32_MAX, Codec, saturating_square
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import (
+    F32_MAX,
+    Codec,
+    blocks,
+    check_vector,
+    safe_divide,
+    saturating_square,
+)
+from jaxcomp._src.codecs.sign import Sign
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
 
@@ -23,9 +32,57 @@ class OneBitAdamState(NamedTuple):
     count: jax.Array  # int32[]: steps taken
     mu: Any  # identical on every device, f32 like the params: the (synchronized) momentum
     nu: Any  # identical on every device, f32 like the params: the variance, frozen later
+    level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
+    level_ref: Any  # identical on every device, f32[] per leaf: level_hat when nu last moved
     exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
 
     PER_DEVICE_FIELDS = ()  # the per-device memories are the exchange's own fields
+
+
+@dataclasses.dataclass(frozen=True)
+class RmsSign(Sign):
+    r"""1-bit signs scaled by the root mean square of their block: ``C(x) = (||x_B||_2 /
+    sqrt(|B|)) sign(x)``, the compressed momentum of DeepSpeed's 1-bit Adam.
+
+    The payload is :class:`jaxcomp.sign`'s (32 signs per uint32 word and one float32 per
+    block); only the scale differs. ``jc.sign()``'s mean ``||x_B||_1 / |B|`` minimizes
+    ``||C(x) - x||``, so every step moves less than ``x`` (by ``||x||_1 / (sqrt(|B|)
+    ||x||_2)``, far below 1 for a heavy-tailed momentum) and error feedback pays the rest
+    late; the root mean square keeps ``||C(x)|| = ||x||``. It is not contractive for every
+    ``x`` (``delta`` is None). Computed as a scaled norm: a finite ``x`` gives a finite
+    scale at most ``max |x|``; a zero block decodes to zero; NaN and inf propagate.
+    """
+
+    scale: str | None = "rms"
+
+    def delta(self, d):
+        return None
+
+    def encode(self, x, key=None):
+        x = check_vector(x, self)
+        d = x.shape[0]
+        bs = self._block(d)
+        count = jnp.clip(d - jnp.arange(-(-d // bs)) * bs, 1, bs).astype(jnp.float32)
+        return packing.pack((x < 0).astype(jnp.uint32), 1), root_mean_square(blocks(x, bs), count)
+
+
+def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
+    """``sqrt(sum_j xb[b, j]^2 / count[b])`` per row as ``m sqrt(sum (x / m)^2 / count)``
+    (``m = max |x|``): at most ``m``, so a finite row never overflows; 0 for a zero row;
+    NaN and inf propagate. Rows above ``2^64`` are scaled by ``2^-64`` (exact) before the
+    division, whose reciprocal XLA would otherwise flush to zero."""
+    biggest = jnp.max(jnp.abs(xb), axis=1)
+    s = jnp.where(biggest > 2.0**64, 2.0**-64, 1.0)
+    unit = safe_divide(xb * s[:, None], (biggest * s)[:, None])
+    return biggest * jnp.sqrt(jnp.sum(unit * unit, axis=1) / count)
+
+
+def rms_sign(block_size: int | None = None) -> RmsSign:
+    """:class:`RmsSign`: 1-bit signs scaled by their block's root mean square (one block per
+    vector by default), the default codec of :func:`onebit_adam` and ``zero_one_adam``."""
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"`block_size` must be None or a positive int, got {block_size!r}")
+    return RmsSign(block_size=block_size)
 
 
 def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
@@ -64,20 +121,85 @@ def filled_variance(nu: Any) -> Any:
     return jax.tree.map(one, nu)
 
 
-def adam_direction(mu: Any, nu: Any, like: Any, mu_scale, nu_scale, eps, bad) -> Any:
+def local_levels(grads: Any, every_axis: Any) -> Any:
+    r"""Per leaf, the second moment of the devices' gradients, ``mean_i mean_j g_{i,j}^2``:
+    one float32 per leaf on the wire (a ``pmean`` of a vector of them).
+
+    Each term is saturated and pre-scaled (``min(g^2, F32_MAX) / size``, then ``/ n``
+    before the sum), so a finite gradient gives a finite level; a non-finite one a
+    non-finite level. Integer leaves give 0.
+    """
+    leaves, treedef = jax.tree.flatten(grads)
+    n = collectives.axis_size(every_axis)
+
+    def one(g):
+        if not jnp.issubdtype(g.dtype, jnp.floating) or g.size == 0:
+            return jnp.zeros([], jnp.float32)
+        return jnp.sum(saturating_square(g.astype(jnp.float32)) / (g.size * n))
+
+    local = jnp.stack([one(g) for g in leaves])
+    return jax.tree.unflatten(treedef, list(jax.lax.psum(local, every_axis)))
+
+
+def tracked_levels(
+    grads: Any, level: Any, level_ref: Any, moves: jax.Array, count: jax.Array, b2, every_axis
+) -> tuple[Any, Any, Any, Any]:
+    r"""The per-leaf levels after this step: ``(level, level_ref, ratio_before, ratio)``.
+
+    ``level <- b2 level + (1 - b2) s_t`` (``s_t``: :func:`local_levels`, capped at
+    ``F32_MAX``); where the variance ``moves`` this step, ``level_ref`` becomes the
+    bias-corrected ``level_hat = level / (1 - b2^(count + 1))``, else it is kept. ``ratio``
+    is ``level_hat / level_ref`` (1 where the variance moved, or where ``level_ref`` is
+    zero or the quotient not finite), ``ratio_before`` the same against the old reference.
+    """
+    scale = 1.0 / (1.0 - b2 ** (count + 1).astype(jnp.float32))
+    level = jax.tree.map(
+        lambda a, x: jnp.minimum(b2 * a + (1.0 - b2) * x, F32_MAX),
+        level,
+        local_levels(grads, every_axis),
+    )
+    new_ref = jax.tree.map(lambda a, r: jnp.where(moves, scale * a, r), level, level_ref)
+    return level, new_ref, level_ratio(level, level_ref, scale), level_ratio(level, new_ref, scale)
+
+
+def level_ratio(level: Any, level_ref: Any, level_scale) -> Any:
+    r"""Per leaf ``level_hat / level_ref`` (``level_hat = level_scale * level``): how far the
+    gradients' second moment moved since the variance last did; 1 where ``level_ref`` is
+    zero (a leaf without a gradient yet) or where the quotient is not finite or zero."""
+
+    def one(a, ref):
+        ratio = level_scale * a / jnp.where(ref > 0, ref, 1.0)
+        return jnp.where((ref > 0) & jnp.isfinite(ratio) & (ratio > 0), ratio, 1.0)
+
+    return jax.tree.map(one, level, level_ref)
+
+
+def adam_direction(
+    mu: Any, nu: Any, like: Any, mu_scale, nu_scale, eps, bad, filled: bool = False
+) -> Any:
     """``mu_hat / (sqrt(nu_hat) + eps)`` per leaf in the dtype of ``like``, with ``nu`` the
     :func:`filled_variance`; zero where that is still zero (a leaf whose gradient was always
     zero: a 1-bit momentum gives it +-scale, which ``eps`` would blow up by 1e8), and NaN
     everywhere when ``bad``."""
 
-    def one(m, v, g):
-        d = mu_scale * m / (jnp.sqrt(nu_scale * v) + eps)
+    def one(m, v, g, k):
+        d = mu_scale * m / (jnp.sqrt(k * v) + eps)
         return collectives.poison(jnp.where(v > 0, d, 0.0), bad).astype(g.dtype)
 
-    return jax.tree.map(one, mu, filled_variance(nu), like)
+    nu = nu if filled else filled_variance(nu)
+    return jax.tree.map(one, mu, nu, like, per_leaf(nu_scale, like))
 
 
-def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_state, params):
+def per_leaf(scale: Any, like: Any) -> Any:
+    """``scale`` as a tree like ``like``: a scalar repeated, or a tree of scalars as it is."""
+    if jax.tree.structure(scale) == jax.tree.structure(like):
+        return scale
+    return jax.tree.map(lambda _: scale, like)
+
+
+def preconditioned_mean(
+    inner, local: Any, nu: Any, nu_scale, eps, exchange_state, params, filled: bool = False
+):
     """``mean_i m_i`` through ``inner`` (a ``compressed_allreduce``), exchanged in Adam's
     preconditioned coordinates ``u_i = m_i / (sqrt(nu_hat) + eps)``.
 
@@ -90,7 +212,9 @@ def preconditioned_mean(inner, local: Any, nu: Any, nu_scale, eps, exchange_stat
     nothing (its update is zero). Returns ``(mean momentum, new exchange state)``.
     """
     scale = jax.tree.map(
-        lambda v: jnp.where(v > 0, 1.0 / (jnp.sqrt(nu_scale * v) + eps), 0.0), filled_variance(nu)
+        lambda v, k: jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0),
+        nu if filled else filled_variance(nu),
+        per_leaf(nu_scale, nu),
     )
     sent, exchange_state = inner.update(
         jax.tree.map(jnp.multiply, local, scale), exchange_state, params
@@ -107,16 +231,18 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     options = {"error_feedback": "residual", **exchange_options(exchange)}
     if "worker_momentum" in options:
         raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
-    inner = compressed_allreduce(sign() if codec is None else codec, axis_name, **options)
+    inner = compressed_allreduce(rms_sign() if codec is None else codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
     return inner, every_axis, options.get("bucket_bytes", 2**25)
 
 
 def mean_gradient(grads: Any, every_axis: Any, bucket_bytes: int) -> tuple[Any, jax.Array]:
-    """The float32 mean gradient (bucketed ``pmean``) and its non-finite flag."""
-    leaves, treedef = jax.tree.flatten(as_float32(grads))
-    means, held = collectives.plain_mean(leaves, every_axis, bucket_bytes, with_buckets=True)
-    return jax.tree.unflatten(treedef, means), collectives.local_nonfinite(held)
+    """The float32 mean gradient and its non-finite flag: one ``pmean`` per leaf, which XLA
+    combines into a few all-reduces of tuples (no concatenated bucket: packing the leaves
+    into buckets and slicing them out again cost two params-sized temporaries)."""
+    del bucket_bytes
+    means = jax.lax.pmean(as_float32(grads), every_axis)
+    return means, collectives.local_nonfinite(means)
 
 
 def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
@@ -147,6 +273,7 @@ def scale_by_onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    rescale_variance: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`onebit_adam` (before the learning rate); see there."""
@@ -154,13 +281,19 @@ def scale_by_onebit_adam(
     b1 = check_number("b1", b1, 0.0, 1.0)
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, float("inf"))
+    rescale = check_flag("rescale_variance", rescale_variance)
     inner, every_axis, bucket_bytes = momentum_exchange("onebit_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
     def init_fn(params):
         zeros = zeros_f32(params)
         return OneBitAdamState(
-            count=jnp.zeros([], jnp.int32), mu=zeros, nu=zeros, exchange=inner.init(params)
+            count=jnp.zeros([], jnp.int32),
+            mu=zeros,
+            nu=zeros,
+            level=zero_levels(params),
+            level_ref=zero_levels(params),
+            exchange=inner.init(params),
         )
 
     # The lax.cond returns one params-sized tree (the warm-up's mean gradient or the
@@ -168,22 +301,26 @@ def scale_by_onebit_adam(
     # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
-    def warmup(grads, state, params):
+    def warmup(grads, state, params, nu_scale):
         """The float32 mean gradient (uncompressed): Adam with the variance still learning."""
         g, bad = mean_gradient(grads, every_axis, bucket_bytes)
         return g, state.exchange, bad
 
-    def compressed(grads, state, params):
+    def compressed(grads, state, params, nu_scale):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
         local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, as_float32(grads))
         mu, exchange_state = preconditioned_mean(
-            inner, local, state.nu, frozen_scale(state.count), eps, state.exchange, params
+            inner, local, state.nu, nu_scale, eps, state.exchange, params, filled=True
         )
         return mu, exchange_state, collectives.local_nonfinite(mu)
 
     def moments(state, warm, x):
         """Warm-up: Adam's moments moved by the mean gradient ``x``; after: ``mu = x``."""
         mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
+        # The variance is filled once, as it freezes (a coordinate never seen takes its
+        # leaf's mean): after that it is a constant of the state, read as it is.
+        last = state.count == freeze_step - 1
+        nu = jax.tree.map(lambda v, f: jnp.where(last, f, v), nu, filled_variance(nu))
         pick = functools.partial(jax.tree.map, lambda a, b: jnp.where(warm, a, b))
         return pick(mu, x), pick(nu, state.nu)
 
@@ -192,29 +329,62 @@ def scale_by_onebit_adam(
         frozen_t = jnp.minimum(count + 1, freeze_step).astype(jnp.float32)
         return 1.0 / (1.0 - b2**frozen_t)
 
+    def levels(grads, state, warm):
+        """``(level, level_ref, nu_scale)``: the per-leaf levels moved by this step's
+        gradients (:func:`tracked_levels`; the reference follows while the variance moves)
+        and the variance's bias correction times ``level_hat / level_ref`` per leaf."""
+        level, ref, _, ratio = tracked_levels(
+            as_float32(grads), state.level, state.level_ref, warm, state.count, b2, every_axis
+        )
+        return level, ref, jax.tree.map(lambda r: frozen_scale(state.count) * r, ratio)
+
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("onebit_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
         warm = state.count < freeze_step
-        x, exchange_state, bad = jax.lax.cond(warm, warmup, compressed, updates, state, params)
+        if rescale:
+            level, level_ref, nu_scale = levels(updates, state, warm)
+        else:
+            level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
+        x, exchange_state, bad = jax.lax.cond(
+            warm, warmup, compressed, updates, state, params, nu_scale
+        )
         mu, nu = moments(state, warm, x)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
-        nu_scale = frozen_scale(state.count)
-        new_state = OneBitAdamState(count=state.count + 1, mu=mu, nu=nu, exchange=exchange_state)
+        new_state = OneBitAdamState(
+            count=state.count + 1,
+            mu=mu,
+            nu=nu,
+            level=level,
+            level_ref=level_ref,
+            exchange=exchange_state,
+        )
         new_state = skeleton.freeze(bad, state, new_state)
         # A non-finite step: NaN everywhere (not just where the mean was), state kept. The
         # direction reads the frozen state (the same where the step is finite): the new
         # mu and nu then have one reader each, written once into the state's own buffers
         # (read before the freeze, each was a params-sized temporary).
         direction = adam_direction(
-            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad
+            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad, filled=True
         )
         return direction, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def zero_levels(params: Any) -> Any:
+    """One float32 zero per leaf (the per-leaf levels' initial state)."""
+    return jax.tree.map(lambda _: jnp.zeros([], jnp.float32), params)
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` must be a bool, naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}")
+    return value
 
 
 def onebit_adam(
@@ -228,37 +398,58 @@ def onebit_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
+    rescale_variance: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen and the momentum
-    exchanged through ``codec`` (1-bit signs by default) with error feedback.
+    r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen (rescaled per
+    leaf) and the momentum exchanged through ``codec`` (1-bit signs) with error feedback.
 
     Adam's variance ``v`` is what makes its momentum hard to compress; 1-bit Adam observes
     that ``v`` becomes stable early, freezes it, and from then on Adam is momentum SGD with a
     fixed per-coordinate preconditioner, whose momentum compresses like EF-SGDM's::
 
+        every step: L <- b2 L + (1 - b2) mean_i mean_j g_{i,j}^2   # per leaf: one float32
+                                                    # per leaf on the wire (a pmean)
         warm-up (t < freeze_step), uncompressed:
             g  = mean_i g_i                         # float32 all-reduce
             m <- b1 m + (1 - b1) g
-            v <- b2 v + (1 - b2) g^2
+            v <- b2 v + (1 - b2) g^2;  L_f = L_hat  # the level when v last moved
         compression stage (t >= freeze_step), v frozen:
             m_i = b1 m + (1 - b1) g_i               # each device's momentum step
             m  <- mean_i C(m_i + e_i)               # worker error e_i; two_phase adds the
                                                     # chunk owners' server error; sent in
                                                     # units of m / (sqrt(v_hat) + eps)
-        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # bias-corrected as Adam (v's
-                                                    # correction frozen with v); wd: AdamW's
-                                                    # decoupled weight decay (optax.adamw)
+            v_hat = v / (1 - b2^freeze_step) * L_hat / L_f    # per leaf (rescale_variance)
+        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # bias-corrected as Adam;
+                                                    # wd: AdamW's decoupled weight decay
+
+    with ``L_hat = L / (1 - b2^t)`` and ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` by default
+    (:func:`rms_sign`, DeepSpeed's compressed momentum: 1 bit per coordinate and one float32
+    per chunk).
+
+    **The variance's level follows the gradients.** A frozen ``v`` keeps the size of the
+    early, large gradients: where the gradients keep shrinking after the freeze (a language
+    model's do), the frozen preconditioner makes every later step too small. Each leaf's
+    frozen ``v`` is therefore multiplied by ``L_hat / L_f``: the devices' mean squared
+    gradient of that leaf (an EMA with Adam's ``b2`` and bias correction), now against at the
+    freeze. The shape of ``v`` within a leaf stays frozen; only its level moves, from one
+    float per leaf per step. ``rescale_variance=False`` freezes ``v`` as the paper does.
+
+    **The scale of the signs.** ``jc.sign()``'s mean ``||x||_1 / d`` minimizes the error of
+    one step but shrinks every step below the momentum's norm (far below it for a momentum
+    whose coordinates differ widely in size), and the error feedback pays the rest late;
+    the root mean square keeps the step's norm. Both send the same bytes.
 
     The momentum travels in Adam's preconditioned units, ``m_i / (sqrt(v_hat) + eps)`` (``v``
-    is frozen and the same on every device, so the mean is unchanged): sent as it is, a
+    is the same on every device, so the mean is unchanged): sent as it is, a
     1-bit momentum gives every coordinate of a leaf the same magnitude, and coordinates of
     small variance turn that into steps that diverge (measured: docs, "Choosing a codec").
     A coordinate whose variance is exactly zero at the freeze (its gradient was zero through
     the warm-up: the embedding row of a token not seen yet) is preconditioned by its leaf's
-    mean variance, so it still learns at Adam's step size once its gradient appears (frozen
-    at zero it would never move; ``eps`` alone would multiply its 1-bit momentum by
-    ``1 / eps``). A leaf whose variance is zero everywhere gets a zero update.
+    mean variance (filled once, as ``v`` freezes), so it still learns at Adam's step size
+    once its gradient appears (frozen at zero it would never move; ``eps`` alone would
+    multiply its 1-bit momentum by ``1 / eps``). A leaf whose variance is zero everywhere
+    gets a zero update.
 
     Every device restarts its momentum step from the synchronized ``m``, as in the paper's
     Algorithm 1. The warm-up runs inside a ``jax.lax.cond`` on the step count, so a compiled
@@ -274,10 +465,12 @@ def onebit_adam(
       learning_rate: a float or an optax schedule.
       axis_name: the data-parallel mesh axis.
       freeze_step: steps of uncompressed Adam before the variance is frozen (>= 1). The
-        rule: a quarter to a third of the run (the paper uses 15-25% of training for BERT;
-        on a 300-step byte-level LM a sixth ended 3.7% above AdamW, a third 2.4%; with the
-        momentum exchanged exactly a sixth still costs 1.6%: the frozen variance itself).
-      codec: the momentum's codec (default ``jc.sign()``: 1 bit per coordinate and a scale).
+        rule: a sixth of the run, past the learning-rate warm-up and the first fast fall
+        of the loss (the paper uses 15-25% of training for BERT); the bytes over the run
+        are about ``f + (1 - f) / 25`` of ``pmean``'s, ``f`` the warm-up's share
+        (docs: "1-bit Adam and 0/1 Adam for language models").
+      codec: the momentum's codec (default :func:`rms_sign`: 1 bit per coordinate and one
+        float32 root mean square per chunk; ``jc.sign()`` scales by the mean ``|x|``).
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
@@ -285,6 +478,9 @@ def onebit_adam(
         learning rate as ``optax.adamw``; computed from the params, so nothing is sent.
       weight_decay_mask: None (decay every param) or, as ``optax.adamw``'s ``mask``, a tree
         of bools like the params (or a callable of the params giving one): True where decayed.
+      rescale_variance: True (default): the frozen variance follows each leaf's gradient
+        level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
+        in the paper.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -292,16 +488,26 @@ def onebit_adam(
 
     Example::
 
-        tx = jc.onebit_adam(3e-3, "data", freeze_step=100, weight_decay=0.1)
+        tx = jc.onebit_adam(3e-3, "data", freeze_step=50, weight_decay=0.1)
         opt_state = jc.sharded_init(tx, params, mesh, "data")
 
     References:
       Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
       Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021.
+      Li, Awan, Tang, Rajbhandari, Wang, He, "1-bit LAMB: Communication Efficient
+      Large-Scale Large-Batch Training with LAMB's Convergence Speed", HiPC 2022 (a frozen
+      variance corrected by a scaling from fresh statistics).
     """
     return optax.chain(
         scale_by_onebit_adam(
-            axis_name, freeze_step=freeze_step, codec=codec, b1=b1, b2=b2, eps=eps, **exchange
+            axis_name,
+            freeze_step=freeze_step,
+            codec=codec,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            rescale_variance=rescale_variance,
+            **exchange,
         ),
         *decoupled_weight_decay(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),

@@ -3,6 +3,7 @@ communication rounds."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -16,12 +17,16 @@ from jaxcomp._src.onebit_adam import (
     adam_direction,
     adam_moments,
     as_float32,
+    check_flag,
     check_number,
     decoupled_weight_decay,
     filled_variance,
     mean_gradient,
     momentum_exchange,
+    per_leaf,
     preconditioned_mean,
+    tracked_levels,
+    zero_levels,
     zeros_f32,
 )
 from jaxcomp._src.sgd import exchange_options
@@ -36,6 +41,8 @@ class ZeroOneAdamState(NamedTuple):
     variance_updates: jax.Array  # int32[]: full-precision rounds so far (nu's bias correction)
     mu: Any  # identical on every device, f32 like the params: the synchronized momentum
     nu: Any  # identical on every device, f32 like the params: the variance
+    level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
+    level_ref: Any  # identical on every device, f32[] per leaf: level_hat at the last FULL round
     pending: Any  # per device, f32[1, *shape] per leaf: (1 - b1) g_i of skipped rounds
     exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
 
@@ -84,13 +91,20 @@ def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
     momentum is never scaled up (no overflow; square roots taken before the products).
     """
 
-    def one(v0, f0, f1):
+    def one(v0, f0, f1, old_scale, new_scale):
         num = jnp.sqrt(new_scale) * jnp.sqrt(f1) + eps
         den = jnp.sqrt(old_scale) * jnp.sqrt(f0) + eps
         ratio = jnp.where(den > num, num / jnp.where(den > 0, den, 1.0), 1.0)
         return jnp.where(v0 > 0, 1.0, ratio)
 
-    return jax.tree.map(one, nu_old, filled_variance(nu_old), filled_variance(nu_new))
+    return jax.tree.map(
+        lambda v0, f0, f1, k0, k1: one(v0, f0, f1, k0, k1),
+        nu_old,
+        filled_variance(nu_old),
+        filled_variance(nu_new),
+        per_leaf(old_scale, nu_old),
+        per_leaf(new_scale, nu_old),
+    )
 
 
 def scale_by_zero_one_adam(
@@ -104,6 +118,7 @@ def scale_by_zero_one_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    rescale_variance: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`zero_one_adam` (before the learning rate); see there."""
@@ -115,6 +130,7 @@ def scale_by_zero_one_adam(
     b1 = check_number("b1", b1, 0.0, 1.0)
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, inf)
+    rescale = check_flag("rescale_variance", rescale_variance)
     inner, every_axis, bucket_bytes = momentum_exchange("zero_one_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
@@ -125,6 +141,8 @@ def scale_by_zero_one_adam(
             variance_updates=jnp.zeros([], jnp.int32),
             mu=zeros,
             nu=zeros,
+            level=zero_levels(params),
+            level_ref=zero_levels(params),
             pending=jax.tree.map(lambda z: z[None], zeros),
             exchange=inner.init(params),
         )
@@ -134,12 +152,12 @@ def scale_by_zero_one_adam(
     # Adam's moments and the pending sums move outside it, in place (returned from the
     # branches, XLA copied each out of the switch's buffers).
 
-    def full(grads, state, params):
+    def full(grads, state, params, nu_scale):
         """The float32 mean gradient: momentum and variance both move (outside)."""
         g, bad = mean_gradient(grads, every_axis, bucket_bytes)
         return g, state.exchange, bad
 
-    def compressed(grads, state, params):
+    def compressed(grads, state, params, nu_scale):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""
         local = jax.tree.map(
             lambda m, x, p: b1 * m + (1.0 - b1) * x + p[0],
@@ -151,14 +169,14 @@ def scale_by_zero_one_adam(
             inner,
             local,
             state.nu,
-            variance_scale(state.variance_updates),
+            nu_scale,
             eps,
             state.exchange,
             params,
         )
         return mu, exchange_state, collectives.local_nonfinite(mu)
 
-    def skipped(grads, state, params):
+    def skipped(grads, state, params, nu_scale):
         """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
         update with a zero mean) and moves the params on every device alike."""
         # One scalar all-reduce: a non-finite gradient on any device poisons every device's
@@ -167,18 +185,15 @@ def scale_by_zero_one_adam(
         bad = jax.lax.psum(flag, every_axis) > 0
         return jax.tree.map(jnp.zeros_like, state.mu), state.exchange, bad
 
-    def moved(state, kind, x, grads):
+    def moved(state, kind, x, grads, old_scale):
         """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x``:
         a skipped round keeps ``(1 - b1) g_i`` pending for the next exchange, which empties
         it."""
         mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
         # A variance round keeps the preconditioned momentum of a coordinate that had no
         # variance yet (unfilled_ratio); a compressed round takes the exchanged momentum.
-        old, new = (
-            variance_scale(state.variance_updates),
-            variance_scale(state.variance_updates + 1),
-        )
-        ratio = unfilled_ratio(state.nu, nu, old, new, eps)
+        new = variance_scale(state.variance_updates + 1)
+        ratio = unfilled_ratio(state.nu, nu, old_scale, new, eps)
         mu = jax.tree.map(
             lambda a, m0, r, b: jnp.where(
                 kind == COMPRESSED, b, jnp.where(kind == FULL, a + b1 * m0 * (r - 1.0), a)
@@ -202,32 +217,52 @@ def scale_by_zero_one_adam(
         """Adam's bias correction of the variance after that many variance rounds."""
         return 1.0 / (1.0 - b2 ** jnp.maximum(variance_updates, 1).astype(jnp.float32))
 
+    def levels(grads, state, kind):
+        """``(level, level_ref, scale_before, nu_scale)``: the per-leaf levels after this
+        step (the reference follows the FULL rounds), and the variance's bias correction
+        times ``level_hat / level_ref`` against the old and the new reference."""
+        before = variance_scale(state.variance_updates)
+        after = variance_scale(state.variance_updates + (kind == FULL).astype(jnp.int32))
+        if not rescale:
+            return state.level, state.level_ref, before, after
+        level, ref, r0, r1 = tracked_levels(
+            as_float32(grads),
+            state.level,
+            state.level_ref,
+            kind == FULL,
+            state.count,
+            b2,
+            every_axis,
+        )
+        scale = functools.partial(jax.tree.map, lambda k, r: k * r)
+        return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
+
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("zero_one_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
         kind = round_kind(state.count, freeze, var_scaler, local_scaler, clip)
+        level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
         x, exchange_state, bad = jax.lax.switch(
-            kind, (full, compressed, skipped), updates, state, params
+            kind, (full, compressed, skipped), updates, state, params, old_scale
         )
-        mu, nu, pending = moved(state, kind, x, updates)
-        variance_updates = state.variance_updates + (kind == FULL).astype(jnp.int32)
+        mu, nu, pending = moved(state, kind, x, updates, old_scale)
         t = (state.count + 1).astype(jnp.float32)
-        mu_scale = 1.0 / (1.0 - b1**t)
         new_state = ZeroOneAdamState(
             count=state.count + 1,
-            variance_updates=variance_updates,
+            variance_updates=state.variance_updates + (kind == FULL).astype(jnp.int32),
             mu=mu,
             nu=nu,
+            level=level,
+            level_ref=level_ref,
             pending=pending,
             exchange=exchange_state,
         )
         new_state = skeleton.freeze(bad, state, new_state)
         # Read from the frozen state (as onebit_adam): no params-sized temporary per moment.
-        nu_scale = variance_scale(new_state.variance_updates)
         direction = adam_direction(
-            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad
+            new_state.mu, new_state.nu, updates, 1.0 / (1.0 - b1**t), nu_scale, eps, bad
         )
         return direction, new_state
 
@@ -248,6 +283,7 @@ def zero_one_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
+    rescale_variance: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam: 1-bit Adam whose variance is updated on ever sparser rounds and frozen at
@@ -325,6 +361,7 @@ def zero_one_adam(
             b1=b1,
             b2=b2,
             eps=eps,
+            rescale_variance=rescale_variance,
             **exchange,
         ),
         *decoupled_weight_decay(weight_decay, weight_decay_mask),

@@ -113,17 +113,32 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     path = common.result_path("memory", args.quick)
-    common.write_json(
-        path,
-        {
-            "mlp": sizes,
-            "devices": args.devices,
-            "batch": args.batch,
-            "environment": common.environment(),
-            "rows": rows,
-        },
-    )
+    data = {
+        "mlp": sizes,
+        "devices": args.devices,
+        "batch": args.batch,
+        "environment": common.environment(),
+        "rows": rows,
+    }
+    if args.rows and path.exists():
+        data = keep_other_rows(path, data)
+    common.write_json(path, data)
     return 0
+
+
+def keep_other_rows(path, data: dict) -> dict:
+    """``data`` with the rows of ``path`` that ``data`` does not replace, in their order
+    (``--rows`` remeasures some transforms; the others keep their figures, and the file
+    records the command of each remeasurement under ``"updated"``)."""
+    import json
+
+    old = json.loads(path.read_text())
+    if (old["mlp"], old["devices"], old["batch"]) != (data["mlp"], data["devices"], data["batch"]):
+        return data
+    new = {r["transform"]: r for r in data["rows"]}
+    rows = [new.pop(r["transform"], r) for r in old["rows"]] + list(new.values())
+    old.setdefault("updated", []).append(data["environment"])
+    return {**old, "rows": rows}
 
 
 if __name__ == "__main__":

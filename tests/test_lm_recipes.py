@@ -94,22 +94,28 @@ def test_rms_sign_keeps_the_norm_at_the_bytes_of_sign():
     non-finite input non-finite."""
     from jaxcomp._src.onebit_adam import rms_sign
 
-    c, d = rms_sign(), 4
-    x = jnp.array([6.0, -8.0, 0.0, 0.0])  # ||x||_2 = 10, rms 5; mean |x| 3.5
-    np.testing.assert_allclose(c.decode(c.encode(x), d), [5.0, -5.0, 5.0, 5.0])
-    np.testing.assert_allclose(jc.sign().decode(jc.sign().encode(x), d), [3.5, -3.5, 3.5, 3.5])
-    blocked = rms_sign(block_size=2)  # per block: rms(6, -8) = sqrt(50), rms(0, 0) = 0
-    np.testing.assert_allclose(
-        blocked.decode(blocked.encode(x), d), [50**0.5, -(50**0.5), 0.0, 0.0], rtol=1e-6
-    )
+    c, blocked, d = rms_sign(), rms_sign(block_size=2), 4
+
+    @jax.jit
+    def roundtrips(rows):
+        out = [c.decode(c.encode(r), d) for r in rows]
+        return out + [
+            blocked.decode(blocked.encode(rows[0]), d),
+            jc.sign().decode(jc.sign().encode(rows[0]), d),
+        ]
+
+    x = [6.0, -8.0, 0.0, 0.0]  # ||x||_2 = 10, rms 5; mean |x| 3.5
+    rows = jnp.array([x, [0.0] * 4, [3e38, -3e38, 1.0, 0.0], [1, np.nan, 0, 2], [1, np.inf, 0, 2]])
+    out = [np.asarray(o) for o in roundtrips(list(rows))]
+    np.testing.assert_allclose(out[0], [5.0, -5.0, 5.0, 5.0])
+    np.testing.assert_array_equal(out[1], np.zeros(d))
+    assert np.all(np.isfinite(out[2])) and out[2][0] == pytest.approx(3e38 / 2**0.5, rel=1e-5)
+    assert not np.isfinite(out[3]).any() and not np.isfinite(out[4]).any()
+    # per block of 2: rms(6, -8) = sqrt(50), rms(0, 0) = 0; jc.sign(): mean |x|
+    np.testing.assert_allclose(out[5], [50**0.5, -(50**0.5), 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(out[6], [3.5, -3.5, 3.5, 3.5])
     for n in (1, 31, 1000, 4097):
         assert c.payload_bytes(n) == jc.sign().payload_bytes(n)
-    np.testing.assert_array_equal(c.decode(c.encode(jnp.zeros(d)), d), np.zeros(d))
-    big = c.decode(c.encode(jnp.array([3e38, -3e38, 1.0, 0.0])), d)
-    assert np.all(np.isfinite(big)) and float(big[0]) == pytest.approx(3e38 / 2**0.5, rel=1e-5)
-    for bad in (np.nan, np.inf):
-        out = c.decode(c.encode(jnp.array([1.0, bad, 0.0, 2.0])), d)
-        assert not np.isfinite(np.asarray(out)).any()
     with pytest.raises(ValueError, match="block_size"):
         rms_sign(block_size=0)
 

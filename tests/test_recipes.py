@@ -234,19 +234,20 @@ def test_onebit_adam_momentum_exchange_conserves():
 
 
 def test_zero_one_adam_rounds_against_numpy():
-    """FULL rounds move Adam's m and v from the float32 mean; COMPRESSED rounds (identity
-    codec) average the devices' momentum steps plus what they held; a SKIPPED round decays
-    the momentum and each device holds (1 - b1) g_i for its next exchange."""
+    """FULL rounds move Adam's m and v from the float32 mean (v an EMA in time: a round
+    ``gap`` steps after the last weighs ``1 - b2^gap``); COMPRESSED rounds (identity codec)
+    average the devices' momentum steps plus what they held; a SKIPPED round decays the
+    momentum and each device holds (1 - b1) g_i for its next exchange."""
     run = shared("zero_one")
     kinds = ["full", "compressed", "full", "compressed", "skipped"]
     mu = {k: np.zeros(s) for k, s in SHAPES.items()}
     nu = {k: np.zeros(s) for k, s in SHAPES.items()}
     level = {k: 0.0 for k in SHAPES}
     ref = {}
-    updates = 0
+    last = 0  # step + 1 of the last FULL round
     for t, kind in enumerate(kinds):
         g = {k: a.astype(np.float64) for k, a in grads(t).items()}
-        updates += kind == "full"
+        gap, last = t + 1 - last, (t + 1 if kind == "full" else last)
         for k in SHAPES:
             # The variance, rescaled between its rounds by the level L_hat_t / L_hat_full.
             level[k] = 0.999 * level[k] + 0.001 * level_sample(g[k])
@@ -255,14 +256,14 @@ def test_zero_one_adam_rounds_against_numpy():
             mean = g[k].mean(0)
             mu[k] = 0.9 * mu[k] + (0.1 * mean if kind != "skipped" else 0.0)
             if kind == "full":
-                nu[k] = 0.999 * nu[k] + 0.001 * mean * mean
-            v_hat = nu[k] / (1 - 0.999**updates) * level_hat / ref[k]
+                nu[k] = 0.999**gap * nu[k] + (1 - 0.999**gap) * mean * mean
+            v_hat = nu[k] / (1 - 0.999**last) * level_hat / ref[k]
             direction = (mu[k] / (1 - 0.9 ** (t + 1))) / (np.sqrt(v_hat) + 1e-8)
             np.testing.assert_allclose(
                 run.outs[t][k], -1e-2 * direction, rtol=1e-4, atol=1e-7, err_msg=f"{k} {t}"
             )
     ours = run.states[-1][0]
-    assert int(ours.variance_updates) == 2
+    assert int(ours.variance_updates) == 2 and int(ours.variance_step) == 3
     for k in SHAPES:
         np.testing.assert_allclose(
             np.asarray(ours.pending[k]), 0.1 * grads(4)[k], rtol=1e-6, atol=1e-8

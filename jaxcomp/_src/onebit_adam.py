@@ -198,7 +198,15 @@ def per_leaf(scale: Any, like: Any) -> Any:
 
 
 def preconditioned_mean(
-    inner, local: Any, nu: Any, nu_scale, eps, exchange_state, params, filled: bool = False
+    inner,
+    local: Any,
+    nu: Any,
+    nu_scale,
+    eps,
+    exchange_state,
+    params,
+    filled: bool = False,
+    convert: bool = True,
 ):
     """``mean_i m_i`` through ``inner`` (a ``compressed_allreduce``), exchanged in Adam's
     preconditioned coordinates ``u_i = m_i / (sqrt(nu_hat) + eps)``.
@@ -209,25 +217,29 @@ def preconditioned_mean(
     coordinate of a leaf the same magnitude, and coordinates of small variance turn that into
     huge steps. The variance is :func:`filled_variance` (a coordinate unseen during the
     warm-up takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps
-    nothing (its update is zero). Returns ``(mean momentum, new exchange state)``.
+    nothing (its update is zero). Returns ``(mean momentum, new exchange state)``;
+    ``convert=False``: the mean still in preconditioned units (:func:`unprecondition`).
     """
-    scale = jax.tree.map(
-        lambda v, k: jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0),
-        nu if filled else filled_variance(nu),
-        per_leaf(nu_scale, nu),
-    )
+    nu = nu if filled else filled_variance(nu)
+    ks = per_leaf(nu_scale, nu)
+    scale = jax.tree.map(lambda v, k: jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0), nu, ks)
     sent, exchange_state = inner.update(
         jax.tree.map(jnp.multiply, local, scale), exchange_state, params
     )
-    mean = jax.tree.map(
-        lambda u, k: jnp.where(k > 0, u / jnp.where(k > 0, k, 1.0), 0.0), sent, scale
-    )
-    return mean, exchange_state
+    if not convert:
+        return sent, exchange_state
+    return jax.tree.map(lambda u, v, k: unprecondition(u, v, k, eps), sent, nu, ks), exchange_state
+
+
+def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
+    """``u * (sqrt(k v) + eps)`` where ``v > 0`` (0 elsewhere): a momentum sent in Adam's
+    preconditioned units back in its own (``v`` filled, ``k`` its bias correction)."""
+    return jnp.where(v > 0, u * (jnp.sqrt(k * v) + eps), 0.0)
 
 
 def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
     """The ``compressed_allreduce`` that carries a 1-bit Adam momentum (residual feedback,
-    ``jc.sign()`` by default), the axes of its float32 rounds and their bucket size."""
+    :func:`rms_sign` by default), the axes of its float32 rounds and their bucket size."""
     options = {"error_feedback": "residual", **exchange_options(exchange)}
     if "worker_momentum" in options:
         raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
@@ -309,14 +321,22 @@ def scale_by_onebit_adam(
     def compressed(grads, state, params, nu_scale):
         """Each device's momentum step, averaged through the codec; the variance frozen."""
         local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, as_float32(grads))
-        mu, exchange_state = preconditioned_mean(
-            inner, local, state.nu, nu_scale, eps, state.exchange, params, filled=True
+        # Returned in preconditioned units: turned back where mu is written (one pass).
+        sent, exchange_state = preconditioned_mean(
+            inner, local, state.nu, nu_scale, eps, state.exchange, params, True, False
         )
-        return mu, exchange_state, collectives.local_nonfinite(mu)
+        return sent, exchange_state, collectives.local_nonfinite(sent)
 
-    def moments(state, warm, x):
-        """Warm-up: Adam's moments moved by the mean gradient ``x``; after: ``mu = x``."""
+    def moments(state, warm, x, nu_scale):
+        """Warm-up: Adam's moments moved by the mean gradient ``x``; after: ``mu = x``
+        (sent in preconditioned units, turned back here)."""
         mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
+        x = jax.tree.map(
+            lambda u, v, k: jnp.where(warm, u, unprecondition(u, v, k, eps)),
+            x,
+            state.nu,
+            per_leaf(nu_scale, x),
+        )
         # The variance is filled once, as it freezes (a coordinate never seen takes its
         # leaf's mean): after that it is a constant of the state, read as it is.
         last = state.count == freeze_step - 1
@@ -351,7 +371,7 @@ def scale_by_onebit_adam(
         x, exchange_state, bad = jax.lax.cond(
             warm, warmup, compressed, updates, state, params, nu_scale
         )
-        mu, nu = moments(state, warm, x)
+        mu, nu = moments(state, warm, x, nu_scale)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = OneBitAdamState(
@@ -431,9 +451,10 @@ def onebit_adam(
     early, large gradients: where the gradients keep shrinking after the freeze (a language
     model's do), the frozen preconditioner makes every later step too small. Each leaf's
     frozen ``v`` is therefore multiplied by ``L_hat / L_f``: the devices' mean squared
-    gradient of that leaf (an EMA with Adam's ``b2`` and bias correction), now against at the
-    freeze. The shape of ``v`` within a leaf stays frozen; only its level moves, from one
-    float per leaf per step. ``rescale_variance=False`` freezes ``v`` as the paper does.
+    gradient of that leaf (an EMA with Adam's ``b2`` and bias correction), now against its
+    value at the freeze. The shape of ``v`` within a leaf stays frozen; only its level
+    moves, from one float per leaf per step. ``rescale_variance=False`` freezes ``v`` as the
+    paper does.
 
     **The scale of the signs.** ``jc.sign()``'s mean ``||x||_1 / d`` minimizes the error of
     one step but shrinks every step below the momentum's norm (far below it for a momentum

@@ -26,6 +26,7 @@ from jaxcomp._src.onebit_adam import (
     per_leaf,
     preconditioned_mean,
     tracked_levels,
+    unprecondition,
     zero_levels,
     zeros_f32,
 )
@@ -38,7 +39,8 @@ class ZeroOneAdamState(NamedTuple):
     """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
 
     count: jax.Array  # int32[]: steps taken
-    variance_updates: jax.Array  # int32[]: full-precision rounds so far (nu's bias correction)
+    variance_updates: jax.Array  # int32[]: full-precision rounds so far
+    variance_step: jax.Array  # int32[]: count + 1 at the last full round (nu's bias correction)
     mu: Any  # identical on every device, f32 like the params: the synchronized momentum
     nu: Any  # identical on every device, f32 like the params: the variance
     level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
@@ -139,6 +141,7 @@ def scale_by_zero_one_adam(
         return ZeroOneAdamState(
             count=jnp.zeros([], jnp.int32),
             variance_updates=jnp.zeros([], jnp.int32),
+            variance_step=jnp.zeros([], jnp.int32),
             mu=zeros,
             nu=zeros,
             level=zero_levels(params),
@@ -165,16 +168,11 @@ def scale_by_zero_one_adam(
             as_float32(grads),
             state.pending,
         )
-        mu, exchange_state = preconditioned_mean(
-            inner,
-            local,
-            state.nu,
-            nu_scale,
-            eps,
-            state.exchange,
-            params,
+        # Returned in preconditioned units: turned back where mu is written (moved).
+        sent, exchange_state = preconditioned_mean(
+            inner, local, state.nu, nu_scale, eps, state.exchange, params, convert=False
         )
-        return mu, exchange_state, collectives.local_nonfinite(mu)
+        return sent, exchange_state, collectives.local_nonfinite(sent)
 
     def skipped(grads, state, params, nu_scale):
         """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
@@ -189,19 +187,25 @@ def scale_by_zero_one_adam(
         """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x``:
         a skipped round keeps ``(1 - b1) g_i`` pending for the next exchange, which empties
         it."""
-        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
+        # The variance is an EMA in time: a round after `gap` steps weighs as `gap` steps.
+        gap = (state.count + 1 - state.variance_step).astype(jnp.float32)
+        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2**gap)
         # A variance round keeps the preconditioned momentum of a coordinate that had no
         # variance yet (unfilled_ratio); a compressed round takes the exchanged momentum.
-        new = variance_scale(state.variance_updates + 1)
+        new = variance_scale(state.count + 1)
         ratio = unfilled_ratio(state.nu, nu, old_scale, new, eps)
         mu = jax.tree.map(
-            lambda a, m0, r, b: jnp.where(
-                kind == COMPRESSED, b, jnp.where(kind == FULL, a + b1 * m0 * (r - 1.0), a)
+            lambda a, m0, r, u, v, k: jnp.where(
+                kind == COMPRESSED,
+                unprecondition(u, v, k, eps),
+                jnp.where(kind == FULL, a + b1 * m0 * (r - 1.0), a),
             ),
             mu,
             state.mu,
             ratio,
             x,
+            filled_variance(state.nu),
+            per_leaf(old_scale, x),
         )
         nu = jax.tree.map(lambda a, b: jnp.where(kind == FULL, a, b), nu, state.nu)
         pending = jax.tree.map(
@@ -213,16 +217,16 @@ def scale_by_zero_one_adam(
         )
         return mu, nu, pending
 
-    def variance_scale(variance_updates):
-        """Adam's bias correction of the variance after that many variance rounds."""
-        return 1.0 / (1.0 - b2 ** jnp.maximum(variance_updates, 1).astype(jnp.float32))
+    def variance_scale(variance_step):
+        """Adam's bias correction of a variance last moved at step ``variance_step - 1``."""
+        return 1.0 / (1.0 - b2 ** jnp.maximum(variance_step, 1).astype(jnp.float32))
 
     def levels(grads, state, kind):
         """``(level, level_ref, scale_before, nu_scale)``: the per-leaf levels after this
         step (the reference follows the FULL rounds), and the variance's bias correction
         times ``level_hat / level_ref`` against the old and the new reference."""
-        before = variance_scale(state.variance_updates)
-        after = variance_scale(state.variance_updates + (kind == FULL).astype(jnp.int32))
+        before = variance_scale(state.variance_step)
+        after = variance_scale(jnp.where(kind == FULL, state.count + 1, state.variance_step))
         if not rescale:
             return state.level, state.level_ref, before, after
         level, ref, r0, r1 = tracked_levels(
@@ -252,6 +256,7 @@ def scale_by_zero_one_adam(
         new_state = ZeroOneAdamState(
             count=state.count + 1,
             variance_updates=state.variance_updates + (kind == FULL).astype(jnp.int32),
+            variance_step=jnp.where(kind == FULL, state.count + 1, state.variance_step),
             mu=mu,
             nu=nu,
             level=level,
@@ -292,14 +297,27 @@ def zero_one_adam(
     Three kinds of round (a ``jax.lax.switch`` on the step count, identical on every device)::
 
         FULL (variance rounds, before the freeze): float32 all-reduce, Adam's m and v move
-            g = mean_i g_i;  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+            g = mean_i g_i;  m <- b1 m + (1 - b1) g
+            v <- b2^k v + (1 - b2^k) g^2;  L_f = L_hat   # k: steps since the last FULL round
         COMPRESSED (the other rounds, and synced rounds after the freeze): as 1-bit Adam
             m <- mean_i C(b1 m + (1 - b1) g_i + p_i + e_i);  p_i <- 0
             (sent in units of m / (sqrt(v_hat) + eps), as jc.onebit_adam does)
         SKIPPED (after the freeze, between synced rounds): no gradient on the wire
             m <- b1 m;  p_i <- p_i + (1 - b1) g_i        # sent at the next synced round
-        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # v as 1-bit Adam (a zero
-                                                     # coordinate takes its leaf's mean)
+        v_hat = v / (1 - b2^s) * L_hat / L_f             # s: step + 1 of the last FULL round;
+                                                     # L: as jc.onebit_adam (per leaf)
+        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # a zero coordinate of v
+                                                     # takes its leaf's mean
+
+    ``C`` is :func:`jaxcomp._src.onebit_adam.rms_sign` by default (1-bit signs scaled by
+    their chunk's root mean square). **The variance is an EMA in time**: a variance round
+    ``k`` steps after the last one weighs as the ``k`` steps it stands for (``b2^k``), and
+    the bias correction counts steps, so ``v_hat`` weighs every step of the run alike, as
+    Adam's does. Moved by ``b2`` per round as in the paper, the first rounds (every step at
+    the start, when gradients are largest) outweigh the later, sparser ones many times over
+    and ``v_hat`` stays too large: every later step too small. Between variance rounds (and
+    after the freeze) each leaf's ``v_hat`` follows the gradients' level ``L_hat / L_f``, as
+    in :func:`jaxcomp.onebit_adam` (``rescale_variance``).
 
     A coordinate whose variance is still zero (no gradient in any variance round yet: a token
     not seen so far) is preconditioned by its leaf's mean variance in the compressed rounds,
@@ -331,12 +349,15 @@ def zero_one_adam(
       var_update_scaler: rounds per doubling of the variance-update gap.
       local_step_scaler: steps per doubling of the gap between synced rounds after the freeze.
       local_step_clipper: the largest gap between synced rounds.
-      codec: the momentum's codec (default ``jc.sign()``).
+      codec: the momentum's codec (default: 1-bit signs scaled by their root mean square).
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
       weight_decay: AdamW's decoupled weight decay (>= 0; 0: Adam), as ``optax.adamw``.
       weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask``.
+      rescale_variance: True (default): between variance rounds each leaf's variance follows
+        the gradients' level (one float32 per leaf per step on the wire); False: it stays
+        as the last variance round left it.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

@@ -128,16 +128,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def keep_other_rows(path, data: dict) -> dict:
     """``data`` with the rows of ``path`` that ``data`` does not replace, in their order
-    (``--rows`` remeasures some transforms; the others keep their figures, and the file
-    records the command of each remeasurement under ``"updated"``)."""
+    (``--rows`` remeasures some transforms; the others keep their figures, and the file's
+    environment records each remeasurement under ``"remeasured"``)."""
     import json
 
     old = json.loads(path.read_text())
-    if (old["mlp"], old["devices"], old["batch"]) != (data["mlp"], data["devices"], data["batch"]):
+    same = (list(old["mlp"]), old["devices"], old["batch"])
+    if same != (list(data["mlp"]), data["devices"], data["batch"]):
         return data
     new = {r["transform"]: r for r in data["rows"]}
     rows = [new.pop(r["transform"], r) for r in old["rows"]] + list(new.values())
-    old.setdefault("updated", []).append(data["environment"])
+    env = data["environment"]
+    note = f"{env.get('date_utc')}: {env.get('command')}"
+    old["environment"]["remeasured"] = "; ".join(
+        filter(None, [old["environment"].get("remeasured"), note])
+    )
     return {**old, "rows": rows}
 
 

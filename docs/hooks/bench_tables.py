@@ -87,7 +87,7 @@ def _markdown(table: Table) -> str:
     return "\n".join(lines)
 
 
-def _source(path: pathlib.Path, data: Any, command: str) -> str:
+def _source(path: pathlib.Path, data: Any, command: str | None) -> str:
     env = data.get("environment", {}) if isinstance(data, dict) else {}
     where = ", ".join(
         f"{k} {env[k]}"
@@ -96,7 +96,8 @@ def _source(path: pathlib.Path, data: Any, command: str) -> str:
     )
     quick = " (a `--quick` run)" if path.stem.endswith("_quick") else ""
     rel = path.relative_to(ROOT)
-    return f"*Source: `{rel}`{quick}, written by `{command}`.{' ' + where + '.' if where else ''}*"
+    by = f"written by `{command}`" if command else "assembled from the runs' own outputs"
+    return f"*Source: `{rel}`{quick}, {by}.{' ' + where + '.' if where else ''}*"
 
 
 # ------------------------------------------------------------------------- wire_bytes
@@ -553,7 +554,7 @@ def _generic(data: Any, path: pathlib.Path) -> str:
         text = _markdown((["key", "value"], [[k, _fmt(v)] for k, v in scalars.items()]))
     else:
         text = f"`{json.dumps(data)[:200]}`"
-    return f"{text}\n\n" + _source(path, data, f"python -m benchmarks.{_module(path.stem)}")
+    return f"{text}\n\n" + _source(path, data, _command(path.stem))
 
 
 def _module(stem: str) -> str:
@@ -562,6 +563,14 @@ def _module(stem: str) -> str:
     modules = [p.stem for p in (ROOT / "benchmarks").glob("*.py")]
     found = [m for m in modules if stem == m or stem.startswith(m + "_")]
     return max(found, key=len) if found else stem.removesuffix("_quick")
+
+
+def _command(stem: str) -> str | None:
+    """``python -m benchmarks.M`` for the module M that writes ``stem``; None when no
+    benchmark module does (a file assembled from several runs' outputs)."""
+    module = _module(stem)
+    exists = (ROOT / "benchmarks" / f"{module}.py").exists()
+    return f"python -m benchmarks.{module}" if exists else None
 
 
 def _diloco(data: dict[str, Any], path: pathlib.Path) -> str:
@@ -953,7 +962,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
 }
 
 
-def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str]:
+def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str | None]:
     """The renderer of ``name``, or of the benchmark it is a variant of (``codec_speed_gpu_h100``
     is ``codec_speed`` written with ``--out``); generic for anything else."""
     if name in RENDERERS:
@@ -961,7 +970,7 @@ def _renderer(name: str) -> tuple[Callable[[Any, pathlib.Path], str], str]:
     variants = [k for k in RENDERERS if name.startswith(k + "_")]
     if variants:
         return RENDERERS[max(variants, key=len)]
-    return _generic, f"python -m benchmarks.{_module(name)}"
+    return _generic, _command(name)
 
 
 def render(name: str) -> str:

@@ -296,3 +296,21 @@ def test_lm_modelled_time_to_loss_and_moment_reset():
     mu, count = s[0][0].mu, s[0][0].count
     np.testing.assert_allclose(mu, 0.1 * g, rtol=1e-6)  # zeroed before the 3rd update, then one
     assert int(count) == 3 and int(s[1]) == 3  # the counts (schedule, bias correction) kept
+
+
+def test_lm_diloco_pseudo_gradient_spread():
+    """benchmarks/lm_diloco.py: the per-sync pseudo-gradient figures (norms, cosine) by hand."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    x = np.array([1.0, 0.0, 0.0])
+    orthogonal = lm_diloco.pseudo_gradients(x - np.array([[3.0, 0, 0], [0, 3.0, 0]]), x)
+    assert orthogonal["delta_norm"] == pytest.approx(3.0)
+    assert orthogonal["mean_delta_norm"] == pytest.approx(3.0 / np.sqrt(2))  # |(3, 3)| / 2
+    assert orthogonal["delta_cosine"] == pytest.approx(0.0)
+    same = lm_diloco.pseudo_gradients(x - np.array([[1.0, 2.0, 2.0]] * 3), x)
+    assert same["delta_norm"] == same["mean_delta_norm"] == pytest.approx(3.0)
+    assert same["delta_cosine"] == pytest.approx(1.0)
+    opposite = lm_diloco.pseudo_gradients(x - np.array([[1.0, 0, 0], [-1.0, 0, 0]]), x)
+    assert opposite["mean_delta_norm"] == 0.0 and opposite["delta_cosine"] == pytest.approx(-1.0)

@@ -892,6 +892,47 @@ def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
     return table + _lm_time(data["runs"])
 
 
+def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
+    """Per-sync records of ``benchmarks.lm_diloco --diagnose``: one table per recipe, each
+    sync against AdamW data parallel at the same step."""
+    base = {s["step"]: s for s in next(r for r in data["syncs"] if r["recipe"] == "adamw")["syncs"]}
+    header = [
+        "step",
+        "AdamW DP",
+        "anchor after sync",
+        "gap (nats)",
+        "replicas before",
+        "their mean before",
+        "cosine of D_i",
+        "|mean D| / |D_i|",
+        "outer step / DP's move",
+    ]
+    parts = []
+    for r in data["syncs"]:
+        if r["recipe"] == "adamw":
+            continue
+        rows = []
+        for s in r["syncs"]:
+            dp = base[s["step"]]
+            move = dp.get("displacement")
+            rows.append(
+                [
+                    str(s["step"]),
+                    f"{dp['eval_after']:.4f}",
+                    f"{s['eval_after']:.4f}",
+                    f"{s['eval_after'] - dp['eval_after']:+.3f}",
+                    f"{s['eval_replicas']:.4f}",
+                    f"{s['eval_mean_params']:.4f}",
+                    f"{s['delta_cosine']:.2f}",
+                    f"{s['mean_delta_norm'] / s['delta_norm']:.2f}",
+                    "–" if not move else f"{s['outer_step_norm'] / move:.2f}",
+                ]
+            )
+        parts.append(f"`{r['recipe']}`:\n\n" + _markdown((header, rows)))
+    command = data.get("environment", {}).get("command") or "python -m benchmarks.lm_diloco"
+    return "\n\n".join(parts) + "\n\n" + _source(path, data, command)
+
+
 def _lm_time(runs: list[dict[str, Any]]) -> str:
     """The MODELLED time to AdamW's final training loss (and to 8% above it) on a slow
     link, from each run's loss curve and bytes (``benchmarks.lm.modelled_seconds``)."""
@@ -941,6 +982,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     ),
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "lm": (_lm, "python -m benchmarks.lm"),
+    "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -1,0 +1,346 @@
+"""DiLoCo on the LM benchmark (``benchmarks/lm.py``): where its loss goes, sync by sync, and
+the settings measured against AdamW data parallel.
+
+Adds the rows of :data:`RECIPES` to ``benchmarks.lm.RECIPES`` (the same model, tokens, steps
+and bytes accounting as every other LM recipe) and, with ``--diagnose``, records at every
+sync of the recipes named:
+
+* the held-out loss of the anchor (the last synced params), of the plain mean of the replicas
+  and the mean of the replicas' own losses, taken just before the sync step (``H - 1`` inner
+  steps after the last sync), and of the new anchor just after it; AdamW data parallel's
+  held-out loss at the same step (the ``adamw`` run, recorded at the same steps);
+* the pseudo-gradients ``D_i = x - theta_i`` (before the sync step): their mean norm, the norm
+  of their mean, the mean cosine between replicas, and the norm of the outer step
+  ``|x_new - x|``; AdamW data parallel's displacement over the same interval.
+
+::
+
+    python -m benchmarks.lm_diloco --recipes diloco-f32-H30 --tag diloco
+    python -m benchmarks.lm_diloco --diagnose diloco-int4-H30 local-H30 --tag diloco_sync
+
+Writes ``benchmarks/results/lm_TAG.json`` (and ``.png``); ``--diagnose``: the per-sync
+records in ``lm_TAG.json`` under ``"syncs"``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks import common, lm
+
+
+def _diloco(
+    h: int,
+    *,
+    codec: str | None = "int4",
+    outer: Callable[[], Any] | None = None,
+    inner: Callable[[lm.Run], Any] | None = None,
+    **kw: Any,
+) -> Callable[[lm.Run, Any], Any]:
+    """``jc.diloco`` of AdamW at the run's schedule (or ``inner(run)``), ``outer()`` as its
+    outer step (None: the default), the pseudo-gradient through ``codec`` (None: float32)."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        c = None if codec is None else common.make_codec(codec)
+        o = None if outer is None else outer()
+        tx = run.adamw() if inner is None else inner(run)
+        return jc.diloco(tx, axis, h, codec=c, outer=o, **kw)
+
+    return make
+
+
+def _dp_first(h: int, start: int) -> lm.Recipe:
+    """DiLoCo int4 (default outer step) that syncs every step before ``start`` (a diagnosis:
+    what the drift of the first ``start`` steps costs)."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import optax
+
+        from jaxcomp._src import periodic
+        from jaxcomp._src.diloco import DiLoCoState
+
+        return periodic.build(
+            "diloco",
+            DiLoCoState,
+            run.adamw(),
+            axis,
+            h,
+            codec=common.make_codec("int4"),
+            error_feedback="auto",
+            exchange={},
+            outer=optax.sgd(0.7, momentum=0.6, nesterov=True),
+            fragments=1,
+            delay=0,
+            mix=1.0,
+            start_step=start,
+        )
+
+    return lm.Recipe(make, kind="replica", schedule={"sync_every": h, "start_step": start})
+
+
+def _sgd(lr: float, momentum: float, nesterov: bool = True) -> Callable[[], Any]:
+    def make():
+        import optax
+
+        return optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and bool(momentum))
+
+    return make
+
+
+def _row(h: int, m: int | None = None, note: str = "", **kw: Any) -> lm.Recipe:
+    schedule = {"sync_every": h, **kw.pop("schedule", {})}
+    return lm.Recipe(_diloco(h, **kw), kind="replica", replicas=m, schedule=schedule, note=note)
+
+
+def _local(h: int, m: int | None = None) -> lm.Recipe:
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.local_sgd(run.adamw(), axis, h)
+
+    return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": h})
+
+
+def _sparse(outer: float, m: int | None = None) -> lm.Recipe:
+    """``jc.sparseloco`` (Templar's mean over senders) with outer SGD at lr ``outer``."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import optax
+
+        import jaxcomp as jc
+
+        return jc.sparseloco(run.adamw(), axis, 30, averaging="senders", outer=optax.sgd(outer))
+
+    return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": 30})
+
+
+def _demo(peak: float, weight_decay: float = lm.WEIGHT_DECAY, **kw: Any) -> lm.Recipe:
+    """``jc.demo`` at AdamW's schedule (peak ``peak``), momentum decay 0.9 unless ``kw``."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        kw.setdefault("decay", 0.9)
+        return jc.demo(run.schedule(peak), axis, weight_decay=weight_decay, **kw)
+
+    return lm.Recipe(make)
+
+
+RECIPES: dict[str, lm.Recipe] = {
+    "demo-2e-3-decay0.9": _demo(2e-3),
+    "demo-4e-3-decay0.9": _demo(4e-3),
+    "demo-3e-3-decay0.9-wd0": _demo(3e-3, weight_decay=0.0),
+    "sparseloco-H30-senders-outer2.8": _sparse(2.8),
+    "local-H30": _local(30),
+    "local-H30-M2": _local(30, m=2),
+    "diloco-f32-H30": _row(30, codec=None, note="pseudo-gradient in float32"),
+    "diloco-int2-H30": _row(30, codec="int2", note="2-bit pseudo-gradient"),
+    "diloco-int4-H30-heavyball0.7-0.6": _row(30, outer=_sgd(0.7, 0.6, nesterov=False)),
+    "diloco-int4-H30-outer1.0-0.6": _row(30, outer=_sgd(1.0, 0.6)),
+    "diloco-int4-H30-outer0.5-0.8": _row(30, outer=_sgd(0.5, 0.8)),
+    "diloco-int4-H30-outer1.5-0": _row(30, outer=_sgd(1.5, 0.0)),
+    "diloco-int4-H30-outer2.0-0": _row(30, outer=_sgd(2.0, 0.0)),
+    "diloco-int4-H30-outer2.8-0": _row(30, outer=_sgd(2.8, 0.0)),
+    "diloco-int4-H30-outer4.0-0": _row(30, outer=_sgd(4.0, 0.0)),
+    "diloco-int4-H30-outer2.0-0.6": _row(30, outer=_sgd(2.0, 0.6)),
+    "diloco-int4-H30-outer1.4-0.6": _row(30, outer=_sgd(1.4, 0.6)),
+    "diloco-int4-H30-M2-outer1.4-0": _row(30, m=2, outer=_sgd(1.4, 0.0)),
+    "diloco-int4-H30-M2-outer2.0-0": _row(30, m=2, outer=_sgd(2.0, 0.0)),
+    "diloco-int4-H15": _row(15),
+    "diloco-int2-H15": _row(15, codec="int2"),
+    "diloco-int2-H10": _row(10, codec="int2"),
+    "diloco-sign-H10": _row(10, codec="sign"),
+    "diloco-sign-H15": _row(15, codec="sign"),
+    "diloco-f32-H10": _row(10, codec=None),
+    "diloco-int2-H10-M2": _row(10, m=2, codec="int2"),
+    "diloco-sign-H10-M2": _row(10, m=2, codec="sign"),
+    "diloco-sign-H5-M2": _row(5, m=2, codec="sign"),
+    "diloco-int4-H30-dp30": _dp_first(30, 30),
+    "diloco-int4-H30-M4": _row(30, m=4),
+}
+
+
+# --------------------------------------------------------------------------- per-sync records
+
+
+def _flat(tree: Any) -> Any:
+    import jax
+    import numpy as np
+
+    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(tree)])
+
+
+def _replicas_flat(stacked: Any) -> Any:
+    import jax
+    import numpy as np
+
+    leaves = jax.tree.leaves(stacked)
+    m = leaves[0].shape[0]
+    return np.concatenate([np.asarray(x, np.float64).reshape(m, -1) for x in leaves], axis=1)
+
+
+def _anchor(state: Any) -> Any:
+    import jax
+
+    found = []
+
+    def visit(node):
+        if hasattr(type(node), "PER_DEVICE_FIELDS") and "anchor" in type(node)._fields:
+            found.append(node.anchor)
+        return node
+
+    jax.tree.map(visit, state, is_leaf=lambda n: hasattr(type(n), "PER_DEVICE_FIELDS"))
+    return jax.device_get(found[0])
+
+
+def _second_moment(state: Any, replicas: bool = False) -> Any:
+    """Adam's ``nu`` in ``state`` (the first ``ScaleByAdamState``), flat; ``replicas``: the
+    mean over the replicas' (each leaf's leading axis)."""
+    import jax
+    import numpy as np
+
+    found = []
+
+    def visit(node):
+        if hasattr(node, "nu") and hasattr(node, "mu") and not found:
+            found.append(node.nu)
+        return node
+
+    jax.tree.map(visit, state, is_leaf=lambda n: hasattr(n, "nu") and hasattr(n, "mu"))
+    leaves = jax.tree.leaves(jax.device_get(found[0]))
+    if replicas:
+        leaves = [np.asarray(x, np.float64).mean(0) for x in leaves]
+    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in leaves])
+
+
+def pseudo_gradients(theta: Any, x: Any) -> dict:
+    """The pseudo-gradients ``D_i = x - theta_i`` of replicas ``theta`` ``(m, d)`` from the
+    anchor ``x`` ``(d,)``: their mean norm, the norm of their mean, and the mean cosine over
+    the pairs ``i != j`` (1.0 for one replica)."""
+    import numpy as np
+
+    d = np.asarray(x, np.float64)[None, :] - np.asarray(theta, np.float64)
+    norms = np.linalg.norm(d, axis=1)
+    unit = d / np.maximum(norms[:, None], 1e-30)
+    m = len(norms)
+    cos = float(((unit @ unit.T).sum() - m) / (m * (m - 1))) if m > 1 else 1.0
+    return {
+        "delta_norm": float(norms.mean()),
+        "mean_delta_norm": float(np.linalg.norm(d.mean(0))),
+        "delta_cosine": cos,
+    }
+
+
+def _sync_record(task: lm.Task, host: Any, anchor: Any) -> dict:
+    """What the replicas are just before a sync step: losses and pseudo-gradients."""
+    import jax
+    import numpy as np
+
+    import jaxcomp as jc
+
+    m = jax.tree.leaves(host)[0].shape[0]
+    own = [task.eval_loss(jax.tree.map(lambda a, i=i: a[i], host)) for i in range(m)]
+    return {
+        "eval_anchor": task.eval_loss(anchor),
+        "eval_mean_params": task.eval_loss(jc.mean_replica(host)),
+        "eval_replicas": float(np.mean(own)),
+        **pseudo_gradients(_replicas_flat(host), _flat(anchor)),
+    }
+
+
+NU: dict[int, Any] = {}  # adamw's second moment at the recorded steps
+
+
+def diagnose(task: lm.Task, name: str, recipe: lm.Recipe, run: lm.Run, steps: list[int]) -> dict:
+    """Train ``recipe`` and record :func:`_sync_record` before, and the anchor's held-out loss
+    after, each step index in ``steps`` (0-based; a sync step of the recipe). ``adamw``:
+    its held-out loss and params at the same steps."""
+    import jax
+    import numpy as np
+
+    fn, params, state, put = lm.build(task, recipe, run)
+    task.reset()
+    records, prev, curve = [], None, []
+    for t in range(run.steps):
+        at = t in steps
+        if at and recipe.kind == "replica":
+            host, anchor = jax.device_get(params), _anchor(state)
+            rec = {"step": t + 1, **_sync_record(task, host, anchor)}
+            x_old = _flat(anchor)
+        params, state, loss = jax.block_until_ready(fn(params, state, put(task.batch())))
+        curve.append(float(loss))
+        if not at:
+            continue
+        if recipe.kind == "replica":
+            new = _anchor(state)
+            rec["eval_after"] = task.eval_loss(new)
+            rec["outer_step_norm"] = float(np.linalg.norm(_flat(new) - x_old))
+            nu = _second_moment(state, replicas=True)
+            base = NU.get(t)
+            if base is not None:
+                ratio = np.sqrt(nu) / np.maximum(np.sqrt(base), 1e-30)
+                rec["adam_denominator_ratio_median"] = float(np.median(ratio))
+        else:
+            NU[t] = _second_moment(state)
+            host = jax.device_get(params)
+            flat = _flat(host)
+            rec = {"step": t + 1, "eval_after": task.eval_loss(host)}
+            rec["displacement"] = None if prev is None else float(np.linalg.norm(flat - prev))
+            prev = flat
+        records.append(rec)
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+    return {"recipe": name, "syncs": records, "curve": curve}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Writes benchmarks/results/lm_TAG.json (adamw is run first unless --resume "
+        "finds it there; other options go to benchmarks.lm). Takes 1-5 minutes per recipe on "
+        "8 CPU devices of a loaded 2-core machine (--diagnose: twice that).",
+    )
+    ap.add_argument("--recipes", nargs="+", default=None, help=f"of {list(RECIPES)} or lm's")
+    ap.add_argument("--diagnose", nargs="+", default=None, help="per-sync records of these")
+    ap.add_argument("--sync-every", type=int, default=30, help="--diagnose: record every H")
+    ap.add_argument("--tag", default="diloco", help="write benchmarks/results/lm_TAG.json")
+    args, rest = ap.parse_known_args(argv)
+    from benchmarks import lm_sparse
+
+    lm.RECIPES.update(lm_sparse.RECIPES)
+    lm.RECIPES.update(RECIPES)
+    if not args.diagnose:
+        return lm.main(["--tag", args.tag, "--recipes", *(args.recipes or list(RECIPES)), *rest])
+    return run_diagnose(args, rest)
+
+
+def run_diagnose(args: Any, rest: list[str]) -> int:
+    largs = lm.parse(["--tag", args.tag, *rest])
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(largs.devices)
+    import jax
+
+    task = lm.Task(largs, jax.device_count())
+    run = lm.Run(steps=largs.steps, lr=largs.lr, devices=jax.device_count())
+    h = args.sync_every
+    steps = [t for t in range(run.steps) if (t + 1) % h == 0]
+    out = []
+    for name in ["adamw", *args.diagnose]:
+        t0 = time.perf_counter()
+        out.append(diagnose(task, name, lm.RECIPES[name], run, steps))
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    config = {k: getattr(largs, k) for k in (*lm.CONFIGS["cpu"], "data", "seed")}
+    path = common.result_path("lm_" + args.tag, False)
+    common.write_json(path, {"environment": common.environment(), "config": config, "syncs": out})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

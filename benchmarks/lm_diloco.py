@@ -157,6 +157,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-sign-H15": _row(15, codec="sign"),
     "diloco-f32-H10": _row(10, codec=None),
     "diloco-int2-H10-M2": _row(10, m=2, codec="int2"),
+    "diloco-int4-H10-M2-outer1.0-0": _row(10, m=2, outer=_sgd(1.0, 0.0)),
     "diloco-sign-H10-M2": _row(10, m=2, codec="sign"),
     "diloco-sign-H5-M2": _row(5, m=2, codec="sign"),
     "diloco-int4-H30-dp30": _dp_first(30, 30),

@@ -904,7 +904,8 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
         "replicas before",
         "their mean before",
         "cosine of D_i",
-        "|mean D| / |D_i|",
+        "‖mean D‖ / ‖D_i‖",
+        "outer step / ‖mean D‖",
         "outer step / DP's move",
     ]
     parts = []
@@ -925,6 +926,7 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
                     f"{s['eval_mean_params']:.4f}",
                     f"{s['delta_cosine']:.2f}",
                     f"{s['mean_delta_norm'] / s['delta_norm']:.2f}",
+                    f"{s['outer_step_norm'] / s['mean_delta_norm']:.2f}",
                     "–" if not move else f"{s['outer_step_norm'] / move:.2f}",
                 ]
             )

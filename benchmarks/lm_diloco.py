@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import common, lm
+from benchmarks import common, lm, lm_sparse
 
 
 def _diloco(
@@ -138,6 +138,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H10-M2-outer1.0-0": _row(10, m=2, outer=_sgd(1.0, 0.0)),
     "diloco-sign-H10-M2": _row(10, m=2, codec="sign"),
     "diloco-int4-H30-dp30": _dp_first(30, 30),
+    "sparseloco-H30-senders-ef0.5": lm_sparse._sl(
+        30, "error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
+    ),
 }
 
 
@@ -288,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=30, help="--diagnose: record every H")
     ap.add_argument("--tag", default="diloco", help="write benchmarks/results/lm_TAG.json")
     args, rest = ap.parse_known_args(argv)
-    from benchmarks import lm_sparse
-
     lm.RECIPES.update(lm_sparse.RECIPES)
     lm.RECIPES.update(RECIPES)
     if not args.diagnose:

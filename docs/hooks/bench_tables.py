@@ -913,9 +913,11 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
         if r["recipe"] == "adamw":
             continue
         rows = []
+        nu = any("adam_denominator_ratio_median" in s for s in r["syncs"])
         for s in r["syncs"]:
             dp = base[s["step"]]
             move = dp.get("displacement")
+            ratio = s.get("adam_denominator_ratio_median")
             rows.append(
                 [
                     str(s["step"]),
@@ -929,8 +931,10 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
                     f"{s['outer_step_norm'] / s['mean_delta_norm']:.2f}",
                     "–" if not move else f"{s['outer_step_norm'] / move:.2f}",
                 ]
+                + ([] if not nu else ["–" if ratio is None else f"{ratio:.2f}"])
             )
-        parts.append(f"`{r['recipe']}`:\n\n" + _markdown((header, rows)))
+        extra = ["AdamW denominator / DP's (median)"] if nu else []
+        parts.append(f"`{r['recipe']}`:\n\n" + _markdown((header + extra, rows)))
     command = data.get("environment", {}).get("command") or "python -m benchmarks.lm_diloco"
     return "\n\n".join(parts) + "\n\n" + _source(path, data, command)
 

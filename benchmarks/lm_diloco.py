@@ -141,6 +141,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-senders-ef0.5": lm_sparse._sl(
         30, "error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
     ),
+    "sparseloco-H30-M2-senders-ef0.5": lm_sparse._sl(
+        30, "2 replicas of 4, error feedback decayed by 0.5", m=2, averaging="senders", ef_decay=0.5
+    ),
 }
 
 

@@ -1,5 +1,7 @@
 """Every codec in the registry: exact bytes, static shapes, error bounds, bias, bad input."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,17 +25,45 @@ def roundtrip(codec, x, key):
     return codec.roundtrip(x, key)
 
 
-@jax.jit(static_argnums=0)
-def encode(codec, x, key):
-    return codec.encode(x, key)
-
-
 def payload_nbytes(payload):
     return sum(leaf.nbytes for leaf in jax.tree.leaves(payload))
 
 
 def payload_nbytes_abstract(payload):
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(payload))
+
+
+def _extremes(dtype) -> jax.Array:
+    big = 1e30 if dtype == jnp.float32 else 6e4
+    x = np.concatenate([normal(300), [big, -big, 1e-40, -1e-42, 0.0, 3.0]])
+    return jnp.asarray(x, jnp.float32).astype(dtype)
+
+
+CONCRETE_SIZES = (33, 4099)  # payloads computed concretely
+ZERO_SIZES = (1, 33, 1000)
+
+
+@functools.cache
+def _checked(name: str) -> dict:
+    """One compiled program per codec for the per-codec tests below (a compile costs more
+    than the checks): concrete payloads of ``normal`` inputs and of ``100 x + 1`` under
+    another key, roundtrips of zeros, and whether the roundtrip of finite extremes is
+    finite per input dtype (the inputs are arguments, not constants)."""
+    codec = jc.get_codec(name)
+
+    def run(xs, extremes):
+        other = jax.random.PRNGKey(7)
+        return {
+            "payload": [codec.encode(x, KEY) for x in xs],
+            "other": [codec.encode(100 * x + 1, other) for x in xs],
+            "zero": [codec.roundtrip(jnp.zeros(d), KEY) for d in ZERO_SIZES],
+            "finite": {
+                k: jnp.all(jnp.isfinite(codec.roundtrip(x, KEY))) for k, x in extremes.items()
+            },
+        }
+
+    xs = [normal(d, seed=d) for d in CONCRETE_SIZES]
+    return jax.jit(run)(xs, {k: _extremes(t) for k, t in DTYPES.items()})
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -45,45 +75,23 @@ def test_payload_bytes_exact_and_shapes_static(name):
         assert payload_nbytes_abstract(payload) == codec.payload_bytes(d), (name, d)
         y = jax.eval_shape(lambda p, d=d: codec.decode(p, d), payload)
         assert y.shape == (d,) and y.dtype == jnp.float32
-    for d in (33, 4099):  # concretely too, and shapes never depend on values or the key
-        x = normal(d, seed=d)
-        payload = encode(codec, x, KEY)
+    out = _checked(name)  # concretely too, and shapes never depend on values or the key
+    for d, payload, other in zip(CONCRETE_SIZES, out["payload"], out["other"], strict=True):
         assert payload_nbytes(payload) == codec.payload_bytes(d)
-        other = encode(codec, 100 * x + 1, jax.random.PRNGKey(7))
         assert jax.tree.map(jnp.shape, payload) == jax.tree.map(jnp.shape, other)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero_in_zero_out(name):
-    codec = jc.get_codec(name)
-    sizes = (1, 33, 1000)
-    # One program for the three sizes: a compile per codec, not per size.
-    ys = jax.jit(lambda: [codec.roundtrip(jnp.zeros(d), KEY) for d in sizes])()
-    for d, y in zip(sizes, ys, strict=True):
+    for d, y in zip(ZERO_SIZES, _checked(name)["zero"], strict=True):
         assert y.shape == (d,)
         np.testing.assert_array_equal(np.asarray(y), 0.0)
 
 
-def _extremes(dtype) -> jax.Array:
-    big = 1e30 if dtype == jnp.float32 else 6e4
-    x = np.concatenate([normal(300), [big, -big, 1e-40, -1e-42, 0.0, 3.0]])
-    return jnp.asarray(x, jnp.float32).astype(dtype)
-
-
-def _finite_out(name: str) -> dict[str, bool]:
-    """Whether the roundtrip of finite extremes is finite, per input dtype: one compiled
-    program per codec for the three dtypes (the inputs are arguments, not constants)."""
-    codec = jc.get_codec(name)
-    run = jax.jit(
-        lambda xs: {k: jnp.all(jnp.isfinite(codec.roundtrip(x, KEY))) for k, x in xs.items()}
-    )
-    return {k: bool(v) for k, v in run({k: _extremes(t) for k, t in DTYPES.items()}).items()}
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_finite_in_finite_out(name):
-    for dtype, finite in _finite_out(name).items():  # f32, bf16 and f16 inputs
-        assert finite, (name, dtype)
+    for dtype, finite in _checked(name)["finite"].items():  # f32, bf16 and f16 inputs
+        assert bool(finite), (name, dtype)
 
 
 def test_identity_and_cast_error_bounds():

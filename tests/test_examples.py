@@ -9,7 +9,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import flax_nnx_train as example  # noqa: E402
 
-STEPS = 400
+# 200 steps (test compile flags, 8 CPU devices): none 98.0%, sign 98.0% (22.0x fewer bytes),
+# int8 98.0% (3.8x); 400 steps: 98.5%, 98.0%, 98.5%.
+STEPS = 200
 
 
 @pytest.fixture(scope="module")

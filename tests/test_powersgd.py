@@ -24,7 +24,7 @@ from jaxcomp._src.powersgd import (
 
 N = 8
 DIGITS_STEPS = 100
-CHAR_STEPS = 60
+CHAR_STEPS = 40
 
 
 @functools.cache
@@ -423,12 +423,12 @@ def test_digits_mlp_rank4_matches_sgd():
 
 @pytest.mark.slow
 def test_char_transformer_rank4_close_to_uncompressed():
-    """benchmarks/char_transformer.py (a smaller model), 60 Adam steps (cosine schedule), same
+    """benchmarks/char_transformer.py (a smaller model), 40 Adam steps (cosine schedule), same
     seed and batches: rank 4 with error feedback stays within 3% of the uncompressed held-out
     loss while each device sends > 10x fewer gradient bytes. Longer runs are in
     benchmarks/powersgd_convergence.py (the example's model: rank 4 +11% after 1000 steps,
     +1.8% after 3000, level after 5000; its JSON in benchmarks/results/ and the powersgd
-    docstring)."""
+    docstring). Measured here: none 2.842 nats, rank 4 +0.8% (60 steps: +1.3%)."""
     example = load_module("benchmarks", "char_transformer")
     # A smaller copy of the example's model (d_model 64, 1 layer, context 32): cheap to compile.
     kw = dict(d_model=64, layers=1, heads=2, context=32, eval_sequences=64, return_details=True)

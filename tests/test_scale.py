@@ -17,7 +17,6 @@ from helpers import (
     N,
     device_mean,
     empty,
-    held_back,
     mesh,
     per_device,
     rel_err,
@@ -194,16 +193,14 @@ def test_signum_worker_momentum_recursion_is_exact():
     assert off.init({"w": jnp.zeros((64, 64))}).momentum is None  # unused: None, not f32[0]
 
 
-@pytest.mark.parametrize(
-    "codec,strategy,error_feedback",
-    [(jc.sign(None), "majority_vote", None), (jc.sign(), "two_phase", "residual")],
-)
-def test_worker_momentum_state_unchanged_on_a_nan_step(codec, strategy, error_feedback):
+def test_worker_momentum_state_unchanged_on_a_nan_step():
+    # Majority vote: sign with residual feedback is the contract suite's sign-worker_momentum
+    # row (tests/test_contract.py, item 2: the whole state unchanged on a non-finite step).
     tx = jc.compressed_allreduce(
-        codec,
+        jc.sign(None),
         "data",
-        strategy=strategy,
-        error_feedback=error_feedback,
+        strategy="majority_vote",
+        error_feedback=None,
         worker_momentum=0.5,
         min_size=1,
     )
@@ -227,12 +224,13 @@ def test_signum_majority_vote_trains_digits_within_2_points():
     """Signum (sign(None) majority vote, worker momentum 0.9, plain SGD, cosine lr 0.01) against
     uncompressed momentum SGD (lr 0.05, momentum 0.9), same seed and steps.
 
-    300 steps keep the test fast; ``python -m benchmarks.scale_bytes`` runs the 1000-step row."""
+    200 steps keep the test fast (test compile flags: signum 98.0%, momentum SGD 98.0%; 300
+    steps: 98.7%, 97.7%); ``python -m benchmarks.scale_bytes`` runs the 1000-step row."""
     import optax
 
     from benchmarks import digits_mlp as example
 
-    steps = 300
+    steps = 200
     base = example.train("none", steps=steps)
     signum = example.train(
         "signsgd",
@@ -323,38 +321,25 @@ def test_hierarchical_outer_axis_carries_only_the_payload(name):
     assert sum(c.bytes_per_device for c in flags) == pytest.approx(flag(4))
 
 
-@pytest.mark.slow
-def test_hierarchical_transform_conserves_mass_with_per_device_memory():
+def test_hierarchical_transform_memory_per_device_and_bad_inner_axis():
+    # Conservation over both axes (what is applied plus what is held back, the server
+    # residual joined inner-major) is the contract suite's sign-hierarchical row
+    # (tests/test_contract.py, item 1); here the memory's layout and the inner axis's error.
     params = {"w": jnp.zeros((30, 40)), "b": jnp.zeros((40,))}
     axes = (HOST, LOCAL)
     tx = jc.compressed_allreduce(
         jc.sign(), HOST, inner_axis_name=LOCAL, strategy="two_phase", min_size=100
     )
-    m = mesh_2d()
-    state = jc.sharded_init(tx, params, m, axes)
+    state = jc.sharded_init(tx, params, mesh_2d(), axes)
     specs = jc.state_specs(state, list(axes))
     assert specs.memory["w"] == P(axes) and state.memory["w"].shape == (N, 30, 40)
     assert empty(state.memory["b"]) and empty(specs.memory["b"])  # below min_size: no memory
-    step = hier_fn(
-        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s), (P(axes), specs), (P(), specs)
-    )
-    fed = applied = 0.0
-    for t in range(3):
-        g = {"w": stacked_normal(t, (30, 40), offset=0.3), "b": stacked_normal(t + 50, (40,))}
-        out, state = step(shard(g, m, P(axes)), state)
-        fed, applied = fed + g["w"].mean(0), applied + out["w"]
-        np.testing.assert_allclose(out["b"], g["b"].mean(0), atol=1e-6)  # plain over both axes
-    # device (h, l) owns part h of inner chunk l: the server residual joins inner-major
-    held = held_back(state, params, hosts=2)
-    np.testing.assert_allclose(applied + held["w"], fed, atol=2e-5)
-    np.testing.assert_allclose(held["b"], 0.0)
-    assert rel_err(applied, fed) < 0.5
     with pytest.raises(ValueError, match="inner_axis_name"):
         hier_fn(
             lambda t: jc.pmean(t[0], HOST, jc.sign(), inner_axis_name="gpu"),
             P((HOST, LOCAL)),
             P(),
-        )(shard(jnp.ones((N, 8)), m, P(axes)))
+        )(shard(jnp.ones((N, 8)), mesh_2d(), P(axes)))
 
 
 # --------------------------------------------------------------------------- the auto model

@@ -645,9 +645,20 @@ def baseline_accuracy(mesh, digits):
 
 @pytest.mark.slow
 def test_dgc_converges_like_momentum_sgd(mesh, digits, baseline_accuracy):
-    # The paper's recipe: warm-up of the sparsity (75% ... 99.9%) over the first fifth.
+    # A sparsity warm-up over the first fifth, its first two stages of the paper's 4x ramp
+    # (75%, 93.75%, then 99.9%): each stage is a branch compiled into the step, and the five
+    # stages cost 16.1 s of CPU against 12.8 s (the same accuracy, 98.7%; no warm-up: 98.0%).
+    # Every stage of the default ramp: tests/test_warmup.py.
     tx = optax.chain(
-        dgc(0.001, "data", momentum=0.9, min_size=100, warmup_steps=STEPS // 5), optax.sgd(0.1)
+        dgc(
+            0.001,
+            "data",
+            momentum=0.9,
+            min_size=100,
+            warmup_steps=STEPS // 5,
+            warmup_schedule=(0.75, 0.9375),
+        ),
+        optax.sgd(0.1),
     )
     acc = _train(tx, mesh, digits)
     print(f"digits, {STEPS} steps: momentum SGD {baseline_accuracy:.4f}, DGC 0.1% {acc:.4f}")

@@ -79,14 +79,11 @@ def test_wire_bytes_against_pmean():
         ratios[name] = baseline.bytes_per_device / report.bytes_per_device
         assert ratios[name] >= floor, (name, ratios[name], str(report))
         _assert_no_full_precision_gradient_allreduce(report)
-        gathered = compiled_step_report(
-            jc.compressed_allreduce(jc.get_codec(name), "data", strategy="allgather")
-        )
-        ratios[name + "_allgather"] = baseline.bytes_per_device / gathered.bytes_per_device
     fp16 = compiled_step_report(jc.compressed_allreduce(jc.cast("fp16"), "data"))
     ratios["fp16"] = baseline.bytes_per_device / fp16.bytes_per_device
     assert 1.9 <= ratios["fp16"] <= 2.05
-    assert ratios["sign_allgather"] < 9 and ratios["int8_allgather"] < 1.2  # why two_phase exists
+    # Why two_phase exists (all-gather sends n - 1 payloads): tests/test_scale.py's
+    # test_two_phase_bytes_stay_flat_in_n_and_allgather_grows, exact, for int8, int4 and sign.
     print("wire-byte ratios vs pmean (8 devices, 1.03M params):", ratios)
 
 

@@ -127,6 +127,7 @@ def _demo(peak: float, weight_decay: float = lm.WEIGHT_DECAY, **kw: Any) -> lm.R
 RECIPES: dict[str, lm.Recipe] = {
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
+    "demo-5e-3-decay0.9": _demo(5e-3),
     "demo-3e-3-decay0.9-wd0": _demo(3e-3, weight_decay=0.0),
     "local-H30": _local(30),
     "diloco-f32-H30": _row(30, codec=None, note="pseudo-gradient in float32"),

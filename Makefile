@@ -25,7 +25,7 @@ SMOKE_VENV := build/smoke-venv
 unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --no-compile --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs,dist]'
 	@touch $(STAMP)
 

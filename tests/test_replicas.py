@@ -11,7 +11,7 @@ payload each device encodes for the same input must be identical across devices 
 (its indices are shared so payloads add) and must differ for stochastic rounding (QSGD, int8
 with stochastic rounding: independent noise per device, or averaging cannot reduce it).
 Two processes, not four: on the 2-core CI machine four oversubscribed the cores and the test
-took 90-125 s (38 s with two); the 4-process paths are covered by tests/test_faults.py.
+took 90-125 s (38 s with two); more than two processes are covered by tests/test_faults.py.
 """
 
 from __future__ import annotations

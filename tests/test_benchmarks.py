@@ -58,16 +58,17 @@ def test_wire_bytes_merge_replaces_rows_measured_again():
 
 @pytest.mark.slow
 def test_wire_bytes_quick_matches_model(tmp_path):
-    # --quick narrowed to two codecs at n = 4, with every strategy, inside the test budget.
+    # --quick narrowed to one codec at n = 4, with every strategy, inside the test budget
+    # (int8's bytes per strategy and n: tests/test_scale.py's two-phase/all-gather test).
     run_bench(
         "wire_bytes.py",
         "--quick",
-        *("--codecs", "sign", "int8", "--devices", "4", "--all-strategies", "resnet18"),
+        *("--codecs", "sign", "--devices", "4", "--all-strategies", "resnet18"),
         out=tmp_path,
     )
     data = load(tmp_path, "wire_bytes_quick.json")
     rows = data["rows"]
-    assert {r["codec"] for r in rows} == {"pmean", "sign", "int8"}
+    assert {r["codec"] for r in rows} == {"pmean", "sign"}
     assert (tmp_path / "wire_bytes_quick.png").stat().st_size > 0
     for r in rows:
         assert r["bytes_per_device"] > 0
@@ -76,8 +77,7 @@ def test_wire_bytes_quick_matches_model(tmp_path):
     assert pmean["bytes_per_device"] == pytest.approx(2 * 3 / 4 * 4 * pmean["params"], rel=1e-9)
     saving = {(r["codec"], r["strategy"]): r["saving"] for r in rows}
     assert saving[("sign", "two_phase")] > 25  # 1 bit + one scale per leaf: ~31x
-    assert 3.5 < saving[("int8", "two_phase")] < 4.0
-    assert saving[("int8", "allgather")] < saving[("int8", "two_phase")]  # all-gather grows with n
+    assert saving[("sign", "allgather")] < saving[("sign", "two_phase")]  # all-gather grows with n
     assert saving[("sign", "auto")] == max(v for (c, _), v in saving.items() if c == "sign")
 
 

@@ -239,20 +239,19 @@ def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
 
 def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
     """The ``compressed_allreduce`` that carries a 1-bit Adam momentum (residual feedback,
-    :func:`rms_sign` by default), the axes of its float32 rounds and their bucket size."""
+    :func:`rms_sign` by default) and the axes of its float32 rounds."""
     options = {"error_feedback": "residual", **exchange_options(exchange)}
     if "worker_momentum" in options:
         raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
     inner = compressed_allreduce(rms_sign() if codec is None else codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
-    return inner, every_axis, options.get("bucket_bytes", 2**25)
+    return inner, every_axis
 
 
-def mean_gradient(grads: Any, every_axis: Any, bucket_bytes: int) -> tuple[Any, jax.Array]:
+def mean_gradient(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
     """The float32 mean gradient and its non-finite flag: one ``pmean`` per leaf, which XLA
     combines into a few all-reduces of tuples (no concatenated bucket: packing the leaves
     into buckets and slicing them out again cost two params-sized temporaries)."""
-    del bucket_bytes
     means = jax.lax.pmean(as_float32(grads), every_axis)
     return means, collectives.local_nonfinite(means)
 
@@ -294,7 +293,7 @@ def scale_by_onebit_adam(
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, float("inf"))
     rescale = check_flag("rescale_variance", rescale_variance)
-    inner, every_axis, bucket_bytes = momentum_exchange("onebit_adam", codec, axis_name, exchange)
+    inner, every_axis = momentum_exchange("onebit_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
     def init_fn(params):
@@ -315,7 +314,7 @@ def scale_by_onebit_adam(
 
     def warmup(grads, state, params, nu_scale):
         """The float32 mean gradient (uncompressed): Adam with the variance still learning."""
-        g, bad = mean_gradient(grads, every_axis, bucket_bytes)
+        g, bad = mean_gradient(grads, every_axis)
         return g, state.exchange, bad
 
     def compressed(grads, state, params, nu_scale):

@@ -133,7 +133,7 @@ def scale_by_zero_one_adam(
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, inf)
     rescale = check_flag("rescale_variance", rescale_variance)
-    inner, every_axis, bucket_bytes = momentum_exchange("zero_one_adam", codec, axis_name, exchange)
+    inner, every_axis = momentum_exchange("zero_one_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
     def init_fn(params):
@@ -157,7 +157,7 @@ def scale_by_zero_one_adam(
 
     def full(grads, state, params, nu_scale):
         """The float32 mean gradient: momentum and variance both move (outside)."""
-        g, bad = mean_gradient(grads, every_axis, bucket_bytes)
+        g, bad = mean_gradient(grads, every_axis)
         return g, state.exchange, bad
 
     def compressed(grads, state, params, nu_scale):

@@ -161,3 +161,26 @@ def test_payloads_travel_in_buckets(bucket_bytes):
     assert len(gathers) == (2 if bucket_bytes > 1 else 40)
     out = fn(shard(tree))
     assert all(float(jnp.abs(v).max()) == 0.0 for v in out.values())
+
+
+def test_two_phase_top_k_splits_its_slots_so_the_owner_drops_nothing():
+    """top_k's two phases: k1 = max(1, 2k // (n + 1)) per device, k2 = 2k - k1 for the owner
+    (>= n k1), so the mean of what the devices sent arrives whole, at the bytes of k and k."""
+    first, second = jc.top_k(0.01).phase_codecs(8192, N)
+    assert (first.size(8192), second.size(8192)) == (18, 146)  # k = 82
+    assert first.payload_bytes(8192) + second.payload_bytes(8192) == 2 * 8 * 82
+    assert jc.top_k(0.01).phase_codecs(8192, 1) == (jc.top_k(0.01),) * 2  # one device: k, k
+    assert jc.sign().phase_codecs(8192, N) == (jc.sign(),) * 2
+    # 8 devices x 400 floats: chunks of 50, k = 5 -> each device sends 1 per chunk, the
+    # owner up to 9 >= 8: the exact mean of every device's largest entry of each chunk.
+    x = stacked_normal(6, (400,))
+    fn = pmean_fn(jc.top_k(0.1), "two_phase")
+    out = np.asarray(fn(shard(x), jax.random.PRNGKey(0)))
+    rows = np.asarray(x).reshape(N, N, 50)
+    kept = np.where(np.abs(rows) == np.abs(rows).max(-1, keepdims=True), rows, 0.0)
+    np.testing.assert_allclose(out, kept.reshape(N, 400).mean(0), rtol=1e-6, atol=1e-7)
+    report = jc.comm_report(fn, shard(x), jax.random.PRNGKey(0))
+    payloads = [c for c in report.collectives if c.kind in ("all-to-all", "all-gather")]
+    # 2 (n - 1) * 8 bytes * 5 slots: the bytes of the even split (k = 5 and 5).
+    assert sum(c.bytes_per_device for c in payloads) == 560
+    assert jc.strategy_bytes(jc.top_k(0.1), 400, N)["two_phase"] == 560

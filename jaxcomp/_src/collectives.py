@@ -30,8 +30,12 @@ average, ``all_gather`` the re-encoded chunks, decode. The second encode adds a 
 compression error; the optax transform keeps it in a server-side residual (as 1-bit Adam's
 server error), the stateless :func:`psum` cannot. Sparse codecs work the same way, as gTop-k
 does (Shi et al., ICDCS 2019): top-k of each chunk, ``all_to_all``, the owner adds the ``n``
-sparse chunks (one scatter-add) and re-sparsifies the sum to ``k``, ``all_gather``; what the
+sparse chunks (one scatter-add) and re-sparsifies the sum, ``all_gather``; what the
 re-sparsification drops stays in the owner's residual. Traffic: ``~2 P(d)``, not ``(n-1) P(d)``.
+A codec may split its slots between the two encodings (:meth:`Codec.phase_codecs`, the same
+bytes): top-k sends ``k1 = floor(2k / (n + 1))`` per device and chunk and ``k2 = 2k - k1 >=
+n k1`` from the owner, who then re-sends the whole sum it received (an even split, ``k`` and
+``k``, would re-select ``k`` of up to ``n k`` coordinates and hold the rest back).
 
 ``majority_vote`` (signSGD with majority vote, Bernstein et al., ICLR 2019), two-phase with
 bits both ways: each device packs its signs (32 per uint32), ``all_to_all``s chunks of words,
@@ -349,13 +353,19 @@ def _rows(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(x, (0, n * c - x.shape[0])).reshape(n, c)
 
 
+def _phases(ctx, d: int) -> tuple[Codec, Codec]:
+    """The codecs of a segment of ``d`` floats' two phases (:meth:`Codec.phase_codecs`)."""
+    return ctx.codec.phase_codecs(ceil_div(d, ctx.n), ctx.n)
+
+
 def _encode_two_phase(xs, keys, ctx):
     """Worker payloads: each segment cut in ``n`` chunks, encoded row by row (batched), and
     what they drop (the rows' errors, end to end)."""
     payloads, errors = [], []
     for x, k in zip(xs, keys, strict=True):
         worker_key = None if k is None else jax.random.split(jax.random.split(k)[0], ctx.n)
-        payload, error = ctx.codec.encode_rows_with_error(_rows(x, ctx.n), worker_key)
+        first, _ = _phases(ctx, x.shape[0])
+        payload, error = first.encode_rows_with_error(_rows(x, ctx.n), worker_key)
         payloads.append(payload)
         errors.append(error.reshape(-1)[: x.shape[0]])
     return payloads, errors
@@ -365,12 +375,14 @@ def _two_phase_exchange(payloads, ctx, servers):
     """all_to_all the rows, decode+sum the owned chunk, re-encode it, all_gather.
 
     Device ``i`` owns chunk ``i`` of every segment; it adds the chunk's server residual
-    (``f32[c]``, what it could not send last time) before re-encoding, and keeps the new
-    re-encoding error. A non-finite row anywhere makes the owner's re-encoding non-finite,
-    so the gathered payloads carry the flag to every device.
+    (``f32[c]``, what it could not send last time) before re-encoding with the second
+    phase's codec (:meth:`Codec.phase_codecs`), and keeps the new re-encoding error. A
+    non-finite row anywhere makes the owner's re-encoding non-finite, so the gathered
+    payloads carry the flag to every device.
     """
-    codec, n, axis = ctx.codec, ctx.n, ctx.axis_name
+    n, axis = ctx.n, ctx.axis_name
     cs = [ceil_div(d, n) for d in ctx.sizes]
+    phases = [_phases(ctx, d) for d in ctx.sizes]
     # Row j of a received payload is device j's encoding of the chunk this device owns.
     received = buckets.exchange(
         payloads,
@@ -379,28 +391,34 @@ def _two_phase_exchange(payloads, ctx, servers):
         bucket_bytes=ctx.bucket_bytes,
     )
     # The owner sums the n decoded chunks (sparse: one scatter-add of n*k slots), adds what it
-    # could not send last time, and re-encodes (sparse: re-sparsifies to k, as gTop-k does).
+    # could not send last time, and re-encodes (top-k: keeps k2 >= n k1 of the sum).
     own = [
-        codec.decode_sum(r, c, scale=1.0 / n) + (0.0 if s is None else s)
-        for r, c, s in zip(received, cs, servers, strict=True)
+        first.decode_sum(r, c, scale=1.0 / n) + (0.0 if s is None else s)
+        for r, c, s, (first, _) in zip(received, cs, servers, phases, strict=True)
     ]
     own_payloads = [
-        codec.encode(o, None if k is None else jax.random.split(k)[1])
-        for o, k in zip(own, ctx.keys, strict=True)
+        second.encode(o, None if k is None else jax.random.split(k)[1])
+        for o, k, (_, second) in zip(own, ctx.keys, phases, strict=True)
     ]
-    own_error = [o - codec.decode(p, c) for o, p, c in zip(own, own_payloads, cs, strict=True)]
+    own_error = [
+        o - second.decode(p, c)
+        for o, p, c, (_, second) in zip(own, own_payloads, cs, phases, strict=True)
+    ]
     gathered, held = _gather(own_payloads, axis, ctx.bucket_bytes)
     return (gathered, own_error, cs), _floats(held)
 
 
 def _two_phase_decode(xs, payloads, exchanged, ctx, fill):
     gathered, own_error, cs = exchanged
-    codec = ctx.codec
+    phases = [_phases(ctx, x.shape[0]) for x in xs]
     mean = [
-        scaled(codec.decode_rows(g, c)[: x.shape[0]], 1.0, fill)
-        for g, c, x in zip(gathered, cs, xs, strict=True)
+        scaled(second.decode_rows(g, c)[: x.shape[0]], 1.0, fill)
+        for g, c, x, (_, second) in zip(gathered, cs, xs, phases, strict=True)
     ]
-    sent = [codec.decode_rows(p, c)[: x.shape[0]] for p, c, x in zip(payloads, cs, xs, strict=True)]
+    sent = [
+        first.decode_rows(p, c)[: x.shape[0]]
+        for p, c, x, (first, _) in zip(payloads, cs, xs, phases, strict=True)
+    ]
     return mean, sent, own_error
 
 

@@ -196,14 +196,14 @@ def dgc(
       sample_ratio: fraction of each compressed leaf sampled to estimate DGC's threshold, in
         (0, 1] (clipped to ``[32 d / k, 512 d / k]`` entries); None: exact top-k (two-stage).
       min_size: leaves with fewer elements go through plain ``pmean``.
-      strategy: ``"allgather"`` (default: the paper's exchange, one round; the output is
-        the mean over devices of the values each sent), ``"two_phase"`` (chunked, gTop-k
-        style: each chunk owner re-selects the top-k of the summed chunk and keeps the rest in
-        a per-device server residual; bytes per device do not grow with ``n``: 21 KB instead
-        of 63 KB per step for 1M parameters on 8 devices) or ``"auto"`` (the fewest bytes by
+      strategy: ``"allgather"`` (default: the paper's exchange, one round; the output is the mean
+        over devices of the values each sent), ``"two_phase"`` (chunked, gTop-k style: each device
+        sends the top ``k1 = 2k / (n + 1)`` of each chunk and the chunk's owner the top ``2k - k1``
+        of their sum, keeping the rest in a per-device server residual,
+        ``jc.top_k(ratio).phase_codecs(c, n)``; bytes per device do not grow with ``n``: 21 KB
+        instead of 63 KB per step for 1M parameters on 8 devices) or ``"auto"`` (the fewest bytes by
         the ring model: two_phase from 4 devices). Both train equally well, but on XLA:CPU a
-        two_phase step of a top-k payload is much slower than an allgather one, hence the
-        default.
+        two_phase step of a top-k payload is much slower than an allgather one, hence the default.
       seed: seeds the PRNG key kept in the state.
       param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data
         x model mesh, ``jax.shard_map(..., axis_names={axis_name})``): a tree like the params

@@ -82,11 +82,13 @@ def sgd(
     and top-k on more than 2 devices) adds a second delay, the chunk owner's re-encoding of
     the mean and its server residual. Heavy-ball momentum then follows stale directions:
     on the held-out teacher task of ``benchmarks/convergence.py`` (8 devices, 32 examples
-    each, 300 steps) it lost 1.4 points with sign, 4.8 with 64-value sign blocks and 4.5
-    with top-k 1%; with one compression (``strategy="allgather"``) it did not. The
-    look-ahead's extra ``beta (m_i - m_i^prev)`` leads by the momentum's last change and
-    makes up for the delay: +0.7, +0.4 and -0.8 points there (docs: "Choosing a codec",
-    "Which default holds where").
+    each, 300 steps) it lost 1.4 points with sign and 4.8 with 64-value sign blocks; with
+    one compression (``strategy="allgather"``) it did not. The look-ahead's extra
+    ``beta (m_i - m_i^prev)`` leads by the momentum's last change and makes up for the
+    delay: +0.7 and +0.4 points there (docs: "Choosing a codec", "Which default holds
+    where"). Top-k avoids the second delay instead: its two phases split the slots so that
+    the chunk's owner re-sends all it receives (``jc.top_k(r).phase_codecs(c, n)``, the
+    same bytes); top-k 1% lost 0.7 (heavy ball) and 0.5 (look-ahead) points there.
     ``warmup_steps=N`` (an exchange option) sends a sparse codec (``jc.top_k``) at higher
     densities in the first ``N`` steps, DGC's warm-up (:func:`jaxcomp.compressed_allreduce`).
     It is off by default: through the two-phase exchange (``strategy="auto"`` at 8 devices)

@@ -122,6 +122,15 @@ class Codec:
     def decode(self, payload: Payload, d: int) -> jax.Array:
         raise NotImplementedError
 
+    def phase_codecs(self, c: int, n: int) -> tuple[Codec, Codec]:
+        """The codecs of the two encodings of ``two_phase`` for chunks of ``c`` floats over
+        ``n`` devices: each device's encoding of its chunk (phase 1) and the chunk owner's
+        re-encoding of their mean (phase 2). ``(self, self)`` here; a codec may split its
+        budget between the phases (:meth:`TopK.phase_codecs`) as long as the two payloads add
+        up to ``2 * payload_bytes(c)``, the bytes of ``two_phase`` in the cost model."""
+        del c, n
+        return self, self
+
     def encode_with_error(
         self, x: jax.Array, key: jax.Array | None = None
     ) -> tuple[Payload, jax.Array]:

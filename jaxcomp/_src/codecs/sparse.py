@@ -502,6 +502,39 @@ class TopK(SparseCodec):
             return keep * k / d if keep > 0 else None
         return None  # fp16/bf16: ~k/d inside the normal range, no bound for subnormals
 
+    def phase_codecs(self, c, n):
+        r"""The two-phase split of the ``2k`` slots of a chunk: ``k1`` per device, ``k2``
+        for the owner, so that the owner can send every coordinate it receives::
+
+            k1 = max(1, floor(2k / (n + 1))),   k2 = 2k - k1     (n k1 <= k2 once 2k >= n + 1)
+
+        ``k`` is :meth:`size` of the chunk (``c`` floats). Through ``two_phase`` each device
+        sends the top ``k1`` of its chunks; the owner adds the ``n`` sparse chunks (at most
+        ``n k1`` distinct coordinates) and sends the top ``k2`` of the sum, all of it when
+        ``n k1 <= k2``: the mean of what the devices sent arrives whole, and error feedback
+        has one compression to correct, the devices' own. An even split (``k`` and ``k``)
+        re-sparsifies up to ``n k`` coordinates to ``k`` and leaves most of the mean in the
+        owner's server residual, sent steps later (gTop-k, Shi et al., ICDCS 2019, the even
+        split without that residual). The bytes are those of the even split when the
+        payload's bytes are linear in ``k`` (values None, fp16, bf16, int8); otherwise
+        (``values="sign"`` packs 32 signs a word), or where ``k2`` would exceed ``c``, both
+        phases keep ``k``.
+
+        Example::
+
+            first, second = jc.top_k(0.01).phase_codecs(8192, 8)   # k = 82: k1 = 18, k2 = 146
+        """
+        k = self.size(c)
+        k1 = max(1, (2 * k) // (n + 1))
+        k2 = 2 * k - k1
+        if k1 >= k or k2 > c:
+            return self, self
+        first = dataclasses.replace(self, ratio=k1 / c)
+        second = dataclasses.replace(self, ratio=k2 / c)
+        if first.payload_bytes(c) + second.payload_bytes(c) != 2 * self.payload_bytes(c):
+            return self, self
+        return first, second
+
     def encode(self, x, key=None):
         x = check_vector(x, self)
         if self.approx == "auto":  # the platform is known when the program is lowered

@@ -252,7 +252,8 @@ def test_signum_majority_vote_trains_digits_within_2_points():
 @pytest.mark.slow
 def test_sparse_two_phase_conserves_mass_with_both_residuals():
     params = {"w": jnp.zeros((40, 50))}
-    tx = jc.compressed_allreduce(jc.top_k(0.05), "data", strategy="two_phase", min_size=1)
+    # Chunks of 250: k = 3, split k1 = 1 per device, k2 = 5 < 8 for the owner, who drops some.
+    tx = jc.compressed_allreduce(jc.top_k(0.01), "data", strategy="two_phase", min_size=1)
     state = jc.sharded_init(tx, params, mesh(), "data")
     specs = jc.state_specs(state, "data")
     step = per_device(lambda g, s: tx.update({"w": g[0]}, s), (P("data"), specs), (P(), specs))
@@ -261,7 +262,7 @@ def test_sparse_two_phase_conserves_mass_with_both_residuals():
         g = stacked_normal(t, (40, 50), offset=0.3)
         out, state = step(shard(g), state)
         fed, applied = fed + g.mean(0), applied + out["w"]
-        assert int(jnp.sum(out["w"] != 0)) <= N * math.ceil(0.05 * 250)  # k per chunk
+        assert int(jnp.sum(out["w"] != 0)) <= N * 5  # k2 per chunk
     memory = device_mean(state.memory, params)["w"]
     server = server_per_leaf(state.server_residual, params)["w"]  # owned chunks, joined
     assert np.abs(server).max() > 0  # re-sparsification dropped something, kept here

@@ -164,12 +164,15 @@ def test_payloads_travel_in_buckets(bucket_bytes):
 
 
 def test_two_phase_top_k_splits_its_slots_so_the_owner_drops_nothing():
-    """top_k's two phases: k1 = max(1, 2k // (n + 1)) per device, k2 = 2k - k1 for the owner
-    (>= n k1), so the mean of what the devices sent arrives whole, at the bytes of k and k."""
+    """top_k's two phases: k1 = max(1, 2k // (n + 1), 2k - c) per device, k2 = 2k - k1 for
+    the owner (>= n k1 or = c), so the mean of what the devices sent arrives whole, at the
+    bytes of k and k."""
     first, second = jc.top_k(0.01).phase_codecs(8192, N)
     assert (first.size(8192), second.size(8192)) == (18, 146)  # k = 82
     assert first.payload_bytes(8192) + second.payload_bytes(8192) == 2 * 8 * 82
     assert jc.top_k(0.01).phase_codecs(8192, 1) == (jc.top_k(0.01),) * 2  # one device: k, k
+    dense = jc.top_k(0.75).phase_codecs(192, N)  # k = 144: k1 = 2k - c = 96, k2 = c
+    assert (dense[0].size(192), dense[1].size(192)) == (96, 192)
     assert jc.sign().phase_codecs(8192, N) == (jc.sign(),) * 2
     # 8 devices x 400 floats: chunks of 50, k = 5 -> each device sends 1 per chunk, the
     # owner up to 9 >= 8: the exact mean of every device's largest entry of each chunk.

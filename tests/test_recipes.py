@@ -295,6 +295,7 @@ def test_accordion_gentle_in_critical_intervals_and_memory_shared():
         "data",
         momentum=0,
         min_size=1,
+        strategy="allgather",
         adaptive=jc.accordion(jc.top_k(0.5), interval=2, threshold=0.5),
     )
     run = Run(tx)

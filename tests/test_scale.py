@@ -7,8 +7,6 @@ and ``jc.comm_report`` (compiled). ``python -m benchmarks.scale_bytes`` writes t
 table, n = 2..16.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -506,8 +506,10 @@ class TopK(SparseCodec):
         r"""The two-phase split of the ``2k`` slots of a chunk: ``k1`` per device, ``k2``
         for the owner, so that the owner can send every coordinate it receives::
 
-            k1 = max(1, floor(2k / (n + 1))),   k2 = 2k - k1     (n k1 <= k2 once 2k >= n + 1)
+            k1 = max(1, floor(2k / (n + 1)), 2k - c),   k2 = 2k - k1 <= c
 
+        (``min(n k1, c) <= k2`` once ``2k >= n + 1``: the owner's sum has at most ``n k1``
+        and at most ``c`` non-zeros.)
         ``k`` is :meth:`size` of the chunk (``c`` floats). Through ``two_phase`` each device
         sends the top ``k1`` of its chunks; the owner adds the ``n`` sparse chunks (at most
         ``n k1`` distinct coordinates) and sends the top ``k2`` of the sum, all of it when
@@ -517,17 +519,18 @@ class TopK(SparseCodec):
         owner's server residual, sent steps later (gTop-k, Shi et al., ICDCS 2019, the even
         split without that residual). The bytes are those of the even split when the
         payload's bytes are linear in ``k`` (values None, fp16, bf16, int8); otherwise
-        (``values="sign"`` packs 32 signs a word), or where ``k2`` would exceed ``c``, both
-        phases keep ``k``.
+        (``values="sign"`` packs 32 signs a word, where the two payloads' bytes may differ
+        from twice ``k``'s) both phases keep ``k``, as they do where ``k1`` would not be
+        smaller than ``k`` (one device, ``k = 1``).
 
         Example::
 
             first, second = jc.top_k(0.01).phase_codecs(8192, 8)   # k = 82: k1 = 18, k2 = 146
         """
         k = self.size(c)
-        k1 = max(1, (2 * k) // (n + 1))
+        k1 = max(1, (2 * k) // (n + 1), 2 * k - c)
         k2 = 2 * k - k1
-        if k1 >= k or k2 > c:
+        if k1 >= k:
             return self, self
         first = dataclasses.replace(self, ratio=k1 / c)
         second = dataclasses.replace(self, ratio=k2 / c)

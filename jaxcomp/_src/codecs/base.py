@@ -126,8 +126,16 @@ class Codec:
         """The codecs of the two encodings of ``two_phase`` for chunks of ``c`` floats over
         ``n`` devices: each device's encoding of its chunk (phase 1) and the chunk owner's
         re-encoding of their mean (phase 2). ``(self, self)`` here; a codec may split its
-        budget between the phases (:meth:`TopK.phase_codecs`) as long as the two payloads add
-        up to ``2 * payload_bytes(c)``, the bytes of ``two_phase`` in the cost model."""
+        budget between the phases (``jc.top_k(r).phase_codecs``) as long as the two payloads
+        add up to ``2 * payload_bytes(c)``, the bytes of ``two_phase`` in the cost model.
+
+        Args:
+          c: floats per chunk, ``ceil(d / n)``.
+          n: devices on the axis.
+
+        Returns:
+          ``(first, second)``: the codec of each device's chunk and the owner's codec.
+        """
         del c, n
         return self, self
 

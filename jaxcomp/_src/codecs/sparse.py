@@ -523,6 +523,13 @@ class TopK(SparseCodec):
         from twice ``k``'s) both phases keep ``k``, as they do where ``k1`` would not be
         smaller than ``k`` (one device, ``k = 1``).
 
+        Args:
+          c: floats per chunk, ``ceil(d / n)``.
+          n: devices on the axis.
+
+        Returns:
+          ``(first, second)``: top-k at ``k1 / c`` and at ``k2 / c`` (or ``(self, self)``).
+
         Example::
 
             first, second = jc.top_k(0.01).phase_codecs(8192, 8)   # k = 82: k1 = 18, k2 = 146

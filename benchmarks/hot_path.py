@@ -26,13 +26,25 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path                    # hot_path.json
     python -m benchmarks.hot_path --quick            # a 1.6M-param MLP, 3 rows (smoke test)
     python -m benchmarks.hot_path --reuse-buffers --label reuse   # freed memory reused
+    python -m benchmarks.hot_path --rows int8 --ops 12  # + the 12 costliest ops of each row
+
+Op by op (``--ops N``): after its timed calls, each row runs ``--op-calls`` more under
+``jax.profiler.trace`` (a Perfetto trace; XLA:CPU records one event per thunk), and the JSON
+gets the row's ``N`` costliest HLO instructions of the compiled update: name, milliseconds
+per call (wall, summed over the instruction's events), the instruction's shape and the jax
+operation it came from (``op_name``). The profiled calls are not among the timed ones.
 """
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 from benchmarks import common
@@ -76,7 +88,44 @@ def timed(fn, args, reps: int, warmup: int, const=(), cpu=None) -> list[float]:
     return times
 
 
-def run(sizes, names, reps: int, warmup: int) -> dict:
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?\[[^\]]*\])?.*?op_name=\"([^\"]*)\"")
+
+
+def entry_instructions(hlo_text: str) -> dict[str, dict]:
+    """name -> {shape, op_name} of each instruction of the compiled module's entry
+    computation (what a thunk's profiler event is named after)."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    found = {}
+    for line in entry.splitlines()[1:]:
+        m = _INSTRUCTION.match(line)
+        if m:
+            found[m.group(1)] = {"shape": m.group(2) or "", "op_name": m.group(3)}
+    return found
+
+
+def op_profile(fn, args, const, calls: int, instructions: dict, top: int) -> tuple[list, object]:
+    """The ``top`` costliest instructions of ``fn`` over ``calls`` profiled calls (ms per
+    call, from a Perfetto trace of ``jax.profiler``), and the last call's output."""
+    import jax
+
+    totals: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                args = jax.block_until_ready(fn(*args, *const))
+        (trace,) = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(trace) as f:
+            events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in instructions:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0) / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    ops = [{"op": k, "ms": round(v / calls, 3), **instructions[k]} for k, v in ranked]
+    return ops, args
+
+
+def run(sizes, names, reps: int, warmup: int, ops: int = 0, op_calls: int = 3) -> dict:
     import warnings
 
     import jax
@@ -146,9 +195,21 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
             donate_argnums=(0, 1),
         )
         grads = fresh_grads()
-        memory = update.lower(grads, state, params).compile().memory_analysis()
+        compiled = update.lower(grads, state, params).compile()
+        memory = compiled.memory_analysis()
         cpu: list[float] = []
         times = timed(update, (grads, state), reps, warmup, const=(params,), cpu=cpu)
+        top_ops = []
+        if ops:
+            instructions = entry_instructions(compiled.as_text())
+            top_ops, _ = op_profile(
+                update,
+                (fresh_grads(), jc.sharded_init(tx, params, mesh, AXIS) if tx else ()),
+                (params,),
+                op_calls,
+                instructions,
+                ops,
+            )
         row = {
             "name": name,
             "codec": what,
@@ -164,9 +225,13 @@ def run(sizes, names, reps: int, warmup: int) -> dict:
             "cpu_times_ms": [round(t, 3) for t in cpu],
             "seconds": round(time.perf_counter() - t_start, 1),
         }
+        if ops:
+            row["ops"] = top_ops  # the costliest instructions, ms per call (profiled calls)
         rows.append(row)
         print(f"{name:20s} {row['update_ms']:9.1f} ms", flush=True)
-        del update, state
+        for op in top_ops:
+            print(f"    {op['ms']:8.2f} ms  {op['op']:34s} {op['shape']:24s} {op['op_name']}")
+        del update, state, compiled
     copy_ms += copy_times()
     copy_median = statistics.median(copy_ms)
     copy_cpu_median = statistics.median(copy_cpu)
@@ -236,6 +301,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
     ap.add_argument("--label", default=None, help="write hot_path_LABEL.json (e.g. before)")
     ap.add_argument(
+        "--ops", type=int, default=0, help="record each row's N costliest ops (0: none)"
+    )
+    ap.add_argument("--op-calls", type=int, default=3, help="profiled calls per row (--ops)")
+    ap.add_argument(
         "--reuse-buffers",
         action="store_true",
         help="jaxcomp.cpu.reuse_large_buffers(): freed memory reused, no page faults",
@@ -250,7 +319,7 @@ def main(argv=None) -> int:
 
     jaxcomp.cpu.use_cpu_devices(1)
     reuse = args.reuse_buffers and jaxcomp.cpu.reuse_large_buffers()
-    data = run(sizes, names, args.reps, args.warmup)
+    data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls)
     data = {
         "environment": common.environment(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host

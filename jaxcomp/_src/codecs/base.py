@@ -327,6 +327,31 @@ def max_abs(xb: jax.Array) -> jax.Array:
     return jnp.max(_fold_rows(jnp.abs(xb), jnp.maximum), axis=1, initial=0.0)
 
 
+#: :func:`all_finite` folds rows of this many values before its one reduce.
+FINITE_ROW = 256
+
+
+def all_finite(x: jax.Array) -> jax.Array:
+    """``all(isfinite(x))`` (a bool scalar), without a temporary as large as ``x``.
+
+    XLA:CPU writes the input of a reduction out first, so ``all(isfinite(x))`` writes one
+    byte per value before reducing it. Here the flags ``|x| < inf`` (False exactly for NaN
+    and +-inf) of each row of :data:`FINITE_ROW` values are first and-ed in 8 column groups
+    (:func:`_fold_rows`, fused with the comparison), so only 1/8 of that is written: for an
+    fp16 payload of 16.7M values, 2.1 MB instead of 17 MB and about half the CPU time
+    (measured on one CPU device). The same value, for any shape and floating dtype.
+    """
+    flat = x.reshape(-1)
+    whole = flat.shape[0] // FINITE_ROW * FINITE_ROW
+    finite = []
+    if whole:
+        rows = (jnp.abs(flat[:whole]) < jnp.inf).reshape(-1, FINITE_ROW)
+        finite.append(jnp.all(_fold_rows(rows, jnp.logical_and)))
+    if whole < flat.shape[0]:
+        finite.append(jnp.all(jnp.abs(flat[whole:]) < jnp.inf))
+    return finite[0] if len(finite) == 1 else finite[0] & finite[1]
+
+
 def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
     """``sum_j |xb[b, j]| / count[b]`` per row, summed pre-scaled so it never overflows.
 

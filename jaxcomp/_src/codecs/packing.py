@@ -26,13 +26,23 @@ def packed_words(d: int, bits: int) -> int:
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
-    """Pack ``codes`` (unsigned ints < 2**bits, any int dtype, 1-D) into ``uint32`` words."""
+    """Pack ``codes`` (unsigned ints < 2**bits, any int dtype, 1-D) into ``uint32`` words.
+
+    ``word_j = sum_k codes[j * per + k] << (bits * k)`` with ``per = 32 // bits``: the fields
+    are disjoint, so the sum is the OR of the shifted codes and lowers to one reduce. One bit
+    per code is packed in two stages, 8 codes to a byte and then 4 bytes to a word: the same
+    words, and a third less CPU time on XLA:CPU than one 32-lane reduce (16.7M signs: 1.2
+    instead of 1.8 copies of a float32 array of that size, measured on one CPU device).
+    """
     per = codes_per_word(bits)
     d = codes.shape[0]
     n = packed_words(d, bits)
     c = jnp.pad(codes.astype(jnp.uint32), (0, n * per - d)).reshape(n, per)
+    if bits == 1:
+        c = c.reshape(n, 4, 8)
+        octets = jnp.sum(c << jnp.arange(8, dtype=jnp.uint32), axis=2, dtype=jnp.uint32)
+        return jnp.sum(octets << (8 * jnp.arange(4, dtype=jnp.uint32)), axis=1, dtype=jnp.uint32)
     shifts = (jnp.arange(per, dtype=jnp.uint32) * bits)[None, :]
-    # Fields are disjoint, so summing is the same as OR-ing (and lowers to one reduce).
     return jnp.sum(c << shifts, axis=1, dtype=jnp.uint32)
 
 

@@ -1,0 +1,170 @@
+"""The hot path's cheaper formulations give the same bits as the ones they replaced.
+
+int8 codes rounded by the float32 adder (``quantize.rounded_codes``), 1-bit codes packed in
+two stages (``packing.pack``), the narrow-float finiteness check folded before its reduce
+(``base.all_finite``), and large payload arrays travelling in buckets of their own
+(``buckets._plan``): each against the formula it replaced, on edge values (+-0, subnormals,
+ties, the largest codes, inf, NaN, all-zero and non-finite blocks). One compiled program per
+formula, shared by the asserts.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp as jc
+from jaxcomp._src import buckets
+from jaxcomp._src.codecs import packing, quantize
+from jaxcomp._src.codecs.base import all_finite, max_abs
+
+TINY = np.float32(1e-42)  # a float32 subnormal
+
+
+def _old_codes(y, levels):
+    """The formula ``rounded_codes`` replaced."""
+    q = jnp.clip(jnp.nan_to_num(jnp.round(y)), -levels, levels)
+    return (q + levels).astype(jnp.uint32)
+
+
+def _old_encode(x, bits, block):
+    """IntQuant(bits, block).encode before ``rounded_codes`` (deterministic, bits >= 2)."""
+    levels = 2 ** (bits - 1) - 1
+    d = x.shape[0]
+    xb = jnp.pad(x, (0, -d % block)).reshape(-1, block)
+    absmax = max_abs(xb)
+    inv = jnp.where(absmax > 0, levels / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+    code = _old_codes(xb * inv[:, None], levels)
+    return _old_pack(code.reshape(-1)[:d], bits), absmax / levels
+
+
+def _old_pack(codes, bits):
+    """``packing.pack`` as one reduce of shifted codes (its formula before the two stages)."""
+    per = 32 // bits
+    n = -(-codes.shape[0] // per)
+    c = jnp.pad(codes.astype(jnp.uint32), (0, n * per - codes.shape[0])).reshape(n, per)
+    return jnp.sum(c << (jnp.arange(per, dtype=jnp.uint32) * bits), axis=1, dtype=jnp.uint32)
+
+
+def _edge_vector():
+    """Blocks of 64: edge values, an all-zero block, a subnormal-only block, one with inf, one
+    with NaN, one with -inf, random values; and a tail of 37."""
+    rng = np.random.default_rng(0)
+    edges = np.array(
+        [0.0, -0.0, TINY, -TINY, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 127, -127]
+        + [65504, -65504, 1e30, -1e30, 3.4e38, -3.4e38],
+        np.float32,
+    )
+    blocks = [
+        np.resize(edges, 64),
+        np.zeros(64, np.float32),
+        np.full(64, TINY, np.float32) * np.sign(rng.standard_normal(64)).astype(np.float32),
+        np.where(np.arange(64) == 3, np.inf, rng.standard_normal(64)).astype(np.float32),
+        np.where(np.arange(64) == 9, np.nan, rng.standard_normal(64)).astype(np.float32),
+        np.where(np.arange(64) == 0, -np.inf, rng.standard_normal(64)).astype(np.float32),
+        (rng.standard_normal(64 * 20) * 10.0 ** rng.integers(-6, 6, 64 * 20)).astype(np.float32),
+        rng.standard_normal(37).astype(np.float32),
+    ]
+    return jnp.asarray(np.concatenate(blocks))
+
+
+@functools.cache
+def _int_quant_pairs():
+    """Per bits: (new words, old words, new scales, old scales) of the edge vector, and
+    (new, old) codes of ties and of values beside the largest code, all in one program."""
+    x = _edge_vector()
+    ties = jnp.asarray(np.arange(-130, 130, 0.25, dtype=np.float32))
+
+    @jax.jit
+    def run(x, ties):
+        out = {}
+        for bits in (2, 4, 8):
+            new = jc.int_quant(bits, 64).encode(x)
+            old = _old_encode(x, bits, 64)
+            levels = 2 ** (bits - 1) - 1
+            y = jnp.clip(ties, -levels - 0.49, levels + 0.49)
+            y = jnp.concatenate([y, jnp.array([jnp.nan, -0.0, 0.0, TINY, -TINY], jnp.float32)])
+            out[bits] = (*new, *old, quantize.rounded_codes(y, levels), _old_codes(y, levels))
+        return out
+
+    return jax.device_get(run(x, ties))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_int_quant_codes_bit_exact(bits):
+    words, scale, old_words, old_scale, codes, old_codes = _int_quant_pairs()[bits]
+    np.testing.assert_array_equal(words, old_words)
+    np.testing.assert_array_equal(scale.view(np.uint32), old_scale.view(np.uint32))
+    np.testing.assert_array_equal(codes, old_codes)
+    levels = 2 ** (bits - 1) - 1
+    # Ties to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2 (codes are offset by L).
+    assert codes.max() == 2 * levels and codes.min() == 0
+    np.testing.assert_array_equal(codes[-5:], [levels] * 5)  # NaN, +-0, +-subnormal -> 0
+
+
+@functools.cache
+def _sign_pairs():
+    rng = np.random.default_rng(1)
+    sizes = (1, 31, 32, 33, 255, 4096 + 7)
+    codes = [jnp.asarray(rng.integers(0, 2, d).astype(np.uint32)) for d in sizes]
+    x = _edge_vector()
+
+    @jax.jit
+    def run(codes, x):
+        pairs = [(packing.pack(c, 1), _old_pack(c, 1)) for c in codes]
+        words = jc.sign().encode(x)[0]
+        return pairs, (words, _old_pack((x < 0).astype(jnp.uint32), 1))
+
+    return jax.device_get(run(codes, x))
+
+
+def test_one_bit_pack_bit_exact():
+    pairs, (words, old) = _sign_pairs()
+    for new, ref in pairs:
+        np.testing.assert_array_equal(new, ref)
+    np.testing.assert_array_equal(words, old)
+    assert words.dtype == np.uint32 and words.shape == (-(-_edge_vector().shape[0] // 32),)
+
+
+@functools.cache
+def _finite_flags():
+    """(all_finite, all(isfinite)) for fp16 and bf16 arrays: no whole 256-value row (255),
+    a row and a tail (257), 8 rows and a tail (2051); clean, and with a NaN, +inf or -inf in
+    a row (first value) or in the tail (last value)."""
+    cases = []
+    for dtype in (jnp.float16, jnp.bfloat16):
+        for d in (255, 257, 8 * 256 + 3):
+            clean = jnp.linspace(-60000.0, 60000.0, d).astype(dtype)
+            cases.append(clean)
+            cases += [
+                clean.at[at].set(bad) for bad in (jnp.nan, jnp.inf, -jnp.inf) for at in (0, -1)
+            ]
+    run = jax.jit(
+        lambda xs: jnp.stack([jnp.stack([all_finite(x), jnp.all(jnp.isfinite(x))]) for x in xs])
+    )
+    return np.asarray(run(cases))
+
+
+def test_all_finite_matches_isfinite():
+    flags = _finite_flags()
+    assert flags.shape == (2 * 3 * 7, 2)
+    np.testing.assert_array_equal(flags[:, 0], flags[:, 1])
+    assert flags[:, 0].sum() == 6  # the clean arrays only: 2 dtypes x 3 sizes
+
+
+def test_large_payload_arrays_travel_alone():
+    """Arrays of at least bucket_bytes / 16 are buckets of their own (no concatenation
+    copies them); smaller ones of one dtype share buckets; bucket_bytes=1: all alone."""
+    arrays = [
+        jax.ShapeDtypeStruct((4_194_304,), jnp.uint32),  # 16 MiB: alone
+        jax.ShapeDtypeStruct((1024,), jnp.uint32),
+        jax.ShapeDtypeStruct((16,), jnp.float32),
+        jax.ShapeDtypeStruct((524_288,), jnp.uint32),  # exactly 2 MiB: alone
+        jax.ShapeDtypeStruct((524_287,), jnp.uint32),  # 4 bytes less: shares
+        jax.ShapeDtypeStruct((4,), jnp.float32),
+    ]
+    plan = buckets._plan(arrays, 0, buckets.BUCKET_BYTES)
+    assert sorted(map(sorted, plan)) == [[0], [1, 4], [2, 5], [3]]
+    assert sorted(map(sorted, buckets._plan(arrays, 0, 1))) == [[i] for i in range(6)]

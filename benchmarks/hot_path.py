@@ -88,7 +88,9 @@ def timed(fn, args, reps: int, warmup: int, const=(), cpu=None) -> list[float]:
     return times
 
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+?\[[^\]]*\])?.*?op_name=\"([^\"]*)\"")
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+?\[[^\]]*\])?.*?op_name=\"([^\"]*)\""
+)
 
 
 def entry_instructions(hlo_text: str) -> dict[str, dict]:

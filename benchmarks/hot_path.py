@@ -89,7 +89,7 @@ def timed(fn, args, reps: int, warmup: int, const=(), cpu=None) -> list[float]:
 
 
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+?\[[^\]]*\])?.*?op_name=\"([^\"]*)\""
+    r"^\s*(?:ROOT )?%(\S+) = (\([^)]*\)|\S+?\[[^\]]*\])?(?:.*?op_name=\"([^\"]*)\")?"
 )
 
 
@@ -101,7 +101,7 @@ def entry_instructions(hlo_text: str) -> dict[str, dict]:
     for line in entry.splitlines()[1:]:
         m = _INSTRUCTION.match(line)
         if m:
-            found[m.group(1)] = {"shape": m.group(2) or "", "op_name": m.group(3)}
+            found[m.group(1)] = {"shape": m.group(2) or "", "op_name": m.group(3) or ""}
     return found
 
 

@@ -168,3 +168,21 @@ def test_large_payload_arrays_travel_alone():
     plan = buckets._plan(arrays, 0, buckets.BUCKET_BYTES)
     assert sorted(map(sorted, plan)) == [[0], [1, 4], [2, 5], [3]]
     assert sorted(map(sorted, buckets._plan(arrays, 0, 1))) == [[i] for i in range(6)]
+
+
+def test_hot_path_op_names_parsed():
+    """``hot_path --ops`` names each profiled thunk after an entry instruction of the
+    compiled program: its shape (a tuple too) and the jax operation it came from."""
+    from benchmarks.hot_path import entry_instructions
+
+    text = (
+        jax.jit(lambda a, b: (a * b + 1.0, jnp.sum(a)))
+        .lower(jnp.ones(64), jnp.ones(64))
+        .compile()
+        .as_text()
+    )
+    found = entry_instructions(text)
+    shapes = {v["shape"] for v in found.values()}
+    assert "f32[64]" in shapes and any(s.startswith("(f32[64]") for s in shapes)
+    assert any(v["op_name"].endswith("/add") for v in found.values())
+    assert any(not v["op_name"] for v in found.values())  # the ROOT tuple: no metadata, kept

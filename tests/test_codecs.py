@@ -213,3 +213,33 @@ def test_cast_decode_sum_adds_rows_exactly():
     want = (rows[0].astype(jnp.float32) + rows[1] + rows[2]) * 0.5 + 1.0
     got = jc.cast("fp16").decode_sum(rows, 1000, scale=0.5, fill=1.0)
     assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
+    """``jc.sign(scale="rms")`` (1-bit Adam's default codec): signs scaled by the root mean
+    square of their block, so ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for
+    this x, norm 7.0 < 10.0), at exactly ``jc.sign()``'s bytes; zero stays zero, a finite
+    outlier a finite scale, a non-finite input non-finite; not contractive (no ``delta``)."""
+    c, blocked, d = jc.sign(scale="rms"), jc.sign(scale="rms", block_size=2), 4
+
+    @jax.jit
+    def roundtrips(rows):
+        out = [c.decode(c.encode(r), d) for r in rows]
+        return out + [
+            blocked.decode(blocked.encode(rows[0]), d),
+            jc.sign().decode(jc.sign().encode(rows[0]), d),
+        ]
+
+    x = [6.0, -8.0, 0.0, 0.0]  # ||x||_2 = 10, rms 5; mean |x| 3.5
+    rows = jnp.array([x, [0.0] * 4, [3e38, -3e38, 1.0, 0.0], [1, np.nan, 0, 2], [1, np.inf, 0, 2]])
+    out = [np.asarray(o) for o in roundtrips(list(rows))]
+    np.testing.assert_allclose(out[0], [5.0, -5.0, 5.0, 5.0])
+    np.testing.assert_array_equal(out[1], np.zeros(d))
+    assert np.all(np.isfinite(out[2])) and out[2][0] == pytest.approx(3e38 / 2**0.5, rel=1e-5)
+    assert not np.isfinite(out[3]).any() and not np.isfinite(out[4]).any()
+    # per block of 2: rms(6, -8) = sqrt(50), rms(0, 0) = 0; jc.sign(): mean |x|
+    np.testing.assert_allclose(out[5], [50**0.5, -(50**0.5), 0.0, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(out[6], [3.5, -3.5, 3.5, 3.5])
+    for n in (1, 31, 1000, 4097):
+        assert c.payload_bytes(n) == jc.sign().payload_bytes(n)
+    assert c.delta(4) is None and jc.sign().delta(4) == 0.25

@@ -355,7 +355,7 @@ CHECKS = [
     (
         "zero_one_adam",
         "rescale_variance",
-        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, rescale_variance=1),
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, rescale_variance=jnp.array(True)),
         TypeError,
     ),
     ("accordion", "gentle", lambda: jc.accordion("top_k"), TypeError),

@@ -47,22 +47,39 @@ def late_coordinate_run(tx: optax.GradientTransformation, weight0: float = 1.0) 
     return np.asarray(p)
 
 
+@functools.cache
+def adam_reference() -> np.ndarray:
+    """:func:`late_coordinate_run` of float32 pmean then ``optax.adam(0.05)`` (run once)."""
+    return late_coordinate_run(
+        optax.chain(jc.compressed_allreduce(jc.identity(), "data"), optax.adam(0.05))
+    )
+
+
+@functools.cache
+def onebit_reference() -> np.ndarray:
+    """:func:`late_coordinate_run` of ``jc.onebit_adam(0.05, freeze_step=4)`` (run once)."""
+    return late_coordinate_run(jc.onebit_adam(0.05, "data", freeze_step=4, min_size=1))
+
+
 @pytest.mark.parametrize(
-    "make",
+    "run",
     [
-        lambda lr: jc.onebit_adam(lr, "data", freeze_step=4, min_size=1),
-        lambda lr: jc.zero_one_adam(
-            lr, "data", var_freeze_step=4, var_update_scaler=1, local_step_scaler=4, min_size=1
+        onebit_reference,
+        lambda: late_coordinate_run(
+            jc.zero_one_adam(
+                0.05,
+                "data",
+                var_freeze_step=4,
+                var_update_scaler=1,
+                local_step_scaler=4,
+                min_size=1,
+            )
         ),
     ],
     ids=["onebit_adam", "zero_one_adam"],
 )
-def test_a_coordinate_unseen_at_the_freeze_still_learns(make):
-    lr = 0.05
-    adam = late_coordinate_run(
-        optax.chain(jc.compressed_allreduce(jc.identity(), "data"), optax.adam(lr))
-    )
-    ours = late_coordinate_run(make(lr))
+def test_a_coordinate_unseen_at_the_freeze_still_learns(run):
+    adam, ours = adam_reference(), run()
     # Adam moves it about lr per step once it appears; a zero variance frozen kept it at 0.0.
     assert 0.5 < adam[0] < TARGET
     assert ours[0] > 0.5 * adam[0]
@@ -87,37 +104,20 @@ def test_zero_one_adam_a_late_rare_coordinate_does_not_blow_up_at_a_variance_rou
     assert 0.4 * adam[0] < ours[0] < TARGET, (ours[0], adam[0])
 
 
-def test_rms_sign_keeps_the_norm_at_the_bytes_of_sign():
-    """1-bit Adam's default codec: signs scaled by the root mean square of their block, so
-    ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for this x, norm 7.0 < 10.0),
-    at exactly ``jc.sign()``'s bytes; zero stays zero, a finite outlier a finite scale, a
-    non-finite input non-finite."""
-    from jaxcomp._src.onebit_adam import rms_sign
-
-    c, blocked, d = rms_sign(), rms_sign(block_size=2), 4
-
-    @jax.jit
-    def roundtrips(rows):
-        out = [c.decode(c.encode(r), d) for r in rows]
-        return out + [
-            blocked.decode(blocked.encode(rows[0]), d),
-            jc.sign().decode(jc.sign().encode(rows[0]), d),
-        ]
-
-    x = [6.0, -8.0, 0.0, 0.0]  # ||x||_2 = 10, rms 5; mean |x| 3.5
-    rows = jnp.array([x, [0.0] * 4, [3e38, -3e38, 1.0, 0.0], [1, np.nan, 0, 2], [1, np.inf, 0, 2]])
-    out = [np.asarray(o) for o in roundtrips(list(rows))]
-    np.testing.assert_allclose(out[0], [5.0, -5.0, 5.0, 5.0])
-    np.testing.assert_array_equal(out[1], np.zeros(d))
-    assert np.all(np.isfinite(out[2])) and out[2][0] == pytest.approx(3e38 / 2**0.5, rel=1e-5)
-    assert not np.isfinite(out[3]).any() and not np.isfinite(out[4]).any()
-    # per block of 2: rms(6, -8) = sqrt(50), rms(0, 0) = 0; jc.sign(): mean |x|
-    np.testing.assert_allclose(out[5], [50**0.5, -(50**0.5), 0.0, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(out[6], [3.5, -3.5, 3.5, 3.5])
-    for n in (1, 31, 1000, 4097):
-        assert c.payload_bytes(n) == jc.sign().payload_bytes(n)
-    with pytest.raises(ValueError, match="block_size"):
-        rms_sign(block_size=0)
+def test_inject_hyperparams_onebit_adam():
+    """``optax.inject_hyperparams(jc.onebit_adam)``: the bool ``rescale_variance`` stays
+    static, an eager ``init`` (a concrete zero ``weight_decay``) and the traced ``update``
+    build the same chain (they differed by ``add_decayed_weights``: a state of 2 transforms
+    for a chain of 3), and the run is the plain recipe's to float32 rounding."""
+    inject = optax.inject_hyperparams(jc.onebit_adam)
+    tx = inject(0.05, "data", freeze_step=4, min_size=1, rescale_variance=True)
+    w = jnp.zeros((D,), jnp.float32)
+    eager, traced = tx.init(w), jax.eval_shape(tx.init, w)
+    assert jax.tree.structure(eager) == jax.tree.structure(traced)
+    assert eager.hyperparams["weight_decay"].shape == () and "rescale_variance" not in (
+        eager.hyperparams
+    )
+    np.testing.assert_allclose(late_coordinate_run(tx), onebit_reference(), rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- replica x data

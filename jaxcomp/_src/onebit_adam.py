@@ -3,7 +3,6 @@ exchanged through a 1-bit codec with worker and server error feedback."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -12,16 +11,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs import packing
-from jaxcomp._src.codecs.base import (
-    F32_MAX,
-    Codec,
-    blocks,
-    check_vector,
-    safe_divide,
-    saturating_square,
-)
-from jaxcomp._src.codecs.sign import Sign
+from jaxcomp._src.codecs.base import F32_MAX, Codec, saturating_square
+from jaxcomp._src.codecs.sign import sign
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
 
@@ -37,52 +28,6 @@ class OneBitAdamState(NamedTuple):
     exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
 
     PER_DEVICE_FIELDS = ()  # the per-device memories are the exchange's own fields
-
-
-@dataclasses.dataclass(frozen=True)
-class RmsSign(Sign):
-    r"""1-bit signs scaled by the root mean square of their block: ``C(x) = (||x_B||_2 /
-    sqrt(|B|)) sign(x)``, the compressed momentum of DeepSpeed's 1-bit Adam.
-
-    The payload is :class:`jaxcomp.sign`'s (32 signs per uint32 word and one float32 per
-    block); only the scale differs. ``jc.sign()``'s mean ``||x_B||_1 / |B|`` minimizes
-    ``||C(x) - x||``, so every step moves less than ``x`` (by ``||x||_1 / (sqrt(|B|)
-    ||x||_2)``, far below 1 for a heavy-tailed momentum) and error feedback pays the rest
-    late; the root mean square keeps ``||C(x)|| = ||x||``. It is not contractive for every
-    ``x`` (``delta`` is None). Computed as a scaled norm: a finite ``x`` gives a finite
-    scale at most ``max |x|``; a zero block decodes to zero; NaN and inf propagate.
-    """
-
-    scale: str | None = "rms"
-
-    def delta(self, d):
-        return None
-
-    def encode(self, x, key=None):
-        x = check_vector(x, self)
-        d = x.shape[0]
-        bs = self._block(d)
-        count = jnp.clip(d - jnp.arange(-(-d // bs)) * bs, 1, bs).astype(jnp.float32)
-        return packing.pack((x < 0).astype(jnp.uint32), 1), root_mean_square(blocks(x, bs), count)
-
-
-def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
-    """``sqrt(sum_j xb[b, j]^2 / count[b])`` per row as ``m sqrt(sum (x / m)^2 / count)``
-    (``m = max |x|``): at most ``m``, so a finite row never overflows; 0 for a zero row;
-    NaN and inf propagate. Rows above ``2^64`` are scaled by ``2^-64`` (exact) before the
-    division, whose reciprocal XLA would otherwise flush to zero."""
-    biggest = jnp.max(jnp.abs(xb), axis=1)
-    s = jnp.where(biggest > 2.0**64, 2.0**-64, 1.0)
-    unit = safe_divide(xb * s[:, None], (biggest * s)[:, None])
-    return biggest * jnp.sqrt(jnp.sum(unit * unit, axis=1) / count)
-
-
-def rms_sign(block_size: int | None = None) -> RmsSign:
-    """:class:`RmsSign`: 1-bit signs scaled by their block's root mean square (one block per
-    vector by default), the default codec of :func:`onebit_adam` and ``zero_one_adam``."""
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"`block_size` must be None or a positive int, got {block_size!r}")
-    return RmsSign(block_size=block_size)
 
 
 def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
@@ -239,11 +184,11 @@ def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
 
 def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
     """The ``compressed_allreduce`` that carries a 1-bit Adam momentum (residual feedback,
-    :func:`rms_sign` by default) and the axes of its float32 rounds."""
+    ``jc.sign(scale="rms")`` by default) and the axes of its float32 rounds."""
     options = {"error_feedback": "residual", **exchange_options(exchange)}
     if "worker_momentum" in options:
         raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
-    inner = compressed_allreduce(rms_sign() if codec is None else codec, axis_name, **options)
+    inner = compressed_allreduce(sign("rms") if codec is None else codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
     return inner, every_axis
 
@@ -400,9 +345,13 @@ def zero_levels(params: Any) -> Any:
 
 
 def check_flag(name: str, value: Any) -> bool:
-    """``value`` must be a bool, naming ``name``."""
+    """``value`` must be a Python bool (it picks what is compiled), naming ``name``."""
     if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False, got {value!r}")
+        raise TypeError(
+            f"`{name}` must be True or False (a Python bool: it decides what is compiled), "
+            f"got {type(value).__name__} {value!r}; under optax.inject_hyperparams pass it "
+            f"as a bool (kept static) or name it in static_args"
+        )
     return value
 
 
@@ -443,8 +392,8 @@ def onebit_adam(
                                                     # wd: AdamW's decoupled weight decay
 
     with ``L_hat = L / (1 - b2^t)`` and ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` by default
-    (:func:`rms_sign`, DeepSpeed's compressed momentum: 1 bit per coordinate and one float32
-    per chunk).
+    (``jc.sign(scale="rms")``, DeepSpeed's compressed momentum: 1 bit per coordinate and one
+    float32 per chunk).
 
     **The variance's level follows the gradients.** A frozen ``v`` keeps the size of the
     early, large gradients: where the gradients keep shrinking after the freeze (a language
@@ -489,8 +438,8 @@ def onebit_adam(
         of the loss (the paper uses 15-25% of training for BERT); the bytes over the run
         are about ``f + (1 - f) / 25`` of ``pmean``'s, ``f`` the warm-up's share
         (docs: "1-bit Adam and 0/1 Adam for language models").
-      codec: the momentum's codec (default :func:`rms_sign`: 1 bit per coordinate and one
-        float32 root mean square per chunk; ``jc.sign()`` scales by the mean ``|x|``).
+      codec: the momentum's codec (None: ``jc.sign(scale="rms")``, 1 bit per coordinate and
+        one float32 root mean square per chunk; ``jc.sign()`` scales by the mean ``|x|``).
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
@@ -500,7 +449,8 @@ def onebit_adam(
         of bools like the params (or a callable of the params giving one): True where decayed.
       rescale_variance: True (default): the frozen variance follows each leaf's gradient
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
-        in the paper.
+        in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
+        array is refused with a TypeError).
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -510,6 +460,8 @@ def onebit_adam(
 
         tx = jc.onebit_adam(3e-3, "data", freeze_step=50, weight_decay=0.1)
         opt_state = jc.sharded_init(tx, params, mesh, "data")
+        # hyperparameters in the state (learning rate, b1, b2, eps, weight decay, freeze step)
+        tx = optax.inject_hyperparams(jc.onebit_adam)(3e-3, "data", freeze_step=50)
 
     References:
       Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
@@ -535,9 +487,13 @@ def onebit_adam(
 
 
 def decoupled_weight_decay(weight_decay: Any, mask: Any) -> tuple:
-    """``(optax.add_decayed_weights(weight_decay, mask),)``, or ``()`` for a zero decay (Adam:
-    the chain stays as it was). Checks ``weight_decay`` >= 0, naming it."""
+    """``(optax.add_decayed_weights(weight_decay, mask),)``, or ``()`` for a Python zero
+    (Adam: the chain stays as it was). Checks ``weight_decay`` >= 0, naming it.
+
+    An array (``optax.inject_hyperparams`` passes a concrete one to ``init`` and a traced one
+    to ``update``) always gets the decay, even a zero: both then build the same chain, whose
+    states must match."""
     weight_decay = check_number("weight_decay", weight_decay, 0.0, float("inf"))
-    if not isinstance(weight_decay, jax.core.Tracer) and float(weight_decay) == 0.0:
+    if isinstance(weight_decay, int | float) and weight_decay == 0.0:
         return ()
     return (optax.add_decayed_weights(weight_decay, mask),)

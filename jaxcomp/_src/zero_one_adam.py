@@ -309,8 +309,8 @@ def zero_one_adam(
         x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # a zero coordinate of v
                                                      # takes its leaf's mean
 
-    ``C`` is :func:`jaxcomp._src.onebit_adam.rms_sign` by default (1-bit signs scaled by
-    their chunk's root mean square). **The variance is an EMA in time**: a variance round
+    ``C`` is ``jc.sign(scale="rms")`` by default (1-bit signs scaled by their chunk's root
+    mean square). **The variance is an EMA in time**: a variance round
     ``k`` steps after the last one weighs as the ``k`` steps it stands for (``b2^k``), and
     the bias correction counts steps, so ``v_hat`` weighs every step of the run alike, as
     Adam's does. Moved by ``b2`` per round as in the paper, the first rounds (every step at
@@ -357,7 +357,8 @@ def zero_one_adam(
       weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask``.
       rescale_variance: True (default): between variance rounds each leaf's variance follows
         the gradients' level (one float32 per leaf per step on the wire); False: it stays
-        as the last variance round left it.
+        as the last variance round left it. A Python bool (``optax.inject_hyperparams``
+        keeps bools static).
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

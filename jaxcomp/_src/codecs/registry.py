@@ -40,6 +40,7 @@ CODECS: dict[str, Callable[[], Codec]] = {
     "natural": natural,
     "sign": lambda: sign("mean"),
     "sign_block": lambda: sign("mean", block_size=128),
+    "sign_rms": lambda: sign("rms"),
     "signsgd": lambda: sign(None),
     "2bit": lambda: threshold_2bit(0.5),
     "topk1%": lambda: top_k(0.01, approx=True),

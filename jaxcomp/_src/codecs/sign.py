@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxcomp._src.codecs import packing
@@ -16,9 +17,10 @@ from jaxcomp._src.codecs.base import (
     max_abs,
     mean_abs,
     per_value,
+    safe_divide,
 )
 
-_SCALES = (None, "mean")
+_SCALES = (None, "mean", "rms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,13 @@ class Sign(Codec):
       et al., 2019): ``scale = ||x_B||_1 / |B|`` per block. With error feedback it converges
       like SGD. Contractive: ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / |B|``, so
       ``delta = ||x||_1^2 / (|B| ||x||^2) >= 1 / |B|``.
+    * ``scale="rms"`` — signs scaled by the block's root mean square ``||x_B||_2 /
+      sqrt(|B|)`` (the compressed momentum of DeepSpeed's 1-bit Adam): ``||C(x)|| = ||x||``.
+      The mean minimizes ``||C(x) - x||``, so every step moves less than ``x`` (by ``||x||_1 /
+      (sqrt(|B|) ||x||_2)``, far below 1 for a heavy-tailed vector) and error feedback pays
+      the rest late; the root mean square keeps the step's norm. Not contractive for every
+      ``x`` (``delta`` is None). Computed as a scaled norm (:func:`root_mean_square`): a
+      finite block gives a finite scale at most ``max |x|``.
 
     ``block_size=None`` uses one scale per vector. Zero maps to the positive sign.
     """
@@ -46,16 +55,18 @@ class Sign(Codec):
         return max(d, 1) if self.block_size is None else self.block_size
 
     def delta(self, d):
-        return None if self.scale is None else 1.0 / self._block(d)
+        return 1.0 / self._block(d) if self.scale == "mean" else None
 
     def encode(self, x, key=None):
         x = check_vector(x, self)
         d = x.shape[0]
         bs = self._block(d)
         xb = blocks(x, bs)
+        count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
         if self.scale == "mean":
-            count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
             scale = mean_abs(xb, count)  # summed pre-scaled: never overflows
+        elif self.scale == "rms":
+            scale = root_mean_square(xb, count.astype(jnp.float32))
         else:  # 1 for a non-zero block, 0 for a zero block; NaN/inf propagate through 0 * max
             absmax = max_abs(xb)
             scale = (absmax > 0).astype(jnp.float32) + 0.0 * absmax
@@ -70,20 +81,44 @@ class Sign(Codec):
         return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))
 
 
+def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
+    """``sqrt(sum_j xb[b, j]^2 / count[b])`` per row as ``m sqrt(sum (x / m)^2 / count)``
+    (``m = max |x|``): at most ``m``, so a finite row never overflows; 0 for a zero row;
+    NaN and inf propagate. Rows above ``2^64`` are scaled by ``2^-64`` (exact) before the
+    division, whose reciprocal XLA would otherwise flush to zero."""
+    biggest = jnp.max(jnp.abs(xb), axis=1)
+    s = jnp.where(biggest > 2.0**64, 2.0**-64, 1.0)
+    unit = safe_divide(xb * s[:, None], (biggest * s)[:, None])
+    return biggest * jnp.sqrt(jnp.sum(unit * unit, axis=1) / count)
+
+
 def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
-    """1-bit sign codec: ``scale=None`` (signSGD) or ``"mean"`` (scaled sign, 1-bit SGD).
+    """1-bit sign codec: ``scale=None`` (signSGD), ``"mean"`` (scaled sign, 1-bit SGD) or
+    ``"rms"`` (signs that keep the norm: 1-bit Adam's compressed momentum).
 
     ``C(x)_i = scale_B * sign(x_i)`` with ``scale_B = ||x_B||_1 / |B|`` per block ``B``
-    (``"mean"``) or 1 (``None``); signs are bit-packed 32 to a uint32 word, plus one float32
-    per block. Scaled sign is contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / |B|``, so
-    with residual error feedback it converges like SGD. See :class:`Sign`.
+    (``"mean"``), ``||x_B||_2 / sqrt(|B|)`` (``"rms"``) or 1 (``None``); signs are bit-packed
+    32 to a uint32 word, plus one float32 per block (the same bytes for every scale). Scaled
+    sign is contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / |B|``, so with residual
+    error feedback it converges like SGD; ``"rms"`` keeps ``||C(x)|| = ||x||`` (each step as
+    long as the vector it stands for), the default codec of :func:`jaxcomp.onebit_adam` and
+    :func:`jaxcomp.zero_one_adam`. See :class:`Sign`.
 
-    ~32x smaller than float32. Biased: use it with error feedback (``scale="mean"``) or with
-    ``strategy="majority_vote"`` (``scale=None``).
+    ~32x smaller than float32. Biased: use it with error feedback (``scale="mean"`` or
+    ``"rms"``) or with ``strategy="majority_vote"`` (``scale=None``).
 
     Args:
-      scale: ``"mean"`` (scaled sign) or None (plain signs, signSGD).
+      scale: ``"mean"`` (scaled sign), ``"rms"`` (root mean square: the norm kept) or None
+        (plain signs, signSGD).
       block_size: values per scale, or None for one scale per vector.
+
+    Returns:
+      A :class:`Sign` codec.
+
+    Example::
+
+        c = jc.sign(scale="rms")
+        x_hat = c.decode(c.encode(x), x.shape[0])   # ||x_hat|| == ||x||
 
     References:
       Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application to
@@ -91,7 +126,9 @@ def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
       Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed Optimisation for
       Non-Convex Problems", ICML 2018 (and "signSGD with Majority Vote", ICLR 2019);
       Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other Gradient
-      Compression Schemes", ICML 2019.
+      Compression Schemes", ICML 2019;
+      Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
+      Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021 (``"rms"``).
     """
     if scale not in _SCALES:
         raise ValueError(f"`scale` must be one of {_SCALES}, got {scale!r}")

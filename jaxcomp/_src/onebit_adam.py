@@ -3,7 +3,6 @@ exchanged through a 1-bit codec with worker and server error feedback."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -12,6 +11,7 @@ import optax
 
 from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import F32_MAX, Codec, saturating_square
+from jaxcomp._src.codecs.base import _fold_rows as fold_rows
 from jaxcomp._src.codecs.sign import sign
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
@@ -58,12 +58,25 @@ def filled_variance(nu: Any) -> Any:
     """
 
     def one(v):
-        positive = v > 0
-        count = jnp.sum(positive)
-        mean = jnp.sum(jnp.where(positive, v, 0.0)) / jnp.maximum(count, 1)
-        return jnp.where(positive, v, mean)
+        mean = positive_mean(v)
+        return jnp.where(v > 0, v, mean)
 
     return jax.tree.map(one, nu)
+
+
+def positive_mean(v: jax.Array) -> jax.Array:
+    """The mean of the positive entries of ``v`` (0 if none), never above ``F32_MAX``.
+
+    Summed pre-scaled (``v / size``) and folded in 8 column groups first
+    (``jaxcomp._src.codecs.base._fold_rows``): the sum and the count read ``v`` where it
+    is produced, without writing a float32 and an int32 temporary as large as ``v``."""
+    flat = v.reshape(1, -1)
+    positive = flat > 0
+    size = max(flat.shape[1], 1)
+    total = jnp.sum(fold_rows(jnp.where(positive, flat * (1.0 / size), 0.0), jnp.add))
+    count = jnp.sum(fold_rows(positive.astype(jnp.int32), jnp.add))
+    scale = size / jnp.maximum(count, 1).astype(jnp.float32)
+    return jnp.minimum(total * scale, F32_MAX)
 
 
 def local_levels(grads: Any, every_axis: Any) -> Any:
@@ -80,10 +93,26 @@ def local_levels(grads: Any, every_axis: Any) -> Any:
     def one(g):
         if not jnp.issubdtype(g.dtype, jnp.floating) or g.size == 0:
             return jnp.zeros([], jnp.float32)
-        return jnp.sum(saturating_square(g.astype(jnp.float32)) / (g.size * n))
+        return folded_sum(saturating_square(g.astype(jnp.float32)) / (g.size * n))
 
     local = jnp.stack([one(g) for g in leaves])
     return jax.tree.unflatten(treedef, list(jax.lax.psum(local, every_axis)))
+
+
+def folded_sum(x: jax.Array) -> jax.Array:
+    """``jnp.sum(x)`` of a float array, its 8 column groups added first
+    (``jaxcomp._src.codecs.base._fold_rows``): the elementwise producer of ``x`` is fused
+    into that stage, so no temporary as large as ``x`` is written (XLA:CPU's reductions read
+    a materialized input, scalar operands such as ``F32_MAX`` broadcast to ``x``'s size)."""
+    return jnp.sum(fold_rows(x.reshape(1, -1), jnp.add))
+
+
+def nonfinite(tree: Any) -> jax.Array:
+    """True when a float32 leaf of ``tree`` holds a NaN or an inf: ``sum(x * 0)`` per leaf
+    (NaN exactly then) through :func:`folded_sum`, so the zero is never written out as
+    large as ``x`` (``collectives.local_nonfinite``'s ``x * zeros`` was, on XLA:CPU)."""
+    zeros = [folded_sum(x * 0.0) for x in jax.tree.leaves(tree) if x.size]
+    return jnp.isnan(jnp.sum(jnp.stack(zeros))) if zeros else jnp.bool_(False)
 
 
 def tracked_levels(
@@ -198,7 +227,7 @@ def mean_gradient(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
     combines into a few all-reduces of tuples (no concatenated bucket: packing the leaves
     into buckets and slicing them out again cost two params-sized temporaries)."""
     means = jax.lax.pmean(as_float32(grads), every_axis)
-    return means, collectives.local_nonfinite(means)
+    return means, nonfinite(means)
 
 
 def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
@@ -269,24 +298,32 @@ def scale_by_onebit_adam(
         sent, exchange_state = preconditioned_mean(
             inner, local, state.nu, nu_scale, eps, state.exchange, params, True, False
         )
-        return sent, exchange_state, collectives.local_nonfinite(sent)
+        return sent, exchange_state, nonfinite(sent)
 
-    def moments(state, warm, x, nu_scale):
-        """Warm-up: Adam's moments moved by the mean gradient ``x``; after: ``mu = x``
-        (sent in preconditioned units, turned back here)."""
-        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2)
-        x = jax.tree.map(
-            lambda u, v, k: jnp.where(warm, u, unprecondition(u, v, k, eps)),
-            x,
+    def variance(state, warm, x, bad):
+        """Warm-up: Adam's variance moved by the mean gradient ``x``; after: frozen. A
+        non-finite step keeps it. The variance is filled once, as it freezes (a coordinate
+        never seen takes its leaf's mean): after that it is a constant of the state."""
+        nu = jax.tree.map(
+            lambda v, g: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(g), F32_MAX),
             state.nu,
-            per_leaf(nu_scale, x),
+            x,
         )
-        # The variance is filled once, as it freezes (a coordinate never seen takes its
-        # leaf's mean): after that it is a constant of the state, read as it is.
         last = state.count == freeze_step - 1
         nu = jax.tree.map(lambda v, f: jnp.where(last, f, v), nu, filled_variance(nu))
-        pick = functools.partial(jax.tree.map, lambda a, b: jnp.where(warm, a, b))
-        return pick(mu, x), pick(nu, state.nu)
+        return jax.tree.map(lambda a, v: jnp.where(warm & ~bad, a, v), nu, state.nu)
+
+    def momentum(state, warm, x, nu, nu_scale, bad):
+        """Warm-up: Adam's momentum moved by the mean gradient ``x``; after: ``mu = x``, sent
+        in preconditioned units and turned back with the new ``nu`` (the frozen one, equal
+        to the old: the old variance has no reader once the new one is written, so it is
+        updated in place). A non-finite step keeps it."""
+
+        def one(m, u, v, k):
+            new = jnp.where(warm, b1 * m + (1.0 - b1) * u, unprecondition(u, v, k, eps))
+            return jnp.where(bad, m, new)
+
+        return jax.tree.map(one, state.mu, x, nu, per_leaf(nu_scale, x))
 
     def frozen_scale(count):
         """Adam's bias correction of the variance, frozen at ``freeze_step``."""
@@ -315,7 +352,8 @@ def scale_by_onebit_adam(
         x, exchange_state, bad = jax.lax.cond(
             warm, warmup, compressed, updates, state, params, nu_scale
         )
-        mu, nu = moments(state, warm, x, nu_scale)
+        nu = variance(state, warm, x, bad)
+        mu = momentum(state, warm, x, nu, nu_scale, bad)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = OneBitAdamState(
@@ -326,7 +364,9 @@ def scale_by_onebit_adam(
             level_ref=level_ref,
             exchange=exchange_state,
         )
-        new_state = skeleton.freeze(bad, state, new_state)
+        # mu and nu keep their old values on a non-finite step already (above).
+        new_state = skeleton.freeze(bad, state, new_state._replace(mu=state.mu, nu=state.nu))
+        new_state = new_state._replace(mu=mu, nu=nu)
         # A non-finite step: NaN everywhere (not just where the mean was), state kept. The
         # direction reads the frozen state (the same where the step is finite): the new
         # mu and nu then have one reader each, written once into the state's own buffers

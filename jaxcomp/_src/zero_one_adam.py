@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import skeleton
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
@@ -23,6 +23,7 @@ from jaxcomp._src.onebit_adam import (
     filled_variance,
     mean_gradient,
     momentum_exchange,
+    nonfinite,
     per_leaf,
     preconditioned_mean,
     tracked_levels,
@@ -172,14 +173,14 @@ def scale_by_zero_one_adam(
         sent, exchange_state = preconditioned_mean(
             inner, local, state.nu, nu_scale, eps, state.exchange, params, convert=False
         )
-        return sent, exchange_state, collectives.local_nonfinite(sent)
+        return sent, exchange_state, nonfinite(sent)
 
     def skipped(grads, state, params, nu_scale):
         """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
         update with a zero mean) and moves the params on every device alike."""
         # One scalar all-reduce: a non-finite gradient on any device poisons every device's
         # update and keeps every state as it was (nothing gradient-sized on the wire).
-        flag = collectives.local_nonfinite(as_float32(grads)).astype(jnp.float32)
+        flag = nonfinite(as_float32(grads)).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
         return jax.tree.map(jnp.zeros_like, state.mu), state.exchange, bad
 

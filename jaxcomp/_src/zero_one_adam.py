@@ -339,7 +339,12 @@ def zero_one_adam(
     skipped rounds, so the params differ between syncs. Here the params stay replicated (any
     data-parallel loop works unchanged): a skipped round applies the synchronized momentum,
     decayed, and each device keeps its gradients' share ``p_i`` for its next exchange, so no
-    gradient is dropped, only delayed. A skipped round sends one 4-byte non-finite flag
+    gradient is dropped, only delayed. The momentum a skipped round applies is the last
+    exchanged one, 1-bit error included, which the error feedback returns only at the next
+    synced round: skipped rounds pay where that error matters (on the LM benchmark, every
+    other round skipped over the last third of a 300-step run: +1.1% against +0.7% of
+    AdamW's loss, for 7.8x against 7.4x fewer bytes), so they start late by default
+    (``local_step_scaler=1000``). A skipped round sends one 4-byte non-finite flag
     (a scalar ``psum``), so a NaN or inf on any device still gives a NaN update everywhere
     and leaves every state as it was.
 
@@ -348,7 +353,8 @@ def zero_one_adam(
       axis_name: the data-parallel mesh axis.
       var_freeze_step: the last step that may update the variance (>= 1).
       var_update_scaler: rounds per doubling of the variance-update gap.
-      local_step_scaler: steps per doubling of the gap between synced rounds after the freeze.
+      local_step_scaler: steps after the freeze per doubling of the gap between synced
+        rounds (the first skipped round comes ``local_step_scaler`` steps after the freeze).
       local_step_clipper: the largest gap between synced rounds.
       codec: the momentum's codec (default: 1-bit signs scaled by their root mean square).
       b1: the momentum's decay.

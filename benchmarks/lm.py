@@ -387,6 +387,7 @@ RECIPES: dict[str, Recipe] = {
     "onebit_adam-frozen": _ob(rescale_variance=False, note="the paper's variance: frozen as is"),
     "zero_one_adam-frozen": _zo(rescale_variance=False, note="variance not rescaled"),
     "zero_one_adam-clip1": _zo(local_step_clipper=1, note="no skipped rounds"),
+    "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"
     ),

@@ -21,6 +21,8 @@ from jaxcomp._src.codecs import packing, quantize
 from jaxcomp._src.codecs.base import all_finite, max_abs
 
 TINY = np.float32(1e-42)  # a float32 subnormal
+#: Normal, but ``L / max|x_B|`` overflows to inf for int8 and int4 (below ``L / F32_MAX``).
+SMALL = np.float32(1.5e-38)
 
 
 def _old_codes(y, levels):
@@ -49,8 +51,9 @@ def _old_pack(codes, bits):
 
 
 def _edge_vector():
-    """Blocks of 64: edge values, an all-zero block, a subnormal-only block, one with inf, one
-    with NaN, one with -inf, random values; and a tail of 37."""
+    """Blocks of 64: edge values, an all-zero block, a subnormal-only block, a block of normal
+    values so small that ``L / max|x_B|`` overflows, one with inf, one with NaN, one with
+    -inf, random values; and a tail of 37."""
     rng = np.random.default_rng(0)
     edges = np.array(
         [0.0, -0.0, TINY, -TINY, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 127, -127]
@@ -61,6 +64,7 @@ def _edge_vector():
         np.resize(edges, 64),
         np.zeros(64, np.float32),
         np.full(64, TINY, np.float32) * np.sign(rng.standard_normal(64)).astype(np.float32),
+        np.linspace(-SMALL, SMALL, 64, dtype=np.float32),
         np.where(np.arange(64) == 3, np.inf, rng.standard_normal(64)).astype(np.float32),
         np.where(np.arange(64) == 9, np.nan, rng.standard_normal(64)).astype(np.float32),
         np.where(np.arange(64) == 0, -np.inf, rng.standard_normal(64)).astype(np.float32),
@@ -85,7 +89,8 @@ def _int_quant_pairs():
             old = _old_encode(x, bits, 64)
             levels = 2 ** (bits - 1) - 1
             y = jnp.clip(ties, -levels - 0.49, levels + 0.49)
-            y = jnp.concatenate([y, jnp.array([jnp.nan, -0.0, 0.0, TINY, -TINY], jnp.float32)])
+            tail = [jnp.inf, -jnp.inf, jnp.nan, -0.0, 0.0, TINY, -TINY]
+            y = jnp.concatenate([y, jnp.array(tail, jnp.float32)])
             out[bits] = (*new, *old, quantize.rounded_codes(y, levels), _old_codes(y, levels))
         return out
 
@@ -101,7 +106,8 @@ def test_int_quant_codes_bit_exact(bits):
     levels = 2 ** (bits - 1) - 1
     # Ties to even: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2 (codes are offset by L).
     assert codes.max() == 2 * levels and codes.min() == 0
-    np.testing.assert_array_equal(codes[-5:], [levels] * 5)  # NaN, +-0, +-subnormal -> 0
+    # +-inf saturate; NaN, +-0, +-subnormal -> 0.
+    np.testing.assert_array_equal(codes[-7:], [2 * levels, 0] + [levels] * 5)
 
 
 @functools.cache

@@ -158,6 +158,7 @@ def test_all_finite_matches_isfinite():
     assert flags.shape == (2 * 3 * 7, 2)
     np.testing.assert_array_equal(flags[:, 0], flags[:, 1])
     assert flags[:, 0].sum() == 6  # the clean arrays only: 2 dtypes x 3 sizes
+    assert bool(all_finite(jnp.zeros((0, 3), jnp.float16)))  # empty: True, as all() is
 
 
 def test_large_payload_arrays_travel_alone():

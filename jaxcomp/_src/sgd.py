@@ -80,21 +80,18 @@ def sgd(
     compression ``jc.sgd`` is ``optax.sgd(lr, momentum=beta)`` exactly. Why: error
     feedback delays what a codec drops, and the two-phase exchange (the default for sign
     and top-k on more than 2 devices) adds a second delay, the chunk owner's re-encoding of
-    the mean and its server residual. Heavy-ball momentum then follows stale directions:
-    on the held-out teacher task of ``benchmarks/convergence.py`` (8 devices, 32 examples
-    each, 300 steps) it lost 1.4 points with sign and 4.8 with 64-value sign blocks; with
-    one compression (``strategy="allgather"``) it did not. The look-ahead's extra
-    ``beta (m_i - m_i^prev)`` leads by the momentum's last change and makes up for the
-    delay: +0.7 and +0.4 points there (docs: "Choosing a codec", "Which default holds
-    where"). Top-k avoids the second delay instead: its two phases split the slots so that
-    the chunk's owner re-sends all it receives (``jc.top_k(r).phase_codecs(c, n)``, the
-    same bytes); top-k 1% lost 0.7 (heavy ball) and 0.5 (look-ahead) points there.
+    the mean and its server residual. Heavy-ball momentum then follows stale directions
+    (measured on the teacher task of ``benchmarks/convergence.py`` with sign and 64-value
+    sign blocks; with one compression, ``strategy="allgather"``, it did not). The
+    look-ahead's extra ``beta (m_i - m_i^prev)`` leads by the momentum's last change and
+    makes up for the delay (docs: "Choosing a codec", "Which default holds where"). Top-k
+    avoids the second delay instead: its two phases split the slots so that the chunk's
+    owner re-sends all it receives (``jc.top_k(r).phase_codecs(c, n)``, the same bytes).
     ``warmup_steps=N`` (an exchange option) sends a sparse codec (``jc.top_k``) at higher
     densities in the first ``N`` steps, DGC's warm-up (:func:`jaxcomp.compressed_allreduce`).
-    It is off by default: top-k 1% keeps within 2 points of momentum SGD without it, and its
-    dense stages cost bytes (100 steps: 1.74x the steady-state bytes over a 1000-step run).
-    With 100 steps top-k 1% gained 0.8 (teacher) and 0.2 (digits) points at 300 steps over
-    no warm-up, three seeds (docs: "Choosing a codec", "the density warm-up").
+    It is off by default: top-k 1% trains without it about as well as momentum SGD on the
+    convergence tasks, and its dense stages cost bytes (docs: "Choosing a codec", "the
+    density warm-up").
     ``error_feedback="ef21"`` (an exchange option) gives EF21-SGDM (Fatkhullin, Tyurin,
     Richtarik, NeurIPS 2023, "Momentum Provably Improves Error Feedback!", EF21-SGDM with
     ``eta = 1 - beta``): each device compresses the change of its estimate of its momentum,

@@ -30,10 +30,17 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
 
     ``word_j = sum_k codes[j * per + k] << (bits * k)`` with ``per = 32 // bits``: the fields
     are disjoint, so the sum is the OR of the shifted codes and lowers to one reduce. One bit
-    per code is packed in two stages, 8 codes to a byte and then 4 bytes to a word: the same
-    words, and a third less CPU time on XLA:CPU than one 32-lane reduce (16.7M signs: 1.2
-    instead of 1.8 copies of a float32 array of that size, both timed in one run on one CPU
-    device).
+    per code is packed in two stages, 8 codes to a byte and then 4 bytes to a word
+    (``word_j = sum_b octet_{4j+b} << 8b``, ``octet_m = sum_i codes[8m + i] << i``): the same
+    words, in less CPU time on XLA:CPU than one 32-lane reduce (measured: docs/benchmarks.md,
+    "Where the time of one update goes, op by op").
+
+    Args:
+      codes: 1-D unsigned codes, each ``< 2**bits``.
+      bits: bits per code, 1..8 (``32 // bits`` codes to a word).
+
+    Returns:
+      ``uint32[packed_words(d, bits)]``; the last word's unused fields are 0.
     """
     per = codes_per_word(bits)
     d = codes.shape[0]

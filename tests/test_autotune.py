@@ -26,6 +26,27 @@ def test_prediction_is_the_alpha_beta_model():
     assert sec == pytest.approx(3e-3 + (big + small) / 1e9 + (1 + 1 / n) * 0.01 + 2 * 0.02)
 
 
+def test_prediction_counts_the_buckets_that_travel_alone():
+    """A leaf's payload of at least bucket_bytes / 16 is a bucket of its own
+    (buckets._plan): three 2.4 MB float32 leaves and a small one are 4 all-reduces, not 1."""
+    import jax.numpy as jnp
+
+    from jaxcomp._src import buckets
+
+    sizes = [600_000] * 3 + [1000]
+    arrays = [jax.ShapeDtypeStruct((d,), jnp.float32) for d in sizes]
+    assert len(buckets._plan(arrays, 0, 2**25)) == 4
+    assert tuning._calls([4 * d for d in sizes], 2**25) == 4
+    sec, ring = tuning.predict_seconds(None, "pmean", sizes, 8, LINK, 2**25, 0)
+    assert sec == pytest.approx(4e-3 + ring / 1e9)
+    # int8 two_phase of two 2.4M-float leaves, 8 devices: each leaf's all_to_all rows
+    # (8 x 300,000 codes, 2.44 MB) travel alone, the owners' chunks (305 KB) share one bucket.
+    int8 = jc.int_quant(8)
+    sec, ring = tuning.predict_seconds(int8, "two_phase", [2_400_000] * 2, 8, LINK, 2**25, 0)
+    assert 8 * int8.payload_bytes(300_000) >= 2**25 // 16 > int8.payload_bytes(300_000)
+    assert sec == pytest.approx(3e-3 + ring / 1e9)
+
+
 def test_fit_recovers_latency_and_bandwidth():
     sizes = [1e3, 1e5, 1e7]
     fit = tuning._fit(sizes, [2e-4 + s / 5e8 for s in sizes])

@@ -258,19 +258,34 @@ def codec_seconds(
 
 
 def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int) -> list:
-    """``(kind, ring bytes per device, bytes per device sent into it)`` of each phase."""
+    """``(kind, ring bytes per device, [bytes per device sent into it, per leaf])`` of each
+    phase."""
     if codec is None or not sizes:
         total = 4 * sum(sizes)
-        return [("all_reduce", _ring_bytes("all_reduce", total, n), total)] if total else []
-    ring = sum(strategy_bytes(codec, d, n)[strategy] for d in sizes)
+        sent = [4 * d for d in sizes]
+        return [("all_reduce", _ring_bytes("all_reduce", total, n), sent)] if total else []
+    rings = [strategy_bytes(codec, d, n)[strategy] for d in sizes]
+    ring = sum(rings)
     if strategy == "allreduce":
         narrow = _summed_dtype(codec) in ("float16", "bfloat16")
         kind = "all_reduce_16" if narrow else "all_reduce"
-        return [(kind, ring, ring * n / (2 * (n - 1)))]
+        return [(kind, ring, [r * n / (2 * (n - 1)) for r in rings])]
     if strategy == "allgather":
-        return [("all_gather", ring, ring / (n - 1))]
-    chunk = sum(n * codec.payload_bytes(ceil_div(d, n)) for d in sizes)
-    return [("all_to_all", ring / 2, chunk), ("all_gather", ring / 2, chunk / n)]
+        return [("all_gather", ring, [r / (n - 1) for r in rings])]
+    cs = [ceil_div(d, n) for d in sizes]
+    phases = [codec.phase_codecs(c, n) for c in cs]
+    rows = [n * first.payload_bytes(c) for c, (first, _) in zip(cs, phases, strict=True)]
+    owned = [second.payload_bytes(c) for c, (_, second) in zip(cs, phases, strict=True)]
+    return [("all_to_all", ring / 2, rows), ("all_gather", ring / 2, owned)]
+
+
+def _calls(sent: Sequence[float], bucket_bytes: int) -> int:
+    """Collectives of one phase (:func:`buckets.exchange`): a leaf whose payload is at least
+    ``bucket_bytes // buckets.ALONE`` bytes travels in a bucket of its own, the others share
+    ``ceil(bytes / bucket_bytes)`` buckets; at least one."""
+    alone = [s for s in sent if s >= max(bucket_bytes // buckets.ALONE, 1)]
+    shared = sum(sent) - sum(alone)
+    return max(1, len(alone) + math.ceil(shared / bucket_bytes))
 
 
 def predict_seconds(
@@ -285,16 +300,18 @@ def predict_seconds(
 ) -> tuple[float, float]:
     """Predicted seconds and ring-model bytes per device of one exchange of leaves ``sizes``.
 
-    ``t = sum_phases (calls * alpha + bytes / bandwidth) + codec passes``, with
-    ``calls = ceil(bytes sent / bucket_bytes)``; codec passes: ``allreduce`` one encode and
-    one decode, ``allgather`` one encode and ``n`` decodes, ``two_phase`` ``1 + 1/n`` encodes
-    and two decodes (``codec_s`` = encode and decode seconds of the whole compressed tree).
+    ``t = sum_phases (calls * alpha + bytes / bandwidth) + codec passes``, with ``calls``
+    the buckets of the phase: one per leaf whose payload is at least ``bucket_bytes / 16``
+    (it travels alone) plus ``ceil(other bytes sent / bucket_bytes)``; codec passes:
+    ``allreduce`` one encode and one decode, ``allgather`` one encode and ``n`` decodes,
+    ``two_phase`` ``1 + 1/n`` encodes and two decodes (``codec_s`` = encode and decode
+    seconds of the whole compressed tree).
     """
     small = [d for d in sizes if codec is not None and d < min_size]
     big = [d for d in sizes if codec is None or d >= min_size]
     phases = _phases(None, "pmean", small, n) + _phases(codec, strategy, big, n)
     seconds = sum(
-        max(1, math.ceil(sent / bucket_bytes)) * link[kind].alpha_s + ring / link[kind].bandwidth
+        _calls(sent, bucket_bytes) * link[kind].alpha_s + ring / link[kind].bandwidth
         for kind, ring, sent in phases
     )
     enc, dec = codec_s

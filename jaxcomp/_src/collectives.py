@@ -33,9 +33,10 @@ does (Shi et al., ICDCS 2019): top-k of each chunk, ``all_to_all``, the owner ad
 sparse chunks (one scatter-add) and re-sparsifies the sum, ``all_gather``; what the
 re-sparsification drops stays in the owner's residual. Traffic: ``~2 P(d)``, not ``(n-1) P(d)``.
 A codec may split its slots between the two encodings (:meth:`Codec.phase_codecs`, the same
-bytes): top-k sends ``k1 = floor(2k / (n + 1))`` per device and chunk and ``k2 = 2k - k1 >=
-n k1`` from the owner, who then re-sends the whole sum it received (an even split, ``k`` and
-``k``, would re-select ``k`` of up to ``n k`` coordinates and hold the rest back).
+bytes): top-k sends ``k1 = floor(2k / (n + 1))`` per device and chunk (at least 1, at least
+``2k - c``) and ``k2 = 2k - k1`` from the owner; once ``2k >= n + 1``, ``k2 >= min(n k1, c)``
+and the owner re-sends the whole sum it received (an even split, ``k`` and ``k``, would
+re-select ``k`` of up to ``n k`` coordinates and hold the rest back).
 
 ``majority_vote`` (signSGD with majority vote, Bernstein et al., ICLR 2019), two-phase with
 bits both ways: each device packs its signs (32 per uint32), ``all_to_all``s chunks of words,

@@ -124,6 +124,17 @@ def _demo(peak: float, weight_decay: float = lm.WEIGHT_DECAY, **kw: Any) -> lm.R
     return lm.Recipe(make)
 
 
+def _sl_outer(h: int, lr: float, m: int | None = None, **kw: Any) -> lm.Recipe:
+    """``jc.sparseloco`` of AdamW with ``outer=optax.sgd(lr)`` (an outer lr below 1)."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        return jc.sparseloco(run.adamw(), axis, h, outer=_sgd(lr, 0.0)(), **kw)
+
+    return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": h})
+
+
 RECIPES: dict[str, lm.Recipe] = {
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
@@ -139,8 +150,31 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H10-M2-outer1.0-0": _row(10, m=2, outer=_sgd(1.0, 0.0)),
     "diloco-sign-H10-M2": _row(10, m=2, codec="sign"),
     "diloco-int4-H30-dp30": _dp_first(30, 30),
+    "diloco-int4-H10-outer1.0-0.5": _row(10, outer=_sgd(1.0, 0.5)),
+    "diloco-int4-H10-outer0.7-0.7": _row(10, outer=_sgd(0.7, 0.7)),
+    "diloco-int4-H10-outer1.0-0": _row(10, outer=_sgd(1.0, 0.0)),
+    "diloco-int4-H10-outer0.5-0.6": _row(10, outer=_sgd(0.5, 0.6)),
+    "diloco-int4-H5": _row(5),
+    "diloco-int4-H5-M2-outer1.0-0": _row(5, m=2, outer=_sgd(1.0, 0.0)),
     "sparseloco-H30-senders-ef0.5": lm_sparse._sl(
         30, "error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
+    ),
+    "sparseloco-H10-senders-ef0.5": lm_sparse._sl(
+        10, "H = 10, error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
+    ),
+    "sparseloco-H10-M2-senders-ef0.5": lm_sparse._sl(
+        10,
+        "2 replicas of 4, H = 10, error feedback decayed by 0.5",
+        m=2,
+        averaging="senders",
+        ef_decay=0.5,
+    ),
+    "sparseloco-H30-senders-ef0.5-f32": lm_sparse._sl(
+        30, "diagnosis: float32 values", averaging="senders", ef_decay=0.5, bits=None
+    ),
+    "sparseloco-H30-senders-ef0.5-outer0.5": _sl_outer(30, 0.5, averaging="senders", ef_decay=0.5),
+    "sparseloco-H30-senders-ef0": lm_sparse._sl(
+        30, "no error feedback", averaging="senders", ef_decay=0.0
     ),
     "sparseloco-H30-M2-senders-ef0.5": lm_sparse._sl(
         30, "2 replicas of 4, error feedback decayed by 0.5", m=2, averaging="senders", ef_decay=0.5

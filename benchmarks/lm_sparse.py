@@ -52,24 +52,32 @@ def _demo(peak: float, **kw: Any):
 RECIPES: dict[str, lm.Recipe] = {
     "nocomm": lm.RECIPES["nocomm"],
     "sparseloco-H30": lm.Recipe(
-        _sparseloco(30), kind="replica", schedule={"sync_every": 30}, note="mean over all"
+        _sparseloco(30, averaging="all", ef_decay=0.95),
+        kind="replica",
+        schedule={"sync_every": 30},
+        note="mean over all",
     ),
     "sparseloco-H30-senders": lm.Recipe(
-        _sparseloco(30, averaging="senders"),
+        _sparseloco(30, averaging="senders", ef_decay=0.95),
         kind="replica",
         schedule={"sync_every": 30},
         note="Templar: mean over senders",
     ),
     "sparseloco-H10": lm.Recipe(
-        _sparseloco(10), kind="replica", schedule={"sync_every": 10}, note="mean over all"
+        _sparseloco(10, averaging="all", ef_decay=0.95),
+        kind="replica",
+        schedule={"sync_every": 10},
+        note="mean over all",
     ),
     "sparseloco-H30-two_phase": lm.Recipe(
-        _sparseloco(30, strategy="two_phase"),
+        _sparseloco(30, strategy="two_phase", ef_decay=0.95),
         kind="replica",
         schedule={"sync_every": 30},
         note="reduce-scatter style exchange",
     ),
-    "sparseloco-H30-M2-senders": _sl(30, "2 replicas of 4, senders", m=2, averaging="senders"),
+    "sparseloco-H30-M2-senders": _sl(
+        30, "2 replicas of 4, senders", m=2, averaging="senders", ef_decay=0.95
+    ),
     "demo-1e-3": lm.Recipe(_demo(1e-3, min_size=1024), note="peak lr 1e-3, small leaves whole"),
     "demo-3e-4": lm.Recipe(_demo(3e-4, min_size=1024), note="peak lr 3e-4, small leaves whole"),
     "demo-3e-3": lm.Recipe(_demo(3e-3, min_size=1024), note="peak lr 3e-3, small leaves whole"),

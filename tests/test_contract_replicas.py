@@ -293,9 +293,10 @@ ROWS = [
 ]
 ROWS += [
     Row(
-        # Plain residual feedback (ef_decay=1): nothing is lost, so DiLoCo's law holds.
+        # Plain residual feedback (ef_decay=1) and the mean over all devices: nothing is
+        # lost, so DiLoCo's law holds.
         "sparseloco-ef1",
-        functools.partial(jc.sparseloco, inner(), sync_every=2, ef_decay=1.0),
+        functools.partial(jc.sparseloco, inner(), sync_every=2, ef_decay=1.0, averaging="all"),
         law=law_pseudo_gradient,
         shapes=dict(STREAM_SHAPES),
         compressed=("w", "v"),

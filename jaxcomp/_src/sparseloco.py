@@ -131,6 +131,20 @@ def check_density(density: Any, chunk: int) -> int:
     return max(1, math.ceil(density * chunk - 1e-9))
 
 
+def resolve_averaging(averaging: Any, strategy: Any) -> str:
+    """The merge of :func:`sparseloco`: ``averaging``, or where it is None ``"senders"``
+    (Templar's) with the all-gather and ``"all"`` with two-phase (which sums payloads and
+    cannot count who sent a coordinate); an error naming ``averaging`` otherwise."""
+    if averaging is None:
+        averaging = "all" if strategy == "two_phase" else "senders"
+    averaging = sparse_exchange.check_averaging(averaging)
+    if strategy == "two_phase" and averaging != "all":
+        raise ValueError(
+            "`averaging`='senders' needs every device's payload: use `strategy`='allgather'"
+        )
+    return averaging
+
+
 def sparseloco(
     inner: optax.GradientTransformation,
     axis_name: Any,
@@ -141,7 +155,7 @@ def sparseloco(
     bits: int | None = 2,
     ef_decay: float = 0.95,
     outer: optax.GradientTransformation | None = None,
-    averaging: str = "all",
+    averaging: str | None = None,
     strategy: str = "allgather",
     min_size: int = 1024,
 ) -> optax.GradientTransformationExtraArgs:
@@ -181,8 +195,10 @@ def sparseloco(
         residual error feedback, nothing lost).
       outer: None (``x <- x - Delta``, an outer lr of 1) or an optax transform fed ``Delta``
         (e.g. ``optax.sgd(0.7)`` for a smaller outer lr).
-      averaging: ``"all"`` (mean over every device) or ``"senders"`` (per coordinate, over
-        the devices that sent it).
+      averaging: ``"senders"`` (per coordinate, the mean over the devices that sent it:
+        Templar's merge), ``"all"`` (the mean over every device: a coordinate one device
+        sent counts ``1 / n``), or None (the default: ``"senders"`` with the all-gather,
+        ``"all"`` with two-phase, which sums the payloads and cannot count senders).
       strategy: ``"allgather"`` (every device's payload to every device, SparseLoCo's) or
         ``"two_phase"`` (:func:`jaxcomp.compressed_allreduce`'s reduce-scatter style: each
         device owns ``1/n`` of every leaf, sums what the others sent of it, sends that sum
@@ -214,13 +230,9 @@ def sparseloco(
     chunk = check_int("chunk", chunk, 1, 2**30)
     codec = chunked_top_k(check_density(density, chunk), chunk, bits)
     ef_decay = check_decay(ef_decay)
-    averaging = sparse_exchange.check_averaging(averaging)
+    averaging = resolve_averaging(averaging, strategy)
     min_size = check_int("min_size", min_size, 0)
     if strategy == "two_phase":
-        if averaging != "all":
-            raise ValueError(
-                "`averaging`='senders' needs every device's payload: use `strategy`='allgather'"
-            )
         ex = compressed_allreduce(
             codec, axis_name, error_feedback="residual", strategy="two_phase", min_size=min_size
         )

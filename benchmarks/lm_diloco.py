@@ -155,6 +155,8 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H10-outer1.0-0": _row(10, outer=_sgd(1.0, 0.0)),
     "diloco-int4-H10-outer0.5-0.6": _row(10, outer=_sgd(0.5, 0.6)),
     "diloco-int4-H5": _row(5),
+    "diloco-int4-H10-M4": _row(10, m=4, note="default outer step: Nesterov 0.7 / 0.6 at M = 4"),
+    "diloco-int4-H10-M4-outer1.0-0": _row(10, m=4, outer=_sgd(1.0, 0.0)),
     "diloco-int4-H5-M2-outer1.0-0": _row(5, m=2, outer=_sgd(1.0, 0.0)),
     "sparseloco-H30-senders-ef0.5": lm_sparse._sl(
         30, "error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
@@ -168,6 +170,16 @@ RECIPES: dict[str, lm.Recipe] = {
         m=2,
         averaging="senders",
         ef_decay=0.5,
+    ),
+    "sparseloco-H30-senders-clip": lm_sparse._sl(
+        30,
+        "each payload clipped to its pseudo-gradient norm",
+        averaging="senders",
+        ef_decay=0.95,
+        clip=True,
+    ),
+    "sparseloco-H30-senders-ef0.5-clip": lm_sparse._sl(
+        30, "clipped, error feedback decayed by 0.5", averaging="senders", ef_decay=0.5, clip=True
     ),
     "sparseloco-H30-senders-ef0.5-f32": lm_sparse._sl(
         30, "diagnosis: float32 values", averaging="senders", ef_decay=0.5, bits=None

@@ -51,11 +51,14 @@ def sparse_feedback(
     ef_decay: float,
     min_size: int,
     averaging: str = "all",
+    clip: bool = False,
 ) -> optax.GradientTransformation:
     r"""The mean over devices of a list of vectors-shaped arrays ``D_i``, through ``codec``
     with decayed error feedback (SparseLoCo)::
 
-        e_i <- beta e_i + D_i;   out = mean_i C(e_i);   e_i <- e_i - C(e_i)
+        e_i <- beta e_i + D_i;   s_i = c_i C(e_i);   out = mean_i s_i;   e_i <- e_i - s_i
+
+    ``c_i = 1``, or with ``clip`` :func:`clip_factor` (``min(1, |D_i| / |C(e_i)|)`` per leaf).
 
     Leaves under ``min_size`` values are averaged exactly (``pmean``) and keep no memory. A
     non-finite ``D`` on any device gives NaN outputs everywhere and keeps every memory.
@@ -75,8 +78,12 @@ def sparse_feedback(
             d.astype(F32) if m is None else ef_decay * m[0] + d.astype(F32)
             for d, m in zip(deltas, state.memory, strict=True)
         ]
+        sends = [
+            t * clip_factor(codec, t, d) if clip and m is not None else t
+            for t, d, m in zip(targets, deltas, state.memory, strict=True)
+        ]
         out = sparse_exchange.exchange(
-            [t.reshape(-1) for t in targets],
+            [t.reshape(-1) for t in sends],
             [None if m is None else codec for m in state.memory],
             axis_name,
             averaging=averaging,
@@ -89,6 +96,36 @@ def sparse_feedback(
         return means, SparseFeedbackState(memory)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _norm_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a, b)`` with ``|x| = a b`` (``a = max |x_j|``, ``b = |x / a|``): no float32
+    overflow where ``|x|`` itself would overflow."""
+    a = jnp.max(jnp.abs(x))
+    # x / a in two exact power-of-two steps: XLA may divide by multiplying with 1 / a, which
+    # is subnormal (flushed to 0 on CPU) for a above ~8.5e37.
+    p = jnp.where(a > 1.0, 2.0**-40, 1.0)
+    return a, jnp.linalg.norm((x * p) / jnp.where(a > 0, a * p, 1.0))
+
+
+def clip_factor(codec: ChunkedTopK, target: jax.Array, delta: jax.Array) -> jax.Array:
+    r"""The factor ``c = min(1, |D| / |C(e)|)`` that scales one leaf's payload so that it is
+    no longer than this sync's pseudo-gradient ``D`` (``e``: the error-feedback target).
+
+    A device never sends more than it moved since the last sync: memory built up over earlier
+    syncs (whose pseudo-gradients were larger, early in a run) is sent at the pace of the
+    current ones, the rest waits in the memory. 1 where nothing is sent; NaN where ``D`` or
+    ``e`` is not finite (the exchange then flags the sync as bad). Norms are taken as
+    ``max |x| * |x / max |x||`` and their ratio as a product of ratios, so values near
+    float32's range neither overflow nor leave the factor at 0 for a finite, nonzero ``D``.
+    """
+    t = target.reshape(-1)
+    sent = codec.decode(codec.encode(t), t.shape[0])
+    a_d, b_d = _norm_parts(delta.astype(F32).reshape(-1))
+    a_s, b_s = _norm_parts(sent)
+    ratio = (a_d / jnp.where(a_s > 0, a_s, 1.0)) * (b_d / jnp.where(b_s > 0, b_s, 1.0))
+    bad = jnp.logical_not(jnp.all(jnp.isfinite(t)) & jnp.all(jnp.isfinite(delta)))
+    return jnp.where(bad, jnp.nan, jnp.where(a_s > 0, jnp.minimum(ratio, 1.0), 1.0))
 
 
 def decayed(
@@ -158,6 +195,7 @@ def sparseloco(
     averaging: str | None = None,
     strategy: str = "allgather",
     min_size: int = 1024,
+    clip: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -206,6 +244,9 @@ def sparseloco(
         ``averaging`` must be ``"all"``). All-gather costs each device ``(n - 1) P`` bytes,
         two-phase about ``2 (n - 1) / n P``.
       min_size: leaves with fewer values go through a float32 ``pmean``, >= 0.
+      clip: scale each device's payload of each leaf down to the norm of its pseudo-gradient
+        of this sync, ``|C(e_i)| <= |D_i|`` (:func:`clip_factor`; what is not sent stays in
+        the memory). Only with ``strategy="allgather"``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -232,14 +273,21 @@ def sparseloco(
     ef_decay = check_decay(ef_decay)
     averaging = resolve_averaging(averaging, strategy)
     min_size = check_int("min_size", min_size, 0)
+    if not isinstance(clip, bool):
+        raise TypeError(f"`clip` must be True or False, got {clip!r}")
     if strategy == "two_phase":
+        if clip:
+            raise ValueError(
+                "`clip`=True scales each device's own payload before the all-gather: use "
+                "`strategy`='allgather' (two-phase re-encodes sums it cannot clip per device)"
+            )
         ex = compressed_allreduce(
             codec, axis_name, error_feedback="residual", strategy="two_phase", min_size=min_size
         )
         feedback = decayed(ex, ef_decay)
     elif strategy == "allgather":
         feedback = sparse_feedback(
-            codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging
+            codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging, clip=clip
         )
     else:
         raise ValueError(f"`strategy` must be 'allgather' or 'two_phase', got {strategy!r}")

@@ -410,8 +410,8 @@ RECIPES: dict[str, Recipe] = {
     "diloco-int4-H10": _dl(10),
     "diloco-int4-H30": _dl(30),
     "local-H10-M2": Recipe(_local(10), kind="replica", replicas=2, schedule={"sync_every": 10}),
-    "diloco-int4-H30-M2": _dl(30, m=2),
-    "diloco-int4-H10-M2": _dl(10, m=2),
+    "diloco-int4-H30-M2": _dl(30, (0.7, 0.6), m=2),  # Nesterov: the default at M > 2
+    "diloco-int4-H10-M2": _dl(10, (0.7, 0.6), m=2),
     # The outer step, (lr, Nesterov momentum): the paper's 0.7 / 0.9 and the sweep.
     "diloco-int4-H30-outer0.7-0.9": _dl(30, (0.7, 0.9)),
     "diloco-int4-H10-outer0.7-0.9": _dl(10, (0.7, 0.9)),

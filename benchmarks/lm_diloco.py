@@ -178,9 +178,6 @@ RECIPES: dict[str, lm.Recipe] = {
         ef_decay=0.95,
         clip=True,
     ),
-    "sparseloco-H30-senders-ef0.5-clip": lm_sparse._sl(
-        30, "clipped, error feedback decayed by 0.5", averaging="senders", ef_decay=0.5, clip=True
-    ),
     "sparseloco-H30-senders-ef0.5-f32": lm_sparse._sl(
         30, "diagnosis: float32 values", averaging="senders", ef_decay=0.5, bits=None
     ),

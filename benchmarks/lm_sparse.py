@@ -9,9 +9,11 @@ same model, tokens, steps and bytes accounting as every other LM recipe)::
 Writes ``benchmarks/results/lm_sparse.json`` and ``lm_sparse.png`` (``--tag T``:
 ``lm_T.json``).
 
-* ``sparseloco-H30``: ``jc.sparseloco(AdamW, H=30)`` at its defaults (64 of every 4096
-  values, 2-bit values, error feedback decayed by 0.95, no outer momentum), the mean over
-  every device; ``-senders``: Templar's mean over the devices that sent each coordinate.
+* ``sparseloco-H30``: ``jc.sparseloco(AdamW, H=30)`` at Templar's settings (64 of every
+  4096 values, 2-bit values, error feedback decayed by 0.95, no outer momentum), the mean
+  over every device; ``-senders``: Templar's mean over the devices that sent each
+  coordinate (the library's defaults since: the mean over senders, ``ef_decay=0.5``, are
+  the rows ``sparseloco-*-ef0.5`` of ``benchmarks.lm_diloco``).
 * ``demo-LR-all``: ``jc.demo`` at its defaults (64 x 64 blocks, 16 components each, 8-bit
   values, momentum 0.999, every leaf through DeMo) with AdamW's schedule at peak ``LR`` and
   its weight decay (0.1); ``demo-LR``: the leaves under 1024 values sent whole

@@ -4,6 +4,7 @@ number of replicas and the exchange (the measurements behind them: docs/lm.md)."
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ def test_outer_step_is_plain_averaging_on_two_replicas_and_nesterov_on_more():
 
 
 def test_sparseloco_merges_over_senders_unless_two_phase():
+    assert inspect.signature(jc.sparseloco).parameters["ef_decay"].default == 0.5
     assert resolve_averaging(None, "allgather") == "senders"
     assert resolve_averaging(None, "two_phase") == "all"
     assert resolve_averaging("all", "allgather") == "all"

@@ -190,7 +190,7 @@ def sparseloco(
     density: float = 64 / 4096,
     chunk: int = 4096,
     bits: int | None = 2,
-    ef_decay: float = 0.95,
+    ef_decay: float = 0.5,
     outer: optax.GradientTransformation | None = None,
     averaging: str | None = None,
     strategy: str = "allgather",
@@ -209,14 +209,14 @@ def sparseloco(
         every H steps:
           D_i  = x - theta_i                                   # the pseudo-gradient
           e_i <- beta e_i + D_i                                # decayed error feedback
-          Delta = mean_i C(e_i);   e_i <- e_i - C(e_i)
+          Delta = merge_i C(e_i);  e_i <- e_i - C(e_i)         # mean over the senders
           x    <- x - Delta            (or x + outer(Delta))   # no outer momentum by default
           theta_i <- x                                         # every device restarts
 
     The payloads travel in one all-gather (indices in ``ceil(log2 chunk)`` bits, values in
     ``bits`` bits, a float32 scale per chunk): at the defaults 116 bytes per 4096 values.
-    ``averaging="senders"`` takes each coordinate's mean over the devices that sent it
-    (Templar's merge) instead of over all of them. Leaves under ``min_size`` values are
+    By default each coordinate's mean is over the devices that sent it (Templar's merge),
+    not over all of them (``averaging="all"``). Leaves under ``min_size`` values are
     averaged exactly by ``pmean``. The decayed error feedback takes the place of DiLoCo's
     outer Nesterov momentum. Non-finite values behave as in :func:`jaxcomp.diloco`: a sync
     whose mean is not finite leaves the whole state (error feedback too) as it was.
@@ -229,8 +229,13 @@ def sparseloco(
       density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%).
       chunk: values per chunk (default 4096 = 64 x 64; indices take ``ceil(log2 chunk)`` bits).
       bits: bits per sent value, in [1, 8] (default 2), or None for float32 values.
-      ef_decay: ``beta`` in [0, 1], the error feedback's decay (default 0.95; 1: plain
-        residual error feedback, nothing lost).
+      ef_decay: ``beta`` in [0, 1], the error feedback's decay (default 0.5; 1: plain
+        residual error feedback, nothing lost; SparseLoCo's paper and Templar: 0.95). What a
+        device does not send stays in its memory for about ``1 / (1 - beta)`` syncs: 2 at
+        0.5, 20 at 0.95. On runs of tens of outer steps the pseudo-gradients shrink several
+        times over the run, and a long memory makes the largest entries it sends stale
+        (the applied step grows far beyond the current pseudo-gradients); 0.95 suits runs of
+        thousands of outer steps.
       outer: None (``x <- x - Delta``, an outer lr of 1) or an optax transform fed ``Delta``
         (e.g. ``optax.sgd(0.7)`` for a smaller outer lr).
       averaging: ``"senders"`` (per coordinate, the mean over the devices that sent it:

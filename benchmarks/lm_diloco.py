@@ -18,7 +18,12 @@ The rows: plain averaging (``local-H30``), the outer step (heavy ball, lr 1.5 an
 momentum), the codec (float32; int2 at ``H = 15`` and 1-bit signs at ``H = 10``: the bytes of
 int4 at ``H = 30`` spent on more syncs), data parallel for the first 30 steps
 (``-dp30``: what the early drift costs), plain averaging at ``H = 10`` on 2 replicas, and
-DeMo's peak lr and weight decay around its recipe (``demo-3e-3-decay0.9``).
+DeMo's peak lr and weight decay around its recipe (``demo-3e-3-decay0.9``). The sweep behind
+``jc.diloco``'s default outer step and the rule for ``H``: the outer step at ``H = 10`` (8
+replicas), ``H = 5`` on 8 and on 2 replicas, and 4 replicas of 2 devices (Nesterov against
+plain averaging). SparseLoCo's defaults, one change at a time: the error feedback's decay
+(0.95, 0.5, 0), float32 values (a diagnosis), an outer lr of 0.5, each payload clipped to its
+pseudo-gradient's norm (``clip=True``), ``H = 10`` on 8 and on 2 replicas.
 
 ::
 

@@ -13,7 +13,7 @@ Bytes are read from the compiled steps (``jc.comm_report``; SparseLoCo's sync st
 over its period).
 
     python examples/sparseloco_demo.py
-    python examples/sparseloco_demo.py --steps 600 --sync-every 30 --averaging senders
+    python examples/sparseloco_demo.py --steps 600 --sync-every 30 --averaging all
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--sync-every", type=int, default=10, help="H: SparseLoCo's inner steps")
-    ap.add_argument("--averaging", default="all", choices=("all", "senders"))
+    ap.add_argument("--averaging", default="senders", choices=("all", "senders"))
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW (baseline and inner)")
     ap.add_argument("--demo-lr", type=float, default=3e-4, help="DeMo's sign step")
     ap.add_argument("--topk", type=int, default=16, help="DeMo: components per 64x64 block")

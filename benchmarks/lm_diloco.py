@@ -169,6 +169,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H10-senders-ef0.5": lm_sparse._sl(
         10, "H = 10, error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
     ),
+    "sparseloco-H5-senders-ef0.5": lm_sparse._sl(
+        5, "H = 5, error feedback decayed by 0.5", averaging="senders", ef_decay=0.5
+    ),
     "sparseloco-H10-M2-senders-ef0.5": lm_sparse._sl(
         10,
         "2 replicas of 4, H = 10, error feedback decayed by 0.5",

@@ -315,3 +315,20 @@ def test_lm_diloco_pseudo_gradient_spread():
     assert same["delta_cosine"] == pytest.approx(1.0)
     opposite = lm_diloco.pseudo_gradients(x - np.array([[1.0, 0, 0], [-1.0, 0, 0]]), x)
     assert opposite["mean_delta_norm"] == 0.0 and opposite["delta_cosine"] == pytest.approx(-1.0)
+
+
+def test_lm_demo_schedules_are_the_documented_ones():
+    """benchmarks/lm_demo.py: ``-end1`` (the peak held after the warm-up) is ``jc.demo``'s
+    documented ``optax.linear_schedule(0, peak, warmup)`` at every step, ``-end0.1`` AdamW's."""
+    import numpy as np
+    import optax
+
+    from benchmarks import lm, lm_demo
+
+    run = lm.Run(steps=300, lr=3e-3, devices=8)
+    t = np.arange(0, 301)
+    held = np.asarray(lm_demo.schedule(run, 3e-3, 1.0)(t))
+    np.testing.assert_array_equal(held, np.asarray(optax.linear_schedule(0.0, 3e-3, 15)(t)))
+    assert held[15] == held[300] == np.float32(3e-3)
+    np.testing.assert_array_equal(lm_demo.schedule(run, 4e-3, 0.1)(t), run.schedule(4e-3)(t))
+    assert lm_demo.schedule(run, 4e-3, 0.6)(300) == pytest.approx(2.4e-3)

@@ -8,14 +8,15 @@ accounting as every other LM recipe)::
     python -m benchmarks.lm_demo --tag demo --recipes demo-3e-3-sign-end1
     python -m benchmarks.lm_demo --tag demo_seed1 --seed 1 --recipes demo-3e-3-sign-end1
 
-Every row is DeMo (``jaxcomp._src.demo.scale_by_demo``: 64 x 64 blocks, 16 components each,
-8-bit values, momentum decay 0.9, every leaf), then AdamW's decoupled weight decay (0.1) and
-the learning rate: 5% linear warm-up to the peak in the row's name, then a cosine to
-``END`` times the peak (``-endEND``; none: 0.1, AdamW's schedule; ``-end1``: the peak held
-to the end, ``optax.linear_schedule(0, peak, warmup)``, which is ``jc.demo``'s recipe). The
-update applied: ``-sign`` DeMo's sign of the decoded mean ``q``; ``-rms`` ``q`` over its
-root mean square per leaf; ``-adam0.99`` ``q`` through ``optax.scale_by_adam(b1=0,
-b2=0.99)``; ``-lion`` ``q`` through ``optax.scale_by_lion(0.9, 0.99)``. Writes
+Every row is DeMo (``jaxcomp._src.demo.scale_by_demo``: 64 x 64 blocks, 16 components
+each, 8-bit values, momentum decay 0.9 unless ``-decayD``, every leaf), then AdamW's
+decoupled weight decay (0.1) and the learning rate: 5% linear warm-up to the peak in the
+row's name, then a cosine to ``END`` times the peak (``-endEND``; none: 0.1, AdamW's
+schedule; ``-end1``: the peak held to the end, ``optax.linear_schedule(0, peak, warmup)``,
+``jc.demo``'s recipe); ``-kK-bB``: ``topk=K``, ``bits=B``. The update applied: ``-sign``
+DeMo's sign of the decoded mean ``q``; ``-rms`` ``q`` over its root mean square per leaf;
+``-adam0.99`` ``q`` through ``optax.scale_by_adam(b1=0, b2=0.99)``; ``-lion`` ``q`` through
+``optax.scale_by_lion(0.9, 0.99)``. Writes
 ``benchmarks/results/lm_TAG.json`` and ``.png``.
 """
 
@@ -62,7 +63,13 @@ def schedule(run: lm.Run, peak: float, end: float) -> Any:
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, run.steps, end * peak)
 
 
-def _demo(peak: float, then: Callable[[], Any] | None = None, end: float = 0.1) -> lm.Recipe:
+def _demo(
+    peak: float,
+    then: Callable[[], Any] | None = None,
+    end: float = 0.1,
+    decay: float = 0.9,
+    **kw: Any,
+) -> lm.Recipe:
     """DeMo at ``peak``, its decoded mean through ``then()`` (None: its sign)."""
 
     def make(run: lm.Run, axis: Any) -> Any:
@@ -71,7 +78,7 @@ def _demo(peak: float, then: Callable[[], Any] | None = None, end: float = 0.1) 
         from jaxcomp._src import demo
 
         return optax.chain(
-            demo.scale_by_demo(axis, decay=0.9, sign=then is None),
+            demo.scale_by_demo(axis, decay=decay, sign=then is None, **kw),
             then() if then else optax.identity(),
             optax.add_decayed_weights(lm.WEIGHT_DECAY),
             optax.scale_by_learning_rate(schedule(run, peak, end)),
@@ -82,6 +89,7 @@ def _demo(peak: float, then: Callable[[], Any] | None = None, end: float = 0.1) 
 
 RECIPES: dict[str, lm.Recipe] = {
     "demo-4e-3-sign": _demo(4e-3),
+    "demo-3e-3-sign": _demo(3e-3),
     "demo-4e-3-rms": _demo(4e-3, _rms),
     "demo-3e-3-adam0.99": _demo(3e-3, _adam),
     "demo-3e-3-lion": _demo(3e-3, _lion),
@@ -91,6 +99,8 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-4e-3-sign-end1": _demo(4e-3, end=1.0),
     "demo-3e-3-sign-end1": _demo(3e-3, end=1.0),
     "demo-2e-3-sign-end1": _demo(2e-3, end=1.0),
+    "demo-3e-3-sign-end1-decay0.95": _demo(3e-3, end=1.0, decay=0.95),
+    "demo-3e-3-sign-end1-k18-b4": _demo(3e-3, end=1.0, topk=18, bits=4),
 }
 
 

@@ -5,8 +5,8 @@ Adds the rows of :data:`RECIPES` to ``benchmarks.lm.RECIPES`` (with those of
 ``benchmarks.lm_diloco``) and runs that benchmark (the same model, tokens, steps and bytes
 accounting as every other LM recipe)::
 
-    python -m benchmarks.lm_demo --tag demo --recipes demo-3e-3-sign-end1
-    python -m benchmarks.lm_demo --tag demo_seed1 --seed 1 --recipes demo-3e-3-sign-end1
+    python -m benchmarks.lm_demo --tag demo --recipes demo-3e-3-sign-end1-decay0.95
+    python -m benchmarks.lm_demo --tag demo_seed1 --seed 1 --recipes demo-3e-3-sign-end1-decay0.95
 
 Every row is DeMo (``jaxcomp._src.demo.scale_by_demo``: 64 x 64 blocks, 16 components
 each, 8-bit values, momentum decay 0.9 unless ``-decayD``, every leaf), then AdamW's

@@ -101,6 +101,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-2e-3-sign-end1": _demo(2e-3, end=1.0),
     "demo-3e-3-sign-end1-decay0.95": _demo(3e-3, end=1.0, decay=0.95),
     "demo-3e-3-sign-end1-k18-b4": _demo(3e-3, end=1.0, topk=18, bits=4),
+    "demo-3e-3-sign-end1-decay0.95-k18-b4": _demo(3e-3, end=1.0, decay=0.95, topk=18, bits=4),
 }
 
 

@@ -691,3 +691,22 @@ def test_top_k_without_error_feedback_is_worse(mesh, digits, baseline_accuracy):
     acc = _train(tx, mesh, digits)
     print(f"top_k 0.1% without EF {acc:.4f} vs {baseline_accuracy:.4f}")
     assert acc <= baseline_accuracy - 0.03, (acc, baseline_accuracy)
+
+
+def test_first_true_and_scatter_match_numpy():
+    """``first_true`` (one column at a time, no ``[size, group]`` cumsum) is
+    ``np.nonzero(mask)[0]`` padded with ``len(mask)``; ``decode_sum``'s scatter (plain
+    ``lax.scatter_add``) adds every device's slots, in order, and drops index ``d``."""
+    rng = np.random.default_rng(3)
+    masks = np.stack([rng.random(203) < p for p in (0.0, 0.05, 0.5, 1.0)])
+    got = np.asarray(jax.jit(jax.vmap(lambda m: sparse.first_true(m, 120)))(masks))
+    for m, g in zip(masks, got, strict=True):
+        want = np.nonzero(m)[0][:120]
+        np.testing.assert_array_equal(g, np.pad(want, (0, 120 - want.size), constant_values=203))
+    idx = np.array([[0, 5, 9, 9], [5, 9, 0, 9]], np.int32)  # 9 == d: an unfilled slot
+    vals = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, 7.0, 0.25, 8.0]], np.float32)
+    out = np.asarray(top_k(0.5).decode_sum((jnp.asarray(idx), jnp.asarray(vals)), 9, 0.5, 1.0))
+    want = np.ones(9, np.float32)
+    want[0] += 0.5 * (1.0 + 0.25)
+    want[5] += 0.5 * (2.0 + 0.5)
+    np.testing.assert_array_equal(out, want)

@@ -136,13 +136,15 @@ def test_one_bit_pack_bit_exact():
 
 @functools.cache
 def _finite_flags():
-    """(all_finite, all(isfinite)) for fp16 and bf16 arrays: no whole 256-value row (255),
+    """(all_finite, all(isfinite)) for fp16, bf16 and both fp8 arrays (float8_e4m3fn has no
+    inf: its largest value must count as finite), no whole 256-value row (255),
     a row and a tail (257), 8 rows and a tail (2051); clean, and with a NaN, +inf or -inf in
     a row (first value) or in the tail (last value)."""
     cases = []  # built in numpy: no eager jax op (each would compile a program)
-    for dtype in (np.float16, jnp.bfloat16):
+    for dtype in (np.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        top = float(jnp.finfo(dtype).max)
         for d in (255, 257, 8 * 256 + 3):
-            batch = np.repeat(np.linspace(-60000.0, 60000.0, d)[None], 7, axis=0)
+            batch = np.repeat(np.linspace(-top, top, d)[None], 7, axis=0)
             for i, (bad, at) in enumerate(
                 (bad, at) for bad in (np.nan, np.inf, -np.inf) for at in (0, -1)
             ):
@@ -158,9 +160,9 @@ def _finite_flags():
 
 def test_all_finite_matches_isfinite():
     flags = _finite_flags()
-    assert flags.shape == (2 * 3 * 7, 2)
+    assert flags.shape == (4 * 3 * 7, 2)
     np.testing.assert_array_equal(flags[:, 0], flags[:, 1])
-    assert flags[:, 0].sum() == 6  # the clean arrays only: 2 dtypes x 3 sizes
+    assert flags[:, 0].sum() == 12  # the clean arrays only: 4 dtypes x 3 sizes
     assert bool(all_finite(jnp.zeros((0, 3), jnp.float16)))  # empty: True, as all() is
 
 

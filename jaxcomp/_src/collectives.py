@@ -115,7 +115,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_mesh_axis,
 )
 from jaxcomp._src.codecs import packing
-from jaxcomp._src.codecs.base import Codec, all_finite, ceil_div, check_int, scaled
+from jaxcomp._src.codecs.base import Codec, all_finite, ceil_div, check_int, folded_sum, scaled
 from jaxcomp._src.cost import (  # noqa: F401  (re-exported: the public bytes model)
     STRATEGIES,
     check_codec,
@@ -188,14 +188,16 @@ def local_nonfinite(arrays: Any) -> jax.Array:
 
     float32: ``sum(x * 0)`` is NaN exactly when ``x`` holds a NaN or an inf, and a sum of
     zeros never overflows: one reduction, about half the time of ``all(isfinite(x))`` on
-    XLA:CPU. Narrower floats (an fp16 payload): :func:`all_finite`, which reads them as they
-    are (the sum would first write them out widened to float32) and writes 1/8 of a byte per
-    value before its reduce, not the byte per value of ``all(isfinite(x))``.
+    XLA:CPU, summed through :func:`~jaxcomp._src.codecs.base.folded_sum` so the zeros are
+    never written out as large as ``x``. Narrower floats (an fp16 payload):
+    :func:`all_finite`, which reads them as they are (the sum would first write them out
+    widened to float32) and writes 1/8 of a byte per value before its reduce, not the byte
+    per value of ``all(isfinite(x))``.
     """
     # One NaN-or-zero scalar per array, summed by ONE reduction: a chain of ors would be
     # duplicated by XLA into every fusion that reads the flag (quadratic in the leaves).
     zeros = [
-        jnp.sum(a * jnp.zeros([], a.dtype))
+        folded_sum(a * jnp.zeros([], a.dtype))
         if a.dtype == jnp.float32
         else jnp.where(all_finite(a), 0.0, jnp.nan)
         for a in jax.tree.leaves(arrays)

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import F32_MAX, Codec, saturating_square
-from jaxcomp._src.codecs.base import _fold_rows as fold_rows
+from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, saturating_square
 from jaxcomp._src.codecs.sign import sign
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
@@ -67,14 +66,14 @@ def filled_variance(nu: Any) -> Any:
 def positive_mean(v: jax.Array) -> jax.Array:
     """The mean of the positive entries of ``v`` (0 if none), never above ``F32_MAX``.
 
-    Summed pre-scaled (``v / size``) and folded in 8 column groups first
-    (``jaxcomp._src.codecs.base._fold_rows``): the sum and the count read ``v`` where it
-    is produced, without writing a float32 and an int32 temporary as large as ``v``."""
+    Summed pre-scaled (``v / size``) through :func:`~jaxcomp._src.codecs.base.folded_sum`:
+    the sum and the count read ``v`` where it is produced, without writing a float32 and an
+    int32 temporary as large as ``v``."""
     flat = v.reshape(1, -1)
     positive = flat > 0
     size = max(flat.shape[1], 1)
-    total = jnp.sum(fold_rows(jnp.where(positive, flat * (1.0 / size), 0.0), jnp.add))
-    count = jnp.sum(fold_rows(positive.astype(jnp.int32), jnp.add))
+    total = folded_sum(jnp.where(positive, flat * (1.0 / size), 0.0))
+    count = folded_sum(positive.astype(jnp.int32))
     scale = size / jnp.maximum(count, 1).astype(jnp.float32)
     return jnp.minimum(total * scale, F32_MAX)
 
@@ -97,22 +96,6 @@ def local_levels(grads: Any, every_axis: Any) -> Any:
 
     local = jnp.stack([one(g) for g in leaves])
     return jax.tree.unflatten(treedef, list(jax.lax.psum(local, every_axis)))
-
-
-def folded_sum(x: jax.Array) -> jax.Array:
-    """``jnp.sum(x)`` of a float array, its 8 column groups added first
-    (``jaxcomp._src.codecs.base._fold_rows``): the elementwise producer of ``x`` is fused
-    into that stage, so no temporary as large as ``x`` is written (XLA:CPU's reductions read
-    a materialized input, scalar operands such as ``F32_MAX`` broadcast to ``x``'s size)."""
-    return jnp.sum(fold_rows(x.reshape(1, -1), jnp.add))
-
-
-def nonfinite(tree: Any) -> jax.Array:
-    """True when a float32 leaf of ``tree`` holds a NaN or an inf: ``sum(x * 0)`` per leaf
-    (NaN exactly then) through :func:`folded_sum`, so the zero is never written out as
-    large as ``x`` (``collectives.local_nonfinite``'s ``x * zeros`` was, on XLA:CPU)."""
-    zeros = [folded_sum(x * 0.0) for x in jax.tree.leaves(tree) if x.size]
-    return jnp.isnan(jnp.sum(jnp.stack(zeros))) if zeros else jnp.bool_(False)
 
 
 def tracked_levels(
@@ -227,7 +210,7 @@ def mean_gradient(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
     combines into a few all-reduces of tuples (no concatenated bucket: packing the leaves
     into buckets and slicing them out again cost two params-sized temporaries)."""
     means = jax.lax.pmean(as_float32(grads), every_axis)
-    return means, nonfinite(means)
+    return means, collectives.local_nonfinite(means)
 
 
 def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
@@ -298,7 +281,7 @@ def scale_by_onebit_adam(
         sent, exchange_state = preconditioned_mean(
             inner, local, state.nu, nu_scale, eps, state.exchange, params, True, False
         )
-        return sent, exchange_state, nonfinite(sent)
+        return sent, exchange_state, collectives.local_nonfinite(sent)
 
     def variance(state, warm, x, bad):
         """Warm-up: Adam's variance moved by the mean gradient ``x``; after: frozen. A

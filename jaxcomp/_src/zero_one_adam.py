@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import skeleton
+from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
@@ -23,7 +23,6 @@ from jaxcomp._src.onebit_adam import (
     filled_variance,
     mean_gradient,
     momentum_exchange,
-    nonfinite,
     per_leaf,
     preconditioned_mean,
     tracked_levels,
@@ -173,14 +172,14 @@ def scale_by_zero_one_adam(
         sent, exchange_state = preconditioned_mean(
             inner, local, state.nu, nu_scale, eps, state.exchange, params, convert=False
         )
-        return sent, exchange_state, nonfinite(sent)
+        return sent, exchange_state, collectives.local_nonfinite(sent)
 
     def skipped(grads, state, params, nu_scale):
         """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
         update with a zero mean) and moves the params on every device alike."""
         # One scalar all-reduce: a non-finite gradient on any device poisons every device's
         # update and keeps every state as it was (nothing gradient-sized on the wire).
-        flag = nonfinite(as_float32(grads)).astype(jnp.float32)
+        flag = collectives.local_nonfinite(as_float32(grads)).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
         return jax.tree.map(jnp.zeros_like, state.mu), state.exchange, bad
 
@@ -341,10 +340,9 @@ def zero_one_adam(
     decayed, and each device keeps its gradients' share ``p_i`` for its next exchange, so no
     gradient is dropped, only delayed. The momentum a skipped round applies is the last
     exchanged one, 1-bit error included, which the error feedback returns only at the next
-    synced round: skipped rounds pay where that error matters (on the LM benchmark, every
-    other round skipped over the last third of a 300-step run: +1.1% against +0.7% of
-    AdamW's loss, for 7.8x against 7.4x fewer bytes), so they start late by default
-    (``local_step_scaler=1000``). A skipped round sends one 4-byte non-finite flag
+    synced round: skipped rounds trade loss for bytes where that error matters (measured on
+    the LM benchmark: docs, "Training language models over slow links"), so they start late
+    by default (``local_step_scaler=1000``). A skipped round sends one 4-byte non-finite flag
     (a scalar ``psum``), so a NaN or inf on any device still gives a NaN update everywhere
     and leaves every state as it was.
 

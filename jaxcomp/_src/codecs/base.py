@@ -321,6 +321,14 @@ def _fold_rows(values: jax.Array, combine) -> jax.Array:
     return x[:, 0]
 
 
+def folded_sum(x: jax.Array) -> jax.Array:
+    """``jnp.sum(x)``, the 8 column groups of ``x`` (read as one row) added first
+    (:func:`_fold_rows`): the elementwise producer of ``x`` is fused into that stage, so no
+    temporary as large as ``x`` is written before the reduce (on XLA:CPU a scalar operand
+    such as ``0`` or ``F32_MAX`` would otherwise be broadcast to ``x``'s size and written)."""
+    return jnp.sum(_fold_rows(x.reshape(1, -1), jnp.add))
+
+
 def max_abs(xb: jax.Array) -> jax.Array:
     """``max_j |xb[b, j]|`` per row (0 for an empty row); NaN propagates. The same value as
     ``jnp.max(jnp.abs(xb), axis=1)``, bit for bit, without a temporary as large as ``xb``."""

@@ -27,6 +27,7 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path --quick            # a 1.6M-param MLP, 3 rows (smoke test)
     python -m benchmarks.hot_path --reuse-buffers --label reuse   # freed memory reused
     python -m benchmarks.hot_path --rows int8 --ops 12  # + the 12 costliest ops of each row
+    python -m benchmarks.hot_path --backend gpu --label gpu_h100  # on one GPU instead
 
 Op by op (``--ops N``): after its timed calls, each row runs ``--op-calls`` more under
 ``jax.profiler.trace`` (a Perfetto trace; XLA:CPU records one event per thunk), and the JSON
@@ -127,7 +128,9 @@ def op_profile(fn, args, const, calls: int, instructions: dict, top: int) -> tup
     return ops, args
 
 
-def run(sizes, names, reps: int, warmup: int, ops: int = 0, op_calls: int = 3) -> dict:
+def run(
+    sizes, names, reps: int, warmup: int, ops: int = 0, op_calls: int = 3, backend: str = "cpu"
+) -> dict:
     import warnings
 
     import jax
@@ -138,7 +141,7 @@ def run(sizes, names, reps: int, warmup: int, ops: int = 0, op_calls: int = 3) -
     import jaxcomp as jc
 
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    mesh = Mesh(np.array(jax.devices("cpu")[:1]), (AXIS,), axis_types=(AxisType.Explicit,))
+    mesh = Mesh(np.array(jax.devices(backend)[:1]), (AXIS,), axis_types=(AxisType.Explicit,))
     replicated = NamedSharding(mesh, P())
     params = jax.device_put(common.mlp_params(sizes), replicated)
     n_params = sum(int(a.size) for a in jax.tree.leaves(params))
@@ -311,6 +314,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="jaxcomp.cpu.reuse_large_buffers(): freed memory reused, no page faults",
     )
+    ap.add_argument(
+        "--backend",
+        default="cpu",
+        help="the device to time on: cpu (default) or gpu, where one is present",
+    )
     args = ap.parse_args(argv)
     if args.reps < 7 and not args.quick:
         ap.error("--reps must be at least 7 (or use --quick)")
@@ -321,7 +329,7 @@ def main(argv=None) -> int:
 
     jaxcomp.cpu.use_cpu_devices(1)
     reuse = args.reuse_buffers and jaxcomp.cpu.reuse_large_buffers()
-    data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls)
+    data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls, args.backend)
     data = {
         "environment": common.environment(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host

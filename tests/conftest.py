@@ -17,20 +17,48 @@ _FLAGS = (
 # yourself to override. JAXCOMP_XLA_OPT_DEFAULT=1 keeps XLA's default level, the code users
 # run: `make test` runs the tests marked `smoke` (tests/test_smoke.py) that way.
 OPT_DEFAULT = os.environ.get("JAXCOMP_XLA_OPT_DEFAULT", "") not in ("", "0")
-_COMPILE = ""
-if not OPT_DEFAULT and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    _COMPILE += " --xla_backend_optimization_level=0"
 # XLA:CPU's MLIR fusion emitters cost most of what is left of a compile at level 0: its
 # legacy emitters compile in about a third of the CPU time (12 jc.sgd steps of a small MLP
 # on 8 devices: 14.1 s -> 4.8 s). The collectives are the same; XLA fuses a little
 # differently (sign: 75 -> 60 fusions, same temporary bytes; top-k 1%: +0.7% temporaries).
-if not OPT_DEFAULT and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    _COMPILE += " --xla_cpu_use_fusion_emitters=false"
-_FLAGS += _COMPILE
-# The benchmarks' smoke runs (tests/test_benchmarks.py) start with their own XLA_FLAGS but
-# compile the same way: the hot-path quick run 17 s -> 9 s, its temporaries unchanged.
-os.environ["JAXCOMP_TEST_XLA_COMPILE_FLAGS"] = _COMPILE.strip()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
+# XLA aborts the process on a flag it does not know, and newer XLA dropped the legacy
+# emitters (jaxlib 0.11: "Unknown flag in XLA_FLAGS"): that flag is passed only where a
+# probe process accepts it.
+_LEVEL_0 = "--xla_backend_optimization_level=0"
+_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether XLA starts with ``flag`` in XLA_FLAGS (a process that lists the CPU devices)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+
+
+def _compile_flags() -> str:
+    """The suite's compile flags: none at OPT_DEFAULT, else level 0 (+ legacy emitters)."""
+    if OPT_DEFAULT:
+        return ""
+    return " ".join([_LEVEL_0, *([_EMITTERS] if _xla_accepts(_EMITTERS) else [])])
+
+
+def _with_flags(flags: str, more: str) -> str:
+    """``flags`` and each flag of ``more`` whose name ``flags`` does not set already."""
+    new = [f for f in more.split() if f.split("=")[0] not in flags]
+    return " ".join([flags, *new]).strip()
+
+
+# The first process to load this file decides; pytest-xdist's workers and the tests'
+# subprocesses inherit its answer. The benchmarks' smoke runs (tests/test_benchmarks.py)
+# start with their own XLA_FLAGS but compile the same way: the hot-path quick run
+# 17 s -> 9 s, its temporaries unchanged. Flags set in XLA_FLAGS beforehand win.
+if OPT_DEFAULT or "JAXCOMP_TEST_XLA_COMPILE_FLAGS" not in os.environ:
+    os.environ["JAXCOMP_TEST_XLA_COMPILE_FLAGS"] = _compile_flags()
+_COMPILE = os.environ["JAXCOMP_TEST_XLA_COMPILE_FLAGS"]
+os.environ["XLA_FLAGS"] = _with_flags(os.environ.get("XLA_FLAGS", ""), f"{_FLAGS} {_COMPILE}")
 
 import jax  # noqa: E402
 

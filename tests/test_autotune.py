@@ -109,3 +109,24 @@ def test_calibration_scales_wire_and_codec_leave_one_out():
     assert got == pytest.approx({"none": 100, "a": 46, "b": 44, "c": 1.2 * 70 + 0.5 * 10})
     alone = tuning.calibrate(rows[:2])  # no other timed codec: the model's codec passes
     assert alone[1].predicted_ms == pytest.approx(1.2 * 30 + 20)
+
+
+def test_select_breaks_measured_ties_by_codec_work():
+    def row(strategy, measured, codec_ms, codec=jc.int_quant(8)):
+        return tuning.Candidate("x", codec, strategy, 1, 0, 1.0, 1.0, measured, 1.0, codec_ms)
+
+    plain = row("pmean", 1723.7, 0.0, codec=None)
+    # the 1 Gbit/s table: two_phase 543.8 ms, allgather 547.2 ms (0.6% apart, within TIE) with
+    # less codec work, allgather 581.1 ms (6.9% apart: not tied)
+    two, ag, slow = (
+        row("two_phase", 543.8, 295.4),
+        row("allgather", 547.2, 261.5),
+        row("ag", 581.1, 1),
+    )
+    assert tuning.select([two, ag, slow, plain]) is ag
+    assert tuning.select([two, slow, plain]) is two  # no tie: the fastest measured
+    # not MARGIN faster than plain: plain
+    assert tuning.select([row("a", 1600.0, 300), row("b", 1640.0, 1), plain]) is plain
+    near = row("b", 0.92 * 1723.7, 1)  # tied with 0.89 * plain but not MARGIN faster
+    assert tuning.select([row("a", 0.89 * 1723.7, 300), near, plain]).strategy == "a"
+    assert tuning.select([row("untimed", math.nan, 0), plain]) is plain

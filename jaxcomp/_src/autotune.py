@@ -13,7 +13,8 @@ mean fastest, and is any faster than plain ``pmean``?" in four steps:
 3. **predict** each candidate's exchange time: the collectives its strategy runs (bytes from
    :func:`jaxcomp.strategy_bytes`), one latency per bucket and phase, plus its codec passes;
 4. **check**: time the best few predictions (and plain ``pmean``) for real and keep the fastest
-   measured one. Plain ``pmean`` wins unless a candidate measures faster, so the plan never
+   measured one (:func:`select`: rows within :data:`TIE` of it are a tie, won by the least codec
+   work). Plain ``pmean`` wins unless a candidate measures faster, so the plan never
    makes the exchange slower than it was on these devices;
 5. **calibrate** (:func:`calibrate`): the table's ``predicted_ms`` scales the wire time by
    plain ``pmean``'s measured / modelled ratio and the codec passes by a factor fitted on the
@@ -53,6 +54,10 @@ DEFAULT_BUCKETS = (buckets.BUCKET_BYTES,)
 DEFAULT_MIN_SIZES = (0, 4096)
 #: A compressed candidate must measure this much faster than plain pmean to be chosen.
 MARGIN = 0.10
+#: Timed candidates within this fraction of the fastest one are tied (a few timed repetitions
+#: on a shared host vary by more): among them the plan takes the one with the least codec
+#: work, since encode / decode share the host with the step's compute and the wire does not.
+TIE = 0.05
 #: Collectives whose latency and bandwidth are fitted. ``all_reduce_16``: a psum of float16
 #: (what a 16-bit cast's ``allreduce`` runs); over gloo it ran 1.6x slower than a float32
 #: psum of the same bytes (1 Gbit/s, 2 processes), so it gets a fit of its own.
@@ -83,7 +88,8 @@ class Candidate(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AutotunePlan:
-    """What :func:`autotune` chose, and why (``table``: every candidate, fastest first)."""
+    """What :func:`autotune` chose, and why (``table``: every candidate, the chosen one first,
+    then the timed ones fastest first)."""
 
     codec: Codec | None  # None: no compression (plain pmean is fastest here)
     strategy: str
@@ -438,7 +444,8 @@ def autotune(
 
     Returns:
       A :class:`AutotunePlan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``, ``table``
-      (every candidate with bytes, predicted and measured ms; measured first, fastest first),
+      (every candidate with bytes, predicted and measured ms; the chosen row first, then
+      measured ones fastest first),
       ``link`` (the fitted latency and bandwidth per collective) and ``codec_ms`` (encode and
       decode ms of the tree per codec).
 
@@ -550,8 +557,39 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
         timed[id(r)] = 1e3 * exchange_seconds(tree, mesh, axis_name, r.codec, reps, **exchange)
     rows = calibrate([r._replace(measured_ms=timed.get(id(r), math.nan)) for r in rows])
     rows.sort(key=lambda r: (math.isnan(r.measured_ms), r.measured_ms, r.predicted_ms))
-    best = rows[0]
-    if best.codec is not None and best.measured_ms > (1 - MARGIN) * timed[id(plain)]:
-        best = next(r for r in rows if r.codec is None)  # not clearly faster: keep plain
+    best = select(rows)
+    rows.remove(best)
     strategy = "auto" if best.codec is None else best.strategy
-    return AutotunePlan(best.codec, strategy, best.bucket_bytes, best.min_size, tuple(rows), link)
+    return AutotunePlan(best.codec, strategy, best.bucket_bytes, best.min_size, (best, *rows), link)
+
+
+def select(rows: Sequence[Candidate]) -> Candidate:
+    """The plan's row among the timed ``rows``: plain ``pmean`` unless a codec measured faster.
+
+    With ``m*`` the fastest measured compressed row and ``m_0`` plain ``pmean``'s time::
+
+        plain                                   if m* > (1 - MARGIN) * m_0
+        argmin_{r : m_r <= min((1 + TIE) m*, (1 - MARGIN) m_0)} codec_model_ms_r   otherwise
+
+    Rows measured within :data:`TIE` of the fastest are a tie (timing noise); among them the
+    one with the least codec work (``codec_model_ms``, then measured time) wins: in a training
+    step the codec passes compete with the forward and backward for the host's cores, the
+    wire time does not.
+
+    Args:
+      rows: candidates, ``measured_ms`` NaN where not timed; plain ``pmean`` timed.
+
+    Returns:
+      The chosen row (the plain ``pmean`` row where no codec measured clearly faster).
+
+    Example::
+
+      best = jaxcomp._src.autotune.select(plan.table)   # plan.table[0]
+    """
+    plain = next(r for r in rows if r.codec is None and not math.isnan(r.measured_ms))
+    timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
+    if not timed or min(r.measured_ms for r in timed) > (1 - MARGIN) * plain.measured_ms:
+        return plain
+    bound = min((1 + TIE) * min(r.measured_ms for r in timed), (1 - MARGIN) * plain.measured_ms)
+    tied = [r for r in timed if r.measured_ms <= bound]
+    return min(tied, key=lambda r: (r.codec_model_ms, r.measured_ms))

@@ -45,6 +45,7 @@ from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.nnx import nnx_optimizer, nnx_state_specs
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
+from jaxcomp._src.overlap import OverlappedStep, overlapped_step
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
 from jaxcomp._src.replicas import mean_replica, own, replica_params, replica_specs, slot
 from jaxcomp._src.resize import resize_state, restore_target
@@ -83,6 +84,8 @@ __all__ = [
     "scale_by_demo",
     "DelayedState",
     "delayed",
+    "OverlappedStep",
+    "overlapped_step",
     "DiLoCoState",
     "diloco",
     "LocalSGDState",

@@ -1,0 +1,104 @@
+"""jc.overlapped_step: jc.delayed's step as two programs on two host threads.
+
+Params and state after every step are those of jc.delayed in one program, bit for bit (a
+compressed transform with a memory, and a plain optimizer with pmean=True); bad arguments
+are refused at construction.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Blocking, N, mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+STEPS = 3
+
+
+def loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+
+
+def data(t):
+    rng = np.random.default_rng(t)
+    x = rng.standard_normal((2 * N, 16)).astype(np.float32)
+    return x, np.sin(x[:, :8]).astype(np.float32)
+
+
+TXS = {  # name: (tx, pmean)
+    "fp16_residual": (
+        optax.chain(jc.compressed_allreduce(jc.cast("fp16"), "data"), optax.sgd(0.5)),
+        False,
+    ),
+    "sgd_pmean": (optax.sgd(0.5, momentum=0.9), True),
+}
+
+
+@functools.cache
+def runs(name):
+    """(one-program jc.delayed, overlapped_step): params after each step, final state."""
+    tx, pmean = TXS[name]
+    m = mesh()
+    rng = np.random.default_rng(0)
+    p0 = {"w": 0.3 * rng.standard_normal((16, 8)), "b": np.zeros(8)}
+    p0 = jax.device_put(jax.tree.map(np.float32, p0), NamedSharding(m, P()))
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    one = jc.delayed(tx, axis_name="data" if pmean else None)
+    state = jc.sharded_init(one, p0, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def body(p, s, x, y):
+        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x, y)
+        u, s = one.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    ref = Blocking(
+        jax.jit(
+            jax.shard_map(
+                body, mesh=m, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)
+            )
+        )
+    )
+    step = jc.overlapped_step(loss, tx, m, "data", pmean=pmean)
+    out = {"one": [], "split": [], "p0": jax.tree.map(np.asarray, p0)}
+    for kind, fn, s in (("one", ref, state), ("split", step, step.init(p0))):
+        p = p0
+        for t in range(STEPS):
+            p, s = fn(p, s, *map(put, data(t)))
+            out[kind].append(jax.tree.map(np.asarray, p))
+        out[kind + "_state"] = jax.tree.map(np.asarray, s)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TXS))
+def test_params_and_state_match_delayed_in_one_program_bit_for_bit(name):
+    out = runs(name)
+    for t in range(STEPS):
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(out["split"][t][k], out["one"][t][k], err_msg=(t, k))
+    # step 0 applies nothing; later steps move the params
+    np.testing.assert_array_equal(out["split"][0]["w"], out["p0"]["w"])
+    assert np.abs(out["split"][2]["w"] - out["split"][0]["w"]).max() > 1e-3
+    a, b = jax.tree.leaves(out["split_state"]), jax.tree.leaves(out["one_state"])
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert int(out["split_state"].count) == STEPS
+
+
+def test_bad_arguments_are_refused_at_construction():
+    m, sgd = mesh(), optax.sgd(0.1)
+    with pytest.raises(TypeError, match="loss_fn"):
+        jc.overlapped_step("loss", sgd, m, "data")
+    with pytest.raises(TypeError, match="`tx`"):
+        jc.overlapped_step(loss, "sgd", m, "data")
+    with pytest.raises(ValueError, match="axis_name"):
+        jc.overlapped_step(loss, sgd, m, "batch")
+    with pytest.raises(TypeError, match="axis_name"):
+        jc.overlapped_step(loss, sgd, m, ("data",))
+    with pytest.raises(TypeError, match="pmean"):
+        jc.overlapped_step(loss, sgd, m, "data", pmean=1)

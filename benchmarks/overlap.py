@@ -10,7 +10,13 @@ batch large enough that compute and exchange are of the same order (``--batch``,
 * ``step``: the data-parallel step (gradient, mean, update) in one program;
 * ``delayed``: ``jc.delayed`` — the step exchanges the previous step's gradient, which does
   not depend on this step's compute, so a runtime that runs collectives asynchronously can
-  overlap them.
+  overlap them;
+* ``overlapped``: ``jc.overlapped_step`` — the same delayed step as two programs run at once
+  on two host threads (exchange and update on a worker thread, forward and backward on the
+  main one);
+* ``two_programs``: those two programs dispatched back to back from one thread, then both
+  awaited (with ``--async-dispatch`` the CPU client returns before they finish, so it could
+  run them at once; without, they run one after the other by construction).
 
 For each step ``overlap = (compute + exchange - step) / min(compute, exchange)``: 0 when the
 step is the sum of its parts, 1 when the shorter part is fully hidden; and
@@ -19,6 +25,7 @@ step is the sum of its parts, 1 when the shorter part is fully hidden; and
 
     sudo python -m benchmarks.overlap                  # 1gbit, 2 processes, a few minutes
     sudo python -m benchmarks.overlap --rates 1gbit 10gbit --batch 128
+    sudo python -m benchmarks.overlap --async-dispatch   # the CPU client's async dispatch on
 """
 
 from __future__ import annotations
@@ -41,8 +48,10 @@ def worker(args) -> None:
 
     initialize()
     import jax
+
+    if args.async_dispatch:  # before the first computation creates the CPU client
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
     import numpy as np
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -62,26 +71,6 @@ def worker(args) -> None:
     def mean(g, name):
         return jax.lax.pmean(g, AXIS) if codec[name] is None else jc.pmean(g, AXIS, codec[name])
 
-    def timed(fn, *a):
-        out = jax.block_until_ready(fn(*a))
-        ts = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(fn(*a))
-            ts.append(time.perf_counter() - t0)
-        del out
-        return 1e3 * float(np.median(ts))
-
-    def timed_steps(step, p, s):  # each step feeds the next (delayed: count > 0, pending)
-        for _ in range(2):
-            p, s = jax.block_until_ready(step(p, s, bx, by))
-        ts = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            p, s = jax.block_until_ready(step(p, s, bx, by))
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(ts))
-
     def smap(f, in_specs, out_specs):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
@@ -89,44 +78,98 @@ def worker(args) -> None:
         g = jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
         return jax.tree.map(lambda a, b: (a - 1e-3 * b)[None], p, g)
 
-    grads = smap(
-        lambda p, x, y: jax.tree.map(
-            lambda a: a[None], jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
-        ),
-        (P(), P(AXIS), P(AXIS)),
-        P(AXIS),
-    )(params, bx, by)
-    result = {"batch": args.batch, "devices": n, "rows": []}
-    compute = timed(smap(local_step, (P(), P(AXIS), P(AXIS)), P(AXIS)), params, bx, by)
+    def per_device_grads(p, x, y):
+        g = jax.grad(common.mlp_loss)(jax.lax.pcast(p, AXIS, to="varying"), x, y)
+        return jax.tree.map(lambda a: a[None], g)
+
+    grads = smap(per_device_grads, (P(), P(AXIS), P(AXIS)), P(AXIS))(params, bx, by)
+    compute = smap(local_step, (P(), P(AXIS), P(AXIS)), P(AXIS))
+    result = {"batch": args.batch, "devices": n, "rounds": args.reps, "rows": []}
     for name in ("pmean", "int8"):
-        exchange = timed(
-            smap(lambda g, name=name: mean(jax.tree.map(lambda a: a[0], g), name), (P(AXIS),), P()),
-            grads,
+        exchange = smap(
+            lambda g, name=name: mean(jax.tree.map(lambda a: a[0], g), name), (P(AXIS),), P()
         )
-        tx = optax.sgd(1e-3)
-        for kind in ("step", "delayed"):
-            inner = (
-                tx
-                if codec[name] is None
-                else optax.chain(
-                    jc.compressed_allreduce(codec[name], AXIS, error_feedback=None), tx
-                )
-            )
-            full = (
-                jc.delayed(inner, axis_name=AXIS if codec[name] is None else None)
-                if (kind == "delayed")
-                else inner
-            )
-            step, state = common.mlp_tx_step(
-                full, params, mesh, AXIS, pmean_first=codec[name] is None and kind == "step"
-            )
-            ms = timed_steps(step, params, state)
-            result["rows"].append(_row(name, kind, compute, exchange, ms))
-            if rank == 0:
-                print(json.dumps(result["rows"][-1]), flush=True)
+        runs = {
+            "compute": lambda: compute(params, bx, by),
+            "exchange": lambda exchange=exchange: exchange(grads),
+        }
+        for kind, step, state in _steps(name, codec[name], params, mesh):
+            runs[kind] = _stepper(step, params, state, bx, by)
+        ms = _interleaved(runs, args.reps)
+        for kind in runs:
+            if kind not in ("compute", "exchange"):
+                row = _row(name, kind, ms["compute"], ms["exchange"], ms[kind])
+                result["rows"].append(row)
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+        del runs
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def _steps(name: str, codec, params, mesh):
+    """``(kind, step, state)`` of each way to run the MLP's data-parallel SGD step."""
+    import optax
+
+    import jaxcomp as jc
+
+    tx = optax.sgd(1e-3)
+    if codec is not None:
+        tx = optax.chain(jc.compressed_allreduce(codec, AXIS, error_feedback=None), tx)
+    plain = codec is None
+    for kind in ("step", "delayed"):
+        full = jc.delayed(tx, axis_name=AXIS if plain else None) if kind == "delayed" else tx
+        step, state = common.mlp_tx_step(
+            full, params, mesh, AXIS, pmean_first=plain and kind == "step"
+        )
+        yield kind, step, state
+    split = jc.overlapped_step(common.mlp_loss, tx, mesh, AXIS, pmean=plain)
+    yield "overlapped", split, split.init(params)
+    yield "two_programs", _one_thread(split), split.init(params)
+
+
+def _stepper(step, params, state, *batch):
+    """A call that runs one step from the previous one's output (blocked)."""
+    import jax
+
+    box = [params, state]
+
+    def run():
+        box[:] = jax.block_until_ready(step(box[0], box[1], *batch))
+
+    return run
+
+
+def _interleaved(runs: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each call in ``runs``, timed in turn ``rounds`` times after two warm-up
+    rounds (load that drifts during the run then weighs on every part alike)."""
+    import jax
+    import numpy as np
+
+    times = {k: [] for k in runs}
+    for r in range(rounds + 2):
+        for k, run in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            if r >= 2:
+                times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+
+
+def _one_thread(split):
+    """``split``'s two programs dispatched back to back from the calling thread, then awaited."""
+    import jax
+
+    from jaxcomp._src.delayed import DelayedState
+
+    def step(params, state, *batch):
+        exchange = split._exchange_fn(state)(params, state.inner, state.pending)
+        pending, count = split._grads_fn(len(batch))(params, state.count, *batch)
+        (params, inner), pending = jax.block_until_ready((exchange, pending))
+        return params, DelayedState(pending=pending, inner=inner, count=count)
+
+    return step
 
 
 def _row(name: str, kind: str, compute: float, exchange: float, step: float) -> dict:
@@ -147,8 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", nargs="+", default=["1gbit"], help="tc rates to shape the link")
     ap.add_argument("-n", "--num-processes", type=int, default=2, help="JAX processes")
     ap.add_argument("--batch", type=int, default=256, help="examples per process")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls (median)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed rounds (median); each round times every part in turn",
+    )
     ap.add_argument("--label", default=None, help="write overlap_LABEL.json")
+    ap.add_argument(
+        "--async-dispatch", action="store_true", help="turn the CPU client's async dispatch on"
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -175,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.batch),
                 "--reps",
                 str(args.reps),
+                *(["--async-dispatch"] if args.async_dispatch else []),
             ]
             code = network.launch(
                 ns, rate, __file__, argv_w, args.num_processes, args.timeout, procs

@@ -503,6 +503,21 @@ CHECKS = [
     ("demo", "min_size", lambda: jc.demo(0.1, "d", min_size=-1), ValueError),
     ("demo", "min_size", lambda: jc.demo(0.1, "d", min_size=1.0), TypeError),
     ("delayed", "tx", lambda: jc.delayed("sgd"), TypeError),
+    ("overlapped_step", "loss_fn", lambda: jc.overlapped_step(1, SGD, mesh(), "data"), TypeError),
+    ("overlapped_step", "tx", lambda: jc.overlapped_step(len, "sgd", mesh(), "data"), TypeError),
+    ("overlapped_step", "axis_name", lambda: jc.overlapped_step(len, SGD, mesh(), "x"), ValueError),
+    (
+        "overlapped_step",
+        "axis_name",
+        lambda: jc.overlapped_step(len, SGD, mesh(), ("data",)),
+        TypeError,
+    ),
+    (
+        "overlapped_step",
+        "pmean",
+        lambda: jc.overlapped_step(len, SGD, mesh(), "data", pmean=1),
+        TypeError,
+    ),
     (
         "diloco (init/update)",
         "fragments",

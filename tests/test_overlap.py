@@ -1,8 +1,8 @@
 """jc.overlapped_step: jc.delayed's step as two programs on two host threads.
 
 Params and state after every step are those of jc.delayed in one program, bit for bit (a
-compressed transform with a memory, and a plain optimizer with pmean=True); bad arguments
-are refused at construction.
+compressed transform with a memory, and a plain optimizer with pmean=True). Bad arguments:
+tests/test_config_errors.py.
 """
 
 import functools
@@ -88,17 +88,3 @@ def test_params_and_state_match_delayed_in_one_program_bit_for_bit(name):
     a, b = jax.tree.leaves(out["split_state"]), jax.tree.leaves(out["one_state"])
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert int(out["split_state"].count) == STEPS
-
-
-def test_bad_arguments_are_refused_at_construction():
-    m, sgd = mesh(), optax.sgd(0.1)
-    with pytest.raises(TypeError, match="loss_fn"):
-        jc.overlapped_step("loss", sgd, m, "data")
-    with pytest.raises(TypeError, match="`tx`"):
-        jc.overlapped_step(loss, "sgd", m, "data")
-    with pytest.raises(ValueError, match="axis_name"):
-        jc.overlapped_step(loss, sgd, m, "batch")
-    with pytest.raises(TypeError, match="axis_name"):
-        jc.overlapped_step(loss, sgd, m, ("data",))
-    with pytest.raises(TypeError, match="pmean"):
-        jc.overlapped_step(loss, sgd, m, "data", pmean=1)

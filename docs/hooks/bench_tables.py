@@ -407,7 +407,13 @@ def _overlap(data: dict[str, Any], path: pathlib.Path) -> str:
     first = next(iter(data["rates"].values()))
     head = (
         f"{first.get('devices', '?')} JAX processes over gloo on the shaped loopback, MLP "
-        f"25.2M params, batch {first.get('batch', '?')} per process; median ms. overlap = "
+        f"25.2M params, batch {first.get('batch', '?')} per process; median ms"
+        + (
+            f" over {first['rounds']} rounds, each timing every part in turn"
+            if "rounds" in first
+            else ""
+        )
+        + ". overlap = "
         "(compute + exchange - step) / min(compute, exchange): 0 = the parts run one after "
         "the other, 1 = the shorter one is hidden."
         + (f" Host load {data['loadavg']}." if "loadavg" in data else "")

@@ -273,7 +273,8 @@ def _unit_columns(q: jax.Array, old: jax.Array) -> jax.Array:
 def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     """PowerSGD on the ``(B, n, m)`` batches ``ms`` and plain pmean of the ``plain`` vector.
 
-    Returns (mean batches, this device's share batches, plain mean, next q, bad).
+    Returns (mean batches ``P (Q / n)^T``, this device's error batches ``M_i - P (M_i^T P)^T``,
+    plain mean, next q, bad).
     """
     # Round 1: P_i = M_i Q for every matrix, and the plain leaves, in one all-reduce.
     ps = [jnp.einsum("bnm,bmr->bnr", a, b, precision=_HIGHEST) for a, b in zip(ms, q, strict=True)]
@@ -291,13 +292,60 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     qn = _split(q_sum, [g.q_size for g in plan.groups])
     qn = [a.reshape(g.batch, g.m, g.rank) for g, a in zip(plan.groups, qn, strict=True)]
 
-    outer = lambda a, b: jnp.einsum("bnr,bmr->bnm", a, b, precision=_HIGHEST)
-    means = [outer(a, b / n_dev) for a, b in zip(ps, qn, strict=True)]
-    shares = [outer(a, b) for a, b in zip(ps, local, strict=True)]  # P P^T M_i
+    means = [_outer(a, b / n_dev) for a, b in zip(ps, qn, strict=True)]
+    errors = [m - _outer(a, b) for m, a, b in zip(ms, ps, local, strict=True)]
     bad = collectives.local_nonfinite((round1, q_sum))
     if warm_start:
-        return means, shares, plain_mean, tuple(map(_unit_columns, qn, q)), bad
-    return means, shares, plain_mean, (), bad
+        return means, errors, plain_mean, tuple(map(_unit_columns, qn, q)), bad
+    return means, errors, plain_mean, (), bad
+
+
+def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
+    """``P Q^T`` of ``(B, n, r)`` and ``(B, m, r)`` batches: ``(B, n, m)``."""
+    return jnp.einsum("bnr,bmr->bnm", p, q, precision=_HIGHEST)
+
+
+def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
+    """The warm-up's exchange (:func:`_exchange`'s outputs, the matrices' sums in place of their
+    means): every matrix and the plain vector summed by one all-reduce of their tuple (no
+    concatenated copy); zero errors."""
+    sums = jax.lax.psum((plain, *ms), axis_name)
+    errors = [_varying_like(jnp.zeros(m.shape), m) for m in ms]
+    return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), collectives.local_nonfinite(sums)
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual axes ``like`` varies over (a cond's branches
+    must agree on it: the errors of the other branch differ per device)."""
+    axes = tuple(skeleton.varying_axes(like) - skeleton.varying_axes(x))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, epsilon):
+    """The step's exchange: (mean batches, this device's error batches, plain mean, next
+    ``q``, non-finite flag). :func:`_two_rounds`, or during the warm-up (``warm``, a traced
+    bool; False: no warm-up branch) :func:`_dense_sums`, chosen by ``lax.cond``.
+
+    Each branch writes the new memory itself: a branch that returned its input (``M_i`` as
+    the warm-up's share) would copy every matrix into the cond's output, and ``M_i - share``
+    after the cond would have XLA recompute ``M_i = g + e`` there, keeping the gradient alive
+    through the exchange (one more gradient-sized buffer each). The warm-up's sums are divided
+    by ``n`` after the cond (a division inside would write a second buffer beside the sum).
+    """
+    if not plan.groups:
+        plain_mean = jax.lax.psum(plain, axis_name) / n_dev
+        return [], [], plain_mean, q_old, collectives.local_nonfinite(plain_mean)
+
+    def compress(_):
+        q = q_old if warm_start else _stack(plan, _random_q(plan, key), lambda g: (g.m, g.rank))
+        return _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon)
+
+    if warm is False:
+        return compress(None)
+    dense = lambda _: _dense_sums(plan, ms, plain, q_old, axis_name, n_dev)
+    means, errors, plain_mean, q, bad = jax.lax.cond(warm, dense, compress, None)
+    means = [jnp.where(warm, m / n_dev, m) for m in means]
+    return means, errors, plain_mean, q, bad
 
 
 def powersgd(
@@ -501,39 +549,17 @@ def powersgd(
             _stack(p, layouts.field_leaves(state.q), lambda g: (g.m, g.rank)) if warm_start else []
         )
 
-        def warmup(_):
-            total = jax.lax.psum(jnp.concatenate([plain, _flat(ms)]), axis_name) / n_dev
-            means = _split(total[plain.shape[0] :], [m.size for m in ms])
-            means = [a.reshape(m.shape) for a, m in zip(means, ms, strict=True)]
-            return (
-                means,
-                ms,
-                total[: plain.shape[0]],
-                tuple(q_old),
-                collectives.local_nonfinite(total),
-            )
-
-        def compress(_):
-            q = q_old if warm_start else _stack(p, _random_q(p, step_key), lambda g: (g.m, g.rank))
-            return _two_rounds(p, ms, plain, q, axis_name, n_dev, warm_start, epsilon)
-
-        if not p.groups:
-            means, shares = [], []
-            plain_mean = jax.lax.psum(plain, axis_name) / n_dev
-            q, bad = q_old, collectives.local_nonfinite(plain_mean)
-        elif start_step == 0:
-            means, shares, plain_mean, q, bad = compress(None)
-        else:
-            means, shares, plain_mean, q, bad = jax.lax.cond(
-                state.count < start_step, warmup, compress, None
-            )
+        warm = state.count < start_step if start_step and p.groups else False
+        means, errors, plain_mean, q, bad = _exchange(
+            p, ms, plain, q_old, warm, step_key, axis_name, n_dev, warm_start, epsilon
+        )
         bad = shards.any_block(bad)
         low_shapes = [
             s
             for s, g in zip(p.layout.shapes, p.layout.groups, strict=True)
             if g == layouts.COMPRESSED
         ]
-        errors = [(m - s) for m, s in zip(_unstack(p, ms), _unstack(p, shares), strict=True)]
+        errors = _unstack(p, errors)
         new_state = PowerSGDState(
             error=layouts.like_compressed(
                 p.layout, [e.reshape(1, *s) for e, s in zip(errors, low_shapes, strict=True)]

@@ -18,15 +18,17 @@ SMOKE_VENV := build/smoke-venv
 
 .PHONY: demo test test-smoke-opt lint bench docs dist smoke-wheel clean
 
-# pip byte-compiles every module it installs unless --no-compile (this install: 104 s of CPU
-# with, 57 s without); Python then compiles only what a run imports, once, on first import.
-# That needs bytecode writes on: a PYTHONDONTWRITEBYTECODE set in the caller's environment
-# would make every one of the suite's processes recompile what it imports.
+# uv (from PyPI, into the venv) installs the pinned set: the same 116 packages and versions
+# as pip's resolver, in 10 s of CPU with an empty cache instead of pip's 44 s (and no pip
+# upgrade first). Like pip's --no-compile, uv does not byte-compile what it installs; Python
+# compiles only what a run imports, once, on first import. That needs bytecode writes on: a
+# PYTHONDONTWRITEBYTECODE set in the caller's environment would make every one of the
+# suite's processes recompile what it imports.
 unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs,dist]'
+	$(BIN)/python -m pip install -q --no-compile uv==0.13.9
+	$(BIN)/uv pip install -q --python $(BIN)/python -c requirements-lock.txt --config-setting editable_mode=compat -e '.[test,examples,docs,dist]'
 	@touch $(STAMP)
 
 demo: $(STAMP)

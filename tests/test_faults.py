@@ -168,8 +168,8 @@ def launch_all(args, timeout=240.0, grace=60.0, env=None):
     return status, out, time.monotonic()
 
 
-def finals(out):
-    digests = {line.split()[0]: line.split()[2] for _, line in out.find(r"^\[\d\] FINAL ")}
+def finals(out, word="FINAL"):
+    digests = {line.split()[0]: line.split()[2] for _, line in out.find(rf"^\[\d\] {word} ")}
     assert sorted(digests) == [f"[{r}]" for r in range(PROCESSES)], out.text()[-3000:]
     assert len(set(digests.values())) == 1, digests
     return next(iter(digests.values()))
@@ -200,10 +200,10 @@ def test_killed_process_fails_fast_and_restart_from_checkpoint_matches(tmp_path)
         )
         assert clear, f"rank {rank} printed no clear error:\n" + out.text()[-3000:]
 
-    # 2. Restart all from the last checkpoint, 3. an uninterrupted run: same params.
-    status, resumed, _ = run([*common, "--ckpt", ckpt, "--resume"])
+    # 2. Restart all from the last checkpoint, 3. then, in the same processes (one start-up
+    # less: 57 s -> 44 s of CPU), an uninterrupted run from step 0: the same params.
+    clean = str(tmp_path / "clean")
+    status, resumed, _ = run([*common, "--ckpt", ckpt, "--resume", "--clean-ckpt", clean])
     assert status == 0, resumed.text()[-3000:]
     assert len(resumed.find(r"RESUMED at step 10")) == PROCESSES
-    status, clean, _ = run([*common, "--ckpt", str(tmp_path / "clean")])
-    assert status == 0, clean.text()[-3000:]
-    assert finals(resumed) == finals(clean)
+    assert finals(resumed) == finals(resumed, "CLEAN")

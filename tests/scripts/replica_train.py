@@ -17,7 +17,9 @@ identical across devices (random-k indices: must be; stochastic rounding: must n
 ``fault`` trains one transform with an orbax checkpoint every ``--every`` steps. With
 ``--die-rank`` that process ``os._exit(3)``s right after step ``--die-step`` (a crash: no
 clean-up, no goodbye to the coordinator). ``--resume`` restores the latest checkpoint and
-continues. Prints ``FINAL <sha256>`` at the end.
+continues. Prints ``FINAL <sha256>`` at the end. ``--clean-ckpt DIR`` then trains again from
+step 0, uninterrupted (checkpoints into DIR), in the same processes (no second start-up) and
+prints ``CLEAN <sha256>``: a resumed run must end on it.
 """
 
 from __future__ import annotations
@@ -223,6 +225,13 @@ def run_families(ns) -> None:
 
 
 def run_fault(ns) -> None:
+    say(f"FINAL {fault_run(ns, ns.ckpt, ns.resume)}")
+    if ns.clean_ckpt:
+        say(f"CLEAN {fault_run(ns, ns.clean_ckpt, resume=False)}")
+
+
+def fault_run(ns, ckpt, resume) -> str:
+    """Train ``ns.family`` for ``ns.steps`` with checkpoints into ``ckpt``; the params' hash."""
     import orbax.checkpoint as ocp
 
     m = mesh()
@@ -230,11 +239,11 @@ def run_fault(ns) -> None:
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=ns.every, max_to_keep=3, enable_async_checkpointing=False
     )
-    manager = ocp.CheckpointManager(os.path.abspath(ns.ckpt), options=options)
+    manager = ocp.CheckpointManager(os.path.abspath(ckpt), options=options)
     params = init_params(m)
     state = jc.sharded_init(tx, params, m, AXIS)
     start = 0
-    if ns.resume:
+    if resume:
         start = manager.latest_step()
         if start is None:
             raise SystemExit("--resume: no checkpoint found")
@@ -257,7 +266,7 @@ def run_fault(ns) -> None:
 
     params, _ = train(tx, m, ns.steps, params, state, start, on_step)
     manager.close()
-    say(f"FINAL {param_hash(params)}")
+    return param_hash(params)
 
 
 def main(argv=None) -> int:
@@ -271,6 +280,7 @@ def main(argv=None) -> int:
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--die-step", type=int, default=-1)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--clean-ckpt", default=None, help="then an uninterrupted run")
     ns = parser.parse_args(argv)
     if ns.mode == "families":
         run_families(ns)

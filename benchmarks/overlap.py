@@ -14,9 +14,13 @@ batch large enough that compute and exchange are of the same order (``--batch``,
 * ``overlapped``: ``jc.overlapped_step`` — the same delayed step as two programs run at once
   on two host threads (exchange and update on a worker thread, forward and backward on the
   main one);
-* ``two_programs``: those two programs dispatched back to back from one thread, then both
-  awaited (with ``--async-dispatch`` the CPU client returns before they finish, so it could
-  run them at once; without, they run one after the other by construction).
+* ``layerwise``: the synchronous step (no staleness) with its backward split into one program
+  per layer, from the last; each layer's gradient is exchanged on a worker thread while the
+  layer below is computed (wait-free backpropagation, written out for this MLP);
+* ``two_programs``: the two programs of ``overlapped`` dispatched back to back from one
+  thread, then both awaited (with ``--async-dispatch`` the CPU client returns before they
+  finish, so it could run them at once; without, they run one after the other by
+  construction).
 
 For each step ``overlap = (compute + exchange - step) / min(compute, exchange)``: 0 when the
 step is the sum of its parts, 1 when the shorter part is fully hidden; and
@@ -127,6 +131,77 @@ def _steps(name: str, codec, params, mesh):
     split = jc.overlapped_step(common.mlp_loss, tx, mesh, AXIS, pmean=plain)
     yield "overlapped", split, split.init(params)
     yield "two_programs", _one_thread(split), split.init(params)
+    yield "layerwise", _layerwise(codec, mesh), 0
+
+
+def _layerwise(codec, mesh):
+    """The synchronous step (no staleness) with the backward split into three programs, one
+    per layer from the last: each layer's gradient is exchanged on a worker thread while the
+    next program computes the layer below (wait-free backpropagation, by hand for the MLP of
+    ``common.py``: ``relu(x @ w0 + b0)``, ``relu(. @ w1 + b1)``, ``. @ w2 + b2``, mean squared
+    error)."""
+    import concurrent.futures
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    def smap(f, in_specs, out_specs):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+    def stack(g):
+        return jax.tree.map(lambda a: a[None], g)
+
+    def last(p, x, y):  # forward, and the backward of the last layer and the loss
+        h1 = jax.nn.relu(x @ p["w0"] + p["b0"])
+        h2 = jax.nn.relu(h1 @ p["w1"] + p["b1"])
+        top = jax.lax.pcast({"w2": p["w2"], "b2": p["b2"]}, AXIS, to="varying")
+        _, vjp = jax.vjp(lambda q, h: jnp.mean((h @ q["w2"] + q["b2"] - y) ** 2), top, h2)
+        g, ct = vjp(jax.lax.pcast(jnp.ones((), jnp.float32), AXIS, to="varying"))
+        return stack(g), ct, h1, h2
+
+    def dense_back(w, h_in, h_out, ct, i):  # relu(h_in @ w + b): gradients and input cotangent
+        dz = ct * (h_out > 0)
+        return {f"w{i}": h_in.T @ dz, f"b{i}": dz.sum(0)}, dz @ w.T
+
+    def middle(p, h1, h2, ct):
+        g, ct = dense_back(p["w1"], h1, h2, ct, 1)
+        return stack(g), ct
+
+    def first(p, x, h1, ct):
+        return stack(dense_back(p["w0"], x, h1, ct, 0)[0])
+
+    rows, rep = P(AXIS), P()
+    last = smap(last, (rep, rows, rows), (rows, rows, rows, rows))
+    middle = smap(middle, (rep, rows, rows, rows), (rows, rows))
+    first = smap(first, (rep, rows, rows, rows), rows)
+
+    def mean(g):
+        g = jax.tree.map(lambda a: a[0], g)
+        return jax.lax.pmean(g, AXIS) if codec is None else jc.pmean(g, AXIS, codec)
+
+    exchange = smap(mean, (rows,), rep)
+    update = smap(
+        lambda p, *ms: {k: v - 1e-3 * m[k] for m in ms for k, v in p.items() if k in m},
+        (rep, rep, rep, rep),
+        rep,
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def send(g):
+        return pool.submit(lambda: jax.block_until_ready(exchange(g)))
+
+    def step(p, state, x, y):
+        g2, ct, h1, h2 = jax.block_until_ready(last(p, x, y))
+        sent = [send(g2)]
+        g1, ct = jax.block_until_ready(middle(p, h1, h2, ct))
+        sent.append(send(g1))
+        sent.append(send(jax.block_until_ready(first(p, x, h1, ct))))
+        return jax.block_until_ready(update(p, *[f.result() for f in sent])), state
+
+    return step
 
 
 def _stepper(step, params, state, *batch):

@@ -88,3 +88,21 @@ def test_params_and_state_match_delayed_in_one_program_bit_for_bit(name):
     a, b = jax.tree.leaves(out["split_state"]), jax.tree.leaves(out["one_state"])
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert int(out["split_state"].count) == STEPS
+
+
+def test_layerwise_benchmark_step_is_the_one_program_step_bit_for_bit():
+    """benchmarks/overlap.py's `layerwise` row (backward split per layer, each layer's pmean on
+    a worker thread) computes the synchronous step exactly."""
+    from benchmarks import common, overlap
+
+    m = mesh()
+    put = lambda a, s: jax.device_put(a, NamedSharding(m, s))  # noqa: E731
+    p0 = put(common.mlp_params((16, 32, 32, 8)), P())
+    rng = np.random.default_rng(1)
+    x, y = (put(rng.standard_normal((2 * N, d)).astype(np.float32), P("data")) for d in (16, 8))
+    step, state = common.mlp_tx_step(optax.sgd(1e-3), p0, m, "data", pmean_first=True)
+    want, _ = Blocking(step)(p0, state, x, y)
+    got, _ = overlap._layerwise(None, m)(p0, 0, x, y)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    assert np.abs(np.asarray(got["w0"]) - np.asarray(p0["w0"])).max() > 0

@@ -36,11 +36,11 @@ def delayed(
     forward and backward computed in the same program, so XLA can run the collectives while
     the gradients of step ``t`` are computed (where its runtime overlaps them: XLA:CPU runs a
     program's collectives in turn with its other work; :func:`jaxcomp.overlapped_step` runs
-    this step as two programs on two host threads, which overlap there). The price is staleness 1: each update is
-    computed on params one step older than the ones it is applied to (PipeDream-style
-    weight staleness). With ``axis_name`` the delayed gradients are first averaged with a
-    float32 ``pmean`` (plain data parallel, delayed: ``jc.delayed(optax.sgd(0.1),
-    axis_name="data")``).
+    this step as two programs on two host threads, which overlap there). The price is
+    staleness 1: each update is computed on params one step older than the ones it is
+    applied to (PipeDream-style weight staleness). With ``axis_name`` the delayed gradients
+    are first averaged with a float32 ``pmean`` (plain data parallel, delayed:
+    ``jc.delayed(optax.sgd(0.1), axis_name="data")``).
 
     A non-finite gradient reaches ``tx`` one step later: that step's output is non-finite
     and ``tx`` keeps its own state as its contract says (jaxcomp transforms leave their

@@ -317,6 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--backend",
         default="cpu",
+        choices=("cpu", "gpu"),
         help="the device to time on: cpu (default) or gpu, where one is present",
     )
     args = ap.parse_args(argv)

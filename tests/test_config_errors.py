@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp import launch
+from jaxcomp._src import autotune as tuning
 from jaxcomp._src.accounting import Collective
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -592,6 +593,7 @@ CHECKS = [
         ValueError,
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
+    ("autotune.select", "rows", lambda: tuning.select([]), ValueError),
     (
         "CommReport.mean_bytes_per_device",
         "branch_weights",

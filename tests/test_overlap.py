@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Blocking, N, mesh
+from helpers import Blocking, N, mesh, per_device
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -58,13 +58,7 @@ def runs(name):
         u, s = one.update(g, s, p)
         return optax.apply_updates(p, u), s
 
-    ref = Blocking(
-        jax.jit(
-            jax.shard_map(
-                body, mesh=m, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs)
-            )
-        )
-    )
+    ref = per_device(body, (P(), specs, P("data"), P("data")), (P(), specs), m)
     step = jc.overlapped_step(loss, tx, m, "data", pmean=pmean)
     out = {"one": [], "split": [], "p0": jax.tree.map(np.asarray, p0)}
     for kind, fn, s in (("one", ref, state), ("split", step, step.init(p0))):
@@ -106,3 +100,27 @@ def test_layerwise_benchmark_step_is_the_one_program_step_bit_for_bit():
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
     assert np.abs(np.asarray(got["w0"]) - np.asarray(p0["w0"])).max() > 0
+
+
+def test_an_exception_in_the_exchange_reaches_the_caller_and_close_stops_the_worker():
+    class Boom(Exception):
+        pass
+
+    def update(updates, state, params=None):
+        raise Boom("in tx.update, on the worker thread")
+
+    m = mesh()
+    step = jc.overlapped_step(
+        loss, optax.GradientTransformation(optax.init_empty_state, update), m, "data"
+    )
+    p0 = jax.device_put(
+        {"w": np.zeros((16, 8), np.float32), "b": np.zeros(8, np.float32)}, NamedSharding(m, P())
+    )
+    batch = [jax.device_put(a, NamedSharding(m, P("data"))) for a in data(0)]
+    p, state = step(p0, step.init(p0), *batch)  # step 0: no exchange, so no error yet
+    assert int(state.count) == 1
+    with pytest.raises(Boom, match="worker thread"):
+        step(p, state, *batch)
+    step.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        step(p, state, *batch)

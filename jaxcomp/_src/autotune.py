@@ -546,8 +546,9 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
     plain = next(r for r in rows if r.codec is None)
     chosen = [plain] + [r for r in rows if r.codec is not None][:check]
     t0, timed = time.perf_counter(), {}
-    for r in chosen:
-        if r is not plain and time.perf_counter() - t0 > budget_s:
+    for r in chosen:  # every process stops at the same row: the slowest one's clock decides
+        elapsed = _reduce_over_processes(np.array([time.perf_counter() - t0]))[0]
+        if r is not plain and elapsed > budget_s:
             break
         exchange = (
             {}
@@ -577,7 +578,9 @@ def select(rows: Sequence[Candidate]) -> Candidate:
     wire time does not.
 
     Args:
-      rows: candidates, ``measured_ms`` NaN where not timed; plain ``pmean`` timed.
+      rows: candidates, ``measured_ms`` NaN where not timed; plain ``pmean`` timed. Every
+        process must pass the same rows (:func:`autotune` reduces the timings over processes
+        first), so every process selects the same row.
 
     Returns:
       The chosen row (the plain ``pmean`` row where no codec measured clearly faster).
@@ -586,7 +589,9 @@ def select(rows: Sequence[Candidate]) -> Candidate:
 
       best = jaxcomp._src.autotune.select(plan.table)   # plan.table[0]
     """
-    plain = next(r for r in rows if r.codec is None and not math.isnan(r.measured_ms))
+    plain = next((r for r in rows if r.codec is None and not math.isnan(r.measured_ms)), None)
+    if plain is None:
+        raise ValueError("`rows` must hold plain pmean's row (codec None) with its measured_ms")
     timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
     if not timed or min(r.measured_ms for r in timed) > (1 - MARGIN) * plain.measured_ms:
         return plain

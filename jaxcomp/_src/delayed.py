@@ -39,7 +39,7 @@ def delayed(
     this step as two programs on two host threads, which overlap there). The price is
     staleness 1: each update is computed on params one step older than the ones it is
     applied to (PipeDream-style weight staleness). With ``axis_name`` the delayed gradients
-    are first averaged with a float32 ``pmean`` (plain data parallel, delayed:
+    are first averaged with a ``pmean`` in the params' dtypes (plain data parallel, delayed:
     ``jc.delayed(optax.sgd(0.1), axis_name="data")``).
 
     A non-finite gradient reaches ``tx`` one step later: that step's output is non-finite

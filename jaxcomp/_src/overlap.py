@@ -32,8 +32,8 @@ def _check_loss(loss_fn: Any) -> Callable:
 
 
 class OverlappedStep:
-    """The step :func:`overlapped_step` returns: ``init(params)`` and
-    ``step(params, state, *batch) -> (params, state)``; see there."""
+    """The step :func:`overlapped_step` returns: ``init(params)``,
+    ``step(params, state, *batch) -> (params, state)`` and ``close()``; see there."""
 
     def __init__(self, loss_fn, tx, mesh, axis_name, pmean):
         self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
@@ -42,6 +42,11 @@ class OverlappedStep:
         self._grads: dict[int, Callable] = {}
         self._exchange: Callable | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomp-exchange")
+
+    def close(self) -> None:
+        """Stop the worker thread (after the running exchange, if any); the step is unusable
+        after. Without it the thread ends when the step is garbage-collected or Python exits."""
+        self._pool.shutdown(wait=True)
 
     def init(self, params: Any) -> DelayedState:
         """The state of ``jc.delayed(tx)`` on every device of ``mesh`` (``jc.sharded_init``)."""
@@ -128,7 +133,16 @@ def overlapped_step(
     collectives synchronously, in order with its other work, so one program cannot overlap
     them; two programs dispatched back to back from one thread run one after the other too.
     The exchange program's collectives are issued from one worker thread, in step order, so
-    every process pairs them the same way.
+    every process pairs them the same way. Where XLA runs collectives asynchronously (GPU,
+    TPU) ``jc.delayed(tx)`` can overlap them in one program; this step is measured on XLA:CPU
+    only. A non-finite gradient reaches ``tx`` one step later, as in ``jc.delayed``.
+
+    The exchange donates ``state.inner``: pass each step the state the previous one
+    returned, and after a step that raised, restart from a checkpoint (the state passed in
+    may have been consumed). An exception in either program is raised to the caller once
+    both have finished; ``step.close()`` stops the worker thread. The exchange is traced on
+    the worker thread: jax settings made by a context manager in the caller's thread (they
+    are thread-local, e.g. ``jax.default_matmul_precision``) do not apply to it.
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``, the loss of one device's batch.
@@ -138,7 +152,8 @@ def overlapped_step(
       mesh: the mesh; ``axis_name`` is its data axis.
       axis_name: the data-parallel axis (each ``batch`` array's leading dimension is split
         over it).
-      pmean: average the gradients with a float32 ``jax.lax.pmean`` before ``tx``.
+      pmean: average the gradients with ``jax.lax.pmean`` (in the params' dtypes) before
+        ``tx``.
 
     Returns:
       An :class:`OverlappedStep` ``step``: ``state = step.init(params)``, then

@@ -310,7 +310,7 @@ def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
     means): every matrix and the plain vector summed by one all-reduce of their tuple (no
     concatenated copy); zero errors."""
     sums = jax.lax.psum((plain, *ms), axis_name)
-    errors = [_varying_like(jnp.zeros(m.shape), m) for m in ms]
+    errors = [_varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
     return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), collectives.local_nonfinite(sums)
 
 

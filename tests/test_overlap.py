@@ -67,6 +67,7 @@ def runs(name):
             p, s = fn(p, s, *map(put, data(t)))
             out[kind].append(jax.tree.map(np.asarray, p))
         out[kind + "_state"] = jax.tree.map(np.asarray, s)
+        out[kind + "_live"] = (fn, p, s)  # to go on from (tests below)
     return out
 
 
@@ -124,3 +125,26 @@ def test_an_exception_in_the_exchange_reaches_the_caller_and_close_stops_the_wor
     step.close()
     with pytest.raises(RuntimeError, match="shutdown"):
         step(p, state, *batch)
+
+
+def test_nan_gradient_poisons_the_next_step_and_keeps_the_memory():
+    """As jc.delayed (tests/test_delayed.py): a NaN in one device's gradient reaches the
+    params one step later, non-finite everywhere, and the fp16 residual memory stays as it was;
+    the two-thread step gives the one-program step's values, bit for bit."""
+    out, m = runs("fp16_residual"), mesh()
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    x, y = data(STEPS)
+    x[5] = np.nan  # one row of device 2's batch
+    got = {}
+    for kind in ("one", "split"):
+        fn, p, s = out[kind + "_live"]
+        p, s = fn(p, s, put(x), put(y))  # the NaN gradient is pending; params still finite
+        assert all(np.isfinite(a).all() for a in jax.tree.leaves(jax.device_get(p)))
+        memory = jax.tree.map(np.asarray, s.inner)
+        p, s = fn(p, s, *map(put, data(STEPS + 1)))  # exchanged now
+        got[kind] = jax.tree.map(np.asarray, (p, s.inner))
+        assert not any(np.isfinite(a).any() for a in jax.tree.leaves(got[kind][0])), kind
+        kept = zip(jax.tree.leaves(got[kind][1]), jax.tree.leaves(memory), strict=True)
+        assert all(np.array_equal(a, b) for a, b in kept), kind
+    pairs = zip(jax.tree.leaves(got["split"]), jax.tree.leaves(got["one"]), strict=True)
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in pairs)

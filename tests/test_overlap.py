@@ -8,21 +8,16 @@ tests/test_config_errors.py.
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Blocking, N, mesh, per_device
+from helpers import Blocking, N, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 
 STEPS = 3
-
-
-def loss(p, x, y):
-    return jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
 
 
 def data(t):
@@ -43,23 +38,16 @@ TXS = {  # name: (tx, pmean)
 @functools.cache
 def runs(name):
     """(one-program jc.delayed, overlapped_step): params after each step, final state."""
+    from benchmarks import common
+
     tx, pmean = TXS[name]
     m = mesh()
-    rng = np.random.default_rng(0)
-    p0 = {"w": 0.3 * rng.standard_normal((16, 8)), "b": np.zeros(8)}
-    p0 = jax.device_put(jax.tree.map(np.float32, p0), NamedSharding(m, P()))
+    p0 = jax.device_put(common.mlp_params((16, 8)), NamedSharding(m, P()))
     put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
     one = jc.delayed(tx, axis_name="data" if pmean else None)
-    state = jc.sharded_init(one, p0, m, "data")
-    specs = jc.state_specs(state, "data")
-
-    def body(p, s, x, y):
-        g = jax.grad(loss)(jax.lax.pcast(p, "data", to="varying"), x, y)
-        u, s = one.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    ref = per_device(body, (P(), specs, P("data"), P("data")), (P(), specs), m)
-    step = jc.overlapped_step(loss, tx, m, "data", pmean=pmean)
+    ref, state = common.mlp_tx_step(one, p0, m, "data", pmean_first=False)
+    ref = Blocking(ref)
+    step = jc.overlapped_step(common.mlp_loss, tx, m, "data", pmean=pmean)
     out = {"one": [], "split": [], "p0": jax.tree.map(np.asarray, p0)}
     for kind, fn, s in (("one", ref, state), ("split", step, step.init(p0))):
         p = p0
@@ -75,11 +63,11 @@ def runs(name):
 def test_params_and_state_match_delayed_in_one_program_bit_for_bit(name):
     out = runs(name)
     for t in range(STEPS):
-        for k in ("w", "b"):
+        for k in ("w0", "b0"):
             np.testing.assert_array_equal(out["split"][t][k], out["one"][t][k], err_msg=(t, k))
     # step 0 applies nothing; later steps move the params
-    np.testing.assert_array_equal(out["split"][0]["w"], out["p0"]["w"])
-    assert np.abs(out["split"][2]["w"] - out["split"][0]["w"]).max() > 1e-3
+    np.testing.assert_array_equal(out["split"][0]["w0"], out["p0"]["w0"])
+    assert np.abs(out["split"][2]["w0"] - out["split"][0]["w0"]).max() > 1e-3
     a, b = jax.tree.leaves(out["split_state"]), jax.tree.leaves(out["one_state"])
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert int(out["split_state"].count) == STEPS
@@ -110,13 +98,12 @@ def test_an_exception_in_the_exchange_reaches_the_caller_and_close_stops_the_wor
     def update(updates, state, params=None):
         raise Boom("in tx.update, on the worker thread")
 
+    from benchmarks import common
+
     m = mesh()
-    step = jc.overlapped_step(
-        loss, optax.GradientTransformation(optax.init_empty_state, update), m, "data"
-    )
-    p0 = jax.device_put(
-        {"w": np.zeros((16, 8), np.float32), "b": np.zeros(8, np.float32)}, NamedSharding(m, P())
-    )
+    tx = optax.GradientTransformation(optax.init_empty_state, update)
+    step = jc.overlapped_step(common.mlp_loss, tx, m, "data")
+    p0 = jax.device_put(common.mlp_params((16, 8)), NamedSharding(m, P()))
     batch = [jax.device_put(a, NamedSharding(m, P("data"))) for a in data(0)]
     p, state = step(p0, step.init(p0), *batch)  # step 0: no exchange, so no error yet
     assert int(state.count) == 1

@@ -155,11 +155,12 @@ def zero_one_freeze(run: Run) -> int:
 def _zero_one_regime(run: Run, t: int, **kw: Any) -> str:
     """The round ``jc.zero_one_adam`` at the benchmark's settings (``kw`` overriding them)
     takes at step ``t``."""
-    from jaxcomp._src.zero_one_adam import round_kind
+    from jaxcomp._src.zero_one_adam import default_warmup, round_kind
 
     z = {**ZERO_ONE, **kw}
     gaps = (z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"])
-    kind = int(round_kind(t, zero_one_freeze(run), *gaps))
+    warmup = default_warmup(zero_one_freeze(run), z.get("warmup_steps"))
+    kind = int(round_kind(t, zero_one_freeze(run), *gaps, warmup))
     return ("full", "compressed", "skipped")[kind]
 
 
@@ -335,7 +336,7 @@ def _zo(note: str = "", **kw: Any) -> Recipe:
     def make(run: Run, axis: Any) -> Any:
         return _zero_one(run, axis, **{k: (v() if callable(v) else v) for k, v in kw.items()})
 
-    gaps = {k: v for k, v in kw.items() if k in ZERO_ONE}
+    gaps = {k: v for k, v in kw.items() if k in ZERO_ONE or k == "warmup_steps"}
     return Recipe(
         make,
         branches=("full", "compressed", "skipped"),
@@ -387,6 +388,9 @@ RECIPES: dict[str, Recipe] = {
     "onebit_adam-frozen": _ob(rescale_variance=False, note="the paper's variance: frozen as is"),
     "zero_one_adam-frozen": _zo(rescale_variance=False, note="variance not rescaled"),
     "zero_one_adam-clip1": _zo(local_step_clipper=1, note="no skipped rounds"),
+    "zero_one_adam-nowarmup": _zo(
+        warmup_steps=0, note="compressed rounds from step 9 (no full-precision warm-up)"
+    ),
     "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"

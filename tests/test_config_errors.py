@@ -307,6 +307,24 @@ CHECKS = [
     ),
     (
         "zero_one_adam",
+        "warmup_steps",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, warmup_steps=10),
+        ValueError,
+    ),
+    (
+        "zero_one_adam",
+        "warmup_steps",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, warmup_steps=-1),
+        ValueError,
+    ),
+    (
+        "zero_one_adam",
+        "warmup_steps",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, warmup_steps=2.5),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
         "var_update_scaler",
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, var_update_scaler=0),
         ValueError,

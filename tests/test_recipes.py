@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src.sgd import look_ahead
+from jaxcomp._src.zero_one_adam import default_warmup, round_kind
 
 SHAPES = {"w": (32, 48), "b": (48,)}
 STEPS = 5
@@ -83,6 +84,10 @@ SHARED = {
         var_freeze_step=3,
         var_update_scaler=1,
         local_step_scaler=1,
+    ),
+    # 1-bit signs; rounds of steps 0..4: FULL x3 (the warm-up), COMPRESSED, COMPRESSED.
+    "zero_one_warmup": lambda: jc.zero_one_adam(
+        1e-2, "data", var_freeze_step=4, warmup_steps=3, var_update_scaler=1, min_size=1
     ),
 }
 
@@ -268,6 +273,22 @@ def test_zero_one_adam_rounds_against_numpy():
         np.testing.assert_allclose(
             np.asarray(ours.pending[k]), 0.1 * grads(4)[k], rtol=1e-6, atol=1e-8
         )
+
+
+def test_zero_one_adam_warmup_is_adam_then_the_schedule_compresses():
+    """The first ``warmup_steps`` rounds are uncompressed Adam on the mean gradient (1-bit
+    codec and all); then the momentum goes through the codec. The default warm-up is a
+    quarter of ``var_freeze_step``: on the LM benchmark's schedule the first compressed
+    round moves from step 9 to step 25, for 38 float32 rounds in 300 steps instead of 30."""
+    run = shared("zero_one_warmup")
+    want = reference(optax.adam(1e-2))
+    assert_close(run.outs[:3], want[:3])
+    assert not np.allclose(run.outs[3]["w"], want[3]["w"], rtol=1e-2)  # 1-bit from here
+    kinds = lambda w: list(np.asarray(round_kind(np.arange(300), 100, 8, 1000, 16, w)))  # noqa: E731
+    old, new = kinds(0), kinds(default_warmup(100, None))
+    assert (old.index(1), new.index(1)) == (9, 25)
+    assert (old.count(0), new.count(0)) == (30, 38)
+    assert int(run.states[-1][0].variance_updates) == 3
 
 
 def test_zero_one_adam_skipped_round_nonfinite_poisons_every_device():

@@ -350,13 +350,13 @@ def zero_one_adam(
     embedding of the LM benchmark).
 
     **A full-precision warm-up.** The first ``warmup_steps`` steps are all FULL rounds
-    (uncompressed Adam, as 1-bit Adam's warm-up): a momentum compressed to 1 bit while it is
-    young (bias correction ``1 / (1 - b1^t)`` far from 1) and while the loss falls fastest
-    loses progress that the error feedback, repaying it steps later, does not recover. On the
-    LM benchmark (docs, "1-bit Adam and 0/1 Adam"), compressed rounds from step 9 (the
-    paper's schedule, no warm-up) ended 3.4% above AdamW at one seed, and 1-bit Adam frozen
-    at step 9 4.6%, while the same rounds with the momentum exchanged exactly ended level
-    with AdamW, and 1-bit Adam frozen at step 25 0.4% above it.
+    (uncompressed Adam, as 1-bit Adam's warm-up). A momentum compressed to 1 bit while it is
+    young (its bias correction ``1 / (1 - b1^t)`` far from 1), during the learning rate's
+    warm-up and the loss's fastest fall, loses progress that the error feedback, repaying it
+    steps later, does not win back: on the LM benchmark the paper's schedule (compressed
+    rounds from step ``var_update_scaler + 1``) cost several percent of loss that the same
+    rounds with the momentum exchanged exactly did not (docs, "1-bit Adam and 0/1 Adam for
+    language models").
 
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);

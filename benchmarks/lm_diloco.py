@@ -140,7 +140,109 @@ def _sl_outer(h: int, lr: float, m: int | None = None, **kw: Any) -> lm.Recipe:
     return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": h})
 
 
+def held_schedule(run: lm.Run) -> Any:
+    """The run's 5% linear warm-up to its peak lr, then the peak held to the end (no decay)."""
+    import optax
+
+    return optax.warmup_constant_schedule(0.0, run.lr, max(1, run.steps // 20))
+
+
+def outer_cosine(run: lm.Run, h: int, lr: float) -> Any:
+    """An outer lr decaying by cosine from ``lr`` (the first outer step) to ``lr / 10`` (the
+    last, ``run.steps // h - 1`` outer steps later): the annealing of the run's schedule
+    moved from the inner steps to the outer step."""
+    import optax
+
+    return optax.cosine_decay_schedule(lr, max(1, run.steps // h - 1), 0.1)
+
+
+def _inner_const(run: lm.Run) -> Any:
+    """AdamW (weight decay 0.1) at :func:`held_schedule`."""
+    import optax
+
+    return optax.adamw(held_schedule(run), weight_decay=lm.WEIGHT_DECAY)
+
+
+def _warmed(h: int, steps: int = 3) -> Callable[[lm.Run], Any]:
+    """The default outer step at M > 2 (Nesterov 0.7 / 0.6), its lr warmed up linearly from
+    ``0.7 / steps`` over the first ``steps`` outer steps."""
+
+    def make(run: lm.Run) -> Any:
+        import optax
+
+        return optax.sgd(optax.linear_schedule(0.7 / steps, 0.7, steps - 1), 0.6, nesterov=True)
+
+    return make
+
+
+def _outer_cos(h: int, lr: float = 0.7, momentum: float = 0.6) -> Callable[[lm.Run], Any]:
+    """Nesterov SGD (plain SGD at ``momentum`` 0) at :func:`outer_cosine`."""
+
+    def make(run: lm.Run) -> Any:
+        import optax
+
+        sched = outer_cosine(run, h, lr)
+        return optax.sgd(sched, momentum or None, nesterov=bool(momentum))
+
+    return make
+
+
+def _muon(run: lm.Run, held: bool = False) -> Any:
+    """MuLoCo's inner step: Muon on the matrices, AdamW on the rest, both at the run's
+    schedule (``held``: :func:`held_schedule`; ``consistent_rms=0.2``: Muon's update RMS
+    matched to AdamW's, so one lr)."""
+    import optax
+
+    sched = held_schedule(run) if held else run.schedule()
+    return optax.contrib.muon(
+        sched,
+        consistent_rms=0.2,
+        adam_learning_rate=sched,
+        weight_decay=lm.WEIGHT_DECAY,
+        adam_weight_decay=lm.WEIGHT_DECAY,
+    )
+
+
+def _h(
+    h: int,
+    m: int | None = None,
+    *,
+    inner: Callable[[lm.Run], Any] | None = None,
+    outer: Callable[[lm.Run], Any] | None = None,
+    sparse: bool = False,
+    **kw: Any,
+) -> lm.Recipe:
+    """DiLoCo int4 (or ``sparse``: SparseLoCo, at its defaults but ``kw``) with ``inner(run)``
+    (None: the run's AdamW) and ``outer(run)`` (None: the default)."""
+
+    def make(run: lm.Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        tx = run.adamw() if inner is None else inner(run)
+        o = None if outer is None else outer(run)
+        if sparse:
+            return jc.sparseloco(tx, axis, h, outer=o, **kw)
+        return jc.diloco(tx, axis, h, codec=common.make_codec("int4"), outer=o)
+
+    return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": h})
+
+
 RECIPES: dict[str, lm.Recipe] = {
+    "diloco-int4-H30-innerconst": _h(30, inner=_inner_const),
+    "diloco-int4-H30-innerconst-outercos": _h(30, inner=_inner_const, outer=_outer_cos(30)),
+    "diloco-int4-H30-muon": _h(30, inner=_muon),
+    "diloco-int4-H30-muon-innerconst": _h(30, inner=lambda run: _muon(run, held=True)),
+    "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
+    "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
+    "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),
+    "sparseloco-H30-innerconst-outercos": _h(
+        30, inner=_inner_const, outer=_outer_cos(30, 1.0, 0.0), sparse=True
+    ),
+    "sparseloco-H30-M2-innerconst": _h(30, 2, inner=_inner_const, sparse=True),
+    "sparseloco-H30-innerconst-ef0.95": _h(30, inner=_inner_const, sparse=True, ef_decay=0.95),
+    "sparseloco-H30-M2-innerconst-ef0.95": _h(
+        30, 2, inner=_inner_const, sparse=True, ef_decay=0.95
+    ),
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
     "demo-5e-3-decay0.9": _demo(5e-3),

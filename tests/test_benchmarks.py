@@ -317,6 +317,22 @@ def test_lm_diloco_pseudo_gradient_spread():
     assert opposite["mean_delta_norm"] == 0.0 and opposite["delta_cosine"] == pytest.approx(-1.0)
 
 
+def test_lm_diloco_held_and_outer_cosine_schedules():
+    """benchmarks/lm_diloco.py: the inner lr held at its peak after AdamW's 5% warm-up, and
+    the outer lr from 0.7 at the first of the 10 outer steps of H = 30 to 0.07 at the last."""
+    import numpy as np
+
+    from benchmarks import lm, lm_diloco
+
+    run = lm.Run(steps=300, lr=3e-3, devices=8)
+    held = np.asarray(lm_diloco.held_schedule(run)(np.arange(300)))
+    assert held[0] == 0.0 and held[5] == pytest.approx(1e-3)  # 3e-3 * 5 / 15
+    np.testing.assert_allclose(held[15:], 3e-3, rtol=1e-6)
+    outer = np.asarray(lm_diloco.outer_cosine(run, 30, 0.7)(np.arange(10)))
+    assert outer[0] == pytest.approx(0.7) and outer[9] == pytest.approx(0.07)
+    assert np.all(np.diff(outer) < 0)
+
+
 def test_lm_demo_schedules_are_the_documented_ones():
     """benchmarks/lm_demo.py: ``-end1`` (the peak held after the warm-up) is ``jc.demo``'s
     documented ``optax.linear_schedule(0, peak, warmup)`` at every step, ``-end0.1`` AdamW's."""

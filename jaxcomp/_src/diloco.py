@@ -117,7 +117,9 @@ def diloco(
 
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
-        ``optax.adamw(1e-3)``).
+        ``optax.adamw(1e-3)``). Hold its lr at the peak after a warm-up rather than decay
+        it: a cosine decay to 10% cost 1.3-4 points at ``H = 30`` on a language model (docs,
+        "Training language models over slow links": the inner schedule).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps.
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default

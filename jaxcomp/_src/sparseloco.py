@@ -223,7 +223,8 @@ def sparseloco(
 
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
-        ``optax.adamw(1e-3)``).
+        ``optax.adamw(1e-3)``), its lr held at the peak after a warm-up rather than decayed
+        (as for :func:`jaxcomp.diloco`).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30).
       density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%).

@@ -23,7 +23,11 @@ DeMo's peak lr and weight decay around its recipe (``demo-3e-3-decay0.9``). The 
 replicas), ``H = 5`` on 8 and on 2 replicas, and 4 replicas of 2 devices (Nesterov against
 plain averaging). SparseLoCo's defaults, one change at a time: the error feedback's decay
 (0.95, 0.5, 0), float32 values (a diagnosis), an outer lr of 0.5, each payload clipped to its
-pseudo-gradient's norm (``clip=True``), ``H = 10`` on 8 and on 2 replicas.
+pseudo-gradient's norm (``clip=True``), ``H = 10`` on 8 and on 2 replicas. The inner
+schedule at ``H = 30`` (``-innerconst``: AdamW's lr held at its peak after the warm-up,
+:func:`held_schedule`), with it the outer lr warmed up (``-outerwarmup3``) or annealed by
+cosine (``-outercos``, :func:`outer_cosine`), Muon inside (``-muon``), and SparseLoCo's
+``ef_decay=0.95`` with the held lr, on 8 and on 2 replicas.
 
 ::
 
@@ -203,6 +207,10 @@ def _muon(run: lm.Run, held: bool = False) -> Any:
     )
 
 
+def _muon_held(run: lm.Run) -> Any:
+    return _muon(run, held=True)
+
+
 def _h(
     h: int,
     m: int | None = None,
@@ -231,7 +239,12 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H30-innerconst": _h(30, inner=_inner_const),
     "diloco-int4-H30-innerconst-outercos": _h(30, inner=_inner_const, outer=_outer_cos(30)),
     "diloco-int4-H30-muon": _h(30, inner=_muon),
-    "diloco-int4-H30-muon-innerconst": _h(30, inner=lambda run: _muon(run, held=True)),
+    "diloco-int4-H30-muon-innerconst": _h(30, inner=_muon_held),
+    "diloco-int4-H30-M2-muon-innerconst": _h(30, 2, inner=_muon_held),
+    "muon-innerconst": lm.Recipe(
+        lambda run, axis: _muon_held(run), averages=False, note="Muon data parallel (pmean)"
+    ),
+    "sparseloco-H30-muon-innerconst": _h(30, inner=_muon_held, sparse=True),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
     "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),

@@ -118,10 +118,10 @@ def diloco(
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
         ``optax.adamw(1e-3)``). Hold its lr at the peak after a warm-up rather than decay
-        it: a cosine decay to 10% cost 1.3-4.5 points of loss at ``H = 30`` on a language
-        model; on many replicas of small batches Muon inside (``optax.contrib.muon``,
-        MuLoCo) did better still (docs, "Training language models over slow links": the
-        inner schedule at ``H = 30``).
+        it: at ``H = 30`` on a language model a cosine decay cost loss, and on many
+        replicas of small batches Muon inside (``optax.contrib.muon``, MuLoCo) did better
+        still (figures in the docs, "Training language models over slow links": the inner
+        schedule at ``H = 30``).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps.
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default

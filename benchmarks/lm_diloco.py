@@ -245,6 +245,7 @@ RECIPES: dict[str, lm.Recipe] = {
         lambda run, axis: _muon_held(run), averages=False, note="Muon data parallel (pmean)"
     ),
     "sparseloco-H30-muon-innerconst": _h(30, inner=_muon_held, sparse=True),
+    "sparseloco-H30-M2-muon-innerconst": _h(30, 2, inner=_muon_held, sparse=True),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
     "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),

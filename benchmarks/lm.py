@@ -912,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.recipes or list(RECIPES)
     if "adamw" not in names and not any(r["recipe"] == "adamw" for r in runs):
         names = ["adamw", *names]
+    out = None  # stays None when every recipe asked for is in the file already
     for recipe_name in names:
         if any(r["recipe"] == recipe_name for r in runs):
             continue
@@ -928,8 +929,9 @@ def main(argv: list[str] | None = None) -> int:
         out = {"environment": common.environment(), "config": config, "runs": runs}
         common.write_json(path, out, quiet=True)
     print_table(runs)
-    common.write_json(path, out)
-    draw(runs, path.with_suffix(".png"))
+    if out is not None:
+        common.write_json(path, out)
+        draw(runs, path.with_suffix(".png"))
     return 0
 
 

@@ -23,12 +23,14 @@ SMOKE_VENV := build/smoke-venv
 # upgrade first). Like pip's --no-compile, uv does not byte-compile what it installs; Python
 # compiles only what a run imports, once, on first import. That needs bytecode writes on: a
 # PYTHONDONTWRITEBYTECODE set in the caller's environment would make every one of the
-# suite's processes recompile what it imports.
+# suite's processes recompile what it imports. uv reads no pip configuration (pip.conf's
+# indexes, find-links): where it fails, pip installs the same lock.
 unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --no-compile uv==0.13.9
-	$(BIN)/uv pip install -q --python $(BIN)/python -c requirements-lock.txt --config-setting editable_mode=compat -e '.[test,examples,docs,dist]'
+	$(BIN)/uv pip install -q --python $(BIN)/python -c requirements-lock.txt --config-setting editable_mode=compat -e '.[test,examples,docs,dist]' \
+	  || $(BIN)/python -m pip install -q --no-compile -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs,dist]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -62,7 +64,7 @@ docs: $(STAMP)
 # the same wheel (its RECORD byte for byte).
 dist: $(STAMP)
 	rm -rf dist
-	$(BIN)/python -m build --installer uv --outdir dist .
+	$(BIN)/python -m build --installer uv --outdir dist . || $(BIN)/python -m build --outdir dist .
 
 smoke-wheel: dist
 	rm -rf $(SMOKE_VENV)

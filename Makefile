@@ -28,7 +28,7 @@ SMOKE_VENV := build/smoke-venv
 unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml requirements-lock.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile uv==0.13.9
+	$(BIN)/python -m pip install -q --no-compile uv==0.13.9 || echo 'no uv: pip installs the lock'
 	$(BIN)/uv pip install -q --python $(BIN)/python -c requirements-lock.txt --config-setting editable_mode=compat -e '.[test,examples,docs,dist]' \
 	  || $(BIN)/python -m pip install -q --no-compile -c requirements-lock.txt --config-settings editable_mode=compat -e '.[test,examples,docs,dist]'
 	@touch $(STAMP)

@@ -41,7 +41,10 @@ def _xla_accepts(flag: str) -> bool:
 
     env = {**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"}
     probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
-    return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+    try:
+        return subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _compile_flags() -> str:

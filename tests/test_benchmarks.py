@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def run_bench(script: str, *args: str, out: pathlib.Path, timeout: float = 300) -> str:
     flags = os.environ.get("JAXCOMP_TEST_XLA_COMPILE_FLAGS", "")  # tests/conftest.py
     env = {**os.environ, "JAXCOMP_BENCH_RESULTS": str(out), "XLA_FLAGS": flags}
-    env.pop("JAX_PLATFORMS", None)
+    env["JAX_PLATFORMS"] = "cpu"  # the suite's CPU devices, also on a host with a GPU
     proc = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args],
         env=env,

@@ -205,12 +205,24 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis
 
 
-def mean_gradient(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
-    """The float32 mean gradient and its non-finite flag: one ``pmean`` per leaf, which XLA
-    combines into a few all-reduces of tuples (no concatenated bucket: packing the leaves
-    into buckets and slicing them out again cost two params-sized temporaries)."""
-    means = jax.lax.pmean(as_float32(grads), every_axis)
-    return means, collectives.local_nonfinite(means)
+def gradient_sum(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
+    """The float32 sum of the devices' gradients and its non-finite flag (that of the mean:
+    a sum divided by the device count is finite where the sum is): one ``psum`` per leaf,
+    which XLA combines into a few all-reduces of tuples (no concatenated bucket: packing the
+    leaves into buckets and slicing them out again cost two params-sized temporaries).
+
+    The mean, ``jax.lax.pmean``'s ``sum / n`` (:func:`sum_to_mean`), is formed where it is
+    read: divided here, the flag's reads, fused into the all-reduce's output, kept the sum
+    alive while the division wrote a params-sized temporary of its own."""
+    sums = jax.lax.psum(as_float32(grads), every_axis)
+    return sums, collectives.local_nonfinite(sums)
+
+
+def sum_to_mean(x: Any, is_sum: jax.Array, every_axis: Any) -> Any:
+    """``x / n`` where ``is_sum`` (a :func:`gradient_sum`; ``n``: the devices), else ``x``:
+    ``jax.lax.pmean``'s division, bit for bit."""
+    n = collectives.axis_size(every_axis)
+    return jax.tree.map(lambda v: jnp.where(is_sum, v / n, v), x)
 
 
 def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
@@ -269,19 +281,33 @@ def scale_by_onebit_adam(
     # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
-    def warmup(grads, state, params, nu_scale):
-        """The float32 mean gradient (uncompressed): Adam with the variance still learning."""
-        g, bad = mean_gradient(grads, every_axis)
+    def warmup(y, state, params):
+        """The float32 gradient summed over the devices (uncompressed; the mean is taken
+        where it is read): Adam with the variance still learning."""
+        g, bad = gradient_sum(y, every_axis)
         return g, state.exchange, bad
 
-    def compressed(grads, state, params, nu_scale):
-        """Each device's momentum step, averaged through the codec; the variance frozen."""
-        local = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, state.mu, as_float32(grads))
-        # Returned in preconditioned units: turned back where mu is written (one pass).
-        sent, exchange_state = preconditioned_mean(
-            inner, local, state.nu, nu_scale, eps, state.exchange, params, True, False
+    def compressed(y, state, params):
+        """Each device's momentum step, averaged through the codec; the variance frozen.
+        Returned in preconditioned units: turned back where mu is written (one pass)."""
+        sent, exchange_state = inner.update(y, state.exchange, params)
+        bad = collectives.local_nonfinite(sent)
+        # Frozen here, not after the cond: the old memory then has no reader past it.
+        return sent, skeleton.freeze(bad, state.exchange, exchange_state), bad
+
+    def branch_input(grads, state, warm, nu_scale):
+        """What the round sends: the float32 gradient (warm-up), or the momentum step
+        ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioned_mean`, the
+        variance filled as it froze). Formed before the cond, it takes the gradient's buffer
+        (the codec's input was a params-sized temporary of its own)."""
+
+        def one(m, x, v, k):
+            scale = jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0)
+            return jnp.where(warm, x, (b1 * m + (1.0 - b1) * x) * scale)
+
+        return jax.tree.map(
+            one, state.mu, as_float32(grads), state.nu, per_leaf(nu_scale, state.nu)
         )
-        return sent, exchange_state, collectives.local_nonfinite(sent)
 
     def variance(state, warm, x, bad):
         """Warm-up: Adam's variance moved by the mean gradient ``x``; after: frozen. A
@@ -332,9 +358,9 @@ def scale_by_onebit_adam(
             level, level_ref, nu_scale = levels(updates, state, warm)
         else:
             level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
-        x, exchange_state, bad = jax.lax.cond(
-            warm, warmup, compressed, updates, state, params, nu_scale
-        )
+        y = branch_input(updates, state, warm, nu_scale)
+        x, exchange_state, bad = jax.lax.cond(warm, warmup, compressed, y, state, params)
+        x = sum_to_mean(x, warm, every_axis)
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad)
         t = (state.count + 1).astype(jnp.float32)
@@ -348,8 +374,10 @@ def scale_by_onebit_adam(
             exchange=exchange_state,
         )
         # mu and nu keep their old values on a non-finite step already (above).
-        new_state = skeleton.freeze(bad, state, new_state._replace(mu=state.mu, nu=state.nu))
-        new_state = new_state._replace(mu=mu, nu=nu)
+        # The exchange state is frozen in the cond already (the warm-up's is the old one).
+        kept = new_state._replace(mu=state.mu, nu=state.nu, exchange=state.exchange)
+        new_state = skeleton.freeze(bad, state, kept)
+        new_state = new_state._replace(mu=mu, nu=nu, exchange=exchange_state)
         # A non-finite step: NaN everywhere (not just where the mean was), state kept. The
         # direction reads the frozen state (the same where the step is finite): the new
         # mu and nu then have one reader each, written once into the state's own buffers

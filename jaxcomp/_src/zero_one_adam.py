@@ -21,10 +21,11 @@ from jaxcomp._src.onebit_adam import (
     check_number,
     decoupled_weight_decay,
     filled_variance,
-    mean_gradient,
+    gradient_sum,
     momentum_exchange,
     per_leaf,
     preconditioned_mean,
+    sum_to_mean,
     tracked_levels,
     unprecondition,
     zero_levels,
@@ -175,8 +176,9 @@ def scale_by_zero_one_adam(
     # branches, XLA copied each out of the switch's buffers).
 
     def full(grads, state, params, nu_scale):
-        """The float32 mean gradient: momentum and variance both move (outside)."""
-        g, bad = mean_gradient(grads, every_axis)
+        """The float32 gradient summed over the devices: momentum and variance both move
+        (outside, where the sum becomes the mean)."""
+        g, bad = gradient_sum(grads, every_axis)
         return g, state.exchange, bad
 
     def compressed(grads, state, params, nu_scale):
@@ -270,6 +272,7 @@ def scale_by_zero_one_adam(
         x, exchange_state, bad = jax.lax.switch(
             kind, (full, compressed, skipped), updates, state, params, old_scale
         )
+        x = sum_to_mean(x, kind == FULL, every_axis)
         mu, nu, pending = moved(state, kind, x, updates, old_scale)
         t = (state.count + 1).astype(jnp.float32)
         new_state = ZeroOneAdamState(

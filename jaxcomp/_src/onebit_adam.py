@@ -205,17 +205,15 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis
 
 
-def gradient_sum(grads: Any, every_axis: Any) -> tuple[Any, jax.Array]:
-    """The float32 sum of the devices' gradients and its non-finite flag (that of the mean:
-    a sum divided by the device count is finite where the sum is): one ``psum`` per leaf,
-    which XLA combines into a few all-reduces of tuples (no concatenated bucket: packing the
-    leaves into buckets and slicing them out again cost two params-sized temporaries).
+def gradient_sum(grads: Any, every_axis: Any) -> Any:
+    """The float32 sum of the devices' gradients: one ``psum`` per leaf, which XLA combines
+    into a few all-reduces of tuples (no concatenated bucket: packing the leaves into
+    buckets and slicing them out again cost two params-sized temporaries).
 
     The mean, ``jax.lax.pmean``'s ``sum / n`` (:func:`sum_to_mean`), is formed where it is
-    read: divided here, the flag's reads, fused into the all-reduce's output, kept the sum
-    alive while the division wrote a params-sized temporary of its own."""
-    sums = jax.lax.psum(as_float32(grads), every_axis)
-    return sums, collectives.local_nonfinite(sums)
+    read: divided here, its non-finite flag's reads, fused into the all-reduce's output,
+    kept the sum alive while the division wrote a params-sized temporary of its own."""
+    return jax.lax.psum(as_float32(grads), every_axis)
 
 
 def sum_to_mean(x: Any, is_sum: jax.Array, every_axis: Any) -> Any:
@@ -284,16 +282,12 @@ def scale_by_onebit_adam(
     def warmup(y, state, params):
         """The float32 gradient summed over the devices (uncompressed; the mean is taken
         where it is read): Adam with the variance still learning."""
-        g, bad = gradient_sum(y, every_axis)
-        return g, state.exchange, bad
+        return gradient_sum(y, every_axis), state.exchange
 
     def compressed(y, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen.
         Returned in preconditioned units: turned back where mu is written (one pass)."""
-        sent, exchange_state = inner.update(y, state.exchange, params)
-        bad = collectives.local_nonfinite(sent)
-        # Frozen here, not after the cond: the old memory then has no reader past it.
-        return sent, skeleton.freeze(bad, state.exchange, exchange_state), bad
+        return inner.update(y, state.exchange, params)
 
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient (warm-up), or the momentum step
@@ -359,8 +353,11 @@ def scale_by_onebit_adam(
         else:
             level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
         y = branch_input(updates, state, warm, nu_scale)
-        x, exchange_state, bad = jax.lax.cond(warm, warmup, compressed, y, state, params)
+        x, exchange_state = jax.lax.cond(warm, warmup, compressed, y, state, params)
         x = sum_to_mean(x, warm, every_axis)
+        # The flag of what the round gave (identical on every device), read after the cond:
+        # in the warm-up branch its partial sums added to the branch operand and its output.
+        bad = collectives.local_nonfinite(x)
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad)
         t = (state.count + 1).astype(jnp.float32)
@@ -374,10 +371,8 @@ def scale_by_onebit_adam(
             exchange=exchange_state,
         )
         # mu and nu keep their old values on a non-finite step already (above).
-        # The exchange state is frozen in the cond already (the warm-up's is the old one).
-        kept = new_state._replace(mu=state.mu, nu=state.nu, exchange=state.exchange)
-        new_state = skeleton.freeze(bad, state, kept)
-        new_state = new_state._replace(mu=mu, nu=nu, exchange=exchange_state)
+        new_state = skeleton.freeze(bad, state, new_state._replace(mu=state.mu, nu=state.nu))
+        new_state = new_state._replace(mu=mu, nu=nu)
         # A non-finite step: NaN everywhere (not just where the mean was), state kept. The
         # direction reads the frozen state (the same where the step is finite): the new
         # mu and nu then have one reader each, written once into the state's own buffers

@@ -178,8 +178,9 @@ def scale_by_zero_one_adam(
     def full(grads, state, params, nu_scale):
         """The float32 gradient summed over the devices: momentum and variance both move
         (outside, where the sum becomes the mean)."""
-        g, bad = gradient_sum(grads, every_axis)
-        return g, state.exchange, bad
+        g = gradient_sum(grads, every_axis)
+        # The flag of the sum is that of the mean (a finite sum divided by n is finite).
+        return g, state.exchange, collectives.local_nonfinite(g)
 
     def compressed(grads, state, params, nu_scale):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""

@@ -1,0 +1,28 @@
+"""1-bit Adam and 0/1 Adam: the compiled step's temporaries (deterministic, compile only)."""
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+
+def test_step_temporaries_of_onebit_and_zero_one_adam():
+    # The donated data-parallel step of the small MLP of benchmarks.memory on 8 devices,
+    # temporaries in copies of the f32 params (optax.adamw: 2.00). Both held 3.81: the
+    # warm-up's pmean divided into a buffer of its own while its non-finite flag, fused into
+    # the all-reduce's output, kept the sum alive; 1-bit Adam's codec input was a temporary
+    # of its own, and its flag's partial sums came on top of the cond's operand and output.
+    from benchmarks import memory
+
+    mesh = jax.make_mesh((8,), ("data",))
+    rep = NamedSharding(mesh, P())
+    params = jax.jit(lambda: memory.common.mlp_params(memory.QUICK_MLP), out_shardings=rep)()
+    rows = {
+        "onebit": jc.onebit_adam(1e-3, "data", freeze_step=100),
+        "zero_one": jc.zero_one_adam(1e-3, "data", var_freeze_step=100),
+    }
+    temps = {
+        k: memory.measure(k, tx, False, params, mesh, 8)["temporaries"] for k, tx in rows.items()
+    }
+    assert temps["onebit"] < 3.2 and temps["zero_one"] < 3.55, temps

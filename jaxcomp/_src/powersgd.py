@@ -308,17 +308,10 @@ def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
 def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
     """The warm-up's exchange (:func:`_exchange`'s outputs, the matrices' sums in place of their
     means): every matrix and the plain vector summed by one all-reduce of their tuple (no
-    concatenated copy); zero errors."""
+    concatenated copy); zero errors, typed per device like the other branch's."""
     sums = jax.lax.psum((plain, *ms), axis_name)
-    errors = [_varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
+    errors = [skeleton.varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
     return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), collectives.local_nonfinite(sums)
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` typed as varying over the manual axes ``like`` varies over (a cond's branches
-    must agree on it: the errors of the other branch differ per device)."""
-    axes = tuple(skeleton.varying_axes(like) - skeleton.varying_axes(x))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, epsilon):

@@ -51,6 +51,13 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(vma or ())
 
 
+def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual axes ``like`` varies over (``jax.lax.pcast``
+    of the missing ones), e.g. so that the branches of a ``cond`` agree."""
+    missing = tuple(sorted(varying_axes(like) - varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def tracks_variance(axis_name: Any) -> bool:
     """True inside ``jax.shard_map(..., check_vma=True)`` over every axis of ``axis_name``:
     there a value's type says whether it differs per device. ``pmap``, ``vmap`` and

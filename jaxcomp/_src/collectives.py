@@ -656,14 +656,19 @@ def plain_mean(
     leaves: list[jax.Array], every_axis: Any, bucket_bytes: int, with_buckets: bool = False
 ) -> Any:
     """Float32 ``pmean`` of uncompressed leaves (biases, norms, masked), bucketed: each
-    leaf back in its own dtype (and, ``with_buckets``, the averaged buckets)."""
+    leaf back in its own dtype (and, ``with_buckets``, the averaged buckets).
+
+    An empty leaf is its own mean and takes no part in a collective: XLA:CPU (jaxlib 0.11)
+    crashes compiling a program whose all-reduces include a zero-element one."""
+    full = [a for a in leaves if a.size]
     means, held = buckets.exchange(
-        [a.astype(jnp.float32) for a in leaves],
+        [a.astype(jnp.float32) for a in full],
         lambda b: jax.lax.pmean(b, every_axis),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )
-    means = [m.astype(a.dtype) for m, a in zip(means, leaves, strict=True)]
+    it = iter(means)
+    means = [next(it).astype(a.dtype) if a.size else jnp.zeros(a.shape, a.dtype) for a in leaves]
     return (means, held) if with_buckets else means
 
 

@@ -33,6 +33,7 @@ import optax
 
 from jaxcomp._src.codecs.base import check_int
 from jaxcomp._src.periodic import check_transform
+from jaxcomp._src.skeleton import varying_like
 
 
 class AccumulateState(NamedTuple):
@@ -52,28 +53,6 @@ def _is_float(x: Any) -> bool:
 
 def _is_none(x: Any) -> bool:
     return x is None
-
-
-def _varying_axes(aval: Any) -> frozenset:
-    """The mesh axes along which a value differs per device (empty outside shard_map)."""
-    kind = getattr(aval, "manual_axis_type", None)
-    if kind is not None:
-        return frozenset(kind.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _match_varying(tree: Any, like: Any) -> Any:
-    """``pcast`` leaves of ``tree`` to varying where ``like``'s are, so ``cond`` branches agree.
-
-    Under ``shard_map`` both branches of a ``cond`` must return the same per-device-ness
-    (vma); the branch that only holds must look like the branch that communicates.
-    """
-
-    def cast(x, s):
-        missing = _varying_axes(s) - _varying_axes(jax.typeof(x))
-        return jax.lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
-
-    return jax.tree.map(cast, tree, like)
 
 
 def accumulate(
@@ -143,7 +122,9 @@ def accumulate(
                 lambda s: inner.update(updates, s, params, **extra_args), inner_state
             )
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out)
-            return _match_varying(zeros, out), acc, _match_varying(inner_state, new_state)
+            # Both branches of the cond must agree on what varies per device (vma).
+            held = jax.tree.map(varying_like, inner_state, new_state)
+            return jax.tree.map(varying_like, zeros, out), acc, held
 
         applying = state.mini_step == every_k - 1
         out, acc, inner_state = jax.lax.cond(applying, apply, hold, acc, state.inner_state)

@@ -36,6 +36,7 @@ from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
 from jaxcomp._src.sharded import gather_outer, scatter_rows, tile, two_hop_stack
+from jaxcomp._src.skeleton import varying_axes, varying_like
 
 #: The name of the slow hop's result (hpZ's secondary partition) for ``jax.checkpoint`` policies.
 SECONDARY = "fsdp_secondary"
@@ -124,7 +125,7 @@ def _gather_bwd(cfg, residual, cts):
 def _check_cotangent_axes(grads: list, varying: frozenset) -> None:
     """A gradient that varies over more axes than its shard would need a hidden float32
     all-reduce over those axes: refuse it, naming the fix."""
-    extra = set().union(*[_vma(g) for g in grads]) - varying if grads else set()
+    extra = set().union(*[varying_axes(g) for g in grads]) - varying if grads else set()
     if extra:
         axes = tuple(sorted(extra, key=str))
         raise ValueError(
@@ -171,22 +172,7 @@ def fsdp_residual(shards: Any, axis_name: Any, inner_axis_name: Any = None) -> A
     """
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
-    return jax.tree.map(lambda a: _like_vma(jnp.zeros((n, *a.shape), jnp.float32), a), shards)
-
-
-def _vma(a: jax.Array) -> frozenset:
-    """The mesh axes along which ``a`` differs per device (empty outside shard_map)."""
-    aval = jax.typeof(a)
-    kind = getattr(aval, "manual_axis_type", None)
-    if kind is not None:
-        return frozenset(kind.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _like_vma(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` varying over the mesh axes ``like`` varies over (per-device state)."""
-    missing = tuple(sorted(_vma(like) - _vma(x), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(lambda a: varying_like(jnp.zeros((n, *a.shape), jnp.float32), a), shards)
 
 
 def _check_residual(residual: Any, leaves: list, treedef: Any, n: int) -> list | None:
@@ -201,10 +187,11 @@ def _check_residual(residual: Any, leaves: list, treedef: Any, n: int) -> list |
             f"of structure {r_def}: build it with jc.fsdp_residual(shards, axis_name)"
         )
     for r, a in zip(r_leaves, leaves, strict=True):
-        if not _vma(a) <= _vma(r):
+        if not varying_axes(a) <= varying_axes(r):
             raise ValueError(
                 f"`residual` differs per device but arrived replicated (varying over "
-                f"{sorted(_vma(r), key=str)}, the shards over {sorted(_vma(a), key=str)}): pass "
+                f"{sorted(varying_axes(r), key=str)}, the shards over "
+                f"{sorted(varying_axes(a), key=str)}): pass "
                 "it with the shards' in_specs (e.g. P('data')), as jc.fsdp_residual builds it"
             )
     return r_leaves
@@ -273,7 +260,7 @@ def fsdp_gather(
         _check_codec("weights", weights, True),
         _check_codec("grads", grads, False),
         buckets.check_bucket_bytes(bucket_bytes),
-        frozenset().union(*[_vma(a) for a in leaves]) if leaves else frozenset(),
+        frozenset().union(*[varying_axes(a) for a in leaves]) if leaves else frozenset(),
     )
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)

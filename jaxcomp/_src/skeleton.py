@@ -44,10 +44,11 @@ def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name:
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes over which ``x`` may differ between devices: jax's
     varying-manual-axes type (``jax.typeof(x).vma``), empty where jax does not track it."""
-    aval = jax.typeof(x)
+    aval = jax.typeof(x)  # also reads a ShapeDtypeStruct (e.g. from jax.eval_shape)
     vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", None)
+    for kind in ("manual_axis_type", "mat"):  # the names of jax 0.10+
+        if vma is None:
+            vma = getattr(getattr(aval, kind, None), "varying", None)
     return frozenset(vma or ())
 
 

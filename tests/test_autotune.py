@@ -1,5 +1,6 @@
 """jc.autotune: the byte-and-latency prediction, the plan it returns, its errors."""
 
+import dataclasses
 import math
 
 import jax
@@ -8,6 +9,7 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp._src import autotune as tuning
+from jaxcomp._src.codecs.quantize import Cast
 
 LINK = {k: tuning.LinkFit(1e-3, 1e9) for k in tuning.KINDS}
 
@@ -53,15 +55,25 @@ def test_fit_recovers_latency_and_bandwidth():
     assert fit.alpha_s == pytest.approx(2e-4) and fit.bandwidth == pytest.approx(5e8)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Broken(Cast):
+    """A codec whose encode fails at trace time (as a compile error or OOM of one codec)."""
+
+    def encode(self, x, key=None):
+        raise RuntimeError("boom")
+
+
+PARAMS = {"w": np.zeros((64, 256), np.float32), "b": np.zeros(64, np.float32)}
+
+
 @pytest.fixture(scope="module")
 def plan():
     mesh = jax.make_mesh((8,), ("data",))
-    params = {"w": np.zeros((64, 256), np.float32), "b": np.zeros(64, np.float32)}
     return jc.autotune(
-        params,
+        PARAMS,
         mesh,
         "data",
-        codecs=[None, jc.int_quant(8)],
+        codecs=[None, jc.int_quant(8), jc.cast("fp16"), _Broken("bfloat16")],
         strategies=["two_phase", "allgather"],
         min_sizes=[0],
         check=2,
@@ -71,9 +83,12 @@ def plan():
 
 
 def test_plan_times_plain_and_the_best_predictions(plan):
-    assert len(plan.table) == 3 and {r.name for r in plan.table} == {"none", "int8"}
+    assert len(plan.table) == 7
+    assert {r.name for r in plan.table} == {"none", "int8", "fp16", "_Broken(dtype_name='bfloat16')"}
     measured = [r for r in plan.table if not math.isnan(r.measured_ms)]
+    # plain, then the best predicted int8 and fp16 rows (one per codec first)
     assert len(measured) == 3 and all(r.measured_ms > 0 for r in measured)
+    assert {r.name for r in measured} == {"none", "int8", "fp16"}
     plain = next(r for r in plan.table if r.codec is None)
     best = min(measured, key=lambda r: r.measured_ms)
     if plan.codec is None:  # plain unless a codec measured clearly faster
@@ -81,13 +96,46 @@ def test_plan_times_plain_and_the_best_predictions(plan):
     else:
         assert plan.table[0].codec == plan.codec
         assert plan.table[0].measured_ms <= (1 - tuning.MARGIN) * plain.measured_ms
-    int8_rows = [r for r in plan.table if r.strategy == "two_phase"]
+    assert plan.error_feedback == plan.table[0].error_feedback
+    int8_rows = [r for r in plan.table if r.strategy == "two_phase" and r.name == "int8"]
     assert int8_rows[0].bytes_per_device == pytest.approx(
         sum(jc.strategy_bytes(jc.int_quant(8), d, 8)["two_phase"] for d in (64 * 256, 64))
     )
     assert set(plan.exchange()) == {"strategy", "bucket_bytes", "min_size"}
-    assert "<" in plan.format()
+    assert "<" in plan.format() and "failed: codec timing: RuntimeError: boom" in plan.format()
     assert set(plan.link) == set(tuning.KINDS) and all(f.bandwidth > 0 for f in plan.link.values())
+
+
+def test_plan_runs_each_codec_with_its_feedback_and_skips_a_failing_one(plan):
+    feedback = {r.name: r.error_feedback for r in plan.table if r.codec is not None}
+    assert feedback["int8"] == "residual" and feedback["fp16"] is None
+    assert set(plan.feedback_ms) == {"int8"} and plan.feedback_ms["int8"] >= 0
+    assert set(plan.codec_ms) == {"int8", "fp16"}  # the broken codec has no timing
+    broken = [r for r in plan.table if r.name.startswith("_Broken")]
+    assert len(broken) == 2 and plan.table[-2:] == tuple(broken)  # failed rows last
+    assert all(
+        r.error == "codec timing: RuntimeError: boom" and math.isnan(r.measured_ms) for r in broken
+    )
+    tx = plan.transform("data")
+    assert callable(tx.init) and callable(tx.update)
+
+
+def test_a_candidate_failing_to_trace_is_skipped_with_its_reason():
+    mesh = jax.make_mesh((8,), ("data",))
+    tree = jax.tree.map(lambda x: tuning._per_device(mesh, "data", x.shape, 0), PARAMS)
+    row = tuning.Candidate(
+        "broken", _Broken("bfloat16"), "two_phase", 2**25, 0, 1.0, 1.0, math.nan, 1.0
+    )
+    ms, err = tuning._time_row(PARAMS, tree, mesh, "data", row, 1)
+    assert math.isnan(ms) and err == "RuntimeError: boom"
+
+
+def test_every_candidate_failing_is_an_error(monkeypatch):
+    mesh = jax.make_mesh((8,), ("data",))
+    monkeypatch.setattr(tuning, "_time_row", lambda *a: (math.nan, "XlaRuntimeError: OOM"))
+    rows = [_row("pmean", math.nan, 0.0, codec=None), _row("two_phase", math.nan, 1.0)]
+    with pytest.raises(RuntimeError, match="every timed candidate failed.*OOM"):
+        tuning._checked_plan(PARAMS, mesh, "data", rows, 2, 60.0, 1, LINK)
 
 
 def test_function_stays_callable_after_cli_import():
@@ -111,10 +159,14 @@ def test_calibration_scales_wire_and_codec_leave_one_out():
     assert alone[1].predicted_ms == pytest.approx(1.2 * 30 + 20)
 
 
-def test_select_breaks_measured_ties_by_codec_work():
-    def row(strategy, measured, codec_ms, codec=jc.int_quant(8)):
-        return tuning.Candidate("x", codec, strategy, 1, 0, 1.0, 1.0, measured, 1.0, codec_ms)
+def _row(strategy, measured, codec_ms, codec=jc.int_quant(8), model=1.0, error=""):
+    return tuning.Candidate(
+        "x", codec, strategy, 1, 0, 1.0, model, measured, model, codec_ms, None, error
+    )
 
+
+def test_select_breaks_measured_ties_by_codec_work():
+    row = _row
     plain = row("pmean", 1723.7, 0.0, codec=None)
     # the 1 Gbit/s table: two_phase 543.8 ms, allgather 547.2 ms (0.6% apart, within TIE) with
     # less codec work, allgather 581.1 ms (6.9% apart: not tied)
@@ -130,3 +182,50 @@ def test_select_breaks_measured_ties_by_codec_work():
     near = row("b", 0.92 * 1723.7, 1)  # tied with 0.89 * plain but not MARGIN faster
     assert tuning.select([row("a", 0.89 * 1723.7, 300), near, plain]).strategy == "a"
     assert tuning.select([row("untimed", math.nan, 0), plain]) is plain
+
+
+def test_select_without_plain_and_with_failed_rows():
+    a, b = _row("a", 500.0, 10.0), _row("b", 300.0, 50.0)
+    failed = _row("c", math.nan, 0.0, error="XlaRuntimeError: RESOURCE_EXHAUSTED")
+    plain_failed = _row("pmean", math.nan, 0.0, codec=None, error="boom")
+    assert tuning.select([a, b, failed, plain_failed]) is b  # the fastest; no margin to beat
+    assert tuning.select([failed, plain_failed, a]) is a
+    with pytest.raises(ValueError, match="at least one measured row"):
+        tuning.select([failed, plain_failed])
+
+
+def test_check_times_the_best_predicted_row_of_each_codec_first():
+    int8, fp16 = jc.int_quant(8), jc.cast("fp16")
+    plain = _row("pmean", math.nan, 0.0, codec=None, model=400.0)
+    i1, i2, i3 = (
+        _row(s, math.nan, 1.0, int8, m) for s, m in (("ag", 220), ("tp", 225), ("x", 230))
+    )
+    f1 = _row("tp", math.nan, 1.0, fp16, 348.0)
+    bad = _row("ag", math.nan, 1.0, jc.cast("bf16"), 100.0, error="codec timing: boom")
+    rows = [bad, i1, i2, i3, plain, f1]
+    assert tuning._to_check(rows, 3) == [plain, i1, f1, i2]
+    assert tuning._to_check(rows, 1) == [plain, i1]
+
+
+def test_feedback_per_candidate_and_its_cost_in_the_prediction():
+    assert tuning.candidate_feedback(None) is None
+    assert tuning.candidate_feedback(jc.cast("fp16")) is None
+    assert tuning.candidate_feedback(jc.cast("bf16")) is None
+    assert tuning.candidate_feedback(jc.cast("fp8_e4m3")) == "residual"
+    assert tuning.candidate_feedback(jc.int_quant(8)) == "residual"
+    assert tuning.candidate_feedback(jc.int_quant(8, stochastic=True)) is None  # unbiased
+    int8, n = jc.int_quant(8), 8
+    base, _ = tuning.predict_seconds(int8, "two_phase", [100_000], n, LINK, 2**25, 0, (0.01, 0.02))
+    fed, _ = tuning.predict_seconds(
+        int8, "two_phase", [100_000], n, LINK, 2**25, 0, (0.01, 0.02), 0.005
+    )
+    assert fed - base == pytest.approx((1 + 1 / n) * 0.005)  # one residual pass per encode
+    kinds = {
+        c[:2] + (c[4],)
+        for c in tuning._candidates([None, int8, jc.cast("fp16")], ["two_phase"], [2**25], [0])
+    }
+    assert kinds == {
+        (None, "pmean", None),
+        (int8, "two_phase", "residual"),
+        (jc.cast("fp16"), "two_phase", None),
+    }

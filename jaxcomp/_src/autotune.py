@@ -1,27 +1,32 @@
 """Pick the exchange from measurements: link, codec cost, byte model, then a timed check.
 
-:func:`autotune` answers, on the devices at hand, "which codec and strategy make this tree's
-mean fastest, and is any faster than plain ``pmean``?" in four steps:
+:func:`autotune` answers, on the devices at hand, "which codec, strategy and error feedback
+make this tree's exchange fastest as a training step runs it, and is any faster than plain
+``pmean``?" in five steps:
 
 1. **link**: time ``psum`` (of float32, and of float16: ``all_reduce_16``), ``all_gather`` and
    ``all_to_all`` of arrays of a few sizes over ``axis_name`` and fit
    ``t = alpha + bytes / bandwidth`` per collective (ring-model
    bytes per device, as :func:`jaxcomp.comm_report` counts them: the alpha-beta model of
    Hockney, "The communication challenge for MPP", Parallel Computing 1994);
-2. **codec cost**: time each candidate codec's encode and decode on one device over the
-   tree's compressed leaves;
-3. **predict** each candidate's exchange time: the collectives its strategy runs (bytes from
-   :func:`jaxcomp.strategy_bytes`), one latency per bucket and phase, plus its codec passes;
-4. **check**: time the best few predictions (and plain ``pmean``) for real and keep the fastest
-   measured one (:func:`select`: rows within :data:`TIE` of it are a tie, won by the least codec
-   work). Plain ``pmean`` wins unless a candidate measures faster, so the plan never
-   makes the exchange slower than it was on these devices;
+2. **codec cost**: time each candidate codec's encode, decode and (where its candidates keep
+   error feedback) residual pass on every device at once over the tree's compressed leaves;
+3. **predict** each candidate's exchange path: the collectives its strategy runs (bytes from
+   :func:`jaxcomp.strategy_bytes`), one latency per bucket and phase, plus its codec and
+   feedback passes;
+4. **check**: time plain ``pmean`` and the best few predictions (the best of each codec
+   first) *as the step runs them*: ``jc.compressed_allreduce`` with the candidate's error
+   feedback, its state donated and fed back, so encode, decode and the memory update are in
+   the time; keep the fastest measured one (:func:`select`: rows within :data:`TIE` of it
+   are a tie, won by the least codec work). Plain ``pmean`` wins unless a candidate measures
+   faster, so the plan never makes the step slower than it was on these devices;
 5. **calibrate** (:func:`calibrate`): the table's ``predicted_ms`` scales the wire time by
    plain ``pmean``'s measured / modelled ratio and the codec passes by a factor fitted on the
    timed candidates, each timed candidate predicted without its own timing (leave-one-out).
 
-Every process measures; the timings are reduced (max over processes) before any decision, so
-every process reaches the same plan.
+A candidate that fails (a trace or compile error, out of memory) is skipped with the reason in
+its row's ``error``. Every process measures; the timings and the failures are reduced (max,
+any) over processes before any decision, so every process reaches the same plan.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import buckets
+from jaxcomp._src import buckets, feedback
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
-from jaxcomp._src.codecs.quantize import cast, int_quant
+from jaxcomp._src.codecs.quantize import Cast, cast, int_quant
 from jaxcomp._src.cost import _summed_dtype, check_pair, strategy_bytes
 
-#: Candidates when ``codecs=None``: the codecs that keep quality without error feedback
-#: (16-bit casts and int8 blocks). Aggressive codecs (sign, top-k) only when listed.
+#: Candidates when ``codecs=None``: the codecs that keep quality without changing the
+#: optimizer (16-bit casts, int8 blocks). Aggressive codecs (sign, top-k) only when listed.
 DEFAULT_CODECS: tuple[Codec | None, ...] = (None, cast("bf16"), cast("fp16"), int_quant(8))
 #: Strategies tried when ``strategies=None`` (those the codec can carry).
 DEFAULT_STRATEGIES = ("allreduce", "allgather", "two_phase")
@@ -84,12 +89,14 @@ class Candidate(NamedTuple):
     measured_ms: float  # nan where not timed
     model_ms: float = math.nan  # the alpha-beta model + standalone codec passes
     codec_model_ms: float = 0.0  # the codec passes' share of model_ms
+    error_feedback: str | None = None  # as the step runs it (candidate_feedback)
+    error: str = ""  # why the candidate was skipped ("" where it was not)
 
 
 @dataclasses.dataclass(frozen=True)
 class AutotunePlan:
     """What :func:`autotune` chose, and why (``table``: every candidate, the chosen one first,
-    then the timed ones fastest first)."""
+    then the timed ones fastest first, then the untimed ones, the failed ones last)."""
 
     codec: Codec | None  # None: no compression (plain pmean is fastest here)
     strategy: str
@@ -98,6 +105,8 @@ class AutotunePlan:
     table: tuple[Candidate, ...]
     link: dict[str, LinkFit]
     codec_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    error_feedback: str | None = None  # what the chosen candidate was timed with
+    feedback_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def compressed(self) -> bool:
@@ -105,30 +114,42 @@ class AutotunePlan:
 
     def exchange(self) -> dict[str, Any]:
         """Keyword arguments for ``jc.pmean`` / ``jc.sgd`` / ``jc.compressed_allreduce``
-        (``strategy``, ``bucket_bytes``, ``min_size``); pass ``plan.codec`` beside them."""
+        (``strategy``, ``bucket_bytes``, ``min_size``); pass ``plan.codec`` beside them, and
+        ``error_feedback=plan.error_feedback`` to the two transforms."""
         return {
             "strategy": self.strategy,
             "bucket_bytes": self.bucket_bytes,
             "min_size": self.min_size,
         }
 
+    def transform(self, axis_name: Any) -> Any:
+        """The timed exchange as an optax transform to chain before the optimizer:
+        ``jc.compressed_allreduce(plan.codec, axis_name, error_feedback=plan.error_feedback,
+        **plan.exchange())``; for plain ``pmean`` the float32 mean of ``jc.identity()`` (one
+        ``psum`` per bucket, no state but the step count)."""
+        from jaxcomp._src.codecs.quantize import identity
+        from jaxcomp._src.compressed_allreduce import compressed_allreduce
+
+        if self.codec is None:
+            return compressed_allreduce(identity(), axis_name, error_feedback=None)
+        return compressed_allreduce(
+            self.codec, axis_name, error_feedback=self.error_feedback, **self.exchange()
+        )
+
     def format(self) -> str:
         """The table as text: one row per candidate, predicted and measured times."""
-        head = f"{'candidate':<34}{'strategy':<12}{'min_size':>9}{'bytes/dev':>13}"
-        head += f"{'pred ms':>10}{'meas ms':>10}"
+        head = f"{'candidate':<34}{'strategy':<12}{'feedback':<10}{'min_size':>9}"
+        head += f"{'bytes/dev':>13}{'pred ms':>10}{'meas ms':>10}"
         rows = [head]
+        chosen = self.table[0] if self.table else None
         for c in self.table:
             meas = "-" if math.isnan(c.measured_ms) else f"{c.measured_ms:.2f}"
-            mark = (
-                " <"
-                if (c.codec, c.strategy, c.min_size)
-                == (self.codec, self.strategy if self.codec else "pmean", self.min_size)
-                else ""
-            )
-            rows.append(
-                f"{c.name[:33]:<34}{c.strategy:<12}{c.min_size:>9}"
+            mark = " <" if c is chosen else ""
+            line = (
+                f"{c.name[:33]:<34}{c.strategy:<12}{str(c.error_feedback):<10}{c.min_size:>9}"
                 f"{c.bytes_per_device:>13,.0f}{c.predicted_ms:>10.2f}{meas:>10}{mark}"
             )
+            rows.append(line + (f"  failed: {c.error[:80]}" if c.error else ""))
         return "\n".join(rows)
 
 
@@ -231,11 +252,21 @@ def _reduce_over_processes(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(values)).max(axis=0)
 
 
-def codec_seconds(
-    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int = 3
-) -> tuple[float, float]:
-    """Seconds of ``encode`` and of ``decode`` over vectors of ``sizes``, run on every device
-    of ``axis_name`` at once (so devices that share a host's cores are measured sharing them)."""
+def _sharded_seconds(fn: Callable, args: tuple, mesh: Any, axis_name: Any, reps: int) -> float:
+    """Median seconds of ``fn`` (per device, no collective) run on every device of
+    ``axis_name`` at once, each argument ``[n, ...]`` one row per device."""
+    spec = P(axis_name)
+    run = jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
+    )
+    return _median_time(lambda: run(*args), reps)
+
+
+def _codec_times(
+    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int, fed: bool
+) -> np.ndarray:
+    """This process's ``[encode, decode, feedback]`` seconds (see :func:`codec_seconds`);
+    feedback 0 unless ``fed``."""
     key = jax.random.key_data(jax.random.key(0))
     xs = [_per_device(mesh, axis_name, (d,), i) for i, d in enumerate(sizes)]
     spec = P(axis_name)
@@ -249,18 +280,74 @@ def codec_seconds(
             for p, d in zip(ps, sizes, strict=True)
         ]
 
-    enc_fn = jax.jit(
+    def with_feedback(gs, es):  # p = encode(g + e); e <- g + e - decode(p)
+        out = []
+        for g, e, d in zip(gs, es, sizes, strict=True):
+            sent = g[0] + e[0]
+            p = codec.encode(sent, key)
+            out.append((jax.tree.map(lambda a: a[None], p), (sent - codec.decode(p, d))[None]))
+        return out
+
+    payloads = jax.jit(
         jax.shard_map(enc, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
+    )(xs)
+    enc_s = _sharded_seconds(enc, (xs,), mesh, axis_name, reps)
+    dec_s = _sharded_seconds(dec, (payloads,), mesh, axis_name, reps)
+    es = [_per_device(mesh, axis_name, (d,), 50 + i) for i, d in enumerate(sizes)]
+    fed_s = _sharded_seconds(with_feedback, (xs, es), mesh, axis_name, reps) if fed else enc_s
+    return np.array([enc_s, dec_s, max(0.0, fed_s - enc_s)])
+
+
+def codec_seconds(
+    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int = 3
+) -> tuple[float, float]:
+    """Seconds of ``encode`` and of ``decode`` over vectors of ``sizes``, run on every device
+    of ``axis_name`` at once (so devices that share a host's cores are measured sharing them);
+    the max over processes."""
+    enc_s, dec_s, _ = _reduce_over_processes(
+        _codec_times(codec, mesh, axis_name, sizes, reps, False)
     )
-    dec_fn = jax.jit(
-        jax.shard_map(dec, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
-    )
-    payloads = enc_fn(xs)
-    times = np.array(
-        [_median_time(lambda: enc_fn(xs), reps), _median_time(lambda: dec_fn(payloads), reps)]
-    )
-    enc_s, dec_s = _reduce_over_processes(times)
     return float(enc_s), float(dec_s)
+
+
+def feedback_seconds(
+    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int = 3
+) -> float:
+    """Seconds the residual memory adds to one encode over vectors of ``sizes``.
+
+    Times ``p = encode(g + e); e <- g + e - decode(p)`` (error feedback: Karimireddy et al.,
+    "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019) on every
+    device at once and returns ``max(0, t - t_encode)``: the memory's read and write and the
+    decode of the sent vector, as :func:`jaxcomp.compressed_allreduce` runs them per leaf; the
+    max over processes.
+    """
+    return float(_reduce_over_processes(_codec_times(codec, mesh, axis_name, sizes, reps, True))[2])
+
+
+def candidate_feedback(codec: Codec | None) -> str | None:
+    """The error feedback a candidate is timed and run with.
+
+    ``None`` for plain ``pmean`` and for the 16-bit casts, the codec's ``"auto"`` feedback
+    (:func:`jaxcomp.compressed_allreduce`: residual for biased codecs) otherwise. A 16-bit
+    cast drops only rounding, ``|C(x)_i - x_i| <= 2^-(m+1) |x_i|`` inside the normal range
+    (fp16, ``m = 10``: ``4.9e-4``; bf16, ``m = 7``: ``3.9e-3``), as torch's
+    ``fp16_compress_hook``; a residual memory would cost a gradient-sized read and write per
+    step to carry that rounding into the next one.
+
+    Args:
+      codec: a candidate codec, or None (plain ``pmean``).
+
+    Returns:
+      ``None``, ``"residual"`` or ``"ef21"``, as ``error_feedback=`` takes it.
+
+    Example::
+
+      candidate_feedback(jc.cast("fp16"))   # None
+      candidate_feedback(jc.int_quant(8))   # "residual"
+    """
+    if codec is None or (isinstance(codec, Cast) and codec.dtype.itemsize >= 2):
+        return None
+    return feedback.resolve("auto", codec)
 
 
 def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int) -> list:
@@ -303,6 +390,7 @@ def predict_seconds(
     bucket_bytes: int,
     min_size: int,
     codec_s: tuple[float, float] = (0.0, 0.0),
+    feedback_s: float = 0.0,
 ) -> tuple[float, float]:
     """Predicted seconds and ring-model bytes per device of one exchange of leaves ``sizes``.
 
@@ -311,7 +399,8 @@ def predict_seconds(
     (it travels alone) plus ``ceil(other bytes sent / bucket_bytes)``; codec passes:
     ``allreduce`` one encode and one decode, ``allgather`` one encode and ``n`` decodes,
     ``two_phase`` ``1 + 1/n`` encodes and two decodes (``codec_s`` = encode and decode
-    seconds of the whole compressed tree).
+    seconds of the whole compressed tree), each encode with its error feedback's residual
+    pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`).
     """
     small = [d for d in sizes if codec is not None and d < min_size]
     big = [d for d in sizes if codec is None or d >= min_size]
@@ -324,32 +413,78 @@ def predict_seconds(
     passes = {"allreduce": (1, 1), "allgather": (1, n), "two_phase": (1 + 1 / n, 2)}
     if codec is not None and big:
         e, k = passes[strategy]
-        seconds += e * enc + k * dec
+        seconds += e * (enc + feedback_s) + k * dec
     return seconds, sum(ring for _, ring, _ in phases)
 
 
-def exchange_seconds(
-    tree: Any, mesh: Any, axis_name: Any, codec: Codec | None, reps: int = 3, **exchange: Any
-) -> float:
-    """Measured seconds of one mean of ``tree`` (each leaf ``[n, *shape]``, one row per device)
-    over ``axis_name``: ``jax.lax.pmean`` for ``codec=None``, else ``jc.pmean``."""
-    from jaxcomp._src.collectives import pmean
+def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candidate) -> tuple:
+    """``(compiled, state)``: ``row``'s exchange as a training step runs it, compiled.
 
-    def mean(t):
-        t = jax.tree.map(lambda a: a[0], t)
-        if codec is None:
-            out = jax.lax.pmean(t, axis_name)
-        else:
-            key = jax.random.key_data(jax.random.key(0)) if codec.stochastic else None
-            out = pmean(t, axis_name, codec, key=key, **exchange)
-        return jax.tree.map(lambda a: a[None], out)
+    ``compiled(tree, state) -> (mean, state)`` takes the per-device gradients (each leaf
+    ``[n, *shape]``, one row per device) and donates ``state``: ``jax.lax.pmean`` (no state)
+    for plain ``pmean``, else ``jc.compressed_allreduce(codec, axis_name,
+    error_feedback=row.error_feedback, strategy=..., bucket_bytes=..., min_size=...)``, so the
+    encode, decode and error-feedback memory update are all in the program. Compiled ahead of
+    time: a trace or compile error is raised here, before any collective runs.
+    """
+    from jaxcomp._src.compressed_allreduce import compressed_allreduce
+    from jaxcomp._src.sharding import sharded_init, state_specs
 
-    fn = jax.jit(
-        jax.shard_map(
-            mean, mesh=mesh, in_specs=(P(axis_name),), out_specs=P(axis_name), check_vma=False
+    def rows_of(g):
+        return jax.tree.map(lambda a: a[0], g)
+
+    if row.codec is None:
+        state, specs = (), P()
+
+        def body(g, s):
+            return jax.lax.pmean(rows_of(g), axis_name), s
+    else:
+        tx = compressed_allreduce(
+            row.codec,
+            axis_name,
+            error_feedback=row.error_feedback,
+            strategy=row.strategy,
+            bucket_bytes=row.bucket_bytes,
+            min_size=row.min_size,
         )
+        state = sharded_init(tx, params, mesh, axis_name)
+        specs = state_specs(state, axis_name)
+
+        def body(g, s):
+            return tx.update(rows_of(g), s)
+
+    fn = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis_name), specs), out_specs=(P(), specs), check_vma=False
     )
-    return float(_reduce_over_processes(np.array([_median_time(lambda: fn(tree), reps)]))[0])
+    return jax.jit(fn, donate_argnums=(1,)).lower(tree, state).compile(), state
+
+
+def _path_median(compiled: Callable, tree: Any, state: Any, reps: int) -> float:
+    state = jax.block_until_ready(compiled(tree, state))[1]
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(compiled(tree, state))[1]
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def path_seconds(compiled: Callable, tree: Any, state: Any, reps: int = 3) -> float:
+    """Median seconds of ``compiled(tree, state)`` (:func:`compiled_path`), each call fed the
+    state the previous one returned, after one warm-up call; the max over processes."""
+    return float(_reduce_over_processes(np.array([_path_median(compiled, tree, state, reps)]))[0])
+
+
+def _guarded(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """``(fn(), "")``, or ``(None, "Type: message")`` where ``fn`` raised on this process or
+    on any other (the failure is reduced over processes, so all skip the same candidate)."""
+    try:
+        out, err = fn(), ""
+    except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, not fatal
+        out, err = None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    if _reduce_over_processes(np.array([float(bool(err))]))[0] and not err:
+        err = "failed on another process"
+    return (None if err else out), err
 
 
 def codec_label(codec: Codec | None) -> str:
@@ -362,17 +497,19 @@ def codec_label(codec: Codec | None) -> str:
 
 
 def _candidates(codecs, strategies, bucket_sizes, min_sizes) -> list[tuple]:
-    """``(codec, strategy, bucket_bytes, min_size)`` of every valid combination."""
-    out = [(None, "pmean", bucket_sizes[0], 0)]
+    """``(codec, strategy, bucket_bytes, min_size, error_feedback)`` of every valid
+    combination (error feedback from :func:`candidate_feedback`)."""
+    out = [(None, "pmean", bucket_sizes[0], 0, None)]
     for codec in codecs:
         if codec is None:
             continue
+        ef = candidate_feedback(codec)
         for strategy in strategies:
             try:
                 check_pair(codec, strategy)
             except ValueError:
                 continue
-            out += [(codec, strategy, b, m) for b in bucket_sizes for m in min_sizes]
+            out += [(codec, strategy, b, m, ef) for b in bucket_sizes for m in min_sizes]
     return out
 
 
@@ -405,25 +542,38 @@ def autotune(
     strategies: Sequence[str] | None = None,
     bucket_sizes: Sequence[int] = DEFAULT_BUCKETS,
     min_sizes: Sequence[int] = DEFAULT_MIN_SIZES,
-    check: int = 3,
+    check: int = 4,
     budget_s: float = 60.0,
     reps: int = 3,
     link_sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22),
 ) -> AutotunePlan:
     """Measure the link and the codecs on ``mesh``, predict every candidate, time the best.
 
-    For each candidate ``c`` (codec, strategy, bucket size, ``min_size``) the predicted time
-    of one exchange of ``params``' gradient is (see :func:`predict_seconds`)::
+    For each candidate ``c`` (codec, strategy, bucket size, ``min_size``, and the error
+    feedback it runs with: :func:`candidate_feedback`, none for 16-bit casts) the predicted
+    time of one exchange of ``params``' gradient, as a training step runs it, is (see
+    :func:`predict_seconds`)::
 
-        t_c = sum_phases (calls * alpha_kind + ring_bytes / bandwidth_kind) + codec passes
+        t_c = sum_phases (calls * alpha_kind + ring_bytes / bandwidth_kind)
+              + encodes * (t_encode + t_feedback) + decodes * t_decode
 
     with ``alpha`` and ``bandwidth`` fitted per collective (:func:`measure_link`) and the
-    codec's encode / decode timed on every device at once (:func:`codec_seconds`). The
-    ``check`` best predictions and plain ``pmean`` are then timed for real
-    (:func:`exchange_seconds`); the plan is the fastest measured, so it is plain ``pmean``
-    (``plan.codec is None``) unless compression measured faster. Timings are the max over
-    processes, so every process makes the same choice. The table's ``predicted_ms`` are
-    calibrated on the timed rows (:func:`calibrate`; ``model_ms``: before calibration).
+    codec's encode, decode and residual pass timed on every device at once
+    (:func:`codec_seconds`, :func:`feedback_seconds`). Plain ``pmean`` and ``check``
+    candidates (the best predicted of each codec, then the next best) are then timed for
+    real as the step runs them (:func:`compiled_path`: ``jc.compressed_allreduce`` with its
+    feedback and state, encode to memory update); the plan is the fastest measured
+    (:func:`select`), so it is plain ``pmean`` (``plan.codec is None``) unless compression
+    measured faster. In a step the exchange follows the forward and backward, so on hosts
+    that run them one after the other the step's time is ``compute + t_c`` and the
+    fastest exchange path is the fastest step. The table's ``predicted_ms`` are calibrated
+    on the timed rows (:func:`calibrate`; ``model_ms``: before calibration).
+
+    A candidate that fails to trace, compile or run (an error in a codec, out of memory) is
+    skipped: its row keeps the reason in ``error`` and no measured time. Failures and
+    timings are reduced over processes (any, max), so every process makes the same choice;
+    a failure is detected before the candidate's collectives run (it is compiled ahead of
+    time), except a failure while running (then the peers may wait in its collective).
 
     Args:
       params: a pytree of arrays shaped like one device's gradient (values unused).
@@ -437,24 +587,32 @@ def autotune(
         codec can carry them).
       bucket_sizes: ``bucket_bytes`` values to try.
       min_sizes: ``min_size`` values to try (leaves below it travel uncompressed).
-      check: how many of the best predictions to time for real.
+      check: how many candidates besides plain ``pmean`` to time for real (default 4).
       budget_s: stop timing further candidates once this many seconds have passed.
       reps: timed repetitions per measurement (the median is kept).
       link_sizes: float32 elements per device of the arrays timed to fit the link.
 
     Returns:
-      A :class:`AutotunePlan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``, ``table``
-      (every candidate with bytes, predicted and measured ms; the chosen row first, then
-      measured ones fastest first),
-      ``link`` (the fitted latency and bandwidth per collective) and ``codec_ms`` (encode and
-      decode ms of the tree per codec).
+      A :class:`AutotunePlan`: ``codec``, ``strategy``, ``bucket_bytes``, ``min_size``,
+      ``error_feedback``, ``table`` (every candidate with bytes, predicted and measured ms and
+      any failure; the chosen row first, then measured ones fastest first, failed ones last),
+      ``link`` (the fitted latency and bandwidth per collective), ``codec_ms`` (encode and
+      decode ms of the tree per codec) and ``feedback_ms`` (the residual pass per codec).
+
+    Raises:
+      RuntimeError: every timed candidate failed (the reasons are in the message).
 
     Example::
 
       plan = jc.autotune(params, mesh, "data")
       print(plan.format())
-      tx = jc.sgd(0.1, plan.codec, "data", **plan.exchange()) if plan.compressed \\
-          else optax.sgd(0.1, momentum=0.9)  # with jax.lax.pmean of the gradients
+      tx = optax.chain(plan.transform("data"), optax.sgd(0.1, momentum=0.9))
+      # or momentum before the codec: jc.sgd(0.1, plan.codec, "data",
+      #     error_feedback=plan.error_feedback, **plan.exchange()) where plan.compressed
+
+    Reference: the alpha-beta model of Hockney, Parallel Computing 1994, with the codec's
+    passes added as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
+    Training Systems", MLSys 2022.
     """
     t0 = time.perf_counter()
     codecs = DEFAULT_CODECS if codecs is None else tuple(codecs)
@@ -463,26 +621,51 @@ def autotune(
     strategies = DEFAULT_STRATEGIES if strategies is None else tuple(strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
-    costs = {c: codec_seconds(c, mesh, axis_name, sizes, reps) for c in codecs if c is not None}
+    costs, failed = {}, {}
+    for c in dict.fromkeys(c for c in codecs if c is not None):
+        fed = candidate_feedback(c) is not None
+        local, err = _guarded(lambda c=c, f=fed: _codec_times(c, mesh, axis_name, sizes, reps, f))
+        if err:  # every process agrees (_guarded): skip the codec's candidates
+            failed[c] = f"codec timing: {err}"
+        else:
+            costs[c] = tuple(float(t) for t in _reduce_over_processes(local))
+    rows = _model_rows(
+        _candidates(codecs, strategies, bucket_sizes, min_sizes), sizes, n, link, costs, failed
+    )
+    plan = _checked_plan(
+        params, mesh, axis_name, rows, check, budget_s - (time.perf_counter() - t0), reps, link
+    )
+    cost_ms = {codec_label(c): (1e3 * e, 1e3 * d) for c, (e, d, _) in costs.items()}
+    fed_ms = {codec_label(c): 1e3 * f for c, (_, _, f) in costs.items() if candidate_feedback(c)}
+    return dataclasses.replace(plan, codec_ms=cost_ms, feedback_ms=fed_ms)
+
+
+def _model_rows(candidates, sizes, n, link, costs, failed) -> list[Candidate]:
+    """A :class:`Candidate` per ``(codec, strategy, bucket_bytes, min_size, error_feedback)``
+    with its modelled time (:func:`predict_seconds`), failed ones last, by ``model_ms``."""
     rows = []
-    for codec, strategy, bb, ms in _candidates(codecs, strategies, bucket_sizes, min_sizes):
+    for codec, strategy, bb, ms, ef in candidates:
         frac = sum(d for d in sizes if d >= ms) / sum(sizes) if codec is not None else 0.0
-        cs = tuple(frac * t for t in costs.get(codec, (0.0, 0.0)))
-        sec, ring = predict_seconds(codec, strategy, sizes, n, link, bb, ms, cs)
-        wire, _ = predict_seconds(codec, strategy, sizes, n, link, bb, ms)
+        enc, dec, fed = costs.get(codec, (0.0, 0.0, 0.0))
+        fb = frac * fed if ef is not None else 0.0
+        try:  # the bytes model traces the codec: the same outcome on every process
+            sec, ring = predict_seconds(
+                codec, strategy, sizes, n, link, bb, ms, (frac * enc, frac * dec), fb
+            )
+            wire, _ = predict_seconds(codec, strategy, sizes, n, link, bb, ms)
+            error = failed.get(codec, "")
+        except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, not fatal
+            sec = ring = wire = math.nan
+            error = failed.get(codec) or f"bytes model: {type(e).__name__}: {e}".splitlines()[0]
         ms_ = 1e3 * sec
         rows.append(
             Candidate(
                 codec_label(codec), codec, strategy, bb, ms, ring, ms_, math.nan, ms_,
-                1e3 * (sec - wire),
+                1e3 * (sec - wire), ef, error,
             )
         )  # fmt: skip
-    rows.sort(key=lambda r: r.model_ms)
-    plan = _checked_plan(
-        params, mesh, axis_name, rows, check, budget_s - (time.perf_counter() - t0), reps, link
-    )
-    cost_ms = {codec_label(c): (1e3 * e, 1e3 * d) for c, (e, d) in costs.items()}
-    return dataclasses.replace(plan, codec_ms=cost_ms)
+    rows.sort(key=lambda r: (bool(r.error), r.model_ms))
+    return rows
 
 
 def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
@@ -540,47 +723,77 @@ def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
     return out
 
 
+def _to_check(rows: Sequence[Candidate], check: int) -> list[Candidate]:
+    """Plain ``pmean``, then ``check`` rows: the best predicted of each codec (so a model that
+    misranks codecs is still checked against each), then the next best predicted."""
+    ok = [r for r in rows if r.codec is not None and not r.error]
+    ok.sort(key=lambda r: r.model_ms)
+    firsts = [r for i, r in enumerate(ok) if all(q.codec != r.codec for q in ok[:i])]
+    rest = [r for r in ok if not any(r is f for f in firsts)]
+    return [next(r for r in rows if r.codec is None), *(firsts + rest)[:check]]
+
+
+def _time_row(params, tree, mesh, axis_name, row, reps) -> tuple[float, str]:
+    """``(measured ms, "")`` of ``row``'s compiled exchange path, or ``(nan, reason)`` where it
+    failed to trace, compile or run on any process (all processes agree)."""
+    built, err = _guarded(lambda: compiled_path(params, tree, mesh, axis_name, row))
+    if err:
+        return math.nan, err
+    local, err = _guarded(lambda: _path_median(built[0], tree, built[1], reps))
+    if err:
+        return math.nan, err
+    return 1e3 * float(_reduce_over_processes(np.array([local]))[0]), ""
+
+
 def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) -> AutotunePlan:
-    """Time plain pmean and the ``check`` best predicted candidates; the fastest is the plan."""
+    """Time plain pmean and the rows of :func:`_to_check`; the plan is :func:`select`'s."""
     tree = jax.tree.map(lambda x: _per_device(mesh, axis_name, np.shape(x), 7), params)
-    plain = next(r for r in rows if r.codec is None)
-    chosen = [plain] + [r for r in rows if r.codec is not None][:check]
     t0, timed = time.perf_counter(), {}
-    for r in chosen:  # every process stops at the same row: the slowest one's clock decides
+    for r in _to_check(rows, check):  # every process stops at the same row: the slowest decides
         elapsed = _reduce_over_processes(np.array([time.perf_counter() - t0]))[0]
-        if r is not plain and elapsed > budget_s:
+        if r.codec is not None and elapsed > budget_s:
             break
-        exchange = (
-            {}
-            if r.codec is None
-            else {"strategy": r.strategy, "bucket_bytes": r.bucket_bytes, "min_size": r.min_size}
-        )
-        timed[id(r)] = 1e3 * exchange_seconds(tree, mesh, axis_name, r.codec, reps, **exchange)
-    rows = calibrate([r._replace(measured_ms=timed.get(id(r), math.nan)) for r in rows])
-    rows.sort(key=lambda r: (math.isnan(r.measured_ms), r.measured_ms, r.predicted_ms))
+        timed[id(r)] = _time_row(params, tree, mesh, axis_name, r, reps)
+    rows = [
+        r._replace(measured_ms=timed[id(r)][0], error=timed[id(r)][1] or r.error)
+        if id(r) in timed
+        else r
+        for r in rows
+    ]
+    if all(math.isnan(r.measured_ms) for r in rows):
+        reasons = "; ".join(f"{r.name} {r.strategy}: {r.error}" for r in rows if r.error)
+        raise RuntimeError(f"jc.autotune: every timed candidate failed ({reasons})")
+    rows = calibrate(rows)
+    rows.sort(key=lambda r: (bool(r.error), math.isnan(r.measured_ms), r.measured_ms,
+                             r.predicted_ms))  # fmt: skip
     best = select(rows)
     rows.remove(best)
     strategy = "auto" if best.codec is None else best.strategy
-    return AutotunePlan(best.codec, strategy, best.bucket_bytes, best.min_size, (best, *rows), link)
+    return AutotunePlan(
+        best.codec, strategy, best.bucket_bytes, best.min_size, (best, *rows), link,
+        error_feedback=best.error_feedback,
+    )  # fmt: skip
 
 
 def select(rows: Sequence[Candidate]) -> Candidate:
     """The plan's row among the timed ``rows``: plain ``pmean`` unless a codec measured faster.
 
-    With ``m*`` the fastest measured compressed row and ``m_0`` plain ``pmean``'s time::
+    With ``m*`` the fastest measured compressed row and ``m_0`` plain ``pmean``'s time
+    (infinite where plain ``pmean`` failed or was not timed)::
 
         plain                                   if m* > (1 - MARGIN) * m_0
         argmin_{r : m_r <= min((1 + TIE) m*, (1 - MARGIN) m_0)} codec_model_ms_r   otherwise
 
     Rows measured within :data:`TIE` of the fastest are a tie (timing noise); among them the
-    one with the least codec work (``codec_model_ms``, then measured time) wins: in a training
-    step the codec passes compete with the forward and backward for the host's cores, the
-    wire time does not.
+    one with the least codec work (``codec_model_ms``: encode, decode and feedback passes,
+    then measured time) wins: on a host shared with other work the passes' cost varies with
+    the load, the wire time does not. Failed rows (``error``) carry no measured time and are
+    never chosen. Pure: no timing, so it is tested on tables alone.
 
     Args:
-      rows: candidates, ``measured_ms`` NaN where not timed; plain ``pmean`` timed. Every
-        process must pass the same rows (:func:`autotune` reduces the timings over processes
-        first), so every process selects the same row.
+      rows: candidates, ``measured_ms`` NaN where not timed or failed; at least one timed.
+        Every process must pass the same rows (:func:`autotune` reduces the timings and the
+        failures over processes first), so every process selects the same row.
 
     Returns:
       The chosen row (the plain ``pmean`` row where no codec measured clearly faster).
@@ -590,11 +803,15 @@ def select(rows: Sequence[Candidate]) -> Candidate:
       best = jaxcomp._src.autotune.select(plan.table)   # plan.table[0]
     """
     plain = next((r for r in rows if r.codec is None and not math.isnan(r.measured_ms)), None)
-    if plain is None:
-        raise ValueError("`rows` must hold plain pmean's row (codec None) with its measured_ms")
     timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
-    if not timed or min(r.measured_ms for r in timed) > (1 - MARGIN) * plain.measured_ms:
+    if plain is None and not timed:
+        raise ValueError(
+            "`rows` must hold at least one measured row (plain pmean's: codec None, or a "
+            "codec's), each with its measured_ms"
+        )
+    limit = math.inf if plain is None else (1 - MARGIN) * plain.measured_ms
+    if not timed or min(r.measured_ms for r in timed) > limit:
         return plain
-    bound = min((1 + TIE) * min(r.measured_ms for r in timed), (1 - MARGIN) * plain.measured_ms)
+    bound = min((1 + TIE) * min(r.measured_ms for r in timed), limit)
     tied = [r for r in timed if r.measured_ms <= bound]
     return min(tied, key=lambda r: (r.codec_model_ms, r.measured_ms))

@@ -203,7 +203,9 @@ def worker(args) -> None:
         )
         row["link"] = {k: fit._asdict() for k, fit in plan.link.items()}
         row["codec_ms"] = plan.codec_ms
+        row["feedback_ms"] = plan.feedback_ms
         row["chosen"] = chosen.name if plan.codec is not None else "pmean"
+        row["error_feedback"] = plan.error_feedback
         row["predicted_ms"], row["autotune_measured_ms"] = chosen.predicted_ms, chosen.measured_ms
         if plan.codec is None:
             return {"codec": None}, "auto"
@@ -211,6 +213,7 @@ def worker(args) -> None:
             "codec": plan.codec,
             "bucket_bytes": plan.bucket_bytes,
             "min_size": plan.min_size,
+            "error_feedback": plan.error_feedback,
         }, plan.strategy
 
     rows = []
@@ -226,6 +229,7 @@ def worker(args) -> None:
         if name == "autotune":  # the plan jc.autotune picks for the MLP on this link
             tuned, strategy = autotuned(fresh_params(), mesh, row)
             codec = tuned.pop("codec")
+            feedback = tuned.pop("error_feedback", None)  # the one the plan was timed with
         else:
             codec = None if name == "pmean" or rank_r else common.make_codec(base)
         if rank_r is None:
@@ -239,6 +243,8 @@ def worker(args) -> None:
             row["bytes_per_device"] = logical_bytes(allreduce, grads)
             row["strategy"] = "-" if codec is None else jc.choose_strategy(codec, d, n, strategy)
             row["allreduce_ms"], row["allreduce_min_ms"] = timed(allreduce, grads)
+        if codec is not None and rank_r is None:  # as the step runs it (resolved "auto")
+            row["error_feedback"] = feedback_kind(feedback, codec)
         if codec is not None:
             one = jax.local_devices()[0]
             x1 = jax.device_put(local[0], one)
@@ -486,15 +492,50 @@ def summarize(rate: str, data: dict, n: int) -> list[dict]:
             if own is not None and "step_ms" in own:
                 r["step_speedup"] = own["step_ms"] / r["step_ms"]
             r["step_link_ms"] = 1e3 * n * r["step_bytes_per_device"] * 8 / bits
-        if "predicted_ms" in r and "step_ms" in r and "step_ms" in base:
-            # the plan's step: the plain step's compute (its step less its exchange) plus the
-            # predicted exchange, against the autotuned step measured
-            r["predicted_step_ms"] = base["step_ms"] - base["allreduce_ms"] + r["predicted_ms"]
-            r["step_prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1.0
         peer = by_name.get(TORCH_PEER.get(r["codec"], ""))
         if peer is not None and "step_ms" in r:
             r["vs_torch"] = peer["step_ms"] / r["step_ms"]
+    predict_steps(rows, base)
     return rows
+
+
+def feedback_kind(feedback: str | None, codec) -> str | None:
+    """The error feedback ``jc.compressed_allreduce`` runs for ``error_feedback=feedback``."""
+    from jaxcomp._src import feedback as fb
+
+    return None if feedback is None else fb.resolve(feedback, codec)
+
+
+def predict_steps(rows: list[dict], base: dict) -> None:
+    """Each jaxcomp step row's predicted step from the ``autotune`` row's table, in place:
+    the plain step's compute (its step less the plan's measured plain exchange of the same
+    tree) plus the candidate's predicted exchange path (same codec, strategy and error
+    feedback; the plan's own row for ``autotune``). ``step_prediction_error`` = predicted /
+    measured - 1."""
+    tuned = next((r for r in rows if "autotune" in r), None)
+    if tuned is None or "step_ms" not in base:
+        return
+    table = tuned["autotune"]
+    plain = next(
+        (c for c in table if c["name"] == "none" and c["measured_ms"] == c["measured_ms"]), None
+    )
+    if plain is None:
+        return
+    compute = base["step_ms"] - plain["measured_ms"]
+    for r in rows:
+        if r.get("framework") != "jaxcomp" or r["codec"] == "pmean" or "step_ms" not in r:
+            continue
+        name = r["codec"].partition(":")[0].partition("@")[0]
+        match = [
+            c for c in table
+            if c["name"] == name and c["strategy"] == r.get("strategy")
+            and c.get("error_feedback") == r.get("error_feedback") and not c.get("error")
+        ]  # fmt: skip
+        chosen = table[0] if r is tuned else min(match, key=lambda c: c["min_size"], default=None)
+        if chosen is None or chosen["predicted_ms"] != chosen["predicted_ms"]:
+            continue
+        r["predicted_step_ms"] = compute + chosen["predicted_ms"]
+        r["step_prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1.0
 
 
 def print_table(rows: list[dict]) -> None:

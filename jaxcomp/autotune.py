@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="strategies to try (default: allreduce allgather two_phase)",
     )
-    p.add_argument("--check", type=int, default=3, help="best predictions timed for real")
+    p.add_argument(
+        "--check", type=int, default=4, help="candidates timed for real (best of each codec first)"
+    )
     p.add_argument("--budget", type=float, default=120.0, help="seconds for the timed checks")
     p.add_argument("--json", default=None, help="also write the table to this JSON file")
     return p
@@ -92,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     chosen = (
         "no compression (plain pmean)"
         if plan.codec is None
-        else (f"{tuning.codec_label(plan.codec)} {plan.exchange()}")
+        else (
+            f"{tuning.codec_label(plan.codec)} {plan.exchange()}"
+            f" error_feedback={plan.error_feedback!r}"
+        )
     )
     print(f"chosen: {chosen}")
     if args.json:

@@ -354,8 +354,9 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
             err = (c["predicted_ms"] / meas - 1) if meas == meas and meas else math.nan
             body.append(
                 [
-                    f"`{c['name']}`",
+                    f"`{c['name']}`" + (f" (failed: {c['error']})" if c.get("error") else ""),
                     c["strategy"],
+                    str(c.get("error_feedback") or "–"),
                     _fmt(c["min_size"]),
                     _bytes(c["bytes_per_device"]),
                     _fmt(c.get("model_ms", math.nan), 4),
@@ -364,7 +365,7 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
                     "–" if err != err else f"{100 * err:+.0f}%",
                 ]
             )
-        header = ["candidate", "strategy", "min_size", "bytes/device", "model ms"]
+        header = ["candidate", "strategy", "feedback", "min_size", "bytes/device", "model ms"]
         header += ["predicted ms", "measured ms", "error"]
         load = r.get("host_load")
         step = ""
@@ -379,7 +380,33 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
             f"`{r.get('chosen')}`): exchange of the MLP's gradient, every candidate.{step}\n\n"
             + _markdown((header, body))
         )
-    return "\n\n".join(parts)
+        parts.append(_predicted_steps(data["rows"], r.get("rate")))
+    return "\n\n".join(p for p in parts if p)
+
+
+def _predicted_steps(rows: list[dict[str, Any]], rate: Any) -> str:
+    """Predicted against measured step of every row with a prediction at ``rate`` (rows
+    written before predictions covered every codec have one on ``autotune`` only)."""
+    have = [r for r in rows if r.get("rate") == rate and "predicted_step_ms" in r]
+    if len(have) < 2:
+        return ""
+    body = [
+        [
+            f"`{r['codec']}`",
+            str(r.get("strategy", "-")),
+            str(r.get("error_feedback") or "–"),
+            _fmt(r["predicted_step_ms"], 4),
+            _fmt(r["step_ms"], 4),
+            f"{100 * r['step_prediction_error']:+.0f}%",
+        ]
+        for r in have
+    ]
+    header = ["step", "strategy", "feedback", "predicted ms", "measured ms", "error"]
+    return (
+        f"Step predictions at {rate}: the plain step's compute (its step less the plan's "
+        "measured plain exchange) plus the plan's predicted exchange path of the same codec, "
+        "strategy and error feedback.\n\n" + _markdown((header, body))
+    )
 
 
 # --------------------------------------------------------------------------- overlap

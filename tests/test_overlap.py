@@ -96,7 +96,7 @@ def test_an_exception_in_the_exchange_reaches_the_caller_and_close_stops_the_wor
         pass
 
     def update(updates, state, params=None):
-        raise Boom("in tx.update, on the worker thread")
+        raise Boom("in tx.update, traced on the caller's thread")
 
     from benchmarks import common
 
@@ -107,10 +107,11 @@ def test_an_exception_in_the_exchange_reaches_the_caller_and_close_stops_the_wor
     batch = [jax.device_put(a, NamedSharding(m, P("data"))) for a in data(0)]
     p, state = step(p0, step.init(p0), *batch)  # step 0: no exchange, so no error yet
     assert int(state.count) == 1
-    with pytest.raises(Boom, match="worker thread"):
+    with pytest.raises(Boom, match="caller's thread"):
         step(p, state, *batch)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(state))  # raised before donating
     step.close()
-    with pytest.raises(RuntimeError, match="shutdown"):
+    with pytest.raises(RuntimeError, match="closed"):
         step(p, state, *batch)
 
 
@@ -135,3 +136,36 @@ def test_nan_gradient_poisons_the_next_step_and_keeps_the_memory():
         assert all(np.array_equal(a, b) for a, b in kept), kind
     pairs = zip(jax.tree.leaves(got["split"]), jax.tree.leaves(got["one"]), strict=True)
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in pairs)
+
+
+def test_a_trace_error_keeps_the_state_and_caller_settings_reach_the_exchange():
+    """A batch of the wrong shape raises before the exchange donates ``state.inner`` (the same
+    state then steps on); a thread-local setting of the caller's (``jax.numpy_rank_promotion``)
+    applies to the exchange, traced on the caller's thread."""
+    import jax.numpy as jnp
+
+    fn, p, s = runs("sgd_pmean")["split_live"]
+    put = lambda a: jax.device_put(a, NamedSharding(mesh(), P("data")))  # noqa: E731
+    x, y = data(STEPS)
+    with pytest.raises(TypeError, match="dot_general"):
+        fn(p, s, put(x[:, :5]), put(y))  # 5 features for a 16-input layer
+    assert not any(a.is_deleted() for a in jax.tree.leaves(s))
+    p2, s2 = fn(p, s, put(x), put(y))
+    assert int(s2.count) == STEPS + 1
+
+    def update(u, state, params=None):  # adds a [8] row to each [16, 8] leaf: rank promotion
+        return jax.tree.map(lambda g: g + jnp.zeros(g.shape[-1:], g.dtype), u), state
+
+    tx = optax.GradientTransformation(optax.init_empty_state, update)
+    step = jc.overlapped_step(fn.loss_fn, tx, mesh(), "data", pmean=True)
+    state = step.init(p2)
+    _, state = step(p2, state, put(x), put(y))  # step 0: no exchange
+    with (
+        jax.numpy_rank_promotion("raise"),
+        pytest.raises(ValueError, match="rank_promotion=.raise."),
+    ):
+        step(p2, state, put(x), put(y))
+    assert not any(a.is_deleted() for a in jax.tree.leaves(state))
+    _, state = step(p2, state, put(x), put(y))  # allowed outside the caller's context
+    assert int(state.count) == 2
+    step.close()

@@ -42,10 +42,12 @@ class OverlappedStep:
         self._grads: dict[int, Callable] = {}
         self._exchange: Callable | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomp-exchange")
+        self._closed = False
 
     def close(self) -> None:
         """Stop the worker thread (after the running exchange, if any); the step is unusable
         after. Without it the thread ends when the step is garbage-collected or Python exits."""
+        self._closed = True
         self._pool.shutdown(wait=True)
 
     def init(self, params: Any) -> DelayedState:
@@ -93,17 +95,30 @@ class OverlappedStep:
             self._exchange = jax.jit(fn, donate_argnums=(1,))
         return self._exchange
 
+    def _compiled(self, params: Any, state: DelayedState, batch: tuple) -> tuple:
+        """Both programs traced, lowered and compiled on the caller's thread (jax caches each
+        stage, so a step with the same shapes and settings reuses them): a trace or compile
+        error raises here, before ``state.inner`` is donated, and the caller's thread-local
+        jax settings (``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``, ...)
+        apply to both; the worker thread only runs the compiled exchange."""
+        grads = self._grads_fn(len(batch)).trace(params, state.count, *batch)
+        grads = grads.lower().compile()
+        if int(jax.device_get(state.count)) == 0:  # step 0 applies nothing (jc.delayed)
+            return grads, None
+        exchange = self._exchange_fn(state).trace(params, state.inner, state.pending)
+        return grads, exchange.lower().compile()
+
     def __call__(self, params: Any, state: DelayedState, *batch: Any) -> tuple[Any, DelayedState]:
+        if self._closed:
+            raise RuntimeError("the step was closed (step.close()): its worker thread is shut down")
+        grads, exchange = self._compiled(params, state, batch)
         future = None
-        if int(jax.device_get(state.count)) > 0:  # step 0 applies nothing (jc.delayed)
-            exchange = self._exchange_fn(state)
+        if exchange is not None:
             future = self._pool.submit(
                 lambda: jax.block_until_ready(exchange(params, state.inner, state.pending))
             )
         try:
-            pending, count = jax.block_until_ready(
-                self._grads_fn(len(batch))(params, state.count, *batch)
-            )
+            pending, count = jax.block_until_ready(grads(params, state.count, *batch))
         finally:  # never leave the exchange running: its collectives pair with the peers'
             out = None if future is None else future.result()
         params, inner = (params, state.inner) if out is None else out
@@ -137,12 +152,16 @@ def overlapped_step(
     TPU) ``jc.delayed(tx)`` can overlap them in one program; this step is measured on XLA:CPU
     only. A non-finite gradient reaches ``tx`` one step later, as in ``jc.delayed``.
 
-    The exchange donates ``state.inner``: pass each step the state the previous one
-    returned, and after a step that raised, restart from a checkpoint (the state passed in
-    may have been consumed). An exception in either program is raised to the caller once
-    both have finished; ``step.close()`` stops the worker thread. The exchange is traced on
-    the worker thread: jax settings made by a context manager in the caller's thread (they
-    are thread-local, e.g. ``jax.default_matmul_precision``) do not apply to it.
+    Both programs are traced and compiled on the caller's thread before either runs (jax
+    caches them, so later steps of the same shapes only look them up): jax settings made by
+    a context manager in the caller's thread (they are thread-local, e.g.
+    ``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``) apply to both, and a
+    trace or compile error (a batch of the wrong shape, an error in ``tx``) raises before
+    anything runs, with ``state`` intact: the step can be called again with it. The exchange
+    donates ``state.inner``: pass each step the state the previous one returned; after an
+    error while the programs ran, restart from a checkpoint (the state passed in may have
+    been consumed). An exception in either program is raised to the caller once both have
+    finished; ``step.close()`` stops the worker thread.
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``, the loss of one device's batch.

@@ -59,6 +59,18 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
         lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
         False,
     ),
+    # 16-bit casts through two_phase with and without a residual memory (jc.autotune runs
+    # them without: a cast drops only rounding).
+    **{
+        f"{c}-twophase{tag}": (
+            lambda axis, c=c, ef=ef: jc.compressed_allreduce(
+                jc.cast(c), axis, min_size=1024, strategy="two_phase", error_feedback=ef
+            ),
+            False,
+        )
+        for c in ("fp16", "bf16")
+        for tag, ef in (("", "residual"), ("-nofeedback", None))
+    },
     # Error-feedback memories kept in bfloat16 (against the codec rows "sign", "int8").
     "sign-bf16memory": (
         lambda axis: jc.compressed_allreduce(

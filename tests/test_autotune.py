@@ -84,7 +84,12 @@ def plan():
 
 def test_plan_times_plain_and_the_best_predictions(plan):
     assert len(plan.table) == 7
-    assert {r.name for r in plan.table} == {"none", "int8", "fp16", "_Broken(dtype_name='bfloat16')"}
+    assert {r.name for r in plan.table} == {
+        "none",
+        "int8",
+        "fp16",
+        "_Broken(dtype_name='bfloat16')",
+    }
     measured = [r for r in plan.table if not math.isnan(r.measured_ms)]
     # plain, then the best predicted int8 and fp16 rows (one per codec first)
     assert len(measured) == 3 and all(r.measured_ms > 0 for r in measured)

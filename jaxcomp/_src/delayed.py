@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, periodic
+from jaxcomp._src import collectives, periodic, skeleton
 
 
 class DelayedState(NamedTuple):
@@ -78,7 +78,7 @@ def delayed(
         def exchange(ops):
             previous, inner = ops
             if axis_name is not None:
-                previous = jax.lax.pmean(previous, axis_name)
+                previous = skeleton.tree_pmean(previous, axis_name)  # empty leaves left out
             return tx.update(previous, inner, params, **extra_args)
 
         def first(ops):

@@ -231,7 +231,9 @@ def gossip(
             count=state.count + 1,
         )
         new_state = skeleton.freeze(bad, state, new_state)
-        return layouts.assemble(step, layout, outs, []), new_state
+        # An empty float leaf (the layout's plain group) has nothing to mix: its update is empty.
+        empty = [jnp.zeros_like(a) for a in layouts.leaves_of(step, layout, layouts.PLAIN)]
+        return layouts.assemble(step, layout, outs, empty), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -246,7 +248,8 @@ def _abstract(tree: Any) -> Any:
 
 
 def _float_leaves(tree: Any, layout: layouts.Layout) -> list[jax.Array]:
-    """The floating leaves of ``tree`` as float32 vectors (every float leaf is 'compressed')."""
+    """The floating leaves of ``tree`` as float32 vectors (every non-empty float leaf is
+    'compressed'; an empty one is 'plain' and takes no part in the gossip)."""
     return layouts.compressed_vectors(tree, layout)
 
 

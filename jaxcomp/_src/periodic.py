@@ -250,7 +250,7 @@ class _Exchange(NamedTuple):
     def average(self, delta: list, ex_state: Any) -> tuple[list, Any]:
         """The mean over devices (through the codec with its feedback, or pmean)."""
         if self.exchange is None:
-            return jax.lax.pmean(delta, self.cfg.axis_name), ex_state
+            return skeleton.tree_pmean(delta, self.cfg.axis_name), ex_state
         return self.exchange.update(delta, ex_state, None)
 
     def outer_step(self, mean: list, outer_state: Any, anchor: list) -> tuple[list, Any]:

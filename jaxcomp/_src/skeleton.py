@@ -59,6 +59,37 @@ def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def tree_pmean(tree: Any, axis_name: Any) -> Any:
+    r"""``jax.lax.pmean(tree, axis_name)`` in each leaf's dtype, its empty leaves left out of
+    the collective: an empty leaf is its own mean, ``x_i = x = []``.
+
+    XLA:CPU (jaxlib 0.11) crashes compiling a program whose all-reduces include a
+    zero-element one, and a tree of params or gradients may hold an empty leaf. The empty
+    mean is typed as ``pmean`` types it: varying over the leaf's other manual axes only.
+
+    Args:
+      tree: a pytree of arrays (each device's values).
+      axis_name: the mesh axis, or a tuple of axes, to average over.
+
+    Returns:
+      The tree of means, ``mean_i x_i`` per leaf.
+
+    Example::
+
+      mean = skeleton.tree_pmean({"w": w, "empty": jnp.zeros((0, 4))}, "data")
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    means = iter(jax.lax.pmean([a for a in leaves if a.size], axis_name))
+    names = set(collectives.axis_names(axis_name))
+
+    def empty(a):
+        keep = tuple(sorted(varying_axes(a) - names, key=str))
+        zero = jnp.zeros(a.shape, a.dtype)
+        return jax.lax.pcast(zero, keep, to="varying") if keep else zero
+
+    return treedef.unflatten([next(means) if a.size else empty(a) for a in leaves])
+
+
 def tracks_variance(axis_name: Any) -> bool:
     """True inside ``jax.shard_map(..., check_vma=True)`` over every axis of ``axis_name``:
     there a value's type says whether it differs per device. ``pmap``, ``vmap`` and

@@ -1,0 +1,84 @@
+"""An empty leaf in the params takes no part in a collective, and its update is empty.
+
+XLA:CPU (jaxlib 0.11) crashes compiling a program whose all-reduces include a zero-element
+one; jax 0.10 compiles it, so the check reads the lowered program. One program holds the
+four transforms whose own averaging sees the user's tree (jc.delayed's pmean, jc.diloco's
+and jc.local_sgd's parameter averaging, jc.gossip's mixing): one compile, two steps.
+"""
+
+import re
+
+import jax
+import numpy as np
+import optax
+from helpers import N, mesh, per_device, shard
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src.skeleton import varying_like
+
+LR = 0.1
+PARAMS = {"w": np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6), "e": np.zeros((0, 3))}
+REPLICAS = ("diloco", "local_sgd", "gossip")  # per-device params
+# Every collective's operand types: all-reduce, all-gather, all-to-all, reduce-scatter,
+# collective-permute (ppermute).
+COLLECTIVE = (
+    r'"stablehlo\.(?:all_\w+|reduce_scatter|collective_permute)"\(.*?(?:\}\) )?: \(([^)]*)\)'
+)
+
+
+def _transforms():
+    return {
+        "delayed": jc.delayed(optax.sgd(LR), axis_name="data"),
+        "diloco": jc.diloco(optax.sgd(LR), "data", 1),
+        "local_sgd": jc.local_sgd(optax.sgd(LR), "data", 1),
+        "gossip": jc.gossip(optax.sgd(LR), "data", gamma=0.5),
+    }
+
+
+def _built():
+    """The jitted step of every transform, their sharded states, params and gradients."""
+    txs = _transforms()
+    m = mesh()
+    params = shard(PARAMS, m, P())
+    states = {k: jc.sharded_init(tx, params, m, "data") for k, tx in txs.items()}
+    specs = {k: jc.state_specs(s, "data") for k, s in states.items()}
+
+    def step(g, s, p):
+        g = jax.tree.map(lambda a: a[0], g)
+        outs, new = {}, {}
+        for k, tx in txs.items():
+            own = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), p)
+            u, new[k] = tx.update(g, s[k], own if k in REPLICAS else p)
+            outs[k] = jax.tree.map(lambda a: varying_like(a, g["w"])[None], u)
+        return outs, new
+
+    f = per_device(step, (P("data"), specs, P()), (P("data"), specs), m)
+    scale = np.arange(1, N + 1, dtype=np.float32).reshape(N, 1, 1)
+    grads = shard({"w": scale * np.ones((N, 4, 6), np.float32), "e": np.zeros((N, 0, 3))}, m)
+    return f, states, params, grads
+
+
+def test_empty_leaf_is_left_out_of_every_collective_and_updates_empty():
+    f, states, params, grads = _built()
+    ops = re.findall(COLLECTIVE, f.lower(grads, states, params).as_text(), re.S)
+    zero = [o for o in ops if re.search(r"tensor<(\d+x)*0x", o)]
+    # delayed's pmean, diloco's and local_sgd's averages, gossip's two ppermutes and flag.
+    assert len(ops) >= 6 and not zero, (len(ops), zero)
+
+    out0, states = f(grads, states, params)
+    out1, _ = f(grads, states, params)
+    g = np.arange(1, N + 1, dtype=np.float32)[:, None, None] * np.ones((N, 4, 6))
+    for k in _transforms():
+        assert out1[k]["e"].shape == (N, 0, 3), k
+    np.testing.assert_array_equal(out0["delayed"]["w"], 0.0)  # step 0 applies nothing
+    # Step 1: minus lr times the mean of step 0's gradients (mean_i i = 4.5), every device.
+    np.testing.assert_allclose(out1["delayed"]["w"], -LR * 4.5, rtol=1e-6)
+    # Local SGD syncing every step: the mean of the devices' steps.
+    np.testing.assert_allclose(out0["local_sgd"]["w"], -LR * 4.5, rtol=1e-6)
+    # Exact ring gossip: x_i + gamma w (x_{i-1} + x_{i+1} - 2 x_i), x_i = w - lr g_i.
+    weight = jc.topology("ring", N).weight
+    x = -LR * g
+    mixed = x + 0.5 * weight * (np.roll(x, 1, 0) + np.roll(x, -1, 0) - 2 * x)
+    np.testing.assert_allclose(out0["gossip"]["w"], mixed, rtol=1e-5, atol=1e-7)
+    assert np.isfinite(out0["diloco"]["w"]).all() and np.abs(out0["diloco"]["w"]).max() > 0

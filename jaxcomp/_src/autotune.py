@@ -252,24 +252,30 @@ def _reduce_over_processes(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(values)).max(axis=0)
 
 
-def _sharded_seconds(fn: Callable, args: tuple, mesh: Any, axis_name: Any, reps: int) -> float:
-    """Median seconds of ``fn`` (per device, no collective) run on every device of
-    ``axis_name`` at once, each argument ``[n, ...]`` one row per device."""
+def _abstract_rows(mesh: Any, axis_name: Any, shape: tuple[int, ...], dtype: Any = jnp.float32):
+    """The abstract ``[n, *shape]`` array laid out one row per device (no data, no traffic)."""
+    n = math.prod(mesh.shape[a] for a in _names(axis_name))
+    return jax.ShapeDtypeStruct((n, *shape), dtype, sharding=NamedSharding(mesh, P(axis_name)))
+
+
+def _per_device_program(fn: Callable, args: tuple, mesh: Any, axis_name: Any) -> Any:
+    """``fn`` (per device, no collective) over every device of ``axis_name``, compiled for
+    ``args`` (arrays or abstract arrays ``[n, ...]``, one row per device)."""
     spec = P(axis_name)
     run = jax.jit(
         jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
     )
-    return _median_time(lambda: run(*args), reps)
+    return run.lower(*args).compile()
 
 
-def _codec_times(
-    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int, fed: bool
-) -> np.ndarray:
-    """This process's ``[encode, decode, feedback]`` seconds (see :func:`codec_seconds`);
-    feedback 0 unless ``fed``."""
+def _codec_programs(
+    codec: Codec, mesh: Any, axis_name: Any, sizes: Sequence[int], fed: bool
+) -> tuple:
+    """Compiled ``(encode, decode, encode with feedback or None)`` over vectors of ``sizes``,
+    from abstract inputs: a codec that fails to trace or compile fails here, on this process
+    alone, before any data moves between processes."""
     key = jax.random.key_data(jax.random.key(0))
-    xs = [_per_device(mesh, axis_name, (d,), i) for i, d in enumerate(sizes)]
-    spec = P(axis_name)
+    xs = [_abstract_rows(mesh, axis_name, (d,)) for d in sizes]
 
     def enc(xs):
         return [jax.tree.map(lambda a: a[None], codec.encode(x[0], key)) for x in xs]
@@ -288,13 +294,24 @@ def _codec_times(
             out.append((jax.tree.map(lambda a: a[None], p), (sent - codec.decode(p, d))[None]))
         return out
 
-    payloads = jax.jit(
-        jax.shard_map(enc, mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False)
-    )(xs)
-    enc_s = _sharded_seconds(enc, (xs,), mesh, axis_name, reps)
-    dec_s = _sharded_seconds(dec, (payloads,), mesh, axis_name, reps)
-    es = [_per_device(mesh, axis_name, (d,), 50 + i) for i, d in enumerate(sizes)]
-    fed_s = _sharded_seconds(with_feedback, (xs, es), mesh, axis_name, reps) if fed else enc_s
+    enc_c = _per_device_program(enc, (xs,), mesh, axis_name)
+    dec_c = _per_device_program(dec, (enc_c.out_info,), mesh, axis_name)
+    fed_c = _per_device_program(with_feedback, (xs, xs), mesh, axis_name) if fed else None
+    return enc_c, dec_c, fed_c
+
+
+def _codec_times(programs: tuple, mesh: Any, axis_name: Any, sizes: Sequence[int], reps: int):
+    """This process's ``[encode, decode, feedback]`` seconds of :func:`_codec_programs`'
+    programs (feedback: encode with feedback less encode; 0 without)."""
+    enc_c, dec_c, fed_c = programs
+    xs = [_per_device(mesh, axis_name, (d,), i) for i, d in enumerate(sizes)]
+    enc_s = _median_time(lambda: enc_c(xs), reps)
+    payloads = enc_c(xs)
+    dec_s = _median_time(lambda: dec_c(payloads), reps)
+    fed_s = enc_s
+    if fed_c is not None:
+        es = [_per_device(mesh, axis_name, (d,), 50 + i) for i, d in enumerate(sizes)]
+        fed_s = _median_time(lambda: fed_c(xs, es), reps)
     return np.array([enc_s, dec_s, max(0.0, fed_s - enc_s)])
 
 
@@ -304,9 +321,8 @@ def codec_seconds(
     """Seconds of ``encode`` and of ``decode`` over vectors of ``sizes``, run on every device
     of ``axis_name`` at once (so devices that share a host's cores are measured sharing them);
     the max over processes."""
-    enc_s, dec_s, _ = _reduce_over_processes(
-        _codec_times(codec, mesh, axis_name, sizes, reps, False)
-    )
+    programs = _codec_programs(codec, mesh, axis_name, sizes, False)
+    enc_s, dec_s, _ = _reduce_over_processes(_codec_times(programs, mesh, axis_name, sizes, reps))
     return float(enc_s), float(dec_s)
 
 
@@ -417,18 +433,31 @@ def predict_seconds(
     return seconds, sum(ring for _, ring, _ in phases)
 
 
-def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candidate) -> tuple:
-    """``(compiled, state)``: ``row``'s exchange as a training step runs it, compiled.
+def _exchange_tx(row: Candidate, axis_name: Any) -> Any:
+    from jaxcomp._src.compressed_allreduce import compressed_allreduce
+
+    return compressed_allreduce(
+        row.codec,
+        axis_name,
+        error_feedback=row.error_feedback,
+        strategy=row.strategy,
+        bucket_bytes=row.bucket_bytes,
+        min_size=row.min_size,
+    )
+
+
+def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
+    """``row``'s exchange as a training step runs it, compiled ahead of time.
 
     ``compiled(tree, state) -> (mean, state)`` takes the per-device gradients (each leaf
-    ``[n, *shape]``, one row per device) and donates ``state``: ``jax.lax.pmean`` (no state)
-    for plain ``pmean``, else ``jc.compressed_allreduce(codec, axis_name,
-    error_feedback=row.error_feedback, strategy=..., bucket_bytes=..., min_size=...)``, so the
-    encode, decode and error-feedback memory update are all in the program. Compiled ahead of
-    time: a trace or compile error is raised here, before any collective runs.
+    ``[n, *shape]``, one row per device) and donates ``state`` (:func:`path_state`):
+    ``jax.lax.pmean`` (no state) for plain ``pmean``, else ``jc.compressed_allreduce(codec,
+    axis_name, error_feedback=row.error_feedback, strategy=..., bucket_bytes=...,
+    min_size=...)``, so the encode, decode and error-feedback memory update are all in the
+    program. Compiled from the state's abstract shapes: a trace or compile error is raised
+    here, on this process alone, before any data moves between processes.
     """
-    from jaxcomp._src.compressed_allreduce import compressed_allreduce
-    from jaxcomp._src.sharding import sharded_init, state_specs
+    from jaxcomp._src.sharding import abstract_init, state_specs
 
     def rows_of(g):
         return jax.tree.map(lambda a: a[0], g)
@@ -439,16 +468,17 @@ def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candid
         def body(g, s):
             return jax.lax.pmean(rows_of(g), axis_name), s
     else:
-        tx = compressed_allreduce(
-            row.codec,
-            axis_name,
-            error_feedback=row.error_feedback,
-            strategy=row.strategy,
-            bucket_bytes=row.bucket_bytes,
-            min_size=row.min_size,
+        tx = _exchange_tx(row, axis_name)
+        specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
+        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        shapes = jax.eval_shape(init, params)
+        state = jax.tree.map(
+            lambda a, spec: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(mesh, spec)
+            ),
+            shapes,
+            specs,
         )
-        state = sharded_init(tx, params, mesh, axis_name)
-        specs = state_specs(state, axis_name)
 
         def body(g, s):
             return tx.update(rows_of(g), s)
@@ -456,7 +486,17 @@ def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candid
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(P(axis_name), specs), out_specs=(P(), specs), check_vma=False
     )
-    return jax.jit(fn, donate_argnums=(1,)).lower(tree, state).compile(), state
+    return jax.jit(fn, donate_argnums=(1,)).lower(tree, state).compile()
+
+
+def path_state(params: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
+    """The first state :func:`compiled_path`'s program takes: ``jc.sharded_init`` of the
+    candidate's transform (``()`` for plain ``pmean``)."""
+    from jaxcomp._src.sharding import sharded_init
+
+    if row.codec is None:
+        return ()
+    return sharded_init(_exchange_tx(row, axis_name), params, mesh, axis_name)
 
 
 def _path_median(compiled: Callable, tree: Any, state: Any, reps: int) -> float:
@@ -470,8 +510,9 @@ def _path_median(compiled: Callable, tree: Any, state: Any, reps: int) -> float:
 
 
 def path_seconds(compiled: Callable, tree: Any, state: Any, reps: int = 3) -> float:
-    """Median seconds of ``compiled(tree, state)`` (:func:`compiled_path`), each call fed the
-    state the previous one returned, after one warm-up call; the max over processes."""
+    """Median seconds of ``compiled(tree, state)`` (:func:`compiled_path`, first state from
+    :func:`path_state`), each call fed the state the previous one returned, after one warm-up
+    call; the max over processes."""
     return float(_reduce_over_processes(np.array([_path_median(compiled, tree, state, reps)]))[0])
 
 
@@ -621,14 +662,7 @@ def autotune(
     strategies = DEFAULT_STRATEGIES if strategies is None else tuple(strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
-    costs, failed = {}, {}
-    for c in dict.fromkeys(c for c in codecs if c is not None):
-        fed = candidate_feedback(c) is not None
-        local, err = _guarded(lambda c=c, f=fed: _codec_times(c, mesh, axis_name, sizes, reps, f))
-        if err:  # every process agrees (_guarded): skip the codec's candidates
-            failed[c] = f"codec timing: {err}"
-        else:
-            costs[c] = tuple(float(t) for t in _reduce_over_processes(local))
+    costs, failed = _codec_costs(codecs, mesh, axis_name, sizes, reps)
     rows = _model_rows(
         _candidates(codecs, strategies, bucket_sizes, min_sizes), sizes, n, link, costs, failed
     )
@@ -638,6 +672,23 @@ def autotune(
     cost_ms = {codec_label(c): (1e3 * e, 1e3 * d) for c, (e, d, _) in costs.items()}
     fed_ms = {codec_label(c): 1e3 * f for c, (_, _, f) in costs.items() if candidate_feedback(c)}
     return dataclasses.replace(plan, codec_ms=cost_ms, feedback_ms=fed_ms)
+
+
+def _codec_costs(codecs, mesh, axis_name, sizes, reps) -> tuple[dict, dict]:
+    """``({codec: (encode, decode, feedback) seconds}, {codec: why it failed})``, agreed over
+    processes: each codec's programs are compiled first (a failure there is agreed on before
+    any data moves), then timed."""
+    costs, failed = {}, {}
+    for c in dict.fromkeys(c for c in codecs if c is not None):
+        fed = candidate_feedback(c) is not None
+        programs, err = _guarded(lambda c=c, f=fed: _codec_programs(c, mesh, axis_name, sizes, f))
+        if not err:
+            local, err = _guarded(lambda p=programs: _codec_times(p, mesh, axis_name, sizes, reps))
+        if err:  # every process agrees (_guarded): skip the codec's candidates
+            failed[c] = f"codec timing: {err}"
+        else:
+            costs[c] = tuple(float(t) for t in _reduce_over_processes(local))
+    return costs, failed
 
 
 def _model_rows(candidates, sizes, n, link, costs, failed) -> list[Candidate]:
@@ -664,7 +715,13 @@ def _model_rows(candidates, sizes, n, link, costs, failed) -> list[Candidate]:
                 1e3 * (sec - wire), ef, error,
             )
         )  # fmt: skip
-    rows.sort(key=lambda r: (bool(r.error), r.model_ms))
+    # a model that failed on another process fails here too (every process sorts the same)
+    elsewhere = _reduce_over_processes(np.array([float(bool(r.error)) for r in rows]))
+    rows = [
+        r._replace(error="bytes model: failed on another process") if f and not r.error else r
+        for r, f in zip(rows, elsewhere, strict=True)
+    ]
+    rows.sort(key=lambda r: (bool(r.error), r.model_ms if not r.error else 0.0))
     return rows
 
 
@@ -735,11 +792,14 @@ def _to_check(rows: Sequence[Candidate], check: int) -> list[Candidate]:
 
 def _time_row(params, tree, mesh, axis_name, row, reps) -> tuple[float, str]:
     """``(measured ms, "")`` of ``row``'s compiled exchange path, or ``(nan, reason)`` where it
-    failed to trace, compile or run on any process (all processes agree)."""
-    built, err = _guarded(lambda: compiled_path(params, tree, mesh, axis_name, row))
+    failed to trace, compile or run on any process (all processes agree). The compile needs
+    no other process, so a failure there is agreed on before any collective runs."""
+    compiled, err = _guarded(lambda: compiled_path(params, tree, mesh, axis_name, row))
     if err:
         return math.nan, err
-    local, err = _guarded(lambda: _path_median(built[0], tree, built[1], reps))
+    local, err = _guarded(
+        lambda: _path_median(compiled, tree, path_state(params, mesh, axis_name, row), reps)
+    )
     if err:
         return math.nan, err
     return 1e3 * float(_reduce_over_processes(np.array([local]))[0]), ""
@@ -764,8 +824,8 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
         reasons = "; ".join(f"{r.name} {r.strategy}: {r.error}" for r in rows if r.error)
         raise RuntimeError(f"jc.autotune: every timed candidate failed ({reasons})")
     rows = calibrate(rows)
-    rows.sort(key=lambda r: (bool(r.error), math.isnan(r.measured_ms), r.measured_ms,
-                             r.predicted_ms))  # fmt: skip
+    rows.sort(key=lambda r: (True, 0, 0.0, 0.0) if r.error else (False, math.isnan(
+        r.measured_ms), r.measured_ms, r.predicted_ms))  # fmt: skip
     best = select(rows)
     rows.remove(best)
     strategy = "auto" if best.codec is None else best.strategy

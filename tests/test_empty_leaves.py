@@ -82,3 +82,40 @@ def test_empty_leaf_is_left_out_of_every_collective_and_updates_empty():
     mixed = x + 0.5 * weight * (np.roll(x, 1, 0) + np.roll(x, -1, 0) - 2 * x)
     np.testing.assert_allclose(out0["gossip"]["w"], mixed, rtol=1e-5, atol=1e-7)
     assert np.isfinite(out0["diloco"]["w"]).all() and np.abs(out0["diloco"]["w"]).max() > 0
+
+
+def test_empty_leaf_through_all_gather_psum_scatter_and_fsdp_gradients():
+    """jc.all_gather, jc.psum_scatter and jc.fsdp_gather's transpose (with and without a
+    gradient codec) leave an empty leaf out of their collectives; the other leaves are exact."""
+    m = mesh()
+    w = np.arange(N * N * 3, dtype=np.float32).reshape(N, N, 3)  # device i: f32[8, 3]
+    tree = shard({"w": w, "e": np.zeros((N, 0, 3), np.float32)}, m)
+
+    def body(t):
+        t = jax.tree.map(lambda a: a[0], t)
+
+        def loss(s, grads):
+            full = jc.fsdp_gather(s, "data", weights=None, grads=grads)
+            return sum(jax.numpy.sum(v**2) for v in jax.tree.leaves(full))
+
+        outs = {
+            "gather": jc.all_gather(t, "data", jc.identity()),
+            "scatter": jc.psum_scatter(t, "data", jc.identity()),
+            "fsdp": jax.grad(loss)(t, None),
+            "fsdp_int8": jax.grad(loss)(t, jc.int_quant(8)),
+        }
+        return jax.tree.map(lambda a: varying_like(a, t["w"])[None], outs)
+
+    f = per_device(body, (P("data"),), P("data"), m)
+    ops = re.findall(COLLECTIVE, f.lower(tree).as_text(), re.S)
+    assert len(ops) >= 5 and not [o for o in ops if re.search(r"tensor<(\d+x)*0x", o)], ops
+    out = f(tree)
+    assert out["gather"]["e"].shape == (N, 0, 3) and out["scatter"]["e"].shape == (N, 0, 3)
+    assert out["fsdp"]["e"].shape == (N, 0, 3) and out["fsdp_int8"]["e"].shape == (N, 0, 3)
+    np.testing.assert_array_equal(
+        out["gather"]["w"], np.broadcast_to(w.reshape(1, -1, 3), (N, N * N, 3))
+    )
+    np.testing.assert_array_equal(out["scatter"]["w"], w.sum(0).reshape(N, 1, 3))
+    # The loss on every device reads the gathered weights: the shard's gradient sums 8 of 2 w.
+    np.testing.assert_array_equal(out["fsdp"]["w"], 2 * N * w)
+    np.testing.assert_allclose(out["fsdp_int8"]["w"], 2 * N * w, rtol=2e-2, atol=2 * N * 2)

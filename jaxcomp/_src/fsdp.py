@@ -36,7 +36,7 @@ from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
 from jaxcomp._src.sharded import gather_outer, scatter_rows, tile, two_hop_stack
-from jaxcomp._src.skeleton import varying_axes, varying_like
+from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
 
 #: The name of the slow hop's result (hpZ's secondary partition) for ``jax.checkpoint`` policies.
 SECONDARY = "fsdp_secondary"
@@ -93,7 +93,25 @@ def _gather_fwd(shards, residual, cfg):
 
 def _gather_bwd(cfg, residual, cts):
     """The transpose: reduce-scatter the cotangents through ``cfg.grads`` (plus error
-    feedback); the residual's cotangent is the new residual."""
+    feedback); the residual's cotangent is the new residual. An empty leaf's cotangent is
+    empty and takes no part in a collective (nor its residual)."""
+    full = [i for i, ct in enumerate(cts) if ct.size]
+    if len(full) == len(cts):
+        return _scatter_cotangents(cfg, residual, cts)
+    grads = [varying_over(jnp.zeros(ct.shape[1:], ct.dtype), cfg.varying) for ct in cts]
+    new_residual = None if residual is None else [jnp.zeros_like(r) for r in residual]
+    if full:
+        some = None if residual is None else [residual[i] for i in full]
+        g, r = _scatter_cotangents(cfg, some, [cts[i] for i in full])
+        for k, i in enumerate(full):
+            grads[i] = g[k]
+            if r is not None:
+                new_residual[i] = r[k]
+    return grads, new_residual
+
+
+def _scatter_cotangents(cfg, residual, cts):
+    """:func:`_gather_bwd` of leaves that are not empty."""
     blocks = [ct.reshape(ct.shape[0], -1).astype(jnp.float32) for ct in cts]
     if residual is not None:
         blocks = [b + r.reshape(b.shape) for b, r in zip(blocks, residual, strict=True)]

@@ -50,6 +50,7 @@ from jaxcomp._src.collectives import (
     local_nonfinite,
 )
 from jaxcomp._src.cost import check_codec
+from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
 
 
 class Scattered(NamedTuple):
@@ -178,10 +179,33 @@ def gather_outer(
     )
     it = iter(rows)
     out = [
-        next(it).reshape(-1, *a.shape).astype(a.dtype) if f else jax.lax.all_gather(a, axis_name)
+        next(it).reshape(-1, *a.shape).astype(a.dtype) if f else exact_gather(a, axis_name)
         for a, f in zip(leaves, flags, strict=True)
     ]
     return out, bad
+
+
+def exact_gather(a: jax.Array, axis_name: Any) -> jax.Array:
+    """``jax.lax.all_gather(a, axis_name)``: ``[n, *a.shape]``, row ``i`` device ``i``'s ``a``.
+    An empty ``a`` gathers to an empty array without a collective: XLA:CPU (jaxlib 0.11)
+    crashes compiling programs with zero-element collectives."""
+    if a.size:
+        return jax.lax.all_gather(a, axis_name)
+    return varying_like(jnp.zeros((axis_size(axis_name), *a.shape), a.dtype), a)
+
+
+def exact_scatter(a: jax.Array, axis_name: Any, dim: int, tiled: bool) -> jax.Array:
+    """``jax.lax.psum_scatter(a, axis_name, scatter_dimension=dim, tiled=tiled)``. An empty
+    ``a`` scatters to an empty array without a collective (XLA refuses a zero-size scattered
+    dimension, and XLA:CPU crashes compiling programs with zero-element collectives)."""
+    if a.size:
+        return jax.lax.psum_scatter(a, axis_name, scatter_dimension=dim, tiled=tiled)
+    shape = list(a.shape)
+    if tiled:
+        shape[dim] //= axis_size(axis_name)
+    else:
+        del shape[dim]
+    return varying_over(jnp.zeros(shape, a.dtype), varying_axes(a) | set(axis_names(axis_name)))
 
 
 def two_hop_stack(stacked: jax.Array, inner_axis_name: Any) -> jax.Array:
@@ -189,7 +213,7 @@ def two_hop_stack(stacked: jax.Array, inner_axis_name: Any) -> jax.Array:
     slow axis major: an uncompressed all-gather over the fast inner axis, then a transpose."""
     if inner_axis_name is None:
         return stacked
-    inner = jax.lax.all_gather(stacked, inner_axis_name)  # [L, H, *shape]
+    inner = exact_gather(stacked, inner_axis_name)  # [L, H, *shape]
     return jnp.swapaxes(inner, 0, 1).reshape(-1, *stacked.shape[1:])
 
 
@@ -398,7 +422,7 @@ def psum_scatter(
     out = [
         _poison(unscatter(own[i], a, d, n, tiled), bad)
         if i in own
-        else jax.lax.psum_scatter(a, every, scatter_dimension=d, tiled=tiled)
+        else exact_scatter(a, every, d, tiled)
         for i, (a, d) in enumerate(zip(leaves, dims, strict=True))
     ]
     return jax.tree.unflatten(treedef, out)

@@ -55,7 +55,13 @@ def varying_axes(x: Any) -> frozenset:
 def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
     """``x`` typed as varying over the manual axes ``like`` varies over (``jax.lax.pcast``
     of the missing ones), e.g. so that the branches of a ``cond`` agree."""
-    missing = tuple(sorted(varying_axes(like) - varying_axes(x), key=str))
+    return varying_over(x, varying_axes(like))
+
+
+def varying_over(x: jax.Array, axes: Any) -> jax.Array:
+    """``x`` typed as varying over the manual mesh ``axes`` too (``jax.lax.pcast`` of the
+    ones it does not vary over yet)."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -83,9 +89,7 @@ def tree_pmean(tree: Any, axis_name: Any) -> Any:
     names = set(collectives.axis_names(axis_name))
 
     def empty(a):
-        keep = tuple(sorted(varying_axes(a) - names, key=str))
-        zero = jnp.zeros(a.shape, a.dtype)
-        return jax.lax.pcast(zero, keep, to="varying") if keep else zero
+        return varying_over(jnp.zeros(a.shape, a.dtype), varying_axes(a) - names)
 
     return treedef.unflatten([next(means) if a.size else empty(a) for a in leaves])
 

@@ -234,3 +234,30 @@ def test_feedback_per_candidate_and_its_cost_in_the_prediction():
         (int8, "two_phase", "residual"),
         (jc.cast("fp16"), "two_phase", None),
     }
+
+
+def test_network_benchmark_predicts_each_step_from_the_plan_table():
+    """benchmarks/network.py: predicted step = plain step - plan's measured plain exchange +
+    the plan's predicted exchange of the same codec, strategy and feedback."""
+    from benchmarks import network
+
+    def cand(name, strategy, ef, predicted, measured=math.nan, min_size=0):
+        return {"name": name, "strategy": strategy, "error_feedback": ef, "min_size": min_size,
+                "predicted_ms": predicted, "measured_ms": measured, "error": ""}  # fmt: skip
+
+    table = [
+        cand("int8", "allgather", "residual", 250.0, 240.0),
+        cand("none", "pmean", None, 340.0, 350.0),
+        cand("fp16", "two_phase", None, 165.0, min_size=4096),
+        cand("fp16", "two_phase", None, 160.0),
+    ]
+    base = {"framework": "jaxcomp", "codec": "pmean", "step_ms": 527.0}
+    tuned = {"framework": "jaxcomp", "codec": "autotune", "step_ms": 453.0, "autotune": table}
+    fp16 = {"framework": "jaxcomp", "codec": "fp16@two_phase:none", "strategy": "two_phase",
+            "error_feedback": None, "step_ms": 340.0}  # fmt: skip
+    fed = dict(fp16, codec="fp16@two_phase", error_feedback="residual")  # not in the table
+    network.predict_steps([base, tuned, fp16, fed], base)
+    assert tuned["predicted_step_ms"] == pytest.approx(527 - 350 + 250)
+    assert fp16["predicted_step_ms"] == pytest.approx(527 - 350 + 160)  # min_size 0's row
+    assert fp16["step_prediction_error"] == pytest.approx(337 / 340 - 1)
+    assert "predicted_step_ms" not in fed and "predicted_step_ms" not in base

@@ -19,7 +19,7 @@ import jax
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import periodic, sharding
+from jaxcomp._src import periodic, sharding, skeleton
 from jaxcomp._src.delayed import DelayedState, delayed
 
 
@@ -77,7 +77,7 @@ class OverlappedStep:
         """``tx`` on the mean of the previous step's gradients, applied to ``p``."""
         previous = jax.tree.map(lambda a: a[0], pending)
         if self.pmean:
-            previous = jax.lax.pmean(previous, self.axis_name)
+            previous = skeleton.tree_pmean(previous, self.axis_name)  # empty leaves skip it
         u, inner = self.tx.update(previous, inner, p)
         return optax.apply_updates(p, u), inner
 

@@ -792,6 +792,17 @@ def draw(runs: list[dict], path: pathlib.Path) -> None:
     common.plot(path, one, "LM benchmark: train loss (held-out loss in the legend)")
 
 
+def resumed_environment(before: dict[str, Any] | None, now: dict[str, Any]) -> dict[str, Any]:
+    """``now`` (this run's environment), its ``command`` kept as the file's first command and
+    ``commands`` listing every command that wrote the file, the first first (a ``--resume``
+    adds one; ``before``: the file's environment, None for a new file)."""
+    if not before:
+        return {**now, "commands": [now["command"]]}
+    earlier = before.get("commands") or [before["command"]]
+    commands = [*earlier, now["command"]]
+    return {**now, "command": earlier[0], "commands": commands}
+
+
 def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> int:
     """Add the runs of ``others`` (result files of the same config, e.g. run in parallel
     processes) to ``path``'s, a recipe already there kept, and redraw."""
@@ -899,10 +910,12 @@ def main(argv: list[str] | None = None) -> int:
     name = "lm" + (f"_{args.tag}" if args.tag else "")
     path = common.result_path(name, args.quick)
     runs: list[dict] = []
+    before: dict[str, Any] = {}
     if (args.resume or args.merge or args.bytes_only) and path.exists():
         import json
 
-        runs = json.loads(path.read_text())["runs"]
+        before = json.loads(path.read_text())
+        runs = before["runs"]
     if args.merge:
         return merge(path, runs, [pathlib.Path(m) for m in args.merge])
     task = Task(args, jax.device_count())
@@ -926,7 +939,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
-        out = {"environment": common.environment(), "config": config, "runs": runs}
+        environment = resumed_environment(before.get("environment"), common.environment())
+        out = {"environment": environment, "config": config, "runs": runs}
         common.write_json(path, out, quiet=True)
     print_table(runs)
     if out is not None:

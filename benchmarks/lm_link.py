@@ -32,18 +32,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
 
-from benchmarks import common, lm, lm_sparse, network
+from benchmarks import common, lm, lm_demo, lm_diloco, lm_sparse, network
 
-RECIPES = ["diloco-int4-H30", "sparseloco-H30", "demo-1e-3", "onebit_adam"]
+RECIPES = [
+    "demo-3e-3-sign-end1-decay0.95-k18-b4:450",
+    "diloco-int4-H30-innerconst:900",
+    "onebit_adam:450",
+    "zero_one_adam:450",
+]
 GLOBAL_BATCH = 16  # the cpu config's: 8 devices x 2 sequences
+UNSHAPED = "none"  # --rate none: the loopback left as it is (compute and protocol only)
 
 
 def _recipes() -> dict:
-    return {**lm.RECIPES, **lm_sparse.RECIPES}
+    return {**lm.RECIPES, **lm_sparse.RECIPES, **lm_diloco.RECIPES, **lm_demo.RECIPES}
+
+
+def parse_recipe(spec: str, default_steps: int) -> tuple[str, int]:
+    """``"name:steps"`` -> ``(name, steps)``; ``"name"`` -> ``(name, default_steps)``."""
+    name, _, steps = spec.partition(":")
+    if steps and not (steps.isdigit() and int(steps) > 0):
+        raise ValueError(f"`--recipes` entry {spec!r}: steps after ':' must be a positive integer")
+    return name, int(steps) if steps else default_steps
 
 
 def _put_global(mesh, spec, host):
@@ -125,12 +140,14 @@ def train_on_link(task: lm.Task, name: str, steps: int, lr: float, eval_every: i
     compiled = fn.lower(params, state, put(task.batch())).compile()
     task.reset()
     setup = time.perf_counter() - t0
-    clock, points, curve = 0.0, [], []
+    clock, cpu, points, curve, walls = 0.0, 0.0, [], [], []
     for t in range(steps):
         batch = put(task.batch())
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         params, state, loss = jax.block_until_ready(compiled(params, state, batch))
-        clock += time.perf_counter() - start
+        cpu += time.process_time() - start_cpu
+        walls.append(time.perf_counter() - start)
+        clock += walls[-1]
         curve.append(float(loss.addressable_data(0)))
         if (t + 1) % eval_every == 0 or t + 1 == steps:
             points.append((t + 1, clock, task.eval_loss(_local_model(params, recipe.kind))))
@@ -142,6 +159,8 @@ def train_on_link(task: lm.Task, name: str, steps: int, lr: float, eval_every: i
         "final_eval_loss": points[-1][2],
         "train_seconds": clock,
         "ms_per_step": 1e3 * clock / steps,
+        "median_step_ms": 1e3 * sorted(walls)[steps // 2],
+        "cpu_ms_per_step": 1e3 * cpu / steps,
         "setup_seconds": setup,
         "final_train_loss": sum(curve[-20:]) / len(curve[-20:]),
     }
@@ -161,29 +180,45 @@ def worker(args) -> None:
     config["steps"] = args.steps
     task = lm.Task(argparse.Namespace(**config), n)
     runs = []
-    for name in ["adamw", *args.recipes]:
-        steps = args.steps if name == "adamw" else args.recipe_steps or args.steps
-        r = train_on_link(task, name, steps, config["lr"], args.eval_every)
+    default = args.recipe_steps or args.steps
+    for name, steps in [("adamw", args.steps), *(parse_recipe(r, default) for r in args.recipes)]:
+        try:
+            r = train_on_link(task, name, steps, config["lr"], args.eval_every)
+        except Exception as e:  # a trace-time error is raised on every process alike
+            if name == "adamw":
+                raise
+            r = {"recipe": name, "steps": steps, "error": f"{type(e).__name__}: {e}"}
         runs.append(r)
         if jax.process_index() == 0:
             print(json.dumps({k: v for k, v in r.items() if k != "evals"}), flush=True)
-    if jax.process_index() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"config": config, "devices": n, "runs": runs}, f)
+            with open(args.out, "w") as f:  # after every recipe: a bounded run keeps them
+                json.dump({"config": config, "devices": n, "runs": runs}, f)
+
+
+def _crossing(points: list, target: float) -> float | None:
+    """The first ``x`` of ``(x, loss)`` points with loss <= ``target``, linear between
+    points (from ``x = 0``, loss taken as above every target before the first); None if
+    never reached."""
+    prev_x, prev_l = 0.0, None
+    for x, loss in points:
+        if loss <= target:
+            if prev_l is None or prev_l == loss:
+                return x
+            return prev_x + (x - prev_x) * (prev_l - target) / (prev_l - loss)
+        prev_x, prev_l = x, loss
+    return None
 
 
 def time_to(evals: list, target: float) -> float | None:
     """Seconds at the first evaluation with loss <= ``target``, linear between evaluations
     (from the run's start, loss taken as above every target before the first); None if
     never reached."""
-    prev_s, prev_l = 0.0, None
-    for _, s, loss in evals:
-        if loss <= target:
-            if prev_l is None or prev_l == loss:
-                return s
-            return prev_s + (s - prev_s) * (prev_l - target) / (prev_l - loss)
-        prev_s, prev_l = s, loss
-    return None
+    return _crossing([(s, loss) for _, s, loss in evals], target)
+
+
+def steps_to(evals: list, target: float) -> float | None:
+    """As :func:`time_to`, in steps."""
+    return _crossing([(t, loss) for t, _, loss in evals], target)
 
 
 def summarize(runs: list[dict]) -> None:
@@ -192,6 +227,8 @@ def summarize(runs: list[dict]) -> None:
     target = base["final_eval_loss"]
     t_base = time_to(base["evals"], target)
     for r in runs:
+        if "error" in r:
+            continue
         r["target_loss"] = target
         r["time_to_target_s"] = time_to(r["evals"], target)
         ok = r["time_to_target_s"]
@@ -202,16 +239,73 @@ def summarize(runs: list[dict]) -> None:
         r["speedup_at_own_loss"] = t_dp / r["train_seconds"] if t_dp else None
 
 
+def split(runs: list[dict], unshaped: list[dict]) -> None:
+    """Split every step into compute and exchange; project the time to target onto a host
+    where each process has a core of its own.
+
+    Per run with a row of the same recipe in ``unshaped`` (the same processes on the
+    loopback left unshaped, the same host):
+
+    * ``compute_ms_per_step``: the unshaped step (compute, and the protocol on a fast link);
+    * ``exchange_ms_per_step``: what the shaped link adds, ``ms_per_step`` minus it;
+    * ``own_core_ms_per_step``: the unshaped step's CPU time (process 0, all its threads)
+      plus the exchange: the step when no process waits for a core;
+    * ``steps_to_target``: steps to ``adamw``'s final held-out loss (linear between
+      evaluations), and ``projected_time_to_target_s`` = those steps x the own-core step,
+      ``projected_speedup_to_target`` = ``adamw``'s over it;
+    * ``link_speedup_to_target``: the same with no compute at all (exchange only: the bound
+      a faster host tends to).
+    """
+    by_name = {r["recipe"]: r for r in unshaped if "error" not in r}
+    for r in runs:
+        u = by_name.get(r["recipe"])
+        if u is None or "error" in r:
+            continue
+        r["compute_ms_per_step"] = u["ms_per_step"]
+        r["exchange_ms_per_step"] = max(0.0, r["ms_per_step"] - u["ms_per_step"])
+        r["own_core_ms_per_step"] = u["cpu_ms_per_step"] + r["exchange_ms_per_step"]
+        s = steps_to(r["evals"], r["target_loss"])
+        r["steps_to_target"] = s
+        r["projected_time_to_target_s"] = s and s * r["own_core_ms_per_step"] / 1e3
+        r["link_time_to_target_s"] = s and s * r["exchange_ms_per_step"] / 1e3
+    base = next(r for r in runs if r["recipe"] == "adamw")
+    for r in runs:
+        for key, out in [
+            ("projected_time_to_target_s", "projected_speedup_to_target"),
+            ("link_time_to_target_s", "link_speedup_to_target"),
+        ]:
+            if key in r and key in base:
+                ok = r[key] and base[key]
+                r[out] = base[key] / r[key] if ok else None
+
+
+def print_split(runs: list[dict]) -> None:
+    print(
+        f"{'recipe':40s}{'compute':>9s}{'exchange':>9s}{'own core':>9s}{'to target':>10s}"
+        f"{'projected':>10s}{'link only':>10s}"
+    )
+    for r in (r for r in runs if "compute_ms_per_step" in r):
+        projected, link = r.get("projected_speedup_to_target"), r.get("link_speedup_to_target")
+        print(
+            f"{r['recipe']:40s}{r['compute_ms_per_step']:9.1f}{r['exchange_ms_per_step']:9.1f}"
+            f"{r['own_core_ms_per_step']:9.1f}{r['steps_to_target'] or float('nan'):10.0f}"
+            f"{projected or float('nan'):9.2f}x{link or float('nan'):9.1f}x"
+        )
+
+
 def print_table(runs: list[dict]) -> None:
     print(
         f"{'recipe':22s}{'steps':>6s}{'ms/step':>9s}{'final':>8s}{'to target s':>13s}"
         f"{'speedup':>9s}{'at own loss':>12s}"
     )
+
+    def fmt(v, spec):
+        return format(v, spec) if v is not None else "never".rjust(len(format(0.0, spec)))
+
     for r in runs:
-
-        def fmt(v, spec):
-            return format(v, spec) if v is not None else "never".rjust(len(format(0.0, spec)))
-
+        if "error" in r:
+            print(f"{r['recipe']:22s} failed: {r['error']}")
+            continue
         print(
             f"{r['recipe']:22s}{r['steps']:>6d}{r['ms_per_step']:>9.1f}{r['final_eval_loss']:>8.4f}"
             f"{fmt(r['time_to_target_s'], '13.1f')}{fmt(r['speedup_to_target'], '8.1f')}x"
@@ -221,7 +315,7 @@ def print_table(runs: list[dict]) -> None:
 
 def draw(runs: list[dict], path, title: str) -> None:
     def one(ax):
-        for r in runs:
+        for r in (r for r in runs if "evals" in r):
             ax.plot([p[1] for p in r["evals"]], [p[2] for p in r["evals"]], "o-", label=r["recipe"])
         ax.axhline(runs[0]["target_loss"], color="black", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
@@ -232,65 +326,152 @@ def draw(runs: list[dict], path, title: str) -> None:
     common.plot(path, one, title)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _launch(args, rate: str, recipes: list[str], steps: int) -> dict:
+    """One launch of the workers on a fresh namespace, its loopback shaped to ``rate``
+    (``"none"``: the host's loopback, no namespace): ``adamw`` for ``steps``, then
+    ``recipes``; what finished."""
+    ns, procs = None, []
+    if rate != UNSHAPED:
+        ns = network.Namespace(f"jaxcomp-lm-{os.getpid()}")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    argv_w = ["--worker", "--out", out, "--eval-every", str(args.eval_every)]
+    argv_w += ["--steps", str(steps), "--recipes", *recipes]
+    argv_w += ["--recipe-steps", str(args.recipe_steps)] if args.recipe_steps else []
+    try:
+        if ns is not None:
+            ns.open().shape(rate)
+        code = network.launch(ns, rate, __file__, argv_w, args.num_processes, args.timeout, procs)
+        if os.path.getsize(out) == 0:
+            raise RuntimeError(f"workers failed with status {code} before adamw finished")
+        with open(out) as f:
+            data = json.load(f)
+        if code != 0:
+            print(f"lm_link.py: workers ended with status {code}: the recipes that finished")
+            data["incomplete"] = f"workers ended with status {code}"
+    finally:
+        if ns is not None:
+            ns.close()
+        os.unlink(out)
+    return data
+
+
+def _short(spec: str, steps: int) -> str:
+    """``"name[:s]"`` -> ``"name:steps"`` (the unshaped launch's step count)."""
+    return f"{parse_recipe(spec, steps)[0]}:{steps}"
+
+
+def _write(data: dict, name: str, title: str) -> None:
+    print_table(data["runs"])
+    if "unshaped" in data:
+        print_split(data["runs"])
+    common.write_json(common.RESULTS / f"{name}.json", data)
+    draw(data["runs"], common.RESULTS / f"{name}.png", title)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = common.arg_parser(
         __doc__,
         writes="lm_link.json and .png (`--label L`: lm_link_L.*)",
-        takes="10-20 minutes at 100mbit with 4 processes (needs root and iproute2)",
+        takes="20-40 minutes at 100mbit with 4 processes on a loaded 2-core host "
+        "(needs root and iproute2)",
     )
-    ap.add_argument("--rate", default="100mbit", help="tc rate of the loopback")
+    ap.add_argument(
+        "--rate", default="100mbit", help="tc rate of the loopback ('none': left unshaped)"
+    )
     ap.add_argument("-n", "--num-processes", type=int, default=4, help="JAX processes")
-    ap.add_argument("--recipes", nargs="+", default=RECIPES, help="rows of lm / lm_sparse")
+    ap.add_argument(
+        "--recipes",
+        nargs="+",
+        default=RECIPES,
+        help="rows of lm / lm_sparse / lm_diloco / lm_demo, each NAME or NAME:STEPS",
+    )
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps (the cpu config's)")
     ap.add_argument(
         "--recipe-steps", type=int, default=None, help="steps of the recipes (None: --steps)"
     )
     ap.add_argument("--eval-every", type=int, default=30, help="steps between held-out losses")
+    ap.add_argument(
+        "--unshaped-steps",
+        type=int,
+        default=0,
+        help="then every row again for this many steps on the unshaped loopback: the step "
+        "split into compute and exchange (0: not run)",
+    )
+    ap.add_argument(
+        "--split-from",
+        default=None,
+        help="no training: split the rows of lm_link[_LABEL].json with the unshaped rows of "
+        "lm_link_SPLIT_FROM.json (a --rate none run) and rewrite it",
+    )
     ap.add_argument("--label", default=None, help="write lm_link_LABEL.json")
     ap.add_argument("--timeout", type=float, default=3000.0, help="seconds, bounded")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def _check(ap: argparse.ArgumentParser, args) -> None:
+    try:
+        names = [parse_recipe(r, args.steps)[0] for r in args.recipes]
+    except ValueError as e:
+        ap.error(str(e))
+    unknown = [r for r in names if r not in _recipes()]
+    if unknown or GLOBAL_BATCH % args.num_processes:
+        ap.error(f"unknown recipes {unknown} or -n not dividing {GLOBAL_BATCH}")
+    if args.rate != UNSHAPED:
+        network.rate_bits(args.rate)
+
+
+def _shaped_then_unshaped(args, path) -> dict:
+    """The shaped launch (saved to ``path`` at once), then the unshaped one if asked."""
+    load = [os.getloadavg()[0]]
+    data = _launch(args, args.rate, args.recipes, args.steps)
+    summarize(data["runs"])
+    data.update(rate=args.rate, num_processes=args.num_processes, tbf=" ".join(network.TBF))
+    data["loadavg"] = [round(x, 2) for x in (*load, os.getloadavg()[0])]
+    common.write_json(path, {**data, "environment": common.environment()}, quiet=True)
+    if args.unshaped_steps:
+        k = args.unshaped_steps
+        other = _launch(args, UNSHAPED, [_short(r, k) for r in args.recipes], k)
+        data["unshaped"] = {"runs": other["runs"], "loadavg": [round(os.getloadavg()[0], 2)]}
+        split(data["runs"], other["runs"])
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
-    unknown = [r for r in args.recipes if r not in _recipes()]
-    if unknown or GLOBAL_BATCH % args.num_processes:
-        ap.error(f"unknown recipes {unknown} or -n not dividing {GLOBAL_BATCH}")
-    network.rate_bits(args.rate)
-    reason = network.skip_reason()
+    name = "lm_link" + (f"_{args.label}" if args.label else "")
+    title = f"LM on {args.rate}, {args.num_processes} processes"
+    if args.split_from:
+        data = json.loads((common.RESULTS / f"{name}.json").read_text())
+        other = json.loads((common.RESULTS / f"lm_link_{args.split_from}.json").read_text())
+        data["unshaped"] = {"runs": other["runs"], "loadavg": other.get("loadavg")}
+        data["unshaped"]["command"] = other["environment"]["command"]
+        split(data["runs"], other["runs"])
+        _write(data, name, title)
+        return 0
+    _check(ap, args)
+    reason = network.skip_reason() if args.rate != UNSHAPED else None
     if reason:
         print(f"lm_link.py: skipped: {reason}")
         return 0
-    ns, procs = network.Namespace(f"jaxcomp-lm-{os.getpid()}"), []
-    load_before = os.getloadavg()[0]
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    argv_w = ["--worker", "--out", out, "--eval-every", str(args.eval_every)]
-    argv_w += ["--steps", str(args.steps)]
-    argv_w += ["--recipes", *args.recipes]
-    argv_w += ["--recipe-steps", str(args.recipe_steps)] if args.recipe_steps else []
+
+    def on_signal(signum, frame):  # the namespace is deleted on the way out
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        ns.open().shape(args.rate)
-        code = network.launch(
-            ns, args.rate, __file__, argv_w, args.num_processes, args.timeout, procs
-        )
-        if code != 0 or os.path.getsize(out) == 0:
-            raise RuntimeError(f"workers failed with status {code}")
-        with open(out) as f:
-            data = json.load(f)
+        data = _shaped_then_unshaped(args, common.RESULTS / f"{name}.json")
     finally:
-        ns.close()
-        os.unlink(out)
-    summarize(data["runs"])
-    print_table(data["runs"])
-    data.update(rate=args.rate, num_processes=args.num_processes, tbf=" ".join(network.TBF))
-    data["loadavg"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        for s, h in old.items():
+            signal.signal(s, h)
     data["environment"] = common.environment()
-    name = "lm_link" + (f"_{args.label}" if args.label else "")
-    common.write_json(common.RESULTS / f"{name}.json", data)
-    what = f"LM on {args.rate}, {args.num_processes} processes"
-    draw(data["runs"], common.RESULTS / f"{name}.png", what)
+    _write(data, name, title)
     return 0
 
 

@@ -421,17 +421,24 @@ def skip_reason() -> str | None:
 
 
 def launch(
-    ns: Namespace, rate: str, script: str, argv: list[str], n: int, timeout: float, procs: list
+    ns: Namespace | None,
+    rate: str,
+    script: str,
+    argv: list[str],
+    n: int,
+    timeout: float,
+    procs: list,
 ) -> int:
     """Run ``n`` copies of ``script argv...`` with ``python -m jaxcomp.launch`` in the
-    namespace (bounded by ``timeout`` + 60 s); return the launcher's exit status. The process
-    is listed in ``procs`` while it runs (for a signal handler to kill); every process left
-    in the namespace is killed on the way out."""
+    namespace (None: the host's own, unshaped loopback; bounded by ``timeout`` + 60 s);
+    return the launcher's exit status. The process is listed in ``procs`` while it runs (for
+    a signal handler to kill); every process left in the namespace is killed on the way out."""
+    prefix = ["ip", "netns", "exec", ns.name] if ns is not None else []
     cmd = [
-        "ip", "netns", "exec", ns.name, sys.executable, "-m", "jaxcomp.launch",
+        *prefix, sys.executable, "-m", "jaxcomp.launch",
         "-n", str(n), "--timeout", str(timeout), os.path.abspath(script), *argv,
     ]  # fmt: skip
-    print(f"\n== {rate}: {' '.join(cmd[4:])}", flush=True)
+    print(f"\n== {rate}: {' '.join(cmd[len(prefix) :])}", flush=True)
     # The launcher runs the script by path: the repository root goes on PYTHONPATH so that
     # ``from benchmarks import common`` resolves in the workers too.
     path = os.pathsep.join(p for p in (str(common.ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -444,7 +451,8 @@ def launch(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        ns.kill_all()  # workers left behind by a killed launcher
+        if ns is not None:
+            ns.kill_all()  # workers left behind by a killed launcher
         procs.remove(proc)
 
 

@@ -271,6 +271,57 @@ def test_lm_link_time_to_loss_interpolates():
     assert runs[1]["speedup_at_own_loss"] == pytest.approx(20.0 / 2.0)  # adamw hit 2.0 at 20 s
 
 
+def test_lm_link_split_projects_time_to_target():
+    """benchmarks/lm_link.py: NAME:STEPS rows, steps to the target, and the step split into
+    compute (the unshaped step) and exchange, projected with the unshaped CPU time."""
+    from benchmarks import lm_link
+
+    assert lm_link.parse_recipe("onebit_adam:450", 300) == ("onebit_adam", 450)
+    assert lm_link.parse_recipe("onebit_adam", 300) == ("onebit_adam", 300)
+    with pytest.raises(ValueError, match="--recipes"):
+        lm_link.parse_recipe("onebit_adam:0", 300)
+    adamw = [(30, 30.0, 3.0), (60, 60.0, 2.0)]  # 1000 ms a step, target 2.0 at step 60
+    fast = [(30, 3.0, 2.5), (60, 6.0, 2.1), (90, 9.0, 1.9)]  # 100 ms a step, 2.0 at step 75
+    runs = [
+        {"recipe": "adamw", "evals": adamw, "final_eval_loss": 2.0, "train_seconds": 60.0,
+         "ms_per_step": 1000.0},
+        {"recipe": "x", "evals": fast, "final_eval_loss": 1.9, "train_seconds": 9.0,
+         "ms_per_step": 100.0},
+    ]  # fmt: skip
+    lm_link.summarize(runs)
+    assert lm_link.steps_to(fast, 2.0) == pytest.approx(75.0)
+    assert runs[1]["speedup_to_target"] == pytest.approx(60.0 / 7.5)
+    unshaped = [
+        {"recipe": "adamw", "ms_per_step": 80.0, "cpu_ms_per_step": 40.0},
+        {"recipe": "x", "ms_per_step": 90.0, "cpu_ms_per_step": 45.0},
+        {"recipe": "y", "error": "not run"},
+    ]
+    lm_link.split(runs, unshaped)
+    a, x = runs
+    assert (a["compute_ms_per_step"], a["exchange_ms_per_step"]) == (80.0, 920.0)
+    assert (x["exchange_ms_per_step"], x["own_core_ms_per_step"]) == (10.0, 55.0)
+    assert a["steps_to_target"] == 60 and x["steps_to_target"] == pytest.approx(75.0)
+    # adamw: 60 x (40 + 920) ms = 57.6 s; x: 75 x 55 ms = 4.125 s; exchange only 55.2 / 0.75
+    assert x["projected_speedup_to_target"] == pytest.approx(57.6 / 4.125)
+    assert x["link_speedup_to_target"] == pytest.approx(55.2 / 0.75)
+
+
+def test_lm_resume_keeps_every_command():
+    """benchmarks/lm.py --resume: the file's first command stays, every later one is listed."""
+    from benchmarks import lm
+
+    first = lm.resumed_environment(None, {"command": "python -m benchmarks.lm", "jax": "a"})
+    assert first["commands"] == ["python -m benchmarks.lm"]
+    again = lm.resumed_environment(first, {"command": "lm --resume --recipes x", "jax": "b"})
+    assert again["command"] == "python -m benchmarks.lm" and again["jax"] == "b"
+    assert again["commands"] == ["python -m benchmarks.lm", "lm --resume --recipes x"]
+    old_file = {"command": "lm --recipes adamw"}  # written before commands were kept
+    assert lm.resumed_environment(old_file, {"command": "lm --resume"})["commands"] == [
+        "lm --recipes adamw",
+        "lm --resume",
+    ]
+
+
 def test_lm_modelled_time_to_loss_and_moment_reset():
     """benchmarks/lm.py: the modelled time to a loss (steps from the curve, bytes over the
     link, no measurement), and DiLoCo's inner moments zeroed at a sync, counts kept."""

@@ -453,34 +453,72 @@ def _overlap(data: dict[str, Any], path: pathlib.Path) -> str:
 # --------------------------------------------------------------------------- lm_link
 
 
+def _opt(v: Any, spec: str, unit: str = "") -> str:
+    return "never" if v is None else format(v, spec) + unit
+
+
+def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
+    """The step split into compute and exchange, and the projection onto own cores."""
+    header = ["recipe", "unshaped step ms", "its CPU ms", "exchange ms", "steps to target"]
+    header += ["projected speedup (a core each)", "exchange only"]
+    body = [
+        [
+            f"`{r['recipe']}`",
+            _fmt(r["compute_ms_per_step"], 4),
+            _fmt(
+                next(u["cpu_ms_per_step"] for u in unshaped["runs"] if u["recipe"] == r["recipe"]),
+                4,
+            ),
+            _fmt(r["exchange_ms_per_step"], 4),
+            _opt(r["steps_to_target"], ".0f"),
+            _opt(r.get("projected_speedup_to_target"), ".1f", "x"),
+            _opt(r.get("link_speedup_to_target"), ".1f", "x"),
+        ]
+        for r in runs
+        if "compute_ms_per_step" in r
+    ]
+    note = (
+        "Unshaped: the same processes on the host's loopback (no shaping), "
+        f"{unshaped['runs'][0]['steps']} steps a row, host load {unshaped.get('loadavg')}; "
+        "exchange = the shaped step minus the unshaped one; projected = steps to target x "
+        "(unshaped CPU ms + exchange ms), against `adamw`'s: the run on a host where each "
+        "process has a core of its own; exchange only: the same with no compute."
+    )
+    return f"{_markdown((header, body))}\n\n{note}"
+
+
 def _lm_link(data: dict[str, Any], path: pathlib.Path) -> str:
     header = ["recipe", "steps", "ms/step", "held-out loss", "time to target s"]
     header += ["speedup to target", "speedup at own loss"]
-
-    def opt(v, spec):
-        return "never" if v is None else format(v, spec)
-
+    runs = [r for r in data["runs"] if "error" not in r]
     body = [
         [
             f"`{r['recipe']}`",
             _fmt(r["steps"]),
             _fmt(r["ms_per_step"], 4),
             f"{r['final_eval_loss']:.4f}",
-            opt(r["time_to_target_s"], ".1f"),
-            opt(r["speedup_to_target"], ".2f") + ("x" if r["speedup_to_target"] else ""),
-            opt(r["speedup_at_own_loss"], ".2f") + ("x" if r["speedup_at_own_loss"] else ""),
+            _opt(r["time_to_target_s"], ".1f"),
+            _opt(r["speedup_to_target"], ".2f", "x"),
+            _opt(r["speedup_at_own_loss"], ".2f", "x"),
         ]
+        for r in runs
+    ]
+    body += [
+        [f"`{r['recipe']}`", "failed: " + _fmt(r["error"])] + [""] * 5
         for r in data["runs"]
+        if "error" in r
     ]
     head = (
         f"{data['num_processes']} JAX processes over gloo at {data['rate']} "
         f"(tbf {data['tbf']}); target = `adamw`'s final held-out loss "
-        f"{data['runs'][0]['target_loss']:.4f}; wall clock of process 0, compile and "
-        f"evaluation excluded; host load {data.get('loadavg')}."
+        f"{runs[0]['target_loss']:.4f}; wall clock of process 0, compile and "
+        f"evaluation excluded; host load (1-minute, before and after) {data.get('loadavg')}."
     )
-    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
-        path, data, "sudo python -m benchmarks.lm_link"
-    )
+    parts = [head, _markdown((header, body))]
+    if "unshaped" in data:
+        parts.append(_lm_link_split(runs, data["unshaped"]))
+    command = data.get("environment", {}).get("command") or "sudo python -m benchmarks.lm_link"
+    return "\n\n".join(parts) + "\n\n" + _source(path, data, command)
 
 
 # ------------------------------------------------------------------ time_to_accuracy

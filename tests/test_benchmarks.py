@@ -271,7 +271,7 @@ def test_lm_link_time_to_loss_interpolates():
     assert runs[1]["speedup_at_own_loss"] == pytest.approx(20.0 / 2.0)  # adamw hit 2.0 at 20 s
 
 
-def test_lm_link_split_projects_time_to_target():
+def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
     """benchmarks/lm_link.py: NAME:STEPS rows, steps to the target, and the step split into
     compute (the unshaped step) and exchange, projected with the unshaped CPU time."""
     from benchmarks import lm_link
@@ -282,18 +282,22 @@ def test_lm_link_split_projects_time_to_target():
         lm_link.parse_recipe("onebit_adam:0", 300)
     adamw = [(30, 30.0, 3.0), (60, 60.0, 2.0)]  # 1000 ms a step, target 2.0 at step 60
     fast = [(30, 3.0, 2.5), (60, 6.0, 2.1), (90, 9.0, 1.9)]  # 100 ms a step, 2.0 at step 75
-    runs = [
-        {"recipe": "adamw", "evals": adamw, "final_eval_loss": 2.0, "train_seconds": 60.0,
-         "ms_per_step": 1000.0},
-        {"recipe": "x", "evals": fast, "final_eval_loss": 1.9, "train_seconds": 9.0,
-         "ms_per_step": 100.0},
-    ]  # fmt: skip
+
+    def rows():
+        return [
+            {"recipe": "adamw", "evals": adamw, "final_eval_loss": 2.0, "train_seconds": 60.0,
+             "ms_per_step": 1000.0, "steps": 60},
+            {"recipe": "x", "evals": fast, "final_eval_loss": 1.9, "train_seconds": 9.0,
+             "ms_per_step": 100.0, "steps": 90},
+        ]  # fmt: skip
+
+    runs = rows()
     lm_link.summarize(runs)
     assert lm_link.steps_to(fast, 2.0) == pytest.approx(75.0)
     assert runs[1]["speedup_to_target"] == pytest.approx(60.0 / 7.5)
     unshaped = [
-        {"recipe": "adamw", "ms_per_step": 80.0, "cpu_ms_per_step": 40.0},
-        {"recipe": "x", "ms_per_step": 90.0, "cpu_ms_per_step": 45.0},
+        {"recipe": "adamw", "ms_per_step": 80.0, "cpu_ms_per_step": 40.0, "steps": 30},
+        {"recipe": "x", "ms_per_step": 90.0, "cpu_ms_per_step": 45.0, "steps": 30},
         {"recipe": "y", "error": "not run"},
     ]
     lm_link.split(runs, unshaped)
@@ -304,6 +308,20 @@ def test_lm_link_split_projects_time_to_target():
     # adamw: 60 x (40 + 920) ms = 57.6 s; x: 75 x 55 ms = 4.125 s; exchange only 55.2 / 0.75
     assert x["projected_speedup_to_target"] == pytest.approx(57.6 / 4.125)
     assert x["link_speedup_to_target"] == pytest.approx(55.2 / 0.75)
+    # --split-from: the same from two result files (the unshaped one a --rate none run)
+    runs = rows()
+    shaped = {"runs": runs, "rate": "100mbit", "num_processes": 4, "tbf": "burst 256kb",
+              "environment": {"command": "lm_link"}}  # fmt: skip
+    lm_link.summarize(runs)
+    (tmp_path / "lm_link_s.json").write_text(json.dumps(shaped))
+    other = {"runs": unshaped, "environment": {"command": "lm_link --rate none"}}
+    (tmp_path / "lm_link_u.json").write_text(json.dumps(other))
+    monkeypatch.setattr(lm_link.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(lm_link, "draw", lambda *a: None)  # the PNG: matplotlib, seconds
+    assert lm_link.main(["--label", "s", "--split-from", "u"]) == 0
+    written = load(tmp_path, "lm_link_s.json")
+    assert written["runs"][1]["projected_speedup_to_target"] == pytest.approx(57.6 / 4.125)
+    assert written["unshaped"]["command"] == "lm_link --rate none"
 
 
 def test_lm_resume_keeps_every_command():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -239,22 +240,31 @@ def summarize(runs: list[dict]) -> None:
         r["speedup_at_own_loss"] = t_dp / r["train_seconds"] if t_dp else None
 
 
-def split(runs: list[dict], unshaped: list[dict]) -> None:
+def link_ms(r: dict, n: int, bits_per_s: float, steps: float) -> float:
+    """The link's milliseconds per step over a row's first ``steps`` steps: every process's
+    bytes cross the one shaped queue, ``n x bytes per step x 8 / rate``."""
+    each = r.get("bytes_each_step")
+    b = sum(each[: math.ceil(steps)]) / math.ceil(steps) if each else r["bytes_per_step"]
+    return 1e3 * n * b * 8 / bits_per_s
+
+
+def split(runs: list[dict], unshaped: list[dict], n: int, bits_per_s: float) -> None:
     """Split every step into compute and exchange; project the time to target onto a host
     where each process has a core of its own.
 
     Per run with a row of the same recipe in ``unshaped`` (the same processes on the
-    loopback left unshaped, the same host):
+    loopback left unshaped):
 
-    * ``compute_ms_per_step``: the unshaped step (compute, and the protocol on a fast link);
-    * ``exchange_ms_per_step``: what the shaped link adds, ``ms_per_step`` minus it;
-    * ``own_core_ms_per_step``: the unshaped step's CPU time (process 0, all its threads)
-      plus the exchange: the step when no process waits for a core;
+    * ``compute_ms_per_step``: the unshaped step's wall time, ``exchange_ms_per_step``: the
+      shaped step's excess over it (both move with the host's load between the two runs);
+    * ``cpu_ms_per_step_unshaped``: the unshaped step's CPU time (process 0, all its
+      threads): the step's compute when no process waits for a core;
     * ``steps_to_target``: steps to ``adamw``'s final held-out loss (linear between
-      evaluations), and ``projected_time_to_target_s`` = those steps x the own-core step,
-      ``projected_speedup_to_target`` = ``adamw``'s over it;
-    * ``link_speedup_to_target``: the same with no compute at all (exchange only: the bound
-      a faster host tends to).
+      evaluations);
+    * with ``bytes_per_step`` (:func:`row_bytes`): ``link_ms_per_step``, the link model
+      over those steps (:func:`link_ms`); ``projected_time_to_target_s`` = steps x (CPU +
+      link) and ``projected_speedup_to_target`` = ``adamw``'s over it;
+      ``link_speedup_to_target``: the same with no compute (the bound of a faster host).
     """
     by_name = {r["recipe"]: r for r in unshaped if "error" not in r}
     for r in runs:
@@ -263,33 +273,37 @@ def split(runs: list[dict], unshaped: list[dict]) -> None:
             continue
         r["compute_ms_per_step"] = u["ms_per_step"]
         r["exchange_ms_per_step"] = max(0.0, r["ms_per_step"] - u["ms_per_step"])
-        r["own_core_ms_per_step"] = u["cpu_ms_per_step"] + r["exchange_ms_per_step"]
-        s = steps_to(r["evals"], r["target_loss"])
-        r["steps_to_target"] = s
-        r["projected_time_to_target_s"] = s and s * r["own_core_ms_per_step"] / 1e3
-        r["link_time_to_target_s"] = s and s * r["exchange_ms_per_step"] / 1e3
+        r["cpu_ms_per_step_unshaped"] = u["cpu_ms_per_step"]
+        s = r["steps_to_target"] = steps_to(r["evals"], r["target_loss"])
+        if s and "bytes_per_step" in r:
+            r["link_ms_per_step"] = link_ms(r, n, bits_per_s, s)
+            r["projected_time_to_target_s"] = (
+                s * (u["cpu_ms_per_step"] + r["link_ms_per_step"]) / 1e3
+            )
+            r["link_time_to_target_s"] = s * r["link_ms_per_step"] / 1e3
     base = next(r for r in runs if r["recipe"] == "adamw")
     for r in runs:
         for key, out in [
             ("projected_time_to_target_s", "projected_speedup_to_target"),
             ("link_time_to_target_s", "link_speedup_to_target"),
         ]:
-            if key in r and key in base:
-                ok = r[key] and base[key]
+            if key in base and "compute_ms_per_step" in r:
+                ok = r.get(key) and base[key]
                 r[out] = base[key] / r[key] if ok else None
 
 
 def print_split(runs: list[dict]) -> None:
     print(
-        f"{'recipe':40s}{'compute':>9s}{'exchange':>9s}{'own core':>9s}{'to target':>10s}"
+        f"{'recipe':40s}{'unshaped':>9s}{'exchange':>9s}{'CPU':>7s}{'link':>8s}{'to target':>10s}"
         f"{'projected':>10s}{'link only':>10s}"
     )
+    nan = float("nan")
     for r in (r for r in runs if "compute_ms_per_step" in r):
         projected, link = r.get("projected_speedup_to_target"), r.get("link_speedup_to_target")
         print(
             f"{r['recipe']:40s}{r['compute_ms_per_step']:9.1f}{r['exchange_ms_per_step']:9.1f}"
-            f"{r['own_core_ms_per_step']:9.1f}{r['steps_to_target'] or float('nan'):10.0f}"
-            f"{projected or float('nan'):9.2f}x{link or float('nan'):9.1f}x"
+            f"{r['cpu_ms_per_step_unshaped']:7.1f}{r.get('link_ms_per_step', nan):8.1f}"
+            f"{r['steps_to_target'] or nan:10.0f}{projected or nan:9.2f}x{link or nan:9.1f}x"
         )
 
 
@@ -356,6 +370,31 @@ def _launch(args, rate: str, recipes: list[str], steps: int) -> dict:
     return data
 
 
+def row_bytes(path, n: int) -> None:
+    """Add to every row of the result file ``path`` the ring-model bytes each process sends
+    per step (``benchmarks.lm.step_bytes`` on ``n`` CPU devices of this process, the row's
+    own steps and schedule; lowering, no training): ``bytes_per_step`` (the run's mean) and,
+    for a step with branches (1-bit Adam's warm-up, 0/1 Adam's rounds), ``bytes_each_step``."""
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(n)
+    data = json.loads(path.read_text())
+    config = argparse.Namespace(**data["config"])
+    task = lm.Task(config, n)
+    for r in (r for r in data["runs"] if "error" not in r):
+        recipe = _recipes()[r["recipe"]]
+        run = lm.Run(steps=r["steps"], lr=config.lr, devices=n)
+        fn, params, state, put = lm.build(task, recipe, run)
+        task.reset()
+        wire = lm.step_bytes(task, recipe, run, fn, params, state, put(task.batch()))
+        r["bytes_per_step"] = wire["slow_bytes_per_step"]
+        if recipe.branches:
+            each = wire["regime_bytes"]
+            r["bytes_each_step"] = [each[recipe.regime(run, t)] for t in range(run.steps)]
+        print(f"{r['recipe']}: {r['bytes_per_step']:.0f} B/step", flush=True)
+    common.write_json(path, data)
+
+
 def _short(spec: str, steps: int) -> str:
     """``"name[:s]"`` -> ``"name:steps"`` (the unshaped launch's step count)."""
     return f"{parse_recipe(spec, steps)[0]}:{steps}"
@@ -404,6 +443,12 @@ def _parser() -> argparse.ArgumentParser:
         help="no training: split the rows of lm_link[_LABEL].json with the unshaped rows of "
         "lm_link_SPLIT_FROM.json (a --rate none run) and rewrite it",
     )
+    ap.add_argument(
+        "--bytes",
+        action="store_true",
+        help="no training: add the bytes per step of every row of lm_link[_LABEL].json "
+        "(lowered on -n CPU devices of one process)",
+    )
     ap.add_argument("--label", default=None, help="write lm_link_LABEL.json")
     ap.add_argument("--timeout", type=float, default=3000.0, help="seconds, bounded")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -435,7 +480,7 @@ def _shaped_then_unshaped(args, path) -> dict:
         k = args.unshaped_steps
         other = _launch(args, UNSHAPED, [_short(r, k) for r in args.recipes], k)
         data["unshaped"] = {"runs": other["runs"], "loadavg": [round(os.getloadavg()[0], 2)]}
-        split(data["runs"], other["runs"])
+        split(data["runs"], other["runs"], args.num_processes, network.rate_bits(args.rate))
     return data
 
 
@@ -447,12 +492,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = "lm_link" + (f"_{args.label}" if args.label else "")
     title = f"LM on {args.rate}, {args.num_processes} processes"
+    if args.bytes:
+        row_bytes(common.RESULTS / f"{name}.json", args.num_processes)
+        return 0
     if args.split_from:
         data = json.loads((common.RESULTS / f"{name}.json").read_text())
         other = json.loads((common.RESULTS / f"lm_link_{args.split_from}.json").read_text())
         data["unshaped"] = {"runs": other["runs"], "loadavg": other.get("loadavg")}
         data["unshaped"]["command"] = other["environment"]["command"]
-        split(data["runs"], other["runs"])
+        split(data["runs"], other["runs"], data["num_processes"], network.rate_bits(data["rate"]))
         _write(data, name, title)
         return 0
     _check(ap, args)

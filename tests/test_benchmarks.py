@@ -272,8 +272,9 @@ def test_lm_link_time_to_loss_interpolates():
 
 
 def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
-    """benchmarks/lm_link.py: NAME:STEPS rows, steps to the target, and the step split into
-    compute (the unshaped step) and exchange, projected with the unshaped CPU time."""
+    """benchmarks/lm_link.py: NAME:STEPS rows, steps to the target, the step split into
+    compute (the unshaped step) and exchange, and the projection: the unshaped CPU time plus
+    the link model of the bytes per step over the steps to target."""
     from benchmarks import lm_link
 
     assert lm_link.parse_recipe("onebit_adam:450", 300) == ("onebit_adam", 450)
@@ -286,9 +287,10 @@ def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
     def rows():
         return [
             {"recipe": "adamw", "evals": adamw, "final_eval_loss": 2.0, "train_seconds": 60.0,
-             "ms_per_step": 1000.0, "steps": 60},
+             "ms_per_step": 1000.0, "steps": 60, "bytes_per_step": 2_812_500},
             {"recipe": "x", "evals": fast, "final_eval_loss": 1.9, "train_seconds": 9.0,
-             "ms_per_step": 100.0, "steps": 90},
+             "ms_per_step": 100.0, "steps": 90, "bytes_per_step": 1.0,
+             "bytes_each_step": [93_750] * 25 + [0] * 65},
         ]  # fmt: skip
 
     runs = rows()
@@ -300,14 +302,17 @@ def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
         {"recipe": "x", "ms_per_step": 90.0, "cpu_ms_per_step": 45.0, "steps": 30},
         {"recipe": "y", "error": "not run"},
     ]
-    lm_link.split(runs, unshaped)
+    lm_link.split(runs, unshaped, 4, 100e6)  # 4 processes, 100 Mbit/s
     a, x = runs
     assert (a["compute_ms_per_step"], a["exchange_ms_per_step"]) == (80.0, 920.0)
-    assert (x["exchange_ms_per_step"], x["own_core_ms_per_step"]) == (10.0, 55.0)
+    assert (x["exchange_ms_per_step"], x["cpu_ms_per_step_unshaped"]) == (10.0, 45.0)
     assert a["steps_to_target"] == 60 and x["steps_to_target"] == pytest.approx(75.0)
-    # adamw: 60 x (40 + 920) ms = 57.6 s; x: 75 x 55 ms = 4.125 s; exchange only 55.2 / 0.75
-    assert x["projected_speedup_to_target"] == pytest.approx(57.6 / 4.125)
-    assert x["link_speedup_to_target"] == pytest.approx(55.2 / 0.75)
+    # the link: 4 x bytes x 8 / 1e8 s; adamw 2.8125 MB: 900 ms; x: its first 75 steps, 31.25 kB
+    assert a["link_ms_per_step"] == pytest.approx(900.0)
+    assert x["link_ms_per_step"] == pytest.approx(10.0)
+    # adamw: 60 x (40 + 900) ms = 56.4 s; x: 75 x (45 + 10) ms = 4.125 s; link only 54 / 0.75
+    assert x["projected_speedup_to_target"] == pytest.approx(56.4 / 4.125)
+    assert x["link_speedup_to_target"] == pytest.approx(54.0 / 0.75)
     # --split-from: the same from two result files (the unshaped one a --rate none run)
     runs = rows()
     shaped = {"runs": runs, "rate": "100mbit", "num_processes": 4, "tbf": "burst 256kb",
@@ -320,7 +325,7 @@ def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
     monkeypatch.setattr(lm_link, "draw", lambda *a: None)  # the PNG: matplotlib, seconds
     assert lm_link.main(["--label", "s", "--split-from", "u"]) == 0
     written = load(tmp_path, "lm_link_s.json")
-    assert written["runs"][1]["projected_speedup_to_target"] == pytest.approx(57.6 / 4.125)
+    assert written["runs"][1]["projected_speedup_to_target"] == pytest.approx(56.4 / 4.125)
     assert written["unshaped"]["command"] == "lm_link --rate none"
 
 

@@ -459,17 +459,15 @@ def _opt(v: Any, spec: str, unit: str = "") -> str:
 
 def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
     """The step split into compute and exchange, and the projection onto own cores."""
-    header = ["recipe", "unshaped step ms", "its CPU ms", "exchange ms", "steps to target"]
-    header += ["projected speedup (a core each)", "exchange only"]
+    header = ["recipe", "unshaped step ms", "its CPU ms", "shaped - unshaped ms"]
+    header += ["link model ms", "steps to target", "projected speedup", "link only"]
     body = [
         [
             f"`{r['recipe']}`",
             _fmt(r["compute_ms_per_step"], 4),
-            _fmt(
-                next(u["cpu_ms_per_step"] for u in unshaped["runs"] if u["recipe"] == r["recipe"]),
-                4,
-            ),
+            _fmt(r["cpu_ms_per_step_unshaped"], 3),
             _fmt(r["exchange_ms_per_step"], 4),
+            _fmt(r.get("link_ms_per_step"), 3),
             _opt(r["steps_to_target"], ".0f"),
             _opt(r.get("projected_speedup_to_target"), ".1f", "x"),
             _opt(r.get("link_speedup_to_target"), ".1f", "x"),
@@ -478,11 +476,12 @@ def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
         if "compute_ms_per_step" in r
     ]
     note = (
-        "Unshaped: the same processes on the host's loopback (no shaping), "
-        f"{unshaped['runs'][0]['steps']} steps a row, host load {unshaped.get('loadavg')}; "
-        "exchange = the shaped step minus the unshaped one; projected = steps to target x "
-        "(unshaped CPU ms + exchange ms), against `adamw`'s: the run on a host where each "
-        "process has a core of its own; exchange only: the same with no compute."
+        "Unshaped: the same rows on the host's loopback, no shaping, "
+        f"{unshaped['runs'][0]['steps']} steps each, host load {unshaped.get('loadavg')}; "
+        "link model = processes x bytes per step x 8 / rate (bytes: ring model of the "
+        "lowered step, over the steps to target); projected = steps to target x (CPU ms + "
+        "link model ms) against `adamw`'s: a host where each process has a core of its "
+        "own; link only: the same with no compute."
     )
     return f"{_markdown((header, body))}\n\n{note}"
 

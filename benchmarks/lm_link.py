@@ -309,21 +309,23 @@ def print_split(runs: list[dict]) -> None:
 
 def print_table(runs: list[dict]) -> None:
     print(
-        f"{'recipe':22s}{'steps':>6s}{'ms/step':>9s}{'final':>8s}{'to target s':>13s}"
-        f"{'speedup':>9s}{'at own loss':>12s}"
+        f"{'recipe':40s}{'steps':>6s}{'ms/step':>9s}{'CPU ms':>8s}{'final':>8s}"
+        f"{'to target s':>13s}{'speedup':>9s}{'at own loss':>12s}"
     )
 
-    def fmt(v, spec):
-        return format(v, spec) if v is not None else "never".rjust(len(format(0.0, spec)))
+    def fmt(v, spec, unit=""):
+        width = len(format(0.0, spec)) + len(unit)
+        return (format(v, spec) + unit) if v is not None else "never".rjust(width)
 
     for r in runs:
         if "error" in r:
-            print(f"{r['recipe']:22s} failed: {r['error']}")
+            print(f"{r['recipe']:40s} failed: {r['error']}")
             continue
         print(
-            f"{r['recipe']:22s}{r['steps']:>6d}{r['ms_per_step']:>9.1f}{r['final_eval_loss']:>8.4f}"
-            f"{fmt(r['time_to_target_s'], '13.1f')}{fmt(r['speedup_to_target'], '8.1f')}x"
-            f"{fmt(r['speedup_at_own_loss'], '11.1f')}x"
+            f"{r['recipe']:40s}{r['steps']:>6d}{r['ms_per_step']:>9.1f}"
+            f"{r.get('cpu_ms_per_step', float('nan')):>8.1f}{r['final_eval_loss']:>8.4f}"
+            f"{fmt(r['time_to_target_s'], '13.1f')}{fmt(r['speedup_to_target'], '8.1f', 'x')}"
+            f"{fmt(r['speedup_at_own_loss'], '11.1f', 'x')}"
         )
 
 

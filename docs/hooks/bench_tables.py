@@ -477,7 +477,9 @@ def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
     ]
     note = (
         "Unshaped: the same rows on the host's loopback, no shaping, "
-        f"{unshaped['runs'][0]['steps']} steps each, host load {unshaped.get('loadavg')}; "
+        f"{unshaped['runs'][0]['steps']} steps each, host load {unshaped.get('loadavg')}"
+        + (f" (`{unshaped['command']}`)" if unshaped.get("command") else "")
+        + "; "
         "link model = processes x bytes per step x 8 / rate (bytes: ring model of the "
         "lowered step, over the steps to target); projected = steps to target x (CPU ms + "
         "link model ms) against `adamw`'s: a host where each process has a core of its "

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import pathlib
 import time
@@ -152,16 +153,25 @@ def zero_one_freeze(run: Run) -> int:
     return max(1, run.steps // 3)
 
 
+# lax.switch(round kind): three branches, a fourth with variance_rounds="coded"
+ZERO_ONE_BRANCHES = ("full", "compressed", "skipped", "variance")
+
+
+@functools.cache
+def _zero_one_kinds(run: Run, gaps: tuple, warmup_steps: int | None, coded: bool) -> tuple:
+    from jaxcomp._src.zero_one_adam import default_warmup, round_kinds
+
+    warmup = default_warmup(zero_one_freeze(run), warmup_steps)
+    return tuple(round_kinds(run.steps, zero_one_freeze(run), *gaps, warmup, coded))
+
+
 def _zero_one_regime(run: Run, t: int, **kw: Any) -> str:
     """The round ``jc.zero_one_adam`` at the benchmark's settings (``kw`` overriding them)
     takes at step ``t``."""
-    from jaxcomp._src.zero_one_adam import default_warmup, round_kind
-
     z = {**ZERO_ONE, **kw}
     gaps = (z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"])
-    warmup = default_warmup(zero_one_freeze(run), z.get("warmup_steps"))
-    kind = int(round_kind(t, zero_one_freeze(run), *gaps, warmup))
-    return ("full", "compressed", "skipped")[kind]
+    coded = z.get("variance_rounds") == "coded"
+    return ZERO_ONE_BRANCHES[_zero_one_kinds(run, gaps, z.get("warmup_steps"), coded)[t]]
 
 
 def _chain(codec_factory: Callable[[], Any]) -> Callable[[Run, Any], Any]:
@@ -336,10 +346,11 @@ def _zo(note: str = "", **kw: Any) -> Recipe:
     def make(run: Run, axis: Any) -> Any:
         return _zero_one(run, axis, **{k: (v() if callable(v) else v) for k, v in kw.items()})
 
-    gaps = {k: v for k, v in kw.items() if k in ZERO_ONE or k == "warmup_steps"}
+    gaps = {k: v for k, v in kw.items() if k in (*ZERO_ONE, "warmup_steps", "variance_rounds")}
+    coded = kw.get("variance_rounds") == "coded"
     return Recipe(
         make,
-        branches=("full", "compressed", "skipped"),
+        branches=ZERO_ONE_BRANCHES[: 4 if coded else 3],
         regime=lambda run, t: _zero_one_regime(run, t, **gaps),
         note=note,
     )
@@ -364,7 +375,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "zero_one_adam": Recipe(
         _zero_one,
-        branches=("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
+        branches=ZERO_ONE_BRANCHES[:3],
         regime=_zero_one_regime,
     ),
     "onebit_adam-f32": Recipe(
@@ -375,7 +386,7 @@ RECIPES: dict[str, Recipe] = {
     ),
     "zero_one_adam-f32": Recipe(
         _f32(_zero_one),
-        branches=("full", "compressed", "skipped"),
+        branches=ZERO_ONE_BRANCHES[:3],
         regime=_zero_one_regime,
         note="diagnosis: 0/1 Adam's rounds, the momentum exchanged in float32",
     ),
@@ -390,6 +401,17 @@ RECIPES: dict[str, Recipe] = {
     "zero_one_adam-clip1": _zo(local_step_clipper=1, note="no skipped rounds"),
     "zero_one_adam-nowarmup": _zo(
         warmup_steps=0, note="compressed rounds from step 9 (no full-precision warm-up)"
+    ),
+    "zero_one_adam-coded": _zo(
+        variance_rounds="coded", note="variance rounds: the momentum through the codec"
+    ),
+    "zero_one_adam-coded-exactzeros": _zo(
+        variance_rounds="coded",
+        codec=_codec("sign", scale="rms", exact_zeros=True),
+        note="variance rounds coded; all-zero sign words decode to 0",
+    ),
+    "onebit_adam-exactzeros": _ob(
+        codec=_codec("sign", scale="rms", exact_zeros=True), note="all-zero words decode to 0"
     ),
     "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
     "zero_one_adam-scaler100": _zo(

@@ -243,3 +243,41 @@ def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
     for n in (1, 31, 1000, 4097):
         assert c.payload_bytes(n) == jc.sign().payload_bytes(n)
     assert c.delta(4) is None and jc.sign().delta(4) == 0.25
+
+
+def test_sign_exact_zeros_decodes_zero_words_to_zero():
+    """``jc.sign(exact_zeros=True)``: one bit per packed word marks the words of 32 values that
+    are all zero, which decode to exactly 0 (a sign alone maps 0 to +scale); the scales are
+    taken over the other values (``"rms"`` keeps the norm, ``"mean"`` is their mean |x|); a
+    non-finite value still gives a non-finite decode; the bytes count the extra words."""
+    d = 100  # words: [0, 32) values, [32, 64) zeros, [64, 96) one -2 and zeros, [96, 100) ones
+    x = np.zeros(d, np.float32)
+    x[:32] = np.where(np.arange(32) % 2, 3.0, -1.0)
+    x[70], x[96:] = -2.0, 1.0
+    rms, mean, plain = (jc.sign(s, exact_zeros=True) for s in ("rms", "mean", None))
+
+    @jax.jit
+    def roundtrips(v):
+        return [c.decode(c.encode(v), d) for c in (rms, mean, plain, jc.sign("rms"))]
+
+    out = [np.asarray(o) for o in roundtrips(jnp.asarray(x))]
+    sent = np.ones(d, bool)
+    sent[32:64] = False
+    for o in out[:3]:
+        np.testing.assert_array_equal(o[~sent], 0.0)
+        np.testing.assert_array_equal(np.sign(o[sent]), np.where(x[sent] < 0, -1.0, 1.0))
+    norm = np.linalg.norm(x)  # sqrt(16 + 144 + 4 + 4) = sqrt(168)
+    np.testing.assert_allclose(np.abs(out[0][sent]), norm / np.sqrt(68), rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(out[0]), norm, rtol=1e-6)
+    np.testing.assert_allclose(np.abs(out[1][sent]), np.abs(x).sum() / 68, rtol=1e-6)
+    np.testing.assert_array_equal(np.abs(out[2][sent]), 1.0)
+    assert np.count_nonzero(out[3]) == d  # without: every zero moves by the scale
+    np.testing.assert_array_equal(np.asarray(rms.roundtrip(jnp.zeros(70))), 0.0)
+    bad = np.asarray(rms.roundtrip(jnp.asarray(np.r_[np.zeros(40), np.nan], jnp.float32)))
+    assert not np.isfinite(bad[32:]).any() and np.all(bad[:32] == 0.0)
+    for n in (1, 31, 1000, 32 * 32 + 1):
+        words = -(-n // 32)
+        payload = rms.encode(jnp.ones(n))
+        assert rms.payload_bytes(n) == jc.sign("rms").payload_bytes(n) + 4 * -(-words // 32)
+        assert sum(a.nbytes for a in jax.tree.leaves(payload)) == rms.payload_bytes(n)
+    assert not rms.votes and jc.sign(None).votes

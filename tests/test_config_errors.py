@@ -91,6 +91,7 @@ CHECKS = [
     ("sign", "scale", lambda: jc.sign("max"), ValueError),
     ("sign", "block_size", lambda: jc.sign(block_size=0), ValueError),
     ("sign", "block_size", lambda: jc.sign(block_size=1.5), TypeError),
+    ("sign", "exact_zeros", lambda: jc.sign(exact_zeros=1), TypeError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(0.0), ValueError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit(float("nan")), ValueError),
     ("threshold_2bit", "threshold", lambda: jc.threshold_2bit("0.5"), TypeError),
@@ -315,6 +316,12 @@ CHECKS = [
         "zero_one_adam",
         "warmup_steps",
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, warmup_steps=-1),
+        ValueError,
+    ),
+    (
+        "zero_one_adam",
+        "variance_rounds",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, variance_rounds="1bit"),
         ValueError,
     ),
     (

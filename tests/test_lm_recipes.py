@@ -106,6 +106,44 @@ def test_zero_one_adam_a_late_rare_coordinate_does_not_blow_up_at_a_variance_rou
     assert 0.4 * adam[0] < ours[0] < TARGET, (ours[0], adam[0])
 
 
+def unseen_rows_run(codec) -> tuple[float, float]:
+    """``jc.onebit_adam(1e-2, freeze_step=2)`` on a 64 x 32 leaf of ones whose odd rows (a
+    token never seen) have a zero gradient on every device, 8 steps: ``(max |move|`` of the
+    odd rows, mean ``|move|`` of the even rows ``)``."""
+    m = mesh()
+    tx = jc.onebit_adam(1e-2, "data", freeze_step=2, codec=codec)
+    p = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(m, P()))
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(p, s, g):
+        u, s = tx.update(g[0], s, p)
+        return optax.apply_updates(p, u), s
+
+    run = Blocking(
+        jax.jit(
+            jax.shard_map(step, mesh=m, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+        )
+    )
+    for t in range(8):
+        g = np.random.default_rng(100 + t).standard_normal((N, 64, 32)).astype(np.float32)
+        g[:, 1::2], g[:, 0::2] = 0.0, g[:, 0::2] + 0.5
+        p, state = run(p, state, jax.device_put(g, NamedSharding(m, P("data"))))
+    move = np.abs(np.asarray(p) - 1.0)
+    return float(move[1::2].max()), float(move[0::2].mean())
+
+
+def test_onebit_adam_unseen_rows_stay_put_with_exact_zeros():
+    # A sign maps 0 to +scale: rows without a gradient move in every 1-bit round, to and fro
+    # (0.0030 after 8 steps, 0.0101 after 3, where the others move 0.068); with the zero
+    # words marked they stay put, and the others, the rms taken over them only, move 0.081
+    # (Adam: about lr per step, 0.08).
+    moved, seen = unseen_rows_run(None)
+    still, seen_exact = unseen_rows_run(jc.sign("rms", exact_zeros=True))
+    assert moved > 0.002 and still == 0.0, (moved, still)
+    assert 0.06 < seen < seen_exact < 0.085, (seen, seen_exact)
+
+
 def test_inject_hyperparams_onebit_adam():
     """``optax.inject_hyperparams(jc.onebit_adam)``: the bool ``rescale_variance`` stays
     static, an eager ``init`` (a concrete zero ``weight_decay``) and the traced ``update``

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp._src.sgd import look_ahead
-from jaxcomp._src.zero_one_adam import default_warmup, round_kind
+from jaxcomp._src.zero_one_adam import VARIANCE, default_warmup, round_kinds
 
 SHAPES = {"w": (32, 48), "b": (48,)}
 STEPS = 5
@@ -84,6 +84,17 @@ SHARED = {
         var_freeze_step=3,
         var_update_scaler=1,
         local_step_scaler=1,
+    ),
+    # The same with variance_rounds="coded": step 2 is a VARIANCE round.
+    "zero_one_coded": lambda: jc.zero_one_adam(
+        1e-2,
+        "data",
+        codec=jc.identity(),
+        error_feedback=None,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_scaler=1,
+        variance_rounds="coded",
     ),
     # 1-bit signs; rounds of steps 0..4: FULL x3 (the warm-up), COMPRESSED, COMPRESSED.
     "zero_one_warmup": lambda: jc.zero_one_adam(
@@ -238,13 +249,19 @@ def test_onebit_adam_momentum_exchange_conserves():
 # --------------------------------------------------------------------------- jc.zero_one_adam
 
 
-def test_zero_one_adam_rounds_against_numpy():
+@pytest.mark.parametrize("name", ["zero_one", "zero_one_coded"])
+def test_zero_one_adam_rounds_against_numpy(name):
     """FULL rounds move Adam's m and v from the float32 mean (v an EMA in time: a round
     ``gap`` steps after the last weighs ``1 - b2^gap``); COMPRESSED rounds (identity codec)
-    average the devices' momentum steps plus what they held; a SKIPPED round decays the
-    momentum and each device holds (1 - b1) g_i for its next exchange."""
-    run = shared("zero_one")
+    average the devices' momentum steps plus what they held; a VARIANCE round
+    (``variance_rounds="coded"``: a variance round after a compressed one) is a compressed
+    round whose float32 mean gradient moves v; a SKIPPED round decays the momentum and each
+    device holds (1 - b1) g_i for its next exchange."""
+    run = shared(name)
     kinds = ["full", "compressed", "full", "compressed", "skipped"]
+    if name == "zero_one_coded":
+        kinds[2] = "variance"
+        assert round_kinds(5, 3, 1, 1, 16, 0, coded=True) == [0, 1, VARIANCE, 1, 2]
     mu = {k: np.zeros(s) for k, s in SHAPES.items()}
     nu = {k: np.zeros(s) for k, s in SHAPES.items()}
     level = {k: 0.0 for k in SHAPES}
@@ -252,15 +269,16 @@ def test_zero_one_adam_rounds_against_numpy():
     last = 0  # step + 1 of the last FULL round
     for t, kind in enumerate(kinds):
         g = {k: a.astype(np.float64) for k, a in grads(t).items()}
-        gap, last = t + 1 - last, (t + 1 if kind == "full" else last)
+        moves = kind in ("full", "variance")
+        gap, last = t + 1 - last, (t + 1 if moves else last)
         for k in SHAPES:
             # The variance, rescaled between its rounds by the level L_hat_t / L_hat_full.
             level[k] = 0.999 * level[k] + 0.001 * level_sample(g[k])
             level_hat = level[k] / (1 - 0.999 ** (t + 1))
-            ref[k] = level_hat if kind == "full" else ref[k]
+            ref[k] = level_hat if moves else ref[k]
             mean = g[k].mean(0)
             mu[k] = 0.9 * mu[k] + (0.1 * mean if kind != "skipped" else 0.0)
-            if kind == "full":
+            if moves:
                 nu[k] = 0.999**gap * nu[k] + (1 - 0.999**gap) * mean * mean
             v_hat = nu[k] / (1 - 0.999**last) * level_hat / ref[k]
             direction = (mu[k] / (1 - 0.9 ** (t + 1))) / (np.sqrt(v_hat) + 1e-8)
@@ -284,10 +302,14 @@ def test_zero_one_adam_warmup_is_adam_then_the_schedule_compresses():
     want = reference(optax.adam(1e-2))
     assert_close(run.outs[:3], want[:3])
     assert not np.allclose(run.outs[3]["w"], want[3]["w"], rtol=1e-2)  # 1-bit from here
-    kinds = lambda w: list(np.asarray(round_kind(np.arange(300), 100, 8, 1000, 16, w)))  # noqa: E731
+    kinds = lambda w, coded=False: round_kinds(300, 100, 8, 1000, 16, w, coded)  # noqa: E731
     old, new = kinds(0), kinds(default_warmup(100, None))
     assert (old.index(1), new.index(1)) == (9, 25)
-    assert (old.count(0), new.count(0)) == (30, 38)
+    assert (old.count(0), new.count(0)) == (30, 38) and VARIANCE not in old + new
+    # variance_rounds="coded": the variance rounds after the first compressed one send the
+    # momentum through the codec (and the gradient in float32 for the variance).
+    coded = kinds(default_warmup(100, None), True)
+    assert (coded.count(0), coded.count(VARIANCE)) == (25, 13)
     assert int(run.states[-1][0].variance_updates) == 3
 
 

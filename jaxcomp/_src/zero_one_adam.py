@@ -33,15 +33,15 @@ from jaxcomp._src.onebit_adam import (
 )
 from jaxcomp._src.sgd import exchange_options
 
-FULL, COMPRESSED, SKIPPED = 0, 1, 2  # the kinds of round
+FULL, COMPRESSED, SKIPPED, VARIANCE = 0, 1, 2, 3  # the kinds of round
 
 
 class ZeroOneAdamState(NamedTuple):
     """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
 
     count: jax.Array  # int32[]: steps taken
-    variance_updates: jax.Array  # int32[]: full-precision rounds so far
-    variance_step: jax.Array  # int32[]: count + 1 at the last full round (nu's bias correction)
+    variance_updates: jax.Array  # int32[]: rounds that moved the variance (FULL, VARIANCE)
+    variance_step: jax.Array  # int32[]: count + 1 at the last of them (nu's bias correction)
     mu: Any  # identical on every device, f32 like the params: the synchronized momentum
     nu: Any  # identical on every device, f32 like the params: the variance
     level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
@@ -60,25 +60,47 @@ def doubling_gap(t: jax.Array, scaler: Any) -> jax.Array:
 
 
 def round_kind(
-    count: jax.Array, freeze: Any, var_scaler: Any, local_scaler: Any, clip: Any, warmup: Any = 0
+    count: jax.Array,
+    freeze: Any,
+    var_scaler: Any,
+    local_scaler: Any,
+    clip: Any,
+    warmup: Any = 0,
+    compressed_before: Any = False,
 ):
-    """FULL (variance update, float32 exchange), COMPRESSED or SKIPPED for step ``count``.
+    """FULL (float32 exchange, Adam's m and v move), COMPRESSED, SKIPPED or VARIANCE for
+    step ``count``.
 
     The first ``warmup`` steps are FULL (uncompressed Adam). Then, before
-    ``var_freeze_step``: FULL where ``count`` is a multiple of the variance gap
-    (:func:`doubling_gap` with ``var_update_scaler``), COMPRESSED otherwise. After it: a
-    COMPRESSED round where the steps since the freeze are a multiple of the local-step gap
-    (doubling every ``local_step_scaler`` steps, at most ``local_step_clipper``), SKIPPED
-    otherwise.
+    ``var_freeze_step``, a variance round where ``count`` is a multiple of the variance gap
+    (:func:`doubling_gap` with ``var_update_scaler``), COMPRESSED otherwise; a variance round
+    is FULL while every earlier round was, VARIANCE (the momentum through the codec, the
+    gradient in float32 for the variance alone) once a compressed round has run
+    (``compressed_before``). After the freeze: a COMPRESSED round where the steps since the
+    freeze are a multiple of the local-step gap (doubling every ``local_step_scaler`` steps,
+    at most ``local_step_clipper``), SKIPPED otherwise.
     """
     count = jnp.asarray(count, jnp.int32)
-    full = (count % doubling_gap(count, var_scaler) == 0) | (count < warmup)
+    variance = count % doubling_gap(count, var_scaler) == 0
+    full = (count < warmup) | (variance & ~jnp.asarray(compressed_before))
     since = jnp.maximum(count - freeze, 0)
     gap = jnp.minimum(doubling_gap(since, local_scaler), jnp.asarray(clip, jnp.int32))
     synced = since % gap == 0
-    return jnp.where(
-        count < freeze, jnp.where(full, FULL, COMPRESSED), jnp.where(synced, COMPRESSED, SKIPPED)
-    )
+    before = jnp.where(full, FULL, jnp.where(variance, VARIANCE, COMPRESSED))
+    return jnp.where(count < freeze, before, jnp.where(synced, COMPRESSED, SKIPPED))
+
+
+def round_kinds(
+    steps: int, freeze: int, var_scaler: int, local_scaler: int, clip, warmup=0, coded=False
+) -> list[int]:
+    """The kind of each of the first ``steps`` rounds (static settings; ``coded``:
+    ``variance_rounds="coded"``)."""
+    kinds, compressed_before = [], False
+    for t in range(steps):
+        kind = int(round_kind(t, freeze, var_scaler, local_scaler, clip, warmup, compressed_before))
+        compressed_before |= coded and kind != FULL
+        kinds.append(kind)
+    return kinds
 
 
 def default_warmup(var_freeze_step: Any, warmup_steps: Any) -> Any:
@@ -140,6 +162,7 @@ def scale_by_zero_one_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     rescale_variance: bool = True,
+    variance_rounds: str = "exact",
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`zero_one_adam` (before the learning rate); see there."""
@@ -153,6 +176,13 @@ def scale_by_zero_one_adam(
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, inf)
     rescale = check_flag("rescale_variance", rescale_variance)
+    if variance_rounds not in ("exact", "coded"):
+        raise ValueError(
+            f"`variance_rounds` must be 'exact' (the paper's: the momentum moved by the float32 "
+            f"mean gradient) or 'coded' (the momentum through the codec, the float32 "
+            f"gradient for the variance only), got {variance_rounds!r}"
+        )
+    coded = variance_rounds == "coded"
     inner, every_axis = momentum_exchange("zero_one_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
@@ -170,8 +200,10 @@ def scale_by_zero_one_adam(
             exchange=inner.init(params),
         )
 
-    # The lax.switch returns one params-sized tree (the variance round's mean gradient, the
-    # compressed round's mean momentum, zeros in a skipped round) and the exchange state;
+    # The lax.switch returns one params-sized tree (the FULL round's gradient sum, the mean
+    # momentum of a compressed or variance round, zeros in a skipped round; with
+    # variance_rounds="coded" a second: the variance round's gradient sum, zeros elsewhere)
+    # and the exchange state;
     # Adam's moments and the pending sums move outside it, in place (returned from the
     # branches, XLA copied each out of the switch's buffers).
 
@@ -180,7 +212,14 @@ def scale_by_zero_one_adam(
         (outside, where the sum becomes the mean)."""
         g = gradient_sum(grads, every_axis)
         # The flag of the sum is that of the mean (a finite sum divided by n is finite).
-        return g, state.exchange, collectives.local_nonfinite(g)
+        return g, zeros_f32(g), state.exchange, collectives.local_nonfinite(g)
+
+    def variance(grads, state, params, nu_scale):
+        """A compressed round (the momentum through the codec, its error feedback kept in
+        step) plus the float32 gradient sum, for the variance alone."""
+        g = gradient_sum(grads, every_axis)
+        sent, _, exchange_state, bad = compressed(grads, state, params, nu_scale)
+        return sent, g, exchange_state, bad | collectives.local_nonfinite(g)
 
     def compressed(grads, state, params, nu_scale):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""
@@ -194,7 +233,7 @@ def scale_by_zero_one_adam(
         sent, exchange_state = preconditioned_mean(
             inner, local, state.nu, nu_scale, eps, state.exchange, params, convert=False
         )
-        return sent, exchange_state, collectives.local_nonfinite(sent)
+        return sent, zeros_f32(sent), exchange_state, collectives.local_nonfinite(sent)
 
     def skipped(grads, state, params, nu_scale):
         """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
@@ -203,23 +242,28 @@ def scale_by_zero_one_adam(
         # update and keeps every state as it was (nothing gradient-sized on the wire).
         flag = collectives.local_nonfinite(as_float32(grads)).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
-        return jax.tree.map(jnp.zeros_like, state.mu), state.exchange, bad
+        zeros = jax.tree.map(jnp.zeros_like, state.mu)
+        return zeros, zeros_f32(zeros), state.exchange, bad
 
-    def moved(state, kind, x, grads, old_scale):
-        """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x``:
-        a skipped round keeps ``(1 - b1) g_i`` pending for the next exchange, which empties
-        it."""
+    def moved(state, kind, x, g, grads, old_scale):
+        """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x`` (and
+        ``g``, a variance round's mean gradient): a skipped round keeps ``(1 - b1) g_i``
+        pending for the next exchange, which empties it."""
         # The variance is an EMA in time: a round after `gap` steps weighs as `gap` steps.
         gap = (state.count + 1 - state.variance_step).astype(jnp.float32)
-        mu, nu = adam_moments(state.mu, state.nu, x, b1, b2**gap)
-        # A variance round keeps the preconditioned momentum of a coordinate that had no
-        # variance yet (unfilled_ratio); a compressed round takes the exchanged momentum.
+        mean = jax.tree.map(lambda a, b: jnp.where(kind == VARIANCE, b, a), x, g) if coded else x
+        mu, nu = adam_moments(state.mu, state.nu, mean, b1, b2**gap)
+        # A round that moves the variance keeps the preconditioned momentum of a coordinate
+        # that had no variance yet (unfilled_ratio); a compressed round takes the exchanged
+        # momentum (a variance round: times that ratio too).
         new = variance_scale(state.count + 1)
         ratio = unfilled_ratio(state.nu, nu, old_scale, new, eps)
+        sent = (kind == COMPRESSED) | (kind == VARIANCE)
+        keep = lambda u, r: u * jnp.where(kind == VARIANCE, r, 1.0) if coded else u  # noqa: E731
         mu = jax.tree.map(
             lambda a, m0, r, u, v, k: jnp.where(
-                kind == COMPRESSED,
-                unprecondition(u, v, k, eps),
+                sent,
+                keep(unprecondition(u, v, k, eps), r),
                 jnp.where(kind == FULL, a + b1 * m0 * (r - 1.0), a),
             ),
             mu,
@@ -229,10 +273,11 @@ def scale_by_zero_one_adam(
             filled_variance(state.nu),
             per_leaf(old_scale, x),
         )
-        nu = jax.tree.map(lambda a, b: jnp.where(kind == FULL, a, b), nu, state.nu)
+        moves = (kind == FULL) | (kind == VARIANCE)
+        nu = jax.tree.map(lambda a, b: jnp.where(moves, a, b), nu, state.nu)
         pending = jax.tree.map(
             lambda p, g: jnp.where(
-                kind == COMPRESSED, 0.0, jnp.where(kind == SKIPPED, p + (1.0 - b1) * g[None], p)
+                sent, 0.0, jnp.where(kind == SKIPPED, p + (1.0 - b1) * g[None], p)
             ),
             state.pending,
             as_float32(grads),
@@ -247,15 +292,16 @@ def scale_by_zero_one_adam(
         """``(level, level_ref, scale_before, nu_scale)``: the per-leaf levels after this
         step (the reference follows the FULL rounds), and the variance's bias correction
         times ``level_hat / level_ref`` against the old and the new reference."""
+        moves = (kind == FULL) | (kind == VARIANCE)
         before = variance_scale(state.variance_step)
-        after = variance_scale(jnp.where(kind == FULL, state.count + 1, state.variance_step))
+        after = variance_scale(jnp.where(moves, state.count + 1, state.variance_step))
         if not rescale:
             return state.level, state.level_ref, before, after
         level, ref, r0, r1 = tracked_levels(
             as_float32(grads),
             state.level,
             state.level_ref,
-            kind == FULL,
+            moves,
             state.count,
             b2,
             every_axis,
@@ -263,23 +309,37 @@ def scale_by_zero_one_adam(
         scale = functools.partial(jax.tree.map, lambda k, r: k * r)
         return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
 
+    def switch(kind, *operands):
+        """The round's branch. With ``variance_rounds="exact"`` no round is VARIANCE: the
+        switch has three branches and no second tree (the program of the paper's rounds)."""
+        if coded:
+            return jax.lax.switch(kind, (full, compressed, skipped, variance), *operands)
+        drop = lambda fn: lambda *a: (lambda r: (r[0], r[2], r[3]))(fn(*a))  # noqa: E731
+        x, exchange_state, bad = jax.lax.switch(
+            kind, tuple(map(drop, (full, compressed, skipped))), *operands
+        )
+        return x, x, exchange_state, bad
+
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("zero_one_adam", updates, params, axis_name, inner_axis)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
-        kind = round_kind(state.count, freeze, var_scaler, local_scaler, clip, warmup)
-        level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
-        x, exchange_state, bad = jax.lax.switch(
-            kind, (full, compressed, skipped), updates, state, params, old_scale
+        compressed_before = coded & (state.variance_updates < state.count)
+        kind = round_kind(
+            state.count, freeze, var_scaler, local_scaler, clip, warmup, compressed_before
         )
+        level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
+        x, g, exchange_state, bad = switch(kind, updates, state, params, old_scale)
         x = sum_to_mean(x, kind == FULL, every_axis)
-        mu, nu, pending = moved(state, kind, x, updates, old_scale)
+        g = sum_to_mean(g, kind == VARIANCE, every_axis)
+        mu, nu, pending = moved(state, kind, x, g, updates, old_scale)
         t = (state.count + 1).astype(jnp.float32)
+        moves = (kind == FULL) | (kind == VARIANCE)
         new_state = ZeroOneAdamState(
             count=state.count + 1,
-            variance_updates=state.variance_updates + (kind == FULL).astype(jnp.int32),
-            variance_step=jnp.where(kind == FULL, state.count + 1, state.variance_step),
+            variance_updates=state.variance_updates + moves.astype(jnp.int32),
+            variance_step=jnp.where(moves, state.count + 1, state.variance_step),
             mu=mu,
             nu=nu,
             level=level,
@@ -313,6 +373,7 @@ def zero_one_adam(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
     rescale_variance: bool = True,
+    variance_rounds: str = "exact",
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam: 1-bit Adam whose variance is updated on ever sparser rounds and frozen at
@@ -324,6 +385,8 @@ def zero_one_adam(
             float32 all-reduce, Adam's m and v move
             g = mean_i g_i;  m <- b1 m + (1 - b1) g
             v <- b2^k v + (1 - b2^k) g^2;  L_f = L_hat   # k: steps since the last FULL round
+        VARIANCE (variance_rounds="coded": variance rounds after a compressed one):
+            m as a COMPRESSED round, v and L_f as a FULL round (g: a float32 all-reduce)
         COMPRESSED (the other rounds, and synced rounds after the freeze): as 1-bit Adam
             m <- mean_i C(b1 m + (1 - b1) g_i + p_i + e_i);  p_i <- 0
             (sent in units of m / (sqrt(v_hat) + eps), as jc.onebit_adam does)
@@ -361,6 +424,20 @@ def zero_one_adam(
     rounds from step ``var_update_scaler + 1``) cost several percent of loss that the same
     rounds with the momentum exchanged exactly did not (docs, "1-bit Adam and 0/1 Adam for
     language models").
+
+    **Variance rounds after 1-bit rounds** (``variance_rounds``). A compressed round's
+    decoded momentum carries the codec's error ``n`` (``m = mean_i m_i + n``) and each
+    device keeps ``-n`` (its share) as error feedback, added to its next momentum step
+    ``b1 m + (1 - b1) g_i + e_i``: the next round takes back ``n`` against the ``b1 n`` that
+    ``b1 m`` carries, so the params feel ``n`` once, decaying by ``b1`` per step. A float32
+    round in between (``"exact"``, the paper's: ``m <- b1 m + (1 - b1) g``) applies ``b1 n``
+    with no feedback, and the feedback that follows takes back ``n`` against ``b1^2 n``:
+    the last 1-bit error moves the params ``1 + b1`` times as far, for as long (summed over
+    the run, nothing is lost either way). ``"coded"`` exchanges the momentum through the
+    codec at those rounds too (error feedback in step) and the float32 gradient sum for the
+    variance alone (``v <- b2^k v + (1 - b2^k) g^2``): the momentum's path is 1-bit Adam's,
+    the variance the paper's, for ``1/32`` more bytes per variance round. Variance rounds
+    before the first compressed one (the warm-up) stay FULL.
 
     Variance rounds are the steps that are multiples of a gap that doubles every
     ``var_update_scaler`` rounds (1, 2, 4, ...: the paper's variance-update policy T_v);
@@ -403,6 +480,10 @@ def zero_one_adam(
         the gradients' level (one float32 per leaf per step on the wire); False: it stays
         as the last variance round left it. A Python bool (``optax.inject_hyperparams``
         keeps bools static).
+      variance_rounds: ``"exact"`` (default, the paper's): a variance round moves the
+        momentum by the float32 mean gradient; ``"coded"``: once a compressed round has
+        run, a variance round also sends the momentum through the codec (its error
+        feedback kept in step) and takes the float32 gradient for the variance only.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -429,6 +510,7 @@ def zero_one_adam(
             b2=b2,
             eps=eps,
             rescale_variance=rescale_variance,
+            variance_rounds=variance_rounds,
             **exchange,
         ),
         *decoupled_weight_decay(weight_decay, weight_decay_mask),

@@ -42,14 +42,24 @@ class Sign(Codec):
       ``x`` (``delta`` is None). Computed as a scaled norm (:func:`root_mean_square`): a
       finite block gives a finite scale at most ``max |x|``.
 
-    ``block_size=None`` uses one scale per vector. Zero maps to the positive sign.
+    ``block_size=None`` uses one scale per vector. Zero maps to the positive sign: one bit
+    has no zero, so a coordinate that is exactly zero inside a non-zero block decodes to
+    ``+-scale``. ``exact_zeros=True`` adds one bit per packed word (32 coordinates), set where
+    the word's 32 values are all zero: those decode to exactly 0 (an embedding row of a token
+    not seen, 32-aligned, stays put), and the scale is taken over the other values only
+    (``"rms"`` keeps ``||C(x)|| = ||x||``, ``"mean"`` is their mean ``|x|``). 1/32 more bits.
     """
 
     scale: str | None = "mean"
     block_size: int | None = None
+    exact_zeros: bool = False
 
-    votes = True  # payload: (packed sign words, f32 block scales)
     flags_nonfinite = True  # a non-finite block gives a non-finite scale
+
+    @property
+    def votes(self) -> bool:
+        """``(packed sign words, f32 block scales)`` payloads (without the zero words)."""
+        return not self.exact_zeros
 
     def _block(self, d: int) -> int:
         return max(d, 1) if self.block_size is None else self.block_size
@@ -63,6 +73,11 @@ class Sign(Codec):
         bs = self._block(d)
         xb = blocks(x, bs)
         count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
+        signs = packing.pack((x < 0).astype(jnp.uint32), 1)
+        if self.exact_zeros:
+            nonzero = nonzero_words(x)
+            sent = blocks(per_value(nonzero, 32, d), bs)  # 1.0 where the value's word is sent
+            count = jnp.maximum(jnp.sum(sent, axis=1), 1.0)  # an all-zero block: scale 0
         if self.scale == "mean":
             scale = mean_abs(xb, count)  # summed pre-scaled: never overflows
         elif self.scale == "rms":
@@ -70,15 +85,29 @@ class Sign(Codec):
         else:  # 1 for a non-zero block, 0 for a zero block; NaN/inf propagate through 0 * max
             absmax = max_abs(xb)
             scale = (absmax > 0).astype(jnp.float32) + 0.0 * absmax
-        return packing.pack((x < 0).astype(jnp.uint32), 1), scale
+        if self.exact_zeros:
+            return signs, scale, packing.pack(nonzero.astype(jnp.uint32), 1)
+        return signs, scale
 
     def decode(self, payload, d):
-        words, scale = payload
+        words, scale = payload[:2]
         negative = packing.unpack(words, 1, d)
-        return jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
+        x = jnp.where(negative == 1, -1.0, 1.0) * per_value(scale, self._block(d), d)
+        if self.exact_zeros:
+            nonzero = packing.unpack(payload[2], 1, packing.packed_words(d, 1))
+            x = jnp.where(per_value(nonzero, 32, d) == 1, x, 0.0)
+        return x
 
     def payload_bytes(self, d):
-        return 4 * packing.packed_words(d, 1) + 4 * ceil_div(d, self._block(d))
+        words = packing.packed_words(d, 1)
+        zero_words = 4 * packing.packed_words(words, 1) if self.exact_zeros else 0
+        return 4 * words + 4 * ceil_div(d, self._block(d)) + zero_words
+
+
+def nonzero_words(x: jax.Array) -> jax.Array:
+    """``float32[ceil(d / 32)]``: 1 where a packed word's 32 values hold a non-zero (or a
+    non-finite) value, 0 where all are exactly zero."""
+    return (jnp.max(jnp.abs(blocks(x, 32)), axis=1) != 0).astype(jnp.float32)
 
 
 def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
@@ -92,7 +121,9 @@ def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
     return biggest * jnp.sqrt(jnp.sum(unit * unit, axis=1) / count)
 
 
-def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
+def sign(
+    scale: str | None = "mean", block_size: int | None = None, exact_zeros: bool = False
+) -> Sign:
     """1-bit sign codec: ``scale=None`` (signSGD), ``"mean"`` (scaled sign, 1-bit SGD) or
     ``"rms"`` (signs that keep the norm: 1-bit Adam's compressed momentum).
 
@@ -111,6 +142,10 @@ def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
       scale: ``"mean"`` (scaled sign), ``"rms"`` (root mean square: the norm kept) or None
         (plain signs, signSGD).
       block_size: values per scale, or None for one scale per vector.
+      exact_zeros: False (default): a value exactly zero decodes to ``+scale`` (a sign has no
+        zero). True: one more bit per 32 values marks the words whose values are all zero,
+        which decode to 0 (the scales are taken over the other values); ``payload_bytes``
+        counts it (1/32 more sign bits). Not for ``strategy="majority_vote"``.
 
     Returns:
       A :class:`Sign` codec.
@@ -134,4 +169,6 @@ def sign(scale: str | None = "mean", block_size: int | None = None) -> Sign:
         raise ValueError(f"`scale` must be one of {_SCALES}, got {scale!r}")
     if block_size is not None:
         block_size = check_int("block_size", block_size, 1)
-    return Sign(scale, block_size)
+    if not isinstance(exact_zeros, bool):
+        raise TypeError(f"`exact_zeros` must be True or False, got {exact_zeros!r}")
+    return Sign(scale, block_size, exact_zeros)

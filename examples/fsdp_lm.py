@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="replica axis size (HSDP)")
     parser.add_argument("--replica-codec", default="int8")
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2, help="decoder blocks")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (one process)")
     parser.add_argument("--multiprocess", action="store_true", help="join jaxcomp.launch")
     parser.add_argument("--no-baseline", action="store_true", help="only the compressed run")
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             replicas=args.replicas,
             replica_codec=args.replica_codec,
             d_model=args.d_model,
+            layers=args.layers,
             report_bytes=not args.no_report,
         )
         tag = f"[{jax.process_index()}] " if args.multiprocess else ""

@@ -51,6 +51,9 @@ from jaxcomp._src import collectives  # noqa: E402
 AXIS = "data"
 IN, HIDDEN, OUT, BATCH = 16, 64, 32, 8
 LR = 0.1  # plain gradient descent after the transform
+# Every matrix (w1: 1024 floats, w2: 2048) compressed, the bias (64) sent by plain pmean: the
+# small-leaf path, and a third less per-leaf codec code to trace and compile in each process.
+MIN_SIZE = 128
 
 
 def say(*parts) -> None:
@@ -63,8 +66,8 @@ def mesh():
 
 
 def families() -> dict[str, optax.GradientTransformation]:
-    """One transform per codec family (min_size small so every matrix is compressed)."""
-    ca = lambda codec, **kw: jc.compressed_allreduce(codec, AXIS, min_size=64, **kw)  # noqa: E731
+    """One transform per codec family (``MIN_SIZE``: every matrix compressed, the bias not)."""
+    ca = lambda codec, **kw: jc.compressed_allreduce(codec, AXIS, min_size=MIN_SIZE, **kw)  # noqa: E731
     flat = lambda codec, **kw: ca(codec, granularity="flat", **kw)  # noqa: E731
     return {
         "sign_ef": ca(jc.sign(), error_feedback="residual", strategy="allgather"),
@@ -72,8 +75,8 @@ def families() -> dict[str, optax.GradientTransformation]:
         "qsgd": ca(jc.qsgd(16, bucket_size=128)),
         "random_k": ca(jc.random_k(0.1)),
         "top_k": ca(jc.top_k(0.05), error_feedback="residual"),
-        "dgc": jc.dgc(0.05, AXIS, momentum=0.9, min_size=64, warmup_steps=0),
-        "powersgd": jc.powersgd(2, AXIS, start_step=3, min_size=64),
+        "dgc": jc.dgc(0.05, AXIS, momentum=0.9, min_size=MIN_SIZE, warmup_steps=0),
+        "powersgd": jc.powersgd(2, AXIS, start_step=3, min_size=MIN_SIZE),
         # One flat bucket each (granularity="flat"): half the compiled code of two leaves.
         "fp16": flat(jc.cast("fp16")),
         "terngrad": flat(jc.terngrad()),

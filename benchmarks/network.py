@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -420,6 +421,20 @@ def skip_reason() -> str | None:
     return None
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; [] elsewhere): the launcher's
+    workers run in sessions of their own, out of reach of its process group."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def launch(
     ns: Namespace | None,
     rate: str,
@@ -449,6 +464,9 @@ def launch(
         return proc.wait(timeout=timeout + 60)
     finally:
         if proc.poll() is None:
+            if ns is None:  # no namespace to empty: the launcher's workers, by parent
+                for pid in children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         if ns is not None:

@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -422,3 +423,27 @@ def test_lm_demo_schedules_are_the_documented_ones():
     assert held[15] == held[300] == np.float32(3e-3)
     np.testing.assert_array_equal(lm_demo.schedule(run, 4e-3, 0.1)(t), run.schedule(4e-3)(t))
     assert lm_demo.schedule(run, 4e-3, 0.6)(300) == pytest.approx(2.4e-3)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_network_children_finds_the_launchers_workers():
+    """benchmarks/network.py: a launch with no namespace kills the launcher's workers (in
+    sessions of their own) by parent; ``children`` finds exactly them."""
+    import signal
+
+    from benchmarks import network
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        for _ in range(50):  # until both sleeps have started
+            kids = network.children(shell.pid)
+            if len(kids) == 2:
+                break
+            time.sleep(0.02)
+        assert len(kids) == 2 and shell.pid not in kids
+        assert network.children(kids[0]) == []
+    finally:
+        for pid in network.children(shell.pid):
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()

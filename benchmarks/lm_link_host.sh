@@ -11,7 +11,8 @@
 #    host), 450 steps, on the shaped link: lm_link_host.json.
 # 3. Every row again for 30 steps on the unshaped loopback (compute and protocol):
 #    lm_link_host_unshaped.json, skipped when under 60 s of the 8 minutes are left.
-# 4. lm_link_host.json split with it (--split-from): compute, exchange, projections.
+# 4. lm_link_host.json split with it (--split-from): each step as compute (unshaped) and
+#    exchange (what the shaped link adds); the ratios of step 2 are the measured answer.
 set -u
 PY=${PY:-python3}
 export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -469,8 +469,10 @@ def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
             _fmt(r["exchange_ms_per_step"], 4),
             _fmt(r.get("link_ms_per_step"), 3),
             _opt(r["steps_to_target"], ".0f"),
-            _opt(r.get("projected_speedup_to_target"), ".1f", "x"),
-            _opt(r.get("link_speedup_to_target"), ".1f", "x"),
+            _opt(r["projected_speedup_to_target"], ".1f", "x")
+            if "projected_speedup_to_target" in r
+            else "–",
+            _opt(r["link_speedup_to_target"], ".1f", "x") if "link_speedup_to_target" in r else "–",
         ]
         for r in runs
         if "compute_ms_per_step" in r

@@ -37,7 +37,7 @@ left() { echo $(( 470 - ($(date +%s) - start) )); }
   fi
   ip netns del "$probe" >/dev/null 2>&1
   if [ "$shaped" = 1 ]; then
-    timeout 420 "$PY" -m benchmarks.lm_link --label host --recipes "$ROW:450" --timeout 400
+    timeout 445 "$PY" -m benchmarks.lm_link --label host --recipes "$ROW:450" --timeout 430
     echo "shaped run: exit $? after $(( $(date +%s) - start )) s; $(uptime)"
   fi
   if [ "$(left)" -gt 60 ]; then

@@ -313,6 +313,34 @@ def _allreduce_decode(xs, payloads, summed, ctx, fill):
     return mean, sent, [None] * len(xs)
 
 
+def elementwise_error(codec: Codec, strategy: str, n: int, x: jax.Array) -> jax.Array | None:
+    """What a whole segment's encoding drops, ``x - sent``, formed from ``x`` of any shape.
+
+    For an ``elementwise`` codec the residual of :func:`_allreduce_encode`
+    (``x - n C(x / n)``) and of ``allgather`` (``x - C(x)``) is a function of each coordinate
+    alone, so it can be formed where ``x`` lies (a parameter-shaped ``g + e``), bit for bit
+    the values of ``Reduced.error``. None where the segment is not sent so (``two_phase``
+    chunks, ``plain``, a codec that is not elementwise, a leaf cut into pieces).
+
+    Args:
+      codec: the codec of the reduction.
+      strategy: the strategy asked for (``"auto"`` resolved as :func:`choose_strategy`).
+      n: devices on the axis.
+      x: the vector sent, in any shape (``x.size`` floats, one segment).
+
+    Returns:
+      ``x - sent`` shaped like ``x``, or None.
+    """
+    if not codec.elementwise or x.size > MAX_SEGMENT:
+        return None
+    chosen = choose_strategy(codec, x.size, n, strategy)
+    if chosen == "allreduce":
+        return x - _times(codec.roundtrip(x * (1.0 / n)), n)
+    if chosen == "allgather":
+        return x - codec.roundtrip(x)
+    return None
+
+
 def _plain_encode(xs, keys, ctx):
     """``x / n`` in float32, for a segment where plain ``pmean`` is the cheapest (``auto``)."""
     return [x * (1.0 / ctx.n) for x in xs], [jnp.zeros_like(x) for x in xs]

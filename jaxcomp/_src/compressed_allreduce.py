@@ -96,6 +96,26 @@ def _like_momentum(layout: layouts.Layout, compressed: list, plain: list) -> Any
     )
 
 
+def _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors) -> list:
+    """Residual memories ``e' = (g + e) - C(g + e)`` of an ``elementwise`` codec, formed in
+    each memory's shape ``[1, *leaf]`` (the same values as ``errors``, bit for bit).
+
+    The flat ``errors`` read the old memory through a reshape; XLA:CPU writes a fusion over
+    an operand in place only where the fusion reads it elementwise in its output's shape, so
+    the new memory went to a fresh buffer and was then copied over the donated one (two
+    passes and a gradient-sized temporary per step). Leaves the strategy sends otherwise
+    keep their entry of ``errors``.
+    """
+    n = collectives.axis_size(axis_name)
+    leaves = layouts.leaves_of(updates, layout, layouts.COMPRESSED)
+    out = []
+    for g, m, error in zip(leaves, layouts.field_leaves(state.memory), errors, strict=True):
+        target = g.astype(jnp.float32).reshape(m.shape) + m.astype(jnp.float32)
+        shaped = collectives.elementwise_error(codec, strategy, n, target)
+        out.append(error if shaped is None else shaped)
+    return out
+
+
 def _worker_momentum(beta, nesterov: bool, layout: layouts.Layout, field, grads, plain):
     """Per device, on every floating leaf: ``m_i <- beta m_i + (1 - beta) g_i``.
 
@@ -285,6 +305,16 @@ def compressed_allreduce(
     memory_dtype = feedback.check_memory_dtype(memory_dtype)
 
     flat = granularity == "flat"
+    # Residuals formed in each memory's shape need the codec of every step fixed at trace
+    # time and whole leaves sent from the gradient itself.
+    shaped_residuals = (
+        codec.elementwise
+        and not flat
+        and inner_axis_name is None
+        and beta is None
+        and adaptive is None
+        and not stages
+    )
 
     def chunks(layout: layouts.Layout):
         """Owned chunk sizes per whole and segment; None outside the mesh."""
@@ -384,8 +414,15 @@ def compressed_allreduce(
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
 
-        # Residual feedback: e' = (g + e) - C(g + e), as the encoding step formed it.
-        errors = plan.join(reduced.error) if kind == "residual" else [None] * len(means)
+        def residuals() -> list:
+            """Residual feedback's ``e' = (g + e) - C(g + e)``, as the encoding step formed
+            it, or an elementwise codec's in each memory's shape (:func:`_shaped_residuals`)."""
+            errors = plan.join(reduced.error)
+            if not shaped_residuals:
+                return errors
+            return _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors)
+
+        errors = residuals() if kind == "residual" else [None] * len(means)
         new_memory = [
             feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
             for m, t, s, r in zip(memory, targets, sent, errors, strict=True)

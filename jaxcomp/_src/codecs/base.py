@@ -28,6 +28,10 @@ Conventions every codec follows:
 * ``dense``: every coordinate travels (casts, quantizers, signs); False for sparse codecs
   (top-k, random-k, threshold), whose decoding is zero off the selected coordinates, so they
   cannot carry values that must all arrive (an FSDP weight all-gather).
+* ``elementwise``: each coordinate is encoded and decoded on its own (casts), so
+  :meth:`Codec.roundtrip` takes a float array of any shape and gives the values of the 1-D
+  ``decode(encode(x))`` where they lie. A transform then forms a leaf's residual in the
+  leaf's own shape, a pass that XLA writes in place over the memory.
 * ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
   (None where no such bound holds).
 """
@@ -101,6 +105,7 @@ class Codec:
     votes = False
     flags_nonfinite = False
     dense = True
+    elementwise = False
 
     @property
     def name(self) -> str:

@@ -99,6 +99,7 @@ class Cast(Codec):
     """
 
     flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
+    elementwise = True  # each coordinate on its own: roundtrip in any shape
 
     dtype_name: str = "bfloat16"
 
@@ -111,13 +112,21 @@ class Cast(Codec):
         return self.dtype.itemsize >= 2
 
     def encode(self, x, key=None):
-        x = check_vector(x, self)
+        return self._cast(check_vector(x, self))
+
+    def _cast(self, x):
         big = float(ml_dtypes.finfo(self.dtype).max)
         x = jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x)
         return x.astype(self.dtype)
 
     def decode(self, payload, d):
         return payload.astype(jnp.float32)
+
+    def roundtrip(self, x, key=None):
+        """``decode(encode(x))`` of a float array of any shape (the cast is elementwise)."""
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{self.name}.roundtrip expects a floating `x`, got dtype {x.dtype}")
+        return self._cast(x.astype(jnp.float32)).astype(jnp.float32)
 
     def payload_bytes(self, d):
         return d * self.dtype.itemsize

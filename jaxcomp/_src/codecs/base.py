@@ -336,8 +336,20 @@ def folded_sum(x: jax.Array) -> jax.Array:
 
 def max_abs(xb: jax.Array) -> jax.Array:
     """``max_j |xb[b, j]|`` per row (0 for an empty row); NaN propagates. The same value as
-    ``jnp.max(jnp.abs(xb), axis=1)``, bit for bit, without a temporary as large as ``xb``."""
-    return jnp.max(_fold_rows(jnp.abs(xb), jnp.maximum), axis=1, initial=0.0)
+    ``jnp.max(jnp.abs(xb), axis=1)``, bit for bit (a NaN row: a NaN), without a temporary
+    as large as ``xb``.
+
+    The folded rows are reduced as the int32 bit patterns of ``|x|`` (for non-negative
+    floats and NaN, whose sign ``abs`` clears, the integer order is the float order, NaN
+    above inf): XLA:CPU fuses an integer reduce with its producer in one pass, while a float
+    max reduce goes to its reduction kernel, which absorbed the fold's last ``maximum`` and
+    computed each half of the fold in a fusion of its own, each reading ``xb`` once more.
+    """
+    folded = _fold_rows(jnp.abs(xb), jnp.maximum)
+    if folded.dtype != jnp.float32:
+        return jnp.max(folded, axis=1, initial=0.0)
+    bits = jax.lax.bitcast_convert_type(folded, jnp.int32)
+    return jax.lax.bitcast_convert_type(jnp.max(bits, axis=1, initial=0), jnp.float32)
 
 
 #: :func:`all_finite` folds rows of this many values before its one reduce.

@@ -124,8 +124,7 @@ class Cast(Codec):
 
     def roundtrip(self, x, key=None):
         """``decode(encode(x))`` of a float array of any shape (the cast is elementwise)."""
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{self.name}.roundtrip expects a floating `x`, got dtype {x.dtype}")
+        check_vector(jnp.ravel(x), self)  # encode's checks (floating, size), in any shape
         return self._cast(x.astype(jnp.float32)).astype(jnp.float32)
 
     def payload_bytes(self, d):

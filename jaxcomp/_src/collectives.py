@@ -115,7 +115,15 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_mesh_axis,
 )
 from jaxcomp._src.codecs import packing
-from jaxcomp._src.codecs.base import Codec, all_finite, ceil_div, check_int, folded_sum, scaled
+from jaxcomp._src.codecs.base import (
+    Codec,
+    after,
+    all_finite,
+    ceil_div,
+    check_int,
+    folded_sum,
+    scaled,
+)
 from jaxcomp._src.cost import (  # noqa: F401  (re-exported: the public bytes model)
     STRATEGIES,
     check_codec,
@@ -361,16 +369,71 @@ def _plain_decode(xs, payloads, summed, ctx, fill):
 
 
 def _allgather_exchange(payloads, ctx, servers):
+    pieces = _gather_pieces(payloads, ctx)
+    if pieces is not None:
+        return _gather_in_pieces(payloads, pieces, ctx)
     gathered, held = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
     return gathered, _floats(held)
 
 
 def _allgather_decode(xs, payloads, gathered, ctx, fill):
-    mean = [
-        ctx.codec.decode_sum(g, x.shape[0], scale=1.0 / ctx.n, fill=fill)
-        for g, x in zip(gathered, xs, strict=True)
-    ]
+    if _gather_pieces(payloads, ctx) is not None:  # already summed, piece by piece
+        mean = [s + fill for s in gathered]
+    else:
+        mean = [
+            ctx.codec.decode_sum(g, x.shape[0], scale=1.0 / ctx.n, fill=fill)
+            for g, x in zip(gathered, xs, strict=True)
+        ]
     return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
+
+
+def _gather_pieces(payloads, ctx) -> list[int] | None:
+    """Per segment, how many pieces its payload is all-gathered in (``ctx.gather_pieces``),
+    or None for one bucketed all-gather of every payload.
+
+    Gathered, the payloads of ``n`` devices can outgrow the gradient (top-k at 25%, 8 bytes
+    a value, 8 devices: 4 copies of it). In pieces, each at most half a float32 copy of the
+    segments, decoded into the sum before the next is gathered, they hold half a copy at
+    once. Only for payloads of equal-length 1-D slots (top-k's values and indices), whose
+    sum decodes slot by slot; when every payload fits one piece, nothing changes.
+    """
+    if not ctx.gather_pieces:
+        return None
+    shapes = [{a.shape for a in jax.tree.leaves(p)} for p in payloads]
+    if any(len(s) != 1 or len(next(iter(s))) != 1 for s in shapes):
+        return None
+    limit = 2 * sum(ctx.sizes)  # bytes: half a float32 copy of the segments
+    gathered = [
+        ctx.n * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p)) for p in payloads
+    ]
+    if sum(gathered) <= limit:
+        return None
+    slots = [next(iter(s))[0] for s in shapes]
+    return [min(k, ceil_div(g, limit)) for k, g in zip(slots, gathered, strict=True)]
+
+
+def _gather_in_pieces(payloads, pieces, ctx) -> tuple[list, list]:
+    """Each segment's sum ``sum_i decode(payload_i) / n`` (no fill), its payloads all-gathered
+    a piece of slots at a time. Each gather's input depends on the sum so far
+    (:func:`~jaxcomp._src.codecs.base.after`), so it waits until the previous piece is added
+    in: one piece is live at a time. Also, for ``flags_nonfinite`` codecs, a NaN-or-zero
+    scalar per piece (the gathered floats' flag)."""
+    sums, flags, last = [], [], None
+    for p, count, d in zip(payloads, pieces, ctx.sizes, strict=True):
+        k = jax.tree.leaves(p)[0].shape[0]
+        total = None
+        for j in range(count):
+            a, b = k * j // count, k * (j + 1) // count
+            piece = jax.tree.map(lambda x, a=a, b=b, c=last: after(x[a:b], c), p)
+            (g,), held = _gather([piece], ctx.axis_name, ctx.bucket_bytes)
+            if total is None:  # zeros made here, not copied from a constant at the start
+                total = after(jnp.zeros((d,), jnp.float32), jax.tree.leaves(g)[0][0, 0])
+            if ctx.codec.flags_nonfinite:
+                flags.extend(folded_sum(h * jnp.zeros([], h.dtype)) for h in _floats(held))
+            total = ctx.codec.decode_sum(g, d, scale=1.0 / ctx.n, fill=total)
+            last = total[0] if not flags else total[0] + flags[-1]
+        sums.append(total)
+    return sums, flags
 
 
 def _place(chunk: jax.Array, index: jax.Array, size: int, d: int) -> jax.Array:
@@ -514,6 +577,7 @@ class _Context(NamedTuple):
     bucket_bytes: int
     keys: list  # per segment of the group: the segment's step key (per device)
     sizes: list  # per segment of the group: its number of floats
+    gather_pieces: bool = False  # allgather: gather large payloads in pieces (_gather_pieces)
 
 
 #: strategy -> (encode, exchange, decode)
@@ -527,7 +591,7 @@ _STRATEGIES = {
 _ORDER = tuple(_STRATEGIES)
 
 
-def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb):
+def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb, pieces=False):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
     Returns the :class:`Reduced` and whether its non-finite flag still needs a psum over
@@ -544,7 +608,8 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         encode, exchange, decode = _STRATEGIES[name]
         idx = [i for i, c in enumerate(chosen) if c == name]
         xs = [segments[i] for i in idx]
-        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], [x.shape[0] for x in xs])
+        sizes = [x.shape[0] for x in xs]
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, pieces)
         payloads, errors = encode(xs, ctx.keys, ctx)
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
@@ -622,6 +687,7 @@ def reduce_segments(
     inner_axis_name: Any = None,
     extra_bad: jax.Array | None = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
+    gather_pieces: bool = False,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
@@ -636,14 +702,25 @@ def reduce_segments(
     device received (no pass over the input, no extra collective); the others from their
     input, with one scalar psum. ``Reduced.error`` is what each segment's payload drops on
     this device (``segment - sent``), from :meth:`Codec.encode_with_error` in the encoding
-    step: residual error feedback stores it as the new memory.
+    step: residual error feedback stores it as the new memory. ``gather_pieces``
+    (``"allgather"``): payloads whose gathered bytes pass half a float32 copy of the segments
+    are gathered and summed a piece at a time (same bytes, more collectives; each coordinate's
+    sum in another order, so equal up to float rounding), bounding the memory they hold.
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
         return Reduced([], [], [], shards.any_block(bad), [])
     if inner_axis_name is None:
         return _reduce_flat(
-            segments, axis_name, codec, strategy, key, servers, extra_bad, bucket_bytes
+            segments,
+            axis_name,
+            codec,
+            strategy,
+            key,
+            servers,
+            extra_bad,
+            bucket_bytes,
+            gather_pieces,
         )
     return _hierarchical(
         segments,

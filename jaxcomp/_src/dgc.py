@@ -325,7 +325,15 @@ def dgc(
         def reduce_with(codec):
             def branch(servers):
                 r = collectives.reduce_segments(
-                    plan.split(v), axis_name, codec, strategy, step_key, servers, None, plain_bad
+                    plan.split(v),
+                    axis_name,
+                    codec,
+                    strategy,
+                    step_key,
+                    servers,
+                    None,
+                    plain_bad,
+                    gather_pieces=True,
                 )
                 return plan.join(r.mean), plan.join(r.sent), r.server, r.bad
 

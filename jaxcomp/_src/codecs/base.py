@@ -62,6 +62,32 @@ def scaled(total: jax.Array, scale: float = 1.0, fill: jax.Array | float = 0.0) 
     return total
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def after(x: jax.Array, dep: jax.Array | None) -> jax.Array:
+    """``x`` bit for bit, computed only once the scalar ``dep`` is (None: ``x`` as is).
+
+    ``x``'s bits plus ``(bits(dep) & 0x7fffffff) >> 31``, always 0, which XLA does not
+    fold: a data dependence that orders work where XLA:CPU would not (it drops
+    ``optimization_barrier`` before scheduling). Used to keep a buffer from being made, or a
+    collective from running, before what should precede it, so that fewer large buffers are
+    live at once (a scatter's zero operand is otherwise copied from a constant at the
+    program's start and held through it).
+    """
+    if dep is None:
+        return x
+    dep = dep.reshape(())
+    width = _UINT[dep.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(dep, width) if dep.dtype != width else dep
+    sign = jnp.array(1 << (8 * dep.dtype.itemsize - 1), width)
+    zero = jax.lax.shift_right_logical(bits & ~sign, jnp.array(8 * dep.dtype.itemsize - 1, width))
+    target = _UINT[x.dtype.itemsize]
+    raw = jax.lax.bitcast_convert_type(x, target) if x.dtype != target else x
+    raw = raw + zero.astype(target)
+    return jax.lax.bitcast_convert_type(raw, x.dtype) if x.dtype != target else raw
+
+
 def sum_of_decodes(codec: Codec, payloads, d: int, scale=1.0, fill=0.0) -> jax.Array:
     """``fill + scale * sum_j decode(payloads[j])``, one fused decode-and-add pass per device.
 

@@ -33,6 +33,7 @@ import numpy as np
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import (
     Codec,
+    after,
     check_int,
     check_positive_float,
     check_vector,
@@ -153,7 +154,10 @@ def _scatter(indices: jax.Array, values: jax.Array, d: int, fill=0.0) -> jax.Arr
     ``jax.lax.scatter_add`` itself, not ``.at[].add``: indices here are never negative, and
     the negative-index wrap that ``.at[]`` adds made XLA write a fresh int32 copy of every
     index (at a 25% density, all-gathered over 8 devices: one copy of the params)."""
+    # The zeros are made once the indices are (not copied from a constant at the start).
     operand = jnp.full((d,), fill, jnp.float32)
+    if jnp.ndim(fill) == 0 and indices.shape[0]:
+        operand = after(operand, indices[0])
     return jax.lax.scatter_add(
         operand,
         indices[:, None],
@@ -365,6 +369,8 @@ def sampled_top_k(
     t = ranked[rank - 1]
 
     slots = min(nb, capacity)
+    if slots == nb:  # every block is a candidate: compact over x itself, no copy of it
+        return _first_over(x, t, capacity, k, total)
     blocks = first_true(per_block > 0, slots)
     cand = jnp.abs(main[jnp.minimum(blocks, nb - 1)])  # (slots, b)
     flat = jnp.concatenate([cand.reshape(-1), jnp.abs(tail)])
@@ -391,6 +397,25 @@ def sampled_top_k(
     from_blocks = blocks[block_pos // b] * b + block_pos % b
     indices = jnp.where(in_block, from_blocks, nb * b + pos - slots * b)
     return jnp.where(filled, indices, d).astype(jnp.int32), filled
+
+
+def _first_over(x: jax.Array, t, capacity: int, k: int, total) -> tuple[jax.Array, jax.Array]:
+    """:func:`sampled_top_k`'s step 3 where the candidate blocks would be all of ``x`` (dense
+    ratios): the first ``capacity`` entries with ``|x_i| >= t``, in order, and of them the
+    ``k`` largest when more than ``k`` pass. The same indices as compacting the blocks
+    (the passing entries of the blocks that hold one, in order, are those of ``x``), without
+    the gathered and ``|.|`` copies of the whole vector that the blocks cost."""
+    d = x.shape[0]
+    pos = first_true(_passes(jnp.abs(x), t), capacity)
+    filled = pos < d
+    pos = jnp.minimum(pos, d - 1)
+
+    def largest(pos, filled):
+        _, best = jax.lax.top_k(jnp.where(filled, jnp.abs(x[pos]), -1.0), k)
+        return pos[best], filled[best]
+
+    pos, filled = jax.lax.cond(total > k, largest, lambda p, f: (p[:k], f[:k]), pos, filled)
+    return jnp.where(filled, pos, d).astype(jnp.int32), filled
 
 
 def max_k_indices(x: jax.Array, k: int) -> jax.Array:

@@ -145,6 +145,8 @@ class Reduced(NamedTuple):
     bad: jax.Array  # bool[]: some input on some device was non-finite (same on every device)
     error: list | None = None  # f32[d_s]: segment - sent, what this device's contribution
     #                            dropped (residual error feedback), formed in the encoding pass
+    payload: list | None = None  # per segment, this device's payload ("allgather",
+    #                              "majority_vote": of the segment; "two_phase": of its rows)
 
 
 def axis_size(axis_name: Any) -> int:
@@ -627,11 +629,13 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
     sent: list = [None] * len(segments)
     server: list = [None] * len(segments)
     error: list = [None] * len(segments)
+    payload: list = [None] * len(segments)
     for decode, idx, ctx, xs, payloads, exchanged, _, errors in groups:
         m, s, r = decode(xs, payloads, exchanged, ctx, fill)
         for j, i in enumerate(idx):
             mean[i], sent[i], server[i], error[i] = m[j], s[j], r[j], errors[j]
-    return Reduced(mean, sent, server, fill_bad, error)
+            payload[i] = payloads[j]
+    return Reduced(mean, sent, server, fill_bad, error, payload)
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):

@@ -73,6 +73,53 @@ def _mask(velocity: list, sent: list, masking: Any) -> list:
     return [jnp.where((s != 0) & masking, 0.0, u) for s, u in zip(sent, velocity, strict=True)]
 
 
+#: Scatter dimensions of a 1-D ``[d]`` update at ``int32[k, 1]`` indices.
+_SCATTER_DIMS = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+)
+#: What :func:`_sent_marks` writes per coordinate: not sent, sent as 0, sent non-zero.
+_UNSENT, _SENT_ZERO, _SENT = 0, 1, 2
+
+
+def _sent_marks(r, plan, sparse: bool) -> list:
+    """Per leaf, what this device sent, for :func:`_feedback`: ``uint8`` marks (``_UNSENT``,
+    ``_SENT_ZERO``, ``_SENT``) scattered from all-gathered top-k payloads ``(indices,
+    values)`` when ``sparse`` (a quarter of the bytes of the decoded ``f32`` vector, which
+    is what comes otherwise: two-phase rows)."""
+    if not sparse or not r.payload:
+        return plan.join(r.sent)
+    marks = []
+    sizes = [d for pieces in plan.pieces() for d in pieces]
+    for (indices, values), d in zip(r.payload, sizes, strict=True):
+        mark = jnp.where(values != 0, _SENT, _SENT_ZERO).astype(jnp.uint8)
+        marks.append(
+            jax.lax.scatter(
+                jnp.zeros((d,), jnp.uint8),
+                indices[:, None],
+                mark,
+                _SCATTER_DIMS,
+                unique_indices=True,
+                mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+            )
+        )
+    return marks
+
+
+def _feedback(u: list, v: list, sent: list, masking: Any) -> tuple[list, list]:
+    """Momentum factor masking and what stays behind: the new velocities
+    ``u * 1[not sent or masking off]`` and accumulations ``v - sent``, from the decoded
+    ``sent`` (float32) or its :func:`_sent_marks` (``uint8``: ``v_i <- 0`` where sent,
+    ``u_i <- 0`` where sent non-zero; the same values bit for bit for a finite ``v``, whose
+    sent values are its own; a non-finite one freezes the state)."""
+    if not sent or sent[0].dtype != jnp.uint8:
+        return _mask(u, sent, masking), [vv - s for vv, s in zip(v, sent, strict=True)]
+    if masking is False:
+        new_u = u
+    else:
+        new_u = [jnp.where((m == _SENT) & masking, 0.0, a) for m, a in zip(sent, u, strict=True)]
+    return new_u, [jnp.where(m != _UNSENT, 0.0, b) for m, b in zip(sent, v, strict=True)]
+
+
 def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
     """Local gradient clipping: every leaf scaled by ``min(1, limit / ||(g, p)||)``."""
     norm = scaled_global_norm(g + p)  # overflows only past float32's range
@@ -322,6 +369,11 @@ def dgc(
             else server.read(state.server_residual, layout, owned, False, owner)
         )
 
+        # Masking only once the warm-up is over: at a warm-up density it would zero the
+        # velocity of most coordinates every few steps (momentum SGD -> plain SGD).
+        sparse_regime = len(codecs) == 1 or state.count >= warmup_steps
+        masking = momentum_masking and sparse_regime
+
         def reduce_with(codec):
             def branch(servers):
                 r = collectives.reduce_segments(
@@ -335,29 +387,23 @@ def dgc(
                     plain_bad,
                     gather_pieces=True,
                 )
-                return plan.join(r.mean), plan.join(r.sent), r.server, r.bad
+                sent = _sent_marks(r, plan, strategy == "allgather")
+                return plan.join(r.mean), sent, r.server, r.bad
 
             return branch
 
         means, sent, new_servers, bad = warmup.switch(
             state.count, warmup_steps, [reduce_with(c) for c in codecs], servers
         )
+        new_velocity, new_accumulation = _feedback(u, v, sent, masking)
 
         traces, plain_out = _plain_momentum(
             momentum, nesterov, layouts.field_leaves(state.momentum), plain_mean
         )
 
-        # Masking only once the warm-up is over: at a warm-up density it would zero the
-        # velocity of most coordinates every few steps (momentum SGD -> plain SGD).
-        sparse_regime = len(codecs) == 1 or state.count >= warmup_steps
-        new_velocity = _mask(u, sent, momentum_masking and sparse_regime)
         new_state = DGCState(
             velocity=skeleton.like_state(layout, new_velocity) if g else None,
-            accumulation=skeleton.like_state(
-                layout, [vv - s for vv, s in zip(v, sent, strict=True)]
-            )
-            if g
-            else None,
+            accumulation=skeleton.like_state(layout, new_accumulation) if g else None,
             server_residual=state.server_residual
             if owned is None
             else server.write(new_servers, state.server_residual, layout, owned, False, owner),

@@ -266,7 +266,9 @@ def first_true(mask: jax.Array, size: int, group: int = 8) -> jax.Array:
     n = mask.shape[0]
     groups = -(-n // group)
     flags = jnp.pad(mask, (0, groups * group - n)).reshape(groups, group)
-    per_group = jnp.sum(flags, axis=1, dtype=jnp.int32)
+    # Column by column: a sum over axis 1 made XLA:CPU write the whole mask out as int32
+    # first (as large as the float32 vector: at a 25% density the selection's peak).
+    per_group = sum(flags[:, c].astype(jnp.int32) for c in range(group))
     ends = jnp.cumsum(per_group, dtype=jnp.int32)
     j = jnp.arange(size, dtype=jnp.int32)
     owner = jnp.searchsorted(ends, j + 1, side="left")  # the group of the (j+1)-th true entry
@@ -291,6 +293,20 @@ def _total(counts: jax.Array, row: int = 1024) -> jax.Array:
     whole = counts.shape[0] // row * row
     rows = jnp.sum(counts[:whole].reshape(-1, row), axis=1)
     return jnp.sum(rows) + jnp.sum(counts[whole:])
+
+
+def _row_counts(flags: jax.Array) -> jax.Array:
+    """``jnp.sum(flags, axis=1)`` in int32 for a bool ``[r, b]`` (``b`` a power of 2), by
+    halving the columns elementwise: fused with what produces ``flags``, where a reduce
+    made XLA:CPU write them out whole as int32 first (as large as the float32 vector)."""
+    b = flags.shape[1]
+    if b & (b - 1):
+        return jnp.sum(flags, axis=1, dtype=jnp.int32)
+    x = flags.astype(jnp.int32)
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        x = x[:, :half] + x[:, half:]
+    return x[:, 0]
 
 
 def _passes(magnitude: jax.Array, t: jax.Array) -> jax.Array:
@@ -348,7 +364,7 @@ def sampled_top_k(
 
     def counts(rank):
         t = ranked[rank - 1]
-        per_block = jnp.sum(_passes(jnp.abs(main), t), axis=1, dtype=jnp.int32)
+        per_block = _row_counts(_passes(jnp.abs(main), t))
         total = _total(per_block) + jnp.sum(_passes(jnp.abs(tail), t), dtype=jnp.int32)
         return rank, per_block, total
 

@@ -404,7 +404,7 @@ def _gather_pieces(payloads, ctx) -> list[int] | None:
     shapes = [{a.shape for a in jax.tree.leaves(p)} for p in payloads]
     if any(len(s) != 1 or len(next(iter(s))) != 1 for s in shapes):
         return None
-    limit = 2 * sum(ctx.sizes)  # bytes: half a float32 copy of the segments
+    limit = sum(ctx.sizes)  # bytes: a quarter of a float32 copy of the segments
     gathered = [
         ctx.n * sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(p)) for p in payloads
     ]
@@ -593,7 +593,7 @@ _STRATEGIES = {
 _ORDER = tuple(_STRATEGIES)
 
 
-def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb, pieces=False):
+def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb, opts=(0, 0)):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
     Returns the :class:`Reduced` and whether its non-finite flag still needs a psum over
@@ -611,7 +611,7 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         idx = [i for i, c in enumerate(chosen) if c == name]
         xs = [segments[i] for i in idx]
         sizes = [x.shape[0] for x in xs]
-        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, pieces)
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, bool(opts[0]))
         payloads, errors = encode(xs, ctx.keys, ctx)
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
@@ -635,7 +635,7 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         for j, i in enumerate(idx):
             mean[i], sent[i], server[i], error[i] = m[j], s[j], r[j], errors[j]
             payload[i] = payloads[j]
-    return Reduced(mean, sent, server, fill_bad, error, payload)
+    return Reduced(mean, sent, server, fill_bad, error, payload if opts[1] else None)
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
@@ -692,6 +692,7 @@ def reduce_segments(
     extra_bad: jax.Array | None = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
     gather_pieces: bool = False,
+    with_payload: bool = False,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
@@ -710,6 +711,7 @@ def reduce_segments(
     (``"allgather"``): payloads whose gathered bytes pass half a float32 copy of the segments
     are gathered and summed a piece at a time (same bytes, more collectives; each coordinate's
     sum in another order, so equal up to float rounding), bounding the memory they hold.
+    ``with_payload``: ``Reduced.payload`` holds this device's payloads (else None).
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
@@ -724,7 +726,7 @@ def reduce_segments(
             servers,
             extra_bad,
             bucket_bytes,
-            gather_pieces,
+            (gather_pieces, with_payload),
         )
     return _hierarchical(
         segments,

@@ -386,6 +386,7 @@ def dgc(
                     None,
                     plain_bad,
                     gather_pieces=True,
+                    with_payload=strategy == "allgather",
                 )
                 sent = _sent_marks(r, plan, strategy == "allgather")
                 return plan.join(r.mean), sent, r.server, r.bad

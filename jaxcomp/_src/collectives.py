@@ -394,9 +394,10 @@ def _gather_pieces(payloads, ctx) -> list[int] | None:
     or None for one bucketed all-gather of every payload.
 
     Gathered, the payloads of ``n`` devices can outgrow the gradient (top-k at 25%, 8 bytes
-    a value, 8 devices: 4 copies of it). In pieces, each at most half a float32 copy of the
-    segments, decoded into the sum before the next is gathered, they hold half a copy at
-    once. Only for payloads of equal-length 1-D slots (top-k's values and indices), whose
+    a value, 8 devices: 4 copies of it). In pieces, each at most a quarter of a float32
+    copy of the segments, decoded into the sum before the next is gathered, they hold a
+    quarter copy at once (half a copy: 0.24 more copies of temporaries for DGC's step on a
+    small MLP). Only for payloads of equal-length 1-D slots (top-k's values and indices), whose
     sum decodes slot by slot; when every payload fits one piece, nothing changes.
     """
     if not ctx.gather_pieces:
@@ -708,9 +709,10 @@ def reduce_segments(
     input, with one scalar psum. ``Reduced.error`` is what each segment's payload drops on
     this device (``segment - sent``), from :meth:`Codec.encode_with_error` in the encoding
     step: residual error feedback stores it as the new memory. ``gather_pieces``
-    (``"allgather"``): payloads whose gathered bytes pass half a float32 copy of the segments
-    are gathered and summed a piece at a time (same bytes, more collectives; each coordinate's
-    sum in another order, so equal up to float rounding), bounding the memory they hold.
+    (``"allgather"``): payloads whose gathered bytes pass a quarter of a float32 copy of the
+    segments are gathered and summed a piece at a time (same bytes, more collectives; each
+    coordinate's sum in another order, so equal up to float rounding), bounding the memory
+    they hold.
     ``with_payload``: ``Reduced.payload`` holds this device's payloads (else None).
     """
     if not segments:

@@ -47,7 +47,7 @@ def test_allgather_in_pieces_is_the_one_gather_sum_and_bytes():
 def test_dgc_step_temporaries():
     # The donated data-parallel step of the small MLP of benchmarks.memory on 8 devices,
     # temporaries in copies of the f32 params (optax.sgd with momentum: 2.00), with one
-    # warm-up stage at 25% (the peak of the default ramp): 3.94 here. It held OLD: 4 copies
+    # warm-up stage at 25% (the peak of the default ramp): 3.94 here. It held 9.97: 4 copies
     # of gathered payloads sliced per leaf out of one bucket (2 more), the sampled
     # selection's gathered and |.| copies of the accumulation and its mask counted as int32,
     # the decoded `sent` vector, and the scatters' zeros copied from a constant at the start.

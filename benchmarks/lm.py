@@ -75,6 +75,7 @@ class Run:
     steps: int
     lr: float
     devices: int
+    baseline_lr: float | None = None  # the ``adamw`` baseline's peak (None: ``lr``)
 
     def schedule(self, peak: float | None = None) -> Any:
         """5% linear warm-up, cosine decay to 10% of ``peak`` (default ``lr``) at ``steps``."""
@@ -366,7 +367,9 @@ def _codec(name: str, **kw: Any) -> Callable[[], Any]:
 
 
 RECIPES: dict[str, Recipe] = {
-    "adamw": Recipe(lambda run, axis: run.adamw(), averages=False, note="baseline: pmean"),
+    "adamw": Recipe(
+        lambda run, axis: run.adamw(run.baseline_lr), averages=False, note="baseline: pmean"
+    ),
     "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
     "onebit_adam": Recipe(
         _onebit,
@@ -825,6 +828,20 @@ def resumed_environment(before: dict[str, Any] | None, now: dict[str, Any]) -> d
     return {**now, "command": earlier[0], "commands": commands}
 
 
+def run_config(args: argparse.Namespace) -> dict:
+    """The config written with the results (``baseline_lr`` only where it differs)."""
+    config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
+    if args.baseline_lr is not None and args.baseline_lr != args.lr:
+        config["baseline_lr"] = args.baseline_lr
+    return config
+
+
+def same_run(config: dict) -> dict:
+    """What makes the recipes' runs of two result files comparable (the baseline's lr
+    aside: merged runs are measured against the baseline of the file merged into)."""
+    return {k: v for k, v in config.items() if k != "baseline_lr"}
+
+
 def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> int:
     """Add the runs of ``others`` (result files of the same config, e.g. run in parallel
     processes) to ``path``'s, a recipe already there kept, and redraw."""
@@ -834,7 +851,7 @@ def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> i
     for other in others:
         extra = json.loads(other.read_text())
         data = data or extra
-        if extra["config"] != data["config"]:
+        if same_run(extra["config"]) != same_run(data["config"]):
             raise ValueError(f"{other} ran another config: {extra['config']} != {data['config']}")
         runs += [r for r in extra["runs"] if all(r["recipe"] != q["recipe"] for q in runs)]
         data.setdefault("merged", []).append(extra["environment"]["command"])
@@ -891,6 +908,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             "--" + k.replace("_", "-"), type=int, default=None, help="None: the config's"
         )
     parser.add_argument("--lr", type=float, default=None, help="AdamW's peak learning rate")
+    parser.add_argument(
+        "--baseline-lr",
+        type=float,
+        default=None,
+        help="the adamw baseline's peak lr (None: --lr; the recipes keep --lr)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialization and batches")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
@@ -941,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         return merge(path, runs, [pathlib.Path(m) for m in args.merge])
     task = Task(args, jax.device_count())
-    run = Run(steps=args.steps, lr=args.lr, devices=jax.device_count())
+    run = Run(args.steps, args.lr, jax.device_count(), args.baseline_lr)
     if args.bytes_only:
         return rebytes(path, runs, task, run, args.recipes or [])
     names = args.recipes or list(RECIPES)
@@ -960,7 +983,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['slow_bytes_per_step']:.0f} B/step  {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
-        config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
+        config = run_config(args)
         environment = resumed_environment(before.get("environment"), common.environment())
         out = {"environment": environment, "config": config, "runs": runs}
         common.write_json(path, out, quiet=True)

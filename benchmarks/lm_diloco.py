@@ -167,6 +167,18 @@ def _inner_const(run: lm.Run) -> Any:
     return optax.adamw(held_schedule(run), weight_decay=lm.WEIGHT_DECAY)
 
 
+def _inner_held(peak: float) -> Callable[[lm.Run], Any]:
+    """AdamW (weight decay 0.1) warmed up to ``peak`` over the run's 5%, then held."""
+
+    def make(run: lm.Run) -> Any:
+        import optax
+
+        sched = optax.warmup_constant_schedule(0.0, peak, max(1, run.steps // 20))
+        return optax.adamw(sched, weight_decay=lm.WEIGHT_DECAY)
+
+    return make
+
+
 def _warmed(h: int, steps: int = 3) -> Callable[[lm.Run], Any]:
     """The default outer step at M > 2 (Nesterov 0.7 / 0.6), its lr warmed up linearly from
     ``0.7 / steps`` over the first ``steps`` outer steps."""
@@ -230,9 +242,10 @@ def _h(
         o = None if outer is None else outer(run)
         if sparse:
             return jc.sparseloco(tx, axis, h, outer=o, **kw)
-        return jc.diloco(tx, axis, h, codec=common.make_codec("int4"), outer=o)
+        return jc.diloco(tx, axis, h, codec=common.make_codec("int4"), outer=o, **kw)
 
-    return lm.Recipe(make, kind="replica", replicas=m, schedule={"sync_every": h})
+    schedule = {"sync_every": h, **{k: kw[k] for k in ("fragments", "delay") if k in kw}}
+    return lm.Recipe(make, kind="replica", replicas=m, schedule=schedule)
 
 
 RECIPES: dict[str, lm.Recipe] = {
@@ -257,6 +270,19 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-innerconst-ef0.95": _h(
         30, 2, inner=_inner_const, sparse=True, ef_decay=0.95
     ),
+    # SparseLoCo on 2 replicas: the top-k density (diagnosis: 100% and 6.25% of each chunk),
+    # and on 8 replicas a quarter of the density with every leaf compressed (bytes >= 3000x).
+    "sparseloco-H30-M2-innerconst-dense": _h(30, 2, inner=_inner_const, sparse=True, density=1.0),
+    "sparseloco-H30-M2-innerconst-d256": _h(
+        30, 2, inner=_inner_const, sparse=True, density=256 / 4096
+    ),
+    "sparseloco-H30-innerconst-d16-min0": _h(
+        30, inner=_inner_const, sparse=True, density=16 / 4096, min_size=0
+    ),
+    # The inner peak at AdamW data parallel's best lr (6e-3), held, on 2 replicas.
+    "diloco-int4-H30-M2-innerconst6e-3": _h(30, 2, inner=_inner_held(6e-3)),
+    # Streaming DiLoCo: 3 fragments synced at staggered steps (the same bytes per step).
+    "diloco-int4-H30-innerconst-F3": _h(30, inner=_inner_const, fragments=3),
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
     "demo-5e-3-decay0.9": _demo(5e-3),
@@ -477,7 +503,7 @@ def run_diagnose(args: Any, rest: list[str]) -> int:
     import jax
 
     task = lm.Task(largs, jax.device_count())
-    run = lm.Run(steps=largs.steps, lr=largs.lr, devices=jax.device_count())
+    run = lm.Run(largs.steps, largs.lr, jax.device_count(), largs.baseline_lr)
     h = args.sync_every
     steps = [t for t in range(run.steps) if (t + 1) % h == 0]
     out = []
@@ -485,7 +511,7 @@ def run_diagnose(args: Any, rest: list[str]) -> int:
         t0 = time.perf_counter()
         out.append(diagnose(task, name, lm.RECIPES[name], run, steps))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    config = {k: getattr(largs, k) for k in (*lm.CONFIGS["cpu"], "data", "seed")}
+    config = lm.run_config(largs)
     path = common.result_path("lm_" + args.tag, False)
     common.write_json(path, {"environment": common.environment(), "config": config, "syncs": out})
     return 0

@@ -408,6 +408,67 @@ def test_lm_diloco_held_and_outer_cosine_schedules():
     assert np.all(np.diff(outer) < 0)
 
 
+def test_lm_baseline_lr_and_merge_against_the_tuned_baseline(tmp_path, monkeypatch):
+    """benchmarks/lm.py ``--baseline-lr``: recorded in the config only where it differs from
+    ``--lr``; runs merged from a file with another baseline keep their losses and get their
+    gaps and byte ratios against the baseline of the file they are merged into."""
+    import argparse
+    import json
+
+    from benchmarks import lm
+
+    args = argparse.Namespace(**lm.CONFIGS["cpu"], data="pydoc", seed=0, baseline_lr=None)
+    assert "baseline_lr" not in lm.run_config(args)
+    args.baseline_lr = 6e-3
+    tuned = lm.run_config(args)
+    assert tuned["baseline_lr"] == 6e-3 and tuned["lr"] == 3e-3
+    assert lm.same_run(tuned) == lm.run_config(
+        argparse.Namespace(**{**vars(args), "baseline_lr": None})
+    )
+
+    def runs(base_loss, recipe=None):
+        rows = [
+            {
+                "recipe": "adamw",
+                "eval_loss": base_loss,
+                "bytes_per_step": 3000.0,
+                "slow_bytes_per_step": 3000.0,
+                "train_seconds": 1.0,
+            }
+        ]
+        if recipe:
+            rows.append(
+                {
+                    "recipe": recipe,
+                    "eval_loss": 2.1,
+                    "bytes_per_step": 10.0,
+                    "slow_bytes_per_step": 10.0,
+                    "train_seconds": 1.0,
+                }
+            )
+        return rows
+
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps(
+            {
+                "config": lm.same_run(tuned),
+                "runs": runs(2.2, "x"),
+                "environment": {"command": "old"},
+            }
+        )
+    )
+    monkeypatch.setattr(lm, "draw", lambda runs, path: None)
+    target = tmp_path / "lm_new.json"
+    target.write_text(json.dumps({"config": tuned, "runs": runs(2.0)}))
+    merged = runs(2.0)
+    assert lm.merge(target, merged, [old]) == 0
+    x = next(r for r in json.loads(target.read_text())["runs"] if r["recipe"] == "x")
+    # against the target's baseline (2.0), not the old file's (2.2)
+    assert x["eval_loss"] == 2.1 and x["gap"] == pytest.approx(0.05)
+    assert x["bytes_ratio"] == pytest.approx(300.0)
+
+
 def test_lm_demo_schedules_are_the_documented_ones():
     """benchmarks/lm_demo.py: ``-end1`` (the peak held after the warm-up) is ``jc.demo``'s
     documented ``optax.linear_schedule(0, peak, warmup)`` at every step, ``-end0.1`` AdamW's."""

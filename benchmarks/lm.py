@@ -842,18 +842,26 @@ def same_run(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "baseline_lr"}
 
 
-def merge(path: pathlib.Path, runs: list[dict], others: list[pathlib.Path]) -> int:
+def merge(
+    path: pathlib.Path, runs: list[dict], others: list[pathlib.Path], label: str | None = None
+) -> int:
     """Add the runs of ``others`` (result files of the same config, e.g. run in parallel
-    processes) to ``path``'s, a recipe already there kept, and redraw."""
+    processes) to ``path``'s, a recipe already there kept, and redraw. ``label``: the
+    merged runs are named ``recipe@label`` and may differ from ``path``'s config in ``lr``
+    (e.g. the baseline's lr sweep: ``--merge lm_lr6e-3.json --label lr6e-3``)."""
     import json
 
     data = json.loads(path.read_text()) if path.exists() else None
     for other in others:
         extra = json.loads(other.read_text())
         data = data or extra
-        if same_run(extra["config"]) != same_run(data["config"]):
+        mine, theirs = same_run(data["config"]), same_run(extra["config"])
+        if label:
+            mine, theirs = {**mine, "lr": None}, {**theirs, "lr": None}
+        if mine != theirs:
             raise ValueError(f"{other} ran another config: {extra['config']} != {data['config']}")
-        runs += [r for r in extra["runs"] if all(r["recipe"] != q["recipe"] for q in runs)]
+        new = [{**r, "recipe": f"{r['recipe']}@{label}"} if label else r for r in extra["runs"]]
+        runs += [r for r in new if all(r["recipe"] != q["recipe"] for q in runs)]
         data.setdefault("merged", []).append(extra["environment"]["command"])
     finish(runs)
     data["runs"] = runs
@@ -920,6 +928,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")
     parser.add_argument("--resume", action="store_true", help="keep the recipes already run")
     parser.add_argument(
+        "--label",
+        default=None,
+        help="with --merge: name the merged runs RECIPE@LABEL (their lr may differ)",
+    )
+    parser.add_argument(
         "--bytes-only",
         action="store_true",
         help="recompute the bytes of --recipes in the output file (lowering only) and exit",
@@ -962,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         before = json.loads(path.read_text())
         runs = before["runs"]
     if args.merge:
-        return merge(path, runs, [pathlib.Path(m) for m in args.merge])
+        return merge(path, runs, [pathlib.Path(m) for m in args.merge], args.label)
     task = Task(args, jax.device_count())
     run = Run(args.steps, args.lr, jax.device_count(), args.baseline_lr)
     if args.bytes_only:

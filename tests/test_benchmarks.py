@@ -467,6 +467,22 @@ def test_lm_baseline_lr_and_merge_against_the_tuned_baseline(tmp_path, monkeypat
     # against the target's baseline (2.0), not the old file's (2.2)
     assert x["eval_loss"] == 2.1 and x["gap"] == pytest.approx(0.05)
     assert x["bytes_ratio"] == pytest.approx(300.0)
+    # --label: another lr's run of the same recipe, named apart and measured against it
+    other = tmp_path / "lr.json"
+    other.write_text(
+        json.dumps(
+            {
+                "config": {**lm.same_run(tuned), "lr": 6e-3},
+                "runs": runs(1.9)[:1],
+                "environment": {"command": "lr"},
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="another config"):
+        lm.merge(target, merged, [other])
+    assert lm.merge(target, merged, [other], label="lr6e-3") == 0
+    tuned_row = next(r for r in merged if r["recipe"] == "adamw@lr6e-3")
+    assert tuned_row["gap"] == pytest.approx(1.9 / 2.0 - 1.0)
 
 
 def test_lm_demo_schedules_are_the_documented_ones():

@@ -279,8 +279,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-innerconst-d16-min0": _h(
         30, inner=_inner_const, sparse=True, density=16 / 4096, min_size=0
     ),
-    # The inner peak at AdamW data parallel's best lr (6e-3), held, on 2 replicas.
+    # The inner peak held at 6e-3 (AdamW data parallel's best lr) and at 2e-3, on 2 replicas.
     "diloco-int4-H30-M2-innerconst6e-3": _h(30, 2, inner=_inner_held(6e-3)),
+    "diloco-int4-H30-M2-innerconst2e-3": _h(30, 2, inner=_inner_held(2e-3)),
     # Streaming DiLoCo: 3 fragments synced at staggered steps (the same bytes per step).
     "diloco-int4-H30-innerconst-F3": _h(30, inner=_inner_const, fragments=3),
     "demo-2e-3-decay0.9": _demo(2e-3),
@@ -473,6 +474,101 @@ def diagnose(task: lm.Task, name: str, recipe: lm.Recipe, run: lm.Run, steps: li
     return {"recipe": name, "syncs": records, "curve": curve}
 
 
+# --------------------------------------------------------------------------- codec fidelity
+
+#: ``(name, codec factory)``: the pseudo-gradient codecs whose fidelity ``--fidelity`` reads.
+FIDELITY_CODECS: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("int4 (DiLoCo)", lambda: common.make_codec("int4")),
+    ("top-64/4096, 2 bits (SparseLoCo)", lambda: _chunked(64, 2)),
+    ("top-64/4096, float32 values", lambda: _chunked(64, None)),
+    ("top-16/4096, 2 bits", lambda: _chunked(16, 2)),
+    ("top-256/4096, 2 bits", lambda: _chunked(256, 2)),
+    ("top-1024/4096, 2 bits", lambda: _chunked(1024, 2)),
+    ("top-4096/4096, 2 bits (dense)", lambda: _chunked(4096, 2)),
+)
+
+
+def _chunked(k: int, bits: int | None) -> Any:
+    import jaxcomp as jc
+
+    return jc.chunked_top_k(k, 4096, bits)
+
+
+def replica_deltas(task: lm.Task, run: lm.Run, replicas: int, starts: list[int], h: int) -> list:
+    """One replica's pseudo-gradients ``D = theta_s - theta_{s + h}`` for each ``s`` in
+    ``starts`` (each a list of its leaves of at least 1024 values, flat): AdamW at
+    :func:`held_schedule` on the replica's rows of every global batch (``n / replicas``
+    devices' worth), from the shared initialization, never synced."""
+    import jax
+    import numpy as np
+    import optax
+
+    tx, rows = _inner_const(run), task.n // replicas * task.per_device
+
+    @jax.jit
+    def step(p, s, tokens):
+        g = jax.grad(task.loss)(p, tokens)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p, snapshots = task.params, {}
+    s = tx.init(p)
+    task.reset()
+    for t in range(max(starts) + h + 1):
+        if t in starts or t - h in starts:
+            snapshots[t] = [np.asarray(x, np.float32) for x in jax.tree.leaves(jax.device_get(p))]
+        if t < max(starts) + h:
+            p, s = jax.block_until_ready(step(p, s, task.batch()[:rows]))
+    pairs = [zip(snapshots[t], snapshots[t + h], strict=True) for t in starts]
+    return [[(a - b).reshape(-1) for a, b in pair if a.size >= 1024] for pair in pairs]
+
+
+def fidelity(codec: Any, leaves: list) -> dict:
+    """What ``codec`` keeps of the vectors ``leaves`` (each encoded on its own): the cosine
+    between ``C(D)`` and ``D``, ``|C(D)| / |D|``, the share of ``|D|^2`` left out
+    (``|D - C(D)|^2 / |D|^2``) and float32's bytes over the payload's."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    dot = norm_d = norm_c = err = 0.0
+    sent = dense = 0
+    for x in leaves:
+        c = np.asarray(codec.decode(codec.encode(jnp.asarray(x)), x.size), np.float64)
+        x = x.astype(np.float64)
+        dot, norm_d = dot + float(c @ x), norm_d + float(x @ x)
+        norm_c, err = norm_c + float(c @ c), err + float((x - c) @ (x - c))
+        sent, dense = sent + codec.payload_bytes(x.size), dense + 4 * x.size
+    return {
+        "cosine": dot / np.sqrt(norm_d * norm_c),
+        "norm_ratio": float(np.sqrt(norm_c / norm_d)),
+        "left_out": err / norm_d,
+        "x_fewer": dense / sent,
+    }
+
+
+def run_fidelity(largs: Any, replicas: int, starts: list[int], h: int, tag: str) -> int:
+    """``--fidelity``: each codec's :func:`fidelity` on one replica's pseudo-gradient over
+    ``[start, start + h)`` for each ``start``; writes ``lm_TAG.json``."""
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(largs.devices)
+    import jax
+
+    task = lm.Task(largs, jax.device_count())
+    run = lm.Run(largs.steps, largs.lr, jax.device_count())
+    records = []
+    for start, leaves in zip(starts, replica_deltas(task, run, replicas, starts, h), strict=True):
+        for name, make in FIDELITY_CODECS:
+            rec = {"steps": f"{start}-{start + h}", "replicas": replicas, "codec": name}
+            rec.update(fidelity(make(), leaves))
+            records.append(rec)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+    path = common.result_path("lm_" + tag, False)
+    out = {"environment": common.environment(), "config": lm.run_config(largs)}
+    common.write_json(path, {**out, "records": records})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -487,7 +583,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnose", nargs="+", default=None, help="per-sync records of these")
     ap.add_argument("--sync-every", type=int, default=30, help="--diagnose: record every H")
     ap.add_argument("--tag", default="diloco", help="write benchmarks/results/lm_TAG.json")
+    ap.add_argument(
+        "--fidelity",
+        nargs="+",
+        type=int,
+        default=None,
+        help="what each codec of FIDELITY_CODECS keeps of one replica's pseudo-gradient over "
+        "the H steps from each of these steps (--replicas, --sync-every)",
+    )
+    ap.add_argument("--replicas", type=int, default=2, help="--fidelity: M")
     args, rest = ap.parse_known_args(argv)
+    if args.fidelity:
+        largs = lm.parse(["--tag", args.tag, *rest])
+        return run_fidelity(largs, args.replicas, args.fidelity, args.sync_every, args.tag)
     lm.RECIPES.update(lm_sparse.RECIPES)
     lm.RECIPES.update(RECIPES)
     if not args.diagnose:

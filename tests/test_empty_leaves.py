@@ -131,3 +131,34 @@ def test_empty_leaf_through_all_gather_psum_scatter_and_fsdp_gradients():
     # The loss on every device reads the gathered weights: the shard's gradient sums 8 of 2 w.
     np.testing.assert_array_equal(out["fsdp"]["w"], 2 * N * w)
     np.testing.assert_allclose(out["fsdp_int8"]["w"], 2 * N * w, rtol=2e-2, atol=2 * N * 2)
+
+
+def test_empty_leaf_left_out_of_adam_gradient_sums_and_autotune_pmean():
+    """jc.onebit_adam's and jc.zero_one_adam's full-precision rounds (``gradient_sum``) and
+    jc.autotune's plain ``pmean`` row leave an empty leaf out of their all-reduces (lowered
+    only: no program is compiled)."""
+    from jaxcomp._src import autotune
+
+    m = mesh()
+    params = shard(PARAMS, m, P())
+    grads = shard({"w": np.ones((N, 4, 6), np.float32), "e": np.zeros((N, 0, 3))}, m)
+    txs = {
+        "onebit": jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1),
+        "zero_one": jc.zero_one_adam(1e-2, "data", var_freeze_step=3, min_size=1),
+    }
+    texts = []
+    for tx in txs.values():
+        state = jax.eval_shape(lambda tx=tx: jc.sharded_init(tx, params, m, "data"))
+        specs = jc.state_specs(state, "data")
+
+        def step(g, s, p, tx=tx):
+            return tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+
+        f = per_device(step, (P("data"), specs, P()), (P(), specs), m)
+        texts.append(f.lower(grads, state, params).as_text())
+    row = autotune.Candidate("none", None, "pmean", 1 << 20, 0, 0.0, 0.0, np.nan)
+    texts.append(autotune.lowered_path(PARAMS, grads, m, "data", row).as_text())
+    for name, text in zip([*txs, "autotune"], texts, strict=True):
+        ops = re.findall(COLLECTIVE, text, re.S)
+        zero = [o for o in ops if re.search(r"tensor<(\d+x)*0x", o)]
+        assert ops and not zero, (name, len(ops), zero)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import buckets, feedback
+from jaxcomp._src import buckets, feedback, skeleton
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
 from jaxcomp._src.codecs.quantize import Cast, cast, int_quant
 from jaxcomp._src.cost import _summed_dtype, check_pair, strategy_bytes
@@ -447,15 +447,32 @@ def _exchange_tx(row: Candidate, axis_name: Any) -> Any:
 
 
 def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
-    """``row``'s exchange as a training step runs it, compiled ahead of time.
+    """``row``'s exchange as a training step runs it, compiled ahead of time
+    (:func:`lowered_path`, compiled)."""
+    return lowered_path(params, tree, mesh, axis_name, row).compile()
 
-    ``compiled(tree, state) -> (mean, state)`` takes the per-device gradients (each leaf
-    ``[n, *shape]``, one row per device) and donates ``state`` (:func:`path_state`):
-    ``jax.lax.pmean`` (no state) for plain ``pmean``, else ``jc.compressed_allreduce(codec,
-    axis_name, error_feedback=row.error_feedback, strategy=..., bucket_bytes=...,
-    min_size=...)``, so the encode, decode and error-feedback memory update are all in the
-    program. Compiled from the state's abstract shapes: a trace or compile error is raised
-    here, on this process alone, before any data moves between processes.
+
+def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
+    """``row``'s exchange as a training step runs it, lowered (``jax.stages.Lowered``).
+
+    Compiled, ``(tree, state) -> (mean, state)`` takes the per-device gradients (each leaf
+    ``[n, *shape]``, one row per device) and donates ``state`` (:func:`path_state`): the
+    float32 ``pmean`` of the non-empty leaves (:func:`skeleton.tree_pmean`, no state) for
+    plain ``pmean``, else ``jc.compressed_allreduce(codec, axis_name,
+    error_feedback=row.error_feedback, strategy=..., bucket_bytes=..., min_size=...)``, so
+    the encode, decode and error-feedback memory update are all in the program. Lowered from
+    the state's abstract shapes: a trace (or, in :func:`compiled_path`, compile) error is
+    raised on this process alone, before any data moves between processes.
+
+    Args:
+      params: the parameter tree (shapes and dtypes of the gradients).
+      tree: the per-device gradients, each leaf ``[n, *shape]`` sharded over ``axis_name``.
+      mesh: the device mesh.
+      axis_name: the mesh axis to average over.
+      row: the candidate (codec, strategy, bucket_bytes, min_size, error_feedback).
+
+    Returns:
+      The lowered program (``.compile()`` it, or read ``.as_text()``).
     """
     from jaxcomp._src.sharding import abstract_init, state_specs
 
@@ -466,7 +483,7 @@ def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candid
         state, specs = (), P()
 
         def body(g, s):
-            return jax.lax.pmean(rows_of(g), axis_name), s
+            return skeleton.tree_pmean(rows_of(g), axis_name), s  # empty leaves left out
     else:
         tx = _exchange_tx(row, axis_name)
         specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
@@ -486,7 +503,7 @@ def compiled_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candid
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(P(axis_name), specs), out_specs=(P(), specs), check_vma=False
     )
-    return jax.jit(fn, donate_argnums=(1,)).lower(tree, state).compile()
+    return jax.jit(fn, donate_argnums=(1,)).lower(tree, state)
 
 
 def path_state(params: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:

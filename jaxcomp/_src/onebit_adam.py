@@ -212,8 +212,9 @@ def gradient_sum(grads: Any, every_axis: Any) -> Any:
 
     The mean, ``jax.lax.pmean``'s ``sum / n`` (:func:`sum_to_mean`), is formed where it is
     read: divided here, its non-finite flag's reads, fused into the all-reduce's output,
-    kept the sum alive while the division wrote a params-sized temporary of its own."""
-    return jax.lax.psum(as_float32(grads), every_axis)
+    kept the sum alive while the division wrote a params-sized temporary of its own. An
+    empty leaf takes no part in the all-reduce (:func:`skeleton.tree_psum`)."""
+    return skeleton.tree_psum(as_float32(grads), every_axis)
 
 
 def sum_to_mean(x: Any, is_sum: jax.Array, every_axis: Any) -> Any:

@@ -146,6 +146,12 @@ CHECKS = [
     ),
     (
         "compressed_allreduce",
+        "strategy",
+        lambda: jc.compressed_allreduce(jc.sign(exact_zeros=True), "d", strategy="majority_vote"),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
         "error_feedback",
         lambda: jc.compressed_allreduce(S, "d", error_feedback="ef22"),
         ValueError,

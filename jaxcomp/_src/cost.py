@@ -49,8 +49,8 @@ def check_pair(codec: Codec, strategy: str) -> None:
         )
     if strategy == "majority_vote" and not codec.votes:
         raise ValueError(
-            f"`strategy`='majority_vote' needs a sign codec (jc.sign(None) or jc.sign('mean')): "
-            f"the devices vote with their signs; got {codec.name}"
+            f"`strategy`='majority_vote' needs a sign codec (jc.sign(None) or jc.sign('mean'), "
+            f"without exact_zeros): the devices vote with their signs; got {codec.name}"
         )
 
 

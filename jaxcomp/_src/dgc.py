@@ -85,7 +85,7 @@ def _sent_marks(r, plan, sparse: bool) -> list:
     """Per leaf, what this device sent, for :func:`_feedback`: ``uint8`` marks (``_UNSENT``,
     ``_SENT_ZERO``, ``_SENT``) scattered from all-gathered top-k payloads ``(indices,
     values)`` when ``sparse`` (a quarter of the bytes of the decoded ``f32`` vector, which
-    is what comes otherwise: two-phase rows)."""
+    is what comes otherwise: two-phase rows), per leaf (a leaf's pieces joined)."""
     if not sparse or not r.payload:
         return plan.join(r.sent)
     marks = []
@@ -102,7 +102,7 @@ def _sent_marks(r, plan, sparse: bool) -> list:
                 mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
             )
         )
-    return marks
+    return plan.join(marks)  # a leaf cut into pieces: its pieces joined
 
 
 def _feedback(u: list, v: list, sent: list, masking: Any) -> tuple[list, list]:

@@ -126,8 +126,7 @@ def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
     1-bit momentum gives it a momentum of the leaf's typical size (a sign has no zero). When
     a variance round then gives it a variance of its own, often far smaller (a rare token's
     embedding row), Adam's division would turn that momentum into a step thousands of times
-    Adam's (measured on the LM benchmark: embedding updates of norm 20-8300 where the other
-    leaves move 0.1-0.2). Multiplying the old momentum by this ratio keeps
+    Adam's (the embedding of the LM benchmark). Multiplying the old momentum by this ratio keeps
     ``m / (sqrt(v_hat) + eps)``, what the compressed rounds sent, across the variance update.
     At most 1: a variance of its own above the leaf's mean only shrinks the step, and the
     momentum is never scaled up (no overflow; square roots taken before the products).
@@ -469,7 +468,7 @@ def zero_one_adam(
         int in ``[0, var_freeze_step]``; None: ``var_freeze_step // 4``, past the
         learning-rate warm-up and the first fast fall of the loss; 0: the paper's schedule,
         compressed rounds from step ``var_update_scaler + 1``). Each is a float32
-        all-reduce (the LM benchmark's settings: 38 FULL rounds in 300 steps instead of 30).
+        all-reduce (its cost in bytes: docs, "1-bit Adam and 0/1 Adam for language models").
       codec: the momentum's codec (default: 1-bit signs scaled by their root mean square).
       b1: the momentum's decay.
       b2: the variance's decay.

@@ -71,31 +71,28 @@ class Run:
             self.states.append(state)
 
 
+def _exact_zero_one(**options):
+    """jc.zero_one_adam with the momentum exchanged exactly, a round of each kind in 5 steps."""
+    return jc.zero_one_adam(
+        1e-2,
+        "data",
+        codec=jc.identity(),
+        error_feedback=None,
+        var_freeze_step=3,
+        var_update_scaler=1,
+        local_step_scaler=1,
+        **options,
+    )
+
+
 # Recipes shared by several tests (each compiles once).
 SHARED = {
     "onebit": lambda: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1),
     "sgd-sign": lambda: jc.sgd(1e-2, jc.sign(), "data", momentum=0.9),
     # Rounds of steps 0..4: FULL, COMPRESSED, FULL, COMPRESSED, SKIPPED.
-    "zero_one": lambda: jc.zero_one_adam(
-        1e-2,
-        "data",
-        codec=jc.identity(),
-        error_feedback=None,
-        var_freeze_step=3,
-        var_update_scaler=1,
-        local_step_scaler=1,
-    ),
+    "zero_one": lambda: _exact_zero_one(),
     # The same with variance_rounds="coded": step 2 is a VARIANCE round.
-    "zero_one_coded": lambda: jc.zero_one_adam(
-        1e-2,
-        "data",
-        codec=jc.identity(),
-        error_feedback=None,
-        var_freeze_step=3,
-        var_update_scaler=1,
-        local_step_scaler=1,
-        variance_rounds="coded",
-    ),
+    "zero_one_coded": lambda: _exact_zero_one(variance_rounds="coded"),
     # 1-bit signs; rounds of steps 0..4: FULL x3 (the warm-up), COMPRESSED, COMPRESSED.
     "zero_one_warmup": lambda: jc.zero_one_adam(
         1e-2, "data", var_freeze_step=4, warmup_steps=3, var_update_scaler=1, min_size=1

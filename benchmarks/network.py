@@ -466,7 +466,10 @@ def launch(
         if proc.poll() is None:
             if ns is None:  # no namespace to empty: the launcher's workers, by parent
                 for pid in children(proc.pid):
-                    os.kill(pid, signal.SIGKILL)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # reaped since it was listed
+                        pass
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         if ns is not None:

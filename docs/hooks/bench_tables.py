@@ -1047,6 +1047,26 @@ def _lm_time(runs: list[dict[str, Any]]) -> str:
     return "\n\n" + _markdown((header, rows)) + "\n\n" + note
 
 
+def _lm_fidelity(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --fidelity``: what each codec keeps of one replica's
+    pseudo-gradient (cosine with it, norm ratio, share of its squared norm left out)."""
+    header = ["steps", "replicas", "codec", "cosine", "‖coded‖ / ‖D‖", "left out", "x fewer"]
+    rows = [
+        [
+            str(r["steps"]),
+            str(r["replicas"]),
+            r["codec"],
+            _fmt(r["cosine"]),
+            _fmt(r["norm_ratio"]),
+            f"{100 * r['left_out']:.1f}%",
+            f"{r['x_fewer']:.1f}x",
+        ]
+        for r in data["records"]
+    ]
+    command = "python -m benchmarks.lm_diloco --fidelity 0 120 270"
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "convergence_diagnosis": (
         _convergence_diagnosis,
@@ -1063,6 +1083,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "lm": (_lm, "python -m benchmarks.lm"),
     "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
+    "lm_fidelity": (_lm_fidelity, "python -m benchmarks.lm_diloco --fidelity 0 120 270"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -511,10 +511,14 @@ def _lm_link(data: dict[str, Any], path: pathlib.Path) -> str:
         for r in data["runs"]
         if "error" in r
     ]
+    link = (
+        "on the unshaped loopback"
+        if data["rate"] == "none"
+        else f"at {data['rate']} (tbf {data['tbf']})"
+    )
     head = (
-        f"{data['num_processes']} JAX processes over gloo at {data['rate']} "
-        f"(tbf {data['tbf']}); target = `adamw`'s final held-out loss "
-        f"{runs[0]['target_loss']:.4f}; wall clock of process 0, compile and "
+        f"{data['num_processes']} JAX processes over gloo {link}; target = `adamw`'s final "
+        f"held-out loss {runs[0]['target_loss']:.4f}; wall clock of process 0, compile and "
         f"evaluation excluded; host load (1-minute, before and after) {data.get('loadavg')}."
     )
     parts = [head, _markdown((header, body))]

@@ -1051,6 +1051,9 @@ def _lm_time(runs: list[dict[str, Any]]) -> str:
     return "\n\n" + _markdown((header, rows)) + "\n\n" + note
 
 
+FIDELITY_COMMAND = "python -m benchmarks.lm_diloco --fidelity 0 120 270"
+
+
 def _lm_fidelity(data: dict[str, Any], path: pathlib.Path) -> str:
     """``benchmarks.lm_diloco --fidelity``: what each codec keeps of one replica's
     pseudo-gradient (cosine with it, norm ratio, share of its squared norm left out)."""
@@ -1067,8 +1070,7 @@ def _lm_fidelity(data: dict[str, Any], path: pathlib.Path) -> str:
         ]
         for r in data["records"]
     ]
-    command = "python -m benchmarks.lm_diloco --fidelity 0 120 270"
-    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, FIDELITY_COMMAND)
 
 
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
@@ -1087,7 +1089,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "lm": (_lm, "python -m benchmarks.lm"),
     "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
-    "lm_fidelity": (_lm_fidelity, "python -m benchmarks.lm_diloco --fidelity 0 120 270"),
+    "lm_fidelity": (_lm_fidelity, FIDELITY_COMMAND),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

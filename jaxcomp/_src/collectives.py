@@ -594,7 +594,18 @@ _STRATEGIES = {
 _ORDER = tuple(_STRATEGIES)
 
 
-def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, bb, opts=(0, 0)):
+def _reduce_flat(
+    segments,
+    axis_name,
+    codec,
+    strategy,
+    key,
+    servers,
+    extra_bad,
+    bb,
+    gather_pieces=False,
+    with_payload=False,
+):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
     Returns the :class:`Reduced` and whether its non-finite flag still needs a psum over
@@ -612,7 +623,7 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         idx = [i for i, c in enumerate(chosen) if c == name]
         xs = [segments[i] for i in idx]
         sizes = [x.shape[0] for x in xs]
-        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, bool(opts[0]))
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, gather_pieces)
         payloads, errors = encode(xs, ctx.keys, ctx)
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
@@ -636,7 +647,7 @@ def _reduce_flat(segments, axis_name, codec, strategy, key, servers, extra_bad, 
         for j, i in enumerate(idx):
             mean[i], sent[i], server[i], error[i] = m[j], s[j], r[j], errors[j]
             payload[i] = payloads[j]
-    return Reduced(mean, sent, server, fill_bad, error, payload if opts[1] else None)
+    return Reduced(mean, sent, server, fill_bad, error, payload if with_payload else None)
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
@@ -728,7 +739,8 @@ def reduce_segments(
             servers,
             extra_bad,
             bucket_bytes,
-            (gather_pieces, with_payload),
+            gather_pieces,
+            with_payload,
         )
     return _hierarchical(
         segments,

@@ -90,6 +90,11 @@ def round_kind(
     return jnp.where(count < freeze, before, jnp.where(synced, COMPRESSED, SKIPPED))
 
 
+def moves_variance(kind: jax.Array) -> jax.Array:
+    """Whether a round of ``kind`` moves Adam's variance (FULL and VARIANCE rounds)."""
+    return (kind == FULL) | (kind == VARIANCE)
+
+
 def round_kinds(
     steps: int, freeze: int, var_scaler: int, local_scaler: int, clip, warmup=0, coded=False
 ) -> list[int]:
@@ -272,7 +277,7 @@ def scale_by_zero_one_adam(
             filled_variance(state.nu),
             per_leaf(old_scale, x),
         )
-        moves = (kind == FULL) | (kind == VARIANCE)
+        moves = moves_variance(kind)
         nu = jax.tree.map(lambda a, b: jnp.where(moves, a, b), nu, state.nu)
         pending = jax.tree.map(
             lambda p, g: jnp.where(
@@ -291,7 +296,7 @@ def scale_by_zero_one_adam(
         """``(level, level_ref, scale_before, nu_scale)``: the per-leaf levels after this
         step (the reference follows the FULL rounds), and the variance's bias correction
         times ``level_hat / level_ref`` against the old and the new reference."""
-        moves = (kind == FULL) | (kind == VARIANCE)
+        moves = moves_variance(kind)
         before = variance_scale(state.variance_step)
         after = variance_scale(jnp.where(moves, state.count + 1, state.variance_step))
         if not rescale:
@@ -334,7 +339,7 @@ def scale_by_zero_one_adam(
         g = sum_to_mean(g, kind == VARIANCE, every_axis)
         mu, nu, pending = moved(state, kind, x, g, updates, old_scale)
         t = (state.count + 1).astype(jnp.float32)
-        moves = (kind == FULL) | (kind == VARIANCE)
+        moves = moves_variance(kind)
         new_state = ZeroOneAdamState(
             count=state.count + 1,
             variance_updates=state.variance_updates + moves.astype(jnp.int32),

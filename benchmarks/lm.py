@@ -933,6 +933,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="with --merge: name the merged runs RECIPE@LABEL (their lr may differ)",
     )
     parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="run only --recipes, without the adamw baseline (for parallel processes whose "
+        "files are joined with --merge into one that has it)",
+    )
+    parser.add_argument(
         "--bytes-only",
         action="store_true",
         help="recompute the bytes of --recipes in the output file (lowering only) and exit",
@@ -981,7 +987,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bytes_only:
         return rebytes(path, runs, task, run, args.recipes or [])
     names = args.recipes or list(RECIPES)
-    if "adamw" not in names and not any(r["recipe"] == "adamw" for r in runs):
+    has_baseline = "adamw" in names or any(r["recipe"] == "adamw" for r in runs)
+    if not (has_baseline or args.no_baseline):
         names = ["adamw", *names]
     out = None  # stays None when every recipe asked for is in the file already
     for recipe_name in names:

@@ -833,6 +833,13 @@ def doc_rows() -> set[tuple[str, str, type]]:
     return rows
 
 
+def _overlap_reuse_test():
+    """tests/test_overlap.py's test that also passes a donated state (not collected here)."""
+    import test_overlap
+
+    return test_overlap.test_a_second_call_reuses_its_compiled_programs_without_tracing
+
+
 def test_docs_table_and_tested_checks_agree():
     """Both ways: every tested check has its row; every row (and error type) is tested."""
     # Rows whose check is raised by a test of its own below (all ValueError).
@@ -845,6 +852,7 @@ def test_docs_table_and_tested_checks_agree():
             test_mask_of_wrong_structure_says_so
         ),
         (update, "param_specs", ValueError): test_explicit_model_axis_says_so,
+        ("OverlappedStep.__call__", "state", ValueError): _overlap_reuse_test(),
     }
     assert all(test.__name__.startswith("test_") for test in elsewhere.values())
     tested = {(f, arg, exc) for f, arg, _, exc in CHECKS + TRACE_CHECKS} | set(elsewhere)

@@ -169,3 +169,45 @@ def test_a_trace_error_keeps_the_state_and_caller_settings_reach_the_exchange():
     _, state = step(p2, state, put(x), put(y))  # allowed outside the caller's context
     assert int(state.count) == 2
     step.close()
+
+
+def test_a_second_call_reuses_its_compiled_programs_without_tracing():
+    """The step keeps its two compiled programs per input signature: later steps of the same
+    shapes trace nothing (loss_fn is not called, no program is built); a new shape, dtype or
+    jax setting is a new signature."""
+    import jax.numpy as jnp
+
+    from jaxcomp._src import overlap
+
+    fn, p, _ = runs("sgd_pmean")["split_live"]  # its programs compiled; its state consumed
+    put = lambda a: jax.device_put(a, NamedSharding(mesh(), P("data")))  # noqa: E731
+    batch = tuple(map(put, data(STEPS + 2)))
+    s = fn.init(p)
+    calls = {"loss": 0, "compile": 0}
+    loss_fn, compile_ = fn.loss_fn, fn._compile
+
+    def counted_loss(*a):
+        calls["loss"] += 1
+        return loss_fn(*a)
+
+    def counted_compile(*a):
+        calls["compile"] += 1
+        return compile_(*a)
+
+    fn.loss_fn, fn._compile = counted_loss, counted_compile
+    try:
+        for _ in range(3):
+            old, (p, s) = s, fn(p, s, *batch)
+            programs = fn._compiled(p, s, batch)
+        assert fn._compiled(p, s, batch)[1] is programs[1]
+        with pytest.raises(ValueError, match="`state` was donated to an earlier step"):
+            fn(p, old, *batch)  # its inner state went to the last exchange
+    finally:
+        fn.loss_fn, fn._compile = loss_fn, compile_
+    assert calls == {"loss": 0, "compile": 0} and len(fn._programs) == 2  # step 0's and later
+    key = overlap._signature((p, s, batch))
+    assert overlap._signature((p, s, batch)) == key
+    assert overlap._signature((p, s, (batch[0][:, :4], batch[1]))) != key  # shape
+    assert overlap._signature((p, s, (batch[0].astype(jnp.float16), batch[1]))) != key
+    with jax.numpy_rank_promotion("raise"):
+        assert overlap._signature((p, s, batch)) != key

@@ -16,11 +16,33 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
+from jax._src import config as jax_config  # trace_context(): the key of jax's jit cache
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import periodic, sharding, skeleton
 from jaxcomp._src.delayed import DelayedState, delayed
+
+
+def _signature(tree: Any) -> tuple:
+    """What a compiled program depends on: the tree's structure, each leaf's type (shape,
+    dtype, weak type; for jax arrays the sharding) and the thread's jax settings (what jax's
+    own jit cache keys on)."""
+    leaves, structure = jax.tree.flatten(tree)
+    types = tuple((jax.typeof(a), _sharding_key(a)) for a in leaves)
+    return structure, types, jax_config.trace_context()
+
+
+def _sharding_key(a: Any) -> Any:
+    """``a``'s sharding, with a NamedSharding's spec padded to the array's rank: ``P()`` and
+    ``P(None, None)`` lay a 2-D array out alike (a program's outputs carry the latter)."""
+    sharding = getattr(a, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    spec = (*sharding.spec, *[None] * (np.ndim(a) - len(sharding.spec)))
+    return sharding.mesh, spec, sharding.memory_kind
 
 
 def _check_loss(loss_fn: Any) -> Callable:
@@ -41,6 +63,7 @@ class OverlappedStep:
         self.delayed = delayed(tx, axis_name=axis_name if pmean else None)
         self._grads: dict[int, Callable] = {}
         self._exchange: Callable | None = None
+        self._programs: dict[tuple, tuple] = {}  # _compiled's cache
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomp-exchange")
         self._closed = False
 
@@ -96,14 +119,26 @@ class OverlappedStep:
         return self._exchange
 
     def _compiled(self, params: Any, state: DelayedState, batch: tuple) -> tuple:
-        """Both programs traced, lowered and compiled on the caller's thread (jax caches each
-        stage, so a step with the same shapes and settings reuses them): a trace or compile
-        error raises here, before ``state.inner`` is donated, and the caller's thread-local
-        jax settings (``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``, ...)
-        apply to both; the worker thread only runs the compiled exchange."""
+        """Both programs for these inputs, compiled on the caller's thread the first time
+        (:meth:`_compile`) and looked up after: the key is the inputs' tree structure, each
+        leaf's type (shape, dtype, weak type, sharding) and the caller's jax settings, and
+        whether this is step 0 (which runs no exchange). A lookup costs a dict access instead
+        of jax's trace, lower and compile stages (cached by jax, but rebuilt as objects on
+        every call)."""
+        first = int(jax.device_get(state.count)) == 0  # step 0 applies nothing (jc.delayed)
+        key = (_signature((params, state, batch)), first)
+        if key not in self._programs:
+            self._programs[key] = self._compile(params, state, batch, first)
+        return self._programs[key]
+
+    def _compile(self, params: Any, state: DelayedState, batch: tuple, first: bool) -> tuple:
+        """Both programs traced, lowered and compiled: a trace or compile error raises here,
+        before ``state.inner`` is donated, and the caller's thread-local jax settings
+        (``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``, ...) apply to both;
+        the worker thread only runs the compiled exchange."""
         grads = self._grads_fn(len(batch)).trace(params, state.count, *batch)
         grads = grads.lower().compile()
-        if int(jax.device_get(state.count)) == 0:  # step 0 applies nothing (jc.delayed)
+        if first:
             return grads, None
         exchange = self._exchange_fn(state).trace(params, state.inner, state.pending)
         return grads, exchange.lower().compile()
@@ -111,6 +146,11 @@ class OverlappedStep:
     def __call__(self, params: Any, state: DelayedState, *batch: Any) -> tuple[Any, DelayedState]:
         if self._closed:
             raise RuntimeError("the step was closed (step.close()): its worker thread is shut down")
+        if any(a.is_deleted() for a in jax.tree.leaves(state.inner) if isinstance(a, jax.Array)):
+            raise ValueError(
+                "`state` was donated to an earlier step (its arrays are deleted): pass each "
+                "step the state the previous one returned"
+            )
         grads, exchange = self._compiled(params, state, batch)
         future = None
         if exchange is not None:
@@ -152,8 +192,9 @@ def overlapped_step(
     TPU) ``jc.delayed(tx)`` can overlap them in one program; this step is measured on XLA:CPU
     only. A non-finite gradient reaches ``tx`` one step later, as in ``jc.delayed``.
 
-    Both programs are traced and compiled on the caller's thread before either runs (jax
-    caches them, so later steps of the same shapes only look them up): jax settings made by
+    Both programs are traced and compiled on the caller's thread before either runs, once per
+    input structure, shapes, dtypes, shardings and jax settings (the step keeps them, so later
+    steps of the same inputs only look them up in a dict): jax settings made by
     a context manager in the caller's thread (they are thread-local, e.g.
     ``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``) apply to both, and a
     trace or compile error (a batch of the wrong shape, an error in ``tx``) raises before

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -193,7 +194,10 @@ def worker(args) -> None:
 
     def autotuned(params, mesh, row):
         """Run jc.autotune on the MLP's tree; record its table; the chosen exchange."""
-        plan = jc.autotune(params, mesh, AXIS, budget_s=args.timeout / 4)
+        plan = jc.autotune(  # ranks whole steps: this MLP's loss, batch and optimizer
+            params, mesh, AXIS, budget_s=args.timeout / 4, loss_fn=common.mlp_loss,
+            batch=(bx, by), optimizer=optax.sgd(LR),
+        )  # fmt: skip
         row["autotune"] = [
             {k: v for k, v in r._asdict().items() if k != "codec"} for r in plan.table
         ]
@@ -208,6 +212,10 @@ def worker(args) -> None:
         row["chosen"] = chosen.name if plan.codec is not None else "pmean"
         row["error_feedback"] = plan.error_feedback
         row["predicted_ms"], row["autotune_measured_ms"] = chosen.predicted_ms, chosen.measured_ms
+        row["autotune_step_ms"], row["autotune_step_spread_ms"] = (
+            chosen.step_ms,
+            chosen.step_spread_ms,
+        )
         if plan.codec is None:
             return {"codec": None}, "auto"
         return {
@@ -536,15 +544,20 @@ def feedback_kind(feedback: str | None, codec) -> str | None:
 
 
 def predict_steps(rows: list[dict], base: dict) -> None:
-    """Each jaxcomp step row's predicted step from the ``autotune`` row's table, in place:
-    the plain step's compute (its step less the plan's measured plain exchange of the same
-    tree) plus the candidate's predicted exchange path (same codec, strategy and error
-    feedback; the plan's own row for ``autotune``). ``step_prediction_error`` = predicted /
-    measured - 1."""
+    """Each jaxcomp step row's predicted step from the ``autotune`` row's table, in place.
+
+    Where the plan timed whole steps (its rows carry ``predicted_step_ms``): the table row of
+    the same codec, strategy and error feedback (the plan's own row for ``autotune``, the plain
+    row for ``pmean``), whose prediction is the fitted compute plus its predicted exchange,
+    leave-one-out for the timed rows. Otherwise (older plans, exchanges timed alone): the plain
+    step's compute (its step less the plan's measured plain exchange) plus the candidate's
+    predicted exchange. ``step_prediction_error`` = predicted / measured - 1."""
     tuned = next((r for r in rows if "autotune" in r), None)
     if tuned is None or "step_ms" not in base:
         return
     table = tuned["autotune"]
+    if any(c.get("predicted_step_ms", math.nan) == c.get("predicted_step_ms") for c in table):
+        return _predict_from_steps(rows, table, tuned)
     plain = next(
         (c for c in table if c["name"] == "none" and c["measured_ms"] == c["measured_ms"]), None
     )
@@ -565,6 +578,33 @@ def predict_steps(rows: list[dict], base: dict) -> None:
             continue
         r["predicted_step_ms"] = compute + chosen["predicted_ms"]
         r["step_prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1.0
+
+
+def _matching(table: list[dict], r: dict) -> dict | None:
+    """The table row of ``r``'s codec, strategy and error feedback (the least min_size)."""
+    name = r["codec"].partition(":")[0].partition("@")[0]
+    if name == "pmean":
+        return next((c for c in table if c["name"] == "none"), None)
+    match = [
+        c for c in table
+        if c["name"] == name and c["strategy"] == r.get("strategy")
+        and c.get("error_feedback") == r.get("error_feedback") and not c.get("error")
+    ]  # fmt: skip
+    return min(match, key=lambda c: c["min_size"], default=None)
+
+
+def _predict_from_steps(rows: list[dict], table: list[dict], tuned: dict) -> None:
+    for r in rows:
+        if r.get("framework") != "jaxcomp" or "step_ms" not in r:
+            continue
+        chosen = table[0] if r is tuned else _matching(table, r)
+        if chosen is None or chosen.get("predicted_step_ms", math.nan) != chosen.get(
+            "predicted_step_ms"
+        ):
+            continue
+        r["predicted_step_ms"] = chosen["predicted_step_ms"]
+        r["step_prediction_error"] = r["predicted_step_ms"] / r["step_ms"] - 1.0
+        r["plan_step_ms"] = chosen.get("step_ms", math.nan)  # the plan's own timing, if any
 
 
 def print_table(rows: list[dict]) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 import jaxcomp as jc
 from jaxcomp._src import autotune as tuning
+from jaxcomp._src import autotune_steps as steps
 from jaxcomp._src.codecs.quantize import Cast
 
 LINK = {k: tuning.LinkFit(1e-3, 1e9) for k in tuning.KINDS}
@@ -64,25 +65,38 @@ class _Broken(Cast):
 
 
 PARAMS = {"w": np.zeros((64, 256), np.float32), "b": np.zeros(64, np.float32)}
+REPS = 2
+
+
+def _loss(p, x):
+    return jax.numpy.mean((p["w"] @ x.T + p["b"][:, None]) ** 2)
 
 
 @pytest.fixture(scope="module")
 def plan():
+    """Whole steps (loss_fn=): plain, then int8 and fp16 (best of each codec), then the best
+    predicted step; a codec failing at its timing is skipped."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = jax.make_mesh((8,), ("data",))
+    x = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
     return jc.autotune(
-        PARAMS,
+        {k: v + 0.01 for k, v in PARAMS.items()},
         mesh,
         "data",
         codecs=[None, jc.int_quant(8), jc.cast("fp16"), _Broken("bfloat16")],
         strategies=["two_phase", "allgather"],
         min_sizes=[0],
-        check=2,
-        reps=1,
+        check=3,
+        reps=REPS,
         link_sizes=(1024, 16384),
+        loss_fn=_loss,
+        batch=(jax.device_put(x, NamedSharding(mesh, P("data"))),),
     )
 
 
-def test_plan_times_plain_and_the_best_predictions(plan):
+def test_plan_times_plain_and_the_best_predictions_as_whole_steps(plan):
     assert len(plan.table) == 7
     assert {r.name for r in plan.table} == {
         "none",
@@ -90,24 +104,25 @@ def test_plan_times_plain_and_the_best_predictions(plan):
         "fp16",
         "_Broken(dtype_name='bfloat16')",
     }
-    measured = [r for r in plan.table if not math.isnan(r.measured_ms)]
-    # plain, then the best predicted int8 and fp16 rows (one per codec first)
-    assert len(measured) == 3 and all(r.measured_ms > 0 for r in measured)
-    assert {r.name for r in measured} == {"none", "int8", "fp16"}
+    stepped = [r for r in plan.table if not math.isnan(r.step_ms)]
+    # plain, the best predicted int8 and fp16 rows, then the best predicted step of the rest
+    assert len(stepped) == 4 and {r.name for r in stepped} == {"none", "int8", "fp16"}
+    assert all(r.step_ms > 0 and r.step_spread_ms >= 0 and r.step_reps >= REPS for r in stepped)
+    assert all(math.isnan(r.measured_ms) for r in plan.table)  # no exchange timed alone
+    assert plan.table[0] is tuning.select(plan.table)  # the fastest measured step
+    assert plan.table[0].step_ms == min(r.step_ms for r in stepped)
+    assert plan.codec == plan.table[0].codec and plan.error_feedback == plan.table[0].error_feedback
+    ok = [r for r in plan.table if not r.error]
+    assert all(r.predicted_step_ms > 0 and r.predicted_ms >= 0 for r in ok)
     plain = next(r for r in plan.table if r.codec is None)
-    best = min(measured, key=lambda r: r.measured_ms)
-    if plan.codec is None:  # plain unless a codec measured clearly faster
-        assert best.codec is None or best.measured_ms > (1 - tuning.MARGIN) * plain.measured_ms
-    else:
-        assert plan.table[0].codec == plan.codec
-        assert plan.table[0].measured_ms <= (1 - tuning.MARGIN) * plain.measured_ms
-    assert plan.error_feedback == plan.table[0].error_feedback
+    assert plain.predicted_step_ms == plain.step_ms  # the anchor of the fit
     int8_rows = [r for r in plan.table if r.strategy == "two_phase" and r.name == "int8"]
     assert int8_rows[0].bytes_per_device == pytest.approx(
         sum(jc.strategy_bytes(jc.int_quant(8), d, 8)["two_phase"] for d in (64 * 256, 64))
     )
     assert set(plan.exchange()) == {"strategy", "bucket_bytes", "min_size"}
-    assert "<" in plan.format() and "failed: codec timing: RuntimeError: boom" in plan.format()
+    text = plan.format()
+    assert "<" in text and "failed: codec timing: RuntimeError: boom" in text and "step ms" in text
     assert set(plan.link) == set(tuning.KINDS) and all(f.bandwidth > 0 for f in plan.link.values())
 
 
@@ -119,7 +134,7 @@ def test_plan_runs_each_codec_with_its_feedback_and_skips_a_failing_one(plan):
     broken = [r for r in plan.table if r.name.startswith("_Broken")]
     assert len(broken) == 2 and plan.table[-2:] == tuple(broken)  # failed rows last
     assert all(
-        r.error == "codec timing: RuntimeError: boom" and math.isnan(r.measured_ms) for r in broken
+        r.error == "codec timing: RuntimeError: boom" and math.isnan(r.step_ms) for r in broken
     )
     tx = plan.transform("data")
     assert callable(tx.init) and callable(tx.update)
@@ -261,3 +276,104 @@ def test_network_benchmark_predicts_each_step_from_the_plan_table():
     assert fp16["predicted_step_ms"] == pytest.approx(527 - 350 + 160)  # min_size 0's row
     assert fp16["step_prediction_error"] == pytest.approx(337 / 340 - 1)
     assert "predicted_step_ms" not in fed and "predicted_step_ms" not in base
+
+
+def _step_row(name, strategy, step, spread, wire=0.0, codec_ms=0.0, codec=jc.int_quant(8)):
+    codec = None if name == "none" else codec
+    row = tuning.Candidate(name, codec, strategy, 1, 0, 1.0, wire + codec_ms, math.nan)
+    return row._replace(model_ms=wire + codec_ms, codec_model_ms=codec_ms, step_ms=step,
+                        step_spread_ms=spread, step_reps=3)  # fmt: skip
+
+
+def test_steps_rank_the_plan_and_plain_wins_no_tie_for_being_plain():
+    """The 10 Gbit/s case: exchanges alone tied (plain 287 ms, fp16 all-gather 280 ms), the
+    steps did not: the fastest measured step is chosen, plain or not."""
+    plain = _step_row("none", "pmean", 538.0, 20.0)
+    fp16 = _step_row("fp16", "two_phase", 387.0, 30.0, codec=jc.cast("fp16"))
+    int8 = _step_row("int8", "allgather", 411.0, 10.0)
+    assert tuning.select([plain, int8, fp16]) is fp16
+    assert steps.select_step([plain, int8, fp16]) is fp16
+    slower = [plain, int8._replace(step_ms=541.0), fp16._replace(step_ms=545.0)]
+    assert tuning.select(slower) is plain  # compression measured slower: plain pmean
+    # within 1% of plain (inside MARGIN, where the exchange rule kept plain): the faster step
+    assert tuning.select([plain, int8._replace(step_ms=535.0)]).name == "int8"
+    failed = fp16._replace(step_ms=math.nan, error="XlaRuntimeError: OOM")
+    assert tuning.select([plain, failed]) is plain
+
+
+def test_tied_steps_are_those_within_the_spread_of_the_fastest():
+    a = _step_row("int8", "allgather", 400.0, 12.0)
+    b = _step_row("fp16", "two_phase", 410.0, 5.0)  # 10 ms behind, a's spread 12: tied
+    c = _step_row("none", "pmean", 420.0, 25.0)  # 20 ms behind, its own spread 25: tied
+    d = _step_row("bf16", "allgather", 430.0, 25.0)  # 30 ms behind: not
+    assert steps.tied_steps([d, c, b, a]) == [a, b, c]
+    assert steps.tied_steps([a._replace(step_spread_ms=2.0), b]) == []
+    assert steps.tied_steps([a, _step_row("x", "s", math.nan, math.nan)]) == []
+
+
+def test_step_prediction_fits_compute_and_scales_leave_one_out():
+    """Steps made by compute + lam * wire + kappa * codec (compute 180, lam 1.5, kappa 0.4):
+    each timed row is predicted exactly from the other two, the untimed one from all three."""
+
+    def made(w, c):
+        return 180.0 + 1.5 * w + 0.4 * c
+
+    plain = _step_row("none", "pmean", made(240, 0), 5.0, wire=240.0)
+    timed = [
+        _step_row("int8", "allgather", made(80, 500), 5.0, 80.0, 500.0),
+        _step_row("fp16", "allgather", made(160, 200), 5.0, 160.0, 200.0),
+        _step_row("fp16", "two_phase", made(230, 300), 5.0, 230.0, 300.0),
+    ]
+    untimed = _step_row("bf16", "allgather", math.nan, math.nan, 150.0, 180.0)
+    out = steps.calibrate_steps([plain, *timed, untimed])
+    assert out[0].predicted_step_ms == plain.step_ms and out[0].predicted_ms == 240.0
+    for got, want in zip(out[1:4], timed, strict=True):
+        assert got.predicted_step_ms == pytest.approx(want.step_ms)
+        assert got.predicted_ms == pytest.approx(want.step_ms - 180.0)
+    assert out[4].predicted_step_ms == pytest.approx(made(150, 180))
+    # one other timed row: lam = 1 (the link model), kappa fitted on that row
+    lone = steps.calibrate_steps([plain, timed[0], untimed])
+    k = (timed[0].step_ms - plain.step_ms - (80 - 240)) / 500
+    assert lone[2].predicted_step_ms == pytest.approx(plain.step_ms - 240 + 150 + k * 180)
+    assert math.isnan(steps.calibrate_steps([timed[0]])[0].predicted_step_ms)  # no plain step
+
+
+def test_step_scales_stay_in_their_range():
+    """A step faster than its wire model allows (kappa would be negative) clips kappa at 0 and
+    fits lam alone; an exact fit inside the box is returned as is."""
+    lam, k = steps._fit_scales([(-165.0, 520.0, -127.0), (-16.0, 298.0, -151.0)])
+    assert k == 0.0 and steps.LAM_RANGE[0] <= lam <= steps.LAM_RANGE[1]
+    assert lam == pytest.approx((165 * 127 + 16 * 151) / (165**2 + 16**2))
+    assert steps._fit_scales([(1.0, 0.0, 2.0), (0.0, 1.0, 0.5)]) == pytest.approx((2.0, 0.5))
+    assert steps._fit_scales([]) == (1.0, 1.0)
+    assert steps._fit_scales([(10.0, 5.0, 20.0)]) == (1.0, 2.0)
+    assert steps._fit_scales([(10.0, 5.0, 20.0), (20.0, 10.0, 40.0)]) == (1.0, 2.0)  # in proportion
+
+
+def test_network_benchmark_takes_step_predictions_from_a_stepped_plan():
+    """benchmarks/network.py with a plan that timed steps: each step row's prediction is the
+    table row of its codec, strategy and feedback (the plan's first row for ``autotune``, the
+    plain row for ``pmean``)."""
+    from benchmarks import network
+
+    def cand(name, strategy, ef, predicted, step=math.nan, min_size=0):
+        return {"name": name, "strategy": strategy, "error_feedback": ef, "min_size": min_size,
+                "predicted_ms": 0.0, "measured_ms": math.nan, "error": "", "step_ms": step,
+                "predicted_step_ms": predicted}  # fmt: skip
+
+    table = [
+        cand("fp16", "two_phase", None, 400.0, 380.0),
+        cand("none", "pmean", None, 530.0, 530.0),
+        cand("int8", "allgather", "residual", 420.0, 415.0),
+        cand("int8", "allgather", "residual", 430.0, min_size=4096),
+    ]
+    base = {"framework": "jaxcomp", "codec": "pmean", "step_ms": 540.0}
+    tuned = {"framework": "jaxcomp", "codec": "autotune", "step_ms": 390.0, "autotune": table}
+    int8 = {"framework": "jaxcomp", "codec": "int8", "strategy": "allgather",
+            "error_feedback": "residual", "step_ms": 400.0}  # fmt: skip
+    torch = {"framework": "torch", "codec": "torch-allreduce", "step_ms": 430.0}
+    network.predict_steps([base, tuned, int8, torch], base)
+    assert tuned["predicted_step_ms"] == 400.0 and tuned["plan_step_ms"] == 380.0
+    assert tuned["step_prediction_error"] == pytest.approx(400 / 390 - 1)
+    assert base["predicted_step_ms"] == 530.0 and int8["predicted_step_ms"] == 420.0
+    assert "predicted_step_ms" not in torch

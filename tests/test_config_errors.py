@@ -30,6 +30,7 @@ import jaxcomp as jc
 from jaxcomp import launch
 from jaxcomp._src import autotune as tuning
 from jaxcomp._src.accounting import Collective
+from jaxcomp._src.autotune_steps import select_step
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 S = jc.sign()
@@ -625,6 +626,21 @@ CHECKS = [
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
     ("autotune.select", "rows", lambda: tuning.select([]), ValueError),
+    (
+        "autotune",
+        "loss_fn",
+        lambda: jc.autotune(_W, mesh(), "data", loss_fn=1, batch=()),
+        TypeError,
+    ),
+    ("autotune", "batch", lambda: jc.autotune(_W, mesh(), "data", loss_fn=len), ValueError),
+    ("autotune", "batch", lambda: jc.autotune(_W, mesh(), "data", batch=(1,)), ValueError),
+    (
+        "autotune",
+        "optimizer",
+        lambda: jc.autotune(_W, mesh(), "data", loss_fn=len, batch=(), optimizer="sgd"),
+        TypeError,
+    ),
+    ("autotune_steps.select_step", "rows", lambda: select_step([]), ValueError),
     (
         "CommReport.mean_bytes_per_device",
         "branch_weights",

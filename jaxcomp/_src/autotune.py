@@ -91,6 +91,10 @@ class Candidate(NamedTuple):
     codec_model_ms: float = 0.0  # the codec passes' share of model_ms
     error_feedback: str | None = None  # as the step runs it (candidate_feedback)
     error: str = ""  # why the candidate was skipped ("" where it was not)
+    step_ms: float = math.nan  # median measured training step (autotune with loss_fn=)
+    step_spread_ms: float = math.nan  # interquartile range of the timed steps
+    step_reps: int = 0  # timed steps behind step_ms
+    predicted_step_ms: float = math.nan  # fitted compute + predicted exchange (leave-one-out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +142,10 @@ class AutotunePlan:
 
     def format(self) -> str:
         """The table as text: one row per candidate, predicted and measured times."""
+        steps = any(not math.isnan(c.step_ms) for c in self.table)
         head = f"{'candidate':<34}{'strategy':<12}{'feedback':<10}{'min_size':>9}"
         head += f"{'bytes/dev':>13}{'pred ms':>10}{'meas ms':>10}"
+        head += f"{'pred step':>11}{'step ms':>10}{'spread':>8}" if steps else ""
         rows = [head]
         chosen = self.table[0] if self.table else None
         for c in self.table:
@@ -147,9 +153,14 @@ class AutotunePlan:
             mark = " <" if c is chosen else ""
             line = (
                 f"{c.name[:33]:<34}{c.strategy:<12}{str(c.error_feedback):<10}{c.min_size:>9}"
-                f"{c.bytes_per_device:>13,.0f}{c.predicted_ms:>10.2f}{meas:>10}{mark}"
+                f"{c.bytes_per_device:>13,.0f}{c.predicted_ms:>10.2f}{meas:>10}"
             )
-            rows.append(line + (f"  failed: {c.error[:80]}" if c.error else ""))
+            if steps:
+                line += f"{c.predicted_step_ms:>11.2f}" + "".join(
+                    f"{'-' if math.isnan(v) else f'{v:.2f}':>{w}}"
+                    for v, w in ((c.step_ms, 10), (c.step_spread_ms, 8))
+                )
+            rows.append(line + mark + (f"  failed: {c.error[:80]}" if c.error else ""))
         return "\n".join(rows)
 
 
@@ -604,6 +615,9 @@ def autotune(
     budget_s: float = 60.0,
     reps: int = 3,
     link_sizes: Sequence[int] = (1 << 12, 1 << 18, 1 << 22),
+    loss_fn: Callable[..., jax.Array] | None = None,
+    batch: Any = None,
+    optimizer: Any = None,
 ) -> AutotunePlan:
     """Measure the link and the codecs on ``mesh``, predict every candidate, time the best.
 
@@ -672,9 +686,12 @@ def autotune(
     passes added as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
     Training Systems", MLSys 2022.
     """
+    from jaxcomp._src import autotune_steps
+
     t0 = time.perf_counter()
     codecs = DEFAULT_CODECS if codecs is None else tuple(codecs)
     sizes = _check_args(params, axis_name, mesh, codecs)
+    batch, optimizer = autotune_steps.check_step_args(loss_fn, batch, optimizer)
     check = check_int("check", check, 1)
     strategies = DEFAULT_STRATEGIES if strategies is None else tuple(strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)
@@ -683,9 +700,12 @@ def autotune(
     rows = _model_rows(
         _candidates(codecs, strategies, bucket_sizes, min_sizes), sizes, n, link, costs, failed
     )
-    plan = _checked_plan(
-        params, mesh, axis_name, rows, check, budget_s - (time.perf_counter() - t0), reps, link
-    )
+    budget_s -= time.perf_counter() - t0
+    if loss_fn is None:  # the exchange path alone
+        plan = _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link)
+    else:  # whole steps
+        timer = autotune_steps._Timer(params, batch, mesh, axis_name, loss_fn, optimizer, reps)
+        plan = autotune_steps.stepped_plan(rows, check, budget_s, timer, link)
     cost_ms = {codec_label(c): (1e3 * e, 1e3 * d) for c, (e, d, _) in costs.items()}
     fed_ms = {codec_label(c): 1e3 * f for c, (_, _, f) in costs.items() if candidate_feedback(c)}
     return dataclasses.replace(plan, codec_ms=cost_ms, feedback_ms=fed_ms)
@@ -865,7 +885,10 @@ def select(rows: Sequence[Candidate]) -> Candidate:
     one with the least codec work (``codec_model_ms``: encode, decode and feedback passes,
     then measured time) wins: on a host shared with other work the passes' cost varies with
     the load, the wire time does not. Failed rows (``error``) carry no measured time and are
-    never chosen. Pure: no timing, so it is tested on tables alone.
+    never chosen. Where rows carry measured training steps (``step_ms``: :func:`autotune`
+    with ``loss_fn=``) the rule is the step's instead: the fastest measured step, plain
+    ``pmean`` one row among the others (:func:`jaxcomp._src.autotune_steps.select_step`).
+    Pure: no timing, so it is tested on tables alone.
 
     Args:
       rows: candidates, ``measured_ms`` NaN where not timed or failed; at least one timed.
@@ -879,6 +902,10 @@ def select(rows: Sequence[Candidate]) -> Candidate:
 
       best = jaxcomp._src.autotune.select(plan.table)   # plan.table[0]
     """
+    if any(not math.isnan(r.step_ms) for r in rows):  # whole steps timed: the fastest
+        from jaxcomp._src.autotune_steps import select_step
+
+        return select_step(rows)
     plain = next((r for r in rows if r.codec is None and not math.isnan(r.measured_ms)), None)
     timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
     if plain is None and not timed:

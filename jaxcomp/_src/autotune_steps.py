@@ -1,0 +1,365 @@
+"""Rank :func:`jaxcomp.autotune`'s candidates by whole training steps, and predict the rest.
+
+Given the user's loss and a batch, each checked candidate is compiled into the step it would
+run (gradients, the candidate's exchange with its error feedback, the optimizer, the update;
+params and state donated) and timed for several steps. Timed alone, an exchange misleads: in
+a step the collectives share the cores with the backward pass, overlap some of it or fuse
+with the update, differently for each strategy (on 2 gloo processes at 10 Gbit/s plain
+``pmean``'s exchange took 287 ms alone and about 357 ms inside its step). The step is what
+the user runs, so the step is what is ranked (:func:`select_step`), ties within the timing
+noise are settled by more repeats (:func:`tied_steps`), and every candidate gets a predicted
+step (:func:`calibrate_steps`): the compute fitted from the measured plain step, the exchange
+from the link model, both scaled on the timed steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp._src import autotune as tuning
+from jaxcomp._src import skeleton
+from jaxcomp._src.autotune import Candidate
+
+#: Untimed warm-up steps before the timed ones (the first runs allocate the donated buffers).
+WARMUP_STEPS = 2
+#: Bounds of the fitted link scale ``lam`` and codec-pass scale ``kappa`` (calibrate_steps).
+LAM_RANGE = (0.1, 10.0)
+KAPPA_RANGE = (0.0, 10.0)
+
+
+def _finite(x: float) -> bool:
+    return not math.isnan(x)
+
+
+def check_step_args(loss_fn: Any, batch: Any, optimizer: Any) -> tuple:
+    """``(batch as a tuple, optimizer)`` after checking :func:`jaxcomp.autotune`'s step
+    arguments (all None: the exchange is timed alone)."""
+    if loss_fn is None:
+        if batch is not None or optimizer is not None:
+            raise ValueError(
+                "`batch` and `optimizer` time whole steps and need `loss_fn=` "
+                "(loss_fn(params, *batch) -> scalar) beside them"
+            )
+        return (), None
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be a function loss_fn(params, *batch), got {loss_fn!r}")
+    if batch is None:
+        raise ValueError(
+            "`batch` is needed with `loss_fn`: a tuple of arrays whose leading dimension is "
+            "split over `axis_name` (the global batch of one step)"
+        )
+    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    optimizer = optax.sgd(1e-3) if optimizer is None else optimizer
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"`optimizer` must be an optax GradientTransformation, got {optimizer!r}")
+    return batch, optimizer
+
+
+def step_program(params, batch, mesh, axis_name, row: Candidate, loss_fn, optimizer) -> Any:
+    """``row``'s training step, compiled ahead of time from abstract shapes.
+
+    ``(params, state, *batch) -> (params, state)``, params and state donated: each device
+    takes ``grad loss_fn(params, *its batch)``, then plain ``pmean`` (the float32 mean of
+    every leaf) and ``optimizer`` for the plain row, else
+    ``optax.chain(jc.compressed_allreduce(codec, axis_name, error_feedback=..., strategy=...,
+    bucket_bytes=..., min_size=...), optimizer)``; then ``optax.apply_updates``. A trace or
+    compile error raises here, on this process alone, before any data moves.
+
+    Returns:
+      ``(compiled, tx)``: the program and the transform whose state it takes
+      (:func:`jaxcomp.sharded_init` of ``tx``).
+    """
+    from jaxcomp._src.sharding import abstract_init, state_specs
+
+    exchange = None if row.codec is None else tuning._exchange_tx(row, axis_name)
+    tx = optimizer if exchange is None else optax.chain(exchange, optimizer)
+    specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        jax.eval_shape(init, params),
+        specs,
+    )
+
+    def step(p, s, *b):
+        g = jax.grad(loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), *b)
+        if exchange is None:
+            g = skeleton.tree_pmean(g, axis_name)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    in_specs = (P(), specs, *[P(axis_name)] * len(batch))
+    fn = jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=_replicated(mesh)),
+        params,
+    )
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(abstract, state, *batch).compile(), tx
+
+
+def _replicated(mesh: Any) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+class StepRunner:
+    """A compiled step with its own params and state, fed back from step to step."""
+
+    def __init__(self, compiled: Callable, tx: Any, params: Any, batch: tuple, mesh, axis_name):
+        from jaxcomp._src.sharding import sharded_init
+
+        self.compiled, self.batch = compiled, batch
+        copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=_replicated(mesh))
+        self.params = copy(params)  # the step donates them: never the caller's arrays
+        self.state = sharded_init(tx, self.params, mesh, axis_name)
+        self.times: list[float] = []
+
+    def run(self, steps: int, timed: bool) -> None:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(self.compiled(self.params, self.state, *self.batch))
+            self.params, self.state = out
+            if timed:
+                self.times.append(time.perf_counter() - t0)
+
+
+def step_stats(seconds: Sequence[float]) -> tuple[float, float]:
+    """``(median ms, interquartile range ms)`` of step times in seconds."""
+    ms = 1e3 * np.asarray(seconds, dtype=np.float64)
+    q25, q50, q75 = np.percentile(ms, [25, 50, 75])
+    return float(q50), float(q75 - q25)
+
+
+def tied_steps(rows: Sequence[Candidate]) -> list[Candidate]:
+    """The timed rows whose step is within the timing noise of the fastest one.
+
+    With ``m_r`` a row's median step and ``s_r`` its interquartile range, ``r`` ties the
+    fastest ``b`` where ``m_r - m_b <= max(s_r, s_b)``. Returns them, the fastest first ([]
+    when fewer than two rows are timed or none ties); pure, tested on tables alone.
+    """
+    timed = sorted((r for r in rows if _finite(r.step_ms)), key=lambda r: r.step_ms)
+    if len(timed) < 2:
+        return []
+    best = timed[0]
+    tied = [
+        r
+        for r in timed[1:]
+        if r.step_ms - best.step_ms <= max(r.step_spread_ms, best.step_spread_ms)
+    ]
+    return [best, *tied] if tied else []
+
+
+def select_step(rows: Sequence[Candidate]) -> Candidate:
+    """The row whose measured step is fastest (median over its timed steps).
+
+    Plain ``pmean`` has no preference: it is one timed row among the others, so the plan
+    never runs a step slower than plain ``pmean``'s as measured. Rows tied within the noise
+    (:func:`tied_steps`) are timed again by :func:`jaxcomp.autotune` before this choice, and
+    the faster median after the repeats wins; an exact tie goes to the least codec work.
+
+    Raises:
+      ValueError: no row has a measured step.
+    """
+    timed = [r for r in rows if _finite(r.step_ms) and not r.error]
+    if not timed:
+        raise ValueError("`rows` must hold at least one row with a measured step (step_ms)")
+    return min(timed, key=lambda r: (r.step_ms, r.codec_model_ms))
+
+
+def _fit_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(lam, kappa)`` minimizing ``sum (y - lam * x - kappa * c)^2`` over ``(x, c, y)``,
+    within :data:`LAM_RANGE` x :data:`KAPPA_RANGE`; ``(1, 1)`` with no points and ``lam = 1``
+    (the link model as fitted) where the points cannot separate the two (one point, or
+    points in proportion)."""
+    if not points:
+        return 1.0, 1.0
+    x, c, y = (np.asarray(v, dtype=np.float64) for v in zip(*points, strict=True))
+
+    def best_k(lam: float) -> float:  # the 1-D optimum of kappa for a given lam
+        den = float(c @ c)
+        return float(np.clip(float(c @ (y - lam * x)) / den if den else 1.0, *KAPPA_RANGE))
+
+    def best_lam(k: float) -> float:
+        den = float(x @ x)
+        return float(np.clip(float(x @ (y - k * c)) / den if den else 1.0, *LAM_RANGE))
+
+    free, _, rank, _ = np.linalg.lstsq(np.stack([x, c], axis=1), y, rcond=None)
+    if rank < 2:  # one point, or points in proportion: they cannot separate the two
+        return 1.0, best_k(1.0)
+    pairs = [(float(np.clip(free[0], *LAM_RANGE)), float(np.clip(free[1], *KAPPA_RANGE)))]
+    pairs += [(lam, best_k(lam)) for lam in LAM_RANGE] + [(best_lam(k), k) for k in KAPPA_RANGE]
+    if LAM_RANGE[0] <= free[0] <= LAM_RANGE[1] and KAPPA_RANGE[0] <= free[1] <= KAPPA_RANGE[1]:
+        pairs = pairs[:1]  # the unconstrained optimum is inside the box
+    return min(pairs, key=lambda p: float(np.sum((y - p[0] * x - p[1] * c) ** 2)))
+
+
+def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
+    """``predicted_step_ms`` and ``predicted_ms`` of every row from the timed steps.
+
+    With ``S_0`` plain ``pmean``'s measured step, ``w_r = model_ms - codec_model_ms`` a row's
+    wire time in the link model and ``c_r = codec_model_ms`` its codec passes::
+
+        compute      = S_0 - lam * w_0                 (the plain step less its exchange)
+        exchange_r   = lam * w_r + kappa * c_r
+        predicted_r  = compute + exchange_r
+
+    ``lam`` (the link model's scale inside a step) and ``kappa`` (the codec passes' cost in a
+    step against alone) are least squares on the timed compressed steps,
+    ``S_r - S_0 = lam (w_r - w_0) + kappa c_r``. Each timed row is predicted from the
+    *other* timed rows (leave-one-out), so its predicted against measured step is a fair test;
+    plain ``pmean`` is the anchor (predicted = measured). Without a measured plain step the
+    rows are returned unchanged.
+
+    Args:
+      rows: the candidates, ``step_ms`` NaN where no step was timed.
+
+    Returns:
+      The rows in the same order, ``predicted_step_ms`` and ``predicted_ms`` (the exchange's
+      share of the step) set.
+
+    Example::
+
+      rows = jaxcomp._src.autotune_steps.calibrate_steps(plan.table)
+
+    Reference: the alpha-beta model of Hockney, Parallel Computing 1994, fitted on measured
+    steps as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
+    Training Systems", MLSys 2022 (compute + exchange, where the exchange does not overlap).
+    """
+    plain = next((r for r in rows if r.codec is None and _finite(r.step_ms)), None)
+    if plain is None:
+        return list(rows)
+    w0 = plain.model_ms - plain.codec_model_ms
+    timed = [r for r in rows if r.codec is not None and _finite(r.step_ms) and not r.error]
+    out = []
+    for r in rows:
+        if r is plain:
+            out.append(r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0))
+            continue
+        points = [
+            (t.model_ms - t.codec_model_ms - w0, t.codec_model_ms, t.step_ms - plain.step_ms)
+            for t in timed
+            if t is not r
+        ]
+        lam, k = _fit_scales(points)
+        if r.error or not _finite(r.model_ms):
+            out.append(r)
+            continue
+        exchange = lam * (r.model_ms - r.codec_model_ms) + k * r.codec_model_ms
+        out.append(
+            r._replace(predicted_ms=exchange, predicted_step_ms=plain.step_ms - lam * w0 + exchange)
+        )
+    return out
+
+
+def _key(r: Candidate) -> tuple:
+    return r.name, r.strategy, r.bucket_bytes, r.min_size, r.error_feedback
+
+
+class _Timer:
+    """Times candidates' steps for :func:`stepped_plan`, keeping each one's runner so that a
+    tie can be timed again; every decision is agreed over processes."""
+
+    def __init__(self, params, batch, mesh, axis_name, loss_fn, optimizer, reps):
+        self.args = params, batch, mesh, axis_name
+        self.loss_fn, self.optimizer, self.reps = loss_fn, optimizer, reps
+        self.runners: dict[tuple, StepRunner] = {}
+
+    def time(self, row: Candidate) -> Candidate:
+        """``row`` with its step timed (``WARMUP_STEPS`` then ``reps``), or its error."""
+        params, batch, mesh, axis_name = self.args
+        compiled, err = tuning._guarded(
+            lambda: step_program(params, batch, mesh, axis_name, row, self.loss_fn, self.optimizer)
+        )
+        if not err:
+            runner, err = tuning._guarded(lambda: self._start(compiled, row))
+        if err:
+            return row._replace(error=err, step_ms=math.nan)
+        self.runners[_key(row)] = runner
+        return self.stats(row)
+
+    def _start(self, program: tuple, row: Candidate) -> StepRunner:
+        params, batch, mesh, axis_name = self.args
+        runner = StepRunner(*program, params, batch, mesh, axis_name)
+        runner.run(WARMUP_STEPS, timed=False)
+        runner.run(self.reps, timed=True)
+        return runner
+
+    def again(self, rows: Sequence[Candidate]) -> None:
+        """``reps`` more steps of each of ``rows``, interleaved (drift hits all alike)."""
+        for _ in range(self.reps):
+            for r in rows:
+                self.runners[_key(r)].run(1, timed=True)
+
+    def stats(self, row: Candidate) -> Candidate:
+        times = tuning._reduce_over_processes(np.asarray(self.runners[_key(row)].times))
+        median, spread = step_stats(times)
+        return row._replace(step_ms=median, step_spread_ms=spread, step_reps=len(times))
+
+
+def _next_row(rows: list[Candidate], timed: set) -> Candidate | None:
+    """The untimed row to time next: the best predicted step (calibrate_steps on the steps
+    timed so far), the model's time where there is no prediction."""
+    left = [r for r in rows if r.codec is not None and not r.error and _key(r) not in timed]
+    if not left:
+        return None
+    return min(left, key=lambda r: (np.nan_to_num(r.predicted_step_ms, nan=np.inf), r.model_ms))
+
+
+def _elapsed(t0: float) -> float:
+    return float(tuning._reduce_over_processes(np.array([time.perf_counter() - t0]))[0])
+
+
+def stepped_plan(rows, check, budget_s, timer: _Timer, link) -> tuning.AutotunePlan:
+    """Time plain ``pmean``'s step and ``check`` candidates' (the best predicted of each codec,
+    then the best predicted steps), time the ties again, choose (:func:`select_step`)."""
+    t0, rows = time.perf_counter(), list(rows)
+    order = tuning._to_check(rows, check)
+    firsts = [r for i, r in enumerate(order) if all(q.codec != r.codec for q in order[:i])]
+    timed: set = set()
+
+    def time_row(r: Candidate) -> None:
+        timed.add(_key(r))
+        rows[rows.index(r)] = timer.time(r)
+
+    for r in firsts:  # plain first, so the budget never skips it
+        if r.codec is None or _elapsed(t0) <= budget_s:
+            time_row(r)
+    while len(timed) <= check and _elapsed(t0) <= budget_s:
+        rows = calibrate_steps(rows)
+        r = _next_row(rows, timed)
+        if r is None:
+            break
+        time_row(r)
+    tied = tied_steps(rows)
+    if tied and _elapsed(t0) <= budget_s:
+        timer.again(tied)
+        rows = [timer.stats(r) if any(r is t for t in tied) else r for r in rows]
+    return _plan(calibrate_steps(rows), link)
+
+
+def _plan(rows: list[Candidate], link) -> tuning.AutotunePlan:
+    """The plan of :func:`select_step`'s row; the table: chosen, timed steps fastest first,
+    untimed by predicted step, failed last."""
+    if not any(_finite(r.step_ms) for r in rows):
+        reasons = "; ".join(f"{r.name} {r.strategy}: {r.error}" for r in rows if r.error)
+        raise RuntimeError(f"jc.autotune: every timed candidate failed ({reasons})")
+    best = select_step(rows)
+    rest = sorted(
+        (r for r in rows if r is not best),
+        key=lambda r: (bool(r.error), not _finite(r.step_ms), np.nan_to_num(r.step_ms, nan=0.0),
+                       np.nan_to_num(r.predicted_step_ms, nan=np.inf)),
+    )  # fmt: skip
+    strategy = "auto" if best.codec is None else best.strategy
+    return tuning.AutotunePlan(
+        best.codec, strategy, best.bucket_bytes, best.min_size, (best, *rest), link,
+        error_feedback=best.error_feedback,
+    )  # fmt: skip

@@ -313,7 +313,8 @@ def test_tied_steps_are_those_within_the_spread_of_the_fastest():
 
 def test_step_prediction_fits_compute_and_scales_leave_one_out():
     """Steps made by compute + lam * wire + kappa * codec (compute 180, lam 1.5, kappa 0.4):
-    each timed row is predicted exactly from the other two, the untimed one from all three."""
+    each timed row is predicted exactly from the other three, the untimed one from all four;
+    from fewer than three timed steps lam stays 1."""
 
     def made(w, c):
         return 180.0 + 1.5 * w + 0.4 * c
@@ -323,14 +324,15 @@ def test_step_prediction_fits_compute_and_scales_leave_one_out():
         _step_row("int8", "allgather", made(80, 500), 5.0, 80.0, 500.0),
         _step_row("fp16", "allgather", made(160, 200), 5.0, 160.0, 200.0),
         _step_row("fp16", "two_phase", made(230, 300), 5.0, 230.0, 300.0),
+        _step_row("int8", "two_phase", made(120, 700), 5.0, 120.0, 700.0),
     ]
     untimed = _step_row("bf16", "allgather", math.nan, math.nan, 150.0, 180.0)
     out = steps.calibrate_steps([plain, *timed, untimed])
     assert out[0].predicted_step_ms == plain.step_ms and out[0].predicted_ms == 240.0
-    for got, want in zip(out[1:4], timed, strict=True):
+    for got, want in zip(out[1:5], timed, strict=True):
         assert got.predicted_step_ms == pytest.approx(want.step_ms)
         assert got.predicted_ms == pytest.approx(want.step_ms - 180.0)
-    assert out[4].predicted_step_ms == pytest.approx(made(150, 180))
+    assert out[5].predicted_step_ms == pytest.approx(made(150, 180))
     # one other timed row: lam = 1 (the link model), kappa fitted on that row
     lone = steps.calibrate_steps([plain, timed[0], untimed])
     k = (timed[0].step_ms - plain.step_ms - (80 - 240)) / 500
@@ -341,10 +343,13 @@ def test_step_prediction_fits_compute_and_scales_leave_one_out():
 def test_step_scales_stay_in_their_range():
     """A step faster than its wire model allows (kappa would be negative) clips kappa at 0 and
     fits lam alone; an exact fit inside the box is returned as is."""
-    lam, k = steps._fit_scales([(-165.0, 520.0, -127.0), (-16.0, 298.0, -151.0)])
+    pts = [(-165.0, 520.0, -127.0), (-16.0, 298.0, -151.0), (-86.0, 259.0, -140.0)]
+    lam, k = steps._fit_scales(pts)
     assert k == 0.0 and steps.LAM_RANGE[0] <= lam <= steps.LAM_RANGE[1]
-    assert lam == pytest.approx((165 * 127 + 16 * 151) / (165**2 + 16**2))
-    assert steps._fit_scales([(1.0, 0.0, 2.0), (0.0, 1.0, 0.5)]) == pytest.approx((2.0, 0.5))
+    assert lam == pytest.approx((165 * 127 + 16 * 151 + 86 * 140) / (165**2 + 16**2 + 86**2))
+    exact = [(1.0, 0.0, 2.0), (0.0, 1.0, 0.5), (1.0, 1.0, 2.5)]
+    assert steps._fit_scales(exact) == pytest.approx((2.0, 0.5))
+    assert steps._fit_scales(exact[:2]) == pytest.approx((1.0, 0.5))  # two: lam stays 1
     assert steps._fit_scales([]) == (1.0, 1.0)
     assert steps._fit_scales([(10.0, 5.0, 20.0)]) == (1.0, 2.0)
     assert steps._fit_scales([(10.0, 5.0, 20.0), (20.0, 10.0, 40.0)]) == (1.0, 2.0)  # in proportion
@@ -377,3 +382,54 @@ def test_network_benchmark_takes_step_predictions_from_a_stepped_plan():
     assert tuned["step_prediction_error"] == pytest.approx(400 / 390 - 1)
     assert base["predicted_step_ms"] == 530.0 and int8["predicted_step_ms"] == 420.0
     assert "predicted_step_ms" not in torch
+
+
+class _FakeTimer:
+    """Stands in for autotune_steps._Timer: each row's steps from a table, no devices."""
+
+    def __init__(self, steps_ms):
+        self.steps_ms, self.order, self.again_rows = steps_ms, [], []
+
+    def time(self, row):
+        self.order.append((row.name, row.strategy))
+        return self.stats(row)
+
+    def again(self, rows):
+        self.again_rows = [(r.name, r.strategy) for r in rows]
+
+    def stats(self, row):
+        times = self.steps_ms[(row.name, row.strategy)]
+        times = times[: 3 if not self.again_rows else None]  # 3 more after again()
+        median, spread = steps.step_stats([t / 1e3 for t in times])
+        return row._replace(step_ms=median, step_spread_ms=spread, step_reps=len(times))
+
+
+def test_stepped_plan_times_firsts_then_best_predicted_and_retimes_ties():
+    int8, fp16 = jc.int_quant(8), jc.cast("fp16")
+
+    def row(name, codec, strategy, wire, codec_ms):
+        return tuning.Candidate(name, codec, strategy, 1, 0, 1.0, wire + codec_ms, math.nan,
+                                wire + codec_ms, codec_ms)  # fmt: skip
+
+    rows = [
+        row("none", None, "pmean", 246.0, 0.0),
+        row("int8", int8, "allgather", 81.0, 520.0),
+        row("fp16", fp16, "allgather", 160.0, 259.0),
+        row("fp16", fp16, "two_phase", 230.0, 298.0),  # predicted 540 ms after round one
+        row("int8", int8, "two_phase", 240.0, 900.0),  # predicted 585 ms
+    ]
+    timer = _FakeTimer({
+        ("none", "pmean"): [540, 538, 536],
+        ("int8", "allgather"): [420, 411, 400, 430, 431, 432],  # ties fp16 two_phase first
+        ("fp16", "allgather"): [450, 452, 455],
+        ("fp16", "two_phase"): [398, 405, 420, 380, 385, 387],
+    })  # fmt: skip
+    plan = steps.stepped_plan(rows, 3, 60.0, timer, LINK)
+    # plain, the model's best of each codec, then the best predicted step of the rest
+    assert timer.order == [("none", "pmean"), ("fp16", "allgather"), ("int8", "allgather"),
+                           ("fp16", "two_phase")]  # fmt: skip
+    assert timer.again_rows == [("fp16", "two_phase"), ("int8", "allgather")]  # 405 vs 411
+    assert (plan.table[0].name, plan.strategy) == ("fp16", "two_phase")  # 392.5 after 6 steps
+    assert plan.table[0].step_reps == 6 and plan.table[0].step_ms == pytest.approx(392.5)
+    assert [r.name for r in plan.table[1:4]] == ["int8", "fp16", "none"]  # timed, fastest first
+    assert math.isnan(plan.table[4].step_ms) and plan.table[4].predicted_step_ms > 0

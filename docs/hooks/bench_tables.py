@@ -348,6 +348,9 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
     for r in data["rows"]:
         if "autotune" not in r:
             continue
+        if any(_num(c.get("step_ms")) for c in r["autotune"]):
+            parts += [_autotune_steps(r), _predicted_steps(data["rows"], r.get("rate"), True)]
+            continue
         body = []
         for c in r["autotune"]:
             meas = c.get("measured_ms", math.nan)
@@ -384,7 +387,45 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-def _predicted_steps(rows: list[dict[str, Any]], rate: Any) -> str:
+def _num(x: Any) -> bool:
+    """``x`` is a finite number (JSON writes NaN for an untimed row)."""
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _autotune_steps(r: dict[str, Any]) -> str:
+    """A plan that timed whole steps: every candidate's predicted and measured step."""
+    body = []
+    for c in r["autotune"]:
+        step, pred = c.get("step_ms", math.nan), c.get("predicted_step_ms", math.nan)
+        err = pred / step - 1 if _num(step) and _num(pred) and c["name"] != "none" else math.nan
+        spread = f" ± {c['step_spread_ms'] / 2:.0f} ({c['step_reps']})" if _num(step) else ""
+        body.append(
+            [
+                f"`{c['name']}`" + (f" (failed: {c['error']})" if c.get("error") else ""),
+                c["strategy"],
+                str(c.get("error_feedback") or "–"),
+                _fmt(c["min_size"]),
+                _bytes(c["bytes_per_device"]),
+                _fmt(c.get("model_ms", math.nan), 4),
+                _fmt(c["predicted_ms"], 4),
+                _fmt(pred, 4),
+                _fmt(step, 4) + spread,
+                "–" if err != err else f"{100 * err:+.0f}%",
+            ]
+        )
+    header = ["candidate", "strategy", "feedback", "min_size", "bytes/device", "model ms"]
+    header += ["exchange ms", "predicted step ms", "step ms ± IQR/2 (steps)", "error"]
+    return (
+        f"`jc.autotune` at {r.get('rate', '?')} (host load {r.get('host_load')}; chose "
+        f"`{r.get('chosen')}`), timing whole steps of the MLP: every candidate. model ms: the "
+        "link model and the standalone codec passes; exchange ms: its share of the predicted "
+        "step (scaled on the timed steps); predicted step: the compute fitted on plain "
+        "`pmean`'s step plus the exchange, each timed row predicted from the other timed rows "
+        "(plain `pmean` is the anchor).\n\n" + _markdown((header, body))
+    )
+
+
+def _predicted_steps(rows: list[dict[str, Any]], rate: Any, stepped: bool = False) -> str:
     """Predicted against measured step of every row with a prediction at ``rate`` (rows
     written before predictions covered every codec have one on ``autotune`` only)."""
     have = [r for r in rows if r.get("rate") == rate and "predicted_step_ms" in r]
@@ -402,11 +443,15 @@ def _predicted_steps(rows: list[dict[str, Any]], rate: Any) -> str:
         for r in have
     ]
     header = ["step", "strategy", "feedback", "predicted ms", "measured ms", "error"]
-    return (
-        f"Step predictions at {rate}: the plain step's compute (its step less the plan's "
-        "measured plain exchange) plus the plan's predicted exchange path of the same codec, "
-        "strategy and error feedback.\n\n" + _markdown((header, body))
+    how = (
+        "the plan's predicted step of the same codec, strategy and error feedback (for "
+        "`pmean`, the plan's own timing of the plain step), against the benchmark's step of "
+        "it in the same run"
+        if stepped
+        else "the plain step's compute (its step less the plan's measured plain exchange) plus "
+        "the plan's predicted exchange path of the same codec, strategy and error feedback"
     )
+    return f"Step predictions at {rate}: {how}.\n\n" + _markdown((header, body))
 
 
 # --------------------------------------------------------------------------- overlap

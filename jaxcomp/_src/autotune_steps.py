@@ -178,8 +178,9 @@ def select_step(rows: Sequence[Candidate]) -> Candidate:
 def _fit_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
     """``(lam, kappa)`` minimizing ``sum (y - lam * x - kappa * c)^2`` over ``(x, c, y)``,
     within :data:`LAM_RANGE` x :data:`KAPPA_RANGE`; ``(1, 1)`` with no points and ``lam = 1``
-    (the link model as fitted) where the points cannot separate the two (one point, or
-    points in proportion)."""
+    (the link model as fitted) where fewer than three points or points in proportion cannot
+    separate the two (two timed steps fit any pair exactly, noise included, and extrapolate
+    wildly)."""
     if not points:
         return 1.0, 1.0
     x, c, y = (np.asarray(v, dtype=np.float64) for v in zip(*points, strict=True))
@@ -193,7 +194,7 @@ def _fit_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, fl
         return float(np.clip(float(x @ (y - k * c)) / den if den else 1.0, *LAM_RANGE))
 
     free, _, rank, _ = np.linalg.lstsq(np.stack([x, c], axis=1), y, rcond=None)
-    if rank < 2:  # one point, or points in proportion: they cannot separate the two
+    if rank < 2 or len(points) < 3:  # two noisy steps fit any pair exactly: lam stays 1
         return 1.0, best_k(1.0)
     pairs = [(float(np.clip(free[0], *LAM_RANGE)), float(np.clip(free[1], *KAPPA_RANGE)))]
     pairs += [(lam, best_k(lam)) for lam in LAM_RANGE] + [(best_lam(k), k) for k in KAPPA_RANGE]
@@ -214,10 +215,10 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
 
     ``lam`` (the link model's scale inside a step) and ``kappa`` (the codec passes' cost in a
     step against alone) are least squares on the timed compressed steps,
-    ``S_r - S_0 = lam (w_r - w_0) + kappa c_r``. Each timed row is predicted from the
-    *other* timed rows (leave-one-out), so its predicted against measured step is a fair test;
-    plain ``pmean`` is the anchor (predicted = measured). Without a measured plain step the
-    rows are returned unchanged.
+    ``S_r - S_0 = lam (w_r - w_0) + kappa c_r`` (``lam = 1`` from fewer than three). Each
+    timed row is predicted from the *other* timed rows (leave-one-out), so its predicted
+    against measured step is a fair test; plain ``pmean`` is the anchor (predicted =
+    measured). Without a measured plain step the rows are returned unchanged.
 
     Args:
       rows: the candidates, ``step_ms`` NaN where no step was timed.
@@ -341,8 +342,8 @@ def stepped_plan(rows, check, budget_s, timer: _Timer, link) -> tuning.AutotuneP
         time_row(r)
     tied = tied_steps(rows)
     if tied and _elapsed(t0) <= budget_s:
-        timer.again(tied)
-        rows = [timer.stats(r) if any(r is t for t in tied) else r for r in rows]
+        _, err = tuning._guarded(lambda: timer.again(tied))  # on failure: the first timings
+        rows = [timer.stats(r) if not err and any(r is t for t in tied) else r for r in rows]
     return _plan(calibrate_steps(rows), link)
 
 

@@ -9,7 +9,7 @@ with the update, differently for each strategy (on 2 gloo processes at 10 Gbit/s
 the user runs, so the step is what is ranked (:func:`select_step`), ties within the timing
 noise are settled by more repeats (:func:`tied_steps`), and every candidate gets a predicted
 step (:func:`calibrate_steps`): the compute fitted from the measured plain step, the exchange
-from the link model, both scaled on the timed steps.
+from the link model, the codec passes scaled on the timed steps.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from jaxcomp._src.autotune import Candidate
 
 #: Untimed warm-up steps before the timed ones (the first runs allocate the donated buffers).
 WARMUP_STEPS = 2
-#: Bounds of the fitted link scale ``lam`` and codec-pass scale ``kappa`` (calibrate_steps).
-LAM_RANGE = (0.1, 10.0)
+#: Bounds of the fitted codec-pass scale ``kappa`` (calibrate_steps).
 KAPPA_RANGE = (0.0, 10.0)
 
 
@@ -175,50 +174,39 @@ def select_step(rows: Sequence[Candidate]) -> Candidate:
     return min(timed, key=lambda r: (r.step_ms, r.codec_model_ms))
 
 
-def _fit_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """``(lam, kappa)`` minimizing ``sum (y - lam * x - kappa * c)^2`` over ``(x, c, y)``,
-    within :data:`LAM_RANGE` x :data:`KAPPA_RANGE`; ``(1, 1)`` with no points and ``lam = 1``
-    (the link model as fitted) where fewer than three points or points in proportion cannot
-    separate the two (two timed steps fit any pair exactly, noise included, and extrapolate
-    wildly)."""
-    if not points:
-        return 1.0, 1.0
-    x, c, y = (np.asarray(v, dtype=np.float64) for v in zip(*points, strict=True))
+def fit_kappa(points: Sequence[tuple[float, float]]) -> float:
+    """The codec passes' scale ``kappa`` minimizing ``sum (y - kappa * c)^2`` over the points
+    ``(c, y)``, clipped to :data:`KAPPA_RANGE`; 1 (the standalone passes) without points.
 
-    def best_k(lam: float) -> float:  # the 1-D optimum of kappa for a given lam
-        den = float(c @ c)
-        return float(np.clip(float(c @ (y - lam * x)) / den if den else 1.0, *KAPPA_RANGE))
+    Example::
 
-    def best_lam(k: float) -> float:
-        den = float(x @ x)
-        return float(np.clip(float(x @ (y - k * c)) / den if den else 1.0, *LAM_RANGE))
-
-    free, _, rank, _ = np.linalg.lstsq(np.stack([x, c], axis=1), y, rcond=None)
-    if rank < 2 or len(points) < 3:  # two noisy steps fit any pair exactly: lam stays 1
-        return 1.0, best_k(1.0)
-    pairs = [(float(np.clip(free[0], *LAM_RANGE)), float(np.clip(free[1], *KAPPA_RANGE)))]
-    pairs += [(lam, best_k(lam)) for lam in LAM_RANGE] + [(best_lam(k), k) for k in KAPPA_RANGE]
-    if LAM_RANGE[0] <= free[0] <= LAM_RANGE[1] and KAPPA_RANGE[0] <= free[1] <= KAPPA_RANGE[1]:
-        pairs = pairs[:1]  # the unconstrained optimum is inside the box
-    return min(pairs, key=lambda p: float(np.sum((y - p[0] * x - p[1] * c) ** 2)))
+      fit_kappa([(500.0, 40.0), (250.0, 15.0)])   # 0.0733...
+    """
+    den = sum(c * c for c, _ in points)
+    if not den:
+        return 1.0
+    return float(np.clip(sum(c * y for c, y in points) / den, *KAPPA_RANGE))
 
 
 def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     """``predicted_step_ms`` and ``predicted_ms`` of every row from the timed steps.
 
     With ``S_0`` plain ``pmean``'s measured step, ``w_r = model_ms - codec_model_ms`` a row's
-    wire time in the link model and ``c_r = codec_model_ms`` its codec passes::
+    wire time in the link model (:func:`jaxcomp._src.autotune.predict_seconds`) and
+    ``c_r = codec_model_ms`` its codec passes timed alone::
 
-        compute      = S_0 - lam * w_0                 (the plain step less its exchange)
-        exchange_r   = lam * w_r + kappa * c_r
+        compute      = S_0 - w_0                    (the plain step less its modelled exchange)
+        exchange_r   = w_r + kappa * c_r
         predicted_r  = compute + exchange_r
 
-    ``lam`` (the link model's scale inside a step) and ``kappa`` (the codec passes' cost in a
-    step against alone) are least squares on the timed compressed steps,
-    ``S_r - S_0 = lam (w_r - w_0) + kappa c_r`` (``lam = 1`` from fewer than three). Each
-    timed row is predicted from the *other* timed rows (leave-one-out), so its predicted
-    against measured step is a fair test; plain ``pmean`` is the anchor (predicted =
-    measured). Without a measured plain step the rows are returned unchanged.
+    ``kappa`` (what the codec passes cost inside a step against alone: they fuse with the
+    sum, the update and each other) is least squares on the timed compressed steps,
+    ``S_r - S_0 - (w_r - w_0) = kappa c_r``. Each timed row is predicted with ``kappa``
+    fitted on the *other* timed rows (leave-one-out), so its predicted against measured step
+    is a fair test; plain ``pmean`` is the anchor (predicted = measured). Without a measured
+    plain step the rows are returned unchanged. The wire is taken from the link model as
+    fitted: scaling it too (a second factor) fits two noisy steps exactly and extrapolates
+    to negative compute.
 
     Args:
       rows: the candidates, ``step_ms`` NaN where no step was timed.
@@ -231,9 +219,9 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
 
       rows = jaxcomp._src.autotune_steps.calibrate_steps(plan.table)
 
-    Reference: the alpha-beta model of Hockney, Parallel Computing 1994, fitted on measured
-    steps as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
-    Training Systems", MLSys 2022 (compute + exchange, where the exchange does not overlap).
+    Reference: the alpha-beta model of Hockney, Parallel Computing 1994, with the codec's
+    passes added as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
+    Training Systems", MLSys 2022 (a step is compute plus an exchange that does not overlap).
     """
     plain = next((r for r in rows if r.codec is None and _finite(r.step_ms)), None)
     if plain is None:
@@ -242,21 +230,21 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     timed = [r for r in rows if r.codec is not None and _finite(r.step_ms) and not r.error]
     out = []
     for r in rows:
-        if r is plain:
-            out.append(r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0))
+        if r is plain or r.error or not _finite(r.model_ms):
+            out.append(
+                r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0) if r is plain else r
+            )
             continue
-        points = [
-            (t.model_ms - t.codec_model_ms - w0, t.codec_model_ms, t.step_ms - plain.step_ms)
-            for t in timed
-            if t is not r
-        ]
-        lam, k = _fit_scales(points)
-        if r.error or not _finite(r.model_ms):
-            out.append(r)
-            continue
-        exchange = lam * (r.model_ms - r.codec_model_ms) + k * r.codec_model_ms
+        k = fit_kappa(
+            [
+                (t.codec_model_ms, t.step_ms - plain.step_ms - (t.model_ms - t.codec_model_ms - w0))
+                for t in timed
+                if t is not r
+            ]
+        )
+        exchange = r.model_ms - r.codec_model_ms + k * r.codec_model_ms
         out.append(
-            r._replace(predicted_ms=exchange, predicted_step_ms=plain.step_ms - lam * w0 + exchange)
+            r._replace(predicted_ms=exchange, predicted_step_ms=plain.step_ms - w0 + exchange)
         )
     return out
 
@@ -307,12 +295,21 @@ class _Timer:
 
 
 def _next_row(rows: list[Candidate], timed: set) -> Candidate | None:
-    """The untimed row to time next: the best predicted step (calibrate_steps on the steps
-    timed so far), the model's time where there is no prediction."""
+    """The untimed row to time next: a codec and strategy not timed yet before another bucket
+    size or ``min_size`` of a timed one (those differ by little), then the best predicted step
+    (calibrate_steps on the steps timed so far), the model's time where there is none."""
     left = [r for r in rows if r.codec is not None and not r.error and _key(r) not in timed]
     if not left:
         return None
-    return min(left, key=lambda r: (np.nan_to_num(r.predicted_step_ms, nan=np.inf), r.model_ms))
+    pairs = {k[:2] for k in timed}
+    return min(
+        left,
+        key=lambda r: (
+            _key(r)[:2] in pairs,
+            np.nan_to_num(r.predicted_step_ms, nan=np.inf),
+            r.model_ms,
+        ),
+    )
 
 
 def _elapsed(t0: float) -> float:

@@ -25,6 +25,10 @@ Per codec, in the same run as plain ``jax.lax.pmean`` (``pmean`` rows):
   warm-up branch compiled, so its bytes are the compressed exchange's). Steps
   are jitted with params and optimizer state donated, each step feeding the next; median of
   ``--reps`` after 3 warm-up steps;
+* ``autotune``: the exchange ``jc.autotune`` picks for the MLP on this link, ranking whole
+  steps of its loss, batch and SGD (``loss_fn=``; plain ``pmean`` and ``AUTOTUNE_CHECK``
+  candidates timed), its table in the row (``autotune``: predicted and measured steps), then
+  the step with that exchange like the other rows;
 * ``codec_ms``: encode + decode of the gradient on one device with no network (where the
   time goes when compression does not pay);
 * ``link_ms``: the link limit: every process's bytes cross the one shaped loopback queue, so
@@ -82,6 +86,9 @@ TORCH_INSTALL = (
     "install torch's CPU build to add them: pip install torch==2.13.0 "
     "(from PyPI proper: add --index-url https://download.pytorch.org/whl/cpu)"
 )
+#: Candidates jc.autotune times as whole steps besides plain pmean: the best of each default
+#: codec (bf16, fp16, int8), then three more codec-strategy pairs by predicted step.
+AUTOTUNE_CHECK = 6
 BUCKET_MB = 1024  # one DDP bucket: larger than the 101 MB of the MLP's gradients
 
 
@@ -195,8 +202,8 @@ def worker(args) -> None:
     def autotuned(params, mesh, row):
         """Run jc.autotune on the MLP's tree; record its table; the chosen exchange."""
         plan = jc.autotune(  # ranks whole steps: this MLP's loss, batch and optimizer
-            params, mesh, AXIS, budget_s=args.timeout / 4, loss_fn=common.mlp_loss,
-            batch=(bx, by), optimizer=optax.sgd(LR),
+            params, mesh, AXIS, budget_s=args.timeout / 4, check=AUTOTUNE_CHECK,
+            loss_fn=common.mlp_loss, batch=(bx, by), optimizer=optax.sgd(LR),
         )  # fmt: skip
         row["autotune"] = [
             {k: v for k, v in r._asdict().items() if k != "codec"} for r in plan.table

@@ -248,6 +248,9 @@ def _h(
     return lm.Recipe(make, kind="replica", replicas=m, schedule=schedule)
 
 
+#: The intervals of ``-H5to30`` (``sync_every``): short syncs while the loss falls fast.
+GROW_M2 = (5, 5, 10, 10, 30)
+
 RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H30-innerconst": _h(30, inner=_inner_const),
     "diloco-int4-H30-innerconst-outercos": _h(30, inner=_inner_const, outer=_outer_cos(30)),
@@ -284,6 +287,12 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H30-M2-innerconst2e-3": _h(30, 2, inner=_inner_held(2e-3)),
     # Streaming DiLoCo: 3 fragments synced at staggered steps (the same bytes per step).
     "diloco-int4-H30-innerconst-F3": _h(30, inner=_inner_const, fragments=3),
+    # The outer step re-tuned for AdamW inside at H = 30 (inner lr held): Nesterov at lr 1.0.
+    "diloco-int4-H30-innerconst-outer1.0-0.6": _h(
+        30, inner=_inner_const, outer=lambda run: _sgd(1.0, 0.6)()
+    ),
+    # A growing H: syncs after 5, 10, 20 and 30 steps, then every 30 (13 syncs, not 10).
+    "diloco-int4-H5to30-M2-innerconst": _h(GROW_M2, 2, inner=_inner_const),
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
     "demo-5e-3-decay0.9": _demo(5e-3),

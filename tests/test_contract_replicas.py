@@ -49,7 +49,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
-from jaxcomp._src import sparse_exchange
+from jaxcomp._src import periodic, sparse_exchange
 from jaxcomp._src.periodic import at_count
 
 SHAPES = {"w": (64, 48), "b": (48,), "v": (2048,)}
@@ -160,6 +160,8 @@ DILOCO_ERRORS = (
     ("inner", None),
     ("outer", "nesterov"),
     ("sync_every", 0),
+    ("sync_every", ()),
+    ("sync_every", (2, 0)),
     ("fragments", 0),
     ("fragments", 3),  # more than sync_every = 2
     ("delay", 2),  # not below sync_every = 2
@@ -608,6 +610,31 @@ def test_streaming_sync_sends_one_fragment():
     full = step_bytes(ROW_BY_ID["diloco-int4"], 1)  # the same leaves, codec and H, F = 1
     parts = [step_bytes(row, t) for t in (1, 2)]  # fragment 1 lands at 1, fragment 0 at 2
     assert full > 0 and all(0 < p <= full / 2 * 1.001 for p in parts), (full, parts)
+
+
+# A growing H (``sync_every`` a sequence of intervals): syncs after 1 and 3 steps, then every
+# 3 (counts 0, 2, 5, ...). Not a contract row: the core and its other items are local_sgd-H2's.
+GROWING = Row("local_sgd-H1,2,3", local_sgd(sync_every=(1, 2, 3)), exchanges=(0, 2), local=1)
+ROW_BY_ID[GROWING.id] = GROWING
+
+
+def test_growing_sync_every_syncs_at_the_early_steps_then_every_h():
+    """The replicas are the mean after the steps ending each interval and their own
+    elsewhere (the traced count), a local step sends nothing and a sync what plain ``pmean``
+    sends (the count fixed); the schedule against the traced condition over 100 steps."""
+    law_mean(GROWING, trajectory(GROWING.id))
+    want = [5, 15, 30, 60, 90]
+    for start in (0, 3):
+        kw = dict(sync_every=(5, 10, 15, 30), start_step=start)
+        cfg = dataclasses.replace(
+            periodic.Config("", tuple, None, None, 30, None, None, None, start_step=start),
+            early=(5, 15, 30),
+        )
+        traced = np.asarray(jax.jit(jax.vmap(functools.partial(cfg.due, f=0)))(np.arange(100)))
+        fixed = [periodic.schedule(c, **kw)[0] for c in range(100)]
+        assert list(traced) == fixed
+        assert [c + 1 for c in range(start, 100) if fixed[c]] == [start + w for w in want]
+        assert all(fixed[:start])  # averaged at every step before start_step
 
 
 # --------------------------------------------------------------------------- 7. bad arguments

@@ -74,7 +74,7 @@ def default_outer(axis_name: Any) -> optax.GradientTransformation:
 def diloco(
     inner: optax.GradientTransformation,
     axis_name: Any,
-    sync_every: int,
+    sync_every: int | tuple[int, ...],
     *,
     outer: optax.GradientTransformation | None = None,
     codec: Codec | None = None,
@@ -123,7 +123,10 @@ def diloco(
         still (figures in the docs, "Training language models over slow links": the inner
         schedule at ``H = 30``).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
-      sync_every: ``H``, inner steps between outer steps.
+      sync_every: ``H``, inner steps between outer steps; or a sequence of intervals
+        ``(h_1, ..., h_k)``: syncs after ``h_1``, ``h_1 + h_2``, ... steps, then every
+        ``h_k`` (a growing ``H``, e.g. ``(5, 5, 10, 10, 30)``: short intervals while the
+        loss falls fast; with ``fragments=1`` and ``delay=0`` only).
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default
         (None): :func:`default_outer`, by the number of replicas ``M``: plain averaging
         (``x <- x - Delta``) at ``M <= 2``, ``optax.sgd(0.7, momentum=0.6, nesterov=True)``

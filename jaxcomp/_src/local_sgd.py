@@ -25,7 +25,7 @@ class LocalSGDState(NamedTuple):
 def local_sgd(
     inner: optax.GradientTransformation,
     axis_name: Any,
-    sync_every: int,
+    sync_every: int | tuple[int, ...],
     *,
     codec: Codec | None = None,
     start_step: int = 0,
@@ -62,7 +62,9 @@ def local_sgd(
       inner: the optax transform each device runs on its own gradients (e.g.
         ``optax.sgd(0.1, momentum=0.9)``).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
-      sync_every: ``H``, local steps between averages (1: every step).
+      sync_every: ``H``, local steps between averages (1: every step); or a sequence of
+        intervals ``(h_1, ..., h_k)``: averages after ``h_1``, ``h_1 + h_2``, ... steps
+        (counted from ``start_step``), then every ``h_k``.
       codec: None (``pmean`` of the params) or a jaxcomp codec for the params' change.
       start_step: average every step before this step (post-local SGD); 0: local from the
         start.

@@ -113,6 +113,7 @@ class Config:
     mix: float = 1.0
     start_step: int = 0
     options: tuple = ()  # (name, value) pairs: the codec exchange's options (EXCHANGE_OPTIONS)
+    early: tuple = ()  # steps (from 1, after start_step) of the syncs before every sync_every
 
     @property
     def axes(self) -> tuple:
@@ -131,12 +132,19 @@ class Config:
     def due(self, count: Any, f: int) -> Any:
         """Whether fragment ``f`` syncs at the step whose count (before it) is ``count``: a
         Python bool where the count is a constant (:func:`at_count`), else traced."""
-        s, h = self.start_step, self.sync_every
+        s, h, early = self.start_step, self.sync_every, self.early
+        base = early[-1] if early else 0  # the steady period starts after the early syncs
         if not isinstance(count, jax.core.Tracer):
             c = int(count)
-            return c >= 0 and (c < s or (c + 1 - s + self.offset(f)) % h == 0)
-        periodic = jnp.mod(count + 1 - s + self.offset(f), h) == 0
-        return (count >= 0) & ((count < s) | periodic)
+            k = c + 1 - s
+            if k <= base:
+                return c >= 0 and (c < s or k in early)
+            return c >= 0 and (k - base + self.offset(f)) % h == 0
+        k = count + 1 - s
+        hit = (k > base) & (jnp.mod(k - base + self.offset(f), h) == 0)
+        for e in early:
+            hit = hit | (k == e)
+        return (count >= 0) & ((count < s) | hit)
 
     def lands(self, count: Any, f: int) -> Any:
         """Whether fragment ``f``'s exchange (``delay`` steps after its sync) runs at ``count``."""
@@ -206,12 +214,12 @@ def build(
     ``outer``, ``fragments``, ``delay``, ``mix``, ``start_step`` (already checked)."""
     inner = check_transform("inner", inner)
     collectives.check_axis_name(axis_name)
-    sync_every = check_int("sync_every", sync_every, 1)
+    sync_every, early = split_sync_every(sync_every)
     feedback.check_kind(error_feedback)
     options = check_exchange(name, codec, exchange)
     outer = schedule.pop("outer", None)
     cfg = Config(name, state_type, inner, axis_name, sync_every, outer, codec, error_feedback)
-    cfg = dataclasses.replace(cfg, options=options, **schedule)
+    cfg = dataclasses.replace(cfg, options=options, early=early, **schedule)
     if codec is not None:  # its own checks (codec, options), naming the argument
         cfg.exchange()
     return make(cfg)
@@ -464,30 +472,60 @@ def period_counts(sync_every: int, start_step: int = 0) -> range:
     return range(start_step, start_step + sync_every)
 
 
+def split_sync_every(sync_every: Any) -> tuple[int, tuple[int, ...]]:
+    """``(H, early)`` of a checked ``sync_every``: an int ``H`` (``early`` empty), or a
+    sequence of intervals ``(h_1, ..., h_k)``: ``H = h_k`` and ``early`` the steps of the
+    syncs before it, ``(h_1, h_1 + h_2, ..., h_1 + ... + h_{k-1})``; the syncs after them
+    come every ``H`` steps. A ValueError or TypeError naming ``sync_every`` otherwise."""
+    if not isinstance(sync_every, list | tuple):
+        return check_int("sync_every", sync_every, 1), ()
+    if not sync_every:
+        raise ValueError(
+            "`sync_every` must be an int or a non-empty sequence of ints (the intervals "
+            "between syncs, the last one repeated), got an empty sequence"
+        )
+    hs = [check_int(f"sync_every[{i}]", h, 1) for i, h in enumerate(sync_every)]
+    early, total = [], 0
+    for h in hs[:-1]:
+        total += h
+        early.append(total)
+    return hs[-1], tuple(early)
+
+
 def check_common(
     sync_every: Any, fragments: Any = 1, delay: Any = 0, start_step: Any = 0
-) -> tuple[int, int, int, int]:
-    sync_every = check_int("sync_every", sync_every, 1)
+) -> tuple[Any, int, int, int]:
+    """The checked schedule: ``sync_every`` (an int, or a tuple of intervals: see
+    :func:`split_sync_every`), ``fragments``, ``delay`` and ``start_step``."""
+    h, early = split_sync_every(sync_every)
     fragments = check_int("fragments", fragments, 1)
-    if fragments > sync_every:
+    if fragments > h:
         raise ValueError(
-            f"`fragments` must be at most `sync_every` ({sync_every}): fragments sync at "
+            f"`fragments` must be at most `sync_every` ({h}): fragments sync at "
             f"distinct steps of each period, got {fragments}"
         )
     delay = check_int("delay", delay, 0)
-    if delay >= sync_every:
+    if delay >= h:
         raise ValueError(
-            f"`delay` must be less than `sync_every` ({sync_every}): an exchange lands before "
+            f"`delay` must be less than `sync_every` ({h}): an exchange lands before "
             f"the fragment's next sync, got {delay}"
         )
+    if early and (fragments > 1 or delay):
+        raise ValueError(
+            f"`sync_every` as a sequence of intervals ({tuple(sync_every)}) takes "
+            f"`fragments`=1 and `delay`=0, got fragments={fragments}, delay={delay}: pass an "
+            "int `sync_every` to stream fragments or delay the exchange"
+        )
     start_step = check_int("start_step", start_step, 0)
-    return sync_every, fragments, delay, start_step
+    steps = tuple(int(x) for x in sync_every) if early else h
+    return steps, fragments, delay, start_step
 
 
 def schedule(
-    count: int, *, sync_every: int, fragments: int = 1, delay: int = 0, start_step: int = 0
+    count: int, *, sync_every: Any, fragments: int = 1, delay: int = 0, start_step: int = 0
 ) -> tuple[bool, ...]:
     """Which fragments exchange (with ``delay``: land) at the step of count ``count``."""
-    cfg = Config("", tuple, optax.identity(), None, sync_every, None, None, None, fragments)
-    cfg = dataclasses.replace(cfg, delay=delay, start_step=start_step)
+    h, early = split_sync_every(sync_every)
+    cfg = Config("", tuple, optax.identity(), None, h, None, None, None, fragments)
+    cfg = dataclasses.replace(cfg, delay=delay, start_step=start_step, early=early)
     return tuple(bool(cfg.lands(count, f)) for f in range(fragments))

@@ -185,7 +185,7 @@ def resolve_averaging(averaging: Any, strategy: Any) -> str:
 def sparseloco(
     inner: optax.GradientTransformation,
     axis_name: Any,
-    sync_every: int,
+    sync_every: int | tuple[int, ...],
     *,
     density: float = 64 / 4096,
     chunk: int = 4096,
@@ -226,7 +226,8 @@ def sparseloco(
         ``optax.adamw(1e-3)``), its lr held at the peak after a warm-up rather than decayed
         (as for :func:`jaxcomp.diloco`).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
-      sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30).
+      sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30); or a
+        sequence of intervals, the last one repeated (as :func:`jaxcomp.diloco`'s).
       density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%).
       chunk: values per chunk (default 4096 = 64 x 64; indices take ``ceil(log2 chunk)`` bits).
       bits: bits per sent value, in [1, 8] (default 2), or None for float32 values.
@@ -273,7 +274,7 @@ def sparseloco(
     inner = periodic.check_transform("inner", inner)
     if outer is not None:
         outer = periodic.check_transform("outer", outer)
-    sync_every, _, _, _ = periodic.check_common(sync_every)
+    sync_every, early = periodic.split_sync_every(periodic.check_common(sync_every)[0])
     chunk = check_int("chunk", chunk, 1, 2**30)
     codec = chunked_top_k(check_density(density, chunk), chunk, bits)
     ef_decay = check_decay(ef_decay)
@@ -307,5 +308,6 @@ def sparseloco(
         codec=codec,
         error_feedback=None,
         feedback=feedback,
+        early=early,
     )
     return periodic.make(cfg)

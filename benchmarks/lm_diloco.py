@@ -167,6 +167,30 @@ def _inner_const(run: lm.Run) -> Any:
     return optax.adamw(held_schedule(run), weight_decay=lm.WEIGHT_DECAY)
 
 
+def wsd_schedule(run: lm.Run, decay: float = 0.2) -> Any:
+    """Warm-up, stable, decay: the run's 5% linear warm-up to its peak lr, the peak held, and
+    over the last ``decay`` of the steps a linear decay to 10% of the peak (data parallel's
+    cosine ends there too)."""
+    import optax
+
+    warm, tail = max(1, run.steps // 20), max(1, round(decay * run.steps))
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, run.lr, warm),
+            optax.constant_schedule(run.lr),
+            optax.linear_schedule(run.lr, 0.1 * run.lr, tail),
+        ],
+        [warm, run.steps - tail],
+    )
+
+
+def _inner_wsd(run: lm.Run) -> Any:
+    """AdamW (weight decay 0.1) at :func:`wsd_schedule`."""
+    import optax
+
+    return optax.adamw(wsd_schedule(run), weight_decay=lm.WEIGHT_DECAY)
+
+
 def _inner_held(peak: float) -> Callable[[lm.Run], Any]:
     """AdamW (weight decay 0.1) warmed up to ``peak`` over the run's 5%, then held."""
 
@@ -293,6 +317,9 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     # A growing H: syncs after 5, 10, 20 and 30 steps, then every 30 (13 syncs, not 10).
     "diloco-int4-H5to30-M2-innerconst": _h(GROW_M2, 2, inner=_inner_const),
+    # The inner lr held, then decayed linearly to 10% over the last 20% of the steps (WSD).
+    "diloco-int4-H30-innerwsd": _h(30, inner=_inner_wsd),
+    "diloco-int4-H30-M2-innerwsd": _h(30, 2, inner=_inner_wsd),
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
     "demo-5e-3-decay0.9": _demo(5e-3),

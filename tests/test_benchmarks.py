@@ -406,6 +406,10 @@ def test_lm_diloco_held_and_outer_cosine_schedules():
     outer = np.asarray(lm_diloco.outer_cosine(run, 30, 0.7)(np.arange(10)))
     assert outer[0] == pytest.approx(0.7) and outer[9] == pytest.approx(0.07)
     assert np.all(np.diff(outer) < 0)
+    wsd = np.asarray(lm_diloco.wsd_schedule(run)(np.arange(301)))  # the last 60 steps decay
+    np.testing.assert_allclose(wsd[:240], held[:240], rtol=1e-6)
+    assert wsd[270] == pytest.approx(1.65e-3) and wsd[300] == pytest.approx(3e-4)
+    assert np.all(np.diff(wsd[240:]) < 0)
 
 
 def test_lm_baseline_lr_and_merge_against_the_tuned_baseline(tmp_path, monkeypatch):

@@ -300,6 +300,8 @@ def _h(
 #: most that keeps 8 replicas at 200x fewer bytes than data parallel.
 GROW_M2 = (5, 5, 10, 10, 30)
 GROW_M8 = (10, 20, 30)
+#: ``-H5x6to30``: every 5 steps for 30 steps, every 10 to step 60, then every 30 (17 syncs).
+GROW_M2_DENSE = (5, 5, 5, 5, 5, 5, 10, 10, 10, 30)
 
 RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H30-innerconst": _h(30, inner=_inner_const),
@@ -359,6 +361,14 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-innerwsd": _h(30, 2, inner=_inner_wsd, sparse=True),
     # SparseLoCo's merge: the mean over every device (a coordinate sent by one is divided).
     "sparseloco-H30-M2-innerconst-all": _h(30, 2, inner=_inner_const, sparse=True, averaging="all"),
+    "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
+    "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
+    "diloco-int4-H30-innerconst-outer0.5-0.6": _h(
+        30, inner=_inner_const, outer=lambda run: _sgd(0.5, 0.6)()
+    ),
+    "diloco-int4-H30-innerconst-outer0.7-0.3": _h(
+        30, inner=_inner_const, outer=lambda run: _sgd(0.7, 0.3)()
+    ),
     "demo-2e-3-decay0.9": _demo(2e-3),
     "demo-4e-3-decay0.9": _demo(4e-3),
     "demo-5e-3-decay0.9": _demo(5e-3),

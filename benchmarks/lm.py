@@ -200,9 +200,10 @@ def _powersgd(rank: int, **kw: Any) -> Callable[[Run, Any], Any]:
 POWERSGD_START = 10  # jc.powersgd's default warm-up of plain pmean steps
 
 
-def _psgd(rank: int) -> Recipe:
-    """PowerSGD rank ``rank`` then AdamW; bytes: plain pmean for the warm-up (its
-    ``lax.cond``), then the compressed exchange (lowered with ``start_step=0``)."""
+def _psgd(rank: int, start: int = POWERSGD_START) -> Recipe:
+    """PowerSGD rank ``rank`` then AdamW, plain pmean for the first ``start`` steps; bytes:
+    plain pmean for the warm-up (its ``lax.cond``), then the compressed exchange (lowered
+    with ``start_step=0``)."""
 
     def compressed(run: Run, axis: Any) -> Any:
         import jaxcomp as jc
@@ -210,9 +211,9 @@ def _psgd(rank: int) -> Recipe:
         return jc.powersgd(rank, axis, start_step=0)
 
     return Recipe(
-        _powersgd(rank),
+        _powersgd(rank, start_step=start),
         regimes={"warmup": _mean_exchange, "compressed": compressed},
-        regime=lambda run, t: "warmup" if t < POWERSGD_START else "compressed",
+        regime=lambda run, t: "warmup" if t < start else "compressed",
     )
 
 
@@ -430,6 +431,8 @@ RECIPES: dict[str, Recipe] = {
     "powersgd4-adamw": _psgd(4),
     "powersgd8-adamw": _psgd(8),
     "powersgd16-adamw": _psgd(16),
+    **{f"powersgd{r}-adamw-start{t}": _psgd(r, t) for r in (8, 16, 32) for t in (30, 60)},
+    "powersgd32-adamw": _psgd(32),
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
     "topk1%-adamw": Recipe(_chain(_q("topk1%")), note="known bad: top-k before Adam"),
     "nocomm": Recipe(

@@ -103,6 +103,16 @@ RECIPES: dict[str, lm.Recipe] = {
     "demo-3e-3-sign-end1-k18-b4": _demo(3e-3, end=1.0, topk=18, bits=4),
     "demo-3e-3-sign-end1-decay0.95-k18-b4": _demo(3e-3, end=1.0, decay=0.95, topk=18, bits=4),
 }
+# The recipe above (jc.demo's recommended settings) at other peaks and momentum decays.
+RECIPES.update(
+    {
+        f"demo-{peak}-sign-end1-decay{decay}-k18-b4": _demo(
+            float(peak), end=1.0, decay=float(decay), topk=18, bits=4
+        )
+        for peak in ("2e-3", "3e-3", "4.5e-3", "6e-3", "8e-3")
+        for decay in ("0.8", "0.9", "0.95", "0.98")
+    }
+)
 
 
 def main(argv: list[str] | None = None) -> int:

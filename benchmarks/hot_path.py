@@ -16,10 +16,14 @@ bfloat16 (``memory_dtype``). Each row also records the compiled update's tempora
 arguments (``memory_analysis()``, in copies of the gradient: deterministic, unlike the
 times on a shared host) and each call's CPU time (``time.process_time``, every thread:
 ``cpu_copies`` is the row's median over the copy's, less disturbed by other work on the host
-than wall time). The state is built with
-``jc.sharded_init`` and its specs from ``jc.state_specs``, so the script does not depend on
-the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after ``--warmup``,
-each blocked until ready; the copy is timed before and after the rows (its samples pooled).
+than wall time), its minor page faults (``getrusage``: pages touched for the first time
+since they were mapped; ``fault_copies`` in gradient copies of 4 KiB pages) and
+``hlo_copies``, the bytes the compiled update's instructions read and write over the bytes
+a copy moves (:func:`hlo_traffic`: a model of its memory traffic, deterministic). The state
+is built with ``jc.sharded_init`` and its specs from ``jc.state_specs``, so the script does
+not depend on the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after
+``--warmup``, each blocked until ready; the copy is timed before and after the rows (its
+samples pooled).
 Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
 
     python -m benchmarks.hot_path --label before     # hot_path_before.json
@@ -28,6 +32,12 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path --reuse-buffers --label reuse   # freed memory reused
     python -m benchmarks.hot_path --rows int8 --ops 12  # + the 12 costliest ops of each row
     python -m benchmarks.hot_path --backend gpu --label gpu_h100  # on one GPU instead
+    python -m benchmarks.hot_path --rows sign int8 fp16 --reps 9 --label malloc \
+        --settings default reuse GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+
+Allocator settings (``--settings``): glibc reads its tunables when a process starts, so each
+setting's rows are timed in a child process of its own, each against the copy timed in that
+process, one after another; the rows carry their ``setting``.
 
 Op by op (``--ops N``): after its timed calls, each row runs ``--op-calls`` more under
 ``jax.profiler.trace`` (a Perfetto trace; XLA:CPU records one event per thunk), and the JSON
@@ -38,12 +48,17 @@ operation it came from (``op_name``). The profiled calls are not among the timed
 
 from __future__ import annotations
 
+import argparse
 import glob
 import gzip
 import json
+import math
 import os
+import pathlib
 import re
+import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,22 +85,27 @@ QUICK_ROWS = ["sign", "int8", "sign (no feedback)"]
 TARGET_COPIES = 3.0  # int8 and fp16 with error feedback (sign: 2)
 
 
-def timed(fn, args, reps: int, warmup: int, const=(), cpu=None) -> list[float]:
+def timed(fn, args, reps: int, warmup: int, const=(), cpu=None, faults=None) -> list[float]:
     """Milliseconds of ``reps`` calls ``fn(*args, *const)`` after ``warmup``; each call's
     output is the next ``args`` (they are donated), each blocked until ready. ``cpu``: a list
     that gets each call's CPU milliseconds (``time.process_time``: every thread of the
-    process, user + system), which other work on a shared host disturbs less than wall time."""
+    process, user + system), which other work on a shared host disturbs less than wall time.
+    ``faults``: a list that gets each call's minor page faults (``getrusage``'s
+    ``ru_minflt``, every thread: a page touched for the first time since it was mapped)."""
     import jax
 
     for _ in range(warmup):
         args = jax.block_until_ready(fn(*args, *const))
     times = []
     for _ in range(reps):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0, c0 = time.perf_counter(), time.process_time()
         args = jax.block_until_ready(fn(*args, *const))
         times.append(1e3 * (time.perf_counter() - t0))
         if cpu is not None:
             cpu.append(1e3 * (time.process_time() - c0))
+        if faults is not None:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     return times
 
 
@@ -104,6 +124,42 @@ def entry_instructions(hlo_text: str) -> dict[str, dict]:
         if m:
             found[m.group(1)] = {"shape": m.group(2) or "", "op_name": m.group(3) or ""}
     return found
+
+
+_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_ENTRY_LINE = re.compile(
+    r"^\s*(?:ROOT )?%(\S+) = (\([^=]*?\)|\S+?\[[^\]]*\](?:\{[^}]*\})?) ([\w-]+)\((.*?)\)(?:,|$)"
+)
+# No data moves: views, tuples, the entry's inputs (a `call` is counted by what it calls).
+_NO_TRAFFIC = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "call"}
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        total += _BYTES.get(dtype, 1) * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def hlo_traffic(hlo_text: str) -> int:
+    """Bytes the entry computation's instructions read and write: each instruction's output
+    plus each distinct operand, once (a fusion that reads a slice of an operand is counted as
+    reading all of it). Views (bitcast, tuples) move nothing. A model of the memory traffic
+    of one call, deterministic, against which the timed copies can be read."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    sizes: dict[str, int] = {}
+    total = 0
+    for line in entry.splitlines()[1:]:
+        m = _ENTRY_LINE.match(line)
+        if not m:
+            continue
+        name, shape, op, operands = m.groups()
+        sizes[name] = _shape_bytes(shape)
+        if op not in _NO_TRAFFIC:
+            read = set(re.findall(r"%([\w.\-]+)", operands))
+            total += sizes[name] + sum(sizes.get(o, 0) for o in read)
+    return total
 
 
 def op_profile(fn, args, const, calls: int, instructions: dict, top: int) -> tuple[list, object]:
@@ -162,9 +218,10 @@ def run(
     copy = jax.jit(lambda g: (jax.tree.map(lambda x: x * 1.0001, g),), donate_argnums=0)
 
     copy_cpu: list[float] = []
+    copy_faults: list[int] = []
 
     def copy_times():
-        return timed(copy, (fresh_grads(),), reps, warmup, cpu=copy_cpu)
+        return timed(copy, (fresh_grads(),), reps, warmup, cpu=copy_cpu, faults=copy_faults)
 
     copy_ms = copy_times()
     rows = []
@@ -203,7 +260,8 @@ def run(
         compiled = update.lower(grads, state, params).compile()
         memory = compiled.memory_analysis()
         cpu: list[float] = []
-        times = timed(update, (grads, state), reps, warmup, const=(params,), cpu=cpu)
+        faults: list[int] = []
+        times = timed(update, (grads, state), reps, warmup, const=(params,), cpu=cpu, faults=faults)
         top_ops = []
         if ops:
             instructions = entry_instructions(compiled.as_text())
@@ -223,11 +281,17 @@ def run(
             # compiled, deterministic: buffers the update allocates / takes, in gradient copies
             "temp_copies": memory.temp_size_in_bytes / (4 * n_params),
             "argument_copies": memory.argument_size_in_bytes / (4 * n_params),
+            # bytes the compiled update's instructions read + write, in copies (a copy of the
+            # gradient reads and writes 4 bytes per parameter: 1)
+            "hlo_copies": hlo_traffic(compiled.as_text()) / (8 * n_params),
             "update_ms": statistics.median(times),
             "update_min_ms": min(times),
             "times_ms": [round(t, 3) for t in times],
             "update_cpu_ms": statistics.median(cpu),
             "cpu_times_ms": [round(t, 3) for t in cpu],
+            # minor page faults per call (median), in pages of 4 KiB per gradient copy
+            "faults": statistics.median(faults),
+            "fault_copies": statistics.median(faults) * resource.getpagesize() / (4 * n_params),
             "seconds": round(time.perf_counter() - t_start, 1),
         }
         if ops:
@@ -254,6 +318,7 @@ def run(
         "copy_ms": copy_median,
         "copy_times_ms": [round(t, 3) for t in copy_ms],
         "copy_cpu_ms": copy_cpu_median,
+        "copy_faults": statistics.median(copy_faults),
         "reps": reps,
         "warmup": warmup,
         "target_copies": TARGET_COPIES,
@@ -267,7 +332,8 @@ def draw(data: dict, path) -> None:
     rows = data["rows"]
 
     def one(ax):
-        names = [r["name"] for r in rows]
+        several = len({r.get("setting") for r in rows}) > 1
+        names = [r["name"] + (f"\n{r['setting'][:28]}" if several else "") for r in rows]
         vals = [r["copies"] for r in rows]
         ax.bar(np.arange(len(names)), vals, color="tab:blue")
         for i, v in enumerate(vals):
@@ -320,36 +386,113 @@ def main(argv=None) -> int:
         choices=("cpu", "gpu"),
         help="the device to time on: cpu (default) or gpu, where one is present",
     )
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        metavar="SETTING",
+        help="time the rows once per allocator setting, each in a process of its own: "
+        "'default' (none), 'reuse' (--reuse-buffers) or VAR=VALUE[,VAR=VALUE] environment "
+        "variables (e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1); None: this process only",
+    )
+    ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.reps < 7 and not args.quick:
         ap.error("--reps must be at least 7 (or use --quick)")
+    for setting in args.settings or ():
+        try:
+            setting_env(setting)
+        except ValueError as e:
+            ap.error(str(e))
     names = args.rows or (QUICK_ROWS if args.quick else list(ROWS))
-    sizes = QUICK_MLP if args.quick else common.MLP
+    if args.settings:
+        data = run_settings(args, names)
+    else:
+        data = run_here(args, names)
+    if args.child_json:
+        common.write_json(pathlib.Path(args.child_json), data, quiet=True)
+        return 0
+    report(data)
+    name = "hot_path" + (f"_{args.label}" if args.label else "")
+    common.write_json(common.result_path(name, args.quick), data)
+    draw(data, common.result_path(name, args.quick, "png"))
+    return 0
 
+
+def run_here(args, names) -> dict:
+    """The rows timed in this process (its allocator as the environment left it)."""
     import jaxcomp.cpu
 
     jaxcomp.cpu.use_cpu_devices(1)
     reuse = args.reuse_buffers and jaxcomp.cpu.reuse_large_buffers()
+    sizes = QUICK_MLP if args.quick else common.MLP
     data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls, args.backend)
-    data = {
+    setting = "reuse" if reuse else os.environ.get("JAXCOMP_HOT_PATH_SETTING", "default")
+    for row in data["rows"]:
+        row["setting"] = setting
+    return {
         "environment": common.environment(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
         "label": args.label,
         "reuse_large_buffers": reuse,
         **data,
     }
-    print(f"\ncopy of the tree: {data['copy_ms']:.2f} ms ({data['params'] / 1e6:.1f}M params)")
+
+
+def setting_env(setting: str) -> dict[str, str]:
+    """The environment variables of ``setting`` ('default' and 'reuse' set none)."""
+    if setting in ("default", "reuse"):
+        return {}
+    pairs = [p.split("=", 1) for p in setting.split(",")]
+    if not all(len(p) == 2 and p[0] and p[0].isupper() for p in pairs):
+        raise ValueError(
+            f"--settings: {setting!r} is neither 'default', 'reuse' nor VAR=VALUE[,VAR=VALUE]"
+        )
+    return dict(pairs)
+
+
+def run_settings(args, names) -> dict:
+    """Each setting's rows timed in a child process of its own (glibc reads its tunables
+    when a process starts), one after another; each row's copies are taken against the copy
+    timed in its own process. The first setting's copy heads the result."""
+    parts = []
+    for setting in args.settings:
+        env = {**os.environ, **setting_env(setting), "JAXCOMP_HOT_PATH_SETTING": setting}
+        with tempfile.TemporaryDirectory() as folder:
+            out = pathlib.Path(folder) / "part.json"
+            command = [sys.executable, "-m", "benchmarks.hot_path", "--child-json", str(out)]
+            command += ["--rows", *names, "--reps", str(args.reps), "--warmup", str(args.warmup)]
+            command += ["--ops", str(args.ops), "--op-calls", str(args.op_calls)]
+            command += ["--backend", args.backend] + ["--quick"] * args.quick
+            command += ["--reuse-buffers"] * (setting == "reuse")
+            print(f"setting {setting}:", flush=True)
+            subprocess.run(command, env=env, check=True, cwd=common.ROOT)
+            parts.append(json.loads(out.read_text()))
+    keys = ("copy_ms", "copy_cpu_ms", "copy_faults", "loadavg")
+    data = {**parts[0], "label": args.label, "reuse_large_buffers": None}
+    data["settings"] = [
+        {"setting": s, **{k: p[k] for k in keys}} for s, p in zip(args.settings, parts, strict=True)
+    ]
+    data["rows"] = [{**r, "setting_copy_ms": p["copy_ms"]} for p in parts for r in p["rows"]]
+    return data
+
+
+def report(data: dict) -> None:
+    print(
+        f"\ncopy of the tree: {data['copy_ms']:.2f} ms ({data['params'] / 1e6:.1f}M params, "
+        f"{data['copy_faults']:.0f} page faults)"
+    )
+    for s in data.get("settings", ()):
+        print(f"  {s['setting']}: copy {s['copy_ms']:.2f} ms, {s['copy_faults']:.0f} faults")
     for r in data["rows"]:
         print(
-            f"{r['name']:20s} {r['update_ms']:9.1f} ms {r['copies']:7.1f} copies "
+            f"{r['name']:20s} {r['setting'][:24]:24s} {r['update_ms']:9.1f} ms "
+            f"{r['copies']:7.1f} copies "
             f"(calls {r['copies_spread'][0]:.1f}-{r['copies_spread'][1]:.1f}; "
-            f"CPU time {r['cpu_copies']:.1f}); "
+            f"CPU time {r['cpu_copies']:.1f}; page faults {r['faults']:.0f}; "
+            f"HLO traffic {r['hlo_copies']:.2f}); "
             f"temporaries {r['temp_copies']:.2f}, arguments {r['argument_copies']:.2f} copies"
         )
-    name = "hot_path" + (f"_{args.label}" if args.label else "")
-    common.write_json(common.result_path(name, args.quick), data)
-    draw(data, common.result_path(name, args.quick, "png"))
-    return 0
 
 
 if __name__ == "__main__":

@@ -54,13 +54,33 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 def reuse_large_buffers() -> bool:
     """Keep freed memory for reuse instead of returning it to the OS (glibc only).
 
-    XLA:CPU allocates a program's temporaries per call. glibc serves every block above
-    32 MiB with a fresh ``mmap`` and unmaps it on free, so each gradient-sized temporary
-    page-faults on every step: on a CPU host that, not arithmetic, is most of what a
-    compressed step's codec passes cost. This turns ``mmap`` off for large blocks and
-    the heap's trimming off (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD,
-    INT_MAX)``), the same as ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` in the
-    environment. The process keeps its peak memory. Returns False where glibc is absent.
+    XLA:CPU allocates a program's temporaries and outputs per call. glibc serves every block
+    above 32 MiB with a fresh ``mmap`` and unmaps it on free, so each gradient-sized buffer
+    page-faults on every step (one fault per 4 KiB page): on a CPU host that, not
+    arithmetic, is most of what a compressed step's codec passes cost. This turns ``mmap``
+    off for large blocks and the heap's trimming off (``mallopt(M_MMAP_MAX, 0)``,
+    ``mallopt(M_TRIM_THRESHOLD, INT_MAX)``), the same as ``MALLOC_MMAP_MAX_=0
+    MALLOC_TRIM_THRESHOLD_=2147483647`` in the environment. The process keeps its peak
+    memory.
+
+    It governs glibc's main heap only, which serves the thread that runs a program when
+    asynchronous dispatch is off (:func:`use_cpu_devices` turns it off). With jax's default
+    asynchronous dispatch on a CPU, buffers come from a worker thread's heap, which still
+    maps large blocks afresh: there this changes nothing. Most calls then reuse freed memory,
+    not all: glibc's aligned allocation passes over a freed block that small allocations have
+    since bordered. ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment (glibc >=
+    2.35, transparent huge pages on) works with either dispatch: glibc asks the kernel for
+    huge pages on its mapped blocks, which then fault once per huge page, not per 4 KiB.
+    ``docs/benchmarks.md`` has the measurements.
+
+    Returns:
+      True where glibc took both settings; False where glibc is absent.
+
+    Example::
+
+        import jaxcomp.cpu
+        jaxcomp.cpu.use_cpu_devices(1)       # asynchronous dispatch off
+        jaxcomp.cpu.reuse_large_buffers()    # before the first step
     """
     import ctypes
     import ctypes.util

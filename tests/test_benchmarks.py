@@ -234,6 +234,9 @@ def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
     assert [r["name"] for r in hot["rows"]] == ["sign", "int8", "sign (no feedback)"]
     for r in hot["rows"]:
         assert r["update_ms"] > 0 and math.isfinite(r["copies"]) and r["copies"] > 0
+        # page faults per call counted; the quick tree's leaves (<= 4 MB) stay below glibc's
+        # mmap threshold, so at most the temporaries' pages fault
+        assert r["setting"] == "default" and 0 <= r["fault_copies"] <= r["temp_copies"] + 0.05
     # Compiled, deterministic: the update's temporaries in copies of the gradient (1 device,
     # gradient and state donated). With residual feedback one gradient-sized buffer, g + e
     # or the donated gradient's copy (int8 1.17, sign 0.95 measured); without feedback the

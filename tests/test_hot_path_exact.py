@@ -185,6 +185,7 @@ def test_large_payload_arrays_travel_alone():
 def test_hot_path_op_names_parsed():
     """``hot_path --ops`` names each profiled thunk after an entry instruction of the
     compiled program: its shape (a tuple too) and the jax operation it came from."""
+    from benchmarks import hot_path
     from benchmarks.hot_path import entry_instructions
 
     text = (
@@ -198,6 +199,29 @@ def test_hot_path_op_names_parsed():
     assert "f32[64]" in shapes and any(s.startswith("(f32[64]") for s in shapes)
     assert any(v["op_name"].endswith("/add") for v in found.values())
     assert any(not v["op_name"] for v in found.values())  # the ROOT tuple: no metadata, kept
+    # hlo_traffic: each instruction's output and operands, views moving nothing
+    double = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0).lower(jnp.ones(1000)).compile()
+    assert hot_path.hlo_traffic(double.as_text()) == 8000  # read 4000 bytes, write 4000
+
+
+def test_hot_path_settings_parsed():
+    """``hot_path --settings``: 'default' and 'reuse' set no variable; ``VAR=VALUE`` pairs
+    (comma-separated) become the child process's environment; anything else is refused."""
+    from benchmarks.hot_path import main, setting_env
+
+    assert setting_env("default") == {} and setting_env("reuse") == {}
+    assert setting_env("GLIBC_TUNABLES=glibc.malloc.hugetlb=1") == {
+        "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"
+    }
+    assert setting_env("MALLOC_MMAP_MAX_=0,MALLOC_TRIM_THRESHOLD_=2147483647") == {
+        "MALLOC_MMAP_MAX_": "0",
+        "MALLOC_TRIM_THRESHOLD_": "2147483647",
+    }
+    for bad in ("hugetlb", "=1", "glibc=1"):
+        with pytest.raises(ValueError, match="neither 'default', 'reuse' nor VAR=VALUE"):
+            setting_env(bad)
+    with pytest.raises(SystemExit):  # argparse's error, before any jax work
+        main(["--quick", "--settings", "default", "hugetlb"])
 
 
 def test_max_abs_bit_exact():

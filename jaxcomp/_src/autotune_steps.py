@@ -200,10 +200,11 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
         predicted_r  = compute + exchange_r
 
     ``kappa`` (what the codec passes cost inside a step against alone: they fuse with the
-    sum, the update and each other) is least squares on the timed compressed steps,
-    ``S_r - S_0 - (w_r - w_0) = kappa c_r``. Each timed row is predicted with ``kappa``
-    fitted on the *other* timed rows (leave-one-out), so its predicted against measured step
-    is a fair test; plain ``pmean`` is the anchor (predicted = measured). Without a measured
+    sum, the update and each other, and a cast may run slower fused than alone) is least
+    squares ``S_t - S_0 - (w_t - w_0) = kappa c_t`` over the other timed steps of the same
+    codec where there are some, else over every other timed compressed step. A timed row's
+    own step never enters its ``kappa`` (leave-one-out), so its predicted against measured
+    step is a fair test; plain ``pmean`` is the anchor (predicted = measured). Without a measured
     plain step the rows are returned unchanged. The wire is taken from the link model as
     fitted: scaling it too (a second factor) fits two noisy steps exactly and extrapolates
     to negative compute.
@@ -235,11 +236,12 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
                 r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0) if r is plain else r
             )
             continue
+        others = [t for t in timed if t is not r]
+        same = [t for t in others if t.codec == r.codec]  # the codec's own scale where known
         k = fit_kappa(
             [
                 (t.codec_model_ms, t.step_ms - plain.step_ms - (t.model_ms - t.codec_model_ms - w0))
-                for t in timed
-                if t is not r
+                for t in same or others
             ]
         )
         exchange = r.model_ms - r.codec_model_ms + k * r.codec_model_ms

@@ -24,6 +24,9 @@ make this tree's exchange fastest as a training step runs it, and is any faster 
    plain ``pmean``'s measured / modelled ratio and the codec passes by a factor fitted on the
    timed candidates, each timed candidate predicted without its own timing (leave-one-out).
 
+Given ``loss_fn=`` and ``batch=``, step 4 times whole training steps instead and the fastest
+step decides (:mod:`jaxcomp._src.autotune_steps`), and step 5 predicts every candidate's step.
+
 A candidate that fails (a trace or compile error, out of memory) is skipped with the reason in
 its row's ``error``. Every process measures; the timings and the failures are reduced (max,
 any) over processes before any decision, so every process reaches the same plan.

@@ -432,3 +432,10 @@ def test_stepped_plan_times_firsts_then_best_predicted_and_retimes_ties():
     assert plan.table[0].step_reps == 6 and plan.table[0].step_ms == pytest.approx(392.5)
     assert [r.name for r in plan.table[1:4]] == ["int8", "fp16", "none"]  # timed, fastest first
     assert all(math.isnan(r.step_ms) and r.predicted_step_ms > 0 for r in plan.table[4:])
+
+
+def test_codec_and_feedback_seconds_time_every_device_at_once():
+    mesh = jax.make_mesh((8,), ("data",))
+    enc, dec = tuning.codec_seconds(jc.int_quant(8), mesh, "data", [2048], reps=1)
+    fed = tuning.feedback_seconds(jc.int_quant(8), mesh, "data", [2048], reps=1)
+    assert enc > 0 and dec > 0 and fed >= 0

@@ -351,7 +351,8 @@ def feedback_seconds(
     decode of the sent vector, as :func:`jaxcomp.compressed_allreduce` runs them per leaf; the
     max over processes.
     """
-    return float(_reduce_over_processes(_codec_times(codec, mesh, axis_name, sizes, reps, True))[2])
+    programs = _codec_programs(codec, mesh, axis_name, sizes, True)
+    return float(_reduce_over_processes(_codec_times(programs, mesh, axis_name, sizes, reps))[2])
 
 
 def candidate_feedback(codec: Codec | None) -> str | None:

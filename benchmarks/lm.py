@@ -417,6 +417,13 @@ RECIPES: dict[str, Recipe] = {
     "onebit_adam-exactzeros": _ob(
         codec=_codec("sign", scale="rms", exact_zeros=True), note="all-zero words decode to 0"
     ),
+    "zero_one_adam-nobound": _zo(
+        adam_bound=False, note="momentum steps not clipped at Adam's bound"
+    ),
+    "onebit_adam-nobound": _ob(adam_bound=False, note="momentum steps not clipped at Adam's bound"),
+    "zero_one_adam-exactzeros": _zo(
+        codec=_codec("sign", scale="rms", exact_zeros=True), note="all-zero words decode to 0"
+    ),
     "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"

@@ -147,6 +147,39 @@ def adam_direction(
     return jax.tree.map(one, mu, nu, like, per_leaf(nu_scale, like))
 
 
+def adam_step_bound(count: jax.Array, b1, b2) -> jax.Array:
+    r"""Adam's own bound on a coordinate's preconditioned momentum at step ``count``:
+    ``|m_t| / sqrt(v_hat_t) <= C sqrt(1 - b2^t)``, ``t = count + 1``, with
+    ``C = (1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` (7.27 at Adam's 0.9 / 0.999; infinite
+    where ``b1^2 >= b2``).
+
+    By Cauchy-Schwarz on ``m_t = (1 - b1) sum_s b1^(t-s) g_s`` against
+    ``v_t = (1 - b2) sum_s b2^(t-s) g_s^2``: Adam's variance includes the gradient that moves
+    its momentum, so no coordinate's step exceeds it, however small its earlier gradients.
+    A variance frozen or sampled between rounds has no such guard (see
+    :func:`bounded_step`)."""
+    b1 = jnp.asarray(b1, jnp.float32)
+    b2 = jnp.asarray(b2, jnp.float32)
+    room = 1.0 - b1 * b1 / b2
+    c = (1.0 - b1) / jnp.sqrt((1.0 - b2) * jnp.where(room > 0, room, 1.0))
+    t = (jnp.asarray(count, jnp.int32) + 1).astype(jnp.float32)
+    return jnp.where(room > 0, c * jnp.sqrt(1.0 - b2**t), jnp.inf)
+
+
+def bounded_step(u: jax.Array, bound) -> jax.Array:
+    """``u`` (a device's momentum step in preconditioned units) clipped to ``[-bound, bound]``
+    where finite: a non-finite value passes as it is (never hidden).
+
+    A coordinate whose variance is stale and tiny (the embedding row of a rare token: a
+    variance of 4e-17 on the LM benchmark, its gradient near zero where the variance last
+    moved) and whose gradient then comes back at its usual size gets a step of thousands of
+    Adam's: one such value sets the root mean square of its whole chunk of 1-bit signs, and
+    every coordinate of the chunk moves by it (the embedding moved 6-25x its usual step on
+    the LM benchmark). Adam, whose variance takes that gradient in, never steps beyond
+    :func:`adam_step_bound`; neither does this."""
+    return jnp.where(jnp.isfinite(u), jnp.clip(u, -bound, bound), u)
+
+
 def per_leaf(scale: Any, like: Any) -> Any:
     """``scale`` as a tree like ``like``: a scalar repeated, or a tree of scalars as it is."""
     if jax.tree.structure(scale) == jax.tree.structure(like):
@@ -164,6 +197,7 @@ def preconditioned_mean(
     params,
     filled: bool = False,
     convert: bool = True,
+    bound: Any = None,
 ):
     """``mean_i m_i`` through ``inner`` (a ``compressed_allreduce``), exchanged in Adam's
     preconditioned coordinates ``u_i = m_i / (sqrt(nu_hat) + eps)``.
@@ -175,14 +209,16 @@ def preconditioned_mean(
     huge steps. The variance is :func:`filled_variance` (a coordinate unseen during the
     warm-up takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps
     nothing (its update is zero). Returns ``(mean momentum, new exchange state)``;
-    ``convert=False``: the mean still in preconditioned units (:func:`unprecondition`).
+    ``convert=False``: the mean still in preconditioned units (:func:`unprecondition`);
+    ``bound``: each device's ``u_i`` clipped to it first (:func:`bounded_step`; None: not).
     """
     nu = nu if filled else filled_variance(nu)
     ks = per_leaf(nu_scale, nu)
     scale = jax.tree.map(lambda v, k: jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0), nu, ks)
-    sent, exchange_state = inner.update(
-        jax.tree.map(jnp.multiply, local, scale), exchange_state, params
-    )
+    u = jax.tree.map(jnp.multiply, local, scale)
+    if bound is not None:
+        u = jax.tree.map(lambda x: bounded_step(x, bound), u)
+    sent, exchange_state = inner.update(u, exchange_state, params)
     if not convert:
         return sent, exchange_state
     return jax.tree.map(lambda u, v, k: unprecondition(u, v, k, eps), sent, nu, ks), exchange_state
@@ -253,6 +289,7 @@ def scale_by_onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     rescale_variance: bool = True,
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`onebit_adam` (before the learning rate); see there."""
@@ -261,6 +298,7 @@ def scale_by_onebit_adam(
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, float("inf"))
     rescale = check_flag("rescale_variance", rescale_variance)
+    bounded = check_flag("adam_bound", adam_bound)
     inner, every_axis = momentum_exchange("onebit_adam", codec, axis_name, exchange)
     inner_axis = exchange_options(exchange).get("inner_axis_name")
 
@@ -293,12 +331,16 @@ def scale_by_onebit_adam(
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient (warm-up), or the momentum step
         ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioned_mean`, the
-        variance filled as it froze). Formed before the cond, it takes the gradient's buffer
+        variance filled as it froze; ``adam_bound``: clipped at :func:`adam_step_bound`).
+        Formed before the cond, it takes the gradient's buffer
         (the codec's input was a params-sized temporary of its own)."""
 
         def one(m, x, v, k):
             scale = jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0)
-            return jnp.where(warm, x, (b1 * m + (1.0 - b1) * x) * scale)
+            u = (b1 * m + (1.0 - b1) * x) * scale
+            return jnp.where(warm, x, bounded_step(u, bound) if bounded else u)
+
+        bound = adam_step_bound(state.count, b1, b2)
 
         return jax.tree.map(
             one, state.mu, as_float32(grads), state.nu, per_leaf(nu_scale, state.nu)
@@ -414,6 +456,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
     rescale_variance: bool = True,
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen (rescaled per
@@ -498,6 +541,9 @@ def onebit_adam(
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
         array is refused with a TypeError).
+      adam_bound: True (default): each device's momentum step, in preconditioned units, is
+        clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (:func:`adam_step_bound`) before the
+        codec; False: sent as it is. A Python bool.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -526,6 +572,7 @@ def onebit_adam(
             b2=b2,
             eps=eps,
             rescale_variance=rescale_variance,
+            adam_bound=adam_bound,
             **exchange,
         ),
         *decoupled_weight_decay(weight_decay, weight_decay_mask),

@@ -16,6 +16,7 @@ from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
     adam_direction,
     adam_moments,
+    adam_step_bound,
     as_float32,
     check_flag,
     check_number,
@@ -167,6 +168,7 @@ def scale_by_zero_one_adam(
     eps: float = 1e-8,
     rescale_variance: bool = True,
     variance_rounds: str = "exact",
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`zero_one_adam` (before the learning rate); see there."""
@@ -180,6 +182,7 @@ def scale_by_zero_one_adam(
     b2 = check_number("b2", b2, 0.0, 1.0)
     eps = check_number("eps", eps, 0.0, inf)
     rescale = check_flag("rescale_variance", rescale_variance)
+    bounded = check_flag("adam_bound", adam_bound)
     if variance_rounds not in ("exact", "coded"):
         raise ValueError(
             f"`variance_rounds` must be 'exact' (the paper's: the momentum moved by the float32 "
@@ -233,9 +236,13 @@ def scale_by_zero_one_adam(
             as_float32(grads),
             state.pending,
         )
-        # Returned in preconditioned units: turned back where mu is written (moved).
+        # Returned in preconditioned units: turned back where mu is written (moved). The
+        # bound of a synced round after skipped ones covers the rounds it sends.
+        since = jnp.maximum(state.count - freeze, 0)
+        rounds = jnp.minimum(doubling_gap(since, local_scaler), clip).astype(jnp.float32)
+        bound = rounds * adam_step_bound(state.count, b1, b2) if bounded else None
         sent, exchange_state = preconditioned_mean(
-            inner, local, state.nu, nu_scale, eps, state.exchange, params, convert=False
+            inner, local, state.nu, nu_scale, eps, state.exchange, params, False, False, bound
         )
         return sent, zeros_f32(sent), exchange_state, collectives.local_nonfinite(sent)
 
@@ -378,6 +385,7 @@ def zero_one_adam(
     weight_decay_mask: Any = None,
     rescale_variance: bool = True,
     variance_rounds: str = "exact",
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""0/1 Adam: 1-bit Adam whose variance is updated on ever sparser rounds and frozen at
@@ -488,6 +496,10 @@ def zero_one_adam(
         momentum by the float32 mean gradient; ``"coded"``: once a compressed round has
         run, a variance round also sends the momentum through the codec (its error
         feedback kept in step) and takes the float32 gradient for the variance only.
+      adam_bound: True (default): each device's momentum step, in preconditioned units, is
+        clipped at Adam's own bound (:func:`jaxcomp.onebit_adam`; times the rounds a synced
+        round sends after skipped ones) before the codec; False: sent as it is. A Python
+        bool.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -515,6 +527,7 @@ def zero_one_adam(
             eps=eps,
             rescale_variance=rescale_variance,
             variance_rounds=variance_rounds,
+            adam_bound=adam_bound,
             **exchange,
         ),
         *decoupled_weight_decay(weight_decay, weight_decay_mask),

@@ -414,15 +414,23 @@ RECIPES: dict[str, Recipe] = {
         codec=_codec("sign", scale="rms", exact_zeros=True),
         note="variance rounds coded; all-zero sign words decode to 0",
     ),
-    "onebit_adam-exactzeros": _ob(
-        codec=_codec("sign", scale="rms", exact_zeros=True), note="all-zero words decode to 0"
+    # The default codecs send exact zeros (jc.sign(scale="rms", exact_zeros=True)); 0/1 Adam
+    # clips each momentum step at Adam's bound (adam_bound=True), 1-bit Adam does not.
+    "onebit_adam-signs": _ob(
+        codec=_codec("sign", scale="rms"), note="jc.sign(scale='rms'): a zero word moves"
     ),
-    "zero_one_adam-nobound": _zo(
-        adam_bound=False, note="momentum steps not clipped at Adam's bound"
+    "onebit_adam-bound-signs": _ob(
+        adam_bound=True,
+        codec=_codec("sign", scale="rms"),
+        note="steps clipped at Adam's bound; jc.sign(scale='rms')",
     ),
-    "onebit_adam-nobound": _ob(adam_bound=False, note="momentum steps not clipped at Adam's bound"),
-    "zero_one_adam-exactzeros": _zo(
-        codec=_codec("sign", scale="rms", exact_zeros=True), note="all-zero words decode to 0"
+    "zero_one_adam-signs": _zo(
+        codec=_codec("sign", scale="rms"), note="jc.sign(scale='rms'): a zero word moves"
+    ),
+    "zero_one_adam-unbounded-signs": _zo(
+        adam_bound=False,
+        codec=_codec("sign", scale="rms"),
+        note="steps not clipped at Adam's bound; jc.sign(scale='rms')",
     ),
     "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
     "zero_one_adam-scaler100": _zo(

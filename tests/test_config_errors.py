@@ -391,6 +391,18 @@ CHECKS = [
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, rescale_variance=jnp.array(True)),
         TypeError,
     ),
+    (
+        "onebit_adam",
+        "adam_bound",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, adam_bound=1),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "adam_bound",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, adam_bound="no"),
+        TypeError,
+    ),
     ("accordion", "gentle", lambda: jc.accordion("top_k"), TypeError),
     ("accordion", "interval", lambda: jc.accordion(jc.top_k(0.1), interval=0), ValueError),
     ("accordion", "threshold", lambda: jc.accordion(jc.top_k(0.1), threshold=0.0), ValueError),

@@ -232,11 +232,13 @@ def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
 
 def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
     """The ``compressed_allreduce`` that carries a 1-bit Adam momentum (residual feedback,
-    ``jc.sign(scale="rms")`` by default) and the axes of its float32 rounds."""
+    ``jc.sign(scale="rms", exact_zeros=True)`` by default) and the axes of its float32
+    rounds."""
     options = {"error_feedback": "residual", **exchange_options(exchange)}
     if "worker_momentum" in options:
         raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
-    inner = compressed_allreduce(sign("rms") if codec is None else codec, axis_name, **options)
+    codec = sign("rms", exact_zeros=True) if codec is None else codec
+    inner = compressed_allreduce(codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
     return inner, every_axis
 
@@ -289,7 +291,7 @@ def scale_by_onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     rescale_variance: bool = True,
-    adam_bound: bool = True,
+    adam_bound: bool = False,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`onebit_adam` (before the learning rate); see there."""
@@ -456,7 +458,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
     rescale_variance: bool = True,
-    adam_bound: bool = True,
+    adam_bound: bool = False,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen (rescaled per
@@ -482,8 +484,10 @@ def onebit_adam(
                                                     # wd: AdamW's decoupled weight decay
 
     with ``L_hat = L / (1 - b2^t)`` and ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` by default
-    (``jc.sign(scale="rms")``, DeepSpeed's compressed momentum: 1 bit per coordinate and one
-    float32 per chunk).
+    (``jc.sign(scale="rms", exact_zeros=True)``, DeepSpeed's compressed momentum: 1 bit per
+    coordinate, one float32 per chunk, and one bit per word of 32 that marks an all-zero
+    word, which decodes to 0: the embedding rows of tokens never seen stay still, as under
+    Adam, where a sign would move them by ``+-scale`` every round).
 
     **The variance's level follows the gradients.** A frozen ``v`` keeps the size of the
     early, large gradients: where the gradients keep shrinking after the freeze (a language
@@ -528,8 +532,9 @@ def onebit_adam(
         of the loss (the paper uses 15-25% of training for BERT); the bytes over the run
         are about ``f + (1 - f) / 25`` of ``pmean``'s, ``f`` the warm-up's share
         (docs: "1-bit Adam and 0/1 Adam for language models").
-      codec: the momentum's codec (None: ``jc.sign(scale="rms")``, 1 bit per coordinate and
-        one float32 root mean square per chunk; ``jc.sign()`` scales by the mean ``|x|``).
+      codec: the momentum's codec (None: ``jc.sign(scale="rms", exact_zeros=True)``, 1 bit
+        per coordinate, one float32 root mean square per chunk and 1/32 bit per coordinate
+        for the all-zero words; ``jc.sign()`` scales by the mean ``|x|``).
       b1: the momentum's decay.
       b2: the variance's decay.
       eps: added to the square root of the variance.
@@ -541,9 +546,10 @@ def onebit_adam(
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
         array is refused with a TypeError).
-      adam_bound: True (default): each device's momentum step, in preconditioned units, is
-        clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (:func:`adam_step_bound`) before the
-        codec; False: sent as it is. A Python bool.
+      adam_bound: True: each device's momentum step, in preconditioned units, is clipped at
+        Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) / sqrt((1 - b2)(1 - b1^2 /
+        b2))``, 7.27 at the defaults) before the codec; False (default): sent as it is. A
+        Python bool (docs: "1-bit Adam and 0/1 Adam for language models").
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

@@ -72,12 +72,14 @@ class Run:
 
 
 def _exact_zero_one(**options):
-    """jc.zero_one_adam with the momentum exchanged exactly, a round of each kind in 5 steps."""
+    """jc.zero_one_adam with the momentum exchanged exactly, a round of each kind in 5 steps
+    (the rounds' algebra: without ``adam_bound``, whose clip tests/test_lm_recipes.py pins)."""
     return jc.zero_one_adam(
         1e-2,
         "data",
         codec=jc.identity(),
         error_feedback=None,
+        adam_bound=False,
         var_freeze_step=3,
         var_update_scaler=1,
         local_step_scaler=1,
@@ -375,6 +377,7 @@ def test_accordion_errors_name_the_argument():
             {
                 "codec": jc.identity(),
                 "error_feedback": None,
+                "adam_bound": False,
                 "var_freeze_step": 3,
                 "var_update_scaler": 1,
                 "local_step_scaler": 1,

@@ -311,7 +311,9 @@ def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
     concatenated copy); zero errors, typed per device like the other branch's."""
     sums = jax.lax.psum((plain, *ms), axis_name)
     errors = [skeleton.varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
-    return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), collectives.local_nonfinite(sums)
+    # The sums' non-finite flag is read after the cond (_exchange): its partial sums, an
+    # eighth of each matrix, came on top of the operand and both outputs here.
+    return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), jnp.bool_(False)
 
 
 def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, epsilon):
@@ -338,6 +340,10 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     dense = lambda _: _dense_sums(plan, ms, plain, q_old, axis_name, n_dev)
     means, errors, plain_mean, q, bad = jax.lax.cond(warm, dense, compress, None)
     means = [jnp.where(warm, m / n_dev, m) for m in means]
+    # The warm-up's flag: that of the means (a sum is finite exactly where sum / n is), read
+    # once the cond's operand is gone; a cond, so a compressed step does not read them.
+    flag = lambda t: collectives.local_nonfinite(t)  # noqa: E731
+    bad = bad | jax.lax.cond(warm, flag, lambda t: jnp.bool_(False), (plain_mean, means))
     return means, errors, plain_mean, q, bad
 
 

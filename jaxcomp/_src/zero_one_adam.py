@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.base import Codec, after
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
     adam_direction,
@@ -257,13 +257,12 @@ def scale_by_zero_one_adam(
         return zeros, zeros_f32(zeros), state.exchange, bad
 
     def moved(state, kind, x, g, grads, old_scale):
-        """``(mu, nu, pending)`` after a round of ``kind`` whose exchanged tree is ``x`` (and
+        """``(mu, pending)`` after a round of ``kind`` whose exchanged tree is ``x`` (and
         ``g``, a variance round's mean gradient): a skipped round keeps ``(1 - b1) g_i``
-        pending for the next exchange, which empties it."""
-        # The variance is an EMA in time: a round after `gap` steps weighs as `gap` steps.
-        gap = (state.count + 1 - state.variance_step).astype(jnp.float32)
-        mean = jax.tree.map(lambda a, b: jnp.where(kind == VARIANCE, b, a), x, g) if coded else x
-        mu, nu = adam_moments(state.mu, state.nu, mean, b1, b2**gap)
+        pending for the next exchange, which empties it. The variance: :func:`new_variance`,
+        read here through its reductions only and written after the momentum (update_fn)."""
+        mu, _ = adam_moments(state.mu, state.nu, round_mean(kind, x, g), b1, 0.0)
+        nu = new_variance(state, state.nu, kind, x, g)
         # A round that moves the variance keeps the preconditioned momentum of a coordinate
         # that had no variance yet (unfilled_ratio); a compressed round takes the exchanged
         # momentum (a variance round: times that ratio too).
@@ -284,8 +283,6 @@ def scale_by_zero_one_adam(
             filled_variance(state.nu),
             per_leaf(old_scale, x),
         )
-        moves = moves_variance(kind)
-        nu = jax.tree.map(lambda a, b: jnp.where(moves, a, b), nu, state.nu)
         pending = jax.tree.map(
             lambda p, g: jnp.where(
                 sent, 0.0, jnp.where(kind == SKIPPED, p + (1.0 - b1) * g[None], p)
@@ -293,7 +290,20 @@ def scale_by_zero_one_adam(
             state.pending,
             as_float32(grads),
         )
-        return mu, nu, pending
+        return mu, pending
+
+    def round_mean(kind, x, g):
+        """The mean gradient that moves Adam's moments: ``x`` (a variance round's ``g``)."""
+        return jax.tree.map(lambda a, b: jnp.where(kind == VARIANCE, b, a), x, g) if coded else x
+
+    def new_variance(state, nu, kind, x, g):
+        """``nu`` (the state's variance) moved by the round's mean gradient where the round
+        moves the variance. The variance is an EMA in time: a round after ``gap`` steps
+        weighs as ``gap`` steps."""
+        gap = (state.count + 1 - state.variance_step).astype(jnp.float32)
+        _, moved_nu = adam_moments(state.mu, nu, round_mean(kind, x, g), b1, b2**gap)
+        moves = moves_variance(kind)
+        return jax.tree.map(lambda a, b: jnp.where(moves, a, b), moved_nu, nu)
 
     def variance_scale(variance_step):
         """Adam's bias correction of a variance last moved at step ``variance_step - 1``."""
@@ -344,7 +354,7 @@ def scale_by_zero_one_adam(
         x, g, exchange_state, bad = switch(kind, updates, state, params, old_scale)
         x = sum_to_mean(x, kind == FULL, every_axis)
         g = sum_to_mean(g, kind == VARIANCE, every_axis)
-        mu, nu, pending = moved(state, kind, x, g, updates, old_scale)
+        mu, pending = moved(state, kind, x, g, updates, old_scale)
         t = (state.count + 1).astype(jnp.float32)
         moves = moves_variance(kind)
         new_state = ZeroOneAdamState(
@@ -352,13 +362,23 @@ def scale_by_zero_one_adam(
             variance_updates=state.variance_updates + moves.astype(jnp.int32),
             variance_step=jnp.where(moves, state.count + 1, state.variance_step),
             mu=mu,
-            nu=nu,
+            nu=state.nu,
             level=level,
             level_ref=level_ref,
             pending=pending,
             exchange=exchange_state,
         )
         new_state = skeleton.freeze(bad, state, new_state)
+        # The variance is written into its own buffer once the momentum, which reads the old
+        # variance, is written (a data dependence on the new momentum through `after`): XLA
+        # orders the two only by data, and the momentum read the old variance after the new
+        # one was written, so the old one was copied at the start and held to the end (one
+        # params-sized temporary). The same values: `after` adds zero bits.
+        old_nu = jax.tree.map(
+            lambda v, m: after(v, m.reshape(-1)[0]) if m.size else v, state.nu, new_state.mu
+        )
+        nu = new_variance(state, old_nu, kind, x, g)
+        new_state = new_state._replace(nu=skeleton.freeze(bad, old_nu, nu))
         # Read from the frozen state (as onebit_adam): no params-sized temporary per moment.
         direction = adam_direction(
             new_state.mu, new_state.nu, updates, 1.0 / (1.0 - b1**t), nu_scale, eps, bad

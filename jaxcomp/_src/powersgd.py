@@ -308,7 +308,8 @@ def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
 def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
     """The warm-up's exchange (:func:`_exchange`'s outputs, the matrices' sums in place of their
     means): every matrix and the plain vector summed by one all-reduce of their tuple (no
-    concatenated copy); zero errors, typed per device like the other branch's."""
+    concatenated copy); zero errors, typed per device like the other branch's. Its non-finite
+    flag is False here: :func:`_exchange` reads that of the means after the cond."""
     sums = jax.lax.psum((plain, *ms), axis_name)
     errors = [skeleton.varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
     # The sums' non-finite flag is read after the cond (_exchange): its partial sums, an
@@ -342,8 +343,8 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     means = [jnp.where(warm, m / n_dev, m) for m in means]
     # The warm-up's flag: that of the means (a sum is finite exactly where sum / n is), read
     # once the cond's operand is gone; a cond, so a compressed step does not read them.
-    flag = lambda t: collectives.local_nonfinite(t)  # noqa: E731
-    bad = bad | jax.lax.cond(warm, flag, lambda t: jnp.bool_(False), (plain_mean, means))
+    no = lambda t: jnp.bool_(False)  # noqa: E731
+    bad = bad | jax.lax.cond(warm, collectives.local_nonfinite, no, (plain_mean, means))
     return means, errors, plain_mean, q, bad
 
 

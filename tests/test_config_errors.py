@@ -653,6 +653,12 @@ CHECKS = [
     ("autotune", "batch", lambda: jc.autotune(_W, mesh(), "data", batch=(1,)), ValueError),
     (
         "autotune",
+        "batch",
+        lambda: jc.autotune(_W, mesh(), "data", loss_fn=len, batch=np.zeros((12, 2))),
+        ValueError,
+    ),
+    (
+        "autotune",
         "optimizer",
         lambda: jc.autotune(_W, mesh(), "data", loss_fn=len, batch=(), optimizer="sgd"),
         TypeError,

@@ -209,5 +209,8 @@ def test_a_second_call_reuses_its_compiled_programs_without_tracing():
     assert overlap._signature((p, s, batch)) == key
     assert overlap._signature((p, s, (batch[0][:, :4], batch[1]))) != key  # shape
     assert overlap._signature((p, s, (batch[0].astype(jnp.float16), batch[1]))) != key
+    whole = jax.device_put(batch[0], NamedSharding(mesh(), P()))  # the same values, replicated
+    assert overlap._signature((p, s, (whole, batch[1]))) != key  # sharding
+    assert overlap._signature((p, s, (np.asarray(batch[0]), batch[1]))) != key  # host array
     with jax.numpy_rank_promotion("raise"):
         assert overlap._signature((p, s, batch)) != key

@@ -645,9 +645,8 @@ def autotune(
     fastest exchange path is the fastest step. The table's ``predicted_ms`` are calibrated
     on the timed rows (:func:`calibrate`; ``model_ms``: before calibration). With
     ``loss_fn=`` and ``batch=`` the check times whole steps instead, and the step decides
-    (exchanges timed alone tie where the steps do not: at 10 Gbit/s over gloo plain
-    ``pmean``'s exchange and fp16's all-gather timed 287 and 280 ms, while the steps of fp16
-    two-phase and int8 beat the plain step by 28% and 24%).
+    (exchanges timed alone can tie where the steps they run in do not: docs/autotune.md,
+    "Whole steps", has the measurements).
 
     A candidate that fails to trace, compile or run (an error in a codec, out of memory) is
     skipped: its row keeps the reason in ``error`` and no measured time. Failures and
@@ -680,7 +679,8 @@ def autotune(
         (:func:`jaxcomp._src.autotune_steps.calibrate_steps`). ``params`` must then hold the
         values to start from. None: the exchange path is timed alone (above).
       batch: with ``loss_fn``, the arrays of one step's global batch, each with its leading
-        dimension split over ``axis_name`` (a tuple, or one array).
+        dimension split over ``axis_name`` (a tuple, or one array; host arrays are
+        placed on ``mesh``, :func:`jaxcomp._src.autotune_steps.place_batch`).
       optimizer: with ``loss_fn``, the optax optimizer chained after the exchange (default
         ``optax.sgd(1e-3)``).
 
@@ -714,6 +714,8 @@ def autotune(
     codecs = DEFAULT_CODECS if codecs is None else tuple(codecs)
     sizes = _check_args(params, axis_name, mesh, codecs)
     batch, optimizer = autotune_steps.check_step_args(loss_fn, batch, optimizer)
+    if loss_fn is not None:
+        batch = autotune_steps.place_batch(batch, mesh, axis_name)
     check = check_int("check", check, 1)
     strategies = DEFAULT_STRATEGIES if strategies is None else tuple(strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)

@@ -4,12 +4,12 @@ Given the user's loss and a batch, each checked candidate is compiled into the s
 run (gradients, the candidate's exchange with its error feedback, the optimizer, the update;
 params and state donated) and timed for several steps. Timed alone, an exchange misleads: in
 a step the collectives share the cores with the backward pass, overlap some of it or fuse
-with the update, differently for each strategy (on 2 gloo processes at 10 Gbit/s plain
-``pmean``'s exchange took 287 ms alone and about 357 ms inside its step). The step is what
-the user runs, so the step is what is ranked (:func:`select_step`), ties within the timing
-noise are settled by more repeats (:func:`tied_steps`), and every candidate gets a predicted
-step (:func:`calibrate_steps`): the compute fitted from the measured plain step, the exchange
-from the link model, the codec passes scaled on the timed steps.
+with the update, differently for each strategy (docs/autotune.md, "Whole steps", has the
+measurements). The step is what the user runs, so the step is what is ranked
+(:func:`select_step`), ties within the timing noise are settled by more repeats
+(:func:`tied_steps`), and every candidate gets a predicted step (:func:`calibrate_steps`):
+the compute fitted from the measured plain step, the exchange from the link model, the codec
+passes scaled on the timed steps.
 """
 
 from __future__ import annotations
@@ -62,6 +62,27 @@ def check_step_args(loss_fn: Any, batch: Any, optimizer: Any) -> tuple:
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"`optimizer` must be an optax GradientTransformation, got {optimizer!r}")
     return batch, optimizer
+
+
+def place_batch(batch: tuple, mesh: Any, axis_name: Any) -> tuple:
+    """``batch`` laid out as :func:`step_program` takes it: every leaf's leading dimension
+    split over ``axis_name`` (``NamedSharding(mesh, P(axis_name))``; a leaf already laid out
+    so is not copied). Host arrays (NumPy) are accepted: on several processes each passes
+    the same global values.
+
+    Raises:
+      ValueError: naming ``batch``, where a leaf has no leading dimension divisible by the
+        ``n`` devices of ``axis_name``.
+    """
+    n = math.prod(mesh.shape[a] for a in tuning._names(axis_name))
+    for leaf in jax.tree.leaves(batch):
+        shape = np.shape(leaf)
+        if not shape or shape[0] % n:
+            raise ValueError(
+                f"`batch` must hold arrays whose leading dimension is split over `axis_name` "
+                f"{axis_name!r} ({n} devices), a multiple of {n}; got a leaf of shape {shape}"
+            )
+    return jax.device_put(batch, NamedSharding(mesh, P(axis_name)))
 
 
 def step_program(params, batch, mesh, axis_name, row: Candidate, loss_fn, optimizer) -> Any:

@@ -357,13 +357,7 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
             err = (c["predicted_ms"] / meas - 1) if meas == meas and meas else math.nan
             body.append(
                 [
-                    f"`{c['name']}`" + (f" (failed: {c['error']})" if c.get("error") else ""),
-                    c["strategy"],
-                    str(c.get("error_feedback") or "–"),
-                    _fmt(c["min_size"]),
-                    _bytes(c["bytes_per_device"]),
-                    _fmt(c.get("model_ms", math.nan), 4),
-                    _fmt(c["predicted_ms"], 4),
+                    *_candidate_cells(c),
                     _fmt(meas, 4),
                     "–" if err != err else f"{100 * err:+.0f}%",
                 ]
@@ -387,6 +381,20 @@ def _network_autotune(data: dict[str, Any], path: pathlib.Path) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def _candidate_cells(c: dict[str, Any]) -> list[str]:
+    """An autotune candidate's first cells: name (and why it failed), strategy, feedback,
+    min_size, bytes per device, model ms and predicted exchange ms."""
+    return [
+        f"`{c['name']}`" + (f" (failed: {c['error']})" if c.get("error") else ""),
+        c["strategy"],
+        str(c.get("error_feedback") or "–"),
+        _fmt(c["min_size"]),
+        _bytes(c["bytes_per_device"]),
+        _fmt(c.get("model_ms", math.nan), 4),
+        _fmt(c["predicted_ms"], 4),
+    ]
+
+
 def _num(x: Any) -> bool:
     """``x`` is a finite number (JSON writes NaN for an untimed row)."""
     return isinstance(x, int | float) and math.isfinite(x)
@@ -401,13 +409,7 @@ def _autotune_steps(r: dict[str, Any]) -> str:
         spread = f" ± {c['step_spread_ms'] / 2:.0f} ({c['step_reps']})" if _num(step) else ""
         body.append(
             [
-                f"`{c['name']}`" + (f" (failed: {c['error']})" if c.get("error") else ""),
-                c["strategy"],
-                str(c.get("error_feedback") or "–"),
-                _fmt(c["min_size"]),
-                _bytes(c["bytes_per_device"]),
-                _fmt(c.get("model_ms", math.nan), 4),
-                _fmt(c["predicted_ms"], 4),
+                *_candidate_cells(c),
                 _fmt(pred, 4),
                 _fmt(step, 4) + spread,
                 "–" if err != err else f"{100 * err:+.0f}%",

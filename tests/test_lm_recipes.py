@@ -106,13 +106,11 @@ def test_zero_one_adam_a_late_rare_coordinate_does_not_blow_up_at_a_variance_rou
     assert 0.4 * adam[0] < ours[0] < TARGET, (ours[0], adam[0])
 
 
-def unseen_rows_run(codec) -> tuple[float, float]:
-    """``jc.onebit_adam(1e-2, freeze_step=2)`` on a 64 x 32 leaf of ones whose odd rows (a
-    token never seen) have a zero gradient on every device, 8 steps: ``(max |move|`` of the
-    odd rows, mean ``|move|`` of the even rows ``)``."""
+def replicated_steps(tx, params):
+    """``(params replicated, tx's state, run)``: ``run(p, state, g)`` is one step of ``tx`` on
+    ``g`` (``[N, ...]``, one gradient per device), applied to the replicated ``p``."""
     m = mesh()
-    tx = jc.onebit_adam(1e-2, "data", freeze_step=2, codec=codec)
-    p = jax.device_put(jnp.ones((64, 32), jnp.float32), NamedSharding(m, P()))
+    p = jax.device_put(params, NamedSharding(m, P()))
     state = jc.sharded_init(tx, p, m, "data")
     specs = jc.state_specs(state, "data")
 
@@ -125,6 +123,16 @@ def unseen_rows_run(codec) -> tuple[float, float]:
             jax.shard_map(step, mesh=m, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
         )
     )
+    return p, state, run
+
+
+def unseen_rows_run(codec) -> tuple[float, float]:
+    """``jc.onebit_adam(1e-2, freeze_step=2)`` on a 64 x 32 leaf of ones whose odd rows (a
+    token never seen) have a zero gradient on every device, 8 steps: ``(max |move|`` of the
+    odd rows, mean ``|move|`` of the even rows ``)``."""
+    m = mesh()
+    tx = jc.onebit_adam(1e-2, "data", freeze_step=2, codec=codec)
+    p, state, run = replicated_steps(tx, jnp.ones((64, 32), jnp.float32))
     for t in range(8):
         g = np.random.default_rng(100 + t).standard_normal((N, 64, 32)).astype(np.float32)
         g[:, 1::2], g[:, 0::2] = 0.0, g[:, 0::2] + 0.5
@@ -288,19 +296,7 @@ def stale_variance_run(tx) -> tuple[float, float]:
     others' (a variance of 1e-12 theirs), then its gradient at their size in the first 1-bit
     round: ``(max |move|`` of coordinates 1.. in that round, ``|move|`` of coordinate 0``)``."""
     m = mesh()
-    p = jax.device_put(jnp.zeros((512,), jnp.float32), NamedSharding(m, P()))
-    state = jc.sharded_init(tx, p, m, "data")
-    specs = jc.state_specs(state, "data")
-
-    def step(p, s, g):
-        u, s = tx.update(g[0], s, p)
-        return optax.apply_updates(p, u), s
-
-    run = Blocking(
-        jax.jit(
-            jax.shard_map(step, mesh=m, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
-        )
-    )
+    p, state, run = replicated_steps(tx, jnp.zeros((512,), jnp.float32))
     for t in range(3):
         g = np.random.default_rng(200 + t).standard_normal((N, 512)).astype(np.float32) + 1.0
         g[:, 0] *= 1e-6 if t < 2 else 1.0

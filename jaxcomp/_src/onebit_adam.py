@@ -170,13 +170,12 @@ def bounded_step(u: jax.Array, bound) -> jax.Array:
     """``u`` (a device's momentum step in preconditioned units) clipped to ``[-bound, bound]``
     where finite: a non-finite value passes as it is (never hidden).
 
-    A coordinate whose variance is stale and tiny (the embedding row of a rare token: a
-    variance of 4e-17 on the LM benchmark, its gradient near zero where the variance last
-    moved) and whose gradient then comes back at its usual size gets a step of thousands of
-    Adam's: one such value sets the root mean square of its whole chunk of 1-bit signs, and
-    every coordinate of the chunk moves by it (the embedding moved 6-25x its usual step on
-    the LM benchmark). Adam, whose variance takes that gradient in, never steps beyond
-    :func:`adam_step_bound`; neither does this."""
+    A coordinate whose variance is stale and tiny (the embedding row of a rare token, its
+    gradient near zero where the variance last moved) and whose gradient then comes back at
+    its usual size gets a step of thousands of Adam's: one such value sets the root mean
+    square of its whole chunk of 1-bit signs, and every coordinate of the chunk moves by it
+    (docs, "Steps within Adam's bound"). Adam, whose variance takes that gradient in, never
+    steps beyond :func:`adam_step_bound`; neither does this."""
     return jnp.where(jnp.isfinite(u), jnp.clip(u, -bound, bound), u)
 
 

@@ -453,15 +453,12 @@ def zero_one_adam(
     that moves its momentum, so ``|m_t| / sqrt(v_hat_t) <= C sqrt(1 - b2^t)``, ``C = (1 -
     b1) / sqrt((1 - b2)(1 - b1^2 / b2))`` (7.27 at the defaults). A variance sampled at
     sparse rounds has no such guard: a coordinate whose gradient was near zero where the
-    variance last moved (the LM benchmark's input embedding held one of 4e-17) and then
-    comes back at its usual size is preconditioned into a step thousands of times Adam's,
-    which sets the root mean square of its whole chunk of 1-bit signs: every coordinate of
-    the chunk moves by it (the embedding stepped 6-25x its usual size at seed 2, again and
-    again). Each device's momentum step is therefore clipped at that bound before the codec
-    (times the rounds a synced round sends after skipped ones; a non-finite value passes as
-    it is). Measured on the LM benchmark (16-core host): from +1.7%, +1.1%, +1.3% and
-    +2.6% over AdamW (seeds 0-2, held-out pair) to -0.5%, -1.1%, +0.3% and +1.1%; with the
-    exact zeros of the default codec -0.7%, -1.5%, -0.3% and +1.0%.
+    variance last moved (a rare token's embedding row) and then comes back at its usual
+    size is preconditioned into a step thousands of times Adam's, which sets the root mean
+    square of its whole chunk of 1-bit signs: every coordinate of the chunk moves by it.
+    Each device's momentum step is therefore clipped at that bound before the codec (times
+    the rounds a synced round sends after skipped ones; a non-finite value passes as it
+    is). The LM benchmark's losses with and without it: docs, "Steps within Adam's bound".
 
     **A full-precision warm-up.** The first ``warmup_steps`` steps are all FULL rounds
     (uncompressed Adam, as 1-bit Adam's warm-up). A momentum compressed to 1 bit while it is

@@ -202,17 +202,18 @@ def run(
     params = jax.device_put(common.mlp_params(sizes), replicated)
     n_params = sum(int(a.size) for a in jax.tree.leaves(params))
 
+    leaves, treedef = jax.tree.flatten(params)
+    # One compiled program for every fresh gradient tree (a jit per call compiled it 5 times).
+    make = jax.jit(
+        lambda ks: jax.tree.unflatten(
+            treedef,
+            [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(ks, leaves, strict=True)],
+        ),
+        out_shardings=replicated,
+    )
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+
     def fresh_grads():
-        key = jax.random.PRNGKey(1)
-        leaves, treedef = jax.tree.flatten(params)
-        keys = jax.random.split(key, len(leaves))
-        make = jax.jit(
-            lambda ks: jax.tree.unflatten(
-                treedef,
-                [jax.random.normal(k, a.shape, a.dtype) for k, a in zip(ks, leaves, strict=True)],
-            ),
-            out_shardings=replicated,
-        )
         return make(keys)
 
     copy = jax.jit(lambda g: (jax.tree.map(lambda x: x * 1.0001, g),), donate_argnums=0)

@@ -444,7 +444,8 @@ def setting_env(setting: str) -> dict[str, str]:
     """The environment variables of ``setting`` ('default' and 'reuse' set none)."""
     if setting in ("default", "reuse"):
         return {}
-    pairs = [p.split("=", 1) for p in setting.split(",")]
+    # a comma starts the next variable only where NAME= follows (values may hold commas)
+    pairs = [p.split("=", 1) for p in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", setting)]
     if not all(len(p) == 2 and p[0] and p[0].isupper() for p in pairs):
         raise ValueError(
             f"--settings: {setting!r} is neither 'default', 'reuse' nor VAR=VALUE[,VAR=VALUE]"

@@ -217,6 +217,10 @@ def test_hot_path_settings_parsed():
         "MALLOC_MMAP_MAX_": "0",
         "MALLOC_TRIM_THRESHOLD_": "2147483647",
     }
+    assert setting_env("LD_PRELOAD=/lib/je.so,MALLOC_CONF=a:0,b:-1") == {
+        "LD_PRELOAD": "/lib/je.so",
+        "MALLOC_CONF": "a:0,b:-1",
+    }
     for bad in ("hugetlb", "=1", "glibc=1"):
         with pytest.raises(ValueError, match="neither 'default', 'reuse' nor VAR=VALUE"):
             setting_env(bad)

@@ -437,3 +437,22 @@ def test_codec_and_feedback_seconds_time_every_device_at_once():
     enc, dec = tuning.codec_seconds(jc.int_quant(8), mesh, "data", [2048], reps=1)
     fed = tuning.feedback_seconds(jc.int_quant(8), mesh, "data", [2048], reps=1)
     assert enc > 0 and dec > 0 and fed >= 0
+
+
+def test_timer_holds_no_candidate_params_or_state_between_timings():
+    """Each candidate's params and state are freed once its steps are timed (a timed plan
+    holds one candidate's copy at a time, not ``check``); a tie's rerun starts fresh ones and
+    adds its steps to the first."""
+    import optax
+
+    mesh = jax.make_mesh((8,), ("data",))
+    x = np.random.default_rng(0).standard_normal((16, 256)).astype(np.float32)
+    batch = steps.place_batch((x,), mesh, "data")
+    timer = steps._Timer(PARAMS, batch, mesh, "data", _loss, optax.sgd(1e-3), REPS)
+    plain = tuning.Candidate("none", None, "pmean", 1 << 22, 0, 1.0, 1.0, math.nan)
+    before = {id(a) for a in jax.live_arrays()}
+    row = timer.time(plain)
+    assert row.step_reps == REPS and row.step_ms > 0 and not row.error
+    timer.again([row])
+    assert timer.stats(row).step_reps == 2 * REPS
+    assert [a.shape for a in jax.live_arrays() if id(a) not in before] == []

@@ -277,13 +277,17 @@ def _key(r: Candidate) -> tuple:
 
 
 class _Timer:
-    """Times candidates' steps for :func:`stepped_plan`, keeping each one's runner so that a
-    tie can be timed again; every decision is agreed over processes."""
+    """Times candidates' steps for :func:`stepped_plan`; every decision is agreed over
+    processes. Each candidate's params and state live only while its steps run (one
+    candidate's at a time, a tie's while it is timed again): the compiled programs and the
+    step times are kept, so timing ``check`` candidates holds one extra copy of the params
+    and the optimizer and feedback state, not ``check``."""
 
     def __init__(self, params, batch, mesh, axis_name, loss_fn, optimizer, reps):
         self.args = params, batch, mesh, axis_name
         self.loss_fn, self.optimizer, self.reps = loss_fn, optimizer, reps
-        self.runners: dict[tuple, StepRunner] = {}
+        self.programs: dict[tuple, tuple] = {}  # (compiled step, tx) per timed row
+        self.times: dict[tuple, list[float]] = {}  # seconds of each timed step
 
     def time(self, row: Candidate) -> Candidate:
         """``row`` with its step timed (``WARMUP_STEPS`` then ``reps``), or its error."""
@@ -292,13 +296,14 @@ class _Timer:
             lambda: step_program(params, batch, mesh, axis_name, row, self.loss_fn, self.optimizer)
         )
         if not err:
-            runner, err = tuning._guarded(lambda: self._start(compiled, row))
+            runner, err = tuning._guarded(lambda: self._start(compiled))
         if err:
             return row._replace(error=err, step_ms=math.nan)
-        self.runners[_key(row)] = runner
-        return self.stats(row)
+        self.programs[_key(row)], self.times[_key(row)] = compiled, runner.times
+        return self.stats(row)  # the runner, its params and state, freed here
 
-    def _start(self, program: tuple, row: Candidate) -> StepRunner:
+    def _start(self, program: tuple) -> StepRunner:
+        """A runner of ``program`` from the params, warmed up, then ``reps`` steps timed."""
         params, batch, mesh, axis_name = self.args
         runner = StepRunner(*program, params, batch, mesh, axis_name)
         runner.run(WARMUP_STEPS, timed=False)
@@ -306,13 +311,21 @@ class _Timer:
         return runner
 
     def again(self, rows: Sequence[Candidate]) -> None:
-        """``reps`` more steps of each of ``rows``, interleaved (drift hits all alike)."""
+        """``reps`` more steps of each of ``rows``, interleaved (drift hits all alike), each
+        from fresh params and state after ``WARMUP_STEPS``; their times join the first ones."""
+        params, batch, mesh, axis_name = self.args
+        runners = []
+        for r in rows:
+            runners.append(StepRunner(*self.programs[_key(r)], params, batch, mesh, axis_name))
+            runners[-1].run(WARMUP_STEPS, timed=False)
         for _ in range(self.reps):
-            for r in rows:
-                self.runners[_key(r)].run(1, timed=True)
+            for runner in runners:
+                runner.run(1, timed=True)
+        for r, runner in zip(rows, runners, strict=True):
+            self.times[_key(r)] = self.times[_key(r)] + runner.times
 
     def stats(self, row: Candidate) -> Candidate:
-        times = tuning._reduce_over_processes(np.asarray(self.runners[_key(row)].times))
+        times = tuning._reduce_over_processes(np.asarray(self.times[_key(row)]))
         median, spread = step_stats(times)
         return row._replace(step_ms=median, step_spread_ms=spread, step_reps=len(times))
 

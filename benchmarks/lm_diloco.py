@@ -27,7 +27,12 @@ pseudo-gradient's norm (``clip=True``), ``H = 10`` on 8 and on 2 replicas. The i
 schedule at ``H = 30`` (``-innerconst``: AdamW's lr held at its peak after the warm-up,
 :func:`held_schedule`), with it the outer lr warmed up (``-outerwarmup3``) or annealed by
 cosine (``-outercos``, :func:`outer_cosine`), Muon inside (``-muon``), and SparseLoCo's
-``ef_decay=0.95`` with the held lr, on 8 and on 2 replicas.
+``ef_decay=0.95`` with the held lr, on 8 and on 2 replicas. AdamW inside re-tuned at
+``H = 30``: the outer step (``-outer1.0-0.6``, ``-outer0.5-0.6``, ``-outer0.7-0.3``), the inner
+lr decayed at the end (``-innerwsd``: :func:`wsd_schedule`; ``-innerwsd10``, ``-innerwsd33``),
+each replica's AdamW betas (``-b1_0.95``, ``-b2_0.95``), a growing ``H`` (``sync_every`` a
+sequence of intervals: ``-H10to30`` on 8 replicas, ``-H5to30`` and ``-H5x6to30`` on 2),
+``H = 20`` on 2 replicas, and SparseLoCo with WSD or ``averaging="all"``.
 
 ::
 

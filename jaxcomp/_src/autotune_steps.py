@@ -70,6 +70,18 @@ def place_batch(batch: tuple, mesh: Any, axis_name: Any) -> tuple:
     so is not copied). Host arrays (NumPy) are accepted: on several processes each passes
     the same global values.
 
+    Args:
+      batch: the arrays (or trees of arrays) of one step's global batch.
+      mesh: the mesh the steps run on.
+      axis_name: the data-parallel axis (or axes) of ``mesh`` the batch is split over.
+
+    Returns:
+      ``batch`` with every leaf a ``jax.Array`` laid out ``P(axis_name)``.
+
+    Example::
+
+      batch = place_batch((x, y), mesh, "data")   # x, y: [global batch, ...]
+
     Raises:
       ValueError: naming ``batch``, where a leaf has no leading dimension divisible by the
         ``n`` devices of ``axis_name``.

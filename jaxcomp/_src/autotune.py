@@ -822,13 +822,12 @@ def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
     timed = [r for r in rows if r.codec is not None and not math.isnan(r.measured_ms)]
 
     def kappa(skip: Candidate | None) -> float:
-        pts = [r for r in timed if r is not skip and r.codec_model_ms > 0]
-        den = sum(r.codec_model_ms**2 for r in pts)
-        if not den:
-            return 1.0
-        num = sum(r.codec_model_ms * (r.measured_ms - lam * (r.model_ms - r.codec_model_ms))
-                  for r in pts)  # fmt: skip
-        return min(max(num / den, 0.1), 10.0)
+        pts = [
+            (r.codec_model_ms, r.measured_ms - lam * (r.model_ms - r.codec_model_ms))
+            for r in timed
+            if r is not skip
+        ]
+        return fit_scale(pts, 0.1, 10.0)
 
     out = []
     for r in rows:
@@ -839,6 +838,20 @@ def calibrate(rows: Sequence[Candidate]) -> list[Candidate]:
         wire = r.model_ms - r.codec_model_ms
         out.append(r._replace(predicted_ms=lam * wire + k * r.codec_model_ms))
     return out
+
+
+def fit_scale(points: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """The ``k`` minimizing ``sum (y - k c)^2`` over the points ``(c, y)``, i.e.
+    ``sum c y / sum c^2``, clipped to ``[lo, hi]``; 1 where no point has ``c != 0``.
+
+    Example::
+
+      fit_scale([(500.0, 40.0), (250.0, 15.0)], 0.0, 10.0)   # 0.0733...
+    """
+    den = sum(c * c for c, _ in points)
+    if not den:
+        return 1.0
+    return float(np.clip(sum(c * y for c, y in points) / den, lo, hi))
 
 
 def _to_check(rows: Sequence[Candidate], check: int) -> list[Candidate]:

@@ -215,10 +215,7 @@ def fit_kappa(points: Sequence[tuple[float, float]]) -> float:
 
       fit_kappa([(500.0, 40.0), (250.0, 15.0)])   # 0.0733...
     """
-    den = sum(c * c for c, _ in points)
-    if not den:
-        return 1.0
-    return float(np.clip(sum(c * y for c, y in points) / den, *KAPPA_RANGE))
+    return tuning.fit_scale(points, *KAPPA_RANGE)
 
 
 def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:

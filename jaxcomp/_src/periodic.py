@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import warnings
 from typing import Any, NamedTuple
 
@@ -485,11 +486,7 @@ def split_sync_every(sync_every: Any) -> tuple[int, tuple[int, ...]]:
             "between syncs, the last one repeated), got an empty sequence"
         )
     hs = [check_int(f"sync_every[{i}]", h, 1) for i, h in enumerate(sync_every)]
-    early, total = [], 0
-    for h in hs[:-1]:
-        total += h
-        early.append(total)
-    return hs[-1], tuple(early)
+    return hs[-1], tuple(itertools.accumulate(hs[:-1]))
 
 
 def check_common(

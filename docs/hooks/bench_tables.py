@@ -456,6 +456,49 @@ def _predicted_steps(rows: list[dict[str, Any]], rate: Any, stepped: bool = Fals
     return f"Step predictions at {rate}: {how}.\n\n" + _markdown((header, body))
 
 
+REFIT_HEADER = ["step", "strategy", "feedback", "min_size", "measured ms", "recorded prediction",
+                "error", "prediction now", "error"]  # fmt: skip
+
+
+def _autotune_refit(data: dict[str, Any], path: pathlib.Path) -> str:
+    """Each recorded run's timed steps and benchmark steps: measured, the prediction the run
+    recorded and the library's prediction now (leave-one-out), with their errors."""
+
+    def pct(x: Any) -> str:
+        return f"{100 * x:+.0f}%" if _num(x) else "–"
+
+    parts = []
+    for run in data["runs"]:
+        body = [
+            [
+                f"`{r.get('candidate') or r.get('step')}`" + (" (bench)" if "step" in r else ""),
+                str(r.get("strategy") or "-"),
+                str(r.get("error_feedback") or "–"),
+                _fmt(r.get("min_size", "–")),
+                _fmt(r["step_ms"], 4),
+                _fmt(r["old_predicted_ms"], 4),
+                pct(r["old_error"]),
+                _fmt(r["new_predicted_ms"], 4),
+                pct(r["new_error"]),
+            ]
+            for r in run["table"] + run["steps"]
+            if _num(r["step_ms"]) and _num(r["new_error"])
+        ]
+        worst = run["max_abs_error"]
+        parts.append(
+            f"`{run['run']}` ({run['rate']}, host load {run['host_load']}): largest error "
+            f"{100 * worst['old_error']:.0f}% recorded, {100 * worst['new_error']:.0f}% now.\n\n"
+            + _markdown((REFIT_HEADER, body))
+        )
+    widths = ", ".join(f"{k} {v:g}x" for k, v in data.get("widths", {}).items())
+    head = (
+        "Every timed step of each recorded plan (predicted from the other timed steps) and each "
+        "benchmark step of the run (`(bench)`: the plan row of its exchange); wire widened by "
+        f"the backend: {widths}."
+    )
+    return head + "\n\n" + "\n\n".join(parts) + "\n\n" + _source(path, data, _command(path.stem))
+
+
 # --------------------------------------------------------------------------- overlap
 
 
@@ -1147,6 +1190,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "codec_speed": (_codec_speed, "python -m benchmarks.codec_speed"),
     "network": (_network, "sudo python -m benchmarks.network"),
     "network_autotune": (_network_autotune, "sudo python -m benchmarks.network --label autotune"),
+    "autotune_refit": (_autotune_refit, "python -m benchmarks.autotune_refit"),
     "overlap": (_overlap, "sudo python -m benchmarks.overlap"),
     "lm_link": (_lm_link, "sudo python -m benchmarks.lm_link"),
     "time_to_accuracy": (_time_to_accuracy, "sudo python -m benchmarks.time_to_accuracy"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -46,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import buckets, feedback, skeleton
+from jaxcomp._src import buckets, feedback
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
 from jaxcomp._src.codecs.quantize import Cast, cast, int_quant
 from jaxcomp._src.cost import _summed_dtype, check_pair, strategy_bytes
@@ -98,6 +99,7 @@ class Candidate(NamedTuple):
     step_spread_ms: float = math.nan  # interquartile range of the timed steps
     step_reps: int = 0  # timed steps behind step_ms
     predicted_step_ms: float = math.nan  # fitted compute + predicted exchange (leave-one-out)
+    feedback_model_ms: float = 0.0  # the residual passes' share of codec_model_ms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,13 +134,13 @@ class AutotunePlan:
     def transform(self, axis_name: Any) -> Any:
         """The timed exchange as an optax transform to chain before the optimizer:
         ``jc.compressed_allreduce(plan.codec, axis_name, error_feedback=plan.error_feedback,
-        **plan.exchange())``; for plain ``pmean`` the float32 mean of ``jc.identity()`` (one
-        ``psum`` per bucket, no state but the step count)."""
-        from jaxcomp._src.codecs.quantize import identity
+        **plan.exchange())``; for plain ``pmean`` :func:`plain_transform` (the float32 mean,
+        one ``psum`` per bucket of ``plan.bucket_bytes``): in every case the exchange that
+        :func:`autotune` timed."""
         from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
         if self.codec is None:
-            return compressed_allreduce(identity(), axis_name, error_feedback=None)
+            return plain_transform(axis_name, self.bucket_bytes)
         return compressed_allreduce(
             self.codec, axis_name, error_feedback=self.error_feedback, **self.exchange()
         )
@@ -381,17 +383,18 @@ def candidate_feedback(codec: Codec | None) -> str | None:
     return feedback.resolve("auto", codec)
 
 
-def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int) -> list:
+def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int, widen: float = 1.0):
     """``(kind, ring bytes per device, [bytes per device sent into it, per leaf])`` of each
-    phase."""
+    phase; a codec's ring bytes times ``widen`` (:func:`wire_widths`), and a 16-bit sum the
+    backend widens runs as a float32 ``all_reduce``."""
     if codec is None or not sizes:
         total = 4 * sum(sizes)
         sent = [4 * d for d in sizes]
         return [("all_reduce", _ring_bytes("all_reduce", total, n), sent)] if total else []
     rings = [strategy_bytes(codec, d, n)[strategy] for d in sizes]
-    ring = sum(rings)
+    ring = widen * sum(rings)
     if strategy == "allreduce":
-        narrow = _summed_dtype(codec) in ("float16", "bfloat16")
+        narrow = _summed_dtype(codec) in ("float16", "bfloat16") and widen == 1.0
         kind = "all_reduce_16" if narrow else "all_reduce"
         return [(kind, ring, [r * n / (2 * (n - 1)) for r in rings])]
     if strategy == "allgather":
@@ -401,6 +404,73 @@ def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int) ->
     rows = [n * first.payload_bytes(c) for c, (first, _) in zip(cs, phases, strict=True)]
     owned = [second.payload_bytes(c) for c, (_, second) in zip(cs, phases, strict=True)]
     return [("all_to_all", ring / 2, rows), ("all_gather", ring / 2, owned)]
+
+
+#: Bytes per element of the element types of a compiled program's text.
+_HLO_BYTES = {
+    **dict.fromkeys(("pred", "s8", "u8", "f8e4m3fn", "f8e5m2"), 1),
+    **dict.fromkeys(("s16", "u16", "f16", "bf16"), 2),
+    **dict.fromkeys(("s32", "u32", "f32"), 4),
+    **dict.fromkeys(("s64", "u64", "f64"), 8),
+}
+
+
+def _moved_itemsize(dtype: Any, mesh: Any, axis_name: Any) -> int:
+    """Bytes per element the backend's ``all_gather`` of ``dtype`` over ``axis_name`` moves, read
+    from the compiled program (XLA:CPU gathers bfloat16 as float32); the dtype's own size
+    where the program shows no all-gather (one device) or an unknown type."""
+    dtype = jnp.dtype(dtype)
+
+    def gather(x):
+        return jax.lax.all_gather(x[0], axis_name, tiled=True)[None]
+
+    fn = jax.shard_map(gather, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name),
+                       check_vma=False)  # fmt: skip
+    text = jax.jit(fn).lower(_abstract_rows(mesh, axis_name, (64,), dtype)).compile().as_text()
+    found = re.search(r"= \(?(\w+)\[[^\n]*? all-gather(?:-start)?\(", text)
+    return _HLO_BYTES.get(found.group(1), dtype.itemsize) if found else dtype.itemsize
+
+
+def wire_widths(codecs: Sequence[Codec | None], mesh: Any, axis_name: Any) -> dict:
+    """Bytes the backend moves per byte of each codec's payload in its collectives.
+
+    ``widen(C) = sum_leaves size * moved_itemsize / sum_leaves size * itemsize`` over the
+    payload leaves of ``C.encode`` (a 4096-vector), ``moved_itemsize`` read from a compiled
+    ``all_gather`` of the leaf's dtype on ``mesh`` (:func:`_moved_itemsize`). XLA:CPU widens
+    bfloat16 collectives (``all_gather``, ``all_to_all``, ``psum``) to float32: a bf16 cast
+    moves the bytes of float32 there (``widen = 2``), fp16 and int8 their own (1). A probe
+    that fails counts as 1, on every process alike (the widths are reduced, max).
+
+    Args:
+      codecs: the candidate codecs (None is skipped).
+      mesh: the mesh the candidates run on.
+      axis_name: the axis their collectives run over.
+
+    Returns:
+      ``{codec: widen}`` for every codec.
+
+    Example::
+
+      wire_widths([jc.cast("bf16")], mesh, "data")   # {Cast(bfloat16): 2.0} on XLA:CPU
+    """
+    codecs = list(dict.fromkeys(c for c in codecs if c is not None))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    moved: dict[str, int] = {}
+    widths = []
+    for c in codecs:
+        try:
+            leaves = jax.tree.leaves(
+                jax.eval_shape(c.encode, jax.ShapeDtypeStruct((4096,), jnp.float32), key)
+            )
+            for a in leaves:
+                if a.dtype.name not in moved:
+                    moved[a.dtype.name] = _moved_itemsize(a.dtype, mesh, axis_name)
+            sent = sum(a.size * a.dtype.itemsize for a in leaves)
+            widths.append(sum(a.size * moved[a.dtype.name] for a in leaves) / sent if sent else 1.0)
+        except Exception:  # noqa: BLE001 - a codec that fails here fails its timing later
+            widths.append(1.0)
+    widths = _reduce_over_processes(np.asarray(widths, dtype=np.float64)) if codecs else []
+    return {c: float(w) for c, w in zip(codecs, widths, strict=True)}
 
 
 def _calls(sent: Sequence[float], bucket_bytes: int) -> int:
@@ -422,6 +492,7 @@ def predict_seconds(
     min_size: int,
     codec_s: tuple[float, float] = (0.0, 0.0),
     feedback_s: float = 0.0,
+    widen: float = 1.0,
 ) -> tuple[float, float]:
     """Predicted seconds and ring-model bytes per device of one exchange of leaves ``sizes``.
 
@@ -431,26 +502,63 @@ def predict_seconds(
     ``allreduce`` one encode and one decode, ``allgather`` one encode and ``n`` decodes,
     ``two_phase`` ``1 + 1/n`` encodes and two decodes (``codec_s`` = encode and decode
     seconds of the whole compressed tree), each encode with its error feedback's residual
-    pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`).
+    pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`). ``widen``: bytes the
+    backend moves per payload byte (:func:`wire_widths`), scaling the compressed phases'
+    wire time; the returned ring bytes stay the codec's own.
     """
     small = [d for d in sizes if codec is not None and d < min_size]
     big = [d for d in sizes if codec is None or d >= min_size]
-    phases = _phases(None, "pmean", small, n) + _phases(codec, strategy, big, n)
+    plain, phases = _phases(None, "pmean", small, n), _phases(codec, strategy, big, n, widen)
+    ring = sum(r for _, r, _ in plain) + sum(r for _, r, _ in phases) / widen
+    phases += plain
     seconds = sum(
-        _calls(sent, bucket_bytes) * link[kind].alpha_s + ring / link[kind].bandwidth
-        for kind, ring, sent in phases
+        _calls(sent, bucket_bytes) * link[kind].alpha_s + r / link[kind].bandwidth
+        for kind, r, sent in phases
     )
     enc, dec = codec_s
     passes = {"allreduce": (1, 1), "allgather": (1, n), "two_phase": (1 + 1 / n, 2)}
     if codec is not None and big:
         e, k = passes[strategy]
         seconds += e * (enc + feedback_s) + k * dec
-    return seconds, sum(ring for _, ring, _ in phases)
+    return seconds, ring
+
+
+def plain_transform(axis_name: Any, bucket_bytes: int = buckets.BUCKET_BYTES) -> Any:
+    """Plain ``pmean`` as :func:`autotune` times it and :meth:`AutotunePlan.transform` runs it.
+
+    ``jc.compressed_allreduce(jc.identity(), axis_name, error_feedback=None,
+    bucket_bytes=bucket_bytes)``: the float32 mean ``(1/n) sum_i g_i`` of every leaf, the
+    leaves packed into buckets of ``bucket_bytes`` (an array of at least ``bucket_bytes / 16``
+    bytes in its own), one ``psum`` per bucket; its state is the step count alone.
+
+    Args:
+      axis_name: the mesh axis (or axes) the gradients are averaged over.
+      bucket_bytes: the bucket size (the plain row's ``bucket_bytes``).
+
+    Returns:
+      An optax ``GradientTransformation`` to chain before the optimizer.
+
+    Example::
+
+      tx = optax.chain(plain_transform("data"), optax.sgd(0.1))
+
+    Reference: the bucketed all-reduce of PyTorch DDP (Li et al., "PyTorch Distributed:
+    Experiences on Accelerating Data Parallel Training", VLDB 2020).
+    """
+    from jaxcomp._src.codecs.quantize import identity
+    from jaxcomp._src.compressed_allreduce import compressed_allreduce
+
+    return compressed_allreduce(
+        identity(), axis_name, error_feedback=None, bucket_bytes=bucket_bytes
+    )
 
 
 def _exchange_tx(row: Candidate, axis_name: Any) -> Any:
+    """``row``'s exchange transform (:func:`plain_transform` for plain ``pmean``)."""
     from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
+    if row.codec is None:
+        return plain_transform(axis_name, row.bucket_bytes)
     return compressed_allreduce(
         row.codec,
         axis_name,
@@ -471,13 +579,13 @@ def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candida
     """``row``'s exchange as a training step runs it, lowered (``jax.stages.Lowered``).
 
     Compiled, ``(tree, state) -> (mean, state)`` takes the per-device gradients (each leaf
-    ``[n, *shape]``, one row per device) and donates ``state`` (:func:`path_state`): the
-    float32 ``pmean`` of the non-empty leaves (:func:`skeleton.tree_pmean`, no state) for
-    plain ``pmean``, else ``jc.compressed_allreduce(codec, axis_name,
-    error_feedback=row.error_feedback, strategy=..., bucket_bytes=..., min_size=...)``, so
-    the encode, decode and error-feedback memory update are all in the program. Lowered from
-    the state's abstract shapes: a trace (or, in :func:`compiled_path`, compile) error is
-    raised on this process alone, before any data moves between processes.
+    ``[n, *shape]``, one row per device) and donates ``state`` (:func:`path_state`):
+    ``jc.compressed_allreduce(codec, axis_name, error_feedback=row.error_feedback,
+    strategy=..., bucket_bytes=..., min_size=...)``, or :func:`plain_transform` for plain
+    ``pmean`` (what :meth:`AutotunePlan.transform` runs), so the encode, decode and
+    error-feedback memory update are all in the program. Lowered from the state's abstract
+    shapes: a trace (or, in :func:`compiled_path`, compile) error is raised on this process
+    alone, before any data moves between processes.
 
     Args:
       params: the parameter tree (shapes and dtypes of the gradients).
@@ -491,29 +599,17 @@ def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candida
     """
     from jaxcomp._src.sharding import abstract_init, state_specs
 
-    def rows_of(g):
-        return jax.tree.map(lambda a: a[0], g)
+    tx = _exchange_tx(row, axis_name)
+    specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.tree.map(
+        lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        jax.eval_shape(init, params),
+        specs,
+    )
 
-    if row.codec is None:
-        state, specs = (), P()
-
-        def body(g, s):
-            return skeleton.tree_pmean(rows_of(g), axis_name), s  # empty leaves left out
-    else:
-        tx = _exchange_tx(row, axis_name)
-        specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
-        init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        shapes = jax.eval_shape(init, params)
-        state = jax.tree.map(
-            lambda a, spec: jax.ShapeDtypeStruct(
-                a.shape, a.dtype, sharding=NamedSharding(mesh, spec)
-            ),
-            shapes,
-            specs,
-        )
-
-        def body(g, s):
-            return tx.update(rows_of(g), s)
+    def body(g, s):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)
 
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(P(axis_name), specs), out_specs=(P(), specs), check_vma=False
@@ -523,11 +619,9 @@ def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candida
 
 def path_state(params: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
     """The first state :func:`compiled_path`'s program takes: ``jc.sharded_init`` of the
-    candidate's transform (``()`` for plain ``pmean``)."""
+    candidate's transform (:func:`plain_transform`'s for plain ``pmean``)."""
     from jaxcomp._src.sharding import sharded_init
 
-    if row.codec is None:
-        return ()
     return sharded_init(_exchange_tx(row, axis_name), params, mesh, axis_name)
 
 
@@ -558,6 +652,32 @@ def _guarded(fn: Callable[[], Any]) -> tuple[Any, str]:
     if _reduce_over_processes(np.array([float(bool(err))]))[0] and not err:
         err = "failed on another process"
     return (None if err else out), err
+
+
+def _agreed(*stages: Callable[[Any], Any]) -> tuple[Any, str]:
+    """Run ``stages`` in order, each on the previous one's output (the first on None), each
+    under :func:`_guarded`, stopping at the first that fails on any process.
+
+    Every process learns whether every other one finished a stage before any starts the
+    next: a stage that fails on one process alone (a compile error, out of memory while its
+    params or state are made) is skipped by all, and no process waits in the collectives of
+    a later stage that the failed one never enters. So a candidate is compiled, then its
+    buffers are made (blocked on), then it runs.
+
+    Returns:
+      ``(the last stage's output, "")``, or ``(None, "Type: message")`` of the first failure
+      (``"failed on another process"`` where it was elsewhere).
+
+    Example::
+
+      out, err = _agreed(lambda _: compile_it(), lambda c: (c, make_state()), run_it)
+    """
+    out = None
+    for stage in stages:
+        out, err = _guarded(lambda stage=stage, x=out: stage(x))
+        if err:
+            return None, err
+    return out, ""
 
 
 def codec_label(codec: Codec | None) -> str:
@@ -721,9 +841,9 @@ def autotune(
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     costs, failed = _codec_costs(codecs, mesh, axis_name, sizes, reps)
-    rows = _model_rows(
-        _candidates(codecs, strategies, bucket_sizes, min_sizes), sizes, n, link, costs, failed
-    )
+    widths = wire_widths(codecs, mesh, axis_name)
+    cands = _candidates(codecs, strategies, bucket_sizes, min_sizes)
+    rows = _model_rows(cands, sizes, n, link, costs, failed, widths)
     budget_s -= time.perf_counter() - t0
     if loss_fn is None:  # the exchange path alone
         plan = _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link)
@@ -742,9 +862,10 @@ def _codec_costs(codecs, mesh, axis_name, sizes, reps) -> tuple[dict, dict]:
     costs, failed = {}, {}
     for c in dict.fromkeys(c for c in codecs if c is not None):
         fed = candidate_feedback(c) is not None
-        programs, err = _guarded(lambda c=c, f=fed: _codec_programs(c, mesh, axis_name, sizes, f))
-        if not err:
-            local, err = _guarded(lambda p=programs: _codec_times(p, mesh, axis_name, sizes, reps))
+        local, err = _agreed(
+            lambda _, c=c, f=fed: _codec_programs(c, mesh, axis_name, sizes, f),
+            lambda p: _codec_times(p, mesh, axis_name, sizes, reps),
+        )
         if err:  # every process agrees (_guarded): skip the codec's candidates
             failed[c] = f"codec timing: {err}"
         else:
@@ -752,28 +873,30 @@ def _codec_costs(codecs, mesh, axis_name, sizes, reps) -> tuple[dict, dict]:
     return costs, failed
 
 
-def _model_rows(candidates, sizes, n, link, costs, failed) -> list[Candidate]:
+def _model_rows(candidates, sizes, n, link, costs, failed, widths=None) -> list[Candidate]:
     """A :class:`Candidate` per ``(codec, strategy, bucket_bytes, min_size, error_feedback)``
-    with its modelled time (:func:`predict_seconds`), failed ones last, by ``model_ms``."""
+    with its modelled time (:func:`predict_seconds`, the wire widened by ``widths``:
+    :func:`wire_widths`), failed ones last, by ``model_ms``."""
     rows = []
     for codec, strategy, bb, ms, ef in candidates:
         frac = sum(d for d in sizes if d >= ms) / sum(sizes) if codec is not None else 0.0
         enc, dec, fed = costs.get(codec, (0.0, 0.0, 0.0))
         fb = frac * fed if ef is not None else 0.0
+        wide = (widths or {}).get(codec, 1.0) if codec is not None else 1.0
         try:  # the bytes model traces the codec: the same outcome on every process
-            sec, ring = predict_seconds(
-                codec, strategy, sizes, n, link, bb, ms, (frac * enc, frac * dec), fb
-            )
-            wire, _ = predict_seconds(codec, strategy, sizes, n, link, bb, ms)
+            args = (codec, strategy, sizes, n, link, bb, ms)
+            sec, ring = predict_seconds(*args, (frac * enc, frac * dec), fb, widen=wide)
+            unfed, _ = predict_seconds(*args, (frac * enc, frac * dec), 0.0, widen=wide)
+            wire, _ = predict_seconds(*args, widen=wide)
             error = failed.get(codec, "")
         except Exception as e:  # noqa: BLE001 - a failing candidate is skipped, not fatal
-            sec = ring = wire = math.nan
+            sec = ring = wire = unfed = math.nan
             error = failed.get(codec) or f"bytes model: {type(e).__name__}: {e}".splitlines()[0]
         ms_ = 1e3 * sec
         rows.append(
             Candidate(
                 codec_label(codec), codec, strategy, bb, ms, ring, ms_, math.nan, ms_,
-                1e3 * (sec - wire), ef, error,
+                1e3 * (sec - wire), ef, error, feedback_model_ms=1e3 * (sec - unfed),
             )
         )  # fmt: skip
     # a model that failed on another process fails here too (every process sorts the same)
@@ -866,13 +989,13 @@ def _to_check(rows: Sequence[Candidate], check: int) -> list[Candidate]:
 
 def _time_row(params, tree, mesh, axis_name, row, reps) -> tuple[float, str]:
     """``(measured ms, "")`` of ``row``'s compiled exchange path, or ``(nan, reason)`` where it
-    failed to trace, compile or run on any process (all processes agree). The compile needs
-    no other process, so a failure there is agreed on before any collective runs."""
-    compiled, err = _guarded(lambda: compiled_path(params, tree, mesh, axis_name, row))
-    if err:
-        return math.nan, err
-    local, err = _guarded(
-        lambda: _path_median(compiled, tree, path_state(params, mesh, axis_name, row), reps)
+    failed to trace, compile, allocate or run on any process (:func:`_agreed`: compiled, then
+    its state made, then run, every process agreeing after each stage, so none enters the
+    path's collectives unless every process got that far)."""
+    local, err = _agreed(
+        lambda _: compiled_path(params, tree, mesh, axis_name, row),
+        lambda c: (c, jax.block_until_ready(path_state(params, mesh, axis_name, row))),
+        lambda cs: _path_median(cs[0], tree, cs[1], reps),
     )
     if err:
         return math.nan, err

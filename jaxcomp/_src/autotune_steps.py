@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -27,13 +27,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import autotune as tuning
-from jaxcomp._src import skeleton
 from jaxcomp._src.autotune import Candidate
 
 #: Untimed warm-up steps before the timed ones (the first runs allocate the donated buffers).
 WARMUP_STEPS = 2
-#: Bounds of the fitted codec-pass scale ``kappa`` (calibrate_steps).
-KAPPA_RANGE = (0.0, 10.0)
+#: Bounds of the fitted in-step scale of the codec passes (calibrate_steps): below 0 the
+#: step hides more of the exchange than the passes cost alone (they overlap the backward).
+PASS_RANGE = (-1.0, 10.0)
+#: Bounds of the fitted in-step scale of the error-feedback passes (calibrate_steps).
+FEEDBACK_RANGE = (0.0, 10.0)
 
 
 def _finite(x: float) -> bool:
@@ -101,20 +103,27 @@ def step_program(params, batch, mesh, axis_name, row: Candidate, loss_fn, optimi
     """``row``'s training step, compiled ahead of time from abstract shapes.
 
     ``(params, state, *batch) -> (params, state)``, params and state donated: each device
-    takes ``grad loss_fn(params, *its batch)``, then plain ``pmean`` (the float32 mean of
-    every leaf) and ``optimizer`` for the plain row, else
-    ``optax.chain(jc.compressed_allreduce(codec, axis_name, error_feedback=..., strategy=...,
-    bucket_bytes=..., min_size=...), optimizer)``; then ``optax.apply_updates``. A trace or
-    compile error raises here, on this process alone, before any data moves.
+    takes ``grad loss_fn(params, *its batch)``, then ``optax.chain(exchange, optimizer)``
+    with the exchange :meth:`jaxcomp.AutotunePlan.transform` runs for ``row``
+    (:func:`jaxcomp._src.autotune.plain_transform` for plain ``pmean``, else
+    ``jc.compressed_allreduce(codec, axis_name, error_feedback=..., strategy=...,
+    bucket_bytes=..., min_size=...)``); then ``optax.apply_updates``. A trace or compile
+    error raises here, on this process alone, before any data moves.
 
     Returns:
       ``(compiled, tx)``: the program and the transform whose state it takes
       (:func:`jaxcomp.sharded_init` of ``tx``).
     """
+    tx = optax.chain(tuning._exchange_tx(row, axis_name), optimizer)
+    return step_lowered(params, batch, mesh, axis_name, tx, loss_fn).compile(), tx
+
+
+def step_lowered(params, batch, mesh, axis_name, tx, loss_fn) -> Any:
+    """The training step of ``tx`` (exchange and optimizer chained), lowered from abstract
+    shapes: ``(params, state, *batch) -> (params, state)``, params and state donated
+    (:func:`step_program` compiles it)."""
     from jaxcomp._src.sharding import abstract_init, state_specs
 
-    exchange = None if row.codec is None else tuning._exchange_tx(row, axis_name)
-    tx = optimizer if exchange is None else optax.chain(exchange, optimizer)
     specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
     state = jax.tree.map(
@@ -125,8 +134,6 @@ def step_program(params, batch, mesh, axis_name, row: Candidate, loss_fn, optimi
 
     def step(p, s, *b):
         g = jax.grad(loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), *b)
-        if exchange is None:
-            g = skeleton.tree_pmean(g, axis_name)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
@@ -136,7 +143,7 @@ def step_program(params, batch, mesh, axis_name, row: Candidate, loss_fn, optimi
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=_replicated(mesh)),
         params,
     )
-    return jax.jit(fn, donate_argnums=(0, 1)).lower(abstract, state, *batch).compile(), tx
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(abstract, state, *batch)
 
 
 def _replicated(mesh: Any) -> NamedSharding:
@@ -144,21 +151,24 @@ def _replicated(mesh: Any) -> NamedSharding:
 
 
 class StepRunner:
-    """A compiled step with its own params and state, fed back from step to step."""
+    """A compiled step with its own params and state, fed back from step to step. Made, the
+    params' copy and the state exist (blocked on): an allocation that fails raises here,
+    before the step's collectives run."""
 
-    def __init__(self, compiled: Callable, tx: Any, params: Any, batch: tuple, mesh, axis_name):
+    def __init__(self, program: tuple, params: Any, batch: tuple, mesh, axis_name):
         from jaxcomp._src.sharding import sharded_init
 
-        self.compiled, self.batch = compiled, batch
+        self.program, self.batch = program, batch
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=_replicated(mesh))
         self.params = copy(params)  # the step donates them: never the caller's arrays
-        self.state = sharded_init(tx, self.params, mesh, axis_name)
+        self.state = sharded_init(program[1], self.params, mesh, axis_name)
+        jax.block_until_ready((self.params, self.state))
         self.times: list[float] = []
 
     def run(self, steps: int, timed: bool) -> None:
         for _ in range(steps):
             t0 = time.perf_counter()
-            out = jax.block_until_ready(self.compiled(self.params, self.state, *self.batch))
+            out = jax.block_until_ready(self.program[0](self.params, self.state, *self.batch))
             self.params, self.state = out
             if timed:
                 self.times.append(time.perf_counter() - t0)
@@ -207,37 +217,71 @@ def select_step(rows: Sequence[Candidate]) -> Candidate:
     return min(timed, key=lambda r: (r.step_ms, r.codec_model_ms))
 
 
-def fit_kappa(points: Sequence[tuple[float, float]]) -> float:
-    """The codec passes' scale ``kappa`` minimizing ``sum (y - kappa * c)^2`` over the points
-    ``(c, y)``, clipped to :data:`KAPPA_RANGE`; 1 (the standalone passes) without points.
+def fit_step_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """The in-step scales ``(k_pass, k_fb)`` minimizing ``sum (y - k_pass p - k_fb f)^2`` over
+    the points ``(p, f, y)``, clipped to :data:`PASS_RANGE` and :data:`FEEDBACK_RANGE` (where
+    one is clipped the other is refitted with it fixed).
+
+    ``p``: a timed step's codec passes timed alone (encode, decode), ``f``: its error-feedback
+    passes timed alone, ``y``: its step less the fitted compute and its modelled wire. Where
+    no point has feedback ``k_fb = 1`` (no step informs it: the standalone passes) and
+    ``k_pass`` is fitted alone; where the two columns are collinear (one point, or every
+    point with the same mix) one scale ``k = sum (p+f) y / sum (p+f)^2`` serves both;
+    without points ``(1, 1)``.
 
     Example::
 
-      fit_kappa([(500.0, 40.0), (250.0, 15.0)])   # 0.0733...
+      fit_step_scales([(300.0, 0.0, -180.0), (200.0, 170.0, 50.0)])   # (-0.6, 1.0)
     """
-    return tuning.fit_scale(points, *KAPPA_RANGE)
+    pts = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+    p, f, y = pts.T
+    pp, ff, pf = p @ p, f @ f, p @ f
+    if not pp + ff:
+        return 1.0, 1.0
+    if not ff:
+        return float(np.clip(p @ y / pp, *PASS_RANGE)), 1.0
+    if pp * ff - pf * pf <= 1e-9 * pp * ff:  # collinear: one scale for both
+        kp = kf = (p + f) @ y / ((p + f) @ (p + f))
+    else:
+        kp, kf = np.linalg.solve([[pp, pf], [pf, ff]], [p @ y, f @ y])
+    if not PASS_RANGE[0] <= kp <= PASS_RANGE[1]:
+        kp = float(np.clip(kp, *PASS_RANGE))
+        kf = f @ (y - kp * p) / ff
+    if not FEEDBACK_RANGE[0] <= kf <= FEEDBACK_RANGE[1]:
+        kf = float(np.clip(kf, *FEEDBACK_RANGE))
+        kp = float(np.clip(p @ (y - kf * f) / pp, *PASS_RANGE)) if pp else kp
+    return float(kp), float(kf)
+
+
+def _parts(r: Candidate) -> tuple[float, float, float]:
+    """``(wire, codec passes, feedback passes)`` of ``r``'s model, ms."""
+    fb = r.feedback_model_ms
+    return r.model_ms - r.codec_model_ms, r.codec_model_ms - fb, fb
 
 
 def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     """``predicted_step_ms`` and ``predicted_ms`` of every row from the timed steps.
 
-    With ``S_0`` plain ``pmean``'s measured step, ``w_r = model_ms - codec_model_ms`` a row's
-    wire time in the link model (:func:`jaxcomp._src.autotune.predict_seconds`) and
-    ``c_r = codec_model_ms`` its codec passes timed alone::
+    With ``S_0`` plain ``pmean``'s measured step, and for a row ``r`` its modelled wire
+    ``w_r = model_ms - codec_model_ms`` (the link model,
+    :func:`jaxcomp._src.autotune.predict_seconds`), its codec passes ``p_r`` (encode,
+    decode) and error-feedback passes ``f_r = feedback_model_ms``, as timed alone::
 
-        compute      = S_0 - w_0                    (the plain step less its modelled exchange)
-        exchange_r   = w_r + kappa * c_r
+        compute      = S_0 - w_0                       (plain step less its modelled wire)
+        exchange_r   = max(0, w_r + k_pass p_r + k_fb f_r)
         predicted_r  = compute + exchange_r
 
-    ``kappa`` (what the codec passes cost inside a step against alone: they fuse with the
-    sum, the update and each other, and a cast may run slower fused than alone) is least
-    squares ``S_t - S_0 - (w_t - w_0) = kappa c_t`` over the other timed steps of the same
-    codec where there are some, else over every other timed compressed step. A timed row's
-    own step never enters its ``kappa`` (leave-one-out), so its predicted against measured
-    step is a fair test; plain ``pmean`` is the anchor (predicted = measured). Without a measured
-    plain step the rows are returned unchanged. The wire is taken from the link model as
-    fitted: scaling it too (a second factor) fits two noisy steps exactly and extrapolates
-    to negative compute.
+    ``(k_pass, k_fb)`` (:func:`fit_step_scales`) are least squares
+    ``S_t - S_0 - (w_t - w_0) = k_pass p_t + k_fb f_t`` over the other timed steps. In a
+    step the passes do not cost what they cost alone: a cast's encode and decode fuse with
+    the backward pass and the update, and part of the exchange runs while the backward pass
+    computes, so ``k_pass`` comes out near 0 or negative (-0.6 to 0.04 on the measured
+    runs of docs/autotune.md, "How the steps are predicted"); the residual memory's read
+    and write of the whole gradient does not hide (``k_fb`` 0.6 to 1.2). One scale for
+    both let the feedback rows pull the casts' scale up: fp16 two-phase was predicted +74%
+    at 10 Gbit/s. A timed row's own step never enters its scales (leave-one-out), so its
+    predicted against measured step is a fair test; plain ``pmean`` is the anchor
+    (predicted = measured). Without a measured plain step the rows are returned unchanged.
 
     Args:
       rows: the candidates, ``step_ms`` NaN where no step was timed.
@@ -252,12 +296,12 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
 
     Reference: the alpha-beta model of Hockney, Parallel Computing 1994, with the codec's
     passes added as in Agarwal et al., "On the Utility of Gradient Compression in Distributed
-    Training Systems", MLSys 2022 (a step is compute plus an exchange that does not overlap).
+    Training Systems", MLSys 2022, their in-step cost fitted on the timed steps.
     """
     plain = next((r for r in rows if r.codec is None and _finite(r.step_ms)), None)
     if plain is None:
         return list(rows)
-    w0 = plain.model_ms - plain.codec_model_ms
+    w0 = _parts(plain)[0]
     timed = [r for r in rows if r.codec is not None and _finite(r.step_ms) and not r.error]
     out = []
     for r in rows:
@@ -266,15 +310,13 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
                 r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0) if r is plain else r
             )
             continue
-        others = [t for t in timed if t is not r]
-        same = [t for t in others if t.codec == r.codec]  # the codec's own scale where known
-        k = fit_kappa(
-            [
-                (t.codec_model_ms, t.step_ms - plain.step_ms - (t.model_ms - t.codec_model_ms - w0))
-                for t in same or others
-            ]
-        )
-        exchange = r.model_ms - r.codec_model_ms + k * r.codec_model_ms
+        points = [
+            (p, f, t.step_ms - plain.step_ms - (w - w0))
+            for t, (w, p, f) in ((t, _parts(t)) for t in timed if t is not r)
+        ]
+        k_pass, k_fb = fit_step_scales(points)
+        w, p, f = _parts(r)
+        exchange = max(0.0, w + k_pass * p + k_fb * f)
         out.append(
             r._replace(predicted_ms=exchange, predicted_step_ms=plain.step_ms - w0 + exchange)
         )
@@ -299,39 +341,49 @@ class _Timer:
         self.times: dict[tuple, list[float]] = {}  # seconds of each timed step
 
     def time(self, row: Candidate) -> Candidate:
-        """``row`` with its step timed (``WARMUP_STEPS`` then ``reps``), or its error."""
+        """``row`` with its step timed (``WARMUP_STEPS`` then ``reps``), or its error. Three
+        stages, every process agreeing after each before the next
+        (:func:`jaxcomp._src.autotune._agreed`): compile, make the params' copy and the
+        state, run; so a candidate that fails to build on one process is skipped by all and
+        none waits in its collectives."""
         params, batch, mesh, axis_name = self.args
-        compiled, err = tuning._guarded(
-            lambda: step_program(params, batch, mesh, axis_name, row, self.loss_fn, self.optimizer)
-        )
-        if not err:
-            runner, err = tuning._guarded(lambda: self._start(compiled))
+        runner, err = tuning._agreed(
+            lambda _: step_program(params, batch, mesh, axis_name, row, self.loss_fn,
+                                   self.optimizer),
+            lambda program: StepRunner(program, params, batch, mesh, axis_name),
+            self._warm_and_time,
+        )  # fmt: skip
         if err:
             return row._replace(error=err, step_ms=math.nan)
-        self.programs[_key(row)], self.times[_key(row)] = compiled, runner.times
+        self.programs[_key(row)], self.times[_key(row)] = runner.program, runner.times
         return self.stats(row)  # the runner, its params and state, freed here
 
-    def _start(self, program: tuple) -> StepRunner:
-        """A runner of ``program`` from the params, warmed up, then ``reps`` steps timed."""
-        params, batch, mesh, axis_name = self.args
-        runner = StepRunner(*program, params, batch, mesh, axis_name)
+    def _warm_and_time(self, runner: StepRunner) -> StepRunner:
+        """``runner`` after ``WARMUP_STEPS`` untimed steps and ``reps`` timed ones."""
         runner.run(WARMUP_STEPS, timed=False)
         runner.run(self.reps, timed=True)
         return runner
 
-    def again(self, rows: Sequence[Candidate]) -> None:
+    def again(self, rows: Sequence[Candidate]) -> str:
         """``reps`` more steps of each of ``rows``, interleaved (drift hits all alike), each
-        from fresh params and state after ``WARMUP_STEPS``; their times join the first ones."""
-        params, batch, mesh, axis_name = self.args
-        runners = []
-        for r in rows:
-            runners.append(StepRunner(*self.programs[_key(r)], params, batch, mesh, axis_name))
-            runners[-1].run(WARMUP_STEPS, timed=False)
-        for _ in range(self.reps):
+        from fresh params and state after ``WARMUP_STEPS``; their times join the first ones.
+        The runners are made first and agreed on over processes, then run. Returns "" or
+        the failure (the first times are kept)."""
+
+        def run(runners: list[StepRunner]) -> list[StepRunner]:
             for runner in runners:
-                runner.run(1, timed=True)
-        for r, runner in zip(rows, runners, strict=True):
+                runner.run(WARMUP_STEPS, timed=False)
+            for _ in range(self.reps):
+                for runner in runners:
+                    runner.run(1, timed=True)
+            return runners
+
+        runners, err = tuning._agreed(
+            lambda _: [StepRunner(self.programs[_key(r)], *self.args) for r in rows], run
+        )
+        for r, runner in zip(rows, runners or (), strict=False):
             self.times[_key(r)] = self.times[_key(r)] + runner.times
+        return err
 
     def stats(self, row: Candidate) -> Candidate:
         times = tuning._reduce_over_processes(np.asarray(self.times[_key(row)]))
@@ -384,7 +436,7 @@ def stepped_plan(rows, check, budget_s, timer: _Timer, link) -> tuning.AutotuneP
         time_row(r)
     tied = tied_steps(rows)
     if tied and _elapsed(t0) <= budget_s:
-        _, err = tuning._guarded(lambda: timer.again(tied))  # on failure: the first timings
+        err = timer.again(tied)  # on failure: the first timings
         rows = [timer.stats(r) if not err and any(r is t for t in tied) else r for r in rows]
     return _plan(calibrate_steps(rows), link)
 

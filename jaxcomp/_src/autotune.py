@@ -26,10 +26,15 @@ make this tree's exchange fastest as a training step runs it, and is any faster 
 
 Given ``loss_fn=`` and ``batch=``, step 4 times whole training steps instead and the fastest
 step decides (:mod:`jaxcomp._src.autotune_steps`), and step 5 predicts every candidate's step.
+Plain ``pmean`` is timed as :meth:`AutotunePlan.transform` runs it (:func:`plain_transform`),
+and every wire in the bytes the backend moves (:func:`wire_widths`).
 
 A candidate that fails (a trace or compile error, out of memory) is skipped with the reason in
 its row's ``error``. Every process measures; the timings and the failures are reduced (max,
-any) over processes before any decision, so every process reaches the same plan.
+any) over processes before any decision, so every process reaches the same plan, and each
+candidate is compiled, then given its buffers, then run, every process agreeing after each
+stage (:func:`_agreed`), so none enters the collectives of a candidate another could not
+build.
 """
 
 from __future__ import annotations
@@ -772,7 +777,8 @@ def autotune(
     skipped: its row keeps the reason in ``error`` and no measured time. Failures and
     timings are reduced over processes (any, max), so every process makes the same choice;
     a failure is detected before the candidate's collectives run (it is compiled ahead of
-    time), except a failure while running (then the peers may wait in its collective).
+    time, then its buffers are made, every process agreeing after each stage), except a
+    failure inside a running program (then the peers may wait in its collective).
 
     Args:
       params: a pytree of arrays shaped like one device's gradient (values unused).

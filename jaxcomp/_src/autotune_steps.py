@@ -8,8 +8,8 @@ with the update, differently for each strategy (docs/autotune.md, "Whole steps",
 measurements). The step is what the user runs, so the step is what is ranked
 (:func:`select_step`), ties within the timing noise are settled by more repeats
 (:func:`tied_steps`), and every candidate gets a predicted step (:func:`calibrate_steps`):
-the compute fitted from the measured plain step, the exchange from the link model, the codec
-passes scaled on the timed steps.
+the compute fitted from the measured plain step, the exchange from the link model, its codec
+passes and its feedback passes each scaled on the timed steps (:func:`fit_step_scales`).
 """
 
 from __future__ import annotations

@@ -229,9 +229,18 @@ def fit_step_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float
     point with the same mix) one scale ``k = sum (p+f) y / sum (p+f)^2`` serves both;
     without points ``(1, 1)``.
 
+    Args:
+      points: ``(p, f, y)`` in ms per timed compressed step (:func:`calibrate_steps`).
+
+    Returns:
+      ``(k_pass, k_fb)``.
+
     Example::
 
       fit_step_scales([(300.0, 0.0, -180.0), (200.0, 170.0, 50.0)])   # (-0.6, 1.0)
+
+    Reference: ordinary least squares (Gauss), here over the steps, as the alpha-beta fit of
+    :func:`jaxcomp._src.autotune.measure_link` is over the collectives.
     """
     pts = np.asarray(points, dtype=np.float64).reshape(-1, 3)
     p, f, y = pts.T

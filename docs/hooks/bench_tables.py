@@ -484,10 +484,20 @@ def _autotune_refit(data: dict[str, Any], path: pathlib.Path) -> str:
             for r in run["table"] + run["steps"]
             if _num(r["step_ms"]) and _num(r["new_error"])
         ]
-        worst = run["max_abs_error"]
+        worst, twins = run["max_abs_error"], run.get("untimed_vs_twin", {})
+        twin = (
+            f" Untimed rows against the measured step of their twin (another `min_size`), "
+            f"{twins['rows']} rows: mean |error| {100 * twins['old']['mean']:.0f}% recorded "
+            f"(max {100 * twins['old']['max']:.0f}%), {100 * twins['new']['mean']:.0f}% now "
+            f"(max {100 * twins['new']['max']:.0f}%)."
+            if twins.get("rows")
+            else ""
+        )
         parts.append(
             f"`{run['run']}` ({run['rate']}, host load {run['host_load']}): largest error "
-            f"{100 * worst['old_error']:.0f}% recorded, {100 * worst['new_error']:.0f}% now.\n\n"
+            f"{100 * worst['old_error']:.0f}% recorded, {100 * worst['new_error']:.0f}% now."
+            + twin
+            + "\n\n"
             + _markdown((REFIT_HEADER, body))
         )
     widths = ", ".join(f"{k} {v:g}x" for k, v in data.get("widths", {}).items())

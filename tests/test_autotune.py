@@ -342,6 +342,11 @@ def test_step_prediction_fits_compute_and_two_pass_scales_leave_one_out():
     assert math.isnan(steps.calibrate_steps([timed[0]])[0].predicted_step_ms)  # no plain step
     hidden = _step_row("fp16", "two_phase", math.nan, math.nan, 10.0, 900.0, fp16)
     assert steps.calibrate_steps([plain, *timed, hidden])[-1].predicted_step_ms == 300.0
+    # the link model's plain wire over the plain step (a small tree): compute 0, no step < 0
+    slow_link = plain._replace(model_ms=600.0)
+    got = steps.calibrate_steps([slow_link, *timed, hidden])
+    assert got[0].predicted_ms == plain.step_ms and got[0].predicted_step_ms == plain.step_ms
+    assert all(r.predicted_step_ms >= 0 and r.predicted_ms >= 0 for r in got)
 
 
 def test_step_scales_are_least_squares_within_their_ranges():

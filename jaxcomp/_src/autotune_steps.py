@@ -276,12 +276,14 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     :func:`jaxcomp._src.autotune.predict_seconds`), its codec passes ``p_r`` (encode,
     decode) and error-feedback passes ``f_r = feedback_model_ms``, as timed alone::
 
-        compute      = S_0 - w_0                       (plain step less its modelled wire)
+        compute      = max(0, S_0 - w_0)               (plain step less its modelled wire)
         exchange_r   = max(0, w_r + k_pass p_r + k_fb f_r)
         predicted_r  = compute + exchange_r
 
     ``(k_pass, k_fb)`` (:func:`fit_step_scales`) are least squares
-    ``S_t - S_0 - (w_t - w_0) = k_pass p_t + k_fb f_t`` over the other timed steps. In a
+    ``S_t - compute - w_t = k_pass p_t + k_fb f_t`` over the other timed steps (a link model
+    whose plain wire exceeds the plain step, as on small trees, leaves a compute of 0, so no
+    step is predicted below 0). In a
     step the passes do not cost what they cost alone: a cast's encode and decode fuse with
     the backward pass and the update, and part of the exchange runs while the backward pass
     computes, so ``k_pass`` comes out near 0 or negative (-0.6 to 0.04 on the measured
@@ -310,25 +312,25 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     plain = next((r for r in rows if r.codec is None and _finite(r.step_ms)), None)
     if plain is None:
         return list(rows)
-    w0 = _parts(plain)[0]
+    compute = max(0.0, plain.step_ms - _parts(plain)[0])
     timed = [r for r in rows if r.codec is not None and _finite(r.step_ms) and not r.error]
     out = []
     for r in rows:
         if r is plain or r.error or not _finite(r.model_ms):
             out.append(
-                r._replace(predicted_step_ms=r.step_ms, predicted_ms=w0) if r is plain else r
+                r._replace(predicted_step_ms=r.step_ms, predicted_ms=r.step_ms - compute)
+                if r is plain
+                else r
             )
             continue
         points = [
-            (p, f, t.step_ms - plain.step_ms - (w - w0))
+            (p, f, t.step_ms - compute - w)
             for t, (w, p, f) in ((t, _parts(t)) for t in timed if t is not r)
         ]
         k_pass, k_fb = fit_step_scales(points)
         w, p, f = _parts(r)
         exchange = max(0.0, w + k_pass * p + k_fb * f)
-        out.append(
-            r._replace(predicted_ms=exchange, predicted_step_ms=plain.step_ms - w0 + exchange)
-        )
+        out.append(r._replace(predicted_ms=exchange, predicted_step_ms=compute + exchange))
     return out
 
 

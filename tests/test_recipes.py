@@ -95,6 +95,19 @@ SHARED = {
     "zero_one": lambda: _exact_zero_one(),
     # The same with variance_rounds="coded": step 2 is a VARIANCE round.
     "zero_one_coded": lambda: _exact_zero_one(variance_rounds="coded"),
+    # 1-bit signs, no step bound, variance_rounds="coded"; rounds of steps 0..4: FULL,
+    # COMPRESSED, VARIANCE, COMPRESSED, VARIANCE.
+    "zero_one_coded_sign": lambda: jc.zero_one_adam(
+        1e-2,
+        "data",
+        var_freeze_step=6,
+        warmup_steps=1,
+        var_update_scaler=1,
+        local_step_scaler=1,
+        variance_rounds="coded",
+        adam_bound=False,
+        min_size=1,
+    ),
     # 1-bit signs; rounds of steps 0..4: FULL x3 (the warm-up), COMPRESSED, COMPRESSED.
     "zero_one_warmup": lambda: jc.zero_one_adam(
         1e-2, "data", var_freeze_step=4, warmup_steps=3, var_update_scaler=1, min_size=1
@@ -321,6 +334,72 @@ def test_zero_one_adam_skipped_round_nonfinite_poisons_every_device():
     for k in SHAPES:
         assert not np.isfinite(np.asarray(out[k])).any(), k
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def steps_from(run: Run, t0: int, feeds: list[dict]) -> tuple[list[dict], object]:
+    """``run``'s step from its state after ``t0`` steps, fed ``feeds`` in turn: the outputs
+    (device 0's, as numpy) and the last state."""
+    state, outs = run.states[t0], []
+    for g in feeds:
+        out, state = run.step(g, state)
+        outs.append({k: np.asarray(a)[0] for k, a in out.items()})
+    return outs, state
+
+
+def all_finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(tree))
+
+
+def test_zero_one_adam_finite_outlier_at_a_variance_round_keeps_the_state_finite():
+    """A gradient of 1e30 (finite) on every device at a coded VARIANCE round: its 1-bit
+    momentum spreads ~1e28 (in preconditioned units) over the leaf, and the next round turns
+    that back into momentum units by ``sqrt(v_hat)`` of the outlier's coordinate (~1e19).
+    That product overflowed: the momentum held inf with the step's flag clear, and every
+    later step read it, was flagged non-finite and skipped (count stuck at 4 for good). Now
+    it saturates at F32_MAX and each step goes on."""
+    run = shared("zero_one_coded_sign")
+    g2 = grads(2)
+    g2["w"][:, 0, 0] = 1e30
+    outs, state = steps_from(run, 2, [g2, grads(3), grads(4)])
+    ours = state[0]
+    assert all(all_finite(o) for o in outs) and all_finite(ours)
+    assert int(ours.count) == 5 and int(ours.variance_updates) == 3
+    assert float(np.abs(np.asarray(ours.mu["w"])[0, 0])) == np.finfo(np.float32).max
+
+
+@pytest.mark.parametrize("name", ["onebit", "zero_one_coded_sign"])
+def test_adam_full_round_of_huge_finite_gradients_is_adam_not_skipped(name):
+    """3e38 at ``w[0, 0]`` on every device in an uncompressed round (step 0): the mean is
+    finite, so the step is Adam's (``m_hat = 3e38``, ``v_hat`` the saturated square
+    ``F32_MAX``), not a skipped non-finite step. The float32 sum of the 8 gradients is inf:
+    summed before the division, the mean was inf and the step skipped."""
+    run = shared(name)
+    g = grads(0)
+    g["w"][:, 0, 0] = 3e38
+    (out,), state = steps_from(run, 0, [g])
+    assert int(state[0].count) == 1 and all_finite(out) and all_finite(state[0])
+    # v_hat = F32_MAX, within the float32 bias correction 1 / (1 - b2^t) (rel 1e-4 at t = 1)
+    big = np.float32(3e38) / np.sqrt(np.float64(np.finfo(np.float32).max))  # 1.6263e19
+    assert out["w"][0, 0] == pytest.approx(-1e-2 * big, rel=1e-4)
+
+
+@pytest.mark.parametrize("name,bad_t", [("onebit", 1), ("onebit", 3), ("zero_one_coded_sign", 2)])
+def test_adam_after_a_nonfinite_step_the_next_steps_are_those_without_it(name, bad_t):
+    """A NaN on one device at step ``bad_t`` (1-bit Adam: a warm-up and a compressed step;
+    0/1 Adam: a coded VARIANCE round): that update is NaN and the whole state is kept, its
+    step count included (the schedule counts finite steps), so the steps fed after it are,
+    bit for bit, those of the run that never saw it."""
+    run = shared(name)
+    bad = grads(bad_t)
+    bad["w"][3, 1, 2] = np.nan
+    later = [grads(t) for t in range(bad_t, STEPS)]
+    outs, state = steps_from(run, bad_t, [bad, *later])
+    assert all(np.isnan(a).all() for a in outs[0].values())
+    for t, out in zip(range(bad_t, STEPS), outs[1:], strict=True):
+        for k in SHAPES:
+            np.testing.assert_array_equal(out[k], run.outs[t][k], err_msg=f"{k} step {t}")
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(run.states[-1]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -19,7 +19,7 @@ from jaxcomp._src.sgd import exchange_options
 class OneBitAdamState(NamedTuple):
     """State of :func:`onebit_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
 
-    count: jax.Array  # int32[]: steps taken
+    count: jax.Array  # int32[]: finite steps taken (the schedule's step: warm-up, freeze)
     mu: Any  # identical on every device, f32 like the params: the (synchronized) momentum
     nu: Any  # identical on every device, f32 like the params: the variance, frozen later
     level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
@@ -140,7 +140,7 @@ def adam_direction(
     everywhere when ``bad``."""
 
     def one(m, v, g, k):
-        d = mu_scale * m / (jnp.sqrt(k * v) + eps)
+        d = mu_scale * (m / adam_denominator(v, k, eps))
         return collectives.poison(jnp.where(v > 0, d, 0.0), bad).astype(g.dtype)
 
     nu = nu if filled else filled_variance(nu)
@@ -213,7 +213,9 @@ def preconditioned_mean(
     """
     nu = nu if filled else filled_variance(nu)
     ks = per_leaf(nu_scale, nu)
-    scale = jax.tree.map(lambda v, k: jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0), nu, ks)
+    scale = jax.tree.map(
+        lambda v, k: jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0), nu, ks
+    )
     u = jax.tree.map(jnp.multiply, local, scale)
     if bound is not None:
         u = jax.tree.map(lambda x: bounded_step(x, bound), u)
@@ -225,8 +227,28 @@ def preconditioned_mean(
 
 def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
     """``u * (sqrt(k v) + eps)`` where ``v > 0`` (0 elsewhere): a momentum sent in Adam's
-    preconditioned units back in its own (``v`` filled, ``k`` its bias correction)."""
-    return jnp.where(v > 0, u * (jnp.sqrt(k * v) + eps), 0.0)
+    preconditioned units back in its own (``v`` filled, ``k`` its bias correction),
+    saturating at ``+-F32_MAX`` where ``u`` is finite (:func:`saturate`).
+
+    A finite ``u`` (the step the devices agreed on) times a large ``sqrt(k v)`` (the variance
+    of a coordinate that just took an outlier) can overflow: the momentum then held inf
+    while the step was finite and its flag clear, and every later step read it, non-finite,
+    and was skipped: the state frozen for good."""
+    return jnp.where(v > 0, saturate(u * adam_denominator(v, k, eps), u), 0.0)
+
+
+def adam_denominator(v: jax.Array, k, eps) -> jax.Array:
+    """``sqrt(k v) + eps`` as ``sqrt(k) sqrt(v) + eps``: finite for every finite ``k`` and
+    ``v`` (``k v`` overflows where a saturated ``v``, ``F32_MAX``, meets a bias correction
+    ``k > 1``: its square root was inf, the coordinate's step 0 and its momentum NaN)."""
+    return jnp.sqrt(k) * jnp.sqrt(v) + eps
+
+
+def saturate(x: jax.Array, source: jax.Array) -> jax.Array:
+    """``x`` clipped to ``[-F32_MAX, F32_MAX]`` where ``source`` is finite, else ``x`` as it
+    is: a sum or product of finite values that overflows saturates (finite state stays
+    finite), while a non-finite input stays non-finite (never hidden)."""
+    return jnp.where(jnp.isfinite(source), jnp.clip(x, -F32_MAX, F32_MAX), x)
 
 
 def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: dict):
@@ -242,29 +264,26 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis
 
 
-def gradient_sum(grads: Any, every_axis: Any) -> Any:
-    """The float32 sum of the devices' gradients: one ``psum`` per leaf, which XLA combines
-    into a few all-reduces of tuples (no concatenated bucket: packing the leaves into
-    buckets and slicing them out again cost two params-sized temporaries).
+def gradient_mean(grads: Any, every_axis: Any) -> Any:
+    r"""The float32 mean of the devices' gradients, pre-scaled: ``sum_i (g_i / n)``, one
+    ``psum`` per leaf, which XLA combines into a few all-reduces of tuples (no concatenated
+    bucket: packing the leaves into buckets and slicing them out again cost two
+    params-sized temporaries).
 
-    The mean, ``jax.lax.pmean``'s ``sum / n`` (:func:`sum_to_mean`), is formed where it is
-    read: divided here, its non-finite flag's reads, fused into the all-reduce's output,
-    kept the sum alive while the division wrote a params-sized temporary of its own. An
-    empty leaf takes no part in the all-reduce (:func:`skeleton.tree_psum`)."""
-    return skeleton.tree_psum(as_float32(grads), every_axis)
-
-
-def sum_to_mean(x: Any, is_sum: jax.Array, every_axis: Any) -> Any:
-    """``x / n`` where ``is_sum`` (a :func:`gradient_sum`; ``n``: the devices), else ``x``:
-    ``jax.lax.pmean``'s division, bit for bit."""
+    Divided before the sum, a mean that fits float32 never overflows: ``jax.lax.pmean``'s
+    ``sum / n`` made n finite gradients near ``F32_MAX / n`` an inf mean, and the step was
+    skipped as non-finite. For ``n`` a power of two the same bits as ``jax.lax.pmean`` (a
+    division by ``n`` is exact, above the subnormals). An empty leaf takes no part in the
+    all-reduce (:func:`skeleton.tree_psum`)."""
     n = collectives.axis_size(every_axis)
-    return jax.tree.map(lambda v: jnp.where(is_sum, v / n, v), x)
+    return skeleton.tree_psum(jax.tree.map(lambda g: g / n, as_float32(grads)), every_axis)
 
 
 def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
-    """Adam's ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2`` (the square
-    saturating: a finite outlier never leaves ``v`` inf, frozen for ever)."""
-    mu = jax.tree.map(lambda m, x: b1 * m + (1.0 - b1) * x, mu, g)
+    """Adam's ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2``, both saturating
+    (:func:`saturate`, the square too): a finite outlier never leaves ``m`` or ``v`` inf,
+    frozen for ever."""
+    mu = jax.tree.map(lambda m, x: saturate(b1 * m + (1.0 - b1) * x, x), mu, g)
     nu = jax.tree.map(
         lambda v, x: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(x), F32_MAX), nu, g
     )
@@ -320,9 +339,10 @@ def scale_by_onebit_adam(
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
     def warmup(y, state, params):
-        """The float32 gradient summed over the devices (uncompressed; the mean is taken
-        where it is read): Adam with the variance still learning."""
-        return gradient_sum(y, every_axis), state.exchange
+        """The float32 mean gradient over the devices (uncompressed; ``y`` holds each
+        device's ``g_i / n``: the sum is the mean and never overflows where it fits, see
+        :func:`gradient_mean`): Adam with the variance still learning."""
+        return skeleton.tree_psum(y, every_axis), state.exchange
 
     def compressed(y, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen.
@@ -330,18 +350,20 @@ def scale_by_onebit_adam(
         return inner.update(y, state.exchange, params)
 
     def branch_input(grads, state, warm, nu_scale):
-        """What the round sends: the float32 gradient (warm-up), or the momentum step
+        """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
+        mean, pre-scaled as :func:`gradient_mean`), or the momentum step
         ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioned_mean`, the
         variance filled as it froze; ``adam_bound``: clipped at :func:`adam_step_bound`).
         Formed before the cond, it takes the gradient's buffer
         (the codec's input was a params-sized temporary of its own)."""
 
         def one(m, x, v, k):
-            scale = jnp.where(v > 0, 1.0 / (jnp.sqrt(k * v) + eps), 0.0)
-            u = (b1 * m + (1.0 - b1) * x) * scale
-            return jnp.where(warm, x, bounded_step(u, bound) if bounded else u)
+            scale = jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0)
+            u = saturate(b1 * m + (1.0 - b1) * x, x) * scale
+            return jnp.where(warm, x / n, bounded_step(u, bound) if bounded else u)
 
         bound = adam_step_bound(state.count, b1, b2)
+        n = collectives.axis_size(every_axis)
 
         return jax.tree.map(
             one, state.mu, as_float32(grads), state.nu, per_leaf(nu_scale, state.nu)
@@ -367,7 +389,8 @@ def scale_by_onebit_adam(
         updated in place). A non-finite step keeps it."""
 
         def one(m, u, v, k):
-            new = jnp.where(warm, b1 * m + (1.0 - b1) * u, unprecondition(u, v, k, eps))
+            moved = saturate(b1 * m + (1.0 - b1) * u, u)
+            new = jnp.where(warm, moved, unprecondition(u, v, k, eps))
             return jnp.where(bad, m, new)
 
         return jax.tree.map(one, state.mu, x, nu, per_leaf(nu_scale, x))
@@ -398,7 +421,6 @@ def scale_by_onebit_adam(
             level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
         y = branch_input(updates, state, warm, nu_scale)
         x, exchange_state = jax.lax.cond(warm, warmup, compressed, y, state, params)
-        x = sum_to_mean(x, warm, every_axis)
         # The flag of what the round gave (identical on every device), read after the cond:
         # in the warm-up branch its partial sums added to the branch operand and its output.
         bad = collectives.local_nonfinite(x)
@@ -520,8 +542,19 @@ def onebit_adam(
     ``**exchange`` goes to :func:`jaxcomp.compressed_allreduce` (``strategy``: ``"auto"``
     picks ``two_phase`` for signs, whose owned-chunk re-encoding keeps the server error as
     the paper does; ``min_size``, ``mask``, ``bucket_bytes``, ``param_specs``, ...). Leaves
-    below ``min_size`` are averaged uncompressed. A non-finite gradient leaves the whole
-    state as it was and gives a NaN update (``optax.apply_if_finite`` can skip it).
+    below ``min_size`` are averaged uncompressed.
+
+    **Non-finite steps and outliers.** A NaN or inf on any device gives a NaN update on every
+    device and leaves the whole state as it was, its step count included: the schedule
+    (warm-up, freeze, bias corrections) counts finite steps, so the next finite step is the
+    one a run without the bad step takes, bit for bit. ``jc.apply_if_finite(tx, axis_name,
+    k)`` skips such a step (a zero update) and counts them (``total_notfinite``);
+    ``optax.apply_if_finite`` around this recipe is refused (it decides per device). A
+    finite gradient is never taken for a non-finite one: the warm-up's mean is summed
+    pre-scaled (``sum_i g_i / n``: a mean that fits float32 never overflows, while ``n``
+    gradients near ``F32_MAX / n`` summed first give inf), and the moments saturate at
+    ``+-F32_MAX`` (the momentum turned back from preconditioned units, ``u (sqrt(v_hat) +
+    eps)``, can overflow after an outlier: a state holding inf flags every later step).
 
     Args:
       learning_rate: a float or an optax schedule.

@@ -22,11 +22,11 @@ from jaxcomp._src.onebit_adam import (
     check_number,
     decoupled_weight_decay,
     filled_variance,
-    gradient_sum,
+    gradient_mean,
     momentum_exchange,
     per_leaf,
     preconditioned_mean,
-    sum_to_mean,
+    saturate,
     tracked_levels,
     unprecondition,
     zero_levels,
@@ -40,7 +40,7 @@ FULL, COMPRESSED, SKIPPED, VARIANCE = 0, 1, 2, 3  # the kinds of round
 class ZeroOneAdamState(NamedTuple):
     """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
 
-    count: jax.Array  # int32[]: steps taken
+    count: jax.Array  # int32[]: finite steps taken (the schedule's step: rounds, freeze)
     variance_updates: jax.Array  # int32[]: rounds that moved the variance (FULL, VARIANCE)
     variance_step: jax.Array  # int32[]: count + 1 at the last of them (nu's bias correction)
     mu: Any  # identical on every device, f32 like the params: the synchronized momentum
@@ -207,31 +207,31 @@ def scale_by_zero_one_adam(
             exchange=inner.init(params),
         )
 
-    # The lax.switch returns one params-sized tree (the FULL round's gradient sum, the mean
+    # The lax.switch returns one params-sized tree (the FULL round's mean gradient, the mean
     # momentum of a compressed or variance round, zeros in a skipped round; with
-    # variance_rounds="coded" a second: the variance round's gradient sum, zeros elsewhere)
+    # variance_rounds="coded" a second: the variance round's mean gradient, zeros elsewhere)
     # and the exchange state;
     # Adam's moments and the pending sums move outside it, in place (returned from the
     # branches, XLA copied each out of the switch's buffers).
 
     def full(grads, state, params, nu_scale):
-        """The float32 gradient summed over the devices: momentum and variance both move
-        (outside, where the sum becomes the mean)."""
-        g = gradient_sum(grads, every_axis)
-        # The flag of the sum is that of the mean (a finite sum divided by n is finite).
+        """The float32 mean gradient over the devices (``grads`` holds each device's
+        ``g_i / n``, :func:`round_input`: the sum is the mean, finite wherever it fits):
+        momentum and variance both move (outside)."""
+        g = skeleton.tree_psum(grads, every_axis)
         return g, zeros_f32(g), state.exchange, collectives.local_nonfinite(g)
 
     def variance(grads, state, params, nu_scale):
         """A compressed round (the momentum through the codec, its error feedback kept in
-        step) plus the float32 gradient sum, for the variance alone."""
-        g = gradient_sum(grads, every_axis)
+        step) plus the float32 mean gradient, for the variance alone."""
+        g = gradient_mean(grads, every_axis)
         sent, _, exchange_state, bad = compressed(grads, state, params, nu_scale)
         return sent, g, exchange_state, bad | collectives.local_nonfinite(g)
 
     def compressed(grads, state, params, nu_scale):
         """Each device's momentum step plus what its skipped rounds held, through the codec."""
         local = jax.tree.map(
-            lambda m, x, p: b1 * m + (1.0 - b1) * x + p[0],
+            lambda m, x, p: saturate(b1 * m + (1.0 - b1) * x + p[0], x),
             state.mu,
             as_float32(grads),
             state.pending,
@@ -285,7 +285,7 @@ def scale_by_zero_one_adam(
         )
         pending = jax.tree.map(
             lambda p, g: jnp.where(
-                sent, 0.0, jnp.where(kind == SKIPPED, p + (1.0 - b1) * g[None], p)
+                sent, 0.0, jnp.where(kind == SKIPPED, saturate(p + (1.0 - b1) * g[None], g), p)
             ),
             state.pending,
             as_float32(grads),
@@ -330,6 +330,15 @@ def scale_by_zero_one_adam(
         scale = functools.partial(jax.tree.map, lambda k, r: k * r)
         return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
 
+    def round_input(grads, kind):
+        """The switch's operand: each device's float32 gradient, over ``n`` in a FULL round
+        (pre-scaled as :func:`~jaxcomp._src.onebit_adam.gradient_mean`: its sum is the mean,
+        which never overflows where it fits). One pass that writes into the gradient's
+        buffer: every later reader takes it (divided in the branch, it was a params-sized
+        temporary of its own, +0.7 copies)."""
+        n = collectives.axis_size(every_axis)
+        return jax.tree.map(lambda a: jnp.where(kind == FULL, a / n, a), as_float32(grads))
+
     def switch(kind, *operands):
         """The round's branch. With ``variance_rounds="exact"`` no round is VARIANCE: the
         switch has three branches and no second tree (the program of the paper's rounds)."""
@@ -351,10 +360,9 @@ def scale_by_zero_one_adam(
             state.count, freeze, var_scaler, local_scaler, clip, warmup, compressed_before
         )
         level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
-        x, g, exchange_state, bad = switch(kind, updates, state, params, old_scale)
-        x = sum_to_mean(x, kind == FULL, every_axis)
-        g = sum_to_mean(g, kind == VARIANCE, every_axis)
-        mu, pending = moved(state, kind, x, g, updates, old_scale)
+        y = round_input(updates, kind)
+        x, g, exchange_state, bad = switch(kind, y, state, params, old_scale)
+        mu, pending = moved(state, kind, x, g, y, old_scale)
         t = (state.count + 1).astype(jnp.float32)
         moves = moves_variance(kind)
         new_state = ZeroOneAdamState(
@@ -500,6 +508,18 @@ def zero_one_adam(
     by default (``local_step_scaler=1000``). A skipped round sends one 4-byte non-finite flag
     (a scalar ``psum``), so a NaN or inf on any device still gives a NaN update everywhere
     and leaves every state as it was.
+
+    **Non-finite steps and outliers.** A non-finite step keeps the whole state, its step
+    count included: the rounds (warm-up, variance, synced and skipped ones) and the bias
+    corrections count finite steps, so the next finite step is the one a run without the bad
+    step takes, bit for bit (``jc.apply_if_finite`` skips it with a zero update and counts
+    it). A finite gradient is never taken for a non-finite one: FULL and VARIANCE rounds
+    sum ``g_i / n`` (a mean that fits float32 never overflows), and the momentum, the
+    pending sums and each device's momentum step saturate at ``+-F32_MAX``. Unsaturated, a
+    gradient of 1e30 at a coded variance round leaves a 1-bit momentum of ~1e28 in
+    preconditioned units, which the next round multiplies by that coordinate's
+    ``sqrt(v_hat)`` (~1e19): the momentum holds inf, every later step reads it, is flagged
+    and skipped, and the count never moves again (docs, "Non-finite steps and outliers").
 
     Args:
       learning_rate: a float or an optax schedule.

@@ -33,11 +33,14 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path --rows int8 --ops 12  # + the 12 costliest ops of each row
     python -m benchmarks.hot_path --backend gpu --label gpu_h100  # on one GPU instead
     python -m benchmarks.hot_path --rows sign int8 fp16 --reps 9 --label malloc \
-        --settings default reuse GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+        --settings default reuse GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
+        "jemalloc:LD_PRELOAD=$JE,MALLOC_CONF=oversize_threshold:0"
 
 Allocator settings (``--settings``): glibc reads its tunables when a process starts, so each
 setting's rows are timed in a child process of its own, each against the copy timed in that
-process, one after another; the rows carry their ``setting``.
+process, one after another; the rows carry their ``setting``: its name where it has one
+(``NAME:VAR=VALUE,...``), else its variables with each file path cut to its file name (a
+temporary path names nothing once the run is over).
 
 Op by op (``--ops N``): after its timed calls, each row runs ``--op-calls`` more under
 ``jax.profiler.trace`` (a Perfetto trace; XLA:CPU records one event per thunk), and the JSON
@@ -393,8 +396,10 @@ def main(argv=None) -> int:
         default=None,
         metavar="SETTING",
         help="time the rows once per allocator setting, each in a process of its own: "
-        "'default' (none), 'reuse' (--reuse-buffers) or VAR=VALUE[,VAR=VALUE] environment "
-        "variables (e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1); None: this process only",
+        "'default' (none), 'reuse' (--reuse-buffers) or [NAME:]VAR=VALUE[,VAR=VALUE] "
+        "environment variables (e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1, "
+        "jemalloc:LD_PRELOAD=/path/libjemalloc.so.2); the rows and the JSON name a setting "
+        "by its NAME (else its variables, paths cut to file names); None: this process only",
     )
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -440,15 +445,35 @@ def run_here(args, names) -> dict:
     }
 
 
+#: ``NAME:`` at the start of a setting, before its first ``VAR=`` (values may hold colons)
+_SETTING_NAME = re.compile(r"^([a-z][a-z0-9_.-]*):(?=[A-Z_][A-Z0-9_]*=)")
+
+
+def setting_name(setting: str) -> str:
+    """How rows and the JSON name ``setting``: its ``NAME:`` prefix where it has one (e.g.
+    ``jemalloc`` for ``jemalloc:LD_PRELOAD=/tmp/x/libjemalloc.so.2``), else the setting with
+    every file path cut to its file name (``LD_PRELOAD=libjemalloc.so.2``)."""
+    named = _SETTING_NAME.match(setting)
+    return named.group(1) if named else file_names(setting)
+
+
+def file_names(text: str) -> str:
+    """``text`` with every file path cut to its file name (``/tmp/x/lib.so`` -> ``lib.so``)."""
+    return re.sub(r"(?:[^\s,:=/]*/)+([^\s,:=/]+)", r"\1", text)
+
+
 def setting_env(setting: str) -> dict[str, str]:
-    """The environment variables of ``setting`` ('default' and 'reuse' set none)."""
+    """The environment variables of ``setting`` ('default' and 'reuse' set none; a
+    ``NAME:`` prefix names it, see :func:`setting_name`)."""
     if setting in ("default", "reuse"):
         return {}
+    setting = _SETTING_NAME.sub("", setting)
     # a comma starts the next variable only where NAME= follows (values may hold commas)
     pairs = [p.split("=", 1) for p in re.split(r",(?=[A-Z_][A-Z0-9_]*=)", setting)]
     if not all(len(p) == 2 and p[0] and p[0].isupper() for p in pairs):
         raise ValueError(
-            f"--settings: {setting!r} is neither 'default', 'reuse' nor VAR=VALUE[,VAR=VALUE]"
+            f"--settings: {setting!r} is neither 'default', 'reuse' nor "
+            "[NAME:]VAR=VALUE[,VAR=VALUE]"
         )
     return dict(pairs)
 
@@ -459,7 +484,8 @@ def run_settings(args, names) -> dict:
     timed in its own process. The first setting's copy heads the result."""
     parts = []
     for setting in args.settings:
-        env = {**os.environ, **setting_env(setting), "JAXCOMP_HOT_PATH_SETTING": setting}
+        name = setting_name(setting)
+        env = {**os.environ, **setting_env(setting), "JAXCOMP_HOT_PATH_SETTING": name}
         with tempfile.TemporaryDirectory() as folder:
             out = pathlib.Path(folder) / "part.json"
             command = [sys.executable, "-m", "benchmarks.hot_path", "--child-json", str(out)]
@@ -467,13 +493,18 @@ def run_settings(args, names) -> dict:
             command += ["--ops", str(args.ops), "--op-calls", str(args.op_calls)]
             command += ["--backend", args.backend] + ["--quick"] * args.quick
             command += ["--reuse-buffers"] * (setting == "reuse")
-            print(f"setting {setting}:", flush=True)
+            print(f"setting {name}:", flush=True)
             subprocess.run(command, env=env, check=True, cwd=common.ROOT)
             parts.append(json.loads(out.read_text()))
     keys = ("copy_ms", "copy_cpu_ms", "copy_faults", "loadavg")
     data = {**parts[0], "label": args.label, "reuse_large_buffers": None}
+    # this command (not the first child's, whose --child-json is a temporary file), its
+    # settings' paths cut to file names
+    command = [pathlib.Path(sys.executable).name, *map(file_names, common._argv())]
+    data["environment"] = {**data["environment"], "command": " ".join(command)}
     data["settings"] = [
-        {"setting": s, **{k: p[k] for k in keys}} for s, p in zip(args.settings, parts, strict=True)
+        {"setting": setting_name(s), **{k: p[k] for k in keys}}
+        for s, p in zip(args.settings, parts, strict=True)
     ]
     data["rows"] = [{**r, "setting_copy_ms": p["copy_ms"]} for p in parts for r in p["rows"]]
     return data

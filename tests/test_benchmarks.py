@@ -258,6 +258,28 @@ def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
     assert mesh["sharded_over_replicated"] > 0
 
 
+def test_hot_path_settings_are_named_not_by_a_temporary_path():
+    """A setting's name in the rows and the JSON: its ``NAME:`` prefix, else its variables
+    with file paths cut to file names (a temporary path named the jemalloc rows before)."""
+    from benchmarks.hot_path import setting_env, setting_name
+
+    je = "LD_PRELOAD=/tmp/je/usr/lib/libjemalloc.so.2,MALLOC_CONF=oversize_threshold:0,a:-1"
+    assert setting_name("jemalloc:" + je) == "jemalloc"
+    assert setting_name(je) == "LD_PRELOAD=libjemalloc.so.2,MALLOC_CONF=oversize_threshold:0,a:-1"
+    assert (
+        setting_env("jemalloc:" + je)
+        == setting_env(je)
+        == {
+            "LD_PRELOAD": "/tmp/je/usr/lib/libjemalloc.so.2",
+            "MALLOC_CONF": "oversize_threshold:0,a:-1",
+        }
+    )
+    tunable = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
+    assert setting_name(tunable) == tunable and setting_name("reuse") == "reuse"
+    with pytest.raises(ValueError, match="NAME:"):
+        setting_env("Jemalloc:LD_PRELOAD=x")
+
+
 def test_lm_link_time_to_loss_interpolates():
     from benchmarks import lm_link
 

@@ -479,7 +479,9 @@ def test_step_temporaries_within_one_copy_of_adamw():
     # The warm-up branch concatenated the matrices for its psum and returned M as its share
     # (a copy out of the cond), and M - share after the cond kept the gradient alive: 4.27.
     # Then 3.27: the warm-up's non-finite flag, read inside the cond, wrote its partial sums
-    # (an eighth of each matrix) beside the operand and both outputs.
+    # (an eighth of each matrix) beside the operand and both outputs. Then 3.05: the
+    # compressing branch wrote the means and the new memory beside M (its operand); the
+    # memory is now formed after the cond, in the donated buffer: 2.31.
     import optax
 
     from benchmarks import memory
@@ -489,5 +491,5 @@ def test_step_temporaries_within_one_copy_of_adamw():
     params = jax.jit(lambda: memory.common.mlp_params(memory.QUICK_MLP), out_shardings=rep)()
     tx = optax.chain(powersgd(4, "data"), optax.adamw(1e-3))
     row = memory.measure("powersgd", tx, False, params, mesh, 8)
-    assert row["temporaries"] < 3.06, row
+    assert row["temporaries"] < 2.4, row
     assert row["arguments"] < 4.05, row  # params, adamw's mu and nu, the error memory

@@ -273,8 +273,9 @@ def _unit_columns(q: jax.Array, old: jax.Array) -> jax.Array:
 def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     """PowerSGD on the ``(B, n, m)`` batches ``ms`` and plain pmean of the ``plain`` vector.
 
-    Returns (mean batches ``P (Q / n)^T``, this device's error batches ``M_i - P (M_i^T P)^T``,
-    plain mean, next q, bad).
+    Returns (mean batches ``P (Q / n)^T``, the factors ``(P, M_i^T P)`` of this device's share
+    of them, plain mean, next q, bad). The error batches ``M_i - P (M_i^T P)^T`` are formed by
+    the caller (:func:`_errors`).
     """
     # Round 1: P_i = M_i Q for every matrix, and the plain leaves, in one all-reduce.
     ps = [jnp.einsum("bnm,bmr->bnr", a, b, precision=_HIGHEST) for a, b in zip(ms, q, strict=True)]
@@ -293,11 +294,14 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     qn = [a.reshape(g.batch, g.m, g.rank) for g, a in zip(plan.groups, qn, strict=True)]
 
     means = [_outer(a, b / n_dev) for a, b in zip(ps, qn, strict=True)]
-    errors = [m - _outer(a, b) for m, a, b in zip(ms, ps, local, strict=True)]
     bad = collectives.local_nonfinite((round1, q_sum))
-    if warm_start:
-        return means, errors, plain_mean, tuple(map(_unit_columns, qn, q)), bad
-    return means, errors, plain_mean, (), bad
+    next_q = tuple(map(_unit_columns, qn, q)) if warm_start else ()
+    return means, (ps, local), plain_mean, next_q, bad
+
+
+def _errors(ms, shares) -> list[jax.Array]:
+    """This device's error batches ``M_i - P (M_i^T P)^T`` from :func:`_two_rounds`'s factors."""
+    return [m - _outer(a, b) for m, a, b in zip(ms, *shares, strict=True)]
 
 
 def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -306,15 +310,22 @@ def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def _dense_sums(plan, ms, plain, q_old, axis_name, n_dev):
-    """The warm-up's exchange (:func:`_exchange`'s outputs, the matrices' sums in place of their
-    means): every matrix and the plain vector summed by one all-reduce of their tuple (no
-    concatenated copy); zero errors, typed per device like the other branch's. Its non-finite
-    flag is False here: :func:`_exchange` reads that of the means after the cond."""
+    """The warm-up's exchange (:func:`_two_rounds`'s outputs, the matrices' sums in place of
+    their means, zero factors): every matrix and the plain vector summed by one all-reduce of
+    their tuple (no concatenated copy). The non-finite flag is that of the sums (a sum is
+    finite exactly where ``sum / n`` is), read here: the branch's only gradient-sized
+    output is the sums, so their partial sums (an eighth of each matrix) fit beside them."""
     sums = jax.lax.psum((plain, *ms), axis_name)
-    errors = [skeleton.varying_like(jnp.zeros(m.shape, m.dtype), m) for m in ms]
-    # The sums' non-finite flag is read after the cond (_exchange): its partial sums, an
-    # eighth of each matrix, came on top of the operand and both outputs here.
-    return list(sums[1:]), errors, sums[0] / n_dev, tuple(q_old), jnp.bool_(False)
+    shares = (
+        [jnp.zeros((g.batch, g.n, g.rank), jnp.float32) for g in plan.groups],
+        [
+            skeleton.varying_like(jnp.zeros((g.batch, g.m, g.rank), jnp.float32), ms[0])
+            for g in plan.groups
+        ],
+    )
+    plain_mean = sums[0] / n_dev
+    bad = collectives.local_nonfinite((plain_mean, sums[1:]))
+    return list(sums[1:]), shares, plain_mean, tuple(q_old), bad
 
 
 def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, epsilon):
@@ -322,11 +333,13 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     ``q``, non-finite flag). :func:`_two_rounds`, or during the warm-up (``warm``, a traced
     bool; False: no warm-up branch) :func:`_dense_sums`, chosen by ``lax.cond``.
 
-    Each branch writes the new memory itself: a branch that returned its input (``M_i`` as
-    the warm-up's share) would copy every matrix into the cond's output, and ``M_i - share``
-    after the cond would have XLA recompute ``M_i = g + e`` there, keeping the gradient alive
-    through the exchange (one more gradient-sized buffer each). The warm-up's sums are divided
-    by ``n`` after the cond (a division inside would write a second buffer beside the sum).
+    The cond returns the means (the warm-up: the sums, divided by ``n`` after the cond; a
+    division inside would write a second buffer beside the sum) and the small factors of
+    this device's share ``P (M_i^T P)^T``. The new memory ``M_i - share`` (zero in the
+    warm-up) is formed after the cond, into the old memory's donated buffer: formed in the
+    compressing branch, it was a second gradient-sized output beside the means and ``M_i``
+    (the cond's operand). A branch that returned its input (``M_i`` as the warm-up's share)
+    would copy every matrix into the cond's output.
     """
     if not plan.groups:
         plain_mean = jax.lax.psum(plain, axis_name) / n_dev
@@ -337,14 +350,12 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
         return _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon)
 
     if warm is False:
-        return compress(None)
+        means, shares, plain_mean, q, bad = compress(None)
+        return means, _errors(ms, shares), plain_mean, q, bad
     dense = lambda _: _dense_sums(plan, ms, plain, q_old, axis_name, n_dev)
-    means, errors, plain_mean, q, bad = jax.lax.cond(warm, dense, compress, None)
+    means, shares, plain_mean, q, bad = jax.lax.cond(warm, dense, compress, None)
     means = [jnp.where(warm, m / n_dev, m) for m in means]
-    # The warm-up's flag: that of the means (a sum is finite exactly where sum / n is), read
-    # once the cond's operand is gone; a cond, so a compressed step does not read them.
-    no = lambda t: jnp.bool_(False)  # noqa: E731
-    bad = bad | jax.lax.cond(warm, collectives.local_nonfinite, no, (plain_mean, means))
+    errors = [jnp.where(warm, jnp.zeros((), e.dtype), e) for e in _errors(ms, shares)]
     return means, errors, plain_mean, q, bad
 
 
@@ -538,13 +549,13 @@ def powersgd(
         )
         key, step_key = jax.random.split(state.key)
         plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, layouts.PLAIN)])
-        lows = _leaves_of(updates, p.layout, layouts.COMPRESSED)
+        ms = _stack(p, _leaves_of(updates, p.layout, layouts.COMPRESSED), lambda g: (g.n, g.m))
         if error_feedback:
-            lows = [
-                g.astype(jnp.float32) + e[0]
-                for g, e in zip(lows, layouts.field_leaves(state.error), strict=True)
-            ]
-        ms = _stack(p, lows, lambda g: (g.n, g.m))
+            # g + e in the memory's (batch, n, m) shape: XLA keeps M_i for the new memory formed
+            # after the cond (g + e summed as (n, m) had it recompute M_i there from the
+            # gradient, held through the exchange, into a copy of the memory).
+            es = _stack(p, [e[0] for e in layouts.field_leaves(state.error)], lambda g: (g.n, g.m))
+            ms = [m + e for m, e in zip(ms, es, strict=True)]
         q_old = (
             _stack(p, layouts.field_leaves(state.q), lambda g: (g.m, g.rank)) if warm_start else []
         )

@@ -14,7 +14,9 @@ def test_step_temporaries_of_onebit_and_zero_one_adam():
     # the all-reduce's output, kept the sum alive; 1-bit Adam's codec input was a temporary
     # of its own, and its flag's partial sums came on top of the cond's operand and output.
     # 0/1 Adam then held 3.50: its momentum read the old variance after the new one was
-    # written, so XLA copied the old variance at the start and held it to the end.
+    # written, so XLA copied the old variance at the start and held it to the end. 1-bit
+    # Adam then held 3.19: the rms scale of each worker row wrote x / max|x| out whole for
+    # its sum of squares (3.16 with it folded; 10.0M MLP of benchmarks.memory 3.27 -> 3.16).
     from benchmarks import memory
 
     mesh = jax.make_mesh((8,), ("data",))
@@ -27,4 +29,4 @@ def test_step_temporaries_of_onebit_and_zero_one_adam():
     temps = {
         k: memory.measure(k, tx, False, params, mesh, 8)["temporaries"] for k, tx in rows.items()
     }
-    assert temps["onebit"] < 3.2 and temps["zero_one"] < 3.47, temps
+    assert temps["onebit"] < 3.17 and temps["zero_one"] < 3.47, temps

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp as jc
 from jaxcomp._src import collectives
 from jaxcomp._src.codecs.base import max_abs, mean_abs
+from jaxcomp._src.codecs.sign import nonzero_words, root_mean_square
 
 # (codec, strategy): allgather, two_phase (errors per row), allreduce (x - n decode(x / n)).
 CASES = [("int8", "allgather"), ("int8", "two_phase"), ("sign", "two_phase"), ("fp16", "allreduce")]
@@ -84,6 +85,45 @@ def test_max_abs_and_mean_abs_fold_rows_exactly():
     want = np.sum(np.abs(xb).astype(np.float64), axis=1) / count
     assert mean[1] == 0.0 and np.isnan(mean[2]) and np.isinf(mean[3])
     np.testing.assert_allclose(mean[[0, 4]], want[[0, 4]], rtol=1e-6)  # pairwise-tree order
+    # The rms scale (jc.sign("rms")) folds its max and its sum of squares the same way.
+    xb[4, :3] = 3e38  # a finite row whose plain sum of squares overflows
+    rms = np.asarray(jax.jit(root_mean_square)(xb, count.astype(np.float32)))
+    want = np.sqrt(np.sum(xb.astype(np.float64) ** 2, axis=1) / count)
+    assert rms[1] == 0.0 and np.isnan(rms[2]) and not np.isfinite(rms[3])
+    np.testing.assert_allclose(rms[[0, 4]], want[[0, 4]], rtol=1e-6)
+
+
+def test_sign_rms_and_exact_zeros_encode_without_a_copy_of_x():
+    # The zero-word flags on |x|'s int32 bits: the float formula's flags, bit for bit.
+    x = np.random.default_rng(1).standard_normal(32 * 7 + 5).astype(np.float32)
+    x[:64] = 0.0
+    x[64:96] = -0.0
+    x[96:128] = 0.0
+    x[100] = 1e-45  # a denormal: zero, as XLA's float compare (flushing denormals) has it
+    x[10] = -1.2e-38  # the smallest normals: not zero
+    x[12] = 1.2e-38
+    x[128:160] = 0.0
+    x[150] = np.nan
+    x[160:192] = 0.0
+    x[170] = -np.inf
+    flushed = np.where(np.abs(x) < np.finfo(np.float32).tiny, 0.0, x)
+    words = np.abs(np.pad(flushed, (0, 27)).reshape(-1, 32)).max(axis=1)
+    want = (words != 0).astype(np.float32)
+    np.testing.assert_array_equal(jax.jit(nonzero_words)(x), want)
+    float_max = jax.jit(lambda v: jnp.max(jnp.abs(v.reshape(-1, 32)), axis=1) != 0)
+    np.testing.assert_array_equal(float_max(np.pad(x, (0, 27))), want)  # XLA's float formula
+    # Compiled temporaries of encoding g + e, in copies of x: a two-phase worker's 8 rows
+    # (the 1-bit Adam recipes' exchange) wrote x / m out whole for the rms reduce (1.00), and
+    # exact_zeros wrote |x| out whole for the zero words' max (a vector: 2.03 -> 1.25).
+    d = 1 << 14
+    spec = jax.ShapeDtypeStruct((d,), jnp.float32)
+    rms, exact = jc.sign("rms"), jc.sign("rms", exact_zeros=True)
+    rows = lambda g, e: rms.encode_rows_with_error((g + e).reshape(N, -1), None)  # noqa: E731
+    temps = {
+        name: jax.jit(f).lower(spec, spec).compile().memory_analysis().temp_size_in_bytes / (4 * d)
+        for name, f in (("rows", rows), ("exact", lambda g, e: exact.encode(g + e)))
+    }
+    assert temps["rows"] < 0.4 and temps["exact"] < 1.4, temps
 
 
 def test_step_temporaries_within_one_copy_of_sgd():

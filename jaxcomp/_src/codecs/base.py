@@ -334,7 +334,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 ROW_GROUPS = 8
 
 
-def _fold_rows(values: jax.Array, combine) -> jax.Array:
+def fold_rows(values: jax.Array, combine) -> jax.Array:
     """``[r, b] -> [r, b / 8]``: the 8 column groups combined elementwise (b % 8 == 0).
 
     An elementwise stage is fused with what produces ``values`` (a sum ``g + e``, an
@@ -354,10 +354,10 @@ def _fold_rows(values: jax.Array, combine) -> jax.Array:
 
 def folded_sum(x: jax.Array) -> jax.Array:
     """``jnp.sum(x)``, the 8 column groups of ``x`` (read as one row) added first
-    (:func:`_fold_rows`): the elementwise producer of ``x`` is fused into that stage, so no
+    (:func:`fold_rows`): the elementwise producer of ``x`` is fused into that stage, so no
     temporary as large as ``x`` is written before the reduce (on XLA:CPU a scalar operand
     such as ``0`` or ``F32_MAX`` would otherwise be broadcast to ``x``'s size and written)."""
-    return jnp.sum(_fold_rows(x.reshape(1, -1), jnp.add))
+    return jnp.sum(fold_rows(x.reshape(1, -1), jnp.add))
 
 
 def max_abs(xb: jax.Array) -> jax.Array:
@@ -371,7 +371,7 @@ def max_abs(xb: jax.Array) -> jax.Array:
     max reduce goes to its reduction kernel, which absorbed the fold's last ``maximum`` and
     computed each half of the fold in a fusion of its own, each reading ``xb`` once more.
     """
-    folded = _fold_rows(jnp.abs(xb), jnp.maximum)
+    folded = fold_rows(jnp.abs(xb), jnp.maximum)
     if folded.dtype != jnp.float32:
         return jnp.max(folded, axis=1, initial=0.0)
     bits = jax.lax.bitcast_convert_type(folded, jnp.int32)
@@ -389,7 +389,7 @@ def all_finite(x: jax.Array) -> jax.Array:
     byte per value before reducing it. Here the flags ``|x| <= max`` (``max`` the largest
     finite value of the dtype: False exactly for NaN and +-inf, also in float8_e4m3fn, which
     has no inf, so ``|x| < inf`` would compare with NaN) of each row of :data:`FINITE_ROW`
-    values are first and-ed in 8 column groups (:func:`_fold_rows`, fused with the
+    values are first and-ed in 8 column groups (:func:`fold_rows`, fused with the
     comparison), so only 1/8 of a byte per value is
     written (an fp16 payload of 16.7M values: 2.1 MB instead of 17 MB); the values left over
     after the last whole row are checked directly. The same value as ``all(isfinite(x))``
@@ -407,7 +407,7 @@ def all_finite(x: jax.Array) -> jax.Array:
     finite = jnp.array(True)
     if whole:
         rows = (jnp.abs(flat[:whole]) <= top).reshape(-1, FINITE_ROW)
-        finite = jnp.all(_fold_rows(rows, jnp.logical_and))
+        finite = jnp.all(fold_rows(rows, jnp.logical_and))
     if whole < flat.shape[0]:
         finite = finite & jnp.all(jnp.abs(flat[whole:]) <= top)
     return finite
@@ -424,7 +424,7 @@ def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
     that of a pairwise tree, not of one reduce.
     """
     terms = jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None]
-    return jnp.sum(_fold_rows(terms, jnp.add), axis=1)
+    return jnp.sum(fold_rows(terms, jnp.add), axis=1)
 
 
 def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:

@@ -14,6 +14,7 @@ from jaxcomp._src.codecs.base import (
     ceil_div,
     check_int,
     check_vector,
+    fold_rows,
     max_abs,
     mean_abs,
     per_value,
@@ -106,19 +107,41 @@ class Sign(Codec):
 
 def nonzero_words(x: jax.Array) -> jax.Array:
     """``float32[ceil(d / 32)]``: 1 where a packed word's 32 values hold a non-zero (or a
-    non-finite) value, 0 where all are exactly zero."""
-    return (jnp.max(jnp.abs(blocks(x, 32)), axis=1) != 0).astype(jnp.float32)
+    non-finite) value, 0 where all are exactly zero.
+
+    Float32 words are tested on the bits of ``|x|`` (``x``'s int32 bits, sign cleared), the
+    values below the smallest normal float counted as zero, as XLA's float compare (which
+    flushes denormals) counts them: XLA:CPU fuses an integer reduce with its producer, while
+    the float max of ``|x|`` went to its reduction kernel, which read ``|x|`` written out
+    whole first (a temporary as large as ``x``)."""
+    xb = blocks(x, 32)
+    if xb.dtype != jnp.float32:
+        return (jnp.max(jnp.abs(xb), axis=1) != 0).astype(jnp.float32)
+    magnitude = jax.lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
+    return (jnp.max(magnitude, axis=1) >= _SMALLEST_NORMAL_BITS).astype(jnp.float32)
+
+
+#: The int32 bits of float32's smallest normal value, 2^-126.
+_SMALLEST_NORMAL_BITS = 0x00800000
 
 
 def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
     """``sqrt(sum_j xb[b, j]^2 / count[b])`` per row as ``m sqrt(sum (x / m)^2 / count)``
     (``m = max |x|``): at most ``m``, so a finite row never overflows; 0 for a zero row;
     NaN and inf propagate. Rows above ``2^64`` are scaled by ``2^-64`` (exact) before the
-    division, whose reciprocal XLA would otherwise flush to zero."""
-    biggest = jnp.max(jnp.abs(xb), axis=1)
+    division, whose reciprocal XLA would otherwise flush to zero.
+
+    The maximum and the sum of squares fold each row's 8 column groups first
+    (:func:`max_abs`, :func:`fold_rows`; the sum is then that of a pairwise tree of 8
+    groups): a two-phase worker's rows, reduced at once, were written out whole as ``x / m``
+    before the reduce (a temporary as large as ``x``; folded: a quarter of it). A lone
+    vector's reduce had the squares fused in; folded, it writes that quarter too.
+    """
+    biggest = max_abs(xb)
     s = jnp.where(biggest > 2.0**64, 2.0**-64, 1.0)
     unit = safe_divide(xb * s[:, None], (biggest * s)[:, None])
-    return biggest * jnp.sqrt(jnp.sum(unit * unit, axis=1) / count)
+    squares = fold_rows(unit * unit, jnp.add)
+    return biggest * jnp.sqrt(jnp.sum(squares, axis=1) / count)
 
 
 def sign(

@@ -871,11 +871,12 @@ def _convergence_recipes(data: dict[str, Any], path: pathlib.Path) -> str:
             "fewer bytes",
         ]
         out.append(_markdown((header, rows)))
-    return (
-        "\n\n".join(out)
-        + "\n\n"
-        + _source(path, data, "python -m benchmarks.convergence --label recipes")
-    )
+    # The canonical table was written by several --resume runs: its command is the label's;
+    # a variant (convergence_recipes_NAME) names the run that wrote it.
+    command = "python -m benchmarks.convergence --label recipes"
+    if path.stem != "convergence_recipes":
+        command = data.get("environment", {}).get("command") or command
+    return "\n\n".join(out) + "\n\n" + _source(path, data, command)
 
 
 # ------------------------------------------------------------------------- narrow_sum

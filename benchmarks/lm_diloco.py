@@ -368,6 +368,10 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-innerconst-all": _h(30, 2, inner=_inner_const, sparse=True, averaging="all"),
     "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
     "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
+    # Shorter H with the inner lr held: more bytes (3x those of H = 30) for less loss.
+    "diloco-int4-H10-M2-innerconst": _h(10, 2, inner=_inner_const),
+    "diloco-int4-H10-innerconst": _h(10, inner=_inner_const),
+    "diloco-int4-H5-innerconst": _h(5, inner=_inner_const),
     "diloco-int4-H30-innerconst-outer0.5-0.6": _h(
         30, inner=_inner_const, outer=lambda run: _sgd(0.5, 0.6)()
     ),

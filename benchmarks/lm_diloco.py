@@ -374,6 +374,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H10-M2-innerconst": _h(10, 2, inner=_inner_const),
     "diloco-int4-H10-innerconst": _h(10, inner=_inner_const),
     "diloco-int4-H5-innerconst": _h(5, inner=_inner_const),
+    "diloco-int4-H8-innerconst": _h(8, inner=_inner_const),
     # H = 16: the shortest H that keeps 2 replicas at 200x fewer bytes in 300 steps (18 syncs).
     "diloco-int4-H16-M2-innerconst": _h(16, 2, inner=_inner_const),
     "diloco-int4-H30-innerconst-outer0.5-0.6": _h(

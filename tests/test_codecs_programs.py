@@ -6,10 +6,11 @@ Each row compiles (and does not run) one error-feedback step through the all-gat
 64 x 64 leaf (``d`` values) on the 8-device mesh and asserts, over XLA's optimized HLO:
 
 * no ``sort`` of a leaf-sized operand: top-k selects with XLA's TopK (larger leaves: the
-  two-stage or sampled selections), never a full sort. When the scatter's zeros waited on the gathered
-  indices (``_scatter``'s ``after(operand, indices[0])``), XLA no longer recognized the
-  local ``top_k`` and lowered it to a sort of the whole leaf: a 1% top-k all-gather step ran
-  10-25x slower on XLA:CPU (benchmarks/topk_speed.py), caught here by this assertion;
+  two-stage or sampled selections), never a full sort. When the scatter's zeros waited on
+  the gathered indices (``_scatter``'s ``after(operand, indices[0])``), XLA no longer
+  recognized the local ``top_k`` and lowered it to a sort of the whole leaf: a 1% top-k
+  all-gather step ran 10-25x slower on XLA:CPU (benchmarks/topk_speed.py), caught here by
+  this assertion;
 * no float32 array of ``n * d`` values: the gathered payloads are decoded one device at a
   time into the sum (dense codecs), or scattered at once (sparse ones), never decoded into an
   ``[n, d]`` stack (6x slower for d = 25M, :func:`jaxcomp._src.codecs.base.sum_of_decodes`);

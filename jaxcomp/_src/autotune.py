@@ -602,16 +602,8 @@ def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candida
     Returns:
       The lowered program (``.compile()`` it, or read ``.as_text()``).
     """
-    from jaxcomp._src.sharding import abstract_init, state_specs
-
     tx = _exchange_tx(row, axis_name)
-    specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-    state = jax.tree.map(
-        lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
-        jax.eval_shape(init, params),
-        specs,
-    )
+    state, specs = abstract_state(tx, params, mesh, axis_name)
 
     def body(g, s):
         return tx.update(jax.tree.map(lambda a: a[0], g), s)
@@ -620,6 +612,22 @@ def lowered_path(params: Any, tree: Any, mesh: Any, axis_name: Any, row: Candida
         body, mesh=mesh, in_specs=(P(axis_name), specs), out_specs=(P(), specs), check_vma=False
     )
     return jax.jit(fn, donate_argnums=(1,)).lower(tree, state)
+
+
+def abstract_state(tx: Any, params: Any, mesh: Any, axis_name: Any) -> tuple[Any, Any]:
+    """``(state, specs)``: ``jc.sharded_init(tx, params, mesh, axis_name)``'s shapes, dtypes
+    and shardings as ``jax.ShapeDtypeStruct`` (nothing allocated, nothing run) and its
+    :func:`jaxcomp.state_specs`, to lower a step that takes that state."""
+    from jaxcomp._src.sharding import abstract_init, state_specs
+
+    specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.tree.map(
+        lambda a, spec: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec)),
+        jax.eval_shape(init, params),
+        specs,
+    )
+    return state, specs
 
 
 def path_state(params: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
@@ -872,7 +880,7 @@ def _codec_costs(codecs, mesh, axis_name, sizes, reps) -> tuple[dict, dict]:
             lambda _, c=c, f=fed: _codec_programs(c, mesh, axis_name, sizes, f),
             lambda p: _codec_times(p, mesh, axis_name, sizes, reps),
         )
-        if err:  # every process agrees (_guarded): skip the codec's candidates
+        if err:  # every process agrees (_agreed): skip the codec's candidates
             failed[c] = f"codec timing: {err}"
         else:
             costs[c] = tuple(float(t) for t in _reduce_over_processes(local))

@@ -122,15 +122,7 @@ def step_lowered(params, batch, mesh, axis_name, tx, loss_fn) -> Any:
     """The training step of ``tx`` (exchange and optimizer chained), lowered from abstract
     shapes: ``(params, state, *batch) -> (params, state)``, params and state donated
     (:func:`step_program` compiles it)."""
-    from jaxcomp._src.sharding import abstract_init, state_specs
-
-    specs = state_specs(abstract_init(tx, params, mesh, axis_name), axis_name)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        jax.eval_shape(init, params),
-        specs,
-    )
+    state, specs = tuning.abstract_state(tx, params, mesh, axis_name)
 
     def step(p, s, *b):
         g = jax.grad(loss_fn)(jax.lax.pcast(p, axis_name, to="varying"), *b)

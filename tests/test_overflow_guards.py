@@ -13,6 +13,7 @@ import numpy as np
 
 import jaxcomp as jc
 from jaxcomp._src.codecs.base import F32_MAX, mean_abs, saturating_square, scaled_norm
+from jaxcomp._src.onebit_adam import adam_denominator, saturate, unprecondition
 from jaxcomp._src.powersgd import _unit_columns
 
 
@@ -44,3 +45,23 @@ def test_accordion_norm_saturates_and_recovers():
         state = a.update(state, jnp.int32(t), [jnp.full((8,), v, jnp.float32)])
         assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in state[1:]), t
     assert float(state.previous) == 8.0  # the last interval's mean squared norm
+
+
+def test_adam_momentum_turned_back_from_preconditioned_units_saturates():
+    """1-bit / 0/1 Adam turn a momentum sent in preconditioned units back with
+    ``u (sqrt(k v) + eps)``: finite ``u``, ``k`` and ``v`` give a finite momentum (a 1e28 step
+    at a coordinate of variance 6.8e35 overflowed to inf; ``k v`` of a saturated variance
+    was inf, and a zero step times it NaN); a non-finite ``u`` stays non-finite."""
+    v = jnp.asarray([6.8e35, F32_MAX, F32_MAX, 4.0, 0.0], jnp.float32)
+    u = jnp.asarray([1e28, 0.0, -3.0, 0.5, 7.0], jnp.float32)
+    big = np.sqrt(1000.0) * np.sqrt(np.float64(F32_MAX))  # 5.83e20: k v itself overflows
+    np.testing.assert_allclose(np.asarray(adam_denominator(v[1:2], 1000.0, 1e-8)), big, rtol=1e-6)
+    m = np.asarray(unprecondition(u, v, 250.0, 1e-8))
+    want = [F32_MAX, 0.0, -3.0 * np.sqrt(250.0) * np.sqrt(np.float64(F32_MAX)), 0.5 * np.sqrt(1e3)]
+    np.testing.assert_allclose(m, [*want, 0.0], rtol=1e-6)
+    bad = np.asarray(unprecondition(jnp.asarray([jnp.inf, jnp.nan]), v[:2], 250.0, 1e-8))
+    assert np.isposinf(bad[0]) and np.isnan(bad[1])
+    x = jnp.asarray([2e38, 2e38, 1.0], jnp.float32)
+    total = x + x  # inf, inf, 2: a sum of finite values that overflows saturates
+    np.testing.assert_array_equal(np.asarray(saturate(total, x)), [F32_MAX, F32_MAX, 2.0])
+    assert np.isinf(float(saturate(jnp.float32(jnp.inf), jnp.float32(jnp.inf))))

@@ -238,10 +238,11 @@ def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
 
 
 def adam_denominator(v: jax.Array, k, eps) -> jax.Array:
-    """``sqrt(k v) + eps`` as ``sqrt(k) sqrt(v) + eps``: finite for every finite ``k`` and
-    ``v`` (``k v`` overflows where a saturated ``v``, ``F32_MAX``, meets a bias correction
-    ``k > 1``: its square root was inf, the coordinate's step 0 and its momentum NaN)."""
-    return jnp.sqrt(k) * jnp.sqrt(v) + eps
+    """``sqrt(k v) + eps`` as ``min(sqrt(k) sqrt(v), F32_MAX) + eps``: finite for every
+    ``v >= 0`` and ``k >= 0`` (``k v`` overflows where a saturated ``v``, ``F32_MAX``, meets
+    a bias correction ``k > 1``: an inf square root makes the coordinate's step 0 and, turned
+    back by :func:`unprecondition`, its momentum NaN)."""
+    return jnp.minimum(jnp.sqrt(k) * jnp.sqrt(v), F32_MAX) + eps
 
 
 def saturate(x: jax.Array, source: jax.Array) -> jax.Array:
@@ -407,7 +408,8 @@ def scale_by_onebit_adam(
         level, ref, _, ratio = tracked_levels(
             as_float32(grads), state.level, state.level_ref, warm, state.count, b2, every_axis
         )
-        return level, ref, jax.tree.map(lambda r: frozen_scale(state.count) * r, ratio)
+        k = jax.tree.map(lambda r: jnp.minimum(frozen_scale(state.count) * r, F32_MAX), ratio)
+        return level, ref, k
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import Codec, after
+from jaxcomp._src.codecs.base import F32_MAX, Codec, after
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
     adam_direction,
@@ -327,7 +327,8 @@ def scale_by_zero_one_adam(
             b2,
             every_axis,
         )
-        scale = functools.partial(jax.tree.map, lambda k, r: k * r)
+        # saturating: a level risen far above its reference never makes the scale inf
+        scale = functools.partial(jax.tree.map, lambda k, r: jnp.minimum(k * r, F32_MAX))
         return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
 
     def round_input(grads, kind):

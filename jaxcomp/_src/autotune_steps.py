@@ -275,14 +275,13 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     ``(k_pass, k_fb)`` (:func:`fit_step_scales`) are least squares
     ``S_t - compute - w_t = k_pass p_t + k_fb f_t`` over the other timed steps (a link model
     whose plain wire exceeds the plain step, as on small trees, leaves a compute of 0, so no
-    step is predicted below 0). In a
-    step the passes do not cost what they cost alone: a cast's encode and decode fuse with
-    the backward pass and the update, and part of the exchange runs while the backward pass
-    computes, so ``k_pass`` comes out near 0 or negative (-0.6 to 0.04 on the measured
-    runs of docs/autotune.md, "How the steps are predicted"); the residual memory's read
-    and write of the whole gradient does not hide (``k_fb`` 0.6 to 1.2). One scale for
-    both let the feedback rows pull the casts' scale up: fp16 two-phase was predicted +74%
-    at 10 Gbit/s. A timed row's own step never enters its scales (leave-one-out), so its
+    step is predicted below 0). In a step the passes do not cost what they cost alone: a
+    cast's encode and decode fuse with the backward pass and the update, and part of the
+    exchange runs while the backward pass computes, so ``k_pass`` comes out near 0 or
+    negative; the residual memory's read and write of the whole gradient does not hide
+    (``k_fb`` near 1). One scale for both would let the feedback rows pull the casts' scale
+    up (docs/autotune.md, "How the steps are predicted", has the fitted scales and the
+    measured errors). A timed row's own step never enters its scales (leave-one-out), so its
     predicted against measured step is a fair test; plain ``pmean`` is the anchor
     (predicted = measured). Without a measured plain step the rows are returned unchanged.
 

@@ -349,6 +349,24 @@ def test_step_prediction_fits_compute_and_two_pass_scales_leave_one_out():
     assert all(r.predicted_step_ms >= 0 and r.predicted_ms >= 0 for r in got)
 
 
+def test_step_prediction_with_no_or_one_timed_compressed_step():
+    """No timed compressed step: the passes cost what they cost alone (scales 1). One: its
+    own prediction leaves its step out (scales 1 again), the others take that one point's
+    single scale, and an exchange the point says is hidden is floored at 0, not below."""
+    plain = _step_row("none", "pmean", 540.0, 5.0, wire=240.0)  # compute 300
+    fp16 = _step_row("fp16", "allgather", math.nan, math.nan, 160.0, 200.0, jc.cast("fp16"))
+    assert steps.calibrate_steps([plain, fp16])[1].predicted_step_ms == pytest.approx(660.0)
+    # y: the int8 step less compute and wire; its one point (p 300, f 200) gives the scales
+    # (0.5, 0.5): fp16's exchange 160 + 0.5 * 200; or, y = -400, (-1, 0) (k_fb clipped at 0,
+    # k_pass refitted, clipped at -1): 160 - 200, floored at 0
+    for y, exchange in ((250.0, 260.0), (-400.0, 0.0)):
+        int8 = _step_row("int8", "allgather", 380.0 + y, 5.0, 80.0, 500.0, fb=200.0)
+        out = steps.calibrate_steps([plain, int8, fp16])
+        assert out[1].predicted_step_ms == pytest.approx(300.0 + 80.0 + 500.0)
+        assert out[2].predicted_step_ms == pytest.approx(300.0 + exchange)
+        assert out[2].predicted_ms == pytest.approx(out[2].predicted_step_ms - 300.0)
+
+
 def test_step_scales_are_least_squares_within_their_ranges():
     exact = [(300.0, 0.0, -150.0), (200.0, 100.0, -20.0), (100.0, 300.0, 190.0)]
     assert steps.fit_step_scales(exact) == pytest.approx((-0.5, 0.8))

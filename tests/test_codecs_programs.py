@@ -25,6 +25,7 @@ A compile per row, its state abstract (``jax.eval_shape``): about 0.3 s of CPU a
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -80,13 +81,6 @@ def _dims(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(t, tuple(int(x) for x in d.split(",") if x)) for t, d in found]
 
 
-def _size(dims: tuple[int, ...]) -> int:
-    out = 1
-    for x in dims:
-        out *= x
-    return out
-
-
 def _instructions(text: str, op: str) -> list[str]:
     """The result types of every ``op(`` instruction (``%x = TYPE op(...)``)."""
     return re.findall(rf"= (.*?) {op}\(", text)
@@ -103,9 +97,9 @@ def _decodes_gathered_stack(loop_type: str, d: int) -> bool:
 def test_exchange_program_keeps_its_fast_shape(name):
     text, d, slots = compiled_text(name), D, ROWS[name][1]
     assert _instructions(text, "all-gather"), "the all-gather strategy gathers"
-    sorts = [x for t in _instructions(text, "sort") for _, x in _dims(t) if _size(x) == d]
+    sorts = [x for t in _instructions(text, "sort") for _, x in _dims(t) if math.prod(x) == d]
     assert not sorts, f"a sort of the whole leaf (XLA's TopK lost): {sorts}"
-    stacks = [x for t, x in _dims(text) if t == "f32" and _size(x) == N * d]
+    stacks = [x for t, x in _dims(text) if t == "f32" and math.prod(x) == N * d]
     assert not stacks, f"float32 arrays of n * d values (a decoded [n, d] stack): {stacks}"
     loops = [t for t in _instructions(text, "while") if _decodes_gathered_stack(t, d)]
     if slots is None:

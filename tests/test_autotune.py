@@ -549,6 +549,8 @@ def test_bf16_wire_is_widened_where_the_backend_moves_float32():
     one, ring = tuning.predict_seconds(bf16, "allgather", [100_000], 8, link, 2**25, 0)
     two, ring2 = tuning.predict_seconds(bf16, "allgather", [100_000], 8, link, 2**25, 0, widen=2)
     assert two == pytest.approx(2 * one) and ring2 == ring == 7 * 2 * 100_000
+    plain = tuning.predict_seconds(None, "pmean", [100_000], 8, link, 2**25, 0)
+    assert tuning.predict_seconds(None, "pmean", [100_000], 8, link, 2**25, 0, widen=2) == plain
     link["all_reduce_16"] = tuning.LinkFit(0.0, 1e8)  # the slow 16-bit sum: not run widened
     wide, _ = tuning.predict_seconds(bf16, "allreduce", [100_000], 8, link, 2**25, 0, widen=2)
     assert wide == pytest.approx(2 * 7 / 8 * 4 * 100_000 / 1e9)

@@ -509,8 +509,10 @@ def predict_seconds(
     seconds of the whole compressed tree), each encode with its error feedback's residual
     pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`). ``widen``: bytes the
     backend moves per payload byte (:func:`wire_widths`), scaling the compressed phases'
-    wire time; the returned ring bytes stay the codec's own.
+    wire time; the returned ring bytes stay the codec's own (plain ``pmean``: float32, never
+    widened).
     """
+    widen = 1.0 if codec is None else widen
     small = [d for d in sizes if codec is not None and d < min_size]
     big = [d for d in sizes if codec is None or d >= min_size]
     plain, phases = _phases(None, "pmean", small, n), _phases(codec, strategy, big, n, widen)

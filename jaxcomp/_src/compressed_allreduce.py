@@ -448,3 +448,50 @@ def compressed_allreduce(
     return optax.GradientTransformationExtraArgs(
         init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )
+
+
+def residual_memory(codec: Codec, axis_name: Any, options: dict[str, Any]) -> Any:
+    """The new memory of :func:`compressed_allreduce` ``(codec, axis_name, **options)`` with
+    residual feedback, formed apart from its exchange: a function ``(updates, state) ->
+    memory`` (the ``memory`` field its ``update`` would write, before its non-finite freeze;
+    the same values bit for bit), or None where these options form it otherwise (another
+    feedback, an elementwise codec, an inner axis, worker momentum, adaptive, a density
+    warm-up, sharded params).
+
+    ``e' = (g + e) - C(g + e)`` per segment, from each device's encoding step alone
+    (:func:`jaxcomp._src.collectives.segment_errors`: no collective). A recipe whose exchange
+    runs inside a ``lax.cond`` forms the memory after the cond with it, into the state's
+    donated buffer: returned from the branch, it left the cond in a buffer of its own, beside
+    the branch's operand and the decoded mean (one more params-sized temporary).
+    """
+    o = options
+    unsupported = (
+        o.get("error_feedback") != "residual"
+        or codec.elementwise
+        or any(o.get(k) is not None for k in ("inner_axis_name", "worker_momentum", "adaptive"))
+        or o.get("param_specs") is not None
+        or o.get("warmup_steps", 0)
+    )
+    if unsupported:
+        return None
+    min_size, mask = o.get("min_size", 1024), o.get("mask")
+    granularity, strategy = o.get("granularity", "leaf"), o.get("strategy", "auto")
+    bucket_bytes = o.get("bucket_bytes", buckets.BUCKET_BYTES)
+    memory_dtype = feedback.check_memory_dtype(o.get("memory_dtype"))
+
+    def memory(updates: Any, state: CompressedAllreduceState) -> Any:
+        layout = layouts.layout_of(updates, min_size, mask)
+        grads = layouts.compressed_vectors(updates, layout)
+        if not grads:
+            return state.memory
+        memories = feedback.widened(skeleton.vectors(state.memory))
+        targets = [feedback.to_send(g, m, "residual") for g, m in zip(grads, memories, strict=True)]
+        plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
+        _, step_key = jax.random.split(state.key)
+        errors = collectives.segment_errors(
+            plan.split(targets), axis_name, codec, strategy, step_key, bucket_bytes
+        )
+        new = [feedback.to_memory(e, memory_dtype) for e in plan.join(errors)]
+        return skeleton.like_state(layout, new)
+
+    return memory

@@ -33,8 +33,8 @@ lr decayed at the end (``-innerwsd``: :func:`wsd_schedule`; ``-innerwsd10``, ``-
 each replica's AdamW betas (``-b1_0.95``, ``-b2_0.95``), a growing ``H`` (``sync_every`` a
 sequence of intervals: ``-H10to30`` on 8 replicas, ``-H5to30`` and ``-H5x6to30`` on 2),
 ``H = 20`` on 2 replicas, and SparseLoCo with WSD or ``averaging="all"``. The rule for
-``H`` with the inner lr held: ``H = 10`` on 2 and on 8 replicas, ``H = 5`` on 8, and
-``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps).
+``H`` with the inner lr held: ``H = 10`` on 2 and on 8 replicas, ``H = 5`` and ``H = 8``
+on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps).
 
 ::
 

@@ -130,8 +130,8 @@ def diloco(
         constant shorter ``H`` did as well for fewer bytes (docs, "Training language models
         over slow links": AdamW inside at ``H = 30``). ``H`` trades bytes (``1 / H``) for
         loss: against AdamW data parallel at its tuned lr (300 steps, int4, the inner lr
-        held), ``H = 10`` on 2 replicas ended within 3% (129x fewer bytes) and ``H = 5`` on
-        8 replicas within 8% (37x), where ``H = 30`` ended 3.6% and 11% behind (the same
+        held), ``H = 10`` on 2 replicas ended within 3% (129x fewer bytes) and ``H = 8`` on
+        8 replicas within 8% (60x), where ``H = 30`` ended 3.6% and 11% behind (the same
         docs page: the rule for ``H``).
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default
         (None): :func:`default_outer`, by the number of replicas ``M``: plain averaging

@@ -29,6 +29,7 @@ the ring-model bytes each device sends, read from the lowered step program (the 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -121,7 +122,12 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
         jc.compressed_allreduce(jc.identity(), axis, error_feedback=None), optax.adam(lr)
     ),
     "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
-    "zero_one_adam": lambda axis, lr: jc.zero_one_adam(lr, axis, **ZERO_ONE),
+    "zero_one_adam": lambda axis, lr: jc.zero_one_adam(lr, axis, **ZERO_ONE["zero_one_adam"]),
+    # Skipped rounds from step 200, gaps up to 16 at the classifiers' constant lr: diverges
+    # on mnist1d (docs/choosing-a-codec.md, "1-bit Adam and 0/1 Adam").
+    "zero_one_adam-scaler100": lambda axis, lr: jc.zero_one_adam(
+        lr, axis, **ZERO_ONE["zero_one_adam-scaler100"]
+    ),
 }
 # Recipes whose step holds one lax.cond/switch between exchanges: the program counts every
 # branch, so their bytes per step are ``CommReport.mean_bytes_per_device`` weighted by the
@@ -129,6 +135,7 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
 REGIMES: dict[str, tuple[str, ...]] = {
     "onebit_adam": ("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)
     "zero_one_adam": ("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
+    "zero_one_adam-scaler100": ("full", "compressed", "skipped"),
     "sgd-topk1%-accordion": ("other", "critical"),  # lax.cond(critical, gentle, codec)
     "sgd-sign-accordion": ("other", "critical"),
 }
@@ -175,10 +182,8 @@ def regime(method: str, step: int, state: Any) -> int:
     """The branch of the step's conditional that step ``step`` (taken from ``state``) runs."""
     if method == "onebit_adam":
         return int(step < ONEBIT_FREEZE)
-    if method == "zero_one_adam":
-        from jaxcomp._src.zero_one_adam import round_kind
-
-        return int(round_kind(step, ZERO_ONE["var_freeze_step"], *ZERO_ONE_GAPS))
+    if method in ZERO_ONE:
+        return zero_one_kinds(method, 1 << step.bit_length())[step]
     return int(bool(state[0].adaptive.critical))
 
 
@@ -191,8 +196,43 @@ def branch_mean(method: str, report: Any, counts: list[int], logical: bool) -> t
 
 
 ONEBIT_FREEZE = 50
-ZERO_ONE = {"var_freeze_step": 100, "var_update_scaler": 8, "local_step_scaler": 100}
-ZERO_ONE_GAPS = (8, 100, 16)  # var_update_scaler, local_step_scaler, local_step_clipper
+# 0/1 Adam's settings by method. "zero_one_adam": the LM benchmark's (benchmarks/lm.py), the
+# library's local_step_scaler=1000: skipped rounds, every other step, from step 1100 only.
+ZERO_ONE = {
+    "zero_one_adam": {"var_freeze_step": 100, "var_update_scaler": 8},
+    "zero_one_adam-scaler100": {
+        "var_freeze_step": 100,
+        "var_update_scaler": 8,
+        "local_step_scaler": 100,
+    },
+}
+
+
+@functools.lru_cache
+def zero_one_kinds(method: str, steps: int) -> list[int]:
+    """The round kind of each of 0/1 Adam ``method``'s first ``steps`` steps (one call)."""
+    import numpy as np
+
+    from jaxcomp._src.zero_one_adam import round_kind
+
+    return np.asarray(round_kind(np.arange(steps), *zero_one_schedule(method))).tolist()
+
+
+def zero_one_schedule(method: str) -> tuple[int, int, int, int, int]:
+    """``(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper,
+    warmup_steps)`` of 0/1 Adam ``method``: its settings, the library's defaults elsewhere
+    (the warm-up's FULL rounds included: ``var_freeze_step // 4``)."""
+    import inspect
+
+    from jaxcomp._src.zero_one_adam import default_warmup
+
+    defaults = inspect.signature(jc.zero_one_adam).parameters
+    z = {k: p.default for k, p in defaults.items() if k != "var_freeze_step"}
+    z.update(ZERO_ONE[method])
+    keys = ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper")
+    return (*(z[k] for k in keys), default_warmup(z["var_freeze_step"], z["warmup_steps"]))
+
+
 ACCORDION_EVERY = (
     25  # steps per Accordion detection interval  # 1-bit Adam's uncompressed warm-up (steps)
 )

@@ -189,6 +189,23 @@ def test_dgc_diagnostics_hold_back_over_distance_moved():
     assert d["velocity_over_moved"] == pytest.approx(0.1 * math.sqrt(2) / 5)
 
 
+def test_zero_one_regimes_count_the_warmup_and_the_skipped_rounds():
+    """The branches 0/1 Adam's steps take, as the benchmark counts them for its bytes per
+    step (300 steps, var_freeze_step=100, var_update_scaler=8): FULL the 25 warm-up steps
+    (``var_freeze_step // 4``) plus the 13 variance rounds after them (28, 32, ..., 52 on a
+    gap of 4; 56, 64, ..., 96 on a gap of 8); with ``local_step_scaler=100`` every other
+    step from 200 is skipped (50), with the library's 1000 none before step 1100."""
+    from collections import Counter
+
+    from benchmarks.convergence import regime
+
+    def counts(method):
+        return Counter(regime(method, t, None) for t in range(300))
+
+    assert counts("zero_one_adam") == {0: 38, 1: 262}
+    assert counts("zero_one_adam-scaler100") == {0: 38, 1: 212, 2: 50}
+
+
 def test_convergence_quick(tmp_path):
     run_bench("convergence.py", "--quick", "--steps", "30", "--eval-at", "10", out=tmp_path)
     data = load(tmp_path, "convergence_quick.json")

@@ -824,6 +824,11 @@ RECIPE_ROWS = {
     "powersgd4": ("PowerSGD 4", "plain chain: powersgd + optimizer", ("none", "none")),
     "onebit_adam": ("1-bit Adam", "recipe: jc.onebit_adam", ("adam", "none")),
     "zero_one_adam": ("0/1 Adam", "recipe: jc.zero_one_adam", ("adam", "none")),
+    "zero_one_adam-scaler100": (
+        "0/1 Adam",
+        "recipe: jc.zero_one_adam, local_step_scaler=100",
+        ("adam", "none"),
+    ),
 }
 
 

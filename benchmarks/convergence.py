@@ -183,7 +183,7 @@ def regime(method: str, step: int, state: Any) -> int:
     if method == "onebit_adam":
         return int(step < ONEBIT_FREEZE)
     if method in ZERO_ONE:
-        return zero_one_kinds(method, 1 << step.bit_length())[step]
+        return zero_one_kinds(method, max(4096, 1 << step.bit_length()))[step]
     return int(bool(state[0].adaptive.critical))
 
 

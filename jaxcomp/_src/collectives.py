@@ -611,11 +611,20 @@ def _reduce_flat(
     Returns the :class:`Reduced` and whether its non-finite flag still needs a psum over
     the devices (``flags_nonfinite`` codecs read it from what every device received).
     """
+    n = axis_size(axis_name)
+    chosen = [choose_strategy(codec, s.shape[0], n, strategy) for s in segments]
+    keys = [
+        device_key(None if key is None else jax.random.fold_in(key, i), codec, axis_name)
+        for i in range(len(segments))
+    ]
     groups = []
-    for name, idx, ctx, xs, payloads, errors in _encoded(
-        segments, axis_name, codec, strategy, key, bb, gather_pieces
-    ):
-        _, exchange, decode = _STRATEGIES[name]
+    for name in sorted(set(chosen), key=_ORDER.index):
+        encode, exchange, decode = _STRATEGIES[name]
+        idx = [i for i, c in enumerate(chosen) if c == name]
+        xs = [segments[i] for i in idx]
+        sizes = [x.shape[0] for x in xs]
+        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, gather_pieces)
+        payloads, errors = encode(xs, ctx.keys, ctx)
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
         groups.append((decode, idx, ctx, xs, payloads, exchanged, held, errors))
@@ -639,39 +648,6 @@ def _reduce_flat(
             mean[i], sent[i], server[i], error[i] = m[j], s[j], r[j], errors[j]
             payload[i] = payloads[j]
     return Reduced(mean, sent, server, fill_bad, error, payload if with_payload else None)
-
-
-def _encoded(segments, axis_name, codec, strategy, key, bb, gather_pieces=False) -> list:
-    """Each device's encoding step of :func:`_reduce_flat`: per strategy group, ``(strategy,
-    segment positions, context, segments, payloads, errors)``."""
-    n = axis_size(axis_name)
-    chosen = [choose_strategy(codec, s.shape[0], n, strategy) for s in segments]
-    keys = [
-        device_key(None if key is None else jax.random.fold_in(key, i), codec, axis_name)
-        for i in range(len(segments))
-    ]
-    groups = []
-    for name in sorted(set(chosen), key=_ORDER.index):
-        idx = [i for i, c in enumerate(chosen) if c == name]
-        xs = [segments[i] for i in idx]
-        sizes = [x.shape[0] for x in xs]
-        ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, gather_pieces)
-        payloads, errors = _STRATEGIES[name][0](xs, ctx.keys, ctx)
-        groups.append((name, idx, ctx, xs, payloads, errors))
-    return groups
-
-
-def segment_errors(segments, axis_name, codec, strategy, key=None, bucket_bytes=None) -> list:
-    """``Reduced.error`` of :func:`reduce_segments` (no inner axis), each device's encoding
-    step alone: what every segment's payload drops on this device, bit for bit, with no
-    collective. Residual error feedback forms its new memory with it where the exchange
-    runs inside a ``lax.cond`` (:func:`jaxcomp._src.compressed_allreduce.residual_memory`)."""
-    bb = buckets.BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    error: list = [None] * len(segments)
-    for _, idx, _, _, _, errors in _encoded(segments, axis_name, codec, strategy, key, bb):
-        for j, i in enumerate(idx):
-            error[i] = errors[j]
-    return error
 
 
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):

@@ -9,14 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, feedback, skeleton
-from jaxcomp._src.codecs.base import F32_MAX, Codec, after, folded_sum, saturating_square
+from jaxcomp._src import collectives, skeleton
+from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, saturating_square
 from jaxcomp._src.codecs.sign import sign
-from jaxcomp._src.compressed_allreduce import (
-    CompressedAllreduceState,
-    compressed_allreduce,
-    residual_memory,
-)
+from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
 from jaxcomp._src.sgd import exchange_options
 
 
@@ -269,18 +265,6 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis
 
 
-def memory_after(codec: Codec | None, axis_name: Any, exchange: dict):
-    """:func:`~jaxcomp._src.compressed_allreduce.residual_memory` of
-    :func:`momentum_exchange`'s exchange: None where it forms its memory otherwise, and for
-    memories narrower than float32, which stay in the round (half the bytes; formed after the
-    cond, XLA packed the step's buffers worse: docs/benchmarks.md, "Memory of the step")."""
-    options = {"error_feedback": "residual", **exchange_options(exchange)}
-    if feedback.check_memory_dtype(options.get("memory_dtype")) != jnp.float32:
-        return None
-    codec = sign("rms", exact_zeros=True) if codec is None else codec
-    return residual_memory(codec, axis_name, options)
-
-
 def gradient_mean(grads: Any, every_axis: Any) -> Any:
     r"""The float32 mean of the devices' gradients, pre-scaled: ``sum_i (g_i / n)``, one
     ``psum`` per leaf, which XLA combines into a few all-reduces of tuples (no concatenated
@@ -355,40 +339,16 @@ def scale_by_onebit_adam(
     # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
-    # The worker memory is formed after the cond (memory_after), into its donated buffer:
-    # returned from the compressed branch, it left the cond in a buffer of its own beside
-    # the branch's operand and the decoded mean (and the warm-up branch copied it out).
-    late = memory_after(codec, axis_name, exchange)
-
-    def without_memory(exchange_state):
-        return exchange_state if late is None else exchange_state._replace(memory=None)
-
     def warmup(y, state, params):
         """The float32 mean gradient over the devices (uncompressed; ``y`` holds each
         device's ``g_i / n``: the sum is the mean and never overflows where it fits, see
         :func:`gradient_mean`): Adam with the variance still learning."""
-        return skeleton.tree_psum(y, every_axis), without_memory(state.exchange)
+        return skeleton.tree_psum(y, every_axis), state.exchange
 
     def compressed(y, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen.
         Returned in preconditioned units: turned back where mu is written (one pass)."""
-        x, exchange_state = inner.update(y, state.exchange, params)
-        return x, without_memory(exchange_state)
-
-    def with_memory(exchange_state, y, state, warm, mu):
-        """The exchange state with its worker memory: the compressed round's (kept in the
-        warm-up), formed after the cond (:func:`memory_after`) and after ``mu``."""
-        if late is None:
-            return exchange_state
-        # Read once the new momentum is written (`after` one of its values): XLA would
-        # otherwise start the encoding before the cond and hold its buffers through the
-        # exchange; formed beside the exchanged mean, XLA packed the buffers worse.
-        dep = next((m.reshape(-1)[-1] for m in reversed(jax.tree.leaves(mu)) if m.size), None)
-        y = jax.tree.map(lambda a: after(a, dep), y)
-        new = late(y, state.exchange)
-        old = state.exchange.memory
-        memory = jax.tree.map(lambda o, m: jnp.where(warm, o, m), old, new)
-        return exchange_state._replace(memory=memory)
+        return inner.update(y, state.exchange, params)
 
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
@@ -468,7 +428,6 @@ def scale_by_onebit_adam(
         bad = collectives.local_nonfinite(x)
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad)
-        exchange_state = with_memory(exchange_state, y, state, warm, mu)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = OneBitAdamState(

@@ -55,12 +55,61 @@ def _lion() -> Any:
     return optax.scale_by_lion(b1=0.9, b2=0.99)
 
 
-def schedule(run: lm.Run, peak: float, end: float) -> Any:
-    """AdamW's schedule (5% warm-up, cosine) ending at ``end * peak`` instead of a tenth."""
+def _nesterov(beta: float = 0.9) -> Callable[[], Any]:
+    """The sign of a Nesterov look-ahead of the decoded means: ``u <- beta u + q``, the update
+    ``sign(q + beta u)`` (``u`` is the same on every device, as ``q`` is)."""
+
+    def make() -> Any:
+        import jax.numpy as jnp
+        import optax
+
+        return optax.chain(
+            optax.trace(beta, nesterov=True),
+            optax.stateless(lambda u, p=None: optax.tree.map(jnp.sign, u)),
+        )
+
+    return make
+
+
+def mean_of_signs(axis: Any, *, decay: float, chunk: int = 64, topk: int = 18, bits: int = 4):
+    """DeMo whose update is the mean over the devices of the sign of each device's decoded
+    components, ``mean_i sign(IDCT(S_i))`` (in [-1, 1]: smaller where the devices disagree),
+    instead of ``sign(mean_i IDCT(S_i))``. The same payloads and all-gather as
+    ``jaxcomp._src.demo.scale_by_demo`` (every leaf a float, finite gradients: a diagnosis)."""
+    import jax
+    import jax.numpy as jnp
     import optax
 
-    warmup = max(1, run.steps // 20)
-    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, run.steps, end * peak)
+    from jaxcomp._src import buckets, demo
+
+    base = demo.scale_by_demo(axis, chunk=chunk, topk=topk, decay=decay, bits=bits)
+
+    def update_fn(updates, state, params=None):
+        leaves, treedef = jax.tree.flatten(updates)
+        moms = treedef.flatten_up_to(state.momentum)
+        moms = [decay * m[0] + g.astype(jnp.float32) for g, m in zip(leaves, moms, strict=True)]
+        blocks = [demo.Blocks.of(m.shape, chunk) for m in moms]
+        codecs = [demo._codec(b, chunk, topk, bits) for b in blocks]
+        payloads = [c.encode(b.forward(m)) for c, b, m in zip(codecs, blocks, moms, strict=True)]
+        gathered = buckets.exchange(payloads, lambda x: jax.lax.all_gather(x, axis, to="invarying"))
+        out, kept = [], []
+        for c, b, m, p, g in zip(codecs, blocks, moms, payloads, gathered, strict=True):
+            each = jax.vmap(lambda x, c=c, b=b: b.inverse(c.decode(x, b.size)))(g)
+            out.append(jnp.mean(jnp.sign(each), axis=0).astype(m.dtype))
+            kept.append((m - b.inverse(c.decode(p, b.size)))[None])
+        new = demo.DeMoState(jax.tree.unflatten(treedef, kept), state.count + 1)
+        return jax.tree.unflatten(treedef, out), new
+
+    return optax.GradientTransformation(base.init, update_fn)
+
+
+def schedule(run: lm.Run, peak: float, end: float, warmup: float = 0.05) -> Any:
+    """AdamW's schedule (``warmup`` of the steps linear, then cosine) ending at ``end * peak``
+    instead of a tenth."""
+    import optax
+
+    steps = max(1, round(run.steps * warmup))
+    return optax.warmup_cosine_decay_schedule(0.0, peak, steps, run.steps, end * peak)
 
 
 def _demo(
@@ -68,20 +117,28 @@ def _demo(
     then: Callable[[], Any] | None = None,
     end: float = 0.1,
     decay: float = 0.9,
+    warmup: float = 0.05,
+    weight_decay: float = lm.WEIGHT_DECAY,
+    meansign: bool = False,
     **kw: Any,
 ) -> lm.Recipe:
-    """DeMo at ``peak``, its decoded mean through ``then()`` (None: its sign)."""
+    """DeMo at ``peak``, its decoded mean through ``then()`` (None: its sign; ``meansign``:
+    :func:`mean_of_signs`)."""
 
     def make(run: lm.Run, axis: Any) -> Any:
         import optax
 
         from jaxcomp._src import demo
 
+        if meansign:
+            first = mean_of_signs(axis, decay=decay, **kw)
+        else:
+            first = demo.scale_by_demo(axis, decay=decay, sign=then is None, **kw)
         return optax.chain(
-            demo.scale_by_demo(axis, decay=decay, sign=then is None, **kw),
+            first,
             then() if then else optax.identity(),
-            optax.add_decayed_weights(lm.WEIGHT_DECAY),
-            optax.scale_by_learning_rate(schedule(run, peak, end)),
+            optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+            optax.scale_by_learning_rate(schedule(run, peak, end, warmup)),
         )
 
     return lm.Recipe(make)
@@ -111,6 +168,18 @@ RECIPES.update(
         )
         for peak in ("2e-3", "3e-3", "4.5e-3", "6e-3", "8e-3")
         for decay in ("0.8", "0.9", "0.95", "0.98")
+    }
+)
+
+# jc.demo's recipe (3e-3 held, decay 0.95, k18-b4), one change at a time.
+_K18 = {"end": 1.0, "decay": 0.95, "topk": 18, "bits": 4}
+RECIPES.update(
+    {
+        "demo-3e-3-k18-b4-meansign": _demo(3e-3, meansign=True, **_K18),
+        "demo-3e-3-k18-b4-nesterov0.9": _demo(3e-3, _nesterov(0.9), **_K18),
+        "demo-3e-3-k18-b4-warm10": _demo(3e-3, warmup=0.1, **_K18),
+        "demo-3e-3-k18-b4-wd0": _demo(3e-3, weight_decay=0.0, **_K18),
+        "demo-3e-3-k18-b4-wd0.3": _demo(3e-3, weight_decay=0.3, **_K18),
     }
 )
 

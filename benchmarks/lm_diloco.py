@@ -368,6 +368,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-innerwsd": _h(30, 2, inner=_inner_wsd, sparse=True),
     # SparseLoCo's merge: the mean over every device (a coordinate sent by one is divided).
     "sparseloco-H30-M2-innerconst-all": _h(30, 2, inner=_inner_const, sparse=True, averaging="all"),
+    # SparseLoCo with the inner lr held at smaller H (more syncs: bytes x 30 / H).
+    "sparseloco-H10-innerconst": _h(10, inner=_inner_const, sparse=True),
+    "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),
+    "sparseloco-H5-innerconst": _h(5, inner=_inner_const, sparse=True),
+    "sparseloco-H5-M2-innerconst": _h(5, 2, inner=_inner_const, sparse=True),
     "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
     "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
     # Shorter H with the inner lr held: 30 / H times the bytes of H = 30, for less loss.

@@ -180,6 +180,10 @@ RECIPES.update(
         "demo-3e-3-k18-b4-warm10": _demo(3e-3, warmup=0.1, **_K18),
         "demo-3e-3-k18-b4-wd0": _demo(3e-3, weight_decay=0.0, **_K18),
         "demo-3e-3-k18-b4-wd0.3": _demo(3e-3, weight_decay=0.3, **_K18),
+        "demo-4.5e-3-k18-b4-meansign": _demo(4.5e-3, meansign=True, **_K18),
+        "demo-6e-3-k18-b4-meansign": _demo(6e-3, meansign=True, **_K18),
+        "demo-3e-3-k18-b4-chunk128-k72": _demo(3e-3, chunk=128, **{**_K18, "topk": 72}),
+        "demo-3e-3-k20-b2": _demo(3e-3, **{**_K18, "topk": 20, "bits": 2}),
     }
 )
 

@@ -60,12 +60,13 @@ def _nesterov(beta: float = 0.9) -> Callable[[], Any]:
     ``sign(q + beta u)`` (``u`` is the same on every device, as ``q`` is)."""
 
     def make() -> Any:
+        import jax
         import jax.numpy as jnp
         import optax
 
         return optax.chain(
             optax.trace(beta, nesterov=True),
-            optax.stateless(lambda u, p=None: optax.tree.map(jnp.sign, u)),
+            optax.stateless(lambda u, p=None: jax.tree.map(jnp.sign, u)),
         )
 
     return make

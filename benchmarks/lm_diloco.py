@@ -373,6 +373,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),
     "sparseloco-H5-innerconst": _h(5, inner=_inner_const, sparse=True),
     "sparseloco-H5-M2-innerconst": _h(5, 2, inner=_inner_const, sparse=True),
+    # At H = 5 on 2 replicas: a longer error-feedback memory, or 4x the density.
+    "sparseloco-H5-M2-innerconst-ef0.8": _h(5, 2, inner=_inner_const, sparse=True, ef_decay=0.8),
+    "sparseloco-H5-M2-innerconst-d256": _h(
+        5, 2, inner=_inner_const, sparse=True, density=256 / 4096
+    ),
     "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
     "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
     # Shorter H with the inner lr held: 30 / H times the bytes of H = 30, for less loss.

@@ -373,6 +373,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),
     "sparseloco-H5-innerconst": _h(5, inner=_inner_const, sparse=True),
     "sparseloco-H5-M2-innerconst": _h(5, 2, inner=_inner_const, sparse=True),
+    "sparseloco-H4-innerconst": _h(4, inner=_inner_const, sparse=True),
     # At H = 5 on 2 replicas: a longer error-feedback memory, or 4x the density.
     "sparseloco-H5-M2-innerconst-ef0.8": _h(5, 2, inner=_inner_const, sparse=True, ef_decay=0.8),
     "sparseloco-H5-M2-innerconst-d256": _h(

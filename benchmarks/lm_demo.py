@@ -16,8 +16,14 @@ schedule; ``-end1``: the peak held to the end, ``optax.linear_schedule(0, peak, 
 ``jc.demo``'s recipe); ``-kK-bB``: ``topk=K``, ``bits=B``. The update applied: ``-sign``
 DeMo's sign of the decoded mean ``q``; ``-rms`` ``q`` over its root mean square per leaf;
 ``-adam0.99`` ``q`` through ``optax.scale_by_adam(b1=0, b2=0.99)``; ``-lion`` ``q`` through
-``optax.scale_by_lion(0.9, 0.99)``. Writes
-``benchmarks/results/lm_TAG.json`` and ``.png``.
+``optax.scale_by_lion(0.9, 0.99)``. The rows ``demo-3e-3-k18-b4-*`` (and
+``demo-3e-3-k20-b2``) are that recipe (3e-3 held, decay 0.95, 18 components of 4 bits) with
+one change: ``-meansign`` the mean over the devices of each one's sign
+(:func:`mean_of_signs`); ``-nesterov0.9`` the sign of a Nesterov look-ahead of ``q``;
+``-warm10`` a 10% warm-up; ``-wsd20`` the peak decayed linearly to a tenth over the last 20%
+of the steps; ``-wd0`` / ``-wd0.3`` that weight decay; ``-chunk128-k72`` 128 x 128 blocks of 72
+components (the same density); ``-k20-b2`` 20 components of 2 bits (the same bytes per
+block). Writes ``benchmarks/results/lm_TAG.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -104,12 +110,21 @@ def mean_of_signs(axis: Any, *, decay: float, chunk: int = 64, topk: int = 18, b
     return optax.GradientTransformation(base.init, update_fn)
 
 
-def schedule(run: lm.Run, peak: float, end: float, warmup: float = 0.05) -> Any:
+def schedule(run: lm.Run, peak: float, end: float, warmup: float = 0.05, tail: float = 0.0) -> Any:
     """AdamW's schedule (``warmup`` of the steps linear, then cosine) ending at ``end * peak``
-    instead of a tenth."""
+    instead of a tenth; ``tail > 0``: warm-up, the peak held, then a linear decay to a tenth
+    of it over the last ``tail`` of the steps (warm-up, stable, decay)."""
     import optax
 
     steps = max(1, round(run.steps * warmup))
+    if tail:
+        last = max(1, round(tail * run.steps))
+        parts = [
+            optax.linear_schedule(0.0, peak, steps),
+            optax.constant_schedule(peak),
+            optax.linear_schedule(peak, 0.1 * peak, last),
+        ]
+        return optax.join_schedules(parts, [steps, run.steps - last])
     return optax.warmup_cosine_decay_schedule(0.0, peak, steps, run.steps, end * peak)
 
 
@@ -119,6 +134,7 @@ def _demo(
     end: float = 0.1,
     decay: float = 0.9,
     warmup: float = 0.05,
+    tail: float = 0.0,
     weight_decay: float = lm.WEIGHT_DECAY,
     meansign: bool = False,
     **kw: Any,
@@ -139,7 +155,7 @@ def _demo(
             first,
             then() if then else optax.identity(),
             optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-            optax.scale_by_learning_rate(schedule(run, peak, end, warmup)),
+            optax.scale_by_learning_rate(schedule(run, peak, end, warmup, tail)),
         )
 
     return lm.Recipe(make)
@@ -185,6 +201,7 @@ RECIPES.update(
         "demo-6e-3-k18-b4-meansign": _demo(6e-3, meansign=True, **_K18),
         "demo-3e-3-k18-b4-chunk128-k72": _demo(3e-3, chunk=128, **{**_K18, "topk": 72}),
         "demo-3e-3-k20-b2": _demo(3e-3, **{**_K18, "topk": 20, "bits": 2}),
+        "demo-3e-3-k18-b4-wsd20": _demo(3e-3, tail=0.2, **_K18),
     }
 )
 

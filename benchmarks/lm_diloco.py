@@ -34,7 +34,8 @@ each replica's AdamW betas (``-b1_0.95``, ``-b2_0.95``), a growing ``H`` (``sync
 sequence of intervals: ``-H10to30`` on 8 replicas, ``-H5to30`` and ``-H5x6to30`` on 2),
 ``H = 20`` on 2 replicas, and SparseLoCo with WSD or ``averaging="all"``. The rule for
 ``H`` with the inner lr held: ``H = 10`` on 2 and on 8 replicas, ``H = 5`` and ``H = 8``
-on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps).
+on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps);
+SparseLoCo with the inner lr held at ``H = 10``, 5 and 4 on 8 replicas, 10 and 5 on 2.
 
 ::
 
@@ -374,11 +375,6 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H5-innerconst": _h(5, inner=_inner_const, sparse=True),
     "sparseloco-H5-M2-innerconst": _h(5, 2, inner=_inner_const, sparse=True),
     "sparseloco-H4-innerconst": _h(4, inner=_inner_const, sparse=True),
-    # At H = 5 on 2 replicas: a longer error-feedback memory, or 4x the density.
-    "sparseloco-H5-M2-innerconst-ef0.8": _h(5, 2, inner=_inner_const, sparse=True, ef_decay=0.8),
-    "sparseloco-H5-M2-innerconst-d256": _h(
-        5, 2, inner=_inner_const, sparse=True, density=256 / 4096
-    ),
     "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
     "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
     # Shorter H with the inner lr held: 30 / H times the bytes of H = 30, for less loss.

@@ -21,7 +21,7 @@ DeMo's sign of the decoded mean ``q``; ``-rms`` ``q`` over its root mean square 
 one change: ``-meansign`` the mean over the devices of each one's sign
 (:func:`mean_of_signs`); ``-nesterov0.9`` the sign of a Nesterov look-ahead of ``q``;
 ``-warm10`` a 10% warm-up; ``-wsd20`` the peak decayed linearly to a tenth over the last 20%
-of the steps; ``-wd0`` / ``-wd0.3`` that weight decay; ``-chunk128-k72`` 128 x 128 blocks of 72
+of the steps; ``-wd0`` no weight decay; ``-chunk128-k72`` 128 x 128 blocks of 72
 components (the same density); ``-k20-b2`` 20 components of 2 bits (the same bytes per
 block). Writes ``benchmarks/results/lm_TAG.json`` and ``.png``.
 """
@@ -196,9 +196,6 @@ RECIPES.update(
         "demo-3e-3-k18-b4-nesterov0.9": _demo(3e-3, _nesterov(0.9), **_K18),
         "demo-3e-3-k18-b4-warm10": _demo(3e-3, warmup=0.1, **_K18),
         "demo-3e-3-k18-b4-wd0": _demo(3e-3, weight_decay=0.0, **_K18),
-        "demo-3e-3-k18-b4-wd0.3": _demo(3e-3, weight_decay=0.3, **_K18),
-        "demo-4.5e-3-k18-b4-meansign": _demo(4.5e-3, meansign=True, **_K18),
-        "demo-6e-3-k18-b4-meansign": _demo(6e-3, meansign=True, **_K18),
         "demo-3e-3-k18-b4-chunk128-k72": _demo(3e-3, chunk=128, **{**_K18, "topk": 72}),
         "demo-3e-3-k20-b2": _demo(3e-3, **{**_K18, "topk": 20, "bits": 2}),
         "demo-3e-3-k18-b4-wsd20": _demo(3e-3, tail=0.2, **_K18),

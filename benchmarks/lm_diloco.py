@@ -375,6 +375,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H5-innerconst": _h(5, inner=_inner_const, sparse=True),
     "sparseloco-H5-M2-innerconst": _h(5, 2, inner=_inner_const, sparse=True),
     "sparseloco-H4-innerconst": _h(4, inner=_inner_const, sparse=True),
+    "sparseloco-H3-innerconst": _h(3, inner=_inner_const, sparse=True),
     "diloco-int4-H5x6to30-M2-innerconst": _h(GROW_M2_DENSE, 2, inner=_inner_const),
     "diloco-int4-H20-M2-innerconst": _h(20, 2, inner=_inner_const),
     # Shorter H with the inner lr held: 30 / H times the bytes of H = 30, for less loss.

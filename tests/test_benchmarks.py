@@ -546,6 +546,60 @@ def test_lm_demo_schedules_are_the_documented_ones():
     assert held[15] == held[300] == np.float32(3e-3)
     np.testing.assert_array_equal(lm_demo.schedule(run, 4e-3, 0.1)(t), run.schedule(4e-3)(t))
     assert lm_demo.schedule(run, 4e-3, 0.6)(300) == pytest.approx(2.4e-3)
+    # -wsd20: the documented join of the warm-up and a linear decay over the last 20%.
+    wsd = optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, 3e-3, 15),
+            optax.linear_schedule(3e-3, 3e-4, 60, transition_begin=225),
+        ],
+        [15],
+    )
+    np.testing.assert_array_equal(lm_demo.schedule(run, 3e-3, 1.0, tail=0.2)(t), wsd(t))
+    assert lm_demo.schedule(run, 3e-3, 1.0, warmup=0.1)(30) == np.float32(3e-3)
+
+
+def test_lm_demo_mean_of_signs():
+    """benchmarks/lm_demo.mean_of_signs: with the same gradient on every device it is DeMo's
+    sign update exactly (the same momentum left); with different ones each value is a mean of
+    8 signs (a multiple of 1/4 in [-1, 1]) and the momentum is still DeMo's."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from benchmarks import lm_demo
+    from jaxcomp._src import demo
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    params = {"w": jnp.zeros((8, 70))}
+    g = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8, 70))}
+    same = {"w": jnp.broadcast_to(g["w"][:1], g["w"].shape)}
+
+    def run(tx, grads):
+        s0 = jc.sharded_init(tx, params, mesh, "d")
+        spec = jc.state_specs(s0, "d")
+        f = jax.shard_map(
+            lambda gg, s: tx.update(jax.tree.map(lambda x: x[0], gg), s, params),
+            mesh=mesh,
+            in_specs=(P("d"), spec),
+            out_specs=(P(), spec),
+            check_vma=False,
+        )
+        grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
+        return jax.tree.map(np.asarray, jax.jit(f)(grads, s0))
+
+    mine = lm_demo.mean_of_signs("d", decay=0.95)
+    base = demo.scale_by_demo("d", decay=0.95, topk=18, bits=4)
+    for grads in (same, g):
+        (u, s), (ub, sb) = run(mine, grads), run(base, grads)
+        np.testing.assert_allclose(s.momentum["w"], sb.momentum["w"], rtol=1e-6, atol=1e-6)
+        if grads is same:
+            np.testing.assert_array_equal(u["w"], ub["w"])
+        else:
+            assert np.all(np.abs(u["w"]) <= 1) and np.all(np.mod(u["w"] * 4, 1) == 0)
+            assert 0 < np.abs(u["w"]).mean() < 1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

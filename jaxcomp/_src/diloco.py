@@ -129,10 +129,8 @@ def diloco(
         loss falls fast; with ``fragments=1`` and ``delay=0`` only). On a language model a
         constant shorter ``H`` did as well for fewer bytes (docs, "Training language models
         over slow links": AdamW inside at ``H = 30``). ``H`` trades bytes (``1 / H``) for
-        loss: against AdamW data parallel at its tuned lr (300 steps, int4, the inner lr
-        held), ``H = 10`` on 2 replicas ended within 3% (129x fewer bytes) and ``H = 8`` on
-        8 replicas within 8% (60x), where ``H = 30`` ended 3.6% and 11% behind (the same
-        docs page: the rule for ``H``).
+        loss: fewer replicas hold a longer ``H`` (the same docs page gives the rule for ``H``
+        with the measured losses and bytes).
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default
         (None): :func:`default_outer`, by the number of replicas ``M``: plain averaging
         (``x <- x - Delta``) at ``M <= 2``, ``optax.sgd(0.7, momentum=0.6, nesterov=True)``

@@ -336,7 +336,7 @@ def scale_by_zero_one_adam(
         (pre-scaled as :func:`~jaxcomp._src.onebit_adam.gradient_mean`: its sum is the mean,
         which never overflows where it fits). One pass that writes into the gradient's
         buffer: every later reader takes it (divided in the branch, it was a params-sized
-        temporary of its own, +0.7 copies)."""
+        temporary of its own)."""
         n = collectives.axis_size(every_axis)
         return jax.tree.map(lambda a: jnp.where(kind == FULL, a / n, a), as_float32(grads))
 
@@ -508,13 +508,10 @@ def zero_one_adam(
     the LM benchmark: docs, "Training language models over slow links"), so they start late
     by default (``local_step_scaler=1000``). Gaps past 2 set off loss spikes at a constant
     learning rate, codec or none: a gradient waits up to ``gap - 1`` steps, and the synced
-    round puts the gap's gradients into the momentum at once. On mnist1d (MLP, 2000 steps,
-    lr 3e-3, seed 0) ``local_step_scaler=100`` (gaps of 4 from step 400, 8 from 800, 16 from
-    1600) spiked as the gaps of 4 and 8 began (and 16, in one of two builds differing in the
-    last bits) and ended at 0.705 or, caught in the last spike, 0.385 test accuracy against
-    Adam's 0.661; 0.105 with the momentum exchanged exactly, 0.313 at lr 1e-3. Gaps of at
-    most 2 (``local_step_clipper=2``) reached 0.686 and the defaults 0.660, with no spike
-    (docs, "Choosing a codec", "0/1 Adam's skipped rounds"). A skipped round sends one 4-byte
+    round puts the gap's gradients into the momentum at once. Gaps of at most 2
+    (``local_step_clipper=2``), or the default ``local_step_scaler``, did not spike where
+    ``local_step_scaler=100`` did (docs, "Choosing a codec", "0/1 Adam's skipped rounds",
+    with the measured accuracies). A skipped round sends one 4-byte
     non-finite flag (a scalar ``psum``), so a NaN or inf on any device still gives a NaN
     update everywhere and leaves every state as it was.
 

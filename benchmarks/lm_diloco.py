@@ -35,7 +35,7 @@ sequence of intervals: ``-H10to30`` on 8 replicas, ``-H5to30`` and ``-H5x6to30``
 ``H = 20`` on 2 replicas, and SparseLoCo with WSD or ``averaging="all"``. The rule for
 ``H`` with the inner lr held: ``H = 10`` on 2 and on 8 replicas, ``H = 5`` and ``H = 8``
 on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps);
-SparseLoCo with the inner lr held at ``H = 10``, 5 and 4 on 8 replicas, 10 and 5 on 2.
+SparseLoCo with the inner lr held at ``H = 10``, 5, 4 and 3 on 8 replicas, 10 and 5 on 2.
 
 ::
 

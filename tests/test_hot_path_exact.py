@@ -222,7 +222,7 @@ def test_hot_path_settings_parsed():
         "MALLOC_CONF": "a:0,b:-1",
     }
     for bad in ("hugetlb", "=1", "glibc=1"):
-        with pytest.raises(ValueError, match="neither 'default', 'reuse' nor VAR=VALUE"):
+        with pytest.raises(ValueError, match=r"neither 'default', 'reuse' nor \[NAME:\]VAR=VALUE"):
             setting_env(bad)
     with pytest.raises(SystemExit):  # argparse's error, before any jax work
         main(["--quick", "--settings", "default", "hugetlb"])

@@ -557,7 +557,8 @@ def test_bf16_wire_is_widened_where_the_backend_moves_float32():
 
 
 #: The recorded whole-step plans of benchmarks/results/network_autotune_steps_{1,10}gbit.json
-#: (idle host, 2 processes over gloo): link fits (alpha s, bytes/s), codec encode / decode ms,
+#: as made by the previous step model (idle host, 2 processes over gloo; those files have
+#: since been rerun): link fits (alpha s, bytes/s), codec encode / decode ms,
 #: int8's feedback ms, and the timed steps (ms).
 RECORDED = {
     "1gbit": (

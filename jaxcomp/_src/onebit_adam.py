@@ -213,9 +213,7 @@ def preconditioned_mean(
     """
     nu = nu if filled else filled_variance(nu)
     ks = per_leaf(nu_scale, nu)
-    scale = jax.tree.map(
-        lambda v, k: jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0), nu, ks
-    )
+    scale = jax.tree.map(lambda v, k: preconditioner(v, k, eps), nu, ks)
     u = jax.tree.map(jnp.multiply, local, scale)
     if bound is not None:
         u = jax.tree.map(lambda x: bounded_step(x, bound), u)
@@ -243,6 +241,17 @@ def adam_denominator(v: jax.Array, k, eps) -> jax.Array:
     a bias correction ``k > 1``: an inf square root makes the coordinate's step 0 and, turned
     back by :func:`unprecondition`, its momentum NaN)."""
     return jnp.minimum(jnp.sqrt(k) * jnp.sqrt(v), F32_MAX) + eps
+
+
+def preconditioner(v: jax.Array, k, eps) -> jax.Array:
+    """``1 / (sqrt(k v) + eps)`` where ``v > 0``, 0 elsewhere (:func:`adam_denominator`): a
+    momentum times it is in Adam's preconditioned units."""
+    return jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0)
+
+
+def momentum_step(m: jax.Array, x: jax.Array, b1) -> jax.Array:
+    """Adam's ``b1 m + (1 - b1) x``, saturating where ``x`` is finite (:func:`saturate`)."""
+    return saturate(b1 * m + (1.0 - b1) * x, x)
 
 
 def saturate(x: jax.Array, source: jax.Array) -> jax.Array:
@@ -284,7 +293,7 @@ def adam_moments(mu: Any, nu: Any, g: Any, b1, b2) -> tuple[Any, Any]:
     """Adam's ``m <- b1 m + (1 - b1) g`` and ``v <- b2 v + (1 - b2) g^2``, both saturating
     (:func:`saturate`, the square too): a finite outlier never leaves ``m`` or ``v`` inf,
     frozen for ever."""
-    mu = jax.tree.map(lambda m, x: saturate(b1 * m + (1.0 - b1) * x, x), mu, g)
+    mu = jax.tree.map(lambda m, x: momentum_step(m, x, b1), mu, g)
     nu = jax.tree.map(
         lambda v, x: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(x), F32_MAX), nu, g
     )
@@ -359,8 +368,7 @@ def scale_by_onebit_adam(
         (the codec's input was a params-sized temporary of its own)."""
 
         def one(m, x, v, k):
-            scale = jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0)
-            u = saturate(b1 * m + (1.0 - b1) * x, x) * scale
+            u = momentum_step(m, x, b1) * preconditioner(v, k, eps)
             return jnp.where(warm, x / n, bounded_step(u, bound) if bounded else u)
 
         bound = adam_step_bound(state.count, b1, b2)
@@ -390,8 +398,7 @@ def scale_by_onebit_adam(
         updated in place). A non-finite step keeps it."""
 
         def one(m, u, v, k):
-            moved = saturate(b1 * m + (1.0 - b1) * u, u)
-            new = jnp.where(warm, moved, unprecondition(u, v, k, eps))
+            new = jnp.where(warm, momentum_step(m, u, b1), unprecondition(u, v, k, eps))
             return jnp.where(bad, m, new)
 
         return jax.tree.map(one, state.mu, x, nu, per_leaf(nu_scale, x))

@@ -57,10 +57,10 @@ def model_table(record: dict, sizes: list[int], n: int, widths: dict) -> list:
 
 
 def refit(name: str, sizes: list[int], widths: dict) -> dict:
-    """One recorded run: every table row and benchmark step row, old and new predictions."""
-    from benchmarks import network
-    from jaxcomp._src import autotune_steps
-
+    """One recorded run: every table row and benchmark step row, with the prediction the run
+    recorded (``old``), the library's now (``new``) and the library's with every timed step
+    in one fit (``one_fit``: every row taken as moved at its own width, as before the widened
+    codecs were fitted apart)."""
     data = json.loads((common.RESULTS / f"{name}.json").read_text())
     tuned = next(r for r in data["rows"] if "autotune" in r)
     n = tuned["devices"]
@@ -71,44 +71,155 @@ def refit(name: str, sizes: list[int], widths: dict) -> dict:
         for w, u, c in zip(widened, unwidened, tuned["autotune"], strict=True)
         if not c["error"]
     )
-    new = autotune_steps.calibrate_steps(widened)
+    from jaxcomp._src import autotune_steps
+
+    fits = {
+        "new": autotune_steps.calibrate_steps(widened),
+        "one_fit": autotune_steps.calibrate_steps([r._replace(widen=1.0) for r in widened]),
+    }
     table = []
-    for c, r in zip(tuned["autotune"], new, strict=True):
-        table.append({
+    for i, c in enumerate(tuned["autotune"]):
+        row = {
             "candidate": c["name"], "strategy": c["strategy"], "min_size": c["min_size"],
             "error_feedback": c["error_feedback"], "step_ms": c["step_ms"],
-            "old_predicted_ms": c["predicted_step_ms"], "new_predicted_ms": r.predicted_step_ms,
-            "old_model_ms": c["model_ms"], "new_model_ms": r.model_ms,
+            "old_predicted_ms": c["predicted_step_ms"], "old_model_ms": c["model_ms"],
+            "new_model_ms": fits["new"][i].model_ms,
             "old_error": _error(c["predicted_step_ms"], c["step_ms"]),
-            "new_error": _error(r.predicted_step_ms, c["step_ms"]),
-        })  # fmt: skip
-    rows = [r for r in data["rows"] if r.get("framework") == "jaxcomp" and "step_ms" in r]
-    fresh = copy.deepcopy(rows)
-    recorded = next(r for r in fresh if "autotune" in r)
-    for c, r in zip(recorded["autotune"], new, strict=True):
-        c["predicted_step_ms"] = r.predicted_step_ms
-    base = next(r for r in fresh if r["codec"] == "pmean")
-    network.predict_steps(fresh, base)
-    steps = [
-        {
-            "step": old["codec"],
-            "strategy": old.get("strategy"),
-            "error_feedback": old.get("error_feedback"),
-            "step_ms": old["step_ms"],
-            "old_predicted_ms": old.get("predicted_step_ms", math.nan),
-            "new_predicted_ms": r.get("predicted_step_ms", math.nan),
-            "old_error": old.get("step_prediction_error", math.nan),
-            "new_error": r.get("step_prediction_error", math.nan),
         }  # fmt: skip
-        for old, r in zip(rows, fresh, strict=True)
-        if "predicted_step_ms" in r
-    ]
+        for key, rows in fits.items():
+            row[f"{key}_predicted_ms"] = rows[i].predicted_step_ms
+            row[f"{key}_error"] = _error(rows[i].predicted_step_ms, c["step_ms"])
+        table.append(row)
+    steps = _bench_predictions(data["rows"], fits)
+    keys = ("old_error", "one_fit_error", "new_error")
     return {
         "run": name, "rate": tuned["rate"], "host_load": tuned.get("host_load"),
         "model_rebuild_error": drift, "table": table, "steps": steps,
         "untimed_vs_twin": _twins(table),
-        "max_abs_error": {k: _worst(table + steps, k) for k in ("old_error", "new_error")},
+        "max_abs_error": {k: _worst(table + steps, k) for k in keys},
     }  # fmt: skip
+
+
+def _bench_predictions(data_rows: list[dict], fits: dict) -> list[dict]:
+    """Each benchmark step row with its recorded prediction and those of ``fits`` (the plan
+    row of its exchange, as ``network.predict_steps`` matches them)."""
+    from benchmarks import network
+
+    rows = [r for r in data_rows if r.get("framework") == "jaxcomp" and "step_ms" in r]
+    out = [
+        {
+            "step": r["codec"],
+            "strategy": r.get("strategy"),
+            "error_feedback": r.get("error_feedback"),
+            "step_ms": r["step_ms"],
+            "old_predicted_ms": r.get("predicted_step_ms", math.nan),
+            "old_error": r.get("step_prediction_error", math.nan),
+        }  # fmt: skip
+        for r in rows
+    ]
+    for key, predicted in fits.items():
+        fresh = copy.deepcopy(rows)
+        recorded = next(r for r in fresh if "autotune" in r)
+        for c, r in zip(recorded["autotune"], predicted, strict=True):
+            c["predicted_step_ms"] = r.predicted_step_ms
+        network.predict_steps(fresh, next(r for r in fresh if r["codec"] == "pmean"))
+        for o, r in zip(out, fresh, strict=True):
+            o[f"{key}_predicted_ms"] = r.get("predicted_step_ms", math.nan)
+            o[f"{key}_error"] = r.get("step_prediction_error", math.nan)
+    return [o for o in out if o["new_predicted_ms"] == o["new_predicted_ms"]]
+
+
+#: Every recorded run with a ``jc.autotune`` table, checked by :func:`tie_check`.
+TIE_RUNS = (
+    "network_autotune", "network_autotune_repeat", "network_autotune_quiet",
+    "network_autotune_10gbit", "network_autotune_quiet2", "network_autotune_10gbit_quiet2",
+    "network_autotune_tie", "network_autotune_quiet3", "network_autotune_10gbit_quiet3",
+    "network_autotune_10gbit_loaded", "network_autotune_1gbit_step",
+    "network_autotune_10gbit_step", "network_autotune_1gbit_step_loaded",
+    "network_autotune_10gbit_step_loaded", "network_autotune_steps_1gbit",
+    "network_autotune_steps_10gbit",
+)  # fmt: skip
+
+
+def recorded_rows(table: list[dict]) -> list:
+    """A recorded table's rows as :class:`jaxcomp._src.autotune.Candidate` (fields the
+    record lacks keep their defaults; the codec from its name, None for plain)."""
+    from jaxcomp._src import autotune as tuning
+
+    fields = tuning.Candidate._fields
+    return [
+        tuning.Candidate(**{
+            **{k: v for k, v in c.items() if k in fields},
+            "codec": None if c["name"] == "none" else common.make_codec(c["name"]),
+        })
+        for c in table
+    ]  # fmt: skip
+
+
+def tie_check(name: str) -> dict:
+    """One recorded run: the row its plan chose, the row the selection rule here chooses
+    (:func:`jaxcomp._src.autotune.select`: whole steps by
+    :func:`jaxcomp._src.autotune_steps.select_step`, exchanges by ``TIE`` and ``MARGIN``),
+    the rows tied with the fastest, and the benchmark's own step of each where the run timed
+    one (same codec and strategy, and feedback where both record it): which was faster."""
+    from jaxcomp._src import autotune as tuning
+    from jaxcomp._src import autotune_steps
+
+    data = json.loads((common.RESULTS / f"{name}.json").read_text())
+    tuned = next(r for r in data["rows"] if "autotune" in r)
+    rows = recorded_rows(tuned["autotune"])
+    stepped = any(r.step_ms == r.step_ms for r in rows)
+    if stepped:
+        tied = autotune_steps.tied_steps(rows)
+    else:
+        fastest = min(r.measured_ms for r in rows if r.codec is not None and not r.error)
+        tied = [
+            r for r in rows if r.codec is not None and r.measured_ms <= (1 + tuning.TIE) * fastest
+        ]  # fmt: skip
+        tied = tied if len(tied) > 1 else []
+    new, old = tuning.select(rows), rows[0]
+    bench = _bench_steps(data["rows"], old)
+    fed = all("error_feedback" in c for c in tuned["autotune"])  # older tables lack it
+
+    def label(r) -> dict:
+        steps = [
+            v for (key, ef), v in bench.items()
+            if key == (r.name, r.strategy) and (not fed or ef in ("?", r.error_feedback))
+        ]  # fmt: skip
+        return {"candidate": r.name, "strategy": r.strategy, "min_size": r.min_size,
+                "timed_ms": r.step_ms if stepped else r.measured_ms,
+                "bench_step_ms": min(steps) if steps else math.nan}  # fmt: skip
+
+    picks = {"recorded": label(old), "now": label(new)}
+    known = {  # the tied exchanges the benchmark also timed, one per codec and strategy
+        (p["candidate"], p["strategy"]): p["bench_step_ms"]
+        for p in map(label, tied)
+        if p["bench_step_ms"] == p["bench_step_ms"]
+    }
+    verdict = "no tie" if not tied else "no benchmark pair"
+    if len(known) > 1 and (new.name, new.strategy) in known:
+        fastest = min(known, key=known.get)
+        verdict = "faster" if fastest == (new.name, new.strategy) else "slower"
+    return {"run": name, "rate": tuned["rate"], "host_load": tuned.get("host_load"),
+            "stepped": stepped, "tied": [label(r) for r in tied], **picks,
+            "now_in_benchmark": verdict}  # fmt: skip
+
+
+def _bench_steps(rows: list[dict], chosen) -> dict:
+    """``{((codec, strategy), error_feedback): step_ms}`` of the run's jaxcomp step rows
+    (``autotune``'s under the codec and strategy its plan chose)."""
+    out = {}
+    for r in rows:
+        if r.get("framework") != "jaxcomp" or "step_ms" not in r:
+            continue
+        if r["codec"] == "pmean":
+            key = ("none", "pmean")
+        elif r["codec"] == "autotune":
+            key = (chosen.name, chosen.strategy)
+        else:
+            key = (r["codec"].partition(":")[0].partition("@")[0], r.get("strategy"))
+        out[(key, r.get("error_feedback", "?"))] = r["step_ms"]
+    return out
 
 
 def _twins(table: list[dict]) -> dict:
@@ -125,7 +236,7 @@ def _twins(table: list[dict]) -> dict:
         if r["step_ms"] != r["step_ms"] and tuple(r[k] for k in key) in measured
     ]
     out = {"rows": len(pairs)}
-    for which in ("old", "new"):
+    for which in ("old", "one_fit", "new"):
         errors = [abs(r[f"{which}_predicted_ms"] / m - 1) for r, m in pairs]
         out[which] = {"mean": sum(errors) / len(errors), "max": max(errors)} if errors else {}
     return out
@@ -163,15 +274,22 @@ def main(argv: list[str] | None = None) -> dict:
         "environment": common.environment(),
         "widths": {name: widths[c] for name, c in codecs.items()},
         "runs": [refit(name, sizes, widths) for name in args.runs],
+        "ties": [tie_check(name) for name in TIE_RUNS],
     }
     for run in result["runs"]:
-        print(run["run"], "max |error| old", f"{run['max_abs_error']['old_error']:+.0%}",
-              "new", f"{run['max_abs_error']['new_error']:+.0%}")  # fmt: skip
+        worst = run["max_abs_error"]
+        print(run["run"], "max |error| recorded", f"{worst['old_error']:.0%}", "one fit",
+              f"{worst['one_fit_error']:.0%}", "now", f"{worst['new_error']:.0%}")  # fmt: skip
         for r in run["table"] + run["steps"]:
             label = r.get("candidate") or r["step"]
-            print(f"  {label:22}{str(r['strategy']):11}{r['step_ms']:9.1f}"
-                  f"{r['old_predicted_ms']:9.1f} {r['old_error']:+6.0%}"
-                  f"{r['new_predicted_ms']:9.1f} {r['new_error']:+6.0%}")  # fmt: skip
+            print(f"  {label:22}{str(r['strategy']):11}{r['step_ms']:9.1f}" + "".join(
+                f"{r[k + '_predicted_ms']:9.1f} {r[k + '_error']:+6.0%}"
+                for k in ("old", "one_fit", "new")))  # fmt: skip
+    for t in result["ties"]:
+        tied = ", ".join(f"{r['candidate']} {r['strategy']} {r['timed_ms']:.0f}" for r in t["tied"])
+        print(f"{t['run']:38} recorded {t['recorded']['candidate']} {t['recorded']['strategy']}"
+              f"  now {t['now']['candidate']} {t['now']['strategy']}  tied: {tied or '-'}"
+              f"  benchmark: {t['now_in_benchmark']}")  # fmt: skip
     common.write_json(common.result_path("autotune_refit", False), result)
     _plot(result)
     return result

@@ -283,7 +283,7 @@ def _step_row(name, strategy, step, spread, wire=0.0, codec_ms=0.0, codec=jc.int
                         step_spread_ms=spread, step_reps=3, feedback_model_ms=fb)  # fmt: skip
 
 
-def test_steps_rank_the_plan_and_plain_wins_no_tie_for_being_plain():
+def test_steps_rank_the_plan_plain_or_not():
     """The 10 Gbit/s case: exchanges alone tied (plain 287 ms, fp16 all-gather 280 ms), the
     steps did not: the fastest measured step is chosen, plain or not."""
     plain = _step_row("none", "pmean", 538.0, 20.0)
@@ -293,20 +293,75 @@ def test_steps_rank_the_plan_and_plain_wins_no_tie_for_being_plain():
     assert steps.select_step([plain, int8, fp16]) is fp16
     slower = [plain, int8._replace(step_ms=541.0), fp16._replace(step_ms=545.0)]
     assert tuning.select(slower) is plain  # compression measured slower: plain pmean
-    # within 1% of plain (inside MARGIN, where the exchange rule kept plain): the faster step
-    assert tuning.select([plain, int8._replace(step_ms=535.0)]).name == "int8"
+    # 7% under plain, outside the 5% noise floor (inside MARGIN, where the exchange rule kept
+    # plain): the faster step
+    assert tuning.select([plain, int8._replace(step_ms=500.0)]).name == "int8"
     failed = fp16._replace(step_ms=math.nan, error="XlaRuntimeError: OOM")
     assert tuning.select([plain, failed]) is plain
 
 
-def test_tied_steps_are_those_within_the_spread_of_the_fastest():
+def test_tied_steps_are_those_within_the_noise_of_the_fastest():
+    """Noise: the larger spread of the two, at least TIE (5%) of the fastest step."""
     a = _step_row("int8", "allgather", 400.0, 12.0)
-    b = _step_row("fp16", "two_phase", 410.0, 5.0)  # 10 ms behind, a's spread 12: tied
-    c = _step_row("none", "pmean", 420.0, 25.0)  # 20 ms behind, its own spread 25: tied
+    b = _step_row("fp16", "two_phase", 410.0, 5.0)  # 10 ms behind: within 5% (20 ms)
+    c = _step_row("none", "pmean", 425.0, 25.0)  # 25 ms behind, its own spread 25: tied
     d = _step_row("bf16", "allgather", 430.0, 25.0)  # 30 ms behind: not
     assert steps.tied_steps([d, c, b, a]) == [a, b, c]
-    assert steps.tied_steps([a._replace(step_spread_ms=2.0), b]) == []
+    assert steps.tied_steps([a._replace(step_spread_ms=2.0), b._replace(step_ms=421.0)]) == []
     assert steps.tied_steps([a, _step_row("x", "s", math.nan, math.nan)]) == []
+    failed = b._replace(error="XlaRuntimeError: OOM")
+    assert steps.tied_steps([a, failed]) == []
+
+
+#: Timed steps of the recorded idle-host plans (benchmarks/results/network_autotune_steps_*,
+#: 2 processes over gloo): (codec, strategy, median ms, spread ms, codec_model_ms,
+#: bytes per device), and the benchmark's own steps of the same exchanges in the same runs.
+RECORDED_TIES = {
+    "1gbit": [
+        ("int8", "two_phase", 704.9, 6.6, 370.8, 25390632.0),
+        ("int8", "allgather", 731.8, 3.2, 299.2, 25390632.0),
+        ("fp16", "two_phase", 944.9, 5.2, 194.2, 50000000.0),
+        ("fp16", "allgather", 1039.7, 23.3, 172.0, 50000000.0),
+        ("none", "pmean", 1923.8, 13.0, 0.0, 100000000.0),
+    ],
+    "10gbit": [
+        ("fp16", "allgather", 302.5, 39.5, 203.8, 50000000.0),
+        ("fp16", "two_phase", 317.6, 87.1, 228.9, 50000000.0),
+        ("int8", "allgather", 402.0, 3.1, 319.8, 25390632.0),
+        ("none", "pmean", 480.2, 6.0, 0.0, 100000000.0),
+    ],
+}  # fmt: skip
+
+
+def _recorded_tie_rows(rate):
+    codecs = {"int8": jc.int_quant(8), "fp16": jc.cast("fp16"), "none": None}
+    return [
+        _step_row(c, s, m, sp, codec_ms=w, codec=codecs[c])._replace(bytes_per_device=b)
+        for c, s, m, sp, w, b in RECORDED_TIES[rate]
+    ]
+
+
+def test_select_step_settles_ties_by_the_least_codec_work():
+    """1 Gbit/s: int8 two-phase timed 4% under the all-gather (705 vs 732 ms, spreads 7 and
+    3 ms) and the benchmark then found it 4% over (731 vs 705 ms): within TIE, so the
+    all-gather (one encode and two decodes, against 1.5 and 2 at the same bytes) is taken;
+    fp16 two-phase 9% under its all-gather stays the faster. 10 Gbit/s: fp16 all-gather and
+    two-phase 5% apart with spreads 40 and 87 ms: the all-gather. Plain pmean, with no
+    codec work, wins a tie; a failed row never."""
+    one, ten = _recorded_tie_rows("1gbit"), _recorded_tie_rows("10gbit")
+    assert [(r.name, r.strategy) for r in steps.tied_steps(one)] == [
+        ("int8", "two_phase"), ("int8", "allgather")
+    ]  # fmt: skip
+    assert (steps.select_step(one).name, steps.select_step(one).strategy) == ("int8", "allgather")
+    assert steps.select_step(one[2:]).strategy == "two_phase"  # fp16: 9% apart, not tied
+    assert steps.select_step(ten) is ten[0]
+    assert steps.tie_key(one[1]) < steps.tie_key(one[0])
+    plain = one[4]
+    near = one[0]._replace(step_ms=0.97 * plain.step_ms)
+    assert steps.select_step([near, plain]) is plain  # within 5%: compression does not pay
+    assert steps.select_step([one[0]._replace(step_ms=0.9 * plain.step_ms), plain]).codec
+    assert steps.select_step([near._replace(error="boom"), plain]) is plain
+    assert tuning.select(one) is steps.select_step(one)
 
 
 def test_step_prediction_fits_compute_and_two_pass_scales_leave_one_out():
@@ -347,6 +402,36 @@ def test_step_prediction_fits_compute_and_two_pass_scales_leave_one_out():
     got = steps.calibrate_steps([slow_link, *timed, hidden])
     assert got[0].predicted_ms == plain.step_ms and got[0].predicted_step_ms == plain.step_ms
     assert all(r.predicted_step_ms >= 0 and r.predicted_ms >= 0 for r in got)
+
+
+def test_step_prediction_fits_codecs_moved_at_their_width_apart_from_widened_ones():
+    """fp16 and int8 steps made with k_pass -0.5 and k_fb 0.8, a bf16 step (wire widened,
+    widen 2) whose passes cost +0.3 of their standalone time: each fp16 / int8 step is
+    predicted exactly from the others of its kind, the bf16 step from all of them; in one
+    fit (widen 1) the bf16 step pulls the fp16 prediction up. _model_rows records the width."""
+
+    def made(w, p, f=0.0, k=-0.5):
+        return 300.0 + w + k * p + 0.8 * f
+
+    fp16, bf16 = jc.cast("fp16"), jc.cast("bf16")
+    plain = _step_row("none", "pmean", made(240, 0), 5.0, wire=240.0)
+    narrow = [
+        _step_row("int8", "allgather", made(80, 300, 200), 5.0, 80.0, 500.0, fb=200.0),
+        _step_row("int8", "two_phase", made(90, 400, 300), 5.0, 90.0, 700.0, fb=300.0),
+        _step_row("fp16", "allgather", made(160, 200), 5.0, 160.0, 200.0, fp16),
+    ]
+    wide = _step_row("bf16", "allgather", made(320, 200, k=0.3), 5.0, 320.0, 200.0, bf16)
+    wide = wide._replace(widen=2.0)
+    out = steps.calibrate_steps([plain, *narrow, wide])
+    for got, want in zip(out[1:4], narrow, strict=True):
+        assert got.predicted_step_ms == pytest.approx(want.step_ms)
+    assert out[4].predicted_step_ms == pytest.approx(made(320, 200))  # from the narrow fit
+    one = steps.calibrate_steps([plain, *narrow, wide._replace(widen=1.0)])
+    assert one[3].predicted_step_ms > narrow[2].step_ms + 10
+    costs = {bf16: (0.01, 0.02, 0.0), fp16: (0.01, 0.02, 0.0)}
+    cands = [(c, "allgather", 2**25, 0, None) for c in (bf16, fp16)]
+    rows = tuning._model_rows(cands, [4096], 2, LINK, costs, {}, {bf16: 2.0, fp16: 1.0})
+    assert {r.name: r.widen for r in rows} == {"bf16": 2.0, "fp16": 1.0}
 
 
 def test_step_prediction_with_no_or_one_timed_compressed_step():
@@ -556,10 +641,10 @@ def test_bf16_wire_is_widened_where_the_backend_moves_float32():
     assert wide == pytest.approx(2 * 7 / 8 * 4 * 100_000 / 1e9)
 
 
-#: The recorded whole-step plans of benchmarks/results/network_autotune_steps_{1,10}gbit.json
-#: as made by the previous step model (idle host, 2 processes over gloo; those files have
-#: since been rerun): link fits (alpha s, bytes/s), codec encode / decode ms,
-#: int8's feedback ms, and the timed steps (ms).
+#: Recorded whole-step plans of the MLP (benchmarks/results/network_autotune_steps_*.json,
+#: idle host, 2 processes over gloo): the first pair as made by an earlier step model (those
+#: files have since been rerun), the second as rerun: link fits (alpha s, bytes/s), codec
+#: encode / decode ms, int8's feedback ms, and the timed steps (ms).
 RECORDED = {
     "1gbit": (
         {"all_reduce": (0.001962, 62607e3), "all_gather": (0.001374, 58913e3),
@@ -579,22 +664,43 @@ RECORDED = {
          ("none", "pmean", 542.2), ("bf16", "two_phase", 555.7),
          ("bf16", "allgather", 659.5)],
     ),
+    "1gbit rerun": (
+        {"all_reduce": (0.000337, 62103e3), "all_gather": (0.001473, 58889e3),
+         "all_to_all": (0.0, 59019e3), "all_reduce_16": (0.000268, 53510e3)},
+        {"bf16": (55.2, 64.5), "fp16": (44.4, 63.8), "int8": (35.1, 78.0)}, 108.1,
+        [("int8", "two_phase", 704.9), ("int8", "allgather", 731.8),
+         ("fp16", "two_phase", 944.9), ("fp16", "allgather", 1039.7),
+         ("fp16", "allreduce", 1054.4), ("none", "pmean", 1923.8),
+         ("bf16", "allreduce", 1968.4)],
+    ),
+    "10gbit rerun": (
+        {"all_reduce": (0.001877, 451157e3), "all_gather": (0.0, 321222e3),
+         "all_to_all": (0.0, 214341e3), "all_reduce_16": (0.002502, 101833e3)},
+        {"bf16": (52.1, 78.4), "fp16": (50.2, 76.8), "int8": (69.2, 73.8)}, 103.1,
+        [("fp16", "allgather", 302.5), ("fp16", "two_phase", 317.6),
+         ("int8", "allgather", 402.0), ("int8", "two_phase", 473.3),
+         ("none", "pmean", 480.2), ("bf16", "allreduce", 521.7),
+         ("bf16", "allgather", 596.6)],
+    ),
 }  # fmt: skip
 
 
 def test_recorded_idle_runs_are_predicted_within_a_quarter():
-    """The recorded idle-host plans (the MLP, 2 devices) rebuilt by benchmarks/autotune_refit.py:
-    every timed step is predicted from the other timed steps within 10% at 1 Gbit/s and 20%
-    at 10 Gbit/s (recorded: bf16 all-gather -45% at 1 Gbit/s, fp16 two-phase +74% at 10);
-    without the bf16 wire widened the 1 Gbit/s bf16 step is still predicted 40% short."""
+    """The recorded idle-host plans (the MLP, 2 devices) rebuilt by benchmarks/autotune_refit.py,
+    every timed step predicted from the other timed steps: within 10% / 28% (first pair, 1 and
+    10 Gbit/s) and 15% / 21% (rerun). fp16 and int8, which the backend moves at their own
+    width, are fitted apart from bf16 (widened to float32 on XLA:CPU): in one fit (every row
+    taken at its own width) the rerun's 10 Gbit/s fp16 steps were +24% and +34%, now -3% and
+    +4%; the first pair's fp16 two-phase step goes from +19% to +27% (its bf16 steps hid
+    like fp16's). Without the bf16 wire widened the 1 Gbit/s bf16 step is 40% short."""
     from benchmarks import autotune_refit, common
 
     mesh = jax.make_mesh((8,), ("data",))
     sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(common.mlp_params))]
     codecs = [common.make_codec(c) for c in ("bf16", "fp16", "int8")]
     widths = tuning.wire_widths(codecs, mesh, "data")
-    for rate, worst in (("1gbit", 0.10), ("10gbit", 0.20)):
-        link, codec_ms, fed, timed = RECORDED[rate]
+    errors = {}
+    for rate, (link, codec_ms, fed, timed) in RECORDED.items():
         record = {
             "link": {k: {"alpha_s": a, "bandwidth": b} for k, (a, b) in link.items()},
             "codec_ms": codec_ms, "feedback_ms": {"int8": fed},
@@ -605,10 +711,19 @@ def test_recorded_idle_runs_are_predicted_within_a_quarter():
                 for c, s, step in timed
             ],
         }  # fmt: skip
-        for wide, bound in ((widths, worst), ({}, None)):
-            rows = steps.calibrate_steps(autotune_refit.model_table(record, sizes, 2, wide))
-            errors = {(r.name, r.strategy): r.predicted_step_ms / r.step_ms - 1 for r in rows}
-            if bound:
-                assert max(abs(e) for e in errors.values()) < bound, errors
-        if rate == "1gbit":  # errors of the rows without the widening
-            assert errors[("bf16", "allgather")] < -0.4
+        for fit, wide in (("now", widths), ("one fit", None), ("unwidened", {})):
+            rows = autotune_refit.model_table(record, sizes, 2, widths if wide is None else wide)
+            if wide is None:
+                rows = [r._replace(widen=1.0) for r in rows]
+            rows = steps.calibrate_steps(rows)
+            errors[rate, fit] = {
+                (r.name, r.strategy): r.predicted_step_ms / r.step_ms - 1 for r in rows
+            }
+    bounds = {"1gbit": 0.10, "10gbit": 0.28, "1gbit rerun": 0.15, "10gbit rerun": 0.21}
+    for rate, bound in bounds.items():
+        assert max(abs(e) for e in errors[rate, "now"].values()) < bound, errors[rate, "now"]
+    now, one = errors["10gbit rerun", "now"], errors["10gbit rerun", "one fit"]
+    assert one["fp16", "allgather"] > 0.23 and one["fp16", "two_phase"] > 0.33
+    assert abs(now["fp16", "allgather"]) < 0.04 and abs(now["fp16", "two_phase"]) < 0.05
+    assert errors["10gbit", "one fit"]["fp16", "two_phase"] < 0.2
+    assert errors["1gbit", "unwidened"]["bf16", "allgather"] < -0.4

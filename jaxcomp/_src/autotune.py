@@ -105,6 +105,7 @@ class Candidate(NamedTuple):
     step_reps: int = 0  # timed steps behind step_ms
     predicted_step_ms: float = math.nan  # fitted compute + predicted exchange (leave-one-out)
     feedback_model_ms: float = 0.0  # the residual passes' share of codec_model_ms
+    widen: float = 1.0  # bytes the backend moves per payload byte (wire_widths; plain: 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -913,6 +914,7 @@ def _model_rows(candidates, sizes, n, link, costs, failed, widths=None) -> list[
             Candidate(
                 codec_label(codec), codec, strategy, bb, ms, ring, ms_, math.nan, ms_,
                 1e3 * (sec - wire), ef, error, feedback_model_ms=1e3 * (sec - unfed),
+                widen=wide,
             )
         )  # fmt: skip
     # a model that failed on another process fails here too (every process sorts the same)

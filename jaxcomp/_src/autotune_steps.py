@@ -176,37 +176,96 @@ def step_stats(seconds: Sequence[float]) -> tuple[float, float]:
 def tied_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     """The timed rows whose step is within the timing noise of the fastest one.
 
-    With ``m_r`` a row's median step and ``s_r`` its interquartile range, ``r`` ties the
-    fastest ``b`` where ``m_r - m_b <= max(s_r, s_b)``. Returns them, the fastest first ([]
-    when fewer than two rows are timed or none ties); pure, tested on tables alone.
+    With ``m_r`` a row's median step, ``s_r`` the interquartile range of its timed steps
+    (every step the max over processes, :meth:`_Timer.stats`, so every process computes the
+    same rows) and ``b`` the fastest row, ``r`` ties ``b`` where::
+
+        m_r - m_b <= max(TIE * m_b, s_r, s_b)
+
+    The spread is the noise within one timing; :data:`jaxcomp._src.autotune.TIE` (5%) is the
+    noise between timings that a few steps do not show: on an idle host the same step timed
+    by the plan and again by ``benchmarks/network.py`` in the same run differed by 3.5-3.9%
+    (int8 in two phases 705 and 731 ms, through the all-gather 732 and 705 ms: the order of
+    the two flipped). Failed rows never tie.
+
+    Args:
+      rows: candidates, ``step_ms`` NaN where no step was timed.
+
+    Returns:
+      The tied rows, the fastest first, then by median step ([] when fewer than two rows
+      are timed or none ties the fastest). Pure: tested on tables alone.
+
+    Example::
+
+      tied_steps(plan.table)   # [] where the fastest step is clearly the fastest
     """
-    timed = sorted((r for r in rows if _finite(r.step_ms)), key=lambda r: r.step_ms)
+    timed = sorted((r for r in rows if _finite(r.step_ms) and not r.error), key=lambda r: r.step_ms)
     if len(timed) < 2:
         return []
     best = timed[0]
-    tied = [
-        r
-        for r in timed[1:]
-        if r.step_ms - best.step_ms <= max(r.step_spread_ms, best.step_spread_ms)
-    ]
+
+    def noise(r: Candidate) -> float:
+        return max(tuning.TIE * best.step_ms, r.step_spread_ms, best.step_spread_ms)
+
+    tied = [r for r in timed[1:] if r.step_ms - best.step_ms <= noise(r)]
     return [best, *tied] if tied else []
 
 
-def select_step(rows: Sequence[Candidate]) -> Candidate:
-    """The row whose measured step is fastest (median over its timed steps).
+def tie_key(r: Candidate) -> tuple[float, float, float]:
+    """The order in which tied steps are preferred (:func:`select_step`): the least codec
+    work, then the fewest wire bytes, then the faster median.
 
-    Plain ``pmean`` has no preference: it is one timed row among the others, so the plan
-    never runs a step slower than plain ``pmean``'s as measured. Rows tied within the noise
-    (:func:`tied_steps`) are timed again by :func:`jaxcomp.autotune` before this choice, and
-    the faster median after the repeats wins; an exact tie goes to the least codec work.
+    ``(codec_model_ms, bytes_per_device, step_ms)``: ``codec_model_ms`` is the encode,
+    decode and error-feedback passes one exchange runs, as timed alone (plain ``pmean``: 0,
+    so plain wins a tie: compression that does not measurably pay is not taken). At equal
+    wire bytes it follows the structure of the strategies: on ``n`` devices ``allgather``
+    runs one encode and ``n`` decodes, ``two_phase`` ``1 + 1/n`` encodes (the owner
+    re-encodes its sum) and two decodes, so at ``n = 2``, where the two send the same bytes,
+    the all-gather always has the less work (int8 with its residual at 1 Gbit/s: 299 against
+    371 ms).
+    """
+    return (r.codec_model_ms, r.bytes_per_device, r.step_ms)
+
+
+def select_step(rows: Sequence[Candidate]) -> Candidate:
+    """The row whose measured step is fastest, a tie going to the least work.
+
+    With ``b`` the row of the fastest median step and ``T`` the rows tied with it within the
+    timing noise (:func:`tied_steps`)::
+
+        chosen = b                       if T is empty
+                 argmin_{r in T} tie_key(r)   otherwise
+
+    :func:`jaxcomp.autotune` times the tied rows again, interleaved (one step of each in
+    turn, from fresh params and state, so drift on the host hits all alike), before this
+    choice; rows still within the noise are a coin flip on timing alone, and :func:`tie_key`
+    (least codec work, then fewest wire bytes) settles them the same way on every process.
+    Plain ``pmean`` is a timed row like the others: the plan is never a step measured slower
+    than plain ``pmean``'s beyond the noise.
+
+    Args:
+      rows: candidates, ``step_ms`` NaN where no step was timed.
+
+    Returns:
+      The chosen row.
 
     Raises:
       ValueError: no row has a measured step.
+
+    Example::
+
+      best = select_step(plan.table)   # plan.table[0]
+
+    Reference: on timings biased by their setup beyond their spread, Mytkowicz et al.,
+    "Producing Wrong Data Without Doing Anything Obviously Wrong!", ASPLOS 2009.
     """
     timed = [r for r in rows if _finite(r.step_ms) and not r.error]
     if not timed:
         raise ValueError("`rows` must hold at least one row with a measured step (step_ms)")
-    return min(timed, key=lambda r: (r.step_ms, r.codec_model_ms))
+    tied = tied_steps(timed)
+    if not tied:
+        return min(timed, key=lambda r: r.step_ms)
+    return min(tied, key=tie_key)
 
 
 def fit_step_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -260,6 +319,20 @@ def _parts(r: Candidate) -> tuple[float, float, float]:
     return r.model_ms - r.codec_model_ms, r.codec_model_ms - fb, fb
 
 
+def _widened(r: Candidate) -> bool:
+    """Whether the backend moves ``r``'s payload wider than its own type (bf16 on XLA:CPU)."""
+    return r.widen > 1.0
+
+
+def _fitted_on(timed: Sequence[Candidate], r: Candidate) -> list[Candidate]:
+    """The timed steps whose scales predict ``r`` (:func:`calibrate_steps`): every other one,
+    but for a codec the backend moves at its own width only the others of that kind (all the
+    others where there are none)."""
+    others = [t for t in timed if t is not r]
+    own = [t for t in others if not _widened(t)]
+    return others if _widened(r) or not own else own
+
+
 def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     """``predicted_step_ms`` and ``predicted_ms`` of every row from the timed steps.
 
@@ -273,15 +346,22 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
         predicted_r  = compute + exchange_r
 
     ``(k_pass, k_fb)`` (:func:`fit_step_scales`) are least squares
-    ``S_t - compute - w_t = k_pass p_t + k_fb f_t`` over the other timed steps (a link model
-    whose plain wire exceeds the plain step, as on small trees, leaves a compute of 0, so no
-    step is predicted below 0). In a step the passes do not cost what they cost alone: a
-    cast's encode and decode fuse with the backward pass and the update, and part of the
-    exchange runs while the backward pass computes, so ``k_pass`` comes out near 0 or
-    negative; the residual memory's read and write of the whole gradient does not hide
-    (``k_fb`` near 1). One scale for both would let the feedback rows pull the casts' scale
-    up (docs/autotune.md, "How the steps are predicted", has the fitted scales and the
-    measured errors). A timed row's own step never enters its scales (leave-one-out), so its
+    ``S_t - compute - w_t = k_pass p_t + k_fb f_t`` over the other timed steps of the same
+    wire kind as ``r`` (a link model whose plain wire exceeds the plain step, as on small
+    trees, leaves a compute of 0, so no step is predicted below 0). In a step the passes do
+    not cost what they cost alone: a cast's encode and decode fuse with the backward pass and
+    the update, and part of the exchange runs while the backward pass computes, so ``k_pass``
+    comes out near 0 or negative; the residual memory's read and write of the whole gradient
+    does not hide (``k_fb`` near 1). One scale for both would let the feedback rows pull the
+    casts' scale up. A codec the backend moves at its own width (fp16, int8) is fitted on the
+    other such steps alone: a codec whose payload the backend widens (``widen > 1``,
+    :func:`jaxcomp._src.autotune.wire_widths`: bf16 on XLA:CPU, converted to float32 on each
+    side of every collective) runs converts that do not fuse into the step the same way, and
+    its steps' scale swung from run to run (``k_pass`` -0.9 to +0.3 over the recorded bf16
+    steps, fp16's -0.8 to -0.5 at 10 Gbit/s); in one fit with them fp16's steps at
+    10 Gbit/s were predicted +24% and +34%. A widened codec's step is predicted from every
+    other timed step (docs/autotune.md, "How the steps are predicted", has the measured
+    errors). A timed row's own step never enters its scales (leave-one-out), so its
     predicted against measured step is a fair test; plain ``pmean`` is the anchor
     (predicted = measured). Without a measured plain step the rows are returned unchanged.
 
@@ -316,7 +396,7 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
             continue
         points = [
             (p, f, t.step_ms - compute - w)
-            for t, (w, p, f) in ((t, _parts(t)) for t in timed if t is not r)
+            for t, (w, p, f) in ((t, _parts(t)) for t in _fitted_on(timed, r))
         ]
         k_pass, k_fb = fit_step_scales(points)
         w, p, f = _parts(r)

@@ -364,6 +364,34 @@ def test_select_step_settles_ties_by_the_least_codec_work():
     assert tuning.select(one) is steps.select_step(one)
 
 
+def test_a_tie_goes_to_the_least_cpu_per_step_then_the_least_codec_work():
+    """benchmarks/exchange_cpu.py's steps (2 CPU devices): int8 two-phase 772 ms of CPU per
+    step (IQR 87) against 594 ms (IQR 89) through the all-gather, beyond both spreads: the
+    all-gather, whatever the codec work says; fp16 475 (IQR 129) against 481 (IQR 59): within
+    the spreads, so the least codec work (the all-gather's). No CPU time: codec work."""
+    int8, fp16 = jc.int_quant(8), jc.cast("fp16")
+
+    def row(codec, strategy, step, cpu, q, work):
+        r = _step_row(codec.name, strategy, step, 20.0, codec_ms=work, codec=codec)
+        return r._replace(step_cpu_ms=cpu, step_cpu_spread_ms=q)
+
+    tp, ag = (
+        row(int8, "two_phase", 700.0, 772.1, 87.1, 300.0),
+        row(int8, "allgather", 720.0, 593.5, 89.0, 370.0),
+    )
+    assert steps.settle_tie([tp, ag]) is ag  # less CPU beats less codec work
+    assert steps.select_step([tp, ag]) is ag  # 20 ms apart: tied (5% of 700)
+    f_tp, f_ag = (
+        row(fp16, "two_phase", 300.0, 475.4, 129.2, 229.0),
+        row(fp16, "allgather", 310.0, 481.1, 59.2, 204.0),
+    )
+    assert steps.settle_tie([f_tp, f_ag]) is f_ag
+    unknown = [tp._replace(step_cpu_ms=math.nan), ag]
+    assert steps.settle_tie(unknown) is unknown[0]  # codec work 300 < 370
+    nan_spread = [tp._replace(step_cpu_spread_ms=math.nan), ag._replace(step_cpu_ms=772.1)]
+    assert steps.settle_tie(nan_spread) is nan_spread[0]  # equal CPU, spread 0: codec work
+
+
 def test_step_prediction_fits_compute_and_two_pass_scales_leave_one_out():
     """Steps made by compute + wire + k_pass * passes + k_fb * feedback (compute = plain step
     - its wire = 300; k_pass -0.5: the casts' exchange hides behind the backward pass, k_fb
@@ -577,6 +605,7 @@ def test_timer_holds_no_candidate_params_or_state_between_timings():
     before = {id(a) for a in jax.live_arrays()}
     row = timer.time(plain)
     assert row.step_reps == REPS and row.step_ms > 0 and not row.error
+    assert row.step_cpu_ms > 0 and row.step_cpu_spread_ms >= 0
     assert timer.again([row]) == ""
     assert timer.stats(row).step_reps == 2 * REPS
     assert [a.shape for a in jax.live_arrays() if id(a) not in before] == []

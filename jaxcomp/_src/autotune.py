@@ -106,6 +106,8 @@ class Candidate(NamedTuple):
     predicted_step_ms: float = math.nan  # fitted compute + predicted exchange (leave-one-out)
     feedback_model_ms: float = 0.0  # the residual passes' share of codec_model_ms
     widen: float = 1.0  # bytes the backend moves per payload byte (wire_widths; plain: 1)
+    step_cpu_ms: float = math.nan  # median process CPU time of the timed steps
+    step_cpu_spread_ms: float = math.nan  # its interquartile range
 
 
 @dataclasses.dataclass(frozen=True)

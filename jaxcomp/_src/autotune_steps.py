@@ -155,15 +155,17 @@ class StepRunner:
         self.params = copy(params)  # the step donates them: never the caller's arrays
         self.state = sharded_init(program[1], self.params, mesh, axis_name)
         jax.block_until_ready((self.params, self.state))
-        self.times: list[float] = []
+        self.times: list[float] = []  # wall seconds of each timed step
+        self.cpu: list[float] = []  # this process's CPU seconds (every thread) of each
 
     def run(self, steps: int, timed: bool) -> None:
         for _ in range(steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = jax.block_until_ready(self.program[0](self.params, self.state, *self.batch))
             self.params, self.state = out
             if timed:
                 self.times.append(time.perf_counter() - t0)
+                self.cpu.append(time.process_time() - c0)
 
 
 def step_stats(seconds: Sequence[float]) -> tuple[float, float]:
@@ -212,19 +214,59 @@ def tied_steps(rows: Sequence[Candidate]) -> list[Candidate]:
 
 
 def tie_key(r: Candidate) -> tuple[float, float, float]:
-    """The order in which tied steps are preferred (:func:`select_step`): the least codec
-    work, then the fewest wire bytes, then the faster median.
+    """The order of tied steps whose CPU time does not settle them (:func:`settle_tie`): the
+    least codec work, then the fewest wire bytes, then the faster median.
 
     ``(codec_model_ms, bytes_per_device, step_ms)``: ``codec_model_ms`` is the encode,
     decode and error-feedback passes one exchange runs, as timed alone (plain ``pmean``: 0,
-    so plain wins a tie: compression that does not measurably pay is not taken). At equal
-    wire bytes it follows the structure of the strategies: on ``n`` devices ``allgather``
-    runs one encode and ``n`` decodes, ``two_phase`` ``1 + 1/n`` encodes (the owner
-    re-encodes its sum) and two decodes, so at ``n = 2``, where the two send the same bytes,
-    the all-gather always has the less work (int8 with its residual at 1 Gbit/s: 299 against
-    371 ms).
+    so plain wins such a tie: compression that does not measurably pay is not taken).
     """
     return (r.codec_model_ms, r.bytes_per_device, r.step_ms)
+
+
+def settle_tie(tied: Sequence[Candidate]) -> Candidate:
+    """The row a tie of measured steps goes to: the least CPU time per step, then
+    :func:`tie_key`.
+
+    With ``c_r`` a row's median CPU time per step (``step_cpu_ms``: every thread of the
+    process, so the codec passes, the copies of the collectives and the compute; the max
+    over processes) and ``q_r`` its interquartile range::
+
+        least  = argmin_{r in tied} c_r
+        kept   = {r in tied : c_r - c_least <= max(q_r, q_least)}
+        chosen = argmin_{r in kept} tie_key(r)
+
+    Two steps whose wall times the timing cannot tell apart may still load the host
+    differently, and on a host whose cores run both the step and its exchange the one that
+    costs less CPU is the faster one once the wall clock is quiet (CPU time counts this
+    process's own work, not the time it waits for the cores or the link). Measured
+    (``benchmarks/exchange_cpu.py``: 2 CPU devices, the 25.2M-parameter MLP's steps,
+    interleaved): int8 with its residual in two phases costs 1.30x the CPU of its
+    all-gather (the re-encode and its second memory), beyond both spreads, as the idle
+    1 Gbit/s benchmark steps ordered them (705 ms through the all-gather against 731 ms,
+    where the plan had timed two phases 4% faster); fp16's two strategies came out within
+    their spreads (0.99x), and are then settled by :func:`tie_key`. Rows without a CPU time
+    (exchanges timed alone, recorded tables) are settled by :func:`tie_key` alone.
+
+    Args:
+      tied: the tied rows (:func:`tied_steps`), at least one.
+
+    Returns:
+      The chosen row; the same on every process (the times are reduced first).
+
+    Example::
+
+      settle_tie(tied_steps(plan.table))
+    """
+    tied = list(tied)
+    if all(_finite(r.step_cpu_ms) for r in tied):
+        least = min(tied, key=lambda r: r.step_cpu_ms)
+        noise = np.nan_to_num([[r.step_cpu_spread_ms, least.step_cpu_spread_ms] for r in tied])
+        tied = [
+            r for r, q in zip(tied, noise.max(axis=1), strict=True)
+            if r.step_cpu_ms - least.step_cpu_ms <= q
+        ]  # fmt: skip
+    return min(tied, key=tie_key)
 
 
 def select_step(rows: Sequence[Candidate]) -> Candidate:
@@ -233,13 +275,14 @@ def select_step(rows: Sequence[Candidate]) -> Candidate:
     With ``b`` the row of the fastest median step and ``T`` the rows tied with it within the
     timing noise (:func:`tied_steps`)::
 
-        chosen = b                       if T is empty
-                 argmin_{r in T} tie_key(r)   otherwise
+        chosen = b               if T is empty
+                 settle_tie(T)   otherwise
 
     :func:`jaxcomp.autotune` times the tied rows again, interleaved (one step of each in
     turn, from fresh params and state, so drift on the host hits all alike), before this
-    choice; rows still within the noise are a coin flip on timing alone, and :func:`tie_key`
-    (least codec work, then fewest wire bytes) settles them the same way on every process.
+    choice; rows still within the noise are a coin flip on wall time alone, and
+    :func:`settle_tie` (the least CPU time per step, then the least codec work) settles them
+    the same way on every process.
     Plain ``pmean`` is a timed row like the others: the plan is never a step measured slower
     than plain ``pmean``'s beyond the noise.
 
@@ -263,9 +306,7 @@ def select_step(rows: Sequence[Candidate]) -> Candidate:
     if not timed:
         raise ValueError("`rows` must hold at least one row with a measured step (step_ms)")
     tied = tied_steps(timed)
-    if not tied:
-        return min(timed, key=lambda r: r.step_ms)
-    return min(tied, key=tie_key)
+    return settle_tie(tied) if tied else min(timed, key=lambda r: r.step_ms)
 
 
 def fit_step_scales(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -421,6 +462,7 @@ class _Timer:
         self.loss_fn, self.optimizer, self.reps = loss_fn, optimizer, reps
         self.programs: dict[tuple, tuple] = {}  # (compiled step, tx) per timed row
         self.times: dict[tuple, list[float]] = {}  # seconds of each timed step
+        self.cpu: dict[tuple, list[float]] = {}  # CPU seconds of each (StepRunner.cpu)
 
     def time(self, row: Candidate) -> Candidate:
         """``row`` with its step timed (``WARMUP_STEPS`` then ``reps``), or its error. Three
@@ -438,6 +480,7 @@ class _Timer:
         if err:
             return row._replace(error=err, step_ms=math.nan)
         self.programs[_key(row)], self.times[_key(row)] = runner.program, runner.times
+        self.cpu[_key(row)] = runner.cpu
         return self.stats(row)  # the runner, its params and state, freed here
 
     def _warm_and_time(self, runner: StepRunner) -> StepRunner:
@@ -465,12 +508,19 @@ class _Timer:
         )
         for r, runner in zip(rows, runners or (), strict=False):
             self.times[_key(r)] = self.times[_key(r)] + runner.times
+            self.cpu[_key(r)] = self.cpu[_key(r)] + runner.cpu
         return err
 
     def stats(self, row: Candidate) -> Candidate:
-        times = tuning._reduce_over_processes(np.asarray(self.times[_key(row)]))
-        median, spread = step_stats(times)
-        return row._replace(step_ms=median, step_spread_ms=spread, step_reps=len(times))
+        """``row`` with the median and interquartile range of its timed steps' wall and CPU
+        times, each step's the max over processes (every process gets the same row)."""
+        both = np.stack([self.times[_key(row)], self.cpu[_key(row)]])
+        times, cpu = tuning._reduce_over_processes(both)
+        (median, spread), (cpu_ms, cpu_spread) = step_stats(times), step_stats(cpu)
+        return row._replace(
+            step_ms=median, step_spread_ms=spread, step_reps=len(times), step_cpu_ms=cpu_ms,
+            step_cpu_spread_ms=cpu_spread,
+        )  # fmt: skip
 
 
 def _next_row(rows: list[Candidate], timed: set) -> Candidate | None:

@@ -456,57 +456,117 @@ def _predicted_steps(rows: list[dict[str, Any]], rate: Any, stepped: bool = Fals
     return f"Step predictions at {rate}: {how}.\n\n" + _markdown((header, body))
 
 
-REFIT_HEADER = ["step", "strategy", "feedback", "min_size", "measured ms", "recorded prediction",
-                "error", "prediction now", "error"]  # fmt: skip
+REFIT_HEADER = ["step", "strategy", "feedback", "min_size", "measured ms", "recorded",
+                "error", "one fit", "error", "now", "error"]  # fmt: skip
+
+
+def _pct(x: Any) -> str:
+    return f"{100 * x:+.0f}%" if _num(x) else "–"
+
+
+def _refit_run(run: dict[str, Any]) -> str:
+    """One recorded run's rows: measured, recorded, one-fit and current predictions."""
+    body = [
+        [
+            f"`{r.get('candidate') or r.get('step')}`" + (" (bench)" if "step" in r else ""),
+            str(r.get("strategy") or "-"),
+            str(r.get("error_feedback") or "–"),
+            _fmt(r.get("min_size", "–")),
+            _fmt(r["step_ms"], 4),
+            *[
+                x
+                for k in ("old", "one_fit", "new")
+                for x in (_fmt(r.get(f"{k}_predicted_ms", "–"), 4), _pct(r.get(f"{k}_error")))
+            ],
+        ]
+        for r in run["table"] + run["steps"]
+        if _num(r["step_ms"]) and _num(r["new_error"])
+    ]
+    worst, twins = run["max_abs_error"], run.get("untimed_vs_twin", {})
+
+    def twin(k: str) -> str:
+        return f"{100 * twins[k]['mean']:.0f}% (max {100 * twins[k]['max']:.0f}%)"
+
+    twin_text = (
+        f" Untimed rows against the measured step of their twin (another `min_size`), "
+        f"{twins['rows']} rows: mean |error| recorded {twin('old')}, one fit "
+        f"{twin('one_fit')}, now {twin('new')}."
+        if twins.get("rows") and "one_fit" in twins
+        else ""
+    )
+    return (
+        f"`{run['run']}` ({run['rate']}, host load {run['host_load']}): largest |error| "
+        f"recorded {100 * worst['old_error']:.0f}%, one fit "
+        f"{100 * worst.get('one_fit_error', math.nan):.0f}%, now "
+        f"{100 * worst['new_error']:.0f}%." + twin_text + "\n\n" + _markdown((REFIT_HEADER, body))
+    )
+
+
+def _refit_ties(ties: list[dict[str, Any]]) -> str:
+    """The selection rule now against every recorded plan, and the benchmark's verdict."""
+    header = ["run", "rate", "load", "tied (timed ms)", "recorded pick", "pick now",
+              "benchmark steps of the tied", "pick now in the benchmark"]  # fmt: skip
+
+    def name(p: dict[str, Any]) -> str:
+        return f"{p['candidate']} {p['strategy']}"
+
+    body = []
+    for t in ties:
+        bench = {name(p): p["bench_step_ms"] for p in t["tied"] if _num(p["bench_step_ms"])}
+        body.append([
+            f"`{t['run']}`", t["rate"], _fmt(t.get("host_load") or "–"),
+            "; ".join(f"{name(p)} {_fmt(p['timed_ms'], 4)}" for p in t["tied"]) or "–",
+            name(t["recorded"]), name(t["now"]),
+            "; ".join(f"{k} {_fmt(v, 4)}" for k, v in bench.items()) or "–",
+            t["now_in_benchmark"],
+        ])  # fmt: skip
+    return _markdown((header, body))
 
 
 def _autotune_refit(data: dict[str, Any], path: pathlib.Path) -> str:
     """Each recorded run's timed steps and benchmark steps: measured, the prediction the run
-    recorded and the library's prediction now (leave-one-out), with their errors."""
-
-    def pct(x: Any) -> str:
-        return f"{100 * x:+.0f}%" if _num(x) else "–"
-
-    parts = []
-    for run in data["runs"]:
-        body = [
-            [
-                f"`{r.get('candidate') or r.get('step')}`" + (" (bench)" if "step" in r else ""),
-                str(r.get("strategy") or "-"),
-                str(r.get("error_feedback") or "–"),
-                _fmt(r.get("min_size", "–")),
-                _fmt(r["step_ms"], 4),
-                _fmt(r["old_predicted_ms"], 4),
-                pct(r["old_error"]),
-                _fmt(r["new_predicted_ms"], 4),
-                pct(r["new_error"]),
-            ]
-            for r in run["table"] + run["steps"]
-            if _num(r["step_ms"]) and _num(r["new_error"])
-        ]
-        worst, twins = run["max_abs_error"], run.get("untimed_vs_twin", {})
-        twin = (
-            f" Untimed rows against the measured step of their twin (another `min_size`), "
-            f"{twins['rows']} rows: mean |error| {100 * twins['old']['mean']:.0f}% recorded "
-            f"(max {100 * twins['old']['max']:.0f}%), {100 * twins['new']['mean']:.0f}% now "
-            f"(max {100 * twins['new']['max']:.0f}%)."
-            if twins.get("rows")
-            else ""
-        )
-        parts.append(
-            f"`{run['run']}` ({run['rate']}, host load {run['host_load']}): largest error "
-            f"{100 * worst['old_error']:.0f}% recorded, {100 * worst['new_error']:.0f}% now."
-            + twin
-            + "\n\n"
-            + _markdown((REFIT_HEADER, body))
-        )
+    recorded, the library's with one fit over every step, and the library's now
+    (leave-one-out), with their errors; then the tie rule against every recorded plan."""
     widths = ", ".join(f"{k} {v:g}x" for k, v in data.get("widths", {}).items())
     head = (
         "Every timed step of each recorded plan (predicted from the other timed steps) and each "
-        "benchmark step of the run (`(bench)`: the plan row of its exchange); wire widened by "
-        f"the backend: {widths}."
+        "benchmark step of the run (`(bench)`: the plan row of its exchange): the prediction "
+        "the run recorded, the library's with every timed step in one fit (`one fit`), and "
+        f"the library's now; wire widened by the backend: {widths}."
     )
-    return head + "\n\n" + "\n\n".join(parts) + "\n\n" + _source(path, data, _command(path.stem))
+    parts = [head, *map(_refit_run, data["runs"])]
+    if data.get("ties"):
+        parts.append(
+            "The selection rule now (`select_step`, exchanges timed alone: `select`) on every "
+            "recorded plan: the rows tied with the fastest, the recorded and the current pick, "
+            "and the benchmark's own steps of the tied exchanges in the same run.\n\n"
+            + _refit_ties(data["ties"])
+        )
+    return "\n\n".join(parts) + "\n\n" + _source(path, data, _command(path.stem))
+
+
+def _exchange_cpu(data: dict[str, Any], path: pathlib.Path) -> str:
+    """Wall and CPU time per step of each exchange, and the per-codec verdicts."""
+    header = ["exchange", "strategy", "feedback", "step ms", "IQR", "CPU ms", "IQR", "steps"]
+    body = [
+        [f"`{r['codec']}`", r["strategy"], str(r["error_feedback"] or "–"),
+         _fmt(r["step_ms"], 4), _fmt(r["step_spread_ms"], 3), _fmt(r["cpu_ms"], 4),
+         _fmt(r["cpu_spread_ms"], 3), str(r["step_reps"])]
+        for r in data["rows"]
+    ]  # fmt: skip
+    verdicts = "; ".join(
+        f"{k}: two-phase / all-gather CPU {v['cpu_two_phase_over_allgather']:.2f}x "
+        f"({'beyond' if v['beyond_spread'] else 'within'} the spreads), wall "
+        f"{v['wall_two_phase_over_allgather']:.2f}x"
+        for k, v in data["verdicts"].items()
+    )
+    load = data.get("loadavg", ["–", "–"])
+    return (
+        f"{data['devices']} CPU devices, host load {load[0]} to {load[1]}. {verdicts}.\n\n"
+        + _markdown((header, body))
+        + "\n\n"
+        + _source(path, data, "python -m benchmarks.exchange_cpu")
+    )
 
 
 # --------------------------------------------------------------------------- overlap
@@ -1207,6 +1267,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "network": (_network, "sudo python -m benchmarks.network"),
     "network_autotune": (_network_autotune, "sudo python -m benchmarks.network --label autotune"),
     "autotune_refit": (_autotune_refit, "python -m benchmarks.autotune_refit"),
+    "exchange_cpu": (_exchange_cpu, "python -m benchmarks.exchange_cpu"),
     "overlap": (_overlap, "sudo python -m benchmarks.overlap"),
     "lm_link": (_lm_link, "sudo python -m benchmarks.lm_link"),
     "time_to_accuracy": (_time_to_accuracy, "sudo python -m benchmarks.time_to_accuracy"),

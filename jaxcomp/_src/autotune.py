@@ -813,8 +813,10 @@ def autotune(
         checked candidates are timed as whole training steps (gradients, the candidate's
         exchange with its error feedback, ``optimizer``, the update; params and state
         donated) and ranked by their median step
-        (:func:`jaxcomp._src.autotune_steps.select_step`), ties within the timing spread
-        timed again; every row gets a predicted step
+        (:func:`jaxcomp._src.autotune_steps.select_step`), ties within the timing noise
+        timed again, interleaved, and settled by the least CPU time per step, then the
+        least codec work (:func:`jaxcomp._src.autotune_steps.settle_tie`); every row gets
+        a predicted step
         (:func:`jaxcomp._src.autotune_steps.calibrate_steps`). ``params`` must then hold the
         values to start from. None: the exchange path is timed alone (above).
       batch: with ``loss_fn``, the arrays of one step's global batch, each with its leading

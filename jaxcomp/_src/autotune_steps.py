@@ -6,10 +6,12 @@ params and state donated) and timed for several steps. Timed alone, an exchange 
 a step the collectives share the cores with the backward pass, overlap some of it or fuse
 with the update, differently for each strategy (docs/autotune.md, "Whole steps", has the
 measurements). The step is what the user runs, so the step is what is ranked
-(:func:`select_step`), ties within the timing noise are settled by more repeats
-(:func:`tied_steps`), and every candidate gets a predicted step (:func:`calibrate_steps`):
-the compute fitted from the measured plain step, the exchange from the link model, its codec
-passes and its feedback passes each scaled on the timed steps (:func:`fit_step_scales`).
+(:func:`select_step`); ties within the timing noise (:func:`tied_steps`) are timed again,
+interleaved, and what is still tied goes to the least CPU per step, then the least codec
+work (:func:`settle_tie`); and every candidate gets a predicted step
+(:func:`calibrate_steps`): the compute fitted from the measured plain step, the exchange
+from the link model, its codec passes and its feedback passes each scaled on the timed
+steps (:func:`fit_step_scales`) of codecs of the same wire kind.
 """
 
 from __future__ import annotations

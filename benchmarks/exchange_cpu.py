@@ -84,17 +84,21 @@ def _row(r) -> dict:
 
 def verdicts(rows: list[dict]) -> dict:
     """Per codec: the strategy of less CPU per step, the CPU and wall ratios two-phase /
-    all-gather, and whether the CPU difference is beyond both spreads."""
+    all-gather, and whether the CPU difference is beyond the noise ``settle_tie`` allows
+    (the larger interquartile range, at least ``TIE`` of the less)."""
+    from jaxcomp._src.autotune import TIE
+
     out = {}
     for name in dict.fromkeys(r["codec"] for r in rows if r["codec"] != "none"):
         ag, tp = (next(r for r in rows if r["codec"] == name and r["strategy"] == s)
                   for s in STRATEGIES)  # fmt: skip
         gap = abs(tp["cpu_ms"] - ag["cpu_ms"])
+        noise = max(tp["cpu_spread_ms"], ag["cpu_spread_ms"], TIE * min(tp["cpu_ms"], ag["cpu_ms"]))
         out[name] = {
             "less_cpu": "two_phase" if tp["cpu_ms"] < ag["cpu_ms"] else "allgather",
             "cpu_two_phase_over_allgather": tp["cpu_ms"] / ag["cpu_ms"],
             "wall_two_phase_over_allgather": tp["step_ms"] / ag["step_ms"],
-            "beyond_spread": gap > max(tp["cpu_spread_ms"], ag["cpu_spread_ms"]),
+            "beyond_noise": gap > noise,
         }
     return out
 

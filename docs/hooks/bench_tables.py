@@ -403,20 +403,22 @@ def _num(x: Any) -> bool:
 def _autotune_steps(r: dict[str, Any]) -> str:
     """A plan that timed whole steps: every candidate's predicted and measured step."""
     body = []
+    cpu = any(_num(c.get("step_cpu_ms")) for c in r["autotune"])  # recorded since ties used it
     for c in r["autotune"]:
         step, pred = c.get("step_ms", math.nan), c.get("predicted_step_ms", math.nan)
         err = pred / step - 1 if _num(step) and _num(pred) and c["name"] != "none" else math.nan
         spread = f" ± {c['step_spread_ms'] / 2:.0f} ({c['step_reps']})" if _num(step) else ""
-        body.append(
-            [
-                *_candidate_cells(c),
-                _fmt(pred, 4),
-                _fmt(step, 4) + spread,
-                "–" if err != err else f"{100 * err:+.0f}%",
-            ]
-        )
+        cells = [_fmt(pred, 4), _fmt(step, 4) + spread, "–" if err != err else f"{100 * err:+.0f}%"]
+        if cpu:
+            cells.append(
+                f"{_fmt(c['step_cpu_ms'], 4)} ± {c['step_cpu_spread_ms'] / 2:.0f}"
+                if _num(c.get("step_cpu_ms"))
+                else "–"
+            )
+        body.append([*_candidate_cells(c), *cells])
     header = ["candidate", "strategy", "feedback", "min_size", "bytes/device", "model ms"]
     header += ["exchange ms", "predicted step ms", "step ms ± IQR/2 (steps)", "error"]
+    header += ["CPU ms per step ± IQR/2"] if cpu else []
     return (
         f"`jc.autotune` at {r.get('rate', '?')} (host load {r.get('host_load')}; chose "
         f"`{r.get('chosen')}`), timing whole steps of the MLP: every candidate. model ms: the "
@@ -556,7 +558,8 @@ def _exchange_cpu(data: dict[str, Any], path: pathlib.Path) -> str:
     ]  # fmt: skip
     verdicts = "; ".join(
         f"{k}: two-phase / all-gather CPU {v['cpu_two_phase_over_allgather']:.2f}x "
-        f"({'beyond' if v['beyond_spread'] else 'within'} the spreads), wall "
+        f"({'beyond' if v.get('beyond_noise', v.get('beyond_spread')) else 'within'} the "
+        f"{'noise' if 'beyond_noise' in v else 'spreads'}), wall "
         f"{v['wall_two_phase_over_allgather']:.2f}x"
         for k, v in data["verdicts"].items()
     )

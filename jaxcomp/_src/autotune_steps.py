@@ -248,8 +248,11 @@ def settle_tie(tied: Sequence[Candidate]) -> Candidate:
     over processes) and ``q_r`` its interquartile range::
 
         least  = argmin_{r in tied} c_r
-        kept   = {r in tied : c_r - c_least <= max(q_r, q_least)}
+        kept   = {r in tied : c_r - c_least <= max(TIE * c_least, q_r, q_least)}
         chosen = argmin_{r in kept} tie_key(r)
+
+    (the same noise as :func:`tied_steps`' on the wall clock: a few steps' spread, at least
+    :data:`jaxcomp._src.autotune.TIE` of the least).
 
     Two steps whose wall times the timing cannot tell apart may still load the host
     differently, and on a host whose cores run both the step and its exchange the one that
@@ -257,10 +260,10 @@ def settle_tie(tied: Sequence[Candidate]) -> Candidate:
     process's own work, not the time it waits for the cores or the link). Measured
     (``benchmarks/exchange_cpu.py``: 2 CPU devices, the 25.2M-parameter MLP's steps,
     interleaved): int8 with its residual in two phases costs 1.30x the CPU of its
-    all-gather (the re-encode and its second memory), beyond both spreads, as the idle
+    all-gather (the re-encode and its second memory), beyond the noise, as the idle
     1 Gbit/s benchmark steps ordered them (705 ms through the all-gather against 731 ms,
     where the plan had timed two phases 4% faster); fp16's two strategies came out within
-    their spreads (0.99x), and are then settled by :func:`tie_key`. Rows without a CPU time
+    it (0.99x), and are then settled by :func:`tie_key`. Rows without a CPU time
     (exchanges timed alone, recorded tables) are settled by :func:`tie_key` alone.
 
     Args:
@@ -276,10 +279,11 @@ def settle_tie(tied: Sequence[Candidate]) -> Candidate:
     tied = list(tied)
     if all(_finite(r.step_cpu_ms) for r in tied):
         least = min(tied, key=lambda r: r.step_cpu_ms)
+        floor = tuning.TIE * least.step_cpu_ms
         noise = np.nan_to_num([[r.step_cpu_spread_ms, least.step_cpu_spread_ms] for r in tied])
         tied = [
             r for r, q in zip(tied, noise.max(axis=1), strict=True)
-            if r.step_cpu_ms - least.step_cpu_ms <= q
+            if r.step_cpu_ms - least.step_cpu_ms <= max(q, floor)
         ]  # fmt: skip
     return min(tied, key=tie_key)
 

@@ -1069,7 +1069,9 @@ def select(rows: Sequence[Candidate]) -> Candidate:
     the load, the wire time does not. Failed rows (``error``) carry no measured time and are
     never chosen. Where rows carry measured training steps (``step_ms``: :func:`autotune`
     with ``loss_fn=``) the rule is the step's instead: the fastest measured step, plain
-    ``pmean`` one row among the others (:func:`jaxcomp._src.autotune_steps.select_step`).
+    ``pmean`` one row among the others, steps within the timing noise of it settled by the
+    least CPU time per step, then the least codec work
+    (:func:`jaxcomp._src.autotune_steps.select_step`).
     Pure: no timing, so it is tested on tables alone.
 
     Args:

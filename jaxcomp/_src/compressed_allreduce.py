@@ -13,7 +13,7 @@ import optax
 from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
-from jaxcomp._src.codecs.base import Codec, check_fraction, check_int
+from jaxcomp._src.codecs.base import Codec, after, check_fraction, check_int
 
 
 class CompressedAllreduceState(NamedTuple):
@@ -114,6 +114,72 @@ def _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors
         shaped = collectives.elementwise_error(codec, strategy, n, target)
         out.append(error if shaped is None else shaped)
     return out
+
+
+def _residuals(kind, how, step, plan, reduced) -> list:
+    """Residual feedback's new memories ``e' = (g + e) - C(g + e)`` (None each for another
+    ``kind``): an elementwise codec's in each memory's shape (:func:`_shaped_residuals`),
+    another codec's sent whole from what it sent (:func:`_residuals_again`), else as the
+    encoding step formed them. ``how``: ``(codec, strategy, axis_name, inner_axis_name,
+    shaped)``; ``step``: ``(updates, grads, layout, state)``."""
+    updates, grads, layout, state = step
+    if kind != "residual":
+        return [None] * len(grads)
+    codec, strategy, axis_name, inner_axis_name, shaped = how
+    errors = plan.join(reduced.error)
+    if shaped:
+        return _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors)
+    if inner_axis_name is None and _sent_whole(codec, strategy, axis_name, grads):
+        return _residuals_again(grads, state.memory, plan.join(reduced.sent))
+    return errors
+
+
+def _sent_whole(codec: Codec, strategy: str, axis_name: Any, targets: list) -> bool:
+    """Whether every compressed vector is sent whole by ``allgather`` or ``allreduce`` (what
+    it sent then decodes to ``Reduced.sent``, and ``x - sent`` is ``Reduced.error``)."""
+    n = collectives.axis_size(axis_name)
+    return all(
+        t.shape[0] <= collectives.MAX_SEGMENT
+        and collectives.choose_strategy(codec, t.shape[0], n, strategy)
+        in ("allgather", "allreduce")
+        for t in targets
+    )
+
+
+def _residuals_again(grads: list, memory: Any, sent: list) -> list:
+    """Residual memories ``e' = (g + e) - sent`` in each memory's shape ``[1, *leaf]``: the
+    values of ``Reduced.error`` (``x - decode(payload)``), bit for bit.
+
+    ``g + e`` is added again here from the gradient behind an optimization barrier, so
+    XLA:CPU does not take it for the sum the encoding read: each pass that reads ``g + e``
+    (the scales, the encoding, this one) adds it again, and none is written out (a
+    gradient-sized temporary, read three times, was the costliest pass of int8's and
+    sign's updates). Formed in the memory's shape, the pass writes the donated memory in
+    place (:func:`_shaped_residuals`).
+    """
+    grads = jax.lax.optimization_barrier(grads)
+    out = []
+    for g, m, s in zip(grads, layouts.field_leaves(memory), sent, strict=True):
+        out.append((g.reshape(m.shape) + m.astype(jnp.float32)) - s.reshape(m.shape))
+    return out
+
+
+def _after_memory(outs: list, memory: Any, axes: Any, residual: bool = True) -> list:
+    """The means ``outs``, computed once the new memories are written (``residual`` feedback;
+    else ``outs`` as they are).
+
+    The mean is written into the donated gradient, which the memory's pass reads; with no
+    data edge between them XLA keeps a copy of the gradient (or of ``g + e``) for that pass.
+    Under ``shard_map`` a per-device value reaches a replicated one only through a
+    collective: one scalar psum of the memories' first values, and each mean waits on it
+    (:func:`~jaxcomp._src.codecs.base.after`: the same bits)."""
+    if not residual:
+        return outs
+    firsts = [m.reshape(-1)[0].astype(jnp.float32) for m in layouts.field_leaves(memory) if m.size]
+    if not firsts or not outs:
+        return outs
+    dep = jax.lax.psum(sum(firsts[1:], firsts[0]), axes)
+    return [after(o, dep) for o in outs]
 
 
 def _worker_momentum(beta, nesterov: bool, layout: layouts.Layout, field, grads, plain):
@@ -315,6 +381,7 @@ def compressed_allreduce(
         and adaptive is None
         and not stages
     )
+    residual_how = (codec, strategy, axis_name, inner_axis_name, shaped_residuals)
 
     def chunks(layout: layouts.Layout):
         """Owned chunk sizes per whole and segment; None outside the mesh."""
@@ -414,15 +481,7 @@ def compressed_allreduce(
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
 
-        def residuals() -> list:
-            """Residual feedback's ``e' = (g + e) - C(g + e)``, as the encoding step formed
-            it, or an elementwise codec's in each memory's shape (:func:`_shaped_residuals`)."""
-            errors = plan.join(reduced.error)
-            if not shaped_residuals:
-                return errors
-            return _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors)
-
-        errors = residuals() if kind == "residual" else [None] * len(means)
+        errors = _residuals(kind, residual_how, (updates, grads, layout, state), plan, reduced)
         new_memory = [
             feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
             for m, t, s, r in zip(memory, targets, sent, errors, strict=True)
@@ -443,6 +502,7 @@ def compressed_allreduce(
             else adaptive.update(state.adaptive, state.count, outs),
         )
         new_state = skeleton.freeze(reduced.bad, state, new_state)
+        outs = _after_memory(outs, new_state.memory, every_axis, kind == "residual")
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(

@@ -145,12 +145,60 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_VIEWS = {"bitcast", "reshape"}
+_SLICES = {"slice", "dynamic-slice"}
+
+
+def _sliced_parameters(hlo_text: str) -> dict[str, dict[int, int]]:
+    """Per fused computation, the bytes read of each parameter that it reads only through
+    slices (through views of it too): a fusion that takes one value of a gradient-sized
+    operand reads that value, not the operand."""
+    found: dict[str, dict[int, int]] = {}
+    for head, body in re.findall(r"\n%([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", hlo_text, re.S):
+        lines = {}
+        for line in body.splitlines():
+            m = _ENTRY_LINE.match(line)
+            if m:
+                lines[m.group(1)] = (m.group(3), re.findall(r"%([\w.\-]+)", m.group(4)), m.group(2))
+        users: dict[str, list[str]] = {}
+        for name, (_, operands, _) in lines.items():
+            for o in operands:
+                users.setdefault(o, []).append(name)
+
+        params = {}
+        for name, (op, _, _) in lines.items():
+            index = re.search(rf"%{re.escape(name)} = .*? parameter\((\d+)\)", body)
+            bytes_read = _read_through_slices(name, lines, users)
+            if op == "parameter" and index and bytes_read is not None:
+                params[int(index.group(1))] = bytes_read
+        found[head] = params
+    return found
+
+
+def _read_through_slices(name: str, lines: dict, users: dict) -> int | None:
+    """Bytes of ``name`` its users read, where each is a slice or a view of it read so;
+    None where any reads it otherwise."""
+    total = 0
+    for u in users.get(name, []):
+        op, _, shape = lines[u]
+        if op in _SLICES:
+            total += _shape_bytes(shape)
+            continue
+        part = _read_through_slices(u, lines, users) if op in _VIEWS else None
+        if part is None:
+            return None
+        total += part
+    return total
+
+
 def hlo_traffic(hlo_text: str) -> int:
     """Bytes the entry computation's instructions read and write: each instruction's output
-    plus each distinct operand, once (a fusion that reads a slice of an operand is counted as
-    reading all of it). Views (bitcast, tuples) move nothing. A model of the memory traffic
-    of one call, deterministic, against which the timed copies can be read."""
+    plus each distinct operand, once (a fusion that reads an operand only through slices is
+    counted as reading those slices). Views (bitcast, tuples) move nothing. A model of the
+    memory traffic of one call, deterministic, against which the timed copies can be read."""
     entry = hlo_text[hlo_text.index("\nENTRY") :]
+    sliced = _sliced_parameters(hlo_text)
     sizes: dict[str, int] = {}
     total = 0
     for line in entry.splitlines()[1:]:
@@ -159,9 +207,13 @@ def hlo_traffic(hlo_text: str) -> int:
             continue
         name, shape, op, operands = m.groups()
         sizes[name] = _shape_bytes(shape)
-        if op not in _NO_TRAFFIC:
-            read = set(re.findall(r"%([\w.\-]+)", operands))
-            total += sizes[name] + sum(sizes.get(o, 0) for o in read)
+        if op in _NO_TRAFFIC:
+            continue
+        calls = _CALLS.search(line)
+        only = sliced.get(calls.group(1), {}) if op == "fusion" and calls else {}
+        names = re.findall(r"%([\w.\-]+)", operands)
+        read = {o: min(sizes.get(o, 0), only.get(i, sizes.get(o, 0))) for i, o in enumerate(names)}
+        total += sizes[name] + sum(read.values())
     return total
 
 

@@ -202,6 +202,10 @@ def test_hot_path_op_names_parsed():
     # hlo_traffic: each instruction's output and operands, views moving nothing
     double = jax.jit(lambda a: a * 2.0 + 1.0, donate_argnums=0).lower(jnp.ones(1000)).compile()
     assert hot_path.hlo_traffic(double.as_text()) == 8000  # read 4000 bytes, write 4000
+    # an operand read only through a slice counts as the slice: a * 2 and a[0] + b[0]
+    # (read 4000 + 4 + 4 bytes, write 4000 + 4), not as a second read of all of a and b
+    sliced = jax.jit(lambda a, b: (a * 2.0, a[0] + b[0])).lower(jnp.ones(1000), jnp.ones(1000))
+    assert hot_path.hlo_traffic(sliced.compile().as_text()) == 8012
 
 
 def test_hot_path_settings_parsed():

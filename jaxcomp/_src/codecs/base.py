@@ -421,10 +421,13 @@ def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
     after a finite outlier), and the scale of every later step would be inf. Each term is
     divided first, so the result is at most ``max |x|``. NaN and inf still propagate. The
     terms are added in 8 column groups first (:func:`max_abs`), so the summation order is
-    that of a pairwise tree, not of one reduce.
+    that of a pairwise tree, not of one reduce. The folded rows reach the reduce through
+    :func:`after` (the same bits): XLA:CPU's reduce kernel otherwise takes the fold's last
+    add into itself and computes each of its two operands in a fusion of its own, each
+    reading ``xb`` (with residual feedback, ``g`` and ``e``) once more.
     """
     terms = jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None]
-    return jnp.sum(fold_rows(terms, jnp.add), axis=1)
+    return jnp.sum(after(fold_rows(terms, jnp.add), xb[0, 0]), axis=1)
 
 
 def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:

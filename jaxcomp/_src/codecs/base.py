@@ -427,7 +427,7 @@ def mean_abs(xb: jax.Array, count: jax.Array) -> jax.Array:
     reading ``xb`` (with residual feedback, ``g`` and ``e``) once more.
     """
     terms = jnp.abs(xb) * (1.0 / count.astype(jnp.float32))[:, None]
-    return jnp.sum(after(fold_rows(terms, jnp.add), xb[0, 0]), axis=1)
+    return jnp.sum(after(fold_rows(terms, jnp.add), xb[0, 0] if xb.size else None), axis=1)
 
 
 def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.Array:

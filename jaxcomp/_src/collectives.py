@@ -594,6 +594,20 @@ _STRATEGIES = {
 _ORDER = tuple(_STRATEGIES)
 
 
+def _step_flag(segments, groups, codec, extra_bad, axis_name) -> jax.Array:
+    """The step's non-finite flag, identical on every device: from the payloads every device
+    received (``flags_nonfinite`` codecs) or from the segments with one scalar ``psum``, or-ed
+    with ``extra_bad`` and over the blocks of :func:`~jaxcomp._src.shards.over_shards`."""
+    if codec.flags_nonfinite:
+        local, shared = local_nonfinite([g[6] for g in groups]), True
+    else:
+        local, shared = local_nonfinite(segments), False
+    if extra_bad is not None:
+        local = local | extra_bad
+    fill_bad = local if shared else jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
+    return shards.any_block(fill_bad)
+
+
 def _reduce_flat(
     segments,
     axis_name,
@@ -605,6 +619,7 @@ def _reduce_flat(
     bb,
     gather_pieces=False,
     with_payload=False,
+    checked=False,
 ):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
@@ -628,14 +643,10 @@ def _reduce_flat(
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
         groups.append((decode, idx, ctx, xs, payloads, exchanged, held, errors))
-    if codec.flags_nonfinite:
-        local, shared = local_nonfinite([g[6] for g in groups]), True
+    if checked:
+        fill_bad = extra_bad
     else:
-        local, shared = local_nonfinite(segments), False
-    if extra_bad is not None:
-        local = local | extra_bad
-    fill_bad = local if shared else jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
-    fill_bad = shards.any_block(fill_bad)
+        fill_bad = _step_flag(segments, groups, codec, extra_bad, axis_name)
     fill = jnp.where(fill_bad, jnp.nan, 0.0)
     mean: list = [None] * len(segments)
     sent: list = [None] * len(segments)
@@ -705,6 +716,7 @@ def reduce_segments(
     bucket_bytes: int = buckets.BUCKET_BYTES,
     gather_pieces: bool = False,
     with_payload: bool = False,
+    checked: bool = False,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
@@ -725,6 +737,9 @@ def reduce_segments(
     coordinate's sum in another order, so equal up to float rounding), bounding the memory
     they hold.
     ``with_payload``: ``Reduced.payload`` holds this device's payloads (else None).
+    ``checked``: ``extra_bad`` is already the whole step's flag, identical on every device
+    (the caller checked the inputs of the segments, which are finite where it is clear): no
+    pass over the segments, no psum (flat reduce only).
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
@@ -741,6 +756,7 @@ def reduce_segments(
             bucket_bytes,
             gather_pieces,
             with_payload,
+            checked,
         )
     return _hierarchical(
         segments,

@@ -8,6 +8,7 @@ there: DGC applies it).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ import optax
 from jaxcomp._src import buckets, collectives, server, shards, skeleton, warmup
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import (
+    F32_MAX,
     check_fraction,
     check_int,
     check_positive_float,
@@ -65,14 +67,6 @@ def _check_schedule(schedule: Any, warmup_steps: int) -> tuple[float, ...] | Non
     return tuple(check_fraction("warmup_schedule", s) for s in stages)
 
 
-def _mask(velocity: list, sent: list, masking: Any) -> list:
-    """Momentum factor masking: ``u_i <- 0`` where ``v_i`` was sent, when ``masking`` (a
-    Python or traced bool: the sparse regime after the warm-up)."""
-    if masking is False:
-        return velocity
-    return [jnp.where((s != 0) & masking, 0.0, u) for s, u in zip(sent, velocity, strict=True)]
-
-
 #: Scatter dimensions of a 1-D ``[d]`` update at ``int32[k, 1]`` indices.
 _SCATTER_DIMS = jax.lax.ScatterDimensionNumbers(
     update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
@@ -81,43 +75,107 @@ _SCATTER_DIMS = jax.lax.ScatterDimensionNumbers(
 _UNSENT, _SENT_ZERO, _SENT = 0, 1, 2
 
 
-def _sent_marks(r, plan, sparse: bool) -> list:
-    """Per leaf, what this device sent, for :func:`_feedback`: ``uint8`` marks (``_UNSENT``,
-    ``_SENT_ZERO``, ``_SENT``) scattered from all-gathered top-k payloads ``(indices,
-    values)`` when ``sparse`` (a quarter of the bytes of the decoded ``f32`` vector, which
-    is what comes otherwise: two-phase rows), per leaf (a leaf's pieces joined)."""
-    if not sparse or not r.payload:
+class _Slots(NamedTuple):
+    """What this device sent of a leaf, as its all-gathered top-k payload's slots: the
+    coordinates (``int32[K]``, ``d`` in an unused slot) and whether each was sent as 0
+    (``bool[K]``), ``K`` the widest stage's ``k`` (the same shape from every branch)."""
+
+    indices: jax.Array
+    zero: jax.Array
+
+
+def _sent(r, plan, widths: list[int] | None) -> list:
+    """Per leaf, what this device sent, for :func:`_feedback`: with ``widths`` (all-gathered
+    top-k payloads ``(indices, values)``), a leaf of one segment as its :class:`_Slots`
+    padded to ``widths[leaf]``, a leaf cut into pieces as ``uint8`` marks (``_UNSENT``,
+    ``_SENT_ZERO``, ``_SENT``) scattered from its pieces' payloads and joined (a quarter of
+    the bytes of the decoded ``f32`` vector); without (two-phase), the decoded vector."""
+    if widths is None or not r.payload:
         return plan.join(r.sent)
-    marks = []
-    sizes = [d for pieces in plan.pieces() for d in pieces]
-    for (indices, values), d in zip(r.payload, sizes, strict=True):
-        mark = jnp.where(values != 0, _SENT, _SENT_ZERO).astype(jnp.uint8)
-        marks.append(
-            jax.lax.scatter(
-                jnp.zeros((d,), jnp.uint8),
-                indices[:, None],
-                mark,
-                _SCATTER_DIMS,
-                unique_indices=True,
-                mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    out, i = [], 0
+    for pieces, width in zip(plan.pieces(), widths, strict=True):
+        payloads = r.payload[i : i + len(pieces)]
+        i += len(pieces)
+        if len(pieces) == 1:
+            (indices, values), pad = payloads[0], width - payloads[0][0].shape[0]
+            out.append(
+                _Slots(
+                    jnp.pad(indices, (0, pad), constant_values=pieces[0]),
+                    jnp.pad(values == 0, (0, pad)),
+                )
             )
-        )
-    return plan.join(marks)  # a leaf cut into pieces: its pieces joined
+        else:
+            out.append(_concat([_marks(p, d) for p, d in zip(payloads, pieces, strict=True)]))
+    return out
 
 
-def _feedback(u: list, v: list, sent: list, masking: Any) -> tuple[list, list]:
+def _concat(parts: list) -> jax.Array:
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _marks(payload, d: int) -> jax.Array:
+    """``uint8[d]`` marks of one segment's top-k payload ``(indices, values)``."""
+    indices, values = payload
+    mark = jnp.where(values != 0, _SENT, _SENT_ZERO).astype(jnp.uint8)
+    return jax.lax.scatter(
+        jnp.zeros((d,), jnp.uint8),
+        indices[:, None],
+        mark,
+        _SCATTER_DIMS,
+        unique_indices=True,
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
+
+
+def _zero_at(x: jax.Array, indices: jax.Array) -> jax.Array:
+    """``x`` (a state leaf ``[1, *shape]``) with 0 at the flat ``indices`` of ``shape`` (those
+    ``>= x.size`` dropped): a scatter in ``x``'s own shape, so that XLA writes it in place in
+    the donated buffer (a reshape between the two would make it copy ``x``)."""
+    coords, rest = [], indices
+    for size in reversed(x.shape[1:]):
+        coords.append(rest % size)
+        rest = rest // size
+    coords.append(rest)  # 0, or 1 (out of range: dropped) for an index past the leaf
+    dims = tuple(range(x.ndim))
+    return jax.lax.scatter(
+        x,
+        jnp.stack(coords[::-1], axis=1),
+        jnp.zeros(indices.shape, x.dtype),
+        jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(), inserted_window_dims=dims, scatter_dims_to_operand_dims=dims
+        ),
+        mode=jax.lax.GatherScatterMode.FILL_OR_DROP,
+    )
+
+
+def _feedback(u: list, v: list, sent: list, masking: Any, ok: jax.Array) -> tuple[list, list]:
     """Momentum factor masking and what stays behind: the new velocities
     ``u * 1[not sent or masking off]`` and accumulations ``v - sent``, from the decoded
-    ``sent`` (float32) or its :func:`_sent_marks` (``uint8``: ``v_i <- 0`` where sent,
-    ``u_i <- 0`` where sent non-zero; the same values bit for bit for a finite ``v``, whose
-    sent values are its own; a non-finite one freezes the state)."""
-    if not sent or sent[0].dtype != jnp.uint8:
-        return _mask(u, sent, masking), [vv - s for vv, s in zip(v, sent, strict=True)]
-    if masking is False:
-        new_u = u
-    else:
-        new_u = [jnp.where((m == _SENT) & masking, 0.0, a) for m, a in zip(sent, u, strict=True)]
-    return new_u, [jnp.where(m != _UNSENT, 0.0, b) for m, b in zip(sent, v, strict=True)]
+    ``sent`` (float32), its :class:`_Slots` (``v_i <- 0`` at the sent coordinates, ``u_i <-
+    0`` at those sent non-zero: two scatters, written in place) or its :func:`_marks`
+    (``uint8``, the same rule): the same values bit for bit for a finite ``v``, whose sent
+    values are its own. Where the step is not ``ok`` (a non-finite gradient on some device:
+    :func:`_checked`), ``u`` and ``v`` as they are: the state as it was."""
+    mask = ok if masking is False else masking & ok
+    new_u, new_v = [], []
+    for a, b, s in zip(u, v, sent, strict=True):
+        if isinstance(s, _Slots):
+            new_v.append(_zero_at(b, jnp.where(ok, s.indices, b.size)))
+            if masking is not False:
+                a = _zero_at(a, jnp.where(mask & ~s.zero, s.indices, b.size))
+            new_u.append(a)
+            continue
+        s = s.reshape(b.shape)
+        if s.dtype == jnp.uint8:
+            new_v.append(jnp.where((s != _UNSENT) & ok, 0.0, b))
+            if masking is not False:
+                a = jnp.where((s == _SENT) & mask, 0.0, a)
+        else:
+            new_v.append(jnp.where(ok, b - s, b))
+            if masking is not False:
+                a = jnp.where((s != 0) & mask, 0.0, a)
+        new_u.append(a)
+    return new_u, new_v
 
 
 def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
@@ -127,16 +185,37 @@ def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
     return [a * scale for a in g], [a * scale for a in p]
 
 
-def _correct(momentum, nesterov: bool, velocity: list, accumulation: list, g: list):
+def _correct(momentum, nesterov: bool, velocity: list, accumulation: list, g: list, ok):
     """Momentum correction: ``u <- m u + g``, ``v <- v + u`` (Nesterov: ``u <- m (u + g)``,
-    ``v <- v + u + g``). Returns the new velocities and accumulations."""
-    if nesterov:
-        u = [momentum * (w + a) for w, a in zip(velocity, g, strict=True)]
-        v = [acc + uu + a for acc, uu, a in zip(accumulation, u, g, strict=True)]
-    else:
-        u = [momentum * w + a for w, a in zip(velocity, g, strict=True)]
-        v = [acc + uu for acc, uu in zip(accumulation, u, strict=True)]
+    ``v <- v + u + g``), each saturating at ``+-F32_MAX`` (a finite step keeps the state
+    finite), where the step is ``ok``; elsewhere ``u`` and ``v`` as they were. ``ok`` is
+    known before the step (:func:`_checked`), so each new leaf, in its state shape, is
+    written in place in its donated buffer. Returns the new velocities and accumulations."""
+    u, v = [], []
+    for w, acc, a in zip(velocity, accumulation, g, strict=True):
+        a = a.reshape(w.shape)
+        # v from the new u as written (not its formula): XLA then writes u in place
+        # before v reads it, rather than computing u twice (and copying the velocity).
+        u.append(jnp.where(ok, _saturate(momentum * (w + a) if nesterov else momentum * w + a), w))
+        vv = _saturate(acc + u[-1] + a if nesterov else acc + u[-1])
+        v.append(jnp.where(ok, vv, acc))
     return u, v
+
+
+def _saturate(x: jax.Array) -> jax.Array:
+    """``x`` clipped to ``[-F32_MAX, F32_MAX]``: sums of finite values stay finite."""
+    return jnp.clip(x, -F32_MAX, F32_MAX)
+
+
+def _checked(g: list, plain_bad: Any, axis_name: Any) -> jax.Array:
+    """The step's non-finite flag, identical on every device, from its inputs before any
+    state is written: some device's compressed gradient ``g`` holds a NaN or inf (one
+    scalar ``psum``), or the plain leaves' means do (``plain_bad``). Saturated sums keep a
+    finite step's velocity and accumulation finite, so nothing later can raise it."""
+    flags = [] if plain_bad is None else [plain_bad]
+    if g:
+        flags.append(jax.lax.psum(collectives.local_nonfinite(g).astype(jnp.int32), axis_name) > 0)
+    return shards.any_block(functools.reduce(jnp.logical_or, flags, jnp.bool_(False)))
 
 
 def _plain_momentum(momentum, nesterov: bool, traces: list, means: list) -> tuple[list, list]:
@@ -223,7 +302,11 @@ def dgc(
     ``benchmarks/results/sparse_convergence*.json``).
 
     A non-finite gradient on any device makes the compressed output NaN on every device and
-    leaves the whole state as it was, so ``optax.apply_if_finite`` can skip the step.
+    leaves the whole state as it was, so ``optax.apply_if_finite`` can skip the step. The
+    flag is read from the gradients before any state is written (one scalar ``psum``), and
+    ``u_i`` and ``v_i`` saturate at ``+-F32_MAX``, so a finite gradient always leaves them
+    finite: each is then written once, in place in its donated buffer (the step's
+    temporaries: docs/benchmarks.md, "Memory of the step").
 
     Args:
       ratio: density after warm-up: the fraction of each compressed leaf sent per step.
@@ -350,17 +433,19 @@ def dgc(
 
         if clip_norm is not None:
             g, p = _clip_local(g, p, clip_norm / math.sqrt(n))
+        plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
+        bad = _checked(g, plain_bad, axis_name)
+        ok = ~bad
         u, v = _correct(
             momentum,
             nesterov,
-            skeleton.vectors(state.velocity),
-            skeleton.vectors(state.accumulation),
+            layouts.field_leaves(state.velocity),
+            layouts.field_leaves(state.accumulation),
             g,
+            ok,
         )
-
-        plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         key, step_key = jax.random.split(state.key)
-        plan = collectives.segments_for([a.shape[0] for a in v], "leaf")
+        plan = collectives.segments_for([a.size for a in v], "leaf")
         owned = chunks(layout) if g and use_server else None
         owner = server.Owner(axis_name, None)
         servers = (
@@ -374,37 +459,45 @@ def dgc(
         sparse_regime = len(codecs) == 1 or state.count >= warmup_steps
         masking = momentum_masking and sparse_regime
 
+        # The widest stage's k of each leaf of one segment: the sent slots' shape.
+        widths = None
+        if strategy == "allgather":
+            widths = [max(c.size(d) for c in codecs) for d in plan.wholes()]
+
         def reduce_with(codec):
             def branch(servers):
                 r = collectives.reduce_segments(
-                    plan.split(v),
+                    plan.split([a.ravel() for a in v]),
                     axis_name,
                     codec,
                     strategy,
                     step_key,
                     servers,
                     None,
-                    plain_bad,
+                    bad,
                     gather_pieces=True,
+                    checked=True,
                     with_payload=strategy == "allgather",
                 )
-                sent = _sent_marks(r, plan, strategy == "allgather")
-                return plan.join(r.mean), sent, r.server, r.bad
+                sent = _sent(r, plan, widths)
+                return plan.join(r.mean), sent, r.server
 
             return branch
 
-        means, sent, new_servers, bad = warmup.switch(
+        means, sent, new_servers = warmup.switch(
             state.count, warmup_steps, [reduce_with(c) for c in codecs], servers
         )
-        new_velocity, new_accumulation = _feedback(u, v, sent, masking)
+        new_velocity, new_accumulation = _feedback(u, v, sent, masking, ok)
 
         traces, plain_out = _plain_momentum(
             momentum, nesterov, layouts.field_leaves(state.momentum), plain_mean
         )
 
-        new_state = DGCState(
-            velocity=skeleton.like_state(layout, new_velocity) if g else None,
-            accumulation=skeleton.like_state(layout, new_accumulation) if g else None,
+        # The velocity and accumulation are final (as they were where not ok); the rest
+        # is kept as it was on a non-finite step.
+        small = DGCState(
+            velocity=None,
+            accumulation=None,
             server_residual=state.server_residual
             if owned is None
             else server.write(new_servers, state.server_residual, layout, owned, False, owner),
@@ -412,7 +505,11 @@ def dgc(
             key=key,
             count=state.count + 1,
         )
-        new_state = skeleton.freeze(bad, state, new_state)
+        small = skeleton.freeze(bad, state._replace(velocity=None, accumulation=None), small)
+        new_state = small._replace(
+            velocity=skeleton.like_state(layout, new_velocity) if g else None,
+            accumulation=skeleton.like_state(layout, new_accumulation) if g else None,
+        )
         return layouts.assemble(updates, layout, means, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(

@@ -860,13 +860,36 @@ def same_run(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "baseline_lr"}
 
 
+def tuned_baseline(data: dict, other: pathlib.Path) -> dict:
+    """The ``adamw`` run of ``other``, a result file whose AdamW ran at ``data``'s ``lr`` (its
+    ``baseline_lr``, else its ``lr``), the rest of its config the same: the baseline of
+    recipes run at AdamW's tuned lr with ``--no-baseline`` (``--baseline-from``)."""
+    import json
+
+    extra = json.loads(other.read_text())
+    theirs = {**extra["config"], "lr": extra["config"].get("baseline_lr", extra["config"]["lr"])}
+    if same_run(theirs) != same_run(data["config"]):
+        raise ValueError(
+            f"{other}'s AdamW ran another config: {extra['config']} (its lr: baseline_lr, else "
+            f"lr) != {data['config']}"
+        )
+    data.setdefault("merged", []).append(f"{extra['environment']['command']} (its adamw run)")
+    return next(r for r in extra["runs"] if r["recipe"] == "adamw")
+
+
 def merge(
-    path: pathlib.Path, runs: list[dict], others: list[pathlib.Path], label: str | None = None
+    path: pathlib.Path,
+    runs: list[dict],
+    others: list[pathlib.Path],
+    label: str | None = None,
+    baseline: pathlib.Path | None = None,
 ) -> int:
     """Add the runs of ``others`` (result files of the same config, e.g. run in parallel
     processes) to ``path``'s, a recipe already there kept, and redraw. ``label``: the
     merged runs are named ``recipe@label`` and may differ from ``path``'s config in ``lr``
-    (e.g. the baseline's lr sweep: ``--merge lm_lr6e-3.json --label lr6e-3``)."""
+    (e.g. the baseline's lr sweep: ``--merge lm_lr6e-3.json --label lr6e-3``). ``baseline``:
+    a file whose ``adamw`` run (at this file's ``lr``) becomes the first row where there is
+    none (:func:`tuned_baseline`)."""
     import json
 
     data = json.loads(path.read_text()) if path.exists() else None
@@ -881,6 +904,8 @@ def merge(
         new = [{**r, "recipe": f"{r['recipe']}@{label}"} if label else r for r in extra["runs"]]
         runs += [r for r in new if all(r["recipe"] != q["recipe"] for q in runs)]
         data.setdefault("merged", []).append(extra["environment"]["command"])
+    if baseline is not None and all(r["recipe"] != "adamw" for r in runs):
+        runs.insert(0, tuned_baseline(data, baseline))
     finish(runs)
     data["runs"] = runs
     print_table(runs)
@@ -967,6 +992,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="add the runs of these result files (same config) to the output and exit",
     )
+    parser.add_argument(
+        "--baseline-from",
+        default=None,
+        help="add the adamw run of this result file (its AdamW at --lr, the same config "
+        "otherwise) to the output where it has none, and exit (with or without --merge)",
+    )
     args = parser.parse_args(argv)
     config = dict(CONFIGS[args.config or "cpu"])
     if args.quick:
@@ -993,13 +1024,15 @@ def main(argv: list[str] | None = None) -> int:
     path = common.result_path(name, args.quick)
     runs: list[dict] = []
     before: dict[str, Any] = {}
-    if (args.resume or args.merge or args.bytes_only) and path.exists():
+    if (args.resume or args.merge or args.baseline_from or args.bytes_only) and path.exists():
         import json
 
         before = json.loads(path.read_text())
         runs = before["runs"]
-    if args.merge:
-        return merge(path, runs, [pathlib.Path(m) for m in args.merge], args.label)
+    if args.merge or args.baseline_from:
+        others = [pathlib.Path(m) for m in args.merge or ()]
+        baseline = args.baseline_from and pathlib.Path(args.baseline_from)
+        return merge(path, runs, others, args.label, baseline)
     task = Task(args, jax.device_count())
     run = Run(args.steps, args.lr, jax.device_count(), args.baseline_lr)
     if args.bytes_only:

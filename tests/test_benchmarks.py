@@ -529,6 +529,25 @@ def test_lm_baseline_lr_and_merge_against_the_tuned_baseline(tmp_path, monkeypat
     assert lm.merge(target, merged, [other], label="lr6e-3") == 0
     tuned_row = next(r for r in merged if r["recipe"] == "adamw@lr6e-3")
     assert tuned_row["gap"] == pytest.approx(1.9 / 2.0 - 1.0)
+    # --baseline-from: recipes run at --lr 6e-3 without a baseline get the adamw run of a
+    # file whose AdamW ran at 6e-3 (baseline_lr) while its recipes ran at 3e-3
+    alone = tmp_path / "lm_alone.json"
+    alone.write_text(
+        json.dumps({"config": {**lm.same_run(tuned), "lr": 6e-3}, "runs": runs(2.0, "y")[1:]})
+    )
+    base = tmp_path / "lm_base.json"
+    base.write_text(
+        json.dumps({"config": tuned, "runs": runs(2.0, "z"), "environment": {"command": "b"}})
+    )
+    rows = json.loads(alone.read_text())["runs"]
+    assert lm.merge(alone, rows, [], baseline=base) == 0
+    data = json.loads(alone.read_text())
+    assert [r["recipe"] for r in data["runs"]] == ["adamw", "y"]  # not its recipe z (3e-3)
+    assert data["runs"][1]["gap"] == pytest.approx(2.1 / 2.0 - 1.0)
+    assert data["runs"][1]["bytes_ratio"] == pytest.approx(300.0)
+    assert data["merged"] == ["b (its adamw run)"]
+    with pytest.raises(ValueError, match="AdamW ran another config"):
+        lm.merge(alone, rows[1:], [], baseline=old)  # its AdamW ran at 3e-3, the recipes at 6e-3
 
 
 def test_lm_demo_schedules_are_the_documented_ones():

@@ -860,18 +860,24 @@ def same_run(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "baseline_lr"}
 
 
+def adamw_config(config: dict) -> dict:
+    """The config ``adamw`` ran with in a result file: its lr ``baseline_lr``, else ``lr``."""
+    rest = {k: v for k, v in config.items() if k not in ("lr", "baseline_lr")}
+    return {**rest, "lr": config.get("baseline_lr", config["lr"])}
+
+
 def tuned_baseline(data: dict, other: pathlib.Path) -> dict:
-    """The ``adamw`` run of ``other``, a result file whose AdamW ran at ``data``'s ``lr`` (its
-    ``baseline_lr``, else its ``lr``), the rest of its config the same: the baseline of
-    recipes run at AdamW's tuned lr with ``--no-baseline`` (``--baseline-from``)."""
+    """The ``adamw`` run of ``other``, a result file whose AdamW ran with the config ``data``'s
+    would run it with (:func:`adamw_config`): the baseline of recipes run with
+    ``--no-baseline`` (``--baseline-from``), e.g. at AdamW's tuned lr (``--lr``) against a
+    file whose recipes ran at another (``--baseline-lr``)."""
     import json
 
     extra = json.loads(other.read_text())
-    theirs = {**extra["config"], "lr": extra["config"].get("baseline_lr", extra["config"]["lr"])}
-    if same_run(theirs) != same_run(data["config"]):
+    if adamw_config(extra["config"]) != adamw_config(data["config"]):
         raise ValueError(
-            f"{other}'s AdamW ran another config: {extra['config']} (its lr: baseline_lr, else "
-            f"lr) != {data['config']}"
+            f"{other}'s AdamW ran another config: {adamw_config(extra['config'])} != "
+            f"{adamw_config(data['config'])} (the lr: baseline_lr, else lr)"
         )
     data.setdefault("merged", []).append(f"{extra['environment']['command']} (its adamw run)")
     return next(r for r in extra["runs"] if r["recipe"] == "adamw")
@@ -995,8 +1001,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--baseline-from",
         default=None,
-        help="add the adamw run of this result file (its AdamW at --lr, the same config "
-        "otherwise) to the output where it has none, and exit (with or without --merge)",
+        help="add the adamw run of this result file (its AdamW run with the output's AdamW "
+        "config: --baseline-lr, else --lr) to the output where it has none, and exit",
     )
     args = parser.parse_args(argv)
     config = dict(CONFIGS[args.config or "cpu"])

@@ -446,6 +446,13 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-senders-ef0.5": lm_sparse._sl(
         30, "2 replicas of 4, error feedback decayed by 0.5", m=2, averaging="senders", ef_decay=0.5
     ),
+    # 2 replicas at H = 16 (214x): the outer step past plain averaging, Nesterov or longer.
+    "diloco-int4-H16-M2-innerconst-outer1.0-0.3": _h(
+        16, 2, inner=_inner_const, outer=lambda run: _sgd(1.0, 0.3)()
+    ),
+    "diloco-int4-H16-M2-innerconst-outer1.2-0": _h(
+        16, 2, inner=_inner_const, outer=lambda run: _sgd(1.2, 0.0)()
+    ),
 }
 
 

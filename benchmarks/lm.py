@@ -424,6 +424,7 @@ RECIPES: dict[str, Recipe] = {
         codec=_codec("sign", scale="rms"),
         note="steps clipped at Adam's bound; jc.sign(scale='rms')",
     ),
+    "onebit_adam-bound": _ob(adam_bound=True, note="steps clipped at Adam's bound"),
     "zero_one_adam-signs": _zo(
         codec=_codec("sign", scale="rms"), note="jc.sign(scale='rms'): a zero word moves"
     ),

@@ -105,12 +105,22 @@ def strategies_for(codec) -> list[str]:
 
 
 def model_bytes(codec, shapes: dict, n: int, strategy: str) -> float:
-    """``jc.strategy_bytes`` per compressed leaf + plain pmean of small leaves + the flag."""
+    """``jc.strategy_bytes`` per compressed leaf + plain pmean of small leaves + the flag
+    + residual feedback's ordering psum."""
     import jaxcomp as jc
+    from jaxcomp._src import feedback
 
+    scalar = 2 * (n - 1) / n * 4  # one float32 or int32 psum
     # The int32 non-finite flag: one scalar psum, unless the codec's payload carries it
     # (``flags_nonfinite``: every device reads it from what it received).
-    total = 0.0 if codec.flags_nonfinite else 2 * (n - 1) / n * 4
+    total = 0.0 if codec.flags_nonfinite else scalar
+    # Residual feedback (what error_feedback="auto" gives a biased codec): the means wait on
+    # one float32 psum of the new memories' first values (compressed_allreduce's
+    # _after_memory), where some leaf is compressed.
+    if feedback.resolve("auto", codec) == "residual" and any(
+        math.prod(s) >= MIN_SIZE for s in shapes.values()
+    ):
+        total += scalar
     for shape in shapes.values():
         d = math.prod(shape)
         if d >= MIN_SIZE:

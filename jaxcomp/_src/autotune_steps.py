@@ -187,10 +187,9 @@ def tied_steps(rows: Sequence[Candidate]) -> list[Candidate]:
         m_r - m_b <= max(TIE * m_b, s_r, s_b)
 
     The spread is the noise within one timing; :data:`jaxcomp._src.autotune.TIE` (5%) is the
-    noise between timings that a few steps do not show: on an idle host the same step timed
-    by the plan and again by ``benchmarks/network.py`` in the same run differed by 3.5-3.9%
-    (int8 in two phases 705 and 731 ms, through the all-gather 732 and 705 ms: the order of
-    the two flipped). Failed rows never tie.
+    noise between timings that a few steps do not show (the same step timed twice in one
+    run can swap places with another: docs/autotune.md, "How ties are broken", has the
+    measurements). Failed rows never tie.
 
     Args:
       rows: candidates, ``step_ms`` NaN where no step was timed.
@@ -257,14 +256,11 @@ def settle_tie(tied: Sequence[Candidate]) -> Candidate:
     Two steps whose wall times the timing cannot tell apart may still load the host
     differently, and on a host whose cores run both the step and its exchange the one that
     costs less CPU is the faster one once the wall clock is quiet (CPU time counts this
-    process's own work, not the time it waits for the cores or the link). Measured
-    (``benchmarks/exchange_cpu.py``: 2 CPU devices, the 25.2M-parameter MLP's steps,
-    interleaved): int8 with its residual in two phases costs 1.30x the CPU of its
-    all-gather (the re-encode and its second memory), beyond the noise, as the idle
-    1 Gbit/s benchmark steps ordered them (705 ms through the all-gather against 731 ms,
-    where the plan had timed two phases 4% faster); fp16's two strategies came out within
-    it (0.99x), and are then settled by :func:`tie_key`. Rows without a CPU time
-    (exchanges timed alone, recorded tables) are settled by :func:`tie_key` alone.
+    process's own work, not the time it waits for the cores or the link): int8 with its
+    residual in two phases runs a re-encode and a second memory that its all-gather does
+    not (``benchmarks/exchange_cpu.py`` measures both; docs/autotune.md, "How ties are
+    broken", has the figures). Rows within the CPU noise, and rows without a CPU time
+    (exchanges timed alone, recorded tables), are settled by :func:`tie_key` alone.
 
     Args:
       tied: the tied rows (:func:`tied_steps`), at least one.
@@ -417,11 +413,10 @@ def calibrate_steps(rows: Sequence[Candidate]) -> list[Candidate]:
     other such steps alone: a codec whose payload the backend widens (``widen > 1``,
     :func:`jaxcomp._src.autotune.wire_widths`: bf16 on XLA:CPU, converted to float32 on each
     side of every collective) runs converts that do not fuse into the step the same way, and
-    its steps' scale swung from run to run (``k_pass`` -0.9 to +0.3 over the recorded bf16
-    steps, fp16's -0.8 to -0.5 at 10 Gbit/s); in one fit with them fp16's steps at
-    10 Gbit/s were predicted +24% and +34%. A widened codec's step is predicted from every
-    other timed step (docs/autotune.md, "How the steps are predicted", has the measured
-    errors). A timed row's own step never enters its scales (leave-one-out), so its
+    its steps' scale swings from run to run, pulling the others' fit with it. A widened
+    codec's step is predicted from every other timed step (docs/autotune.md, "How the steps
+    are predicted", has the fitted scales and the measured errors, with and without the
+    split). A timed row's own step never enters its scales (leave-one-out), so its
     predicted against measured step is a fair test; plain ``pmean`` is the anchor
     (predicted = measured). Without a measured plain step the rows are returned unchanged.
 

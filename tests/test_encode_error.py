@@ -34,10 +34,14 @@ def _reduced():
         segments = [x[:d] * (i + 1) for i, d in enumerate(SIZES)] + [jnp.zeros(64)]
         out = {}
         for name, strategy in CASES:
-            r = collectives.reduce_segments(segments, "data", jc.get_codec(name), strategy)
+            codec = jc.get_codec(name)
+            r = collectives.reduce_segments(segments, "data", codec, strategy, with_payload=True)
+            sizes = [s.shape[0] for s in segments]
+            own = collectives.own_sent(sizes, r.payload, "data", codec, strategy)
             out[f"{name}/{strategy}"] = (
                 jnp.concatenate(r.error)[None],
                 jnp.concatenate([s - sent for s, sent in zip(segments, r.sent, strict=True)])[None],
+                jnp.concatenate([s - o for s, o in zip(segments, own, strict=True)])[None],
             )
         return out
 
@@ -47,10 +51,12 @@ def _reduced():
 
 @pytest.mark.parametrize("case", [f"{n}/{s}" for n, s in CASES])
 def test_error_of_the_encoding_step_is_the_unfused_residual(case):
-    # Bit for bit: the same values as (g + e) - decode(payload) formed after the exchange.
-    error, unfused = (np.asarray(a) for a in _reduced()[case])
+    # Bit for bit: the same values as (g + e) - decode(payload) formed after the exchange,
+    # and as x - own_sent(payload) (1-bit Adam's memory, formed after its cond).
+    error, unfused, late = (np.asarray(a) for a in _reduced()[case])
     assert error.shape == (N, sum(SIZES) + 64)
     np.testing.assert_array_equal(error, unfused)
+    np.testing.assert_array_equal(error, late)
     assert np.all(error[:, -64:] == 0.0)  # a zero gradient leaves a zero memory, never NaN
     assert np.isfinite(error).all() and np.abs(error).max() > 0  # something was dropped
 

@@ -661,6 +661,33 @@ def _reduce_flat(
     return Reduced(mean, sent, server, fill_bad, error, payload if with_payload else None)
 
 
+def own_sent(sizes: list[int], payloads: list, axis_name: Any, codec: Codec, strategy: str):
+    """What this device's payload of each segment (``Reduced.payload`` of
+    :func:`reduce_segments` with ``with_payload=True``, no inner axis) decodes to, in the
+    segment's units, as each strategy encodes it: ``x - own_sent`` is ``Reduced.error`` bit
+    for bit (``Codec.encode_with_error`` returns ``x - decode(payload)``), with no
+    collective and no second encoding; None where the error is zero (plain ``pmean``).
+
+    Residual error feedback forms its new memory with it after a ``lax.cond`` whose branch
+    ran the exchange, in place in the donated memory (returned from the branch, the memory
+    left it in a buffer of its own): the decode is elementwise and XLA fuses it into that
+    write."""
+    n = axis_size(axis_name)
+    sent = []
+    for d, p in zip(sizes, payloads, strict=True):
+        name = choose_strategy(codec, d, n, strategy)
+        if name == "two_phase":
+            first, _ = codec.phase_codecs(ceil_div(d, n), n)
+            sent.append(first.decode_rows(p, ceil_div(d, n))[:d])
+        elif name == "allreduce":
+            sent.append(_times(codec.decode(p, d), n))
+        elif name == "plain":
+            sent.append(None)
+        else:  # allgather, majority_vote
+            sent.append(codec.decode(p, d))
+    return sent
+
+
 def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
     """Reduce-scatter over the fast axis (f32), compress over the slow one, all-gather back.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, NamedTuple
 
 import chex
@@ -447,7 +448,8 @@ def compressed_allreduce(
         )
 
         def reduce(through: Codec) -> collectives.Reduced:
-            return collectives.reduce_segments(
+            sink = _PAYLOADS.get()
+            r = collectives.reduce_segments(
                 plan.split(targets),
                 axis_name,
                 through,
@@ -457,7 +459,11 @@ def compressed_allreduce(
                 inner_axis_name,
                 plain_bad,
                 bucket_bytes,
+                with_payload=sink is not None,
             )
+            if sink is not None:
+                sink.append(r.payload)
+            return r
 
         def reduce_in_regime() -> collectives.Reduced:
             """Through ``codec``; with Accordion, through the gentle codec when critical;
@@ -508,3 +514,74 @@ def compressed_allreduce(
     return optax.GradientTransformationExtraArgs(
         init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )
+
+
+#: Set by :func:`late_residual_memory`'s ``capture``: the update appends its exchange's
+#: payloads (this device's, per segment) while it is traced.
+_PAYLOADS: contextvars.ContextVar = contextvars.ContextVar("jaxcomp_payloads", default=None)
+
+
+def late_residual_memory(codec: Codec, axis_name: Any, options: dict[str, Any]) -> Any:
+    """For a recipe that runs :func:`compressed_allreduce` ``(codec, axis_name, **options)``
+    (residual feedback, float32 memories) inside a ``lax.cond``: ``(capture, memory)``, or
+    None where these options form the memory otherwise (another feedback or memory dtype,
+    an elementwise codec, an inner axis, worker momentum, adaptive, a density warm-up,
+    sharded params).
+
+    ``capture(fn, *args)`` calls ``fn`` (the branch's ``update``) and returns ``(its result,
+    payloads)``: this device's payload of every segment, which the branch returns (a
+    fraction of the memory's bytes). ``memory(updates, state, payloads)`` is then the new
+    ``memory`` field, ``e' = (g + e) - decode(payload)`` per segment
+    (:func:`jaxcomp._src.collectives.own_errors`: the errors of the encoding, bit for bit,
+    no collective, no second encoding), formed after the cond where XLA writes it in
+    place in the donated memory: returned from the branch, the memory left the cond in a
+    buffer of its own, beside the branch's operand and the exchanged mean.
+    """
+    o = options
+    unsupported = (
+        o.get("error_feedback") != "residual"
+        or codec.elementwise
+        or any(o.get(k) is not None for k in ("inner_axis_name", "worker_momentum", "adaptive"))
+        or o.get("param_specs") is not None
+        or o.get("warmup_steps", 0)
+        or feedback.check_memory_dtype(o.get("memory_dtype")) != jnp.float32
+    )
+    if unsupported:
+        return None
+    min_size, mask = o.get("min_size", 1024), o.get("mask")
+    granularity, strategy = o.get("granularity", "leaf"), o.get("strategy", "auto")
+
+    def capture(fn, *args):
+        sink = []
+        token = _PAYLOADS.set(sink)
+        try:
+            out = fn(*args)
+        finally:
+            _PAYLOADS.reset(token)
+        return out, (sink[0] if sink else [])
+
+    def memory(updates: Any, state: CompressedAllreduceState, payloads: list) -> Any:
+        layout = layouts.layout_of(updates, min_size, mask)
+        grads = layouts.compressed_vectors(updates, layout)
+        if not grads:
+            return state.memory
+        plan = collectives.segments_for([g.shape[0] for g in grads], granularity)
+        sizes = [d for pieces in plan.pieces() for d in pieces]
+        sent = collectives.own_sent(sizes, payloads, axis_name, codec, strategy)
+        if any(s is None for s in sent):  # plain segments: zero error
+            sent = [
+                jnp.zeros((d,), jnp.float32) if s is None else s
+                for d, s in zip(sizes, sent, strict=True)
+            ]
+        # In the memory's own [1, *shape] (through a reshape XLA copies the result out).
+        return layouts.like_compressed(
+            layout,
+            [
+                (g.reshape(e.shape) + e) - s.reshape(e.shape)
+                for g, e, s in zip(
+                    grads, layouts.field_leaves(state.memory), plan.join(sent), strict=True
+                )
+            ],
+        )
+
+    return capture, memory

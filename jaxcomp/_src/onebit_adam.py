@@ -12,7 +12,11 @@ import optax
 from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, saturating_square
 from jaxcomp._src.codecs.sign import sign
-from jaxcomp._src.compressed_allreduce import CompressedAllreduceState, compressed_allreduce
+from jaxcomp._src.compressed_allreduce import (
+    CompressedAllreduceState,
+    compressed_allreduce,
+    late_residual_memory,
+)
 from jaxcomp._src.sgd import exchange_options
 
 
@@ -274,6 +278,15 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     return inner, every_axis
 
 
+def memory_after(codec: Codec | None, axis_name: Any, exchange: dict):
+    """:func:`~jaxcomp._src.compressed_allreduce.late_residual_memory` of
+    :func:`momentum_exchange`'s exchange: None where it forms its memory otherwise (other
+    options; memories narrower than float32 stay in the round)."""
+    options = {"error_feedback": "residual", **exchange_options(exchange)}
+    codec = sign("rms", exact_zeros=True) if codec is None else codec
+    return late_residual_memory(codec, axis_name, options)
+
+
 def gradient_mean(grads: Any, every_axis: Any) -> Any:
     r"""The float32 mean of the devices' gradients, pre-scaled: ``sum_i (g_i / n)``, one
     ``psum`` per leaf, which XLA combines into a few all-reduces of tuples (no concatenated
@@ -348,16 +361,46 @@ def scale_by_onebit_adam(
     # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
+    # The worker memory is formed after the cond (memory_after), in place in its donated
+    # buffer, from this device's payloads, which the compressed branch returns: returned
+    # from the branch, it left the cond in a buffer of its own beside the branch's operand
+    # and the exchanged mean (and the warm-up branch copied it out).
+    late = memory_after(codec, axis_name, exchange)
+
+    def without_memory(exchange_state):
+        return exchange_state if late is None else exchange_state._replace(memory=None)
+
     def warmup(y, state, params):
         """The float32 mean gradient over the devices (uncompressed; ``y`` holds each
         device's ``g_i / n``: the sum is the mean and never overflows where it fits, see
         :func:`gradient_mean`): Adam with the variance still learning."""
-        return skeleton.tree_psum(y, every_axis), state.exchange
+        zeros = jax.tree.map(
+            lambda a: jax.lax.pcast(jnp.zeros(a.shape, a.dtype), every_axis, to="varying"),
+            payload_shapes(y, state, params),
+        )
+        return skeleton.tree_psum(y, every_axis), without_memory(state.exchange), zeros
 
     def compressed(y, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen.
         Returned in preconditioned units: turned back where mu is written (one pass)."""
-        return inner.update(y, state.exchange, params)
+        if late is None:
+            return (*inner.update(y, state.exchange, params), [])
+        (x, exchange_state), payloads = late[0](inner.update, y, state.exchange, params)
+        return x, without_memory(exchange_state), payloads
+
+    def payload_shapes(y, state, params):
+        return jax.eval_shape(lambda *a: compressed(*a)[2], y, state, params)
+
+    def with_memory(exchange_state, y, state, warm, bad, mu, payloads):
+        """The exchange state with its worker memory: the compressed round's (kept in the
+        warm-up and on a non-finite step), formed after the cond (:func:`memory_after`),
+        once the new momentum is written."""
+        if late is None:
+            return exchange_state
+        old = state.exchange.memory
+        new = late[1](y, state.exchange, payloads)
+        memory = jax.tree.map(lambda o, m: jnp.where(warm | bad, o, m), old, new)
+        return exchange_state._replace(memory=memory)
 
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
@@ -429,12 +472,13 @@ def scale_by_onebit_adam(
         else:
             level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
         y = branch_input(updates, state, warm, nu_scale)
-        x, exchange_state = jax.lax.cond(warm, warmup, compressed, y, state, params)
+        x, exchange_state, payloads = jax.lax.cond(warm, warmup, compressed, y, state, params)
         # The flag of what the round gave (identical on every device), read after the cond:
         # in the warm-up branch its partial sums added to the branch operand and its output.
         bad = collectives.local_nonfinite(x)
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad)
+        exchange_state = with_memory(exchange_state, y, state, warm, bad, mu, payloads)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = OneBitAdamState(

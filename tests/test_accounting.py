@@ -629,9 +629,9 @@ def test_onebit_adam_warmup_branch_and_at_count(mesh):
         return comm_report(jax.jit(jax.shard_map(step, mesh=mesh, **shapes)), params, state, x)
 
     r, warmup = report(), report(0)
-    # all-to-all + all-gather of 1-bit words, scales and (exact zeros) a word of zero flags,
-    # and the float32 psum that orders the mean after the memory's pass (_after_memory)
-    sign = 2 * 7 / 8 * (8 * 16 * 4 + 8 * 4 + 8 * 4 + 4)
+    # all-to-all + all-gather of 1-bit words, scales and (exact zeros) a word of zero flags;
+    # no ordering psum (_after_memory): the worker memory is formed after the cond
+    sign = 2 * 7 / 8 * (8 * 16 * 4 + 8 * 4 + 8 * 4)
     full = 2 * 7 / 8 * 4096 * 4
     level = 2 * 7 / 8 * 4  # every step, outside the cond: one float32 per leaf (the rescale)
     assert r.branch_bytes() == {None: level, (0, 0): sign, (0, 1): full}

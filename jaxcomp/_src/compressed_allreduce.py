@@ -173,8 +173,10 @@ def _after_memory(outs: list, memory: Any, axes: Any, residual: bool = True) -> 
     data edge between them XLA keeps a copy of the gradient (or of ``g + e``) for that pass.
     Under ``shard_map`` a per-device value reaches a replicated one only through a
     collective: one scalar psum of the memories' first values, and each mean waits on it
-    (:func:`~jaxcomp._src.codecs.base.after`: the same bits)."""
-    if not residual:
+    (:func:`~jaxcomp._src.codecs.base.after`: the same bits). Not where the caller captures
+    the payloads (:func:`late_residual_memory`): it drops this memory and forms its own after
+    its ``lax.cond``, so there is nothing to order (and no psum to pay)."""
+    if not residual or _PAYLOADS.get() is not None:
         return outs
     firsts = [m.reshape(-1)[0].astype(jnp.float32) for m in layouts.field_leaves(memory) if m.size]
     if not firsts or not outs:

@@ -369,6 +369,23 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-innerwsd": _h(30, 2, inner=_inner_wsd, sparse=True),
     # SparseLoCo's merge: the mean over every device (a coordinate sent by one is divided).
     "sparseloco-H30-M2-innerconst-all": _h(30, 2, inner=_inner_const, sparse=True, averaging="all"),
+    # SparseLoCo on 2 replicas at H = 10 (and 5), one change at a time from its defaults: the
+    # top-k density (4x: 256 of 4096), the error feedback's decay, the outer lr.
+    "sparseloco-H10-M2-innerconst-d256": _h(
+        10, 2, inner=_inner_const, sparse=True, density=256 / 4096
+    ),
+    "sparseloco-H10-M2-innerconst-ef0.95": _h(
+        10, 2, inner=_inner_const, sparse=True, ef_decay=0.95
+    ),
+    "sparseloco-H10-M2-innerconst-ef1.0": _h(10, 2, inner=_inner_const, sparse=True, ef_decay=1.0),
+    "sparseloco-H10-M2-innerconst-ef0.9": _h(10, 2, inner=_inner_const, sparse=True, ef_decay=0.9),
+    "sparseloco-H10-M2-innerconst-bits4": _h(10, 2, inner=_inner_const, sparse=True, bits=4),
+    "sparseloco-H10-M2-innerconst-outer1.5": _h(
+        10, 2, inner=_inner_const, outer=lambda run: _sgd(1.5, 0.0)(), sparse=True
+    ),
+    "sparseloco-H10-M2-innerconst-d256-ef0.95": _h(
+        10, 2, inner=_inner_const, sparse=True, density=256 / 4096, ef_decay=0.95
+    ),
     # SparseLoCo with the inner lr held at smaller H (more syncs: bytes x 30 / H).
     "sparseloco-H10-innerconst": _h(10, inner=_inner_const, sparse=True),
     "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),
@@ -544,31 +561,104 @@ def _sync_record(task: lm.Task, host: Any, anchor: Any) -> dict:
     }
 
 
+def feedback_memory(state: Any) -> list | None:
+    """The error-feedback memory of SparseLoCo's all-gather exchange in ``state`` on the host:
+    one entry per params leaf, ``(m, *shape)`` float64 or None (a leaf averaged exactly); None
+    where ``state`` holds no such exchange."""
+    import jax
+    import numpy as np
+
+    from jaxcomp._src.sparseloco import SparseFeedbackState
+
+    found = []
+
+    def visit(node):
+        if isinstance(node, SparseFeedbackState) and not found:
+            found.append(node.memory)
+        return node
+
+    jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, SparseFeedbackState))
+    if not found:
+        return None
+    return [None if e is None else np.asarray(jax.device_get(e), np.float64) for e in found[0]]
+
+
+def feedback_record(before: list, after: list, theta: list, anchor: list, beta: float) -> dict:
+    r"""What SparseLoCo's error feedback did at one sync, over the compressed leaves (those
+    with memory), per replica ``i`` and averaged over the replicas: with ``D_i = x -
+    theta_i``, the target ``t_i = beta e_i + D_i`` (``e_i``: the memory ``before``) and the
+    payload ``s_i = t_i - e'_i`` (``e'_i``: the memory ``after``)::
+
+        sent_over_delta   = |s_i| / |D_i|        target_over_delta = |t_i| / |D_i|
+        memory_over_delta = |e'_i| / |D_i|       sent_cosine       = cos(s_i, D_i)
+
+    ``before`` / ``after``: :func:`feedback_memory`; ``theta``: the replicas' params leaves
+    ``(m, *shape)``; ``anchor``: the anchor's leaves."""
+    import numpy as np
+
+    keep = [i for i, e in enumerate(after) if e is not None]
+    m = theta[0].shape[0]
+
+    def rows(leaves):
+        return np.concatenate([np.asarray(leaves[i], np.float64).reshape(m, -1) for i in keep], 1)
+
+    x = np.concatenate([np.asarray(anchor[i], np.float64).reshape(1, -1) for i in keep], 1)
+    d, e_after = x - rows(theta), rows(after)
+    target = beta * rows(before) + d
+    sent = target - e_after
+    norm_d = np.maximum(np.linalg.norm(d, axis=1), 1e-30)
+    norm_s = np.maximum(np.linalg.norm(sent, axis=1), 1e-30)
+    return {
+        "sent_over_delta": float(np.mean(np.linalg.norm(sent, axis=1) / norm_d)),
+        "target_over_delta": float(np.mean(np.linalg.norm(target, axis=1) / norm_d)),
+        "memory_over_delta": float(np.mean(np.linalg.norm(e_after, axis=1) / norm_d)),
+        "sent_cosine": float(np.mean((sent * d).sum(1) / (norm_s * norm_d))),
+    }
+
+
 NU: dict[int, Any] = {}  # adamw's second moment at the recorded steps
 
 
-def diagnose(task: lm.Task, name: str, recipe: lm.Recipe, run: lm.Run, steps: list[int]) -> dict:
+def diagnose(
+    task: lm.Task,
+    name: str,
+    recipe: lm.Recipe,
+    run: lm.Run,
+    steps: list[int],
+    ef_decay: float = 0.5,
+) -> dict:
     """Train ``recipe`` and record :func:`_sync_record` before, and the anchor's held-out loss
-    after, each step index in ``steps`` (0-based; a sync step of the recipe). ``adamw``:
-    its held-out loss and params at the same steps."""
+    after, each step index in ``steps`` (0-based; a sync step of the recipe); SparseLoCo
+    (all-gather): also :func:`feedback_record` at its error feedback's decay ``ef_decay``.
+    ``adamw``: its held-out loss and params at the same steps."""
     import jax
     import numpy as np
 
     fn, params, state, put = lm.build(task, recipe, run)
+    # SparseLoCo: the same step without the sync (count fixed at 0), run on copies, gives the
+    # replicas' params after the sync step's inner update: the pseudo-gradient exchanged.
+    peek = lm.build(task, recipe, run, fixed=0)[0] if feedback_memory(state) else None
     task.reset()
     records, prev, curve = [], None, []
     for t in range(run.steps):
-        at = t in steps
+        at, batch = t in steps, put(task.batch())
         if at and recipe.kind == "replica":
             host, anchor = jax.device_get(params), _anchor(state)
             rec = {"step": t + 1, **_sync_record(task, host, anchor)}
-            x_old = _flat(anchor)
-        params, state, loss = jax.block_until_ready(fn(params, state, put(task.batch())))
+            x_old, memory = _flat(anchor), feedback_memory(state)
+            if peek is not None:
+                copies = jax.tree.map(lambda a: a.copy(), (params, state))
+                moved = jax.device_get(jax.block_until_ready(peek(*copies, batch))[0])
+        params, state, loss = jax.block_until_ready(fn(params, state, batch))
         curve.append(float(loss))
         if not at:
             continue
         if recipe.kind == "replica":
             new = _anchor(state)
+            if peek is not None:
+                theta, x = jax.tree.leaves(moved), jax.tree.leaves(anchor)
+                after = feedback_memory(state)
+                rec.update(feedback_record(memory, after, theta, x, ef_decay))
             rec["eval_after"] = task.eval_loss(new)
             rec["outer_step_norm"] = float(np.linalg.norm(_flat(new) - x_old))
             nu = _second_moment(state, replicas=True)
@@ -706,6 +796,12 @@ def main(argv: list[str] | None = None) -> int:
         "the H steps from each of these steps (--replicas, --sync-every)",
     )
     ap.add_argument("--replicas", type=int, default=2, help="--fidelity: M")
+    ap.add_argument(
+        "--ef-decay",
+        type=float,
+        default=0.5,
+        help="--diagnose: the error feedback's decay of the SparseLoCo recipes diagnosed",
+    )
     args, rest = ap.parse_known_args(argv)
     if args.fidelity:
         largs = lm.parse(["--tag", args.tag, *rest])
@@ -729,9 +825,9 @@ def run_diagnose(args: Any, rest: list[str]) -> int:
     h = args.sync_every
     steps = [t for t in range(run.steps) if (t + 1) % h == 0]
     out = []
-    for name in ["adamw", *args.diagnose]:
+    for name in args.diagnose if largs.no_baseline else ["adamw", *args.diagnose]:
         t0 = time.perf_counter()
-        out.append(diagnose(task, name, lm.RECIPES[name], run, steps))
+        out.append(diagnose(task, name, lm.RECIPES[name], run, steps, args.ef_decay))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     config = lm.run_config(largs)
     path = common.result_path("lm_" + args.tag, False)

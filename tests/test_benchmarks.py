@@ -434,6 +434,25 @@ def test_lm_diloco_pseudo_gradient_spread():
     assert opposite["mean_delta_norm"] == 0.0 and opposite["delta_cosine"] == pytest.approx(-1.0)
 
 
+def test_lm_diloco_feedback_record_by_hand():
+    """benchmarks/lm_diloco.py: what SparseLoCo's error feedback sent at one sync, from the
+    memory before and after, the replicas and the anchor (a leaf without memory ignored)."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    anchor = [np.array([1.0, 0.0]), np.array([5.0])]
+    theta = [np.array([[0.0, 0.0], [1.0, -2.0]]), np.array([[0.0], [1.0]])]  # D: (1,0), (0,2)
+    before = [np.array([[0.0, 2.0], [0.0, 0.0]]), None]
+    after = [np.array([[0.0, 1.0], [0.0, 0.0]]), None]  # replica 0 keeps (0, 1), 1 keeps none
+    rec = lm_diloco.feedback_record(before, after, theta, anchor, beta=0.5)
+    # targets 0.5 e + D: (1, 1) and (0, 2); payloads (1, 0) and (0, 2)
+    assert rec["target_over_delta"] == pytest.approx((np.sqrt(2) + 1.0) / 2)
+    assert rec["sent_over_delta"] == pytest.approx(1.0)
+    assert rec["memory_over_delta"] == pytest.approx(0.5)
+    assert rec["sent_cosine"] == pytest.approx(1.0)
+
+
 def test_lm_diloco_held_and_outer_cosine_schedules():
     """benchmarks/lm_diloco.py: the inner lr held at its peak after AdamW's 5% warm-up, and
     the outer lr from 0.7 at the first of the 10 outer steps of H = 30 to 0.07 at the last."""

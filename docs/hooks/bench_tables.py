@@ -1139,10 +1139,39 @@ def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
     return table + _lm_time(data["runs"])
 
 
+FEEDBACK_COLUMNS = (
+    ("sent_over_delta", "‖sent‖ / ‖D_i‖"),
+    ("memory_over_delta", "memory after / ‖D_i‖"),
+    ("sent_cosine", "cosine of sent, D_i"),
+)
+
+
+def _lm_sync_row(s: dict[str, Any], dp: dict[str, Any] | None, nu: bool, ef: bool) -> list:
+    """One sync's cells (``dp``: AdamW data parallel at that step, or None: not recorded)."""
+    move = None if dp is None else dp.get("displacement")
+    ratio = s.get("adam_denominator_ratio_median")
+    return [
+        str(s["step"]),
+        "–" if dp is None else f"{dp['eval_after']:.4f}",
+        f"{s['eval_after']:.4f}",
+        "–" if dp is None else f"{s['eval_after'] - dp['eval_after']:+.3f}",
+        f"{s['eval_replicas']:.4f}",
+        f"{s['eval_mean_params']:.4f}",
+        f"{s['delta_cosine']:.2f}",
+        f"{s['mean_delta_norm'] / s['delta_norm']:.2f}",
+        f"{s['outer_step_norm'] / s['mean_delta_norm']:.2f}",
+        "–" if not move else f"{s['outer_step_norm'] / move:.2f}",
+        *([] if not nu else ["–" if ratio is None else f"{ratio:.2f}"]),
+        *([] if not ef else [f"{s[k]:.2f}" for k, _ in FEEDBACK_COLUMNS]),
+    ]
+
+
 def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
     """Per-sync records of ``benchmarks.lm_diloco --diagnose``: one table per recipe, each
-    sync against AdamW data parallel at the same step."""
-    base = {s["step"]: s for s in next(r for r in data["syncs"] if r["recipe"] == "adamw")["syncs"]}
+    sync against AdamW data parallel at the same step (where the file has it: ``--no-baseline``
+    runs leave those cells empty); SparseLoCo's rows add what its error feedback sent."""
+    adamw = [r for r in data["syncs"] if r["recipe"] == "adamw"]
+    base = {s["step"]: s for s in adamw[0]["syncs"]} if adamw else {}
     header = [
         "step",
         "AdamW DP",
@@ -1159,28 +1188,11 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
     for r in data["syncs"]:
         if r["recipe"] == "adamw":
             continue
-        rows = []
         nu = any("adam_denominator_ratio_median" in s for s in r["syncs"])
-        for s in r["syncs"]:
-            dp = base[s["step"]]
-            move = dp.get("displacement")
-            ratio = s.get("adam_denominator_ratio_median")
-            rows.append(
-                [
-                    str(s["step"]),
-                    f"{dp['eval_after']:.4f}",
-                    f"{s['eval_after']:.4f}",
-                    f"{s['eval_after'] - dp['eval_after']:+.3f}",
-                    f"{s['eval_replicas']:.4f}",
-                    f"{s['eval_mean_params']:.4f}",
-                    f"{s['delta_cosine']:.2f}",
-                    f"{s['mean_delta_norm'] / s['delta_norm']:.2f}",
-                    f"{s['outer_step_norm'] / s['mean_delta_norm']:.2f}",
-                    "–" if not move else f"{s['outer_step_norm'] / move:.2f}",
-                ]
-                + ([] if not nu else ["–" if ratio is None else f"{ratio:.2f}"])
-            )
+        ef = all("sent_over_delta" in s for s in r["syncs"])
+        rows = [_lm_sync_row(s, base.get(s["step"]), nu, ef) for s in r["syncs"]]
         extra = ["AdamW denominator / DP's (median)"] if nu else []
+        extra += [name for _, name in FEEDBACK_COLUMNS] if ef else []
         parts.append(f"`{r['recipe']}`:\n\n" + _markdown((header + extra, rows)))
     command = data.get("environment", {}).get("command") or "python -m benchmarks.lm_diloco"
     return "\n\n".join(parts) + "\n\n" + _source(path, data, command)

@@ -386,6 +386,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H10-M2-innerconst-d256-ef0.95": _h(
         10, 2, inner=_inner_const, sparse=True, density=256 / 4096, ef_decay=0.95
     ),
+    "sparseloco-H5-M2-innerconst-ef0.95": _h(5, 2, inner=_inner_const, sparse=True, ef_decay=0.95),
+    "sparseloco-H5-M2-innerconst-d256": _h(
+        5, 2, inner=_inner_const, sparse=True, density=256 / 4096
+    ),
+    "sparseloco-H3-innerconst-ef0.95": _h(3, inner=_inner_const, sparse=True, ef_decay=0.95),
     # SparseLoCo with the inner lr held at smaller H (more syncs: bytes x 30 / H).
     "sparseloco-H10-innerconst": _h(10, inner=_inner_const, sparse=True),
     "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),

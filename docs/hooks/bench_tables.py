@@ -1121,6 +1121,8 @@ def _convergence_diagnosis_dgc(data: dict[str, Any], path: pathlib.Path) -> str:
 
 
 def _lm(data: dict[str, Any], path: pathlib.Path) -> str:
+    if "runs" not in data and "syncs" in data:  # --diagnose written under another tag
+        return _lm_sync(data, path)
     header = ["recipe", "replicas", "held-out loss", "vs AdamW DP", "bytes/step", "x fewer"]
     rows = []
     for r in data["runs"]:

@@ -12,7 +12,11 @@ sync of the recipes named:
 * the pseudo-gradients ``D_i = x - theta_i`` (before the sync step): their mean norm, the norm
   of their mean, the mean cosine between replicas, and the norm of the outer step
   ``|x_new - x|``; AdamW data parallel's displacement over the same interval; the median over
-  the coordinates of the replicas' AdamW denominator ``sqrt(nu)`` over data parallel's.
+  the coordinates of the replicas' AdamW denominator ``sqrt(nu)`` over data parallel's;
+* SparseLoCo (all-gather): what its error feedback sent (:func:`feedback_record`: the
+  payload's and the memory's norms over ``|D_i|``, the payload's cosine with ``D_i``), at
+  ``--ef-decay`` (the recipe's decay), the pseudo-gradient read from a copy of the sync step
+  run without its sync. ``--no-baseline``: no ``adamw`` run.
 
 The rows: plain averaging (``local-H30``), the outer step (heavy ball, lr 1.5 and 2.0 without
 momentum), the codec (float32; int2 at ``H = 15`` and 1-bit signs at ``H = 10``: the bytes of
@@ -35,12 +39,17 @@ sequence of intervals: ``-H10to30`` on 8 replicas, ``-H5to30`` and ``-H5x6to30``
 ``H = 20`` on 2 replicas, and SparseLoCo with WSD or ``averaging="all"``. The rule for
 ``H`` with the inner lr held: ``H = 10`` on 2 and on 8 replicas, ``H = 5`` and ``H = 8``
 on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300 steps);
-SparseLoCo with the inner lr held at ``H = 10``, 5, 4 and 3 on 8 replicas, 10 and 5 on 2.
+SparseLoCo with the inner lr held at ``H = 10``, 5, 4 and 3 on 8 replicas, 10 and 5 on 2;
+on 2 replicas at ``H = 10`` and 5 one change at a time (the density 256 / 4096, ``ef_decay``
+0.9, 0.95 and 1.0, an outer lr of 1.5), the density 256 / 4096 at ``H = 3`` on 2,
+``ef_decay=0.95`` at ``H = 30`` on 2 and at ``H = 3`` on 8.
 
 ::
 
     python -m benchmarks.lm_diloco --recipes diloco-f32-H30 --tag diloco
     python -m benchmarks.lm_diloco --diagnose diloco-int4-H30 local-H30 --tag sync_local
+    python -m benchmarks.lm_diloco --diagnose sparseloco-H10-M2-innerconst --sync-every 10 \
+        --no-baseline --tag S_sync_h10m2
 
 Writes ``benchmarks/results/lm_TAG.json`` (and ``.png``); ``--diagnose``: the per-sync
 records in ``lm_TAG.json`` under ``"syncs"``.
@@ -379,7 +388,6 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     "sparseloco-H10-M2-innerconst-ef1.0": _h(10, 2, inner=_inner_const, sparse=True, ef_decay=1.0),
     "sparseloco-H10-M2-innerconst-ef0.9": _h(10, 2, inner=_inner_const, sparse=True, ef_decay=0.9),
-    "sparseloco-H10-M2-innerconst-bits4": _h(10, 2, inner=_inner_const, sparse=True, bits=4),
     "sparseloco-H10-M2-innerconst-outer1.5": _h(
         10, 2, inner=_inner_const, outer=lambda run: _sgd(1.5, 0.0)(), sparse=True
     ),
@@ -391,6 +399,9 @@ RECIPES: dict[str, lm.Recipe] = {
         5, 2, inner=_inner_const, sparse=True, density=256 / 4096
     ),
     "sparseloco-H3-innerconst-ef0.95": _h(3, inner=_inner_const, sparse=True, ef_decay=0.95),
+    "sparseloco-H3-M2-innerconst-d256": _h(
+        3, 2, inner=_inner_const, sparse=True, density=256 / 4096
+    ),
     # SparseLoCo with the inner lr held at smaller H (more syncs: bytes x 30 / H).
     "sparseloco-H10-innerconst": _h(10, inner=_inner_const, sparse=True),
     "sparseloco-H10-M2-innerconst": _h(10, 2, inner=_inner_const, sparse=True),

@@ -486,6 +486,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H16-M2-innerconst-outer1.2-0": _h(
         16, 2, inner=_inner_const, outer=lambda run: _sgd(1.2, 0.0)()
     ),
+    "diloco-int4-H16-M2-innerconst-outer1.4-0": _h(
+        16, 2, inner=_inner_const, outer=lambda run: _sgd(1.4, 0.0)()
+    ),
 }
 
 

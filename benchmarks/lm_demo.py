@@ -133,10 +133,17 @@ def mean_of_signs(axis: Any, *, decay: float, chunk: int = 64, topk: int = 18, b
     return optax.GradientTransformation(base.init, update_fn)
 
 
-def schedule(run: lm.Run, peak: float, end: float, warmup: float = 0.05, tail: float = 0.0) -> Any:
+def schedule(
+    run: lm.Run,
+    peak: float,
+    end: float,
+    warmup: float = 0.05,
+    tail: float = 0.0,
+    floor: float = 0.1,
+) -> Any:
     """AdamW's schedule (``warmup`` of the steps linear, then cosine) ending at ``end * peak``
-    instead of a tenth; ``tail > 0``: warm-up, the peak held, then a linear decay to a tenth
-    of it over the last ``tail`` of the steps (warm-up, stable, decay)."""
+    instead of a tenth; ``tail > 0``: warm-up, the peak held, then a linear decay to
+    ``floor * peak`` over the last ``tail`` of the steps (warm-up, stable, decay)."""
     import optax
 
     steps = max(1, round(run.steps * warmup))
@@ -145,7 +152,7 @@ def schedule(run: lm.Run, peak: float, end: float, warmup: float = 0.05, tail: f
         parts = [
             optax.linear_schedule(0.0, peak, steps),
             optax.constant_schedule(peak),
-            optax.linear_schedule(peak, 0.1 * peak, last),
+            optax.linear_schedule(peak, floor * peak, last),
         ]
         return optax.join_schedules(parts, [steps, run.steps - last])
     return optax.warmup_cosine_decay_schedule(0.0, peak, steps, run.steps, end * peak)
@@ -158,6 +165,7 @@ def _demo(
     decay: float = 0.9,
     warmup: float = 0.05,
     tail: float = 0.0,
+    floor: float = 0.1,
     weight_decay: float = lm.WEIGHT_DECAY,
     meansign: bool = False,
     **kw: Any,
@@ -178,7 +186,7 @@ def _demo(
             first,
             then() if then else optax.identity(),
             optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
-            optax.scale_by_learning_rate(schedule(run, peak, end, warmup, tail)),
+            optax.scale_by_learning_rate(schedule(run, peak, end, warmup, tail, floor)),
         )
 
     return lm.Recipe(make)
@@ -245,9 +253,25 @@ RECIPES.update(
             f"demo-{peak}-decay{decay}-k18-b4-wsd20-warm2": _demo(
                 float(peak), tail=0.2, warmup=0.02, **{**_K18, "decay": float(decay)}
             )
-            for peak in ("3e-3", "4e-3", "5e-3", "6e-3")
+            for peak in ("3e-3", "3.75e-3", "4e-3", "5e-3", "6e-3")
             for decay in ("0.95", "0.98")
         },
+        **{
+            f"demo-5e-3-decay0.95-k18-b4-wsd20-warm2-mink{k}": _demo(
+                5e-3, tail=0.2, warmup=0.02, min_topk=k, **_K18
+            )
+            for k in (2, 4)
+        },
+        "demo-5e-3-decay0.95-k18-b4-wsd30-warm2": _demo(5e-3, tail=0.3, warmup=0.02, **_K18),
+        "demo-5e-3-decay0.95-k18-b4-wsd20to0-warm2": _demo(
+            5e-3, tail=0.2, floor=0.0, warmup=0.02, **_K18
+        ),
+        "demo-5e-3-decay0.9-k18-b4-wsd20-warm2": _demo(
+            5e-3, tail=0.2, warmup=0.02, **{**_K18, "decay": 0.9}
+        ),
+        "demo-5e-3-decay0.95-k18-b4-wsd20-warm2-wd0.2": _demo(
+            5e-3, tail=0.2, warmup=0.02, weight_decay=0.2, **_K18
+        ),
         **{
             f"demo-{peak}-decay0.95-k18-b4-wsd20-snr": _demo(float(peak), _snr(), tail=0.2, **_K18)
             for peak in ("6e-3", "12e-3")

@@ -85,11 +85,11 @@ class DeMoState(NamedTuple):
     PER_DEVICE_FIELDS = ("momentum",)
 
 
-def _codec(blocks: Blocks, chunk: int, topk: int, bits: int | None):
+def _codec(blocks: Blocks, chunk: int, topk: int, bits: int | None, min_topk: int = 1):
     """The chunked top-k of one leaf: one chunk per block, ``topk`` per ``chunk x chunk``
-    block (fewer in smaller blocks, the same density, at least 1)."""
+    block (fewer in smaller blocks, the same density, at least ``min_topk``)."""
     c = blocks.b1 * blocks.b2
-    k = topk if c == chunk * chunk else max(1, math.ceil(topk * c / (chunk * chunk) - 1e-9))
+    k = topk if c == chunk * chunk else max(min_topk, math.ceil(topk * c / (chunk * chunk) - 1e-9))
     return chunked_top_k(min(k, c), c, bits)
 
 
@@ -100,7 +100,7 @@ def _is_float(x: Any) -> bool:
 def _exchange_leaves(moms: list, cfg: tuple) -> tuple[list, list, jax.Array]:
     """The mean of every momentum leaf over the devices (through the top-k of its blocks'
     DCT components, or exact below ``min_size``), what this device sent, and the flag."""
-    chunk, topk, bits, axis_name, min_size = cfg
+    chunk, topk, bits, axis_name, min_size, min_topk = cfg
     blocks = [Blocks.of(m.shape, chunk) for m in moms]
     dense = [m.size < max(min_size, 1) for m in moms]
     vectors = [
@@ -108,7 +108,7 @@ def _exchange_leaves(moms: list, cfg: tuple) -> tuple[list, list, jax.Array]:
         for m, b, flat in zip(moms, blocks, dense, strict=True)
     ]
     codecs = [
-        None if flat else _codec(b, chunk, topk, bits)
+        None if flat else _codec(b, chunk, topk, bits, min_topk)
         for b, flat in zip(blocks, dense, strict=True)
     ]
     ex = sparse_exchange.exchange(vectors, codecs, axis_name)
@@ -131,6 +131,7 @@ def scale_by_demo(
     sign: bool = True,
     bits: int | None = 8,
     min_size: int = 0,
+    min_topk: int = 1,
 ) -> optax.GradientTransformation:
     r"""DeMo's exchange: ``m_i <- decay m_i + g_i``; the top-``topk`` DCT components of each
     ``chunk x chunk`` block of ``m_i`` are all-gathered and subtracted from ``m_i``; the output
@@ -154,7 +155,7 @@ def scale_by_demo(
         mom_in = treedef.flatten_up_to(state.momentum)
         floats = [i for i, x in enumerate(leaves) if _is_float(x)]
         moms = [decay * mom_in[i][0] + leaves[i].astype(F32) for i in floats]
-        cfg = (chunk, topk, bits, axis_name, min_size)
+        cfg = (chunk, topk, bits, axis_name, min_size, min_topk)
         means, sent, bad = _exchange_leaves(moms, cfg)
         out, mom_out = list(leaves), list(mom_in)
         for j, i in enumerate(floats):

@@ -23,7 +23,12 @@ one change: ``-meansign`` the mean over the devices of each one's sign
 ``-warm10`` a 10% warm-up; ``-wsd20`` the peak decayed linearly to a tenth over the last 20%
 of the steps; ``-wd0`` no weight decay; ``-chunk128-k72`` 128 x 128 blocks of 72
 components (the same density); ``-k20-b2`` 20 components of 2 bits (the same bytes per
-block). Writes ``benchmarks/results/lm_TAG.json`` and ``.png``.
+block). The rows ``demo-PEAK-decayD-kK-bB-wsd20[-warm2]`` are that recipe at another peak,
+momentum decay, components and bits (``-warm2``: a 2% warm-up), each with at most one more
+change: ``-wsd50`` the tail over the last half; ``-wsd20to0`` the tail down to 0; ``-wd0.2``
+weight decay 0.2; ``-mink4`` 4 components in every small block (``min_topk=4``); ``-snr`` the
+sign scaled per leaf by the rms of Adam's direction of ``q`` (:func:`_snr`). Writes
+``benchmarks/results/lm_TAG.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -233,19 +238,20 @@ RECIPES.update(
     }
 )
 
-# The -wsd20 recipe at other peaks and momentum decays (the peak as a multiple of AdamW's tuned
-# peak on each data set: 3e-3 is 2/3 of 4.5e-3, 4e-3 of 6e-3).
+# The -wsd20 recipe at other peaks and momentum decays (on the held-out model, d_model 64: 6e-3
+# is the width rule 3e-3 x 128 / d_model, 4e-3 is 2/3 of its AdamW's peak as 3e-3 is of 4.5e-3).
 RECIPES.update(
     {
         f"demo-{peak}-decay{decay}-k18-b4-wsd20": _demo(
             float(peak), tail=0.2, **{**_K18, "decay": float(decay)}
         )
-        for peak in ("3e-3", "4e-3", "4.5e-3", "5e-3")
+        for peak in ("3e-3", "4e-3", "4.5e-3", "5e-3", "6e-3")
         for decay in ("0.95", "0.98")
     }
 )
-# 4e-3 (2/3 of the held-out's AdamW peak), decay 0.95, one change to the schedule: the decay to
-# a tenth over the last half (-wsd50), a 2% warm-up (-warm2).
+# From there one change at a time: the tail over the last half (-wsd50), a 2% warm-up (-warm2,
+# at peaks 3e-3 to 6e-3), then from -warm2 at 5e-3: -minkK, -wsd30, -wsd20to0, decay 0.9 or 0.98,
+# 5-bit values or 21 components of 3 bits (the same bytes), weight decay 0.2; and -snr.
 RECIPES.update(
     {
         "demo-4e-3-decay0.95-k18-b4-wsd50": _demo(4e-3, tail=0.5, **_K18),
@@ -269,6 +275,13 @@ RECIPES.update(
         "demo-5e-3-decay0.9-k18-b4-wsd20-warm2": _demo(
             5e-3, tail=0.2, warmup=0.02, **{**_K18, "decay": 0.9}
         ),
+        **{
+            f"demo-{peak}-decay0.95-k{k}-b{b}-wsd20-warm2": _demo(
+                float(peak), tail=0.2, warmup=0.02, **{**_K18, "topk": k, "bits": b}
+            )
+            for peak in ("3e-3", "5e-3", "6e-3")
+            for k, b in ((18, 5), (21, 3))
+        },
         "demo-5e-3-decay0.95-k18-b4-wsd20-warm2-wd0.2": _demo(
             5e-3, tail=0.2, warmup=0.02, weight_decay=0.2, **_K18
         ),

@@ -280,7 +280,7 @@ RECIPES.update(
                 float(peak), tail=0.2, warmup=0.02, **{**_K18, "topk": k, "bits": b}
             )
             for peak in ("3e-3", "5e-3", "6e-3")
-            for k, b in ((18, 5), (21, 3))
+            for k, b in ((18, 5), (21, 3), (20, 3))
         },
         "demo-5e-3-decay0.95-k18-b4-wsd20-warm2-wd0.2": _demo(
             5e-3, tail=0.2, warmup=0.02, weight_decay=0.2, **_K18

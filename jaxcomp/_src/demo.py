@@ -138,6 +138,7 @@ def scale_by_demo(
     is ``sign(q)`` (or ``q``), ``q`` the inverse DCT of their mean. See :func:`demo`; a block
     smaller than ``chunk x chunk`` (a vector's ``1 x chunk``) sends at least ``min_topk``
     components (default 1: the same density as a full block)."""
+    min_topk = check_int("min_topk", min_topk, 1)
 
     def init_fn(params):
         mom = [

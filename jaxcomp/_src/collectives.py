@@ -596,16 +596,23 @@ _ORDER = tuple(_STRATEGIES)
 
 def _step_flag(segments, groups, codec, extra_bad, axis_name) -> jax.Array:
     """The step's non-finite flag, identical on every device: from the payloads every device
-    received (``flags_nonfinite`` codecs) or from the segments with one scalar ``psum``, or-ed
-    with ``extra_bad`` and over the blocks of :func:`~jaxcomp._src.shards.over_shards`."""
-    if codec.flags_nonfinite:
-        local, shared = local_nonfinite([g[6] for g in groups]), True
-    else:
-        local, shared = local_nonfinite(segments), False
-    if extra_bad is not None:
-        local = local | extra_bad
-    fill_bad = local if shared else jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
-    return shards.any_block(fill_bad)
+    received (``flags_nonfinite`` codecs) or from the segments (:func:`inputs_nonfinite`),
+    or-ed with ``extra_bad`` and over the blocks of :func:`~jaxcomp._src.shards.over_shards`."""
+    if not codec.flags_nonfinite:
+        return inputs_nonfinite(segments, extra_bad, axis_name)
+    local = local_nonfinite([g[6] for g in groups])
+    return shards.any_block(local if extra_bad is None else local | extra_bad)
+
+
+def inputs_nonfinite(arrays: list, extra_bad: Any, axis_name: Any) -> jax.Array:
+    """True on every device when some device's ``arrays`` hold a NaN or inf (one scalar
+    ``psum`` of :func:`local_nonfinite`; no collective when ``arrays`` is empty) or
+    ``extra_bad`` (a flag already identical on every device) is set, or-ed over the blocks
+    of :func:`~jaxcomp._src.shards.over_shards`."""
+    bad = jnp.bool_(False) if extra_bad is None else extra_bad
+    if arrays:
+        bad = bad | (jax.lax.psum(local_nonfinite(arrays).astype(jnp.int32), axis_name) > 0)
+    return shards.any_block(bad)
 
 
 def _reduce_flat(

@@ -159,10 +159,16 @@ def _residuals_again(grads: list, memory: Any, sent: list) -> list:
     place (:func:`_shaped_residuals`).
     """
     grads = jax.lax.optimization_barrier(grads)
-    out = []
-    for g, m, s in zip(grads, layouts.field_leaves(memory), sent, strict=True):
-        out.append((g.reshape(m.shape) + m.astype(jnp.float32)) - s.reshape(m.shape))
-    return out
+    return [
+        _residual(g, m, s)
+        for g, m, s in zip(grads, layouts.field_leaves(memory), sent, strict=True)
+    ]
+
+
+def _residual(g: jax.Array, e: jax.Array, sent: jax.Array) -> jax.Array:
+    """``(g + e) - sent`` in the memory ``e``'s own shape ``[1, *leaf]`` (float32), so that
+    XLA writes it in place in the donated memory (through a reshape it copies the result)."""
+    return (g.reshape(e.shape) + e.astype(jnp.float32)) - sent.reshape(e.shape)
 
 
 def _after_memory(outs: list, memory: Any, axes: Any, residual: bool = True) -> list:
@@ -575,15 +581,10 @@ def late_residual_memory(codec: Codec, axis_name: Any, options: dict[str, Any]) 
                 jnp.zeros((d,), jnp.float32) if s is None else s
                 for d, s in zip(sizes, sent, strict=True)
             ]
-        # In the memory's own [1, *shape] (through a reshape XLA copies the result out).
+        memories = layouts.field_leaves(state.memory)
         return layouts.like_compressed(
             layout,
-            [
-                (g.reshape(e.shape) + e) - s.reshape(e.shape)
-                for g, e, s in zip(
-                    grads, layouts.field_leaves(state.memory), plan.join(sent), strict=True
-                )
-            ],
+            [_residual(g, e, s) for g, e, s in zip(grads, memories, plan.join(sent), strict=True)],
         )
 
     return capture, memory

@@ -8,7 +8,6 @@ there: DGC applies it).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -209,13 +208,11 @@ def _saturate(x: jax.Array) -> jax.Array:
 
 def _checked(g: list, plain_bad: Any, axis_name: Any) -> jax.Array:
     """The step's non-finite flag, identical on every device, from its inputs before any
-    state is written: some device's compressed gradient ``g`` holds a NaN or inf (one
-    scalar ``psum``), or the plain leaves' means do (``plain_bad``). Saturated sums keep a
-    finite step's velocity and accumulation finite, so nothing later can raise it."""
-    flags = [] if plain_bad is None else [plain_bad]
-    if g:
-        flags.append(jax.lax.psum(collectives.local_nonfinite(g).astype(jnp.int32), axis_name) > 0)
-    return shards.any_block(functools.reduce(jnp.logical_or, flags, jnp.bool_(False)))
+    state is written: some device's compressed gradient ``g`` holds a NaN or inf, or the
+    plain leaves' means do (``plain_bad``): :func:`collectives.inputs_nonfinite`. Saturated
+    sums keep a finite step's velocity and accumulation finite, so nothing later can raise
+    it."""
+    return collectives.inputs_nonfinite(g, plain_bad, axis_name)
 
 
 def _plain_momentum(momentum, nesterov: bool, traces: list, means: list) -> tuple[list, list]:

@@ -121,7 +121,11 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
     "adam": lambda axis, lr: optax.chain(
         jc.compressed_allreduce(jc.identity(), axis, error_feedback=None), optax.adam(lr)
     ),
+    # The library's defaults (adam_bound=True since 2026-11-26); -unbounded: the default before.
     "onebit_adam": lambda axis, lr: jc.onebit_adam(lr, axis, freeze_step=ONEBIT_FREEZE),
+    "onebit_adam-unbounded": lambda axis, lr: jc.onebit_adam(
+        lr, axis, freeze_step=ONEBIT_FREEZE, adam_bound=False
+    ),
     "zero_one_adam": lambda axis, lr: jc.zero_one_adam(lr, axis, **ZERO_ONE["zero_one_adam"]),
     # Skipped rounds from step 200, gaps up to 16 at the classifiers' constant lr: diverges
     # on mnist1d (docs/choosing-a-codec.md, "1-bit Adam and 0/1 Adam").
@@ -134,6 +138,7 @@ RECIPES: dict[str, Callable[[str, Any], Any]] = {
 # branches the steps took. method -> the names of the branches, in branch-index order.
 REGIMES: dict[str, tuple[str, ...]] = {
     "onebit_adam": ("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)
+    "onebit_adam-unbounded": ("compressed", "warmup"),
     "zero_one_adam": ("full", "compressed", "skipped"),  # lax.switch(round kind, ...)
     "zero_one_adam-scaler100": ("full", "compressed", "skipped"),
     "sgd-topk1%-accordion": ("other", "critical"),  # lax.cond(critical, gentle, codec)
@@ -180,7 +185,7 @@ def warmup_bytes(method: str, report: Any, steps: int) -> dict:
 
 def regime(method: str, step: int, state: Any) -> int:
     """The branch of the step's conditional that step ``step`` (taken from ``state``) runs."""
-    if method == "onebit_adam":
+    if method.startswith("onebit_adam"):
         return int(step < ONEBIT_FREEZE)
     if method in ZERO_ONE:
         return zero_one_kinds(method, max(4096, 1 << step.bit_length()))[step]

@@ -372,18 +372,26 @@ RECIPES: dict[str, Recipe] = {
         lambda run, axis: run.adamw(run.baseline_lr), averages=False, note="baseline: pmean"
     ),
     "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
+    # jc.onebit_adam's defaults: exact zeros, steps clipped at Adam's bound (adam_bound=True
+    # since 2026-11-26; the rows of result files written before ran adam_bound=False, today's
+    # onebit_adam-unbounded).
     "onebit_adam": Recipe(
         _onebit,
         branches=("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)
         regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
+    ),
+    "onebit_adam-unbounded": _ob(
+        adam_bound=False, note="adam_bound=False: steps not clipped (the default before 11-26)"
     ),
     "zero_one_adam": Recipe(
         _zero_one,
         branches=ZERO_ONE_BRANCHES[:3],
         regime=_zero_one_regime,
     ),
+    # The 1-bit Adam variants below ran (and run) adam_bound=False, the default when their
+    # results were written: variants of onebit_adam-unbounded.
     "onebit_adam-f32": Recipe(
-        _f32(_onebit),
+        _f32(functools.partial(_onebit, adam_bound=False)),
         branches=("compressed", "warmup"),
         regime=lambda run, t: "warmup" if t < onebit_freeze(run) else "compressed",
         note="diagnosis: the momentum exchanged in float32",
@@ -395,12 +403,14 @@ RECIPES: dict[str, Recipe] = {
         note="diagnosis: 0/1 Adam's rounds, the momentum exchanged in float32",
     ),
     "onebit_adam-freeze100": Recipe(
-        lambda run, axis: _onebit(run, axis, freeze=max(1, run.steps // 3)),
+        lambda run, axis: _onebit(run, axis, freeze=max(1, run.steps // 3), adam_bound=False),
         regimes={"warmup": _mean_exchange, "compressed": _sign_exchange},
         regime=lambda run, t: "warmup" if t < max(1, run.steps // 3) else "compressed",
         note="freeze at a third of the steps",
     ),
-    "onebit_adam-frozen": _ob(rescale_variance=False, note="the paper's variance: frozen as is"),
+    "onebit_adam-frozen": _ob(
+        rescale_variance=False, adam_bound=False, note="the paper's variance: frozen as is"
+    ),
     "zero_one_adam-frozen": _zo(rescale_variance=False, note="variance not rescaled"),
     "zero_one_adam-clip1": _zo(local_step_clipper=1, note="no skipped rounds"),
     "zero_one_adam-nowarmup": _zo(
@@ -414,17 +424,22 @@ RECIPES: dict[str, Recipe] = {
         codec=_codec("sign", scale="rms", exact_zeros=True),
         note="variance rounds coded; all-zero sign words decode to 0",
     ),
-    # The default codecs send exact zeros (jc.sign(scale="rms", exact_zeros=True)); 0/1 Adam
-    # clips each momentum step at Adam's bound (adam_bound=True), 1-bit Adam does not.
+    # The default codecs send exact zeros (jc.sign(scale="rms", exact_zeros=True)); both
+    # recipes clip each momentum step at Adam's bound (adam_bound=True; 1-bit Adam's default
+    # since 2026-11-26: onebit_adam-bound is today's onebit_adam, kept for its results).
     "onebit_adam-signs": _ob(
-        codec=_codec("sign", scale="rms"), note="jc.sign(scale='rms'): a zero word moves"
+        adam_bound=False,
+        codec=_codec("sign", scale="rms"),
+        note="jc.sign(scale='rms'): a zero word moves; adam_bound=False",
     ),
     "onebit_adam-bound-signs": _ob(
         adam_bound=True,
         codec=_codec("sign", scale="rms"),
         note="steps clipped at Adam's bound; jc.sign(scale='rms')",
     ),
-    "onebit_adam-bound": _ob(adam_bound=True, note="steps clipped at Adam's bound"),
+    "onebit_adam-bound": _ob(
+        adam_bound=True, note="steps clipped at Adam's bound (today's onebit_adam)"
+    ),
     "zero_one_adam-signs": _zo(
         codec=_codec("sign", scale="rms"), note="jc.sign(scale='rms'): a zero word moves"
     ),
@@ -440,10 +455,16 @@ RECIPES: dict[str, Recipe] = {
     "zero_one_adam-f32-clip1": _zo(
         codec=_codec("identity"), local_step_clipper=1, note="no skipped rounds, float32"
     ),
-    "onebit_adam-f32-freeze100": _ob(3, codec=_codec("identity"), note="float32, freeze at 100"),
-    "onebit_adam-meansign": _ob(codec=_codec("sign"), note="jc.sign(): mean-|x| scale"),
+    "onebit_adam-f32-freeze100": _ob(
+        3, adam_bound=False, codec=_codec("identity"), note="float32, freeze at 100"
+    ),
+    "onebit_adam-meansign": _ob(
+        adam_bound=False, codec=_codec("sign"), note="jc.sign(): mean-|x| scale"
+    ),
     "zero_one_adam-meansign": _zo(codec=_codec("sign"), note="jc.sign(): mean-|x| scale"),
-    "onebit_adam-freeze25": _ob(12, note="freeze at a twelfth of the steps"),
+    "onebit_adam-freeze25": _ob(
+        12, adam_bound=False, note="freeze at a twelfth of the steps; adam_bound=False"
+    ),
     "powersgd4-adamw": _psgd(4),
     "powersgd8-adamw": _psgd(8),
     "powersgd16-adamw": _psgd(16),

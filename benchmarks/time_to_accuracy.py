@@ -17,7 +17,8 @@ batch split over the processes, the same seed, initialization and batches for ev
   recipes of ``benchmarks/convergence.py``);
 * ``powersgd4``: ``jc.powersgd(4, "data")`` (10 uncompressed warm-up steps) + the baseline
   optimizer (SGD momentum on the classifiers, Adam on char, as in convergence.py);
-* ``onebit_adam``: ``jc.onebit_adam(lr, "data", freeze_step=50)``;
+* ``onebit_adam``: ``jc.onebit_adam(lr, "data", freeze_step=50)``, the library's defaults
+  (``adam_bound=True`` since 2026-11-26: the committed rows, of 2026-11-23, ran without it);
 * ``torch-powersgd4`` (the MLPs only): torch ``DistributedDataParallel`` over gloo with its
   PowerSGD hook (rank 4, ``start_powerSGD_iter=2``, one bucket), the same weights, batches
   and SGD momentum, on the same link. The char transformer has no torch twin here (its

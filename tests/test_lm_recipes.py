@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.onebit_adam import adam_step_bound
 
 D = 64  # coordinates; coordinate 0 gets a gradient only from step LATE on
 LATE, STEPS, TARGET = 12, 40, 1.76
@@ -126,12 +127,12 @@ def replicated_steps(tx, params):
     return p, state, run
 
 
-def unseen_rows_run(codec) -> tuple[float, float]:
-    """``jc.onebit_adam(1e-2, freeze_step=2)`` on a 64 x 32 leaf of ones whose odd rows (a
-    token never seen) have a zero gradient on every device, 8 steps: ``(max |move|`` of the
-    odd rows, mean ``|move|`` of the even rows ``)``."""
+def unseen_rows_run(codec, **options) -> tuple[float, float]:
+    """``jc.onebit_adam(1e-2, freeze_step=2, **options)`` on a 64 x 32 leaf of ones whose odd
+    rows (a token never seen) have a zero gradient on every device, 8 steps: ``(max |move|``
+    of the odd rows, mean ``|move|`` of the even rows ``)``."""
     m = mesh()
-    tx = jc.onebit_adam(1e-2, "data", freeze_step=2, codec=codec)
+    tx = jc.onebit_adam(1e-2, "data", freeze_step=2, codec=codec, **options)
     p, state, run = replicated_steps(tx, jnp.ones((64, 32), jnp.float32))
     for t in range(8):
         g = np.random.default_rng(100 + t).standard_normal((N, 64, 32)).astype(np.float32)
@@ -145,12 +146,15 @@ def test_onebit_adam_unseen_rows_stay_put_with_exact_zeros():
     # A sign maps 0 to +scale: rows without a gradient move in every 1-bit round, to and fro
     # (0.0030 after 8 steps, 0.0101 after 3, where the others move 0.068); with the zero
     # words marked they stay put, and the others, the rms taken over them only, move 0.081
-    # (Adam: about lr per step, 0.08).
+    # (Adam: about lr per step, 0.08). The figures without the step bound (adam_bound=False,
+    # the default when they were written: docs/lm.md, "A sign has no zero").
     # The default codec of both recipes is jc.sign("rms", exact_zeros=True).
-    moved, seen = unseen_rows_run(jc.sign("rms"))
-    still, seen_exact = unseen_rows_run(None)
+    moved, seen = unseen_rows_run(jc.sign("rms"), adam_bound=False)
+    still, seen_exact = unseen_rows_run(None, adam_bound=False)
     assert moved > 0.002 and still == 0.0, (moved, still)
     assert 0.06 < seen < seen_exact < 0.085, (seen, seen_exact)
+    # The defaults (exact zeros, steps clipped at Adam's bound): still to the bit.
+    assert unseen_rows_run(None)[0] == 0.0
 
 
 def test_inject_hyperparams_onebit_adam():
@@ -309,21 +313,25 @@ def stale_variance_run(tx) -> tuple[float, float]:
 @pytest.mark.parametrize(
     "make, bounded",
     [
-        (lambda b: jc.onebit_adam(1e-2, "data", freeze_step=2, adam_bound=True, min_size=1), True),
+        (lambda b: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1, **b), True),
+        (lambda b: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1, **b), False),
         (lambda b: jc.zero_one_adam(1e-2, "data", var_freeze_step=2, min_size=1, **b), True),
         (lambda b: jc.zero_one_adam(1e-2, "data", var_freeze_step=2, min_size=1, **b), False),
     ],
-    ids=["onebit_adam", "zero_one_adam", "zero_one_adam-unbounded"],
+    ids=["onebit_adam", "onebit_adam-unbounded", "zero_one_adam", "zero_one_adam-unbounded"],
 )
 def test_a_stale_tiny_variance_does_not_scale_up_its_chunk(make, bounded):
     # Adam's variance takes in the gradient that moves its momentum; a frozen (or sampled)
     # one does not: coordinate 0's preconditioned step is then 1e6x the others', and the
     # root mean square of the 1-bit chunk it sits in moves every coordinate by that (the LM
     # benchmark's input embedding, 6-25x its usual step). Clipped at Adam's own bound
-    # (7.27 sqrt(1 - b2^3) = 0.40 at step 3), every coordinate moves about lr (0.0104;
-    # unbounded: 616).
+    # (7.27 sqrt(1 - b2^3) = 0.40 at step 3: both recipes' default), every coordinate moves
+    # about lr (0.0104; adam_bound=False: 616).
     others, first = stale_variance_run(make({} if bounded else {"adam_bound": False}))
     if bounded:
         assert 0.9e-2 < others < 1.2e-2 and first < 1.2e-2, (others, first)
+        # No coordinate beyond Adam's own step at step 3: lr C sqrt(1 - b2^3) / (1 - b1^3).
+        adam = 1e-2 * float(adam_step_bound(2, 0.9, 0.999)) / (1 - 0.9**3)
+        assert max(others, first) <= adam * (1 + 1e-5), (others, first, adam)
     else:
         assert others > 1.0 and first > 1.0, (others, first)

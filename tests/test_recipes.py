@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.onebit_adam import adam_step_bound
 from jaxcomp._src.sgd import look_ahead
 from jaxcomp._src.zero_one_adam import VARIANCE, default_warmup, round_kinds
 
@@ -204,10 +205,16 @@ def test_onebit_adam_warmup_is_adam_and_identity_stays_adam_with_rescaled_varian
     """Warm-up steps are Adam on the mean gradient; with the identity codec the compression
     stage is Adam whose variance stopped at ``freeze_step``, rescaled per leaf by
     ``L_hat_t / L_hat_freeze`` (``L``: Adam's EMA of the devices' mean squared gradient;
-    ``rescale_variance=False``: the paper's variance, frozen as it was)."""
+    ``rescale_variance=False``: the paper's variance, frozen as it was; ``adam_bound=False``:
+    the steps not clipped, whose clip the next test pins)."""
     freeze = 3
     tx = jc.onebit_adam(
-        1e-2, "data", freeze_step=freeze, codec=jc.identity(), rescale_variance=rescale
+        1e-2,
+        "data",
+        freeze_step=freeze,
+        codec=jc.identity(),
+        rescale_variance=rescale,
+        adam_bound=False,
     )
     run = Run(tx)
     want = reference(optax.adam(1e-2))
@@ -237,24 +244,30 @@ def test_onebit_adam_warmup_is_adam_and_identity_stays_adam_with_rescaled_varian
 
 def test_onebit_adam_momentum_exchange_conserves():
     """Compression stage, in the preconditioned units u = m / (sqrt(v_hat) + eps) the
-    momentum travels in: u_t + held_t == u(b1 m_{t-1} + (1 - b1) mean g_t) + held_{t-1}
-    (held_{t-1} was kept in step t-1's units, which the rescaled variance moves by ~0.1%:
-    hence atol 3e-4 on values of ~1)."""
+    momentum travels in: u_t + held_t == mean_i clip(u(b1 m_{t-1} + (1 - b1) g_{i,t}), B_t)
+    + held_{t-1}, ``B_t = C sqrt(1 - b2^(t+1))`` Adam's bound (the default ``adam_bound``;
+    it binds here) (held_{t-1} was kept in step t-1's units, which the rescaled variance
+    moves by ~0.1%: hence atol 3e-4 on values of ~1)."""
     run = shared("onebit")  # freeze_step=2
     p = params()
+    clipped = 0
     for t in range(2, STEPS):
         before, after = run.states[t][0], run.states[t + 1][0]
         held = (held_back(before, p), held_back(after, p))
+        bound = float(adam_step_bound(t, 0.9, 0.999))
         for k, g in grads(t).items():
             level_hat = float(after.level[k]) / (1 - 0.999 ** (t + 1))
             v_hat = np.asarray(after.nu[k], np.float64) / (1 - 0.999**2)
             v_hat = v_hat * level_hat / float(after.level_ref[k])
             unit = 1.0 / (np.sqrt(v_hat) + 1e-8)
-            want = 0.9 * np.asarray(before.mu[k]) + 0.1 * g.astype(np.float64).mean(0)
+            local = (0.9 * np.asarray(before.mu[k]) + 0.1 * g.astype(np.float64)) * unit
+            clipped += int((np.abs(local) > bound).sum())
+            want = np.clip(local, -bound, bound).mean(0)
             got = np.asarray(after.mu[k]) * unit + held[1][k]
             np.testing.assert_allclose(
-                got, want * unit + held[0][k], rtol=1e-5, atol=3e-4, err_msg=f"{k} {t}"
+                got, want + held[0][k], rtol=1e-5, atol=3e-4, err_msg=f"{k} {t}"
             )
+    assert clipped > 0
     assert max(float(np.abs(h).max()) for h in held_back(run.states[-1], p).values()) > 1e-4
 
 

@@ -886,6 +886,11 @@ RECIPE_ROWS = {
     "sgd-int8": ("int8", "recipe: jc.sgd", ("none", "sgd-none")),
     "powersgd4": ("PowerSGD 4", "plain chain: powersgd + optimizer", ("none", "none")),
     "onebit_adam": ("1-bit Adam", "recipe: jc.onebit_adam", ("adam", "none")),
+    "onebit_adam-unbounded": (
+        "1-bit Adam",
+        "recipe: jc.onebit_adam, adam_bound=False",
+        ("adam", "none"),
+    ),
     "zero_one_adam": ("0/1 Adam", "recipe: jc.zero_one_adam", ("adam", "none")),
     "zero_one_adam-scaler100": (
         "0/1 Adam",

@@ -332,7 +332,7 @@ def scale_by_onebit_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     rescale_variance: bool = True,
-    adam_bound: bool = False,
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """The direction of :func:`onebit_adam` (before the learning rate); see there."""
@@ -532,7 +532,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     weight_decay_mask: Any = None,
     rescale_variance: bool = True,
-    adam_bound: bool = False,
+    adam_bound: bool = True,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""1-bit Adam: Adam for ``freeze_step`` steps, then the variance frozen (rescaled per
@@ -550,9 +550,10 @@ def onebit_adam(
             v <- b2 v + (1 - b2) g^2;  L_f = L_hat  # the level when v last moved
         compression stage (t >= freeze_step), v frozen:
             m_i = b1 m + (1 - b1) g_i               # each device's momentum step
-            m  <- mean_i C(m_i + e_i)               # worker error e_i; two_phase adds the
-                                                    # chunk owners' server error; sent in
-                                                    # units of m / (sqrt(v_hat) + eps)
+            u_i = clip(m_i / (sqrt(v_hat) + eps), +-C sqrt(1 - b2^t))   # Adam's bound
+            m  <- mean_i C(u_i + e_i)               # worker error e_i; two_phase adds the
+                                                    # chunk owners' server error; turned
+                                                    # back by (sqrt(v_hat) + eps)
             v_hat = v / (1 - b2^freeze_step) * L_hat / L_f    # per leaf (rescale_variance)
         x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # bias-corrected as Adam;
                                                     # wd: AdamW's decoupled weight decay
@@ -571,6 +572,21 @@ def onebit_adam(
     value at the freeze. The shape of ``v`` within a leaf stays frozen; only its level
     moves, from one float per leaf per step. ``rescale_variance=False`` freezes ``v`` as the
     paper does.
+
+    **Steps within Adam's bound** (``adam_bound``, on by default). Adam's variance takes in
+    the gradient that moves its momentum: by Cauchy-Schwarz on ``m_t = (1 - b1) sum_s
+    b1^(t-s) g_s`` against ``v_t = (1 - b2) sum_s b2^(t-s) g_s^2``, every coordinate's
+    ``|m_t| / sqrt(v_hat_t) <= C sqrt(1 - b2^t)``, ``C = (1 - b1) / sqrt((1 - b2)(1 - b1^2 /
+    b2))`` (7.27 at the defaults), however small its earlier gradients. A frozen variance has
+    no such guard: a coordinate whose gradient was near zero while ``v`` moved (a rare
+    token's embedding row) and then comes back at its usual size is preconditioned into a
+    step thousands of times Adam's, and that one value sets the root mean square of its
+    whole chunk of 1-bit signs: every coordinate of the chunk moves by it. Each device's
+    momentum step, in preconditioned units, is therefore clipped at that bound before the
+    codec (a non-finite value passes as it is: never hidden); a step within the bound
+    passes unchanged, and the bytes sent are the same. ``adam_bound=False`` sends the step
+    as it is (the paper's, and this recipe's default before 2026-11-26; docs: "1-bit Adam
+    and 0/1 Adam for language models").
 
     **The scale of the signs.** ``jc.sign()``'s mean ``||x||_1 / d`` minimizes the error of
     one step but shrinks every step below the momentum's norm (far below it for a momentum
@@ -631,10 +647,11 @@ def onebit_adam(
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
         array is refused with a TypeError).
-      adam_bound: True: each device's momentum step, in preconditioned units, is clipped at
-        Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) / sqrt((1 - b2)(1 - b1^2 /
-        b2))``, 7.27 at the defaults) before the codec; False (default): sent as it is. A
-        Python bool (docs: "1-bit Adam and 0/1 Adam for language models").
+      adam_bound: True (default): each device's momentum step, in preconditioned units, is
+        clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) / sqrt((1 - b2)(1 -
+        b1^2 / b2))``, 7.27 at the defaults; above) before the codec; False: sent as it is
+        (the paper's 1-bit Adam). A Python bool (docs: "1-bit Adam and 0/1 Adam for
+        language models").
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

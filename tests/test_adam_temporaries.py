@@ -19,7 +19,11 @@ def test_step_temporaries_of_onebit_and_zero_one_adam():
     # its sum of squares (3.16 with it folded; 10.0M MLP of benchmarks.memory 3.27 -> 3.16).
     # 1-bit Adam then held 2.78: the cond's operand, the decoded mean and the new memory
     # (with the server's) had each left the compressed round in a buffer of its own; the
-    # memory is now formed after the cond, in place, from this device's payloads.
+    # memory is now formed after the cond, in place, from this device's payloads. 0/1 Adam
+    # then held 2.53 (3.41 before): its memory formed after the switch the same way, from
+    # its codec input formed before the switch, and the new variance's fill reduced from a
+    # copy of its own (XLA had written the new variance out beside the switch's operand and
+    # output). variance_rounds="coded" 4.63 -> 3.53 (its float32 mean in a cond before).
     from benchmarks import memory
 
     mesh = jax.make_mesh((8,), ("data",))
@@ -32,4 +36,4 @@ def test_step_temporaries_of_onebit_and_zero_one_adam():
     temps = {
         k: memory.measure(k, tx, False, params, mesh, 8)["temporaries"] for k, tx in rows.items()
     }
-    assert temps["onebit"] < 2.85 and temps["zero_one"] < 3.47, temps
+    assert temps["onebit"] < 2.85 and temps["zero_one"] < 2.6, temps

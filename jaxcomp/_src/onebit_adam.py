@@ -287,6 +287,55 @@ def memory_after(codec: Codec | None, axis_name: Any, exchange: dict):
     return late_residual_memory(codec, axis_name, options)
 
 
+class BranchExchange(NamedTuple):
+    """The momentum's exchange as one branch of a ``lax.cond`` / ``lax.switch`` (the rounds
+    of :func:`onebit_adam` and :func:`~jaxcomp.zero_one_adam`), its worker memory formed
+    after the branch (:func:`memory_after`; where that is None, in the branch).
+
+    Returned from the branch, the new memory left it in a buffer of its own beside the
+    branch's operand and the exchanged mean (and the other branches copied the old one out).
+    The sending branch returns this device's payloads instead (a thirty-second of the
+    memory's bytes for signs; the other branches zeros), and ``e' = (y + e) -
+    decode(payload)`` is written after it, in place in the donated memory, from the branch's
+    own operand ``y``: the same bits as the round's (``Codec.encode_with_error``)."""
+
+    inner: optax.GradientTransformation  # momentum_exchange's compressed_allreduce
+    late: Any  # memory_after(...): (capture, memory), or None
+    every_axis: Any  # the axes of the exchange
+
+    def send(self, y: Any, exchange_state: Any, params: Any) -> tuple[Any, Any, list]:
+        """``inner.update(y)``: ``(mean, exchange state, this device's payloads)``; the state
+        without its memory where that is formed after the branch (:meth:`with_memory`)."""
+        if self.late is None:
+            return (*self.inner.update(y, exchange_state, params), [])
+        (x, new_state), payloads = self.late[0](self.inner.update, y, exchange_state, params)
+        return x, self.without_memory(new_state), payloads
+
+    def idle(self, y: Any, exchange_state: Any, params: Any) -> tuple[Any, list]:
+        """What a branch that sends no momentum returns in place of :meth:`send`'s state and
+        payloads: the state as it was (without its memory, as :meth:`send`'s) and zero
+        payloads (varying over the axes, as the sending branch's)."""
+        shapes = jax.eval_shape(lambda *a: self.send(*a)[2], y, exchange_state, params)
+        zeros = jax.tree.map(
+            lambda a: jax.lax.pcast(jnp.zeros(a.shape, a.dtype), self.every_axis, to="varying"),
+            shapes,
+        )
+        return self.without_memory(exchange_state), zeros
+
+    def without_memory(self, exchange_state: Any) -> Any:
+        return exchange_state if self.late is None else exchange_state._replace(memory=None)
+
+    def with_memory(self, exchange_state: Any, y: Any, old: Any, keep, payloads: list) -> Any:
+        """``exchange_state`` (the branch's) with its worker memory formed from ``y`` (the
+        branch's operand), ``old`` (the exchange state before the round) and the payloads;
+        ``old``'s memory where ``keep`` (a round that sent nothing, a non-finite step)."""
+        if self.late is None:
+            return exchange_state
+        new = self.late[1](y, old, payloads)
+        memory = jax.tree.map(lambda o, m: jnp.where(keep, o, m), old.memory, new)
+        return exchange_state._replace(memory=memory)
+
+
 def gradient_mean(grads: Any, every_axis: Any) -> Any:
     r"""The float32 mean of the devices' gradients, pre-scaled: ``sum_i (g_i / n)``, one
     ``psum`` per leaf, which XLA combines into a few all-reduces of tuples (no concatenated
@@ -361,46 +410,20 @@ def scale_by_onebit_adam(
     # outside it, in place. Returning mu and nu from the branches made XLA copy both out of
     # the cond's buffers (5.9 copies of temporaries against AdamW's 2.0).
 
-    # The worker memory is formed after the cond (memory_after), in place in its donated
-    # buffer, from this device's payloads, which the compressed branch returns: returned
-    # from the branch, it left the cond in a buffer of its own beside the branch's operand
-    # and the exchanged mean (and the warm-up branch copied it out).
-    late = memory_after(codec, axis_name, exchange)
-
-    def without_memory(exchange_state):
-        return exchange_state if late is None else exchange_state._replace(memory=None)
+    # The worker memory is formed after the cond (BranchExchange), in place in its donated
+    # buffer, from this device's payloads, which the compressed branch returns.
+    rounds = BranchExchange(inner, memory_after(codec, axis_name, exchange), every_axis)
 
     def warmup(y, state, params):
         """The float32 mean gradient over the devices (uncompressed; ``y`` holds each
         device's ``g_i / n``: the sum is the mean and never overflows where it fits, see
         :func:`gradient_mean`): Adam with the variance still learning."""
-        zeros = jax.tree.map(
-            lambda a: jax.lax.pcast(jnp.zeros(a.shape, a.dtype), every_axis, to="varying"),
-            payload_shapes(y, state, params),
-        )
-        return skeleton.tree_psum(y, every_axis), without_memory(state.exchange), zeros
+        return skeleton.tree_psum(y, every_axis), *rounds.idle(y, state.exchange, params)
 
     def compressed(y, state, params):
         """Each device's momentum step, averaged through the codec; the variance frozen.
         Returned in preconditioned units: turned back where mu is written (one pass)."""
-        if late is None:
-            return (*inner.update(y, state.exchange, params), [])
-        (x, exchange_state), payloads = late[0](inner.update, y, state.exchange, params)
-        return x, without_memory(exchange_state), payloads
-
-    def payload_shapes(y, state, params):
-        return jax.eval_shape(lambda *a: compressed(*a)[2], y, state, params)
-
-    def with_memory(exchange_state, y, state, warm, bad, mu, payloads):
-        """The exchange state with its worker memory: the compressed round's (kept in the
-        warm-up and on a non-finite step), formed after the cond (:func:`memory_after`),
-        once the new momentum is written."""
-        if late is None:
-            return exchange_state
-        old = state.exchange.memory
-        new = late[1](y, state.exchange, payloads)
-        memory = jax.tree.map(lambda o, m: jnp.where(warm | bad, o, m), old, new)
-        return exchange_state._replace(memory=memory)
+        return rounds.send(y, state.exchange, params)
 
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
@@ -478,7 +501,8 @@ def scale_by_onebit_adam(
         bad = collectives.local_nonfinite(x)
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad)
-        exchange_state = with_memory(exchange_state, y, state, warm, bad, mu, payloads)
+        # The worker memory: kept in the warm-up and on a non-finite step.
+        exchange_state = rounds.with_memory(exchange_state, y, state.exchange, warm | bad, payloads)
         t = (state.count + 1).astype(jnp.float32)
         mu_scale = 1.0 / (1.0 - b1**t)
         new_state = OneBitAdamState(

@@ -14,18 +14,22 @@ from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import F32_MAX, Codec, after
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
+    BranchExchange,
     adam_direction,
     adam_moments,
     adam_step_bound,
     as_float32,
+    bounded_step,
     check_flag,
     check_number,
     decoupled_weight_decay,
     filled_variance,
     gradient_mean,
+    memory_after,
     momentum_exchange,
     per_leaf,
-    preconditioned_mean,
+    positive_mean,
+    preconditioner,
     saturate,
     tracked_levels,
     unprecondition,
@@ -96,6 +100,12 @@ def moves_variance(kind: jax.Array) -> jax.Array:
     return (kind == FULL) | (kind == VARIANCE)
 
 
+def sends_momentum(kind: jax.Array) -> jax.Array:
+    """Whether a round of ``kind`` sends the momentum through the codec (COMPRESSED and
+    VARIANCE rounds)."""
+    return (kind == COMPRESSED) | (kind == VARIANCE)
+
+
 def round_kinds(
     steps: int, freeze: int, var_scaler: int, local_scaler: int, clip, warmup=0, coded=False
 ) -> list[int]:
@@ -123,9 +133,10 @@ def default_warmup(var_freeze_step: Any, warmup_steps: Any) -> Any:
     return warmup_steps
 
 
-def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
+def unfilled_ratio(nu_old: Any, nu_new: Any, fill_new: Any, old_scale, new_scale, eps) -> Any:
     r"""Per leaf, ``min(1, (sqrt(new_scale F(nu_new)) + eps) / (sqrt(old_scale F(nu_old)) +
-    eps))`` where ``nu_old`` is zero, 1 elsewhere (``F``: :func:`filled_variance`).
+    eps))`` where ``nu_old`` is zero, 1 elsewhere (``F``: :func:`filled_variance`;
+    ``fill_new``, per leaf, is ``nu_new``'s fill: its mean positive entry).
 
     A coordinate whose variance is still zero (its gradient was zero in every variance
     round) is preconditioned by its leaf's mean variance in the compressed rounds, and a
@@ -148,7 +159,7 @@ def unfilled_ratio(nu_old: Any, nu_new: Any, old_scale, new_scale, eps) -> Any:
         lambda v0, f0, f1, k0, k1: one(v0, f0, f1, k0, k1),
         nu_old,
         filled_variance(nu_old),
-        filled_variance(nu_new),
+        jax.tree.map(lambda v, f: jnp.where(v > 0, v, f), nu_new, fill_new),
         per_leaf(old_scale, nu_old),
         per_leaf(new_scale, nu_old),
     )
@@ -208,53 +219,46 @@ def scale_by_zero_one_adam(
         )
 
     # The lax.switch returns one params-sized tree (the FULL round's mean gradient, the mean
-    # momentum of a compressed or variance round, zeros in a skipped round; with
-    # variance_rounds="coded" a second: the variance round's mean gradient, zeros elsewhere)
-    # and the exchange state;
-    # Adam's moments and the pending sums move outside it, in place (returned from the
-    # branches, XLA copied each out of the switch's buffers).
+    # momentum of a compressed or variance round, zeros in a skipped round), the exchange
+    # state and this device's payloads. Adam's moments, the pending sums and the worker
+    # memory (BranchExchange, from the payloads) move outside it, in place: returned from
+    # the branches, XLA copied each out of the switch's buffers.
+    rounds = BranchExchange(inner, memory_after(codec, axis_name, exchange), every_axis)
 
-    def full(grads, state, params, nu_scale):
-        """The float32 mean gradient over the devices (``grads`` holds each device's
-        ``g_i / n``, :func:`round_input`: the sum is the mean, finite wherever it fits):
-        momentum and variance both move (outside)."""
-        g = skeleton.tree_psum(grads, every_axis)
-        return g, zeros_f32(g), state.exchange, collectives.local_nonfinite(g)
+    def full(y, state, params):
+        """The float32 mean gradient over the devices (``y`` holds each device's ``g_i / n``,
+        :func:`round_input`: the sum is the mean, finite wherever it fits): momentum and
+        variance both move (outside)."""
+        g = skeleton.tree_psum(y, every_axis)
+        return g, *rounds.idle(y, state.exchange, params), collectives.local_nonfinite(g)
 
-    def variance(grads, state, params, nu_scale):
-        """A compressed round (the momentum through the codec, its error feedback kept in
-        step) plus the float32 mean gradient, for the variance alone."""
-        g = gradient_mean(grads, every_axis)
-        sent, _, exchange_state, bad = compressed(grads, state, params, nu_scale)
-        return sent, g, exchange_state, bad | collectives.local_nonfinite(g)
+    def compressed(y, state, params):
+        """Each device's momentum step plus what its skipped rounds held (``y``, in Adam's
+        preconditioned units: :func:`round_input`), through the codec (a VARIANCE round's
+        too). Returned in those units: turned back where mu is written (moved)."""
+        sent, exchange_state, payloads = rounds.send(y, state.exchange, params)
+        return sent, exchange_state, payloads, collectives.local_nonfinite(sent)
 
-    def compressed(grads, state, params, nu_scale):
-        """Each device's momentum step plus what its skipped rounds held, through the codec."""
-        local = jax.tree.map(
-            lambda m, x, p: saturate(b1 * m + (1.0 - b1) * x + p[0], x),
-            state.mu,
-            as_float32(grads),
-            state.pending,
-        )
-        # Returned in preconditioned units: turned back where mu is written (moved). The
-        # bound of a synced round after skipped ones covers the rounds it sends.
-        since = jnp.maximum(state.count - freeze, 0)
-        rounds = jnp.minimum(doubling_gap(since, local_scaler), clip).astype(jnp.float32)
-        bound = rounds * adam_step_bound(state.count, b1, b2) if bounded else None
-        sent, exchange_state = preconditioned_mean(
-            inner, local, state.nu, nu_scale, eps, state.exchange, params, False, False, bound
-        )
-        return sent, zeros_f32(sent), exchange_state, collectives.local_nonfinite(sent)
-
-    def skipped(grads, state, params, nu_scale):
-        """No gradient on the wire: the synchronized momentum decays (``b1 m``: the moment
-        update with a zero mean) and moves the params on every device alike."""
+    def skipped(y, state, params):
+        """No gradient on the wire (``y`` is ``g_i``): the synchronized momentum decays
+        (``b1 m``: the moment update with a zero mean) and moves the params on every device
+        alike."""
         # One scalar all-reduce: a non-finite gradient on any device poisons every device's
         # update and keeps every state as it was (nothing gradient-sized on the wire).
-        flag = collectives.local_nonfinite(as_float32(grads)).astype(jnp.float32)
+        flag = collectives.local_nonfinite(y).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
         zeros = jax.tree.map(jnp.zeros_like, state.mu)
-        return zeros, zeros_f32(zeros), state.exchange, bad
+        return zeros, *rounds.idle(y, state.exchange, params), bad
+
+    def variance_gradient(grads, kind):
+        """``variance_rounds="coded"``: a VARIANCE round's float32 mean gradient, for the
+        variance alone (zeros in the other rounds), in a ``lax.cond`` of its own before the
+        round's switch, which then sends the momentum as a COMPRESSED round does (in the
+        switch, the gradient, its mean and a tree of zeros were each a buffer beside the
+        codec's input and the decoded mean)."""
+        return jax.lax.cond(
+            kind == VARIANCE, lambda a: gradient_mean(a, every_axis), zeros_f32, grads
+        )
 
     def moved(state, kind, x, g, grads, old_scale):
         """``(mu, pending)`` after a round of ``kind`` whose exchanged tree is ``x`` (and
@@ -267,8 +271,8 @@ def scale_by_zero_one_adam(
         # that had no variance yet (unfilled_ratio); a compressed round takes the exchanged
         # momentum (a variance round: times that ratio too).
         new = variance_scale(state.count + 1)
-        ratio = unfilled_ratio(state.nu, nu, old_scale, new, eps)
-        sent = (kind == COMPRESSED) | (kind == VARIANCE)
+        ratio = unfilled_ratio(state.nu, nu, new_fill(state, kind, x, g), old_scale, new, eps)
+        sent = sends_momentum(kind)
         keep = lambda u, r: u * jnp.where(kind == VARIANCE, r, 1.0) if coded else u  # noqa: E731
         mu = jax.tree.map(
             lambda a, m0, r, u, v, k: jnp.where(
@@ -292,8 +296,18 @@ def scale_by_zero_one_adam(
         )
         return mu, pending
 
+    def new_fill(state, kind, x, g):
+        """Per leaf, the new variance's mean positive entry (its fill), reduced from a copy
+        of the new variance's expression of its own (the old variance read through
+        `after`: the same bits). Reduced from the one the momentum reads elementwise, XLA
+        wrote the new variance out, a params-sized temporary beside the switch's operand
+        (alive until the worker memory is formed) and its output."""
+        again = jax.tree.map(lambda v: after(v, state.count), state.nu)
+        return jax.tree.map(positive_mean, new_variance(state, again, kind, x, g))
+
     def round_mean(kind, x, g):
-        """The mean gradient that moves Adam's moments: ``x`` (a variance round's ``g``)."""
+        """The mean gradient that moves Adam's moments: ``x`` (a variance round's ``g``;
+        None with ``variance_rounds="exact"``)."""
         return jax.tree.map(lambda a, b: jnp.where(kind == VARIANCE, b, a), x, g) if coded else x
 
     def new_variance(state, nu, kind, x, g):
@@ -331,25 +345,35 @@ def scale_by_zero_one_adam(
         scale = functools.partial(jax.tree.map, lambda k, r: jnp.minimum(k * r, F32_MAX))
         return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
 
-    def round_input(grads, kind):
-        """The switch's operand: each device's float32 gradient, over ``n`` in a FULL round
-        (pre-scaled as :func:`~jaxcomp._src.onebit_adam.gradient_mean`: its sum is the mean,
-        which never overflows where it fits). One pass that writes into the gradient's
-        buffer: every later reader takes it (divided in the branch, it was a params-sized
-        temporary of its own)."""
+    def round_input(grads, state, kind, nu_scale):
+        """The switch's operand ``y``, per leaf: in a FULL round each device's float32
+        gradient over ``n`` (pre-scaled as :func:`~jaxcomp._src.onebit_adam.gradient_mean`:
+        its sum is the mean, which never overflows where it fits); in a COMPRESSED or
+        VARIANCE round the codec's input, this device's momentum step plus what its skipped
+        rounds held, ``b1 m + (1 - b1) g_i + p_i``, in Adam's preconditioned units
+        (:func:`~jaxcomp._src.onebit_adam.preconditioned_mean`'s; ``adam_bound``: clipped at
+        Adam's bound, times the rounds a synced round sends after skipped ones); in a SKIPPED
+        round ``g_i``. One pass that writes into the gradient's buffer: every later reader
+        takes it, the worker memory formed after the switch included (formed in a branch,
+        the codec's input was a params-sized temporary of its own)."""
         n = collectives.axis_size(every_axis)
-        return jax.tree.map(lambda a: jnp.where(kind == FULL, a / n, a), as_float32(grads))
+        since = jnp.maximum(state.count - freeze, 0)
+        gap = jnp.minimum(doubling_gap(since, local_scaler), clip).astype(jnp.float32)
+        bound = gap * adam_step_bound(state.count, b1, b2)
+        sends = sends_momentum(kind)
 
-    def switch(kind, *operands):
-        """The round's branch. With ``variance_rounds="exact"`` no round is VARIANCE: the
-        switch has three branches and no second tree (the program of the paper's rounds)."""
-        if coded:
-            return jax.lax.switch(kind, (full, compressed, skipped, variance), *operands)
-        drop = lambda fn: lambda *a: (lambda r: (r[0], r[2], r[3]))(fn(*a))  # noqa: E731
-        x, exchange_state, bad = jax.lax.switch(
-            kind, tuple(map(drop, (full, compressed, skipped))), *operands
+        def one(x, m, p, v, k):
+            u = saturate(b1 * m + (1.0 - b1) * x + p[0], x) * preconditioner(v, k, eps)
+            u = bounded_step(u, bound) if bounded else u
+            return jnp.where(kind == FULL, x / n, jnp.where(sends, u, x))
+
+        # The filled variance read through `after` (the same bits): the preconditioner's
+        # square root, the same expression as the momentum's after the switch, was shared
+        # with it and held through the switch (a params-sized temporary).
+        nu = jax.tree.map(lambda v: after(v, kind), filled_variance(state.nu))
+        return jax.tree.map(
+            one, as_float32(grads), state.mu, state.pending, nu, per_leaf(nu_scale, nu)
         )
-        return x, x, exchange_state, bad
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -361,9 +385,15 @@ def scale_by_zero_one_adam(
             state.count, freeze, var_scaler, local_scaler, clip, warmup, compressed_before
         )
         level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
-        y = round_input(updates, kind)
-        x, g, exchange_state, bad = switch(kind, y, state, params, old_scale)
+        g = variance_gradient(as_float32(updates), kind) if coded else None
+        y = round_input(updates, state, kind, old_scale)
+        branches = (full, compressed, skipped, compressed)[: 4 if coded else 3]
+        x, exchange_state, payloads, bad = jax.lax.switch(kind, branches, y, state, params)
+        if coded:
+            bad = bad | collectives.local_nonfinite(g)
         mu, pending = moved(state, kind, x, g, y, old_scale)
+        keep = ~sends_momentum(kind) | bad
+        exchange_state = rounds.with_memory(exchange_state, y, state.exchange, keep, payloads)
         t = (state.count + 1).astype(jnp.float32)
         moves = moves_variance(kind)
         new_state = ZeroOneAdamState(

@@ -10,7 +10,8 @@ embedding, the positions, the output head's matrix, the norms' scales, every bia
 of 1e-3, and of its direction ``m_hat / (sqrt(v_hat) + eps)`` over every parameter. DeMo's
 ``sign(q)`` step has rms equal to its learning rate in every group::
 
-    python -m benchmarks.adam_steps --tag D     # the benchmark and the held-out pair
+    python -m benchmarks.adam_steps --tag D --models 0 1   # the benchmark and the held-out pair
+    python -m benchmarks.adam_steps --tag D3 --models 2    # the third width, d_model 192
 
 Writes ``benchmarks/results/adam_steps[_TAG].json``.
 """
@@ -22,10 +23,11 @@ from typing import Any
 
 from benchmarks import common
 
-# (name, data (None: the installed jax's lax_numpy.py), d_model, layers, AdamW's tuned peak)
+# (name, data (None: the installed jax's lax_numpy.py), d_model, layers, heads, AdamW's tuned peak)
 MODELS = (
-    ("benchmark (pydoc, d_model 128, 2 layers)", "pydoc", 128, 2, 4.5e-3),
-    ("held-out (lax_numpy.py, d_model 64, 3 layers)", None, 64, 3, 6e-3),
+    ("benchmark (pydoc, d_model 128, 2 layers)", "pydoc", 128, 2, 4, 4.5e-3),
+    ("held-out (lax_numpy.py, d_model 64, 3 layers)", None, 64, 3, 4, 6e-3),
+    ("third width (pydoc, d_model 192, 2 layers, 6 heads)", "pydoc", 192, 2, 6, 3e-3),
 )
 AT = (15, 30, 60, 100, 150, 200, 250, 300)
 
@@ -42,7 +44,9 @@ def group(path: str) -> str:
     return "matrices"
 
 
-def measure(name: str, data: str | None, d: int, layers: int, peak: float, steps: int) -> list:
+def measure(
+    name: str, data: str | None, d: int, layers: int, heads: int, peak: float, steps: int
+) -> list:
     """The rows of one model: one per step of ``AT`` up to ``steps``."""
     import pathlib
 
@@ -56,7 +60,7 @@ def measure(name: str, data: str | None, d: int, layers: int, peak: float, steps
     if data is None:
         data = str(pathlib.Path(jax.__file__).parent / "_src" / "numpy" / "lax_numpy.py")
     args = argparse.Namespace(
-        data=data, context=64, batch_per_device=2, seed=0, d_model=d, layers=layers, heads=4
+        data=data, context=64, batch_per_device=2, seed=0, d_model=d, layers=layers, heads=heads
     )
     task = lm.Task(args, 8)  # the global batch of 8 devices
     sched, adam = lm.Run(steps, peak, 8).schedule(), optax.scale_by_adam()
@@ -98,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int, default=300, help="AdamW's steps (the schedule's)")
     parser.add_argument("--tag", default=None, help="write adam_steps_TAG.json instead")
+    parser.add_argument(
+        "--models", type=int, nargs="+", default=None, help="indices into MODELS (None: every one)"
+    )
     args = parser.parse_args(argv)
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    rows = [r for m in MODELS for r in measure(*m, args.steps)]
+    chosen = [MODELS[i] for i in args.models] if args.models else MODELS
+    rows = [r for m in chosen for r in measure(*m, args.steps)]
     name = "adam_steps" + (f"_{args.tag}" if args.tag else "")
     out = {"environment": common.environment(), "steps": args.steps, "rows": rows}
     common.write_json(common.result_path(name, False), out)

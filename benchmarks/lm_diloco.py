@@ -42,7 +42,10 @@ on 8, and ``H = 16`` on 2 (the shortest ``H`` that keeps 200x fewer bytes in 300
 SparseLoCo with the inner lr held at ``H = 10``, 5, 4 and 3 on 8 replicas, 10 and 5 on 2;
 on 2 replicas at ``H = 10`` and 5 one change at a time (the density 256 / 4096, ``ef_decay``
 0.9, 0.95 and 1.0, an outer lr of 1.5), the density 256 / 4096 at ``H = 3`` on 2,
-``ef_decay=0.95`` at ``H = 30`` on 2 and at ``H = 3`` on 8.
+``ef_decay=0.95`` at ``H = 30`` on 2 and at ``H = 3`` on 8. SparseLoCo with Muon inside at
+``H = 30`` and 3000x fewer bytes or more: on 2 replicas ``ef_decay=0.95`` and an outer lr of
+1.5 and 2.0, on 8 replicas the density 16 / 4096 with every leaf compressed and an outer lr
+of 1.5.
 
 ::
 
@@ -339,6 +342,19 @@ RECIPES: dict[str, lm.Recipe] = {
     # ... and at its defaults with a longer outer step (lr 1.5: 2.4 points at H = 10, AdamW).
     "sparseloco-H30-M2-muon-innerconst-outer1.5": _h(
         30, 2, inner=_muon_held, outer=lambda run: _sgd(1.5, 0.0)(), sparse=True
+    ),
+    "sparseloco-H30-M2-muon-innerconst-outer2.0": _h(
+        30, 2, inner=_muon_held, outer=lambda run: _sgd(2.0, 0.0)(), sparse=True
+    ),
+    # 8 replicas at 3000x or more: a quarter of the density, every leaf compressed (3616x),
+    # Muon inside and the outer lr of 1.5.
+    "sparseloco-H30-muon-innerconst-d16-min0-outer1.5": _h(
+        30,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=16 / 4096,
+        min_size=0,
     ),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),

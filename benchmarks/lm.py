@@ -650,19 +650,32 @@ def lowered(fn, *args) -> list:
 
 def branch_bytes(recipe: Recipe, run: Run, fn, params, state, sample) -> dict:
     """Bytes per step of a step with one ``lax.cond`` / ``lax.switch`` between exchanges: each
-    branch's bytes from the step's own lowered program, weighted by how often it runs."""
+    branch's bytes from the step's own lowered program, weighted by how often it runs.
+
+    0/1 Adam with ``variance_rounds="coded"`` takes its variance rounds' float32 mean gradient
+    in a ``lax.cond`` of its own beside the switch (branches: the other rounds, the variance
+    rounds): weighted by the variance rounds' share, its bytes count in the "variance" regime.
+    """
     import jaxcomp as jc
 
     report = jc.comm_report(fn, params, state, sample)
     counts = [0] * len(recipe.branches)
     for t in range(run.steps):
         counts[recipe.branches.index(recipe.regime(run, t))] += 1
-    b = report.mean_bytes_per_device(counts, logical=True)
+    conditionals = report.logical_conditionals
+    main = next((c.index for c in conditionals if c.num_branches == len(counts)), 0)
+    others = [c.index for c in conditionals if c.index != main]
+    variance = counts[recipe.branches.index("variance")] if others else 0
+    weights = {main: counts, **{k: [run.steps - variance, variance] for k in others}}
+    b = report.mean_bytes_per_device(weights, logical=True)
     each = report.branch_bytes(logical=True)
+    regime = {name: each[main, i] for i, name in enumerate(recipe.branches)}
+    for k in others:
+        regime["variance"] += each[k, 1]
     return {
         "bytes_per_step": b,
         "slow_bytes_per_step": b,
-        "regime_bytes": {name: each[0, i] for i, name in enumerate(recipe.branches)},
+        "regime_bytes": regime,
         "regime_steps": dict(zip(recipe.branches, counts, strict=True)),
     }
 

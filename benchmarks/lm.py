@@ -154,6 +154,13 @@ def zero_one_freeze(run: Run) -> int:
     return max(1, run.steps // 3)
 
 
+def zero_one_settings(run: Run, kw: dict) -> dict:
+    """0/1 Adam's settings here: :data:`ZERO_ONE`, a warm-up of a quarter of the freeze (the
+    library's default until 2026-11-26, which the recorded ``zero_one_adam*`` rows ran with;
+    ``warmup_steps=None``: the library's default now), then ``kw``."""
+    return {**ZERO_ONE, "warmup_steps": zero_one_freeze(run) // 4, **kw}
+
+
 # lax.switch(round kind): three branches, a fourth with variance_rounds="coded"
 ZERO_ONE_BRANCHES = ("full", "compressed", "skipped", "variance")
 
@@ -169,10 +176,10 @@ def _zero_one_kinds(run: Run, gaps: tuple, warmup_steps: int | None, coded: bool
 def _zero_one_regime(run: Run, t: int, **kw: Any) -> str:
     """The round ``jc.zero_one_adam`` at the benchmark's settings (``kw`` overriding them)
     takes at step ``t``."""
-    z = {**ZERO_ONE, **kw}
+    z = zero_one_settings(run, kw)
     gaps = (z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"])
     coded = z.get("variance_rounds") == "coded"
-    return ZERO_ONE_BRANCHES[_zero_one_kinds(run, gaps, z.get("warmup_steps"), coded)[t]]
+    return ZERO_ONE_BRANCHES[_zero_one_kinds(run, gaps, z["warmup_steps"], coded)[t]]
 
 
 def _chain(codec_factory: Callable[[], Any]) -> Callable[[Run, Any], Any]:
@@ -311,7 +318,7 @@ def _zero_one(run: Run, axis: Any, **kw: Any) -> Any:
         axis,
         var_freeze_step=zero_one_freeze(run),
         weight_decay=WEIGHT_DECAY,
-        **{**ZERO_ONE, **kw},
+        **zero_one_settings(run, kw),
     )
 
 
@@ -449,6 +456,14 @@ RECIPES: dict[str, Recipe] = {
         note="steps not clipped at Adam's bound; jc.sign(scale='rms')",
     ),
     "zero_one_adam-var16": _zo(var_update_scaler=16, note="variance gaps doubling every 16 rounds"),
+    "zero_one_adam-defaults": _zo(
+        var_update_scaler=16,
+        warmup_steps=None,
+        note="the library's defaults (warm-up var_freeze_step // 2 since 2026-11-26)",
+    ),
+    "zero_one_adam-var16-warmup50": _zo(
+        var_update_scaler=16, warmup_steps=50, note="var_update_scaler=16, warm-up of 50 steps"
+    ),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"
     ),
@@ -464,6 +479,9 @@ RECIPES: dict[str, Recipe] = {
     "zero_one_adam-meansign": _zo(codec=_codec("sign"), note="jc.sign(): mean-|x| scale"),
     "onebit_adam-freeze25": _ob(
         12, adam_bound=False, note="freeze at a twelfth of the steps; adam_bound=False"
+    ),
+    "onebit_adam-bound-freeze25": _ob(
+        12, adam_bound=True, note="steps clipped at Adam's bound, freeze at a twelfth of the steps"
     ),
     "powersgd4-adamw": _psgd(4),
     "powersgd8-adamw": _psgd(8),

@@ -192,9 +192,10 @@ def test_dgc_diagnostics_hold_back_over_distance_moved():
 def test_zero_one_regimes_count_the_warmup_and_the_skipped_rounds():
     """The branches 0/1 Adam's steps take, as the benchmark counts them for its bytes per
     step (300 steps, var_freeze_step=100, var_update_scaler=8): FULL the 25 warm-up steps
-    (``var_freeze_step // 4``) plus the 13 variance rounds after them (28, 32, ..., 52 on a
-    gap of 4; 56, 64, ..., 96 on a gap of 8); with ``local_step_scaler=100`` every other
-    step from 200 is skipped (50), with the library's 1000 none before step 1100."""
+    (``warmup_steps=25``, the library's default until 2026-11-26) plus the 13 variance
+    rounds after them (28, 32, ..., 52 on a gap of 4; 56, 64, ..., 96 on a gap of 8); with
+    ``local_step_scaler=100`` every other step from 200 is skipped (50), with the library's
+    1000 none before step 1100."""
     from collections import Counter
 
     from benchmarks.convergence import regime

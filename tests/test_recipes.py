@@ -109,9 +109,10 @@ SHARED = {
         adam_bound=False,
         min_size=1,
     ),
-    # 1-bit signs; rounds of steps 0..4: FULL x3 (the warm-up), COMPRESSED, COMPRESSED.
+    # 1-bit signs, the default warm-up (var_freeze_step // 2 = 3); rounds of steps 0..4:
+    # FULL x3 (the warm-up), COMPRESSED, FULL (a variance round: a multiple of the gap, 4).
     "zero_one_warmup": lambda: jc.zero_one_adam(
-        1e-2, "data", var_freeze_step=4, warmup_steps=3, var_update_scaler=1, min_size=1
+        1e-2, "data", var_freeze_step=6, var_update_scaler=1, min_size=1
     ),
 }
 
@@ -320,22 +321,27 @@ def test_zero_one_adam_rounds_against_numpy(name):
 
 def test_zero_one_adam_warmup_is_adam_then_the_schedule_compresses():
     """The first ``warmup_steps`` rounds are uncompressed Adam on the mean gradient (1-bit
-    codec and all); then the momentum goes through the codec. The default warm-up is a
-    quarter of ``var_freeze_step``: on the LM benchmark's schedule the first compressed
-    round moves from step 9 to step 25, for 38 float32 rounds in 300 steps instead of 30."""
+    codec and all); then the momentum goes through the codec. The default warm-up is half
+    of ``var_freeze_step`` (a quarter until 2026-11-26): on the LM benchmark's schedule
+    (``var_freeze_step=100``, the library's ``var_update_scaler=16``) the first compressed
+    round is step 50 (paper: 17; a quarter: 25), and 62 of 300 rounds are float32 (45; 49),
+    the 12 variance rounds after the warm-up on a gap of 4 (24 on gaps of 2 and 4)."""
     run = shared("zero_one_warmup")
     want = reference(optax.adam(1e-2))
     assert_close(run.outs[:3], want[:3])
     assert not np.allclose(run.outs[3]["w"], want[3]["w"], rtol=1e-2)  # 1-bit from here
-    kinds = lambda w, coded=False: round_kinds(300, 100, 8, 1000, 16, w, coded)  # noqa: E731
-    old, new = kinds(0), kinds(default_warmup(100, None))
-    assert (old.index(1), new.index(1)) == (9, 25)
-    assert (old.count(0), new.count(0)) == (30, 38) and VARIANCE not in old + new
+    assert default_warmup(100, None) == 50 and default_warmup(7, None) == 3
+    kinds = lambda w, coded=False: round_kinds(300, 100, 16, 1000, 16, w, coded)  # noqa: E731
+    paper, quarter, half = kinds(0), kinds(25), kinds(default_warmup(100, None))
+    assert (paper.index(1), quarter.index(1), half.index(1)) == (17, 25, 50)
+    assert (paper.count(0), quarter.count(0), half.count(0)) == (45, 49, 62)
+    assert VARIANCE not in paper + quarter + half
+    assert [t for t in range(50, 100) if half[t] == 0] == list(range(52, 100, 4))
     # variance_rounds="coded": the variance rounds after the first compressed one send the
     # momentum through the codec (and the gradient in float32 for the variance).
     coded = kinds(default_warmup(100, None), True)
-    assert (coded.count(0), coded.count(VARIANCE)) == (25, 13)
-    assert int(run.states[-1][0].variance_updates) == 3
+    assert (coded.count(0), coded.count(VARIANCE)) == (50, 12)
+    assert int(run.states[-1][0].variance_updates) == 4
 
 
 def test_zero_one_adam_skipped_round_nonfinite_poisons_every_device():

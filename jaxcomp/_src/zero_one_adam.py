@@ -514,8 +514,8 @@ def zero_one_adam(
     its 1-bit rounds fell behind (with a quarter of ``var_freeze_step`` as the warm-up, the
     default until 2026-11-26, on the benchmark's held-out pair). The longer
     warm-up halves those interleaved rounds and starts them after the fast fall, for more
-    float32 rounds than the paper's schedule (docs, "1-bit Adam and 0/1 Adam for language
-    models": the losses, the bytes and the diagnosis).
+    float32 rounds than the paper's schedule (docs, "The per-step recipes against the best
+    AdamW, three seeds": the losses, the bytes and the diagnosis).
 
     **Variance rounds after 1-bit rounds** (``variance_rounds``). A compressed round's
     decoded momentum carries the codec's error ``n`` (``m = mean_i m_i + n``) and each

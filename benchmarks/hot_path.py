@@ -11,20 +11,22 @@ this is what encoding, decoding and the error-feedback memory cost: the floor is
 
 Rows: sign, int8, fp16 with residual feedback (the line drawn: 3 copies), top-k 1%
 (approximate) with residual feedback, ``jc.powersgd(4, "data", start_step=0)``, sign without
-feedback, plain ``jax.lax.pmean`` of the tree, and sign, int8, fp16 with the memories in
-bfloat16 (``memory_dtype``). Each row also records the compiled update's temporaries and
-arguments (``memory_analysis()``, in copies of the gradient: deterministic, unlike the
-times on a shared host) and each call's CPU time (``time.process_time``, every thread:
-``cpu_copies`` is the row's median over the copy's, less disturbed by other work on the host
-than wall time), its minor page faults (``getrusage``: pages touched for the first time
-since they were mapped; ``fault_copies`` in gradient copies of 4 KiB pages) and
-``hlo_copies``, the bytes the compiled update's instructions read and write over the bytes
-a copy moves (:func:`hlo_traffic`: a model of its memory traffic, deterministic). The state
-is built with ``jc.sharded_init`` and its specs from ``jc.state_specs``, so the script does
-not depend on the state's layout. Each figure is the median of ``--reps`` (>= 7) calls after
-``--warmup``, each blocked until ready; the copy is timed before and after the rows (its
-samples pooled).
-Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
+feedback, plain ``jax.lax.pmean`` of the tree, sign, int8, fp16 with the memories in
+bfloat16 (``memory_dtype``), int8 and fp16 with ``fuse_residuals=True`` (each leaf encoded a
+chunk of ``--chunk`` values at a time, its memory written in the same loop), and sign with
+blocks of 128 (``sign_block``) without and with it. Each row also records the compiled
+update's temporaries and arguments (``memory_analysis()``, in copies of the gradient:
+deterministic, unlike the times on a shared host) and each call's CPU time
+(``time.process_time``, every thread: ``cpu_copies`` is the row's median over the copy's,
+less disturbed by other work on the host than wall time), its minor page faults
+(``getrusage``: pages touched for the first time since they were mapped; ``fault_copies`` in
+gradient copies of 4 KiB pages) and ``hlo_copies``, the bytes the compiled update's
+instructions read and write over the bytes a copy moves (:func:`hlo_traffic`: a model of its
+memory traffic, deterministic). The state is built with ``jc.sharded_init`` and its specs
+from ``jc.state_specs``, so the script does not depend on the state's layout. Each figure is
+the median of ``--reps`` (>= 7) calls after ``--warmup``, each blocked until ready; the copy
+is timed before and after the rows (its samples pooled). Writes
+``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
 
     python -m benchmarks.hot_path --label before     # hot_path_before.json
     python -m benchmarks.hot_path                    # hot_path.json
@@ -32,6 +34,7 @@ Writes ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
     python -m benchmarks.hot_path --reuse-buffers --label reuse   # freed memory reused
     python -m benchmarks.hot_path --rows int8 --ops 12  # + the 12 costliest ops of each row
     python -m benchmarks.hot_path --backend gpu --label gpu_h100  # on one GPU instead
+    python -m benchmarks.hot_path --rows int8 "int8 (fused)" --chunk 16384 --label c16k
     python -m benchmarks.hot_path --rows sign int8 fp16 --reps 9 --label malloc \
         --settings default reuse GLIBC_TUNABLES=glibc.malloc.hugetlb=1 \
         "jemalloc:LD_PRELOAD=$JE,MALLOC_CONF=oversize_threshold:0"
@@ -83,6 +86,12 @@ ROWS = {
     "sign, bf16 memory": ("sign", "residual", "bfloat16"),
     "int8, bf16 memory": ("int8", "residual", "bfloat16"),
     "fp16, bf16 memory": ("fp16", "residual", "bfloat16"),
+    # The encoding and the new memory in one loop over cache-sized chunks of each leaf
+    # (fuse_residuals=True, jaxcomp._src.fused_residual), for a comparison in one run.
+    "int8 (fused)": ("int8", "residual", None, {"fuse_residuals": True}),
+    "fp16 (fused)": ("fp16", "residual", None, {"fuse_residuals": True}),
+    "sign_block": ("sign_block", "residual"),
+    "sign_block (fused)": ("sign_block", "residual", None, {"fuse_residuals": True}),
 }
 QUICK_ROWS = ["sign", "int8", "sign (no feedback)"]
 TARGET_COPIES = 3.0  # int8 and fp16 with error feedback (sign: 2)
@@ -150,17 +159,34 @@ _VIEWS = {"bitcast", "reshape"}
 _SLICES = {"slice", "dynamic-slice"}
 
 
+def _computations(hlo_text: str) -> dict[str, str]:
+    """name -> body text of every computation of the module (the entry as ``ENTRY``), the
+    ``/*index=N*/`` comments of long tuples removed."""
+    hlo_text = re.sub(r"/\*index=\d+\*/", "", hlo_text)
+    found = dict(re.findall(r"\n%([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", hlo_text, re.S))
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    found["ENTRY"] = entry[entry.index("\n", 1) + 1 : entry.index("\n}")]
+    return found
+
+
+def _lines(body: str) -> dict[str, tuple[str, list[str], str]]:
+    """name -> (op, operand names, shape) of each instruction of a computation's body."""
+    lines = {}
+    for line in body.splitlines():
+        m = _ENTRY_LINE.match(line)
+        if m:
+            lines[m.group(1)] = (m.group(3), re.findall(r"%([\w.\-]+)", m.group(4)), m.group(2))
+    return lines
+
+
 def _sliced_parameters(hlo_text: str) -> dict[str, dict[int, int]]:
     """Per fused computation, the bytes read of each parameter that it reads only through
-    slices (through views of it too): a fusion that takes one value of a gradient-sized
-    operand reads that value, not the operand."""
+    slices (through views of it too), or only as the buffer a ``dynamic-update-slice``
+    writes in place (0 bytes): a fusion that takes one value of a gradient-sized operand
+    reads that value, not the operand."""
     found: dict[str, dict[int, int]] = {}
-    for head, body in re.findall(r"\n%([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", hlo_text, re.S):
-        lines = {}
-        for line in body.splitlines():
-            m = _ENTRY_LINE.match(line)
-            if m:
-                lines[m.group(1)] = (m.group(3), re.findall(r"%([\w.\-]+)", m.group(4)), m.group(2))
+    for head, body in _computations(hlo_text).items():
+        lines = _lines(body)
         users: dict[str, list[str]] = {}
         for name, (_, operands, _) in lines.items():
             for o in operands:
@@ -176,14 +202,30 @@ def _sliced_parameters(hlo_text: str) -> dict[str, dict[int, int]]:
     return found
 
 
+def _in_place_bytes(hlo_text: str) -> dict[str, int]:
+    """Per fused computation whose root is a ``dynamic-update-slice``: the bytes it writes
+    (the update, not the buffer it is written into in place)."""
+    found = {}
+    for head, body in _computations(hlo_text).items():
+        lines = _lines(body)
+        root = re.search(r"ROOT %([\w.\-]+) = ", body)
+        if root and lines.get(root.group(1), ("",))[0] == "dynamic-update-slice":
+            update = lines[root.group(1)][1][1]
+            found[head] = _shape_bytes(lines[update][2]) if update in lines else 0
+    return found
+
+
 def _read_through_slices(name: str, lines: dict, users: dict) -> int | None:
-    """Bytes of ``name`` its users read, where each is a slice or a view of it read so;
-    None where any reads it otherwise."""
+    """Bytes of ``name`` its users read, where each is a slice or a view of it read so, or
+    a ``dynamic-update-slice`` writing into it in place (nothing read); None where any
+    reads it otherwise."""
     total = 0
     for u in users.get(name, []):
-        op, _, shape = lines[u]
+        op, operands, shape = lines[u]
         if op in _SLICES:
             total += _shape_bytes(shape)
+            continue
+        if op == "dynamic-update-slice" and operands[0] == name and operands.count(name) == 1:
             continue
         part = _read_through_slices(u, lines, users) if op in _VIEWS else None
         if part is None:
@@ -192,16 +234,33 @@ def _read_through_slices(name: str, lines: dict, users: dict) -> int | None:
     return total
 
 
-def hlo_traffic(hlo_text: str) -> int:
-    """Bytes the entry computation's instructions read and write: each instruction's output
-    plus each distinct operand, once (a fusion that reads an operand only through slices is
-    counted as reading those slices). Views (bitcast, tuples) move nothing. A model of the
-    memory traffic of one call, deterministic, against which the timed copies can be read."""
-    entry = hlo_text[hlo_text.index("\nENTRY") :]
+_TRIPS = re.compile(r'known_trip_count":\{"n":"(\d+)"')
+_BODY = re.compile(r"body=%([\w.\-]+)")
+
+
+#: In a loop's body, buffers of at most this many bytes (a chunk of a leaf, its payload
+#: row) are taken to stay in cache: reading and writing them counts nothing.
+LOOP_CACHE_BYTES = 1 << 20
+
+
+def hlo_traffic(hlo_text: str, computation: str = "ENTRY") -> int:
+    """Bytes a computation's instructions read and write (the entry's by default): each
+    instruction's output plus each distinct operand, once (a fusion that reads an operand
+    only through slices is counted as reading those slices; one that updates a slice of a
+    buffer in place, as writing that slice). Views (bitcast, tuples) move nothing. A
+    ``while`` loop counts its body's traffic times its known trip count (its operands are
+    the buffers the body reads and writes in place, counted there), where buffers of at
+    most :data:`LOOP_CACHE_BYTES` count nothing (in cache; a slice of a larger buffer is
+    counted each time an instruction reads it, in cache or not); a loop without a known trip
+    count (a non-finite step's restore: no trip on a finite one) counts nothing. A model of
+    the memory traffic of one call, deterministic, against which the timed copies can be
+    read."""
+    bodies = _computations(hlo_text)
     sliced = _sliced_parameters(hlo_text)
+    in_place = _in_place_bytes(hlo_text)
     sizes: dict[str, int] = {}
     total = 0
-    for line in entry.splitlines()[1:]:
+    for line in bodies[computation].splitlines():
         m = _ENTRY_LINE.match(line)
         if not m:
             continue
@@ -209,11 +268,27 @@ def hlo_traffic(hlo_text: str) -> int:
         sizes[name] = _shape_bytes(shape)
         if op in _NO_TRAFFIC:
             continue
+        if op == "while":
+            trips, body = _TRIPS.search(line), _BODY.search(line)
+            if body:
+                count = int(trips.group(1)) if trips else 0
+                total += count * hlo_traffic(hlo_text, body.group(1))
+                continue
         calls = _CALLS.search(line)
-        only = sliced.get(calls.group(1), {}) if op == "fusion" and calls else {}
+        fused = calls.group(1) if op == "fusion" and calls else None
+        only = sliced.get(fused, {}) if fused else {}
         names = re.findall(r"%([\w.\-]+)", operands)
-        read = {o: min(sizes.get(o, 0), only.get(i, sizes.get(o, 0))) for i, o in enumerate(names)}
-        total += sizes[name] + sum(read.values())
+        small = computation != "ENTRY"  # a loop body: small buffers stay in cache
+        read = {
+            o: 0
+            if small and sizes.get(o, 0) <= LOOP_CACHE_BYTES
+            else min(sizes.get(o, 0), only.get(i, sizes.get(o, 0)))
+            for i, o in enumerate(names)
+        }
+        written = (
+            0 if small and sizes[name] <= LOOP_CACHE_BYTES else in_place.get(fused, sizes[name])
+        )
+        total += written + sum(read.values())
     return total
 
 
@@ -282,7 +357,9 @@ def run(
     copy_ms = copy_times()
     rows = []
     for name in names:
-        what, feedback, *dtype = ROWS[name]
+        what, feedback, *rest = ROWS[name]
+        dtype = [rest[0]] if rest and rest[0] else []
+        options = rest[1] if len(rest) > 1 else {}
         if what == "pmean":
             tx = None
         elif what.startswith("powersgd"):
@@ -293,6 +370,7 @@ def run(
                 AXIS,
                 error_feedback=feedback,
                 memory_dtype=dtype[0] if dtype else None,
+                **options,
             )
         t_start = time.perf_counter()
         if tx is None:
@@ -334,6 +412,7 @@ def run(
             "codec": what,
             "error_feedback": feedback,
             "memory_dtype": dtype[0] if dtype else "float32",
+            "fused": options.get("fuse_residuals", False),
             # compiled, deterministic: buffers the update allocates / takes, in gradient copies
             "temp_copies": memory.temp_size_in_bytes / (4 * n_params),
             "argument_copies": memory.argument_size_in_bytes / (4 * n_params),
@@ -453,6 +532,13 @@ def main(argv=None) -> int:
         "jemalloc:LD_PRELOAD=/path/libjemalloc.so.2); the rows and the JSON name a setting "
         "by its NAME (else its variables, paths cut to file names); None: this process only",
     )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="values per chunk of the fused rows (fuse_residuals=True; None: "
+        "jaxcomp._src.fused_residual.CHUNK)",
+    )
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.reps < 7 and not args.quick:
@@ -483,6 +569,9 @@ def run_here(args, names) -> dict:
 
     jaxcomp.cpu.use_cpu_devices(1)
     reuse = args.reuse_buffers and jaxcomp.cpu.reuse_large_buffers()
+    from jaxcomp._src import fused_residual
+
+    fused_residual.CHUNK = args.chunk or fused_residual.CHUNK
     sizes = QUICK_MLP if args.quick else common.MLP
     data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls, args.backend)
     setting = "reuse" if reuse else os.environ.get("JAXCOMP_HOT_PATH_SETTING", "default")
@@ -493,6 +582,7 @@ def run_here(args, names) -> dict:
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
         "label": args.label,
         "reuse_large_buffers": reuse,
+        "chunk": fused_residual.CHUNK,  # values per chunk of the fused rows
         **data,
     }
 
@@ -545,6 +635,7 @@ def run_settings(args, names) -> dict:
             command += ["--ops", str(args.ops), "--op-calls", str(args.op_calls)]
             command += ["--backend", args.backend] + ["--quick"] * args.quick
             command += ["--reuse-buffers"] * (setting == "reuse")
+            command += ["--chunk", str(args.chunk)] * bool(args.chunk)
             print(f"setting {name}:", flush=True)
             subprocess.run(command, env=env, check=True, cwd=common.ROOT)
             parts.append(json.loads(out.read_text()))

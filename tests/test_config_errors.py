@@ -227,6 +227,12 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", memory_dtype="int8"),
         ValueError,
     ),
+    (
+        "compressed_allreduce",
+        "fuse_residuals",
+        lambda: jc.compressed_allreduce(S, "d", fuse_residuals=1),
+        TypeError,
+    ),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=1.0), ValueError),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
     ("sgd", "worker_momentum", lambda: jc.sgd(0.1, S, "d", worker_momentum=0.9), TypeError),

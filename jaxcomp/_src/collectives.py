@@ -627,6 +627,7 @@ def _reduce_flat(
     gather_pieces=False,
     with_payload=False,
     checked=False,
+    encoded=None,
 ):
     """Each segment through the strategy ``auto`` picks for its size (or ``strategy``).
 
@@ -647,6 +648,9 @@ def _reduce_flat(
         sizes = [x.shape[0] for x in xs]
         ctx = _Context(codec, axis_name, n, bb, [keys[i] for i in idx], sizes, gather_pieces)
         payloads, errors = encode(xs, ctx.keys, ctx)
+        if encoded is not None:  # payloads the caller encoded (their errors are its own)
+            mine = [encoded[i] for i in idx]
+            payloads = [p if m is None else m for p, m in zip(payloads, mine, strict=True)]
         srv = [None if servers is None else servers[i] for i in idx]
         exchanged, held = exchange(payloads, ctx, srv)
         groups.append((decode, idx, ctx, xs, payloads, exchanged, held, errors))
@@ -751,6 +755,7 @@ def reduce_segments(
     gather_pieces: bool = False,
     with_payload: bool = False,
     checked: bool = False,
+    encoded: list | None = None,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
@@ -774,6 +779,10 @@ def reduce_segments(
     ``checked``: ``extra_bad`` is already the whole step's flag, identical on every device
     (the caller checked the inputs of the segments, which are finite where it is clear): no
     pass over the segments, no psum (flat reduce only).
+    ``encoded``: per segment, this device's payload as the caller already encoded it (as the
+    segment's strategy would, e.g. :func:`jaxcomp._src.fused_residual.encode_in_place`), or
+    None to encode it here; a segment's ``Reduced.error`` and ``sent`` then do not describe
+    the given payload (flat reduce only).
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
@@ -791,7 +800,10 @@ def reduce_segments(
             gather_pieces,
             with_payload,
             checked,
+            encoded,
         )
+    if encoded is not None:
+        raise ValueError("`encoded` payloads need a flat reduce (no `inner_axis_name`)")
     return _hierarchical(
         segments,
         axis_name,

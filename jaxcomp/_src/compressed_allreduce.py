@@ -11,7 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
+from jaxcomp._src import (
+    buckets,
+    collectives,
+    feedback,
+    fused_residual,
+    server,
+    shards,
+    skeleton,
+    warmup,
+)
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
 from jaxcomp._src.codecs.base import Codec, after, check_fraction, check_int
@@ -117,7 +126,7 @@ def _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors
     return out
 
 
-def _residuals(kind, how, step, plan, reduced) -> list:
+def _residuals(kind, how, step, plan, reduced, fused=None) -> list:
     """Residual feedback's new memories ``e' = (g + e) - C(g + e)`` (None each for another
     ``kind``): an elementwise codec's in each memory's shape (:func:`_shaped_residuals`),
     another codec's sent whole from what it sent (:func:`_residuals_again`), else as the
@@ -131,7 +140,8 @@ def _residuals(kind, how, step, plan, reduced) -> list:
     if shaped:
         return _shaped_residuals(codec, strategy, axis_name, updates, layout, state, errors)
     if inner_axis_name is None and _sent_whole(codec, strategy, axis_name, grads):
-        return _residuals_again(grads, state.memory, plan.join(reduced.sent))
+        fused = fused or [None] * len(grads)
+        return _residuals_again(grads, state.memory, plan.join(reduced.sent), fused)
     return errors
 
 
@@ -147,7 +157,7 @@ def _sent_whole(codec: Codec, strategy: str, axis_name: Any, targets: list) -> b
     )
 
 
-def _residuals_again(grads: list, memory: Any, sent: list) -> list:
+def _residuals_again(grads: list, memory: Any, sent: list, fused: list) -> list:
     """Residual memories ``e' = (g + e) - sent`` in each memory's shape ``[1, *leaf]``: the
     values of ``Reduced.error`` (``x - decode(payload)``), bit for bit.
 
@@ -156,12 +166,16 @@ def _residuals_again(grads: list, memory: Any, sent: list) -> list:
     (the scales, the encoding, this one) adds it again, and none is written out (a
     gradient-sized temporary, read three times, was the costliest pass of int8's and
     sign's updates). Formed in the memory's shape, the pass writes the donated memory in
-    place (:func:`_shaped_residuals`).
+    place (:func:`_shaped_residuals`). Leaves whose memory the encoding already wrote
+    (``fused`` not None: :mod:`~jaxcomp._src.fused_residual`) get None, and their gradients
+    stay out of the barrier (which would keep them alive past the encoding's loop).
     """
-    grads = jax.lax.optimization_barrier(grads)
+    idx = [i for i, f in enumerate(fused) if f is None]
+    held = iter(jax.lax.optimization_barrier([grads[i] for i in idx]))
+    memories = layouts.field_leaves(memory)
     return [
-        _residual(g, m, s)
-        for g, m, s in zip(grads, layouts.field_leaves(memory), sent, strict=True)
+        None if f is not None else _residual(next(held), m, s)
+        for f, m, s in zip(fused, memories, sent, strict=True)
     ]
 
 
@@ -233,6 +247,7 @@ def compressed_allreduce(
     param_specs: Any = None,
     warmup_steps: int = 0,
     memory_dtype: Any = None,
+    fuse_residuals: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -340,6 +355,16 @@ def compressed_allreduce(
         are kept in, as optax's ``mu_dtype``: None (float32) or ``jnp.bfloat16`` (half the
         state; read as float32, stored rounded to nearest and saturating, so a finite memory
         never becomes inf). ``jnp.float16`` also works but saturates at 65504.
+      fuse_residuals: False (default): the encoding, the new memory and the output in
+        passes over whole leaves. True: with residual feedback, float32 memories and a codec
+        whose payload is its chunks' payloads end to end (``Codec.chunk_unit``: int_quant,
+        casts, sign with ``block_size``), each leaf sent whole (``allgather``,
+        ``allreduce``) is encoded a cache-sized chunk at a time in one loop that also writes
+        its new memory in place and the old one over the donated gradient (which a
+        non-finite step copies back): ``g`` and ``e`` are read once. The same payloads,
+        memories and outputs, bit for bit, and the same wire bytes. Measured on XLA:CPU
+        (docs/benchmarks.md, "Chunked residuals"): fewer bytes moved, but not faster for
+        int8 or fp16 there; hence off by default.
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
@@ -391,6 +416,20 @@ def compressed_allreduce(
         and not stages
     )
     residual_how = (codec, strategy, axis_name, inner_axis_name, shaped_residuals)
+    if not isinstance(fuse_residuals, bool):
+        raise TypeError(f"`fuse_residuals` must be True or False, got {fuse_residuals!r}")
+    # The encoding and the new memory in one loop over chunks of each leaf: the codec of
+    # every step fixed at trace time, whole leaves sent from g + e, float32 memories.
+    fuse_residuals = (
+        fuse_residuals
+        and not flat
+        and inner_axis_name is None
+        and beta is None
+        and adaptive is None
+        and not stages
+        and memory_dtype == jnp.float32
+        and codec.flags_nonfinite
+    )
 
     def chunks(layout: layouts.Layout):
         """Owned chunk sizes per whole and segment; None outside the mesh."""
@@ -447,6 +486,9 @@ def compressed_allreduce(
         targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
 
         plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
+        fused = [None] * len(grads)
+        if fuse_residuals and kind == "residual" and _PAYLOADS.get() is None:
+            fused, targets = _fused_encodings(codec, strategy, axis_name, grads, state, targets)
         owned = chunks(layout) if grads and use_server else None
         owner = server.Owner(axis_name, inner_axis_name)
         servers = (
@@ -468,6 +510,7 @@ def compressed_allreduce(
                 plain_bad,
                 bucket_bytes,
                 with_payload=sink is not None,
+                encoded=_given(plan, fused, through is codec),
             )
             if sink is not None:
                 sink.append(r.payload)
@@ -495,11 +538,18 @@ def compressed_allreduce(
         estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
         outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
 
-        errors = _residuals(kind, residual_how, (updates, grads, layout, state), plan, reduced)
+        step = (updates, grads, layout, state)
+        errors = _residuals(kind, residual_how, step, plan, reduced, fused)
         new_memory = [
             feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
             for m, t, s, r in zip(memory, targets, sent, errors, strict=True)
         ]
+        # A fused leaf's memory was written by its encoding; its old one comes back from the
+        # gradient's buffer on a non-finite step.
+        restored = [
+            None if f is None else fused_residual.restore(reduced.bad, f[1], f[2]) for f in fused
+        ]
+        new_memory = [n if r is None else r for n, r in zip(new_memory, restored, strict=True)]
         new_state = CompressedAllreduceState(
             memory=skeleton.like_state(layout, new_memory) if kind else state.memory,
             server_residual=state.server_residual
@@ -515,13 +565,64 @@ def compressed_allreduce(
             if adaptive is None
             else adaptive.update(state.adaptive, state.count, outs),
         )
-        new_state = skeleton.freeze(reduced.bad, state, new_state)
+        new_state = _freeze(reduced.bad, state, new_state, layout, restored)
         outs = _after_memory(outs, new_state.memory, every_axis, kind == "residual")
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
     return optax.GradientTransformationExtraArgs(
         init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )
+
+
+def _fused_encodings(codec, strategy, axis_name, grads, state, targets):
+    """Per compressed leaf, ``(payload, new memory, old memory)`` from
+    :func:`~jaxcomp._src.fused_residual.encode_in_place` where the leaf qualifies (a whole
+    segment sent by ``allgather`` or ``allreduce``, a chunk size for it), else None; and the
+    targets with each fused leaf's ``g + e`` replaced by ``g`` (the exchange reads only its
+    size, and nothing may read the memory that the loop overwrites)."""
+    n = collectives.axis_size(axis_name)
+    chunks = []
+    for g in grads:
+        d = g.shape[0]
+        chosen = collectives.choose_strategy(codec, d, n, strategy)
+        whole = d <= collectives.MAX_SEGMENT and chosen in ("allgather", "allreduce")
+        chunks.append(fused_residual.chunk_size(codec, d) if whole else None)
+    if all(c is None for c in chunks):
+        return [None] * len(grads), targets
+    memories = layouts.field_leaves(state.memory)
+    fused = [
+        None
+        if c is None
+        else fused_residual.encode_in_place(
+            codec, collectives.choose_strategy(codec, g.shape[0], n, strategy), n, g, m, c
+        )
+        for g, m, c in zip(grads, memories, chunks, strict=True)
+    ]
+    targets = [t if f is None else g for t, g, f in zip(targets, grads, fused, strict=True)]
+    return fused, targets
+
+
+def _given(plan, fused: list, same_codec: bool) -> list | None:
+    """Per segment of ``plan``, the payload a fused leaf's encoding made (None elsewhere);
+    None where no leaf is fused (or for another codec than the one fused)."""
+    if not same_codec or all(f is None for f in fused):
+        return None
+    given = []
+    for f, pieces in zip(fused, plan.pieces(), strict=True):
+        given += [None] * len(pieces) if f is None else [f[0]]
+    return given
+
+
+def _freeze(bad, state, new_state, layout, restored: list):
+    """:func:`~jaxcomp._src.skeleton.freeze`, but the fused leaves' memories as
+    :func:`~jaxcomp._src.fused_residual.restore` gives them (``restored`` not None: the old
+    memory was overwritten in place, and a non-finite step has it copied back)."""
+    frozen = skeleton.freeze(bad, state, new_state)
+    if all(r is None for r in restored):
+        return frozen
+    memories = layouts.field_leaves(frozen.memory)
+    merged = [m if r is None else r for m, r in zip(memories, restored, strict=True)]
+    return frozen._replace(memory=layouts.like_compressed(layout, merged))
 
 
 #: Set by :func:`late_residual_memory`'s ``capture``: the update appends its exchange's

@@ -205,6 +205,19 @@ class Codec:
     def payload_bytes(self, d: int) -> int:
         raise NotImplementedError
 
+    def chunk_unit(self, d: int) -> int | None:
+        """Values per independent unit of the encoding of a ``float32[d]``, or None.
+
+        Where it is ``u``, for every ``c`` that is a multiple of ``u`` and divides ``d``,
+        ``encode(x)`` is the payloads of ``x``'s chunks of ``c`` values laid end to end, leaf by
+        leaf, bit for bit (blockwise scales, elementwise casts, deterministic): residual
+        feedback can then encode a leaf a cache-sized chunk at a time
+        (:mod:`jaxcomp._src.fused_residual`). None (the default): the payload depends on all
+        of ``x`` (a scale or a selection over the whole vector, noise drawn for the whole).
+        """
+        del d
+        return None
+
     def decode_sum(
         self, payloads: Payload, d: int, scale: float = 1.0, fill: jax.Array | float = 0.0
     ) -> jax.Array:

@@ -122,6 +122,10 @@ class Cast(Codec):
     def decode(self, payload, d):
         return payload.astype(jnp.float32)
 
+    def chunk_unit(self, d):
+        """Each value on its own: any chunk."""
+        return 1
+
     def roundtrip(self, x, key=None):
         """``decode(encode(x))`` of a float array of any shape (the cast is elementwise)."""
         check_vector(jnp.ravel(x), self)  # encode's checks (floating, size), in any shape
@@ -301,6 +305,13 @@ class IntQuant(Codec):
 
     def payload_bytes(self, d):
         return 4 * packing.packed_words(d, self.bits) + 4 * ceil_div(d, self.block_size)
+
+    def chunk_unit(self, d):
+        """Whole blocks that fill whole words (deterministic rounding: stochastic noise is
+        drawn for the whole vector)."""
+        if self.stochastic:
+            return None
+        return math.lcm(self.block_size, packing.codes_per_word(self.bits))
 
 
 def int_quant(bits: int = 8, block_size: int = 256, stochastic: bool = False) -> IntQuant:

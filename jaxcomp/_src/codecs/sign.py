@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,13 @@ class Sign(Codec):
             nonzero = packing.unpack(payload[2], 1, packing.packed_words(d, 1))
             x = jnp.where(per_value(nonzero, 32, d) == 1, x, 0.0)
         return x
+
+    def chunk_unit(self, d):
+        """Whole blocks of whole words; None with one scale for the whole vector (or the
+        words of exact zeros, packed over the whole vector)."""
+        if self.block_size is None or self.exact_zeros:
+            return None
+        return math.lcm(self.block_size, 32)
 
     def payload_bytes(self, d):
         words = packing.packed_words(d, 1)

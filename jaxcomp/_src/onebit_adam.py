@@ -190,43 +190,6 @@ def per_leaf(scale: Any, like: Any) -> Any:
     return jax.tree.map(lambda _: scale, like)
 
 
-def preconditioned_mean(
-    inner,
-    local: Any,
-    nu: Any,
-    nu_scale,
-    eps,
-    exchange_state,
-    params,
-    filled: bool = False,
-    convert: bool = True,
-    bound: Any = None,
-):
-    """``mean_i m_i`` through ``inner`` (a ``compressed_allreduce``), exchanged in Adam's
-    preconditioned coordinates ``u_i = m_i / (sqrt(nu_hat) + eps)``.
-
-    With the variance frozen (identical on every device) this is a fixed per-coordinate
-    change of units, so the mean is the same; but the codec's error (and the error-feedback
-    memory) then lives where the update does: a 1-bit momentum sent as it is gives every
-    coordinate of a leaf the same magnitude, and coordinates of small variance turn that into
-    huge steps. The variance is :func:`filled_variance` (a coordinate unseen during the
-    warm-up takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps
-    nothing (its update is zero). Returns ``(mean momentum, new exchange state)``;
-    ``convert=False``: the mean still in preconditioned units (:func:`unprecondition`);
-    ``bound``: each device's ``u_i`` clipped to it first (:func:`bounded_step`; None: not).
-    """
-    nu = nu if filled else filled_variance(nu)
-    ks = per_leaf(nu_scale, nu)
-    scale = jax.tree.map(lambda v, k: preconditioner(v, k, eps), nu, ks)
-    u = jax.tree.map(jnp.multiply, local, scale)
-    if bound is not None:
-        u = jax.tree.map(lambda x: bounded_step(x, bound), u)
-    sent, exchange_state = inner.update(u, exchange_state, params)
-    if not convert:
-        return sent, exchange_state
-    return jax.tree.map(lambda u, v, k: unprecondition(u, v, k, eps), sent, nu, ks), exchange_state
-
-
 def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
     """``u * (sqrt(k v) + eps)`` where ``v > 0`` (0 elsewhere): a momentum sent in Adam's
     preconditioned units back in its own (``v`` filled, ``k`` its bias correction),
@@ -249,7 +212,16 @@ def adam_denominator(v: jax.Array, k, eps) -> jax.Array:
 
 def preconditioner(v: jax.Array, k, eps) -> jax.Array:
     """``1 / (sqrt(k v) + eps)`` where ``v > 0``, 0 elsewhere (:func:`adam_denominator`): a
-    momentum times it is in Adam's preconditioned units."""
+    momentum times it is in Adam's preconditioned units ``u_i = m_i / (sqrt(nu_hat) + eps)``,
+    the units both recipes send it in (turned back by :func:`unprecondition`).
+
+    With the variance frozen (identical on every device) this is a fixed per-coordinate
+    change of units, so the mean is the same; but the codec's error (and the error-feedback
+    memory) then lives where the update does: a 1-bit momentum sent as it is gives every
+    coordinate of a leaf the same magnitude, and coordinates of small variance turn that into
+    huge steps. ``v`` is the :func:`filled_variance` (a coordinate unseen during the warm-up
+    takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps nothing
+    (its update is zero)."""
     return jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0)
 
 
@@ -428,7 +400,7 @@ def scale_by_onebit_adam(
     def branch_input(grads, state, warm, nu_scale):
         """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
         mean, pre-scaled as :func:`gradient_mean`), or the momentum step
-        ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioned_mean`, the
+        ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioner`, the
         variance filled as it froze; ``adam_bound``: clipped at :func:`adam_step_bound`).
         Formed before the cond, it takes the gradient's buffer
         (the codec's input was a params-sized temporary of its own)."""

@@ -351,7 +351,7 @@ def scale_by_zero_one_adam(
         its sum is the mean, which never overflows where it fits); in a COMPRESSED or
         VARIANCE round the codec's input, this device's momentum step plus what its skipped
         rounds held, ``b1 m + (1 - b1) g_i + p_i``, in Adam's preconditioned units
-        (:func:`~jaxcomp._src.onebit_adam.preconditioned_mean`'s; ``adam_bound``: clipped at
+        (:func:`~jaxcomp._src.onebit_adam.preconditioner`; ``adam_bound``: clipped at
         Adam's bound, times the rounds a synced round sends after skipped ones); in a SKIPPED
         round ``g_i``. One pass that writes into the gradient's buffer: every later reader
         takes it, the worker memory formed after the switch included (formed in a branch,

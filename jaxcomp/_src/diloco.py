@@ -118,10 +118,10 @@ def diloco(
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
         ``optax.adamw(1e-3)``). Hold its lr at the peak after a warm-up rather than decay
-        it: at ``H = 30`` on a language model a cosine decay cost loss, and on many
-        replicas of small batches Muon inside (``optax.contrib.muon``, MuLoCo) did better
-        still (figures in the docs, "Training language models over slow links": the inner
-        schedule at ``H = 30``).
+        it: at ``H = 30`` on a language model a cosine decay cost loss, and Muon inside
+        (``optax.contrib.muon``, MuLoCo) did better still, on 8 replicas of one device and
+        on 2 of several: the recommended inner optimizer at ``H = 30`` (figures in the docs,
+        "Training language models over slow links": MuLoCo).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps; or a sequence of intervals
         ``(h_1, ..., h_k)``: syncs after ``h_1``, ``h_1 + h_2``, ... steps, then every

@@ -491,11 +491,7 @@ def compressed_allreduce(
             fused, targets = _fused_encodings(codec, strategy, axis_name, grads, state, targets)
         owned = chunks(layout) if grads and use_server else None
         owner = server.Owner(axis_name, inner_axis_name)
-        servers = (
-            None
-            if owned is None
-            else server.read(state.server_residual, layout, owned, flat, owner)
-        )
+        servers = _owned_servers(state, layout, owned, flat, owner)
 
         def reduce(through: Codec) -> collectives.Reduced:
             sink = _PAYLOADS.get()
@@ -540,16 +536,9 @@ def compressed_allreduce(
 
         step = (updates, grads, layout, state)
         errors = _residuals(kind, residual_how, step, plan, reduced, fused)
-        new_memory = [
-            feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
-            for m, t, s, r in zip(memory, targets, sent, errors, strict=True)
-        ]
-        # A fused leaf's memory was written by its encoding; its old one comes back from the
-        # gradient's buffer on a non-finite step.
-        restored = [
-            None if f is None else fused_residual.restore(reduced.bad, f[1], f[2]) for f in fused
-        ]
-        new_memory = [n if r is None else r for n, r in zip(new_memory, restored, strict=True)]
+        new_memory, restored = _new_memories(
+            kind, memory_dtype, (memory, targets, sent, errors), fused, reduced.bad
+        )
         new_state = CompressedAllreduceState(
             memory=skeleton.like_state(layout, new_memory) if kind else state.memory,
             server_residual=state.server_residual
@@ -611,6 +600,28 @@ def _given(plan, fused: list, same_codec: bool) -> list | None:
     for f, pieces in zip(fused, plan.pieces(), strict=True):
         given += [None] * len(pieces) if f is None else [f[0]]
     return given
+
+
+def _owned_servers(state, layout: layouts.Layout, owned, flat: bool, owner) -> Any:
+    """The server residuals of the chunks this device owns (``two_phase``), as
+    :func:`~jaxcomp._src.server.read` gives them; None where there are none (``owned``)."""
+    if owned is None:
+        return None
+    return server.read(state.server_residual, layout, owned, flat, owner)
+
+
+def _new_memories(kind, memory_dtype, step: tuple, fused: list, bad) -> tuple[list, list]:
+    """``(new memories, restored)`` per compressed leaf: the feedback's next memory
+    (``step`` is ``(memories, targets, sent, errors)``), stored in ``memory_dtype``; where a
+    leaf's encoding was fused (:mod:`~jaxcomp._src.fused_residual`) the memory its loop wrote
+    in place instead, or on a non-finite step (``bad``) the old one, copied back from the
+    gradient's buffer (``restored``: those memories, None for every other leaf)."""
+    new = [
+        feedback.to_memory(feedback.next_memory(m, t, s, kind, r), memory_dtype)
+        for m, t, s, r in zip(*step, strict=True)
+    ]
+    restored = [None if f is None else fused_residual.restore(bad, f[1], f[2]) for f in fused]
+    return [n if r is None else r for n, r in zip(new, restored, strict=True)], restored
 
 
 def _freeze(bad, state, new_state, layout, restored: list):

@@ -362,7 +362,9 @@ def compressed_allreduce(
         ``allreduce``) is encoded a cache-sized chunk at a time in one loop that also writes
         its new memory in place and the old one over the donated gradient (which a
         non-finite step copies back): ``g`` and ``e`` are read once. The same payloads,
-        memories and outputs, bit for bit, and the same wire bytes. Measured on XLA:CPU
+        memories and outputs, bit for bit for ``int_quant`` of 2 bits or more and casts (a
+        1-bit block scale can round a few ulp apart: ``Codec.chunk_unit``), and the same wire
+        bytes. Measured on XLA:CPU
         (docs/benchmarks.md, "Chunked residuals"): fewer bytes moved, but not faster for
         int8 or fp16 there; hence off by default.
 

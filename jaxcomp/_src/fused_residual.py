@@ -69,7 +69,7 @@ def encode_in_place(
     payload's type never overflows in the sum). Per chunk ``j``, in cache::
 
         x_j  = g_j + e_j                      # written to a chunk-sized buffer
-        p_j  = encode(x_j)                    # blockwise: the same bits as encode(x)'s part
+        p_j  = encode(x_j)                    # blockwise: encode(x)'s part (Codec.chunk_unit)
         g_j <- e_j                            # the old memory, over the gradient read
         e_j <- x_j - decode(p_j)              # the new memory, in place
 
@@ -88,7 +88,10 @@ def encode_in_place(
 
     Returns:
       ``(payload, e', old)``: the payload of :meth:`Codec.encode` of the whole ``x`` (or
-      ``x / n``), bit for bit; the new memory in ``e``'s shape; the old memory, ``f32[d]``.
+      ``x / n``; bit for bit, or a 1-bit block scale a few ulp apart:
+      :meth:`~jaxcomp._src.codecs.base.Codec.chunk_unit`), and ``e' = x - decode`` of that
+      payload, so the feedback is exact either way; the new memory in ``e``'s shape; the old
+      memory, ``f32[d]``.
     """
     d = g.shape[0]
     rows = d // c

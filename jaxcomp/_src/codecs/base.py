@@ -210,10 +210,14 @@ class Codec:
 
         Where it is ``u``, for every ``c`` that is a multiple of ``u`` and divides ``d``,
         ``encode(x)`` is the payloads of ``x``'s chunks of ``c`` values laid end to end, leaf by
-        leaf, bit for bit (blockwise scales, elementwise casts, deterministic): residual
-        feedback can then encode a leaf a cache-sized chunk at a time
-        (:mod:`jaxcomp._src.fused_residual`). None (the default): the payload depends on all
-        of ``x`` (a scale or a selection over the whole vector, noise drawn for the whole).
+        leaf (blockwise scales, elementwise casts, deterministic): residual feedback can then
+        encode a leaf a cache-sized chunk at a time (:mod:`jaxcomp._src.fused_residual`). Bit
+        for bit where a block's scale is a maximum (``int_quant`` of 2 bits or more) or there
+        is none (casts); a 1-bit block scale (``sign``'s mean or root mean square,
+        ``int_quant(1)``) is a float sum, which XLA may add in another order for another
+        number of blocks: the same codes, each scale within a few ulp (docs/benchmarks.md,
+        "Chunked residuals"). None (the default): the payload depends on all of ``x`` (a
+        scale or a selection over the whole vector, noise drawn for the whole).
         """
         del d
         return None

@@ -310,6 +310,17 @@ def _times(x: jax.Array, n: int) -> jax.Array:
     return x if n == 1 else x * float(n)
 
 
+def whole_payload(codec: Codec, strategy: str, n: int, x: jax.Array) -> tuple[Any, jax.Array]:
+    """``(payload, sent)`` of a vector sent whole by a deterministic codec, ``sent`` in units
+    of ``x``: ``"allreduce"`` encodes ``x / n`` (:func:`_allreduce_encode`: its psum is the
+    mean) and sends ``n decode``; ``"allgather"`` encodes ``x`` itself."""
+    if strategy == "allreduce":
+        payload = codec.encode(x * (1.0 / n))
+        return payload, _times(codec.decode(payload, x.shape[0]), n)
+    payload = codec.encode(x)
+    return payload, codec.decode(payload, x.shape[0])
+
+
 def _allreduce_exchange(payloads, ctx, servers):
     summed, held = _psum_floats(payloads, ctx.axis_name, ctx.bucket_bytes)
     return summed, held

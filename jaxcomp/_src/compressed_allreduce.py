@@ -572,22 +572,19 @@ def _fused_encodings(codec, strategy, axis_name, grads, state, targets):
     targets with each fused leaf's ``g + e`` replaced by ``g`` (the exchange reads only its
     size, and nothing may read the memory that the loop overwrites)."""
     n = collectives.axis_size(axis_name)
-    chunks = []
-    for g in grads:
-        d = g.shape[0]
-        chosen = collectives.choose_strategy(codec, d, n, strategy)
-        whole = d <= collectives.MAX_SEGMENT and chosen in ("allgather", "allreduce")
-        chunks.append(fused_residual.chunk_size(codec, d) if whole else None)
+    chosen = [collectives.choose_strategy(codec, g.shape[0], n, strategy) for g in grads]
+    chunks = [
+        fused_residual.chunk_size(codec, g.shape[0])
+        if g.shape[0] <= collectives.MAX_SEGMENT and s in ("allgather", "allreduce")
+        else None
+        for g, s in zip(grads, chosen, strict=True)
+    ]
     if all(c is None for c in chunks):
         return [None] * len(grads), targets
     memories = layouts.field_leaves(state.memory)
     fused = [
-        None
-        if c is None
-        else fused_residual.encode_in_place(
-            codec, collectives.choose_strategy(codec, g.shape[0], n, strategy), n, g, m, c
-        )
-        for g, m, c in zip(grads, memories, chunks, strict=True)
+        None if c is None else fused_residual.encode_in_place(codec, s, n, g, m, c)
+        for g, m, c, s in zip(grads, memories, chunks, chosen, strict=True)
     ]
     targets = [t if f is None else g for t, g, f in zip(targets, grads, fused, strict=True)]
     return fused, targets

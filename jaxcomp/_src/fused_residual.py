@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import skeleton
+from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import Codec, after
 
 #: Values per chunk the loop aims at: 64Ki float32 values (256 KiB per array; ``g``, ``e``
@@ -112,7 +112,7 @@ def encode_in_place(
         x = jax.lax.dynamic_index_in_dim(gv, i, keepdims=False) + old
         scratch = jax.lax.dynamic_update_slice_in_dim(scratch, x, 0, 0)
         x = scratch[:c]
-        payload, sent = _encode_chunk(codec, strategy, n, x)
+        payload, sent = collectives.whole_payload(codec, strategy, n, x)
         stacked = jax.tree.map(
             lambda s, p: jax.lax.dynamic_update_index_in_dim(s, p, i, 0), stacked, payload
         )
@@ -135,13 +135,3 @@ def restore(bad: jax.Array, memory: jax.Array, old: jax.Array) -> jax.Array:
     every device): a loop of zero or one trips, which XLA runs over ``memory``'s buffer in
     place (a ``cond`` would copy the memory into a buffer of its own every step)."""
     return jax.lax.fori_loop(0, bad.astype(jnp.int32), lambda _, m: old.reshape(m.shape), memory)
-
-
-def _encode_chunk(codec: Codec, strategy: str, n: int, x: jax.Array):
-    """``(payload, sent)`` of one chunk as ``strategy`` encodes it: ``sent`` in units of ``x``."""
-    if strategy == "allreduce":
-        payload = codec.encode(x * (1.0 / n))
-        sent = codec.decode(payload, x.shape[0])
-        return payload, sent if n == 1 else sent * float(n)
-    payload = codec.encode(x)
-    return payload, codec.decode(payload, x.shape[0])

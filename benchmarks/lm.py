@@ -682,7 +682,14 @@ def branch_bytes(recipe: Recipe, run: Run, fn, params, state, sample) -> dict:
         counts[recipe.branches.index(recipe.regime(run, t))] += 1
     conditionals = report.logical_conditionals
     main = next((c.index for c in conditionals if c.num_branches == len(counts)), 0)
-    others = [c.index for c in conditionals if c.index != main]
+    others = [c for c in conditionals if c.index != main]
+    if others and ("variance" not in recipe.branches or any(c.num_branches != 2 for c in others)):
+        raise ValueError(
+            f"the step has conditionals of {[c.num_branches for c in others]} branches"
+            " beside the regime switch, and only 0/1 Adam's variance cond (2 branches, a "
+            "'variance' regime) is known here: give its branches' weights in branch_bytes"
+        )
+    others = [c.index for c in others]
     variance = counts[recipe.branches.index("variance")] if others else 0
     weights = {main: counts, **{k: [run.steps - variance, variance] for k in others}}
     b = report.mean_bytes_per_device(weights, logical=True)

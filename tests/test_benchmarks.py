@@ -663,3 +663,23 @@ def test_network_children_finds_the_launchers_workers():
             os.kill(pid, signal.SIGKILL)
         os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
+
+
+def test_lm_branch_bytes_refuses_an_unknown_second_conditional(monkeypatch):
+    """benchmarks/lm.py weights a second lax.cond as 0/1 Adam's variance cond only where the
+    recipe has a 'variance' regime and the cond has 2 branches: anything else is an error, not
+    bytes weighted by the wrong counts."""
+    import types
+
+    import jaxcomp as jc
+    from benchmarks import lm
+
+    conds = [
+        types.SimpleNamespace(index=0, num_branches=2),
+        types.SimpleNamespace(index=1, num_branches=3),
+    ]
+    report = types.SimpleNamespace(logical_conditionals=conds)
+    monkeypatch.setattr(jc, "comm_report", lambda *a: report)
+    recipe = lm.Recipe(make=None, branches=("a", "b"), regime=lambda run, t: "a" if t < 2 else "b")
+    with pytest.raises(ValueError, match="variance cond"):
+        lm.branch_bytes(recipe, lm.Run(steps=4, lr=1e-3, devices=8), None, None, None, None)

@@ -25,6 +25,8 @@ held-out loss against wall clock::
     sudo python -m benchmarks.lm_link                                   # 100mbit, 4 processes
     sudo python -m benchmarks.lm_link --rate 1gbit -n 2 --label 1gbit_n2
     sudo python -m benchmarks.lm_link --recipes diloco-int4-H30 --recipe-steps 600
+    sudo python -m benchmarks.lm_link --baseline-lr 4.5e-3   # against AdamW at its best lr
+    python -m benchmarks.lm_link --rate none --baseline-lr 6e-3 --recipes   # adamw alone
 """
 
 from __future__ import annotations
@@ -129,12 +131,20 @@ def _local_model(params, kind: str):
     return first if kind == "dp" else jax.tree.map(lambda a: a[0], first)
 
 
-def train_on_link(task: lm.Task, name: str, steps: int, lr: float, eval_every: int) -> dict:
-    """Train ``name`` for ``steps``; process 0's clock and held-out loss at each evaluation."""
+def train_on_link(
+    task: lm.Task,
+    name: str,
+    steps: int,
+    lr: float,
+    eval_every: int,
+    baseline_lr: float | None = None,
+) -> dict:
+    """Train ``name`` for ``steps``; process 0's clock and held-out loss at each evaluation.
+    ``baseline_lr``: the ``adamw`` row's peak lr (None: ``lr``; the recipes keep ``lr``)."""
     import jax
 
     recipe = _recipes()[name]
-    run = lm.Run(steps=steps, lr=lr, devices=task.n)
+    run = lm.Run(steps=steps, lr=lr, devices=task.n, baseline_lr=baseline_lr)
     t0 = time.perf_counter()
     fn, params, state, put = _build(task, recipe, run)
     task.reset()
@@ -167,6 +177,16 @@ def train_on_link(task: lm.Task, name: str, steps: int, lr: float, eval_every: i
     }
 
 
+def run_config(args, n: int) -> dict:
+    """The cpu config over ``n`` processes (the global batch split among them), ``adamw``'s
+    steps, and ``baseline_lr`` where ``--baseline-lr`` sets ``adamw``'s peak lr."""
+    config = dict(lm.CONFIGS["cpu"], batch_per_device=GLOBAL_BATCH // n, data="pydoc", seed=0)
+    config["steps"] = args.steps
+    if args.baseline_lr is not None:
+        config["baseline_lr"] = args.baseline_lr
+    return config
+
+
 def worker(args) -> None:
     from jaxcomp.launch import initialize
 
@@ -177,14 +197,13 @@ def worker(args) -> None:
 
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     n = jax.device_count()
-    config = dict(lm.CONFIGS["cpu"], batch_per_device=GLOBAL_BATCH // n, data="pydoc", seed=0)
-    config["steps"] = args.steps
+    config = run_config(args, n)
     task = lm.Task(argparse.Namespace(**config), n)
     runs = []
     default = args.recipe_steps or args.steps
     for name, steps in [("adamw", args.steps), *(parse_recipe(r, default) for r in args.recipes)]:
         try:
-            r = train_on_link(task, name, steps, config["lr"], args.eval_every)
+            r = train_on_link(task, name, steps, config["lr"], args.eval_every, args.baseline_lr)
         except Exception as e:  # a trace-time error is raised on every process alike
             if name == "adamw":
                 raise
@@ -354,6 +373,7 @@ def _launch(args, rate: str, recipes: list[str], steps: int) -> dict:
     argv_w = ["--worker", "--out", out, "--eval-every", str(args.eval_every)]
     argv_w += ["--steps", str(steps), "--recipes", *recipes]
     argv_w += ["--recipe-steps", str(args.recipe_steps)] if args.recipe_steps else []
+    argv_w += ["--baseline-lr", str(args.baseline_lr)] if args.baseline_lr is not None else []
     try:
         if ns is not None:
             ns.open().shape(rate)
@@ -385,7 +405,7 @@ def row_bytes(path, n: int) -> None:
     task = lm.Task(config, n)
     for r in (r for r in data["runs"] if "error" not in r):
         recipe = _recipes()[r["recipe"]]
-        run = lm.Run(steps=r["steps"], lr=config.lr, devices=n)
+        run = lm.Run(r["steps"], config.lr, n, getattr(config, "baseline_lr", None))
         fn, params, state, put = lm.build(task, recipe, run)
         task.reset()
         wire = lm.step_bytes(task, recipe, run, fn, params, state, put(task.batch()))
@@ -423,11 +443,19 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-n", "--num-processes", type=int, default=4, help="JAX processes")
     ap.add_argument(
         "--recipes",
-        nargs="+",
+        nargs="*",
         default=RECIPES,
-        help="rows of lm / lm_sparse / lm_diloco / lm_demo, each NAME or NAME:STEPS",
+        help="rows of lm / lm_sparse / lm_diloco / lm_demo, each NAME or NAME:STEPS "
+        "(none given: adamw alone)",
     )
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps (the cpu config's)")
+    ap.add_argument(
+        "--baseline-lr",
+        type=float,
+        default=None,
+        help="adamw's peak lr, recorded as the config's baseline_lr (None: the cpu config's "
+        "3e-3; the recipes keep theirs)",
+    )
     ap.add_argument(
         "--recipe-steps", type=int, default=None, help="steps of the recipes (None: --steps)"
     )
@@ -466,6 +494,8 @@ def _check(ap: argparse.ArgumentParser, args) -> None:
     unknown = [r for r in names if r not in _recipes()]
     if unknown or GLOBAL_BATCH % args.num_processes:
         ap.error(f"unknown recipes {unknown} or -n not dividing {GLOBAL_BATCH}")
+    if args.baseline_lr is not None and not args.baseline_lr > 0:
+        ap.error(f"--baseline-lr must be positive, got {args.baseline_lr}")
     if args.rate != UNSHAPED:
         network.rate_bits(args.rate)
 

@@ -373,6 +373,33 @@ def test_lm_link_split_projects_time_to_target(tmp_path, monkeypatch):
     assert written["unshaped"]["command"] == "lm_link --rate none"
 
 
+def test_lm_link_baseline_lr_reaches_the_workers(monkeypatch, tmp_path):
+    """benchmarks/lm_link.py --baseline-lr: adamw's own peak lr, passed to every worker and
+    recorded as the config's baseline_lr; no --recipes entry: adamw alone; a bad lr is named."""
+    from benchmarks import lm_link
+
+    seen = {}
+
+    def fake_launch(ns, rate, script, argv, n, timeout, procs):
+        worker = lm_link._parser().parse_args(argv)
+        seen.update(lr=worker.baseline_lr, recipes=worker.recipes, ns=ns)
+        seen["config"] = lm_link.run_config(worker, n)
+        pathlib.Path(worker.out).write_text(json.dumps({"config": seen["config"], "runs": []}))
+        return 0
+
+    monkeypatch.setattr(lm_link.network, "launch", fake_launch)
+    ap = lm_link._parser()
+    args = ap.parse_args(["--rate", "none", "--baseline-lr", "4.5e-3", "--recipes"])
+    lm_link._check(ap, args)
+    data = lm_link._launch(args, "none", args.recipes, args.steps)
+    assert (seen["lr"], seen["recipes"], seen["ns"]) == (4.5e-3, [], None)
+    assert data["config"]["baseline_lr"] == 4.5e-3 and data["config"]["lr"] == 3e-3
+    assert data["config"]["batch_per_device"] == 4  # 16 sequences over 4 processes
+    assert "baseline_lr" not in lm_link.run_config(ap.parse_args([]), 4)
+    with pytest.raises(SystemExit):
+        lm_link._check(ap, ap.parse_args(["--baseline-lr", "0"]))
+
+
 def test_lm_resume_keeps_every_command():
     """benchmarks/lm.py --resume: the file's first command stays, every later one is listed."""
     from benchmarks import lm

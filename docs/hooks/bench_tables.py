@@ -37,10 +37,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 # Markers stand on lines of their own (a marker quoted inside a sentence is text).
-MARKER = re.compile(r"^<!--\s*bench:([A-Za-z0-9_]+)\s*-->[ \t]*$", re.MULTILINE)
+MARKER = re.compile(r"^<!--\s*bench:([A-Za-z0-9_.-]+)\s*-->[ \t]*$", re.MULTILINE)
 # A begin marker, and the table up to its end marker when the page already holds one.
 BLOCK = re.compile(
-    r"^<!--\s*bench:(?P<name>[A-Za-z0-9_]+)\s*-->[ \t]*$"
+    r"^<!--\s*bench:(?P<name>[A-Za-z0-9_.-]+)\s*-->[ \t]*$"
     r"(?:(?P<body>.*?)^<!--\s*/bench:(?P=name)\s*-->[ \t]*$)?",
     re.DOTALL | re.MULTILINE,
 )
@@ -653,10 +653,17 @@ def _lm_link_split(runs: list[dict[str, Any]], unshaped: dict[str, Any]) -> str:
     return f"{_markdown((header, body))}\n\n{note}"
 
 
+def _short_lr(lr: float) -> str:
+    """``0.0045`` -> ``"4.5e-3"``."""
+    mantissa, exponent = f"{lr:.3e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
 def _lm_link(data: dict[str, Any], path: pathlib.Path) -> str:
     header = ["recipe", "steps", "ms/step", "held-out loss", "time to target s"]
     header += ["speedup to target", "speedup at own loss"]
     runs = [r for r in data["runs"] if "error" not in r]
+    config = data["config"]
     body = [
         [
             f"`{r['recipe']}`",
@@ -680,8 +687,9 @@ def _lm_link(data: dict[str, Any], path: pathlib.Path) -> str:
         else f"at {data['rate']} (tbf {data['tbf']})"
     )
     head = (
-        f"{data['num_processes']} JAX processes over gloo {link}; target = `adamw`'s final "
-        f"held-out loss {runs[0]['target_loss']:.4f}; wall clock of process 0, compile and "
+        f"{data['num_processes']} JAX processes over gloo {link}; target = `adamw`'s (peak lr "
+        f"{_short_lr(config.get('baseline_lr', config['lr']))}) final held-out loss "
+        f"{runs[0]['target_loss']:.4f}; wall clock of process 0, compile and "
         f"evaluation excluded; host load (1-minute, before and after) {data.get('loadavg')}."
     )
     parts = [head, _markdown((header, body))]

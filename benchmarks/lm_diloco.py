@@ -356,6 +356,60 @@ RECIPES: dict[str, lm.Recipe] = {
         density=16 / 4096,
         min_size=0,
     ),
+    # 3000x at H = 30 with every leaf compressed (min_size=0): on 2 replicas the norms and
+    # biases sent whole in float32 took 54% of the bytes; their share buys 152 / 4096 values
+    # (3152x; 3085x on the held-out pair's model). On 8 replicas 20 / 4096 (3001x).
+    "sparseloco-H30-M2-muon-innerconst-d152-min0-outer1.5": _h(
+        30,
+        2,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=152 / 4096,
+        min_size=0,
+    ),
+    "sparseloco-H30-muon-innerconst-d20-min0-outer1.5": _h(
+        30,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=20 / 4096,
+        min_size=0,
+    ),
+    # ... in chunks of 1024 (10-bit indices): 43 of each 1024 (172 / 4096, 3105x; 3037x).
+    "sparseloco-H30-M2-muon-innerconst-c1024-d172-min0-outer1.5": _h(
+        30,
+        2,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=172 / 4096,
+        chunk=1024,
+        min_size=0,
+    ),
+    # ... 1-bit values at their mean magnitude (value_scale="mean"), 47 of each 1024 (188 /
+    # 4096, 3100x; 3029x): 29% of one replica's |D|^2 sent where 152 / 4096 at 2 bits send 22%.
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5": _h(
+        30,
+        2,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=188 / 4096,
+        chunk=1024,
+        bits=1,
+        value_scale="mean",
+        min_size=0,
+    ),
+    # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3545x).
+    "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _h(
+        30,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        strategy="two_phase",
+        min_size=0,
+    ),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
     "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),
@@ -736,22 +790,49 @@ FIDELITY_CODECS: tuple[tuple[str, Callable[[], Any]], ...] = (
 )
 
 
-def _chunked(k: int, bits: int | None) -> Any:
+#: ``--fidelity-codecs 3000x``: codecs of SparseLoCo at 3000x fewer bytes at ``H = 30`` (2
+#: replicas, every leaf compressed; 8 replicas: 16-20 of 4096) and the denser defaults.
+FIDELITY_3000X: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("int4 (DiLoCo)", lambda: common.make_codec("int4")),
+    ("top-64/4096, 2 bits (SparseLoCo)", lambda: _chunked(64, 2)),
+    ("top-152/4096, 2 bits", lambda: _chunked(152, 2)),
+    ("top-152/4096, float32 values", lambda: _chunked(152, None)),
+    ("top-160/4096, 1 bit at the max", lambda: _chunked(160, 1)),
+    ("top-168/4096, 1 bit at the mean", lambda: _chunked(168, 1, scale="mean")),
+    ("top-43/1024, 2 bits", lambda: _chunked(43, 2, 1024)),
+    ("top-47/1024, 1 bit at the mean", lambda: _chunked(47, 1, 1024, "mean")),
+    ("top-24/512, 1 bit at the mean", lambda: _chunked(24, 1, 512, "mean")),
+    ("top-16/4096, 2 bits", lambda: _chunked(16, 2)),
+    ("top-20/4096, 2 bits", lambda: _chunked(20, 2)),
+    ("top-20/4096, float32 values", lambda: _chunked(20, None)),
+    ("top-22/4096, 1 bit at the mean", lambda: _chunked(22, 1, scale="mean")),
+)
+
+
+def _chunked(k: int, bits: int | None, chunk: int = 4096, scale: str = "max") -> Any:
     import jaxcomp as jc
 
-    return jc.chunked_top_k(k, 4096, bits)
+    return jc.chunked_top_k(k, chunk, bits, scale)
 
 
-def replica_deltas(task: lm.Task, run: lm.Run, replicas: int, starts: list[int], h: int) -> list:
+def replica_deltas(
+    task: lm.Task,
+    run: lm.Run,
+    replicas: int,
+    starts: list[int],
+    h: int,
+    inner: Callable[[lm.Run], Any] | None = None,
+) -> list:
     """One replica's pseudo-gradients ``D = theta_s - theta_{s + h}`` for each ``s`` in
     ``starts`` (each a list of its leaves of at least 1024 values, flat): AdamW at
-    :func:`held_schedule` on the replica's rows of every global batch (``n / replicas``
-    devices' worth), from the shared initialization, never synced."""
+    :func:`held_schedule` (or ``inner(run)``) on the replica's rows of every global batch
+    (``n / replicas`` devices' worth), from the shared initialization, never synced."""
     import jax
     import numpy as np
     import optax
 
-    tx, rows = _inner_const(run), task.n // replicas * task.per_device
+    tx = (inner or _inner_const)(run)
+    rows = task.n // replicas * task.per_device
 
     @jax.jit
     def step(p, s, tokens):
@@ -794,9 +875,18 @@ def fidelity(codec: Any, leaves: list) -> dict:
     }
 
 
-def run_fidelity(largs: Any, replicas: int, starts: list[int], h: int, tag: str) -> int:
+def run_fidelity(
+    largs: Any,
+    replicas: int,
+    starts: list[int],
+    h: int,
+    tag: str,
+    muon: bool = False,
+    codecs: tuple = FIDELITY_CODECS,
+) -> int:
     """``--fidelity``: each codec's :func:`fidelity` on one replica's pseudo-gradient over
-    ``[start, start + h)`` for each ``start``; writes ``lm_TAG.json``."""
+    ``[start, start + h)`` for each ``start`` (``muon``: Muon inside, :func:`_muon_held`);
+    writes ``lm_TAG.json``."""
     from jaxcomp.cpu import use_cpu_devices
 
     use_cpu_devices(largs.devices)
@@ -805,8 +895,10 @@ def run_fidelity(largs: Any, replicas: int, starts: list[int], h: int, tag: str)
     task = lm.Task(largs, jax.device_count())
     run = lm.Run(largs.steps, largs.lr, jax.device_count())
     records = []
-    for start, leaves in zip(starts, replica_deltas(task, run, replicas, starts, h), strict=True):
-        for name, make in FIDELITY_CODECS:
+    inner = _muon_held if muon else None
+    deltas = replica_deltas(task, run, replicas, starts, h, inner)
+    for start, leaves in zip(starts, deltas, strict=True):
+        for name, make in codecs:
             rec = {"steps": f"{start}-{start + h}", "replicas": replicas, "codec": name}
             rec.update(fidelity(make(), leaves))
             records.append(rec)
@@ -840,6 +932,13 @@ def main(argv: list[str] | None = None) -> int:
         "the H steps from each of these steps (--replicas, --sync-every)",
     )
     ap.add_argument("--replicas", type=int, default=2, help="--fidelity: M")
+    ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
+    ap.add_argument(
+        "--fidelity-codecs",
+        choices=("default", "3000x"),
+        default="default",
+        help="--fidelity: FIDELITY_CODECS, or FIDELITY_3000X",
+    )
     ap.add_argument(
         "--ef-decay",
         type=float,
@@ -849,7 +948,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.fidelity:
         largs = lm.parse(["--tag", args.tag, *rest])
-        return run_fidelity(largs, args.replicas, args.fidelity, args.sync_every, args.tag)
+        codecs = FIDELITY_3000X if args.fidelity_codecs == "3000x" else FIDELITY_CODECS
+        return run_fidelity(
+            largs, args.replicas, args.fidelity, args.sync_every, args.tag, args.muon, codecs
+        )
     lm.RECIPES.update(lm_sparse.RECIPES)
     lm.RECIPES.update(RECIPES)
     if not args.diagnose:

@@ -53,6 +53,31 @@ def test_top_k_in_every_chunk_and_two_bit_levels():
         assert np.abs(sent - orig).max() <= s / 3 + 1e-6
 
 
+def test_one_bit_values_at_the_mean_magnitude():
+    """``scale="mean"``: each kept value is sent as ``mean |v| sign(v)`` over its chunk's kept
+    values (the least-squares scale of a sign), where ``"max"`` sends it at ``max |v|``; the
+    same coordinates and bytes; a zero vector stays zero, a NaN flags its chunk."""
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    exact = np.asarray(jc.chunked_top_k(5, chunk=256, bits=None).roundtrip(jnp.asarray(x)))
+    mean = jc.chunked_top_k(5, chunk=256, bits=1, scale="mean")
+    peak = jc.chunked_top_k(5, chunk=256, bits=1)
+    assert mean.payload_bytes(1000) == peak.payload_bytes(1000)
+    got = np.asarray(mean.roundtrip(jnp.asarray(x)))
+    np.testing.assert_array_equal(got != 0, exact != 0)
+    for j in range(4):
+        kept = exact[256 * j : 256 * (j + 1)][exact[256 * j : 256 * (j + 1)] != 0]
+        sent = got[256 * j : 256 * (j + 1)][exact[256 * j : 256 * (j + 1)] != 0]
+        np.testing.assert_allclose(sent, np.abs(kept).mean() * np.sign(kept), rtol=1e-6)
+        # least squares: no other scale of the signs is closer to the kept values
+        over = np.asarray(peak.roundtrip(jnp.asarray(x)))[256 * j : 256 * (j + 1)]
+        np.testing.assert_allclose(np.abs(over[over != 0]), np.abs(kept).max(), rtol=1e-6)
+        assert np.sum((sent - kept) ** 2) < np.sum((over[over != 0] - kept) ** 2)
+    assert not np.any(np.asarray(mean.roundtrip(jnp.zeros(1000))))
+    bad = x.copy()
+    bad[300] = np.nan
+    assert np.isnan(np.asarray(mean.encode(jnp.asarray(bad))[2])[1])
+
+
 CODEC = jc.chunked_top_k(2, chunk=64, bits=None)
 
 

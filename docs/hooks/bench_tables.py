@@ -1266,7 +1266,8 @@ def _lm_fidelity(data: dict[str, Any], path: pathlib.Path) -> str:
         ]
         for r in data["records"]
     ]
-    return _markdown((header, rows)) + "\n\n" + _source(path, data, FIDELITY_COMMAND)
+    command = data.get("environment", {}).get("command") or FIDELITY_COMMAND
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {

@@ -196,6 +196,7 @@ def sparseloco(
     strategy: str = "allgather",
     min_size: int = 1024,
     clip: bool = False,
+    value_scale: str = "max",
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -257,6 +258,9 @@ def sparseloco(
       clip: scale each device's payload of each leaf down to the norm of its pseudo-gradient
         of this sync, ``|C(e_i)| <= |D_i|`` (:func:`clip_factor`; what is not sent stays in
         the memory). Only with ``strategy="allgather"``.
+      value_scale: the per-chunk scale of the sent values (:func:`jaxcomp.chunked_top_k`'s
+        ``scale``): ``"max"`` (their largest magnitude), or with ``bits=1`` ``"mean"`` (each
+        sent as ``mean |v| sign(v)``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -279,7 +283,11 @@ def sparseloco(
         outer = periodic.check_transform("outer", outer)
     sync_every, early = periodic.split_sync_every(periodic.check_common(sync_every)[0])
     chunk = check_int("chunk", chunk, 1, 2**30)
-    codec = chunked_top_k(check_density(density, chunk), chunk, bits)
+    if value_scale == "mean" and bits != 1:
+        raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
+    if value_scale not in ("max", "mean"):
+        raise ValueError(f"`value_scale` must be 'max' or 'mean', got {value_scale!r}")
+    codec = chunked_top_k(check_density(density, chunk), chunk, bits, value_scale)
     ef_decay = check_decay(ef_decay)
     averaging = resolve_averaging(averaging, strategy)
     min_size = check_int("min_size", min_size, 0)

@@ -65,13 +65,21 @@ def unpack_stream(words: jax.Array, bits: int, n: int) -> jax.Array:
     return jnp.stack(cols, axis=1).reshape(-1)[:n]
 
 
-def quantize(v: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+#: How the per-chunk scale ``s`` of the kept values is taken: their largest magnitude (every
+#: value inside ``[-s, s]``), or, for 1-bit values only, their mean magnitude (``s sign(v)``
+#: closest to ``v`` in L2).
+SCALES = ("max", "mean")
+
+
+def quantize(v: jax.Array, bits: int, scale: str = "max") -> tuple[jax.Array, jax.Array]:
     """Rows of values ``[rows, k]`` to ``bits``-bit codes on ``2**bits`` evenly spaced levels of
-    ``[-s, s]``, ``s = max |v|`` per row (float32); a row holding a NaN or inf gets a NaN
+    ``[-s, s]``, ``s = max |v|`` per row (``scale="mean"``, 1 bit: ``s = mean |v|``, the
+    least-squares scale of ``s sign(v)``), float32; a row holding a NaN or inf gets a NaN
     scale, so the payload flags it. Returns ``(codes uint32[rows, k], scale f32[rows])``."""
     top = 2**bits - 1
     finite = jnp.all(jnp.isfinite(v), axis=1)
-    s = jnp.max(jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0)), axis=1)
+    mag = jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0))
+    s = jnp.mean(mag, axis=1) if scale == "mean" else jnp.max(mag, axis=1)
     safe = jnp.where(s > 0, s, 1.0)[:, None]
     q = jnp.round((jnp.where(jnp.isfinite(v), v, 0.0) / safe + 1.0) * (top / 2))
     codes = jnp.clip(q, 0, top).astype(jnp.uint32)
@@ -93,6 +101,7 @@ class ChunkedTopK(Codec):
     k: int = 64
     chunk: int = 4096
     bits: int | None = 2
+    scale: str = "max"
 
     flags_nonfinite = True
     dense = False  # only the k selected coordinates of each chunk travel
@@ -141,7 +150,7 @@ class ChunkedTopK(Codec):
         index = pack_stream(idx.reshape(-1), self.index_bits(d))
         if self.bits is None:
             return index, v.reshape(-1)
-        codes, scale = quantize(v, self.bits)
+        codes, scale = quantize(v, self.bits, self.scale)
         return index, pack_stream(codes.reshape(-1), self.bits), scale
 
     def _slots(self, payload, d):
@@ -184,7 +193,9 @@ class ChunkedTopK(Codec):
         return fill + total * (n / jnp.maximum(count, 1.0))
 
 
-def chunked_top_k(k: int = 64, chunk: int = 4096, bits: int | None = 2) -> ChunkedTopK:
+def chunked_top_k(
+    k: int = 64, chunk: int = 4096, bits: int | None = 2, scale: str = "max"
+) -> ChunkedTopK:
     r"""Top-k inside fixed chunks: the ``k`` largest ``|x_i|`` of every ``chunk`` values.
 
     ``x`` (``d`` values) is cut into ``ceil(d / chunk)`` chunks (the last zero-padded); in
@@ -206,6 +217,10 @@ def chunked_top_k(k: int = 64, chunk: int = 4096, bits: int | None = 2) -> Chunk
       k: values kept per chunk, in ``[1, chunk]``.
       chunk: values per chunk, ``>= 1`` (Templar: 4096, i.e. 64 x 64).
       bits: bits per value, in ``[1, 8]`` (2: SparseLoCo), or None for float32 values.
+      scale: ``"max"`` (``s = max |v|`` over the chunk's kept values) or, with ``bits=1``
+        only, ``"mean"`` (``s = mean |v|``: each kept value sent as ``s sign(v)``, the
+        least-squares scale of a sign, where ``"max"`` sends every kept value at the
+        largest one's magnitude). The same bytes.
 
     Returns:
       A :class:`ChunkedTopK` codec.
@@ -224,7 +239,11 @@ def chunked_top_k(k: int = 64, chunk: int = 4096, bits: int | None = 2) -> Chunk
     k = check_int("k", k, 1, chunk)
     if bits is not None:
         bits = check_int("bits", bits, 1, 8)
-    return ChunkedTopK(k, chunk, bits)
+    if scale not in SCALES:
+        raise ValueError(f"`scale` must be one of {SCALES}, got {scale!r}")
+    if scale == "mean" and bits != 1:
+        raise ValueError(f"`scale`='mean' needs `bits`=1 (a sign and its scale), got {bits!r}")
+    return ChunkedTopK(k, chunk, bits, scale)
 
 
 __all__ = ["ChunkedTopK", "chunked_top_k", "pack_stream", "stream_words", "unpack_stream"]

@@ -1301,6 +1301,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "exchange_cpu": (_exchange_cpu, "python -m benchmarks.exchange_cpu"),
     "overlap": (_overlap, "sudo python -m benchmarks.overlap"),
     "lm_link": (_lm_link, "sudo python -m benchmarks.lm_link"),
+    "lm_link_host_tuned": (_lm_link, "bash benchmarks/lm_link_host.sh"),
     "time_to_accuracy": (_time_to_accuracy, "sudo python -m benchmarks.time_to_accuracy"),
     "gpu_step": (_gpu_step, "python -m benchmarks.gpu_step"),
     "powersgd_convergence": (_powersgd, "python -m benchmarks.powersgd_convergence"),

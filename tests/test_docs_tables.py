@@ -33,8 +33,8 @@ def test_no_committed_table_is_stale():
 def test_every_marker_holds_its_table():
     for page in PAGES:
         text = page.read_text()
-        begins = re.findall(r"^<!--\s*bench:(\w+)\s*-->$", text, re.M)
-        ends = re.findall(r"^<!--\s*/bench:(\w+)\s*-->$", text, re.M)
+        begins = re.findall(r"^<!--\s*bench:([\w.-]+)\s*-->$", text, re.M)
+        ends = re.findall(r"^<!--\s*/bench:([\w.-]+)\s*-->$", text, re.M)
         assert begins == ends, f"{page.name}: a marker without its table"
         for name in begins:
             body = text.split(f"\n<!-- bench:{name} -->\n", 1)[1].split(f"<!-- /bench:{name} -->")[

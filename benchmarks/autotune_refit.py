@@ -34,13 +34,24 @@ RUNS = (
 )
 
 
+#: Codec names as the recorded runs used them: every run refitted here predates 2026-11-26,
+#: when ``jc.cast("fp16")`` (the registry's "fp16") became the scaled cast; theirs was the
+#: unscaled one, the registry's "fp16_unscaled" since.
+RECORDED_NAMES = {"fp16": "fp16_unscaled"}
+
+
+def recorded_codec(name: str):
+    """The codec a recorded run called ``name`` (:data:`RECORDED_NAMES`, else the registry's)."""
+    return common.make_codec(RECORDED_NAMES.get(name, name))
+
+
 def model_table(record: dict, sizes: list[int], n: int, widths: dict) -> list:
     """The ``autotune`` record's candidates as :class:`jaxcomp._src.autotune.Candidate` rows
     rebuilt by ``_model_rows`` from its link and codec times, its measured steps attached."""
     from jaxcomp._src import autotune as tuning
 
     link = {k: tuning.LinkFit(**v) for k, v in record["link"].items()}
-    codecs = {name: common.make_codec(name) for name in record["codec_ms"]}
+    codecs = {name: recorded_codec(name) for name in record["codec_ms"]}
     costs = {
         codecs[name]: (enc / 1e3, dec / 1e3, record.get("feedback_ms", {}).get(name, 0.0) / 1e3)
         for name, (enc, dec) in record["codec_ms"].items()
@@ -150,7 +161,7 @@ def recorded_rows(table: list[dict]) -> list:
     return [
         tuning.Candidate(**{
             **{k: v for k, v in c.items() if k in fields},
-            "codec": None if c["name"] == "none" else common.make_codec(c["name"]),
+            "codec": None if c["name"] == "none" else recorded_codec(c["name"]),
         })
         for c in table
     ]  # fmt: skip
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = [int(math.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(common.mlp_params))]
     mesh = jax.make_mesh((2,), ("data",))
     names = {c for name in args.runs for c in _codec_names(name)}
-    codecs = {name: common.make_codec(name) for name in sorted(names)}
+    codecs = {name: recorded_codec(name) for name in sorted(names)}
     widths = tuning.wire_widths(list(codecs.values()), mesh, "data")
     result = {
         "environment": common.environment(),

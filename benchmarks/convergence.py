@@ -60,12 +60,18 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
         lambda axis: jc.compressed_allreduce(jc.sign(None), axis, strategy="majority_vote"),
         False,
     ),
-    # 16-bit casts through two_phase with and without a residual memory (jc.autotune runs
-    # them without: a cast drops only rounding).
+    # 16-bit casts (unscaled: the rows were run before fp16 was scaled by default) through
+    # two_phase with and without a residual memory (jc.autotune runs them without: a cast
+    # drops only rounding). The codec rows "fp16" (scaled, no memory: the default since
+    # 2026-11-26) and "fp16_unscaled" (psum'ed, residual: the default before) beside them.
     **{
         f"{c}-twophase{tag}": (
             lambda axis, c=c, ef=ef: jc.compressed_allreduce(
-                jc.cast(c), axis, min_size=1024, strategy="two_phase", error_feedback=ef
+                jc.cast(c, scaled=False),
+                axis,
+                min_size=1024,
+                strategy="two_phase",
+                error_feedback=ef,
             ),
             False,
         )

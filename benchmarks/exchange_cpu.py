@@ -15,7 +15,7 @@ benchmark's processes do.
 
 Writes ``benchmarks/results/exchange_cpu.json`` and ``exchange_cpu.png``::
 
-    python -m benchmarks.exchange_cpu [--devices 2] [--reps 5] [--codecs fp16 int8]
+    python -m benchmarks.exchange_cpu [--devices 2] [--reps 5] [--codecs fp16 int8] [--label L]
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def verdicts(rows: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = common.arg_parser(
         __doc__,
-        writes="exchange_cpu.json and exchange_cpu.png",
+        writes="exchange_cpu.json and exchange_cpu.png (`--label L`: exchange_cpu_L.*)",
         takes="about 2 minutes of CPU at the defaults (2 cores)",
     )
     parser.add_argument("--devices", type=int, default=2, help="CPU devices of the process")
     parser.add_argument("--codecs", nargs="+", default=["fp16", "int8"], help="codec names")
     parser.add_argument("--batch", type=int, default=8, help="examples per device")
     parser.add_argument("--reps", type=int, default=5, help="timed steps per round (2 rounds)")
+    parser.add_argument("--label", default="", help="write exchange_cpu_LABEL.json (and .png)")
     args = parser.parse_args(argv)
     from jaxcomp.cpu import use_cpu_devices
 
@@ -129,12 +130,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"(IQR {r['step_spread_ms']:.1f})  cpu {r['cpu_ms']:8.1f} ms "
               f"(IQR {r['cpu_spread_ms']:.1f})")  # fmt: skip
     print(result["verdicts"])
-    common.write_json(common.result_path("exchange_cpu", False), result)
-    _plot(rows)
+    name = "exchange_cpu" + (f"_{args.label}" if args.label else "")
+    common.write_json(common.result_path(name, False), result)
+    _plot(rows, name)
     return result
 
 
-def _plot(rows: list[dict]) -> None:
+def _plot(rows: list[dict], name: str = "exchange_cpu") -> None:
     def draw(ax):
         labels = [f"{r['codec']}\n{r['strategy']}" for r in rows]
         xs = range(len(rows))
@@ -145,7 +147,7 @@ def _plot(rows: list[dict]) -> None:
         ax.legend()
 
     title = "Steps of the 25.2M-parameter MLP per exchange: wall and process CPU time"
-    common.plot(common.result_path("exchange_cpu", False, "png"), draw, title)
+    common.plot(common.result_path(name, False, "png"), draw, title)
 
 
 if __name__ == "__main__":

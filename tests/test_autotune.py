@@ -100,7 +100,7 @@ def test_plan_times_plain_and_the_best_predictions_as_whole_steps(plan):
         "none",
         "int8",
         "fp16",
-        "_Broken(dtype_name='bfloat16')",
+        "_Broken(dtype_name='bfloat16', scaled=False)",
     }
     stepped = [r for r in plan.table if not math.isnan(r.step_ms)]
     # plain, the best predicted int8 and fp16 rows, then the best predicted step of the rest
@@ -732,7 +732,7 @@ def test_recorded_idle_runs_are_predicted_within_a_quarter():
 
     mesh = jax.make_mesh((8,), ("data",))
     sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(common.mlp_params))]
-    codecs = [common.make_codec(c) for c in ("bf16", "fp16", "int8")]
+    codecs = [autotune_refit.recorded_codec(c) for c in ("bf16", "fp16", "int8")]
     widths = tuning.wire_widths(codecs, mesh, "data")
     errors = {}
     for rate, (link, codec_ms, fed, timed) in RECORDED.items():
@@ -758,7 +758,10 @@ def test_recorded_idle_runs_are_predicted_within_a_quarter():
     for rate, bound in bounds.items():
         assert max(abs(e) for e in errors[rate, "now"].values()) < bound, errors[rate, "now"]
     now, one = errors["10gbit rerun", "now"], errors["10gbit rerun", "one fit"]
-    assert one["fp16", "allgather"] > 0.23 and one["fp16", "two_phase"] > 0.33
-    assert abs(now["fp16", "allgather"]) < 0.04 and abs(now["fp16", "two_phase"]) < 0.05
-    assert errors["10gbit", "one fit"]["fp16", "two_phase"] < 0.2
+    assert one["fp16_unscaled", "allgather"] > 0.23 and one["fp16_unscaled", "two_phase"] > 0.33
+    assert (
+        abs(now["fp16_unscaled", "allgather"]) < 0.04
+        and abs(now["fp16_unscaled", "two_phase"]) < 0.05
+    )
+    assert errors["10gbit", "one fit"]["fp16_unscaled", "two_phase"] < 0.2
     assert errors["1gbit", "unwidened"]["bf16", "allgather"] < -0.4

@@ -98,13 +98,14 @@ def test_identity_and_cast_error_bounds():
     x = jax.random.normal(KEY, (5000,)) * 10
     np.testing.assert_array_equal(jc.identity().roundtrip(x), x)
     for dtype, mantissa in (("bf16", 7), ("fp16", 10), ("fp8_e4m3", 3), ("fp8_e5m2", 2)):
-        y = jc.cast(dtype).roundtrip(x)
+        y = jc.cast(dtype, scaled=False).roundtrip(x)
         normal = jnp.abs(x) > 0.1
         rel = jnp.abs(y - x) / jnp.abs(x)
         assert float(jnp.max(jnp.where(normal, rel, 0))) <= 2.0 ** -(mantissa + 1) + 1e-7, dtype
-    # Saturating, not overflowing: 1e5 in fp16 is 65504, not inf.
-    assert float(jc.cast("fp16").roundtrip(jnp.array([1e5]))[0]) == 65504.0
-    assert bool(jnp.isinf(jc.cast("fp16").roundtrip(jnp.array([jnp.inf]))[0]))
+    # Saturating, not overflowing: 1e5 in unscaled fp16 is 65504, not inf.
+    unscaled = jc.cast("fp16", scaled=False)
+    assert float(unscaled.roundtrip(jnp.array([1e5]))[0]) == 65504.0
+    assert bool(jnp.isinf(unscaled.roundtrip(jnp.array([jnp.inf]))[0]))
 
 
 @pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (2, 64), (3, 100), (8, 17)])
@@ -211,8 +212,56 @@ def test_cast_decode_sum_adds_rows_exactly():
     device axis): the same float32 as adding them in order, and the scale and fill applied."""
     rows = jnp.asarray(np.random.default_rng(0).standard_normal((3, 1000)), jnp.float16)
     want = (rows[0].astype(jnp.float32) + rows[1] + rows[2]) * 0.5 + 1.0
-    got = jc.cast("fp16").decode_sum(rows, 1000, scale=0.5, fill=1.0)
+    got = jc.cast("fp16", scaled=False).decode_sum(rows, 1000, scale=0.5, fill=1.0)
     assert got.dtype == jnp.float32 and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-12, 1e-6, 1.0, 1e5, 1e30, 4e37])
+def test_scaled_fp16_error_bound_tiny_and_huge(magnitude):
+    """``jc.cast("fp16")`` (scaled by default): ``|C(x)_i - x_i| <= 2^-11 |x_i| + 2^-28 max|x|``
+    at any magnitude in float32's normal range, values spread over 2^40 below the largest;
+    unscaled fp16 saturates at 65504 and flushes values under 6e-8 to zero."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(4096) * magnitude * np.exp2(rng.uniform(-40, 0, 4096))
+    x = np.where(np.abs(x) < 2e-38, 2e-38, x).astype(np.float32)  # float32's normal range
+    x[0] = magnitude
+    c = jc.cast("fp16")
+    payload = jax.jit(c.encode)(jnp.asarray(x))
+    y = np.asarray(jax.jit(lambda p: c.decode(p, x.size))(payload), np.float64)
+    bound = 2.0**-11 * np.abs(x) + 2.0**-28 * np.abs(x).max()
+    assert np.all(np.abs(y - x) <= bound), np.max(np.abs(y - x) / bound)
+    values, scale = payload
+    assert values.dtype == jnp.float16 and scale.dtype == jnp.float32 and scale.shape == (1,)
+    top = np.abs(x).max() / float(scale[0])  # in [2^14, 2^15), the scale held >= 2^-126
+    assert 2.0**14 <= top < 2.0**15 or (float(scale[0]) == 2.0**-126 and top < 2.0**15)
+    assert float(np.log2(scale[0])) == int(np.log2(scale[0]))  # a power of two: exact
+    assert sum(a.nbytes for a in jax.tree.leaves(payload)) == c.payload_bytes(x.size) == 8196
+
+
+def test_scaled_fp16_zero_nonfinite_and_capabilities():
+    """A zero vector decodes to zero (no NaN); NaN or inf anywhere gives a non-finite scale
+    (the flag) and a non-finite decode; the scaled cast is not summable (one scale per
+    device), not elementwise, and error feedback "auto" keeps no memory for it."""
+    c = jc.cast("fp16")
+    zero = c.decode(c.encode(jnp.zeros(100)), 100)
+    assert np.array_equal(np.asarray(zero), np.zeros(100))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        payload = c.encode(jnp.array([1.0, bad, 2.0]))
+        assert not np.isfinite(float(payload[1][0]))
+        assert not np.any(np.isfinite(np.asarray(c.decode(payload, 3))))
+    assert (c.scaled, c.summable, c.elementwise, c.rounding_only) == (True, False, False, True)
+    assert c.chunk_unit(64) is None and c.payload_bytes(10) == 24
+    plain = jc.cast("fp16", scaled=False)
+    assert (plain.summable, plain.elementwise, plain.rounding_only) == (True, True, False)
+    assert not jc.cast("bf16").scaled and jc.cast("bf16", scaled=True).rounding_only
+    from jaxcomp._src import feedback
+
+    assert feedback.resolve("auto", c) is None
+    assert feedback.resolve("auto", plain) == "residual"
+    assert [jc.choose_strategy(c, 1 << 20, n) for n in (2, 8)] == ["two_phase"] * 2
+    assert jc.choose_strategy(c, 3, 8) == "plain"  # a payload larger than the floats
+    with pytest.raises(TypeError, match="`scaled`"):
+        jc.cast("fp16", scaled="yes")
 
 
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():

@@ -76,6 +76,7 @@ _INNER_FACTORIES = "compressed_allreduce, dgc, powersgd"
 # (function, argument, call with a bad value, exception). One row per rule.
 CHECKS = [
     ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
+    ("cast", "scaled", lambda: jc.cast("fp16", scaled="yes"), TypeError),
     ("int_quant", "bits", lambda: jc.int_quant(0), ValueError),
     ("int_quant", "bits", lambda: jc.int_quant(9), ValueError),
     ("int_quant", "bits", lambda: jc.int_quant(4.0), TypeError),

@@ -33,7 +33,7 @@ def grads(t):
 
 def wrapped():
     # fp16 with residual feedback: a memory to keep, and the cheapest program to compile.
-    codec = jc.cast("fp16")
+    codec = jc.cast("fp16", scaled=False)
     return optax.chain(
         jc.compressed_allreduce(codec, "data", error_feedback="residual"), optax.sgd(0.1)
     )

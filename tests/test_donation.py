@@ -23,7 +23,7 @@ TRANSFORMS = {
     "int8_two_phase": lambda: jc.compressed_allreduce(
         jc.int_quant(8), "data", min_size=100, strategy="two_phase"
     ),
-    "fp16": lambda: jc.compressed_allreduce(jc.cast("fp16"), "data", min_size=100),
+    "fp16": lambda: jc.compressed_allreduce(jc.cast("fp16", scaled=False), "data", min_size=100),
     "dgc": lambda: jc.dgc(0.01, "data", min_size=100, warmup_steps=0),
     "powersgd": lambda: jc.powersgd(4, "data", min_size=100, start_step=0),
 }

@@ -21,7 +21,13 @@ from jaxcomp._src.codecs.base import max_abs, mean_abs
 from jaxcomp._src.codecs.sign import nonzero_words, root_mean_square
 
 # (codec, strategy): allgather, two_phase (errors per row), allreduce (x - n decode(x / n)).
-CASES = [("int8", "allgather"), ("int8", "two_phase"), ("sign", "two_phase"), ("fp16", "allreduce")]
+CASES = [
+    ("int8", "allgather"),
+    ("int8", "two_phase"),
+    ("sign", "two_phase"),
+    ("fp16_unscaled", "allreduce"),
+    ("fp16", "allgather"),
+]
 SIZES = (1000, 4099, 37)  # whole blocks, blocks and a tail, less than a block per device
 
 

@@ -26,7 +26,7 @@ PARAMS = {"w": jnp.zeros((512, 256)), "b": jnp.zeros((3000,))}
 
 CASES = {
     "int8 allgather, 8 devices": (jc.int_quant(8), "allgather", 8),
-    "fp16 allreduce, 8 devices": (jc.cast("fp16"), "auto", 8),
+    "fp16 allreduce, 8 devices": (jc.cast("fp16", scaled=False), "auto", 8),
     "sign blocks, 1 device": (jc.sign(block_size=128), "auto", 1),
 }
 
@@ -76,7 +76,7 @@ def test_fused_steps_give_the_same_bits_and_keep_the_memory_on_a_nan_step(case):
 
 
 def test_chunk_sizes_divide_the_leaf_in_whole_units():
-    int8, fp16, sign = jc.int_quant(8), jc.cast("fp16"), jc.sign()
+    int8, fp16, sign = jc.int_quant(8), jc.cast("fp16", scaled=False), jc.sign()
     assert fused_residual.chunk_size(int8, 4096 * 4096) == 65536
     assert fused_residual.chunk_size(int8, 3 * 65536) == 65536
     assert fused_residual.chunk_size(int8, 5 * 4096) == 10240  # two chunks

@@ -267,7 +267,7 @@ def _fp16_update_temporaries():
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Explicit,))
     params = jax.device_put({"w": jnp.zeros((512, 1024))}, NamedSharding(mesh, P()))
-    tx = jc.compressed_allreduce(jc.cast("fp16"), "data", error_feedback="residual")
+    tx = jc.compressed_allreduce(jc.cast("fp16", scaled=False), "data", error_feedback="residual")
     state = jc.sharded_init(tx, params, mesh, "data")
     specs = jc.state_specs(state, "data")
 
@@ -288,7 +288,7 @@ def test_cast_residual_written_in_place():
     gradient's copy (1) and the fp16 payload sent and received (2 x 0.5) at most, not a
     fresh memory as well (2.17 copies before)."""
     assert _fp16_update_temporaries() < 1.6
-    codec = jc.cast("fp16")
+    codec = jc.cast("fp16", scaled=False)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 40)).astype(np.float32)) * 7e4
     flat = codec.decode(codec.encode(x.reshape(-1)), x.size).reshape(x.shape)
     assert np.asarray(codec.roundtrip(x)).tobytes() == np.asarray(flat).tobytes()

@@ -32,7 +32,7 @@ BOUNDS = {
     "int8": (0.55, 4.8),
     "fp16": (1.05, 4.4),
 }
-CODECS = {"sign": jc.sign(), "int8": jc.int_quant(8), "fp16": jc.cast("fp16")}
+CODECS = {"sign": jc.sign(), "int8": jc.int_quant(8), "fp16": jc.cast("fp16", scaled=False)}
 
 
 @functools.cache

@@ -28,7 +28,7 @@ def data(t):
 
 TXS = {  # name: (tx, pmean)
     "fp16_residual": (
-        optax.chain(jc.compressed_allreduce(jc.cast("fp16"), "data"), optax.sgd(0.5)),
+        optax.chain(jc.compressed_allreduce(jc.cast("fp16", scaled=False), "data"), optax.sgd(0.5)),
         False,
     ),
     "sgd_pmean": (optax.sgd(0.5, momentum=0.9), True),

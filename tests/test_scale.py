@@ -349,12 +349,16 @@ def test_auto_table_and_server_feedback_switch():
     d = 1 << 20
     picks = {
         (name, n): jc.choose_strategy(jc.get_codec(name), d, n)
-        for name in ("int8", "sign", "fp16")
+        for name in ("int8", "sign", "fp16", "fp16_unscaled")
         for n in (2, 4, 8, 16, 64)
     }
     assert picks[("int8", 2)] == "allgather" and picks[("int8", 8)] == "two_phase"
-    # fp16 is psum'ed (summed in fp16) up to 8 devices, then two-phase (float32 sums).
-    assert [picks[("fp16", n)] for n in (2, 4, 8, 16, 64)] == ["allreduce"] * 3 + ["two_phase"] * 2
+    # Unscaled fp16 is psum'ed (summed in fp16) up to 8 devices, then two-phase (float32 sums);
+    # the scaled default (one scale per device: not summable) goes two-phase at every n.
+    assert [picks[("fp16_unscaled", n)] for n in (2, 4, 8, 16, 64)] == ["allreduce"] * 3 + [
+        "two_phase"
+    ] * 2
+    assert [picks[("fp16", n)] for n in (2, 4, 8, 16, 64)] == ["two_phase"] * 5
     assert jc.choose_strategy(jc.top_k(0.01), d, 2) == "allgather"
     assert jc.choose_strategy(jc.top_k(0.01), d, 64) == "two_phase"
     h = jc.hierarchical_bytes(jc.int_quant(8), d, 2, 4)

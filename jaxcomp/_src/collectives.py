@@ -6,7 +6,7 @@ payload of ``P(m)`` bytes for ``m`` floats, the ring-model bytes each device sen
 =================  =================================  =========================================
 strategy           bytes per device                   when
 =================  =================================  =========================================
-``allreduce``      ``2 (n-1)/n * P(d)``               summable payloads (identity, cast bf16/fp16)
+``allreduce``      ``2 (n-1)/n * P(d)``               summable (identity, bf16, fp16 unscaled)
 ``allgather``      ``(n-1) * P(d)``                   any codec; grows linearly with n
 ``two_phase``      ``2 (n-1) * P(ceil(d/n))``         any codec; ~ ``2 P(d)`` while ``d/n``
                    ``~= 2 (n-1)/n * P(d)``            spans many blocks (see below)
@@ -75,7 +75,8 @@ cheaper than all of them. What it picks for a vector of
 ``jc.strategy_bytes``; the same on the outer axis of a hierarchical mesh of n hosts)::
 
     codec             n=2              n=4 .. 16           n=64
-    fp16              allreduce 2.0x   allreduce 2.0x      two_phase 2.0x
+    fp16 (scaled)     two_phase 2.0x   two_phase 2.0x      two_phase 2.0x
+    fp16 unscaled     allreduce 2.0x   allreduce 2.0x      two_phase 2.0x
     int8              allgather 3.9x   two_phase 3.9x      two_phase 3.9x
     int4              allgather 7.8x   two_phase 7.8x      two_phase 7.8x
     qsgd(16)          allgather 5.0x   two_phase 5.0x      two_phase 5.0x
@@ -84,7 +85,9 @@ cheaper than all of them. What it picks for a vector of
     top_k(0.001)      allgather 500x   two_phase 496-498x  two_phase 482x
     random_k bf16     allreduce 67x    allreduce 67x       allreduce 67x
 
-(fp16: ``allreduce`` up to n = 8, ``two_phase`` from 16: the same bytes, float32 sums.)
+(unscaled fp16: ``allreduce`` up to n = 8, ``two_phase`` from 16: the same bytes, float32
+sums. The default ``jc.cast("fp16")`` is scaled, one scale per device, so not summable:
+``two_phase`` at every n, ``rounding_only``, see :func:`choose_strategy`.)
 At n = 2 all-gather and two-phase send the same bytes. ``majority_vote`` (explicit) saves
 32x at every n. All-gather alone would give int8 0.98x and sign 8x at n = 8, 0.5x / 4x at 16.
 

@@ -159,7 +159,12 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
     bytes as two-phase, so taken for them while the sum in their type stays accurate:
     :func:`ring_sum_accurate`; past it, fp16/bf16 go ``two_phase``, which adds in float32),
     ``allgather`` and ``two_phase`` (a tie goes to ``allgather``: one encode, no second
-    compression error). Where plain float32 ``pmean`` sends fewer bytes still (a leaf of a
+    compression error). A ``rounding_only`` codec (the scaled fp16 cast) goes ``two_phase``
+    at any ``n``: at 2 devices it sends one float32 scale more per leaf than ``allgather``
+    (``2d + 8`` against ``2d + 4`` bytes), its second encoding only rounds again (``2^-11``),
+    and its owners decode ``d`` values where the all-gather decodes ``n d`` (measured:
+    docs/benchmarks.md, "fp16 at 1 Gbit/s"). Where plain float32 ``pmean``
+    sends fewer bytes still (a leaf of a
     few floats: a payload's scales, words and per-chunk padding cost more than the floats
     themselves; ``strategy_bytes(...)["plain"]``), it returns ``"plain"``: the leaf is
     averaged uncompressed and exactly. It never picks ``majority_vote``: the sign of a vote
@@ -172,6 +177,8 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
     if codec.summable:
         exact = ring_sum_accurate(codec, n) or costs["two_phase"] > costs["allreduce"]
         best = "allreduce" if exact else "two_phase"
+    elif codec.rounding_only:
+        best = "two_phase"
     else:
         best = min(("allgather", "two_phase"), key=lambda s: (costs[s], s != "allgather"))
     return "plain" if costs["plain"] < costs[best] else best

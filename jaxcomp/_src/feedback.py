@@ -34,7 +34,9 @@ running estimate ``h``, which tracks ``mean_i g_i``.
 
 ``None``: no memory, ``out = mean_i C(g_i)`` (right for unbiased codecs).
 
-``"auto"``: ``"residual"`` for biased codecs, ``None`` for unbiased ones.
+``"auto"``: ``"residual"`` for biased codecs, ``None`` for unbiased ones and for codecs that
+drop only a rounding of every value (``rounding_only``: the scaled fp16 cast, relative error
+``2^-11``, as torch's fp16 hook sends without feedback).
 
 Memories may be kept in bfloat16 (``memory_dtype=jnp.bfloat16``, as optax's ``mu_dtype``):
 read widened to float32, updated in float32, stored rounded to nearest (saturating at the
@@ -59,7 +61,10 @@ def check_kind(kind):
 
 
 def resolve(kind, codec):
-    """``"auto"``: residual feedback for biased codecs, none for unbiased ones.
+    """``"auto"``: residual feedback for biased codecs, none for unbiased ones and for
+    ``rounding_only`` codecs (a scaled 16-bit cast: ``|C(x)_i - x_i| <= 2^-11 |x_i|`` for
+    fp16 over the vector's whole range, nothing a memory would need to carry; a memory
+    costs a gradient-sized read and write per step).
 
     Residual feedback needs a contractive codec (``||C(x) - x|| < ||x||``). Unbiased codecs
     with large variance (TernGrad, QSGD, stochastic rounding) are not contractive, and
@@ -68,7 +73,7 @@ def resolve(kind, codec):
     """
     check_kind(kind)
     if kind == "auto":
-        return None if codec.unbiased else "residual"
+        return None if codec.unbiased or codec.rounding_only else "residual"
     return kind
 
 

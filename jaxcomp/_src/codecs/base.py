@@ -32,6 +32,10 @@ Conventions every codec follows:
   :meth:`Codec.roundtrip` takes a float array of any shape and gives the values of the 1-D
   ``decode(encode(x))`` where they lie. A transform then forms a leaf's residual in the
   leaf's own shape, a pass that XLA writes in place over the memory.
+* ``rounding_only``: every coordinate travels, rounded to a float type whose range the
+  codec scales the vector into (a scaled 16-bit cast): ``|C(x)_i - x_i| <= 2^-(m+1) |x_i|``
+  plus a term ``2^-28 max |x|`` for values far below the largest, for any finite ``x``.
+  ``error_feedback="auto"`` keeps no memory for such a codec.
 * ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
   (None where no such bound holds).
 """
@@ -132,6 +136,7 @@ class Codec:
     flags_nonfinite = False
     dense = True
     elementwise = False
+    rounding_only = False
 
     @property
     def name(self) -> str:

@@ -25,6 +25,7 @@ CODECS: dict[str, Callable[[], Codec]] = {
     "identity": identity,
     "bf16": lambda: cast("bf16"),
     "fp16": lambda: cast("fp16"),
+    "fp16_unscaled": lambda: cast("fp16", scaled=False),
     "fp8": lambda: cast("fp8_e4m3"),
     "fp8_e5m2": lambda: cast("fp8_e5m2"),
     "int8": lambda: int_quant(8),

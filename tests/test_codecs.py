@@ -254,6 +254,11 @@ def test_scaled_fp16_zero_nonfinite_and_capabilities():
     plain = jc.cast("fp16", scaled=False)
     assert (plain.summable, plain.elementwise, plain.rounding_only) == (True, True, False)
     assert not jc.cast("bf16").scaled and jc.cast("bf16", scaled=True).rounding_only
+    # Scaled under each type's own largest value: fp8 e4m3 (448) does not saturate at 1e4.
+    x = jnp.array([1e4, -3e3, 7.0, 0.5])
+    for name, mantissa in (("fp8_e4m3", 3), ("fp8_e5m2", 2), ("bf16", 7)):
+        y = jc.cast(name, scaled=True).roundtrip(x)
+        assert float(jnp.max(jnp.abs(y - x) / jnp.abs(x))) <= 2.0 ** -(mantissa + 1), name
     from jaxcomp._src import feedback
 
     assert feedback.resolve("auto", c) is None

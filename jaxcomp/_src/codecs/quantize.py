@@ -89,19 +89,22 @@ _CAST_DTYPES = {
 }
 
 
-#: ``scaled`` casts map ``max |x|`` into ``[2^SCALED_TOP - 1, 2^SCALED_TOP)``: fp16's largest
-#: finite value is 65504, just under 2^16, so 2^15 keeps a power of two of headroom.
-SCALED_TOP = 15
+def top_exponent(dtype) -> int:
+    """``t = floor(log2 M)`` for the largest finite value ``M`` of ``dtype``: a scaled cast
+    maps ``max |x|`` into ``[2^(t-1), 2^t)``, under ``M`` (fp16: 65504, ``t = 15``; fp8
+    e4m3: 448, ``t = 8``; e5m2: 57344, ``t = 15``)."""
+    return int(math.floor(math.log2(float(ml_dtypes.finfo(dtype).max))))
 
 
-def power_of_two_scale(top: jax.Array) -> jax.Array:
-    """``s = 2^(k - 15)`` for ``top = f 2^k``, ``f`` in ``[0.5, 1)`` (``jnp.frexp``), so that
-    ``top / s`` lies in ``[2^14, 2^15)``; the exponent is held to float32's normal range
-    (``top = 0``: ``2^-15``). A non-finite ``top`` is returned as it is: NaN or inf, the
-    flag of a non-finite vector. A power of two: ``x / s`` and ``q s`` are exact in float32.
+def power_of_two_scale(top: jax.Array, exponent: int) -> jax.Array:
+    """``s = 2^(k - t)`` for ``top = f 2^k``, ``f`` in ``[0.5, 1)`` (``jnp.frexp``), ``t`` =
+    ``exponent``, so that ``top / s`` lies in ``[2^(t-1), 2^t)``; the exponent of ``s`` is held
+    to float32's normal range (``top = 0``: ``2^-t``). A non-finite ``top`` is returned as it
+    is: NaN or inf, the flag of a non-finite vector. A power of two: ``x / s`` and ``q s`` are
+    exact in float32.
     """
     _, k = jnp.frexp(top)
-    e = jnp.clip(k - SCALED_TOP, -126, 127)
+    e = jnp.clip(k - exponent, -126, 127)
     bits = jax.lax.shift_left((e + 127).astype(jnp.int32), jnp.int32(23))
     s = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return jnp.where(jnp.isfinite(top), s, top)
@@ -116,8 +119,9 @@ class Cast(Codec):
     Relative error per coordinate <= 2^-(m+1) for m mantissa bits, inside the normal range.
 
     ``scaled``: the vector is first divided by a power of two ``s`` (one float32 per vector,
-    on the wire after the values) that puts ``max |x|`` in ``[2^14, 2^15)``, so every value
-    within ``2^28`` of the largest is in the type's normal range (see :func:`cast`).
+    on the wire after the values) that puts ``max |x|`` just under the type's largest value
+    (fp16: in ``[2^14, 2^15)``), so every value within ``2^28`` of the largest is in fp16's
+    normal range (see :func:`cast`).
     """
 
     flags_nonfinite = True  # scales (or the saturating cast) carry NaN/inf
@@ -146,7 +150,7 @@ class Cast(Codec):
         x = check_vector(x, self)
         if not self.scaled:
             return self._cast(x)
-        scale = power_of_two_scale(max_abs(x[None, :])[0])
+        scale = power_of_two_scale(max_abs(x[None, :])[0], top_exponent(self.dtype))
         return self._cast(x * (1.0 / scale)), scale[None]
 
     def _cast(self, x):
@@ -165,7 +169,8 @@ class Cast(Codec):
         return None if self.scaled else 1
 
     def roundtrip(self, x, key=None):
-        """``decode(encode(x))`` of a float array of any shape (the cast is elementwise)."""
+        """``decode(encode(x))`` of a float array of any shape: elementwise unscaled; scaled,
+        the whole array shares one scale (as the flat vector of its values would)."""
         if self.scaled:
             flat = jnp.ravel(x)
             return self.decode(self.encode(flat), flat.shape[0]).reshape(jnp.shape(x))
@@ -196,22 +201,23 @@ def cast(dtype="bfloat16", scaled: bool | None = None) -> Cast:
     ``psum``, added in the narrow type.
 
     Scaled (``scaled=True``; the default for fp16), as a loss scale per vector (Micikevicius
-    et al. 2018) chosen from the vector itself: with ``s = 2^(k - 15)`` for
-    ``max |x| = f 2^k`` (``f`` in ``[0.5, 1)``), ``C(x)_i = s round_t(x_i / s)``, and the
-    payload is the ``d`` narrow values and ``s`` as one float32 (``2d + 4`` bytes for fp16).
-    Dividing by a power of two is exact, so the only error is the type's rounding of values in
-    ``[2^-28, 1) max |x|``'s normal range::
+    et al. 2018) chosen from the vector itself: with ``s = 2^(k - t)`` for
+    ``max |x| = f 2^k`` (``f`` in ``[0.5, 1)``; ``t = floor(log2 M)``, fp16: 15),
+    ``C(x)_i = s round_t(x_i / s)``, and the payload is the ``d`` narrow values and ``s`` as
+    one float32 (``2d + 4`` bytes for fp16). Dividing by a power of two is exact, so the
+    only error is the type's rounding; for fp16, whose normal range spans ``2^29`` below
+    ``2^15``::
 
-        |C(x)_i - x_i| <= 2^-(m+1) |x_i| + 2^-28 max_j |x_j|
+        |C(x)_i - x_i| <= 2^-11 |x_i| + 2^-28 max_j |x_j|
 
-    (fp16: ``4.9e-4 |x_i|``; the second term bounds values below the normal range, flushed
-    to zero or not) for any finite ``x`` in float32's range, tiny or huge: no value saturates
-    and no gradient small against the type's range is lost. The error is a rounding of
-    every value, so error feedback has nothing worth carrying: ``error_feedback="auto"``
-    keeps no memory for a scaled 16-bit cast (``rounding_only``). Each device has its own
-    scale, so the payloads are not summable: ``auto`` sends them ``allgather`` (2 devices)
-    or ``two_phase``, whose sums are in float32. A non-finite ``x`` gives a non-finite
-    scale (the flag a transform reads).
+    (the second term bounds the values below the normal range, flushed to zero or not) for
+    any ``x`` in float32's normal range, tiny or huge: no value saturates and no gradient
+    small against fp16's range is lost. The error is a rounding of every value, so error
+    feedback has nothing worth carrying: ``error_feedback="auto"`` keeps no memory for a
+    scaled 16-bit cast (``rounding_only``). Each device has its own scale, so the payloads
+    are not summable: strategy ``auto`` sends them ``two_phase`` (``jc.choose_strategy``),
+    whose sums are in float32. A non-finite ``x`` gives a non-finite scale (the flag a
+    transform reads).
 
     Args:
       dtype: ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` (or their jnp dtypes).

@@ -45,7 +45,11 @@ on 2 replicas at ``H = 10`` and 5 one change at a time (the density 256 / 4096, 
 ``ef_decay=0.95`` at ``H = 30`` on 2 and at ``H = 3`` on 8. SparseLoCo with Muon inside at
 ``H = 30`` and 3000x fewer bytes or more: on 2 replicas ``ef_decay=0.95`` and an outer lr of
 1.5 and 2.0, on 8 replicas the density 16 / 4096 with every leaf compressed and an outer lr
-of 1.5.
+of 1.5. With every leaf compressed on 2 replicas (3100-3152x): 152 of 4096 at 2 bits, 43 of
+1024 at 2 bits, 47 of 1024 at 1 bit at the mean magnitude (``value_scale="mean"``); on 8
+replicas 20 of 4096 and the two-phase exchange at 64 of 4096 (defined, not yet run).
+``--fidelity ... --muon --fidelity-codecs 3000x``: the codecs of those rows on a pseudo-gradient
+of Muon inside.
 
 ::
 
@@ -358,7 +362,8 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     # 3000x at H = 30 with every leaf compressed (min_size=0): on 2 replicas the norms and
     # biases sent whole in float32 took 54% of the bytes; their share buys 152 / 4096 values
-    # (3152x; 3085x on the held-out pair's model). On 8 replicas 20 / 4096 (3001x).
+    # (3152x; 3085x on the held-out pair's model). On 8 replicas 20 / 4096 (3001x computed;
+    # not yet run).
     "sparseloco-H30-M2-muon-innerconst-d152-min0-outer1.5": _h(
         30,
         2,
@@ -401,7 +406,8 @@ RECIPES: dict[str, lm.Recipe] = {
         value_scale="mean",
         min_size=0,
     ),
-    # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3545x).
+    # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x from the
+    # lowered step; 2776x on the held-out pair's model, whose small leaves weigh more). Not yet run.
     "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _h(
         30,
         inner=_muon_held,

@@ -96,7 +96,7 @@ def train(
     replicated = NamedSharding(mesh, P())
     model = MLP(64, hidden, 10, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
-    params = params.to_pure_dict()
+    params = nnx.to_pure_dict(params)
     inner = make_optimizer(optimizer, lr, momentum)
     tx = make_transform(codec_name, strategy, error_feedback, inner, **(compress_kwargs or {}))
 
@@ -117,7 +117,7 @@ def train(
             # pcast: params are replicated; make them per-device before grad, so JAX does
             # not insert an implicit f32 all-reduce of every gradient.
             local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
-            g = nnx.grad(loss_fn)(local, x, y).to_pure_dict()
+            g = nnx.to_pure_dict(nnx.grad(loss_fn)(local, x, y))
             if reduce_plain:
                 g = jax.lax.pmean(g, AXIS)
             updates, s = tx.update(g, s, p)  # jc.compressed_allreduce averages g, then opt

@@ -763,6 +763,7 @@ def main(argv=None) -> int:
     out = {
         "environment": common.environment(),
         "num_processes": args.num_processes,
+        "namespace": ns.name,  # deleted on exit (other runs on the host have their own)
         "tbf": " ".join(TBF),
         "warmup_steps": WARMUP_STEPS,
         # other work on the host skews timings: the 1-minute load before and after

@@ -124,7 +124,7 @@ def build(dataset: str, method: str, data, steps: int):
     plain = method == "sgd"
 
     def init_params(seed):
-        return nnx.split(MLP(sizes, rngs=nnx.Rngs(seed)))[1].to_pure_dict()
+        return nnx.to_pure_dict(nnx.split(MLP(sizes, rngs=nnx.Rngs(seed)))[1])
 
     def loss_fn(p, x, y):
         logits = nnx.merge(graphdef, nnx.State(p))(x)

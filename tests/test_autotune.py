@@ -107,8 +107,12 @@ def test_plan_times_plain_and_the_best_predictions_as_whole_steps(plan):
     assert len(stepped) == 4 and {r.name for r in stepped} == {"none", "int8", "fp16"}
     assert all(r.step_ms > 0 and r.step_spread_ms >= 0 and r.step_reps >= REPS for r in stepped)
     assert all(math.isnan(r.measured_ms) for r in plan.table)  # no exchange timed alone
-    assert plan.table[0] is tuning.select(plan.table)  # the fastest measured step
-    assert plan.table[0].step_ms == min(r.step_ms for r in stepped)
+    assert plan.table[0] is tuning.select(plan.table)  # the fastest measured step, or a tie
+    # A row tied with the fastest within the timing noise (max(TIE of it, either IQR)) may be
+    # chosen for its lower CPU time or codec work (autotune_steps.settle_tie).
+    chosen, fastest = plan.table[0], min(stepped, key=lambda r: r.step_ms)
+    noise = max(tuning.TIE * fastest.step_ms, chosen.step_spread_ms, fastest.step_spread_ms)
+    assert chosen.step_ms - fastest.step_ms <= noise
     assert plan.codec == plan.table[0].codec and plan.error_feedback == plan.table[0].error_feedback
     ok = [r for r in plan.table if not r.error]
     assert all(r.predicted_step_ms > 0 and r.predicted_ms >= 0 for r in ok)

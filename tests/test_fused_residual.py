@@ -9,6 +9,8 @@ fp16 summed) and on one (sign with blocks).
 """
 
 import functools
+import math
+import re
 
 import helpers
 import jax
@@ -129,12 +131,15 @@ def test_fused_int8_moves_fewer_bytes_and_copies_nothing_gradient_sized():
             compiled.memory_analysis().temp_size_in_bytes / (4 * 512 * 512),
         )
         if fuse:
+            # Copies of a gradient-sized buffer in any shape (jaxlib 0.12 copied the gradient
+            # as f32[4,65536] twice per chunk before fused_residual read x at a dynamic offset).
+            shapes = [re.search(r"= f32\[([\d,]+)\]", line) for line in text.splitlines()]
             big = [
-                line
-                for line in text.splitlines()
-                if " copy(" in line and "f32[16,16384]" not in line and "[1,512,512]" in line
+                s[1]
+                for line, s in zip(text.splitlines(), shapes, strict=True)
+                if " copy(" in line and s and math.prod(map(int, s[1].split(","))) == 512 * 512
             ]
-            assert len(big) <= 1  # the restore loop's copy (a non-finite step only)
+            assert len(big) <= 1, big  # the restore loop's copy (a non-finite step only)
     assert sizes[True][0] < 3.7 < 4.6 < sizes[False][0]
     assert sizes[True][1] < 0.6  # words, their gathered copy, one chunk of x
 

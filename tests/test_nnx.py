@@ -85,13 +85,13 @@ def trained(name: str) -> tuple[dict, dict]:
     data = batches()
     tx = TRANSFORMS[name]()
     graphdef, state = nnx.split(MLP(nnx.Rngs(0)))
-    params = state.to_pure_dict()
+    params = nnx.to_pure_dict(state)
     opt_state = jc.sharded_init(tx, params, mesh(), AXIS)
     specs = jc.state_specs(opt_state, AXIS)
 
     def ref_step(p, s, x, y):
         local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")))
-        updates, s = tx.update(nnx.grad(loss_fn)(local, x, y).to_pure_dict(), s, p)
+        updates, s = tx.update(nnx.to_pure_dict(nnx.grad(loss_fn)(local, x, y)), s, p)
         return optax.apply_updates(p, updates), s
 
     ref = per_device(ref_step, (P(), specs, P(AXIS), P(AXIS)), (P(), specs))
@@ -104,7 +104,7 @@ def trained(name: str) -> tuple[dict, dict]:
     step = nnx_step(jc.nnx_state_specs(optimizer, AXIS))
     for x, y in data:
         jax.block_until_ready(step(model, optimizer, x, y))
-    return p, nnx.state(model, nnx.Param).to_pure_dict()
+    return p, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 @pytest.mark.parametrize("name", ["sgd_sign"])  # powersgd + momentum SGD: also 0 (run once)
@@ -153,7 +153,7 @@ def test_naive_nnx_optimizer_is_refused_with_the_fix_named():
 
 
 def _params():
-    return nnx.split(MLP(nnx.Rngs(0)))[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(MLP(nnx.Rngs(0)))[1])
 
 
 def _trace(tx, state, state_spec, grads_spec):

@@ -111,7 +111,10 @@ def encode_in_place(
         old = jax.lax.dynamic_index_in_dim(ev, i, keepdims=False)
         x = jax.lax.dynamic_index_in_dim(gv, i, keepdims=False) + old
         scratch = jax.lax.dynamic_update_slice_in_dim(scratch, x, 0, 0)
-        x = scratch[:c]
+        # Read back from an offset XLA cannot prove is 0: newer XLA (jaxlib 0.12) folds
+        # ``scratch[:c]`` of the update into ``x`` itself, so each reader recomputes ``g + e``
+        # from ``g``'s buffer and the in-place write of ``g`` below costs two copies of ``g``.
+        x = jax.lax.dynamic_slice_in_dim(scratch, after(jnp.int32(0), i), c)
         payload, sent = collectives.whole_payload(codec, strategy, n, x)
         stacked = jax.tree.map(
             lambda s, p: jax.lax.dynamic_update_index_in_dim(s, p, i, 0), stacked, payload

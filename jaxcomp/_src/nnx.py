@@ -161,4 +161,4 @@ def nnx_state_specs(
         for path, node in nnx.iter_graph(optimizer)
         if _is_variable(node)
     }
-    return nnx.StateSharding(nnx.State.from_flat_path(flat))
+    return nnx.StateSharding(nnx.from_flat_state(flat))

@@ -7,9 +7,10 @@
 # - cores 0-7: benchmarks/lm_link_host.sh, the time to AdamW's loss on a shaped 100 Mbit/s
 #   link with 4 processes (it probes for tc and says so where the link cannot be shaped);
 # - cores 8-15, one after another: benchmarks.hot_path on the GPU (every row, the fused ones
-#   too), benchmarks.gpu_step (the compressed step on the GPU against its pmean step), then the
-#   test suite on this host's jax with the CPU backend (8 simulated devices, as CI).
-# Each part has its own time limit; the whole ends within about 520 s. Its JSON, PNG and logs
+#   too), then benchmarks.gpu_step (the compressed step on the GPU against its pmean step).
+# The test suite is not run here: beside the shaped-link run it would take that run's memory
+# bandwidth, and the suite on newer jax runs on a CPU host too (a Python 3.12 venv).
+# Each part has its own time limit; the whole ends within about 480 s. Its JSON, PNG and logs
 # go to /tmp/gpu_host/r, packed at the end into one results.tgz in $OUT (the device tool
 # brings back at most 8 files).
 set -u
@@ -39,12 +40,6 @@ stamp "hot_path exit $?"
 gpu 80 python3 -m benchmarks.gpu_step --pipeline 10 --out "$R/gpu_step_gpu_h100_s11.json" \
   > "$R/gpu_step.log" 2>&1
 stamp "gpu_step exit $?"
-left=$(( 500 - ($(date +%s) - start) ))
-stamp "suite (CPU backend, 6 workers on cores 8-15), ${left} s"
-JAX_PLATFORMS=cpu gpu "$left" python3 -m pytest -q -n 6 --dist loadscope -m "not smoke" \
-  -p no:cacheprovider tests > "$R/suite.log" 2>&1
-stamp "suite exit $?"
-tail -n 25 "$R/suite.log"
 wait "$link"
 tail -n 30 "$R/lm_link_host.out"
 tail -n 12 "$R/hot_path.log" "$R/gpu_step.log"

@@ -269,6 +269,36 @@ def test_scaled_fp16_zero_nonfinite_and_capabilities():
         jc.cast("fp16", scaled="yes")
 
 
+def test_encode_sum_of_the_scaled_cast_bounds_from_the_row_scales():
+    """A two-phase owner's re-encoding (``Codec.encode_sum``): the scaled cast takes the
+    rows' largest scale (no pass over the mean), within ``2^-11 |mean| + 2^-28 max_j max|x_j|``
+    of the float32 mean also where the rows cancel; a NaN row gives a NaN scale; other codecs
+    (and the unscaled cast) encode the decoded sum, bit for bit."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 512)).astype(np.float32) * 1e-3
+    x[1] = -x[0] + 1e-9 * rng.standard_normal(512)  # rows that cancel to tiny values
+    c = jc.cast("fp16")
+    rows = jax.vmap(c.encode)(jnp.asarray(x))
+    decoded = np.stack(
+        [np.asarray(c.decode(jax.tree.map(lambda a, i=i: a[i], rows), 512)) for i in range(4)]
+    )
+    mean = decoded.mean(0, dtype=np.float64)
+    payload = c.encode_sum(rows, 512, 0.25)
+    assert float(payload[1][0]) == float(jnp.max(rows[1]))
+    got = np.asarray(c.decode(payload, 512), np.float64)
+    float32_sum = 2.0**-22 * np.abs(decoded).sum(0)  # the owner adds in float32
+    bound = 2.0**-11 * np.abs(mean) + 2.0**-28 * np.abs(x).max() + float32_sum
+    assert np.all(np.abs(got - mean) <= bound)
+    bad = (rows[0], rows[1].at[2, 0].set(jnp.nan))
+    assert np.isnan(float(c.encode_sum(bad, 512, 0.25)[1][0]))
+    for other in (jc.cast("fp16", scaled=False), jc.int_quant(8)):
+        enc = jax.vmap(other.encode)(jnp.asarray(x))
+        want = other.encode(other.decode_sum(enc, 512, 0.25))
+        got_leaves = jax.tree.leaves(other.encode_sum(enc, 512, 0.25))
+        for a, b in zip(got_leaves, jax.tree.leaves(want), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
     """``jc.sign(scale="rms")`` (1-bit Adam's default codec): signs scaled by the root mean
     square of their block, so ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for

@@ -483,6 +483,11 @@ def _encode_two_phase(xs, keys, ctx):
     return payloads, errors
 
 
+def _owner_key(key: jax.Array | None) -> jax.Array | None:
+    """The key of a chunk owner's re-encoding (the second half of the segment's key)."""
+    return None if key is None else jax.random.split(key)[1]
+
+
 def _two_phase_exchange(payloads, ctx, servers):
     """all_to_all the rows, decode+sum the owned chunk, re-encode it, all_gather.
 
@@ -508,9 +513,15 @@ def _two_phase_exchange(payloads, ctx, servers):
         first.decode_sum(r, c, scale=1.0 / n) + (0.0 if s is None else s)
         for r, c, s, (first, _) in zip(received, cs, servers, phases, strict=True)
     ]
+    # Without a server residual, a codec of both phases encodes the mean from the rows
+    # (Codec.encode_sum: the scaled cast takes its scale from theirs, the mean not written out).
     own_payloads = [
-        second.encode(o, None if k is None else jax.random.split(k)[1])
-        for o, k, (_, second) in zip(own, ctx.keys, phases, strict=True)
+        first.encode_sum(r, c, 1.0 / n, _owner_key(k))
+        if s is None and first == second
+        else second.encode(o, _owner_key(k))
+        for o, r, c, s, k, (first, second) in zip(
+            own, received, cs, servers, ctx.keys, phases, strict=True
+        )
     ]
     own_error = [
         o - second.decode(p, c)

@@ -240,6 +240,16 @@ class Codec:
         """
         return sum_of_decodes(self, payloads, d, scale, fill)
 
+    def encode_sum(
+        self, payloads: Payload, d: int, scale: float = 1.0, key: jax.Array | None = None
+    ) -> Payload:
+        """``encode(decode_sum(payloads, d, scale), key)``: a ``two_phase`` chunk owner's
+        re-encoding of the mean of the rows it received (``scale = 1/n``). The default is
+        exactly that; a codec may take what its encoding needs of the sum from the payloads
+        instead (the scaled cast: its scale from the rows' scales), so that the sum need
+        not be written out before it is encoded."""
+        return self.encode(self.decode_sum(payloads, d, scale), key)
+
     def encode_rows_with_error(
         self, rows: jax.Array, keys: jax.Array | None = None
     ) -> tuple[Payload, jax.Array]:

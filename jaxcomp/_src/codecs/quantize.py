@@ -164,6 +164,20 @@ class Cast(Codec):
         values, scale = payload
         return values.astype(jnp.float32) * scale[0]
 
+    def encode_sum(self, payloads, d, scale=1.0, key=None):
+        """Scaled: the mean of ``n`` rows (``scale <= 1/n``) re-encoded with the rows' largest
+        scale ``s = max_j s_j``, a bound read from the payloads, not from the sum: every row
+        is at most ``2^t s_j`` (``t`` = :func:`top_exponent`), so ``|mean| <= 2^t s``, under
+        the type's largest value, and the sum is cast as it is formed (XLA fuses the two; a
+        scale from ``max |mean|`` would write the mean out and read it twice). Values of the
+        mean below ``2^-(t+13) s`` (fp16: ``2^-28`` of the rows' largest) leave fp16's normal
+        range. A non-finite row scale is the result's scale (the flag)."""
+        rows = jax.tree.leaves(payloads)[0].shape[0]
+        if not self.scaled or scale * rows > 1.0:
+            return super().encode_sum(payloads, d, scale, key)
+        top = jnp.max(payloads[1][:, 0])
+        return self._cast(self.decode_sum(payloads, d, scale) * (1.0 / top)), top[None]
+
     def chunk_unit(self, d):
         """Each value on its own: any chunk (None when ``scaled``: one scale for the whole)."""
         return None if self.scaled else 1

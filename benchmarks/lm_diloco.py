@@ -47,7 +47,8 @@ on 2 replicas at ``H = 10`` and 5 one change at a time (the density 256 / 4096, 
 1.5 and 2.0, on 8 replicas the density 16 / 4096 with every leaf compressed and an outer lr
 of 1.5. With every leaf compressed on 2 replicas (3100-3152x): 152 of 4096 at 2 bits, 43 of
 1024 at 2 bits, 47 of 1024 at 1 bit at the mean magnitude (``value_scale="mean"``); on 8
-replicas 20 of 4096 and the two-phase exchange at 64 of 4096 (defined, not yet run).
+replicas 21 of 4096 at 1 bit at the mean and the two-phase exchange at 64 of 4096 (20 of 4096
+at 2 bits defined, not run).
 ``--fidelity ... --muon --fidelity-codecs 3000x``: the codecs of those rows on a pseudo-gradient
 of Muon inside.
 
@@ -406,8 +407,19 @@ RECIPES: dict[str, lm.Recipe] = {
         value_scale="mean",
         min_size=0,
     ),
-    # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x from the
-    # lowered step; 2776x on the held-out pair's model, whose small leaves weigh more). Not yet run.
+    # ... 1 bit at the mean magnitude, 21 of 4096 (3048x).
+    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _h(
+        30,
+        inner=_muon_held,
+        outer=lambda run: _sgd(1.5, 0.0)(),
+        sparse=True,
+        density=21 / 4096,
+        bits=1,
+        value_scale="mean",
+        min_size=0,
+    ),
+    # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x; 2776x
+    # on the held-out pair's model, whose small leaves weigh more).
     "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _h(
         30,
         inner=_muon_held,

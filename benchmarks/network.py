@@ -322,6 +322,9 @@ def torch_ring_bytes(n: int, name: str, rank: int = 4, sizes: tuple[int, ...] = 
 def torch_worker(args, n: int, rank: int, xb, yb) -> list[dict]:
     """The peer: torch DDP over gloo, same processes and link, one bucket, SGD."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The peer runs on the CPU. A CUDA build of torch on a GPU host otherwise has its PowerSGD
+    # hook synchronize the GPU with the CPU tensors' device, which raises (torch 2.11+cu130).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import numpy as np
     import torch
     import torch.distributed as dist

@@ -238,6 +238,22 @@ def test_scaled_fp16_error_bound_tiny_and_huge(magnitude):
     assert sum(a.nbytes for a in jax.tree.leaves(payload)) == c.payload_bytes(x.size) == 8196
 
 
+def test_scaled_casts_at_the_top_of_float32_decode_finite():
+    """Vectors whose largest value is near float32's largest (3.4e38): the scale is held at
+    ``2^(127 - t)``, so a value that rounds up to ``2^t`` of the scale is not inf (it was for
+    ``max |x| > 3.4024e38`` in fp16), and fp16 stays within ``2^-11 |x_i| + 2^-28 max |x|``."""
+    big = np.float32(np.finfo(np.float32).max)
+    x = np.array([big, -big, 3.4025e38, 2.0**127, 1e30, 1.0], np.float32)
+    for name in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+        c = jc.cast(name, scaled=True)
+        y = np.asarray(jax.jit(lambda v, c=c: c.decode(c.encode(v), v.size))(x), np.float64)
+        assert np.all(np.isfinite(y)), (name, y)
+    y = np.asarray(jc.cast("fp16").roundtrip(jnp.asarray(x)), np.float64)
+    bound = 2.0**-11 * np.abs(x.astype(np.float64)) + 2.0**-28 * float(big)
+    assert np.all(np.abs(y - x) <= bound), np.abs(y - x) / bound
+    assert float(jc.cast("fp16").encode(jnp.asarray(x))[1][0]) == 2.0**112
+
+
 def test_scaled_fp16_zero_nonfinite_and_capabilities():
     """A zero vector decodes to zero (no NaN); NaN or inf anywhere gives a non-finite scale
     (the flag) and a non-finite decode; the scaled cast is not summable (one scale per

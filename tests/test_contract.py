@@ -228,6 +228,20 @@ ROWS = [
         # (~2^-11 of the running sum) happens in the network, where no memory can see it.
         atol=5e-3,
     ),
+    Row(
+        # The default fp16 cast is scaled (one power-of-two scale per vector): "auto" sends it
+        # two_phase (the owner re-encodes with the rows' largest scale) and keeps no memory.
+        "fp16scaled-auto",
+        allreduce(jc.cast("fp16")),
+        memory=(),
+        law="a rounding-only codec keeps no memory (error_feedback='auto', rounding_only)",
+    ),
+    Row(
+        # ... with a residual asked for: the memory and the two-phase server residual hold
+        # the scaled cast's rounding (conservation), and a bad step leaves them as they were.
+        "fp16scaled-residual",
+        allreduce(jc.cast("fp16"), error_feedback="residual"),
+    ),
     Row("topk-allgather", allreduce(jc.top_k(0.01), strategy="allgather")),
     Row("topk-two_phase", allreduce(jc.top_k(0.01), strategy="two_phase")),
     Row(

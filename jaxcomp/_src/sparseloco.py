@@ -18,7 +18,7 @@ import optax
 
 from jaxcomp._src import periodic, sparse_exchange
 from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
-from jaxcomp._src.codecs.chunked import ChunkedTopK, chunked_top_k
+from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
 F32 = jnp.float32
@@ -283,10 +283,10 @@ def sparseloco(
         outer = periodic.check_transform("outer", outer)
     sync_every, early = periodic.split_sync_every(periodic.check_common(sync_every)[0])
     chunk = check_int("chunk", chunk, 1, 2**30)
+    if value_scale not in SCALES:
+        raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")
     if value_scale == "mean" and bits != 1:
         raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
-    if value_scale not in ("max", "mean"):
-        raise ValueError(f"`value_scale` must be 'max' or 'mean', got {value_scale!r}")
     codec = chunked_top_k(check_density(density, chunk), chunk, bits, value_scale)
     ef_decay = check_decay(ef_decay)
     averaging = resolve_averaging(averaging, strategy)

@@ -34,8 +34,8 @@ Conventions every codec follows:
   leaf's own shape, a pass that XLA writes in place over the memory.
 * ``rounding_only``: every coordinate travels, rounded to a float type whose range the
   codec scales the vector into (a scaled 16-bit cast): ``|C(x)_i - x_i| <= 2^-(m+1) |x_i|``
-  plus a term ``2^-28 max |x|`` for values far below the largest, for any finite ``x``.
-  ``error_feedback="auto"`` keeps no memory for such a codec.
+  plus a term for values far below the largest (fp16: ``2^-28 max |x|``), for any ``x`` in
+  float32's normal range. ``error_feedback="auto"`` keeps no memory for such a codec.
 * ``delta(d)``: for biased contractive codecs, ``||C(x) - x||^2 <= (1 - delta) ||x||^2``
   (None where no such bound holds).
 """

@@ -99,12 +99,14 @@ def top_exponent(dtype) -> int:
 def power_of_two_scale(top: jax.Array, exponent: int) -> jax.Array:
     """``s = 2^(k - t)`` for ``top = f 2^k``, ``f`` in ``[0.5, 1)`` (``jnp.frexp``), ``t`` =
     ``exponent``, so that ``top / s`` lies in ``[2^(t-1), 2^t)``; the exponent of ``s`` is held
-    to float32's normal range (``top = 0``: ``2^-t``). A non-finite ``top`` is returned as it
-    is: NaN or inf, the flag of a non-finite vector. A power of two: ``x / s`` and ``q s`` are
-    exact in float32.
+    to float32's normal range (``top = 0``: ``2^-t``) and to at most ``127 - t``, so that
+    ``2^t s``, what ``top / s`` may round up to, stays finite in float32 (``top >= 2^127``:
+    ``top / s`` in ``[2^t, 2^(t+1))``, saturating at the type's largest value, under
+    ``2^(t+1)``). A non-finite ``top`` is returned as it is: NaN or inf, the flag of a
+    non-finite vector. A power of two: ``x / s`` and ``q s`` are exact in float32.
     """
     _, k = jnp.frexp(top)
-    e = jnp.clip(k - exponent, -126, 127)
+    e = jnp.clip(k - exponent, -126, 127 - exponent)
     bits = jax.lax.shift_left((e + 127).astype(jnp.int32), jnp.int32(23))
     s = jax.lax.bitcast_convert_type(bits, jnp.float32)
     return jnp.where(jnp.isfinite(top), s, top)

@@ -9,23 +9,23 @@ timed in the same run: ``copies = update_ms / copy_ms``. No bytes travel on one 
 this is what encoding, decoding and the error-feedback memory cost: the floor is about
 1.5-2 copies (read the gradient and the memory, write the memory and the output).
 
-Rows: sign, int8, fp16 with residual feedback (the line drawn: 3 copies), top-k 1%
-(approximate) with residual feedback, ``jc.powersgd(4, "data", start_step=0)``, sign without
-feedback, plain ``jax.lax.pmean`` of the tree, sign, int8, fp16 with the memories in
-bfloat16 (``memory_dtype``), int8 and fp16 with ``fuse_residuals=True`` (each leaf encoded a
-chunk of ``--chunk`` values at a time, its memory written in the same loop), and sign with
-blocks of 128 (``sign_block``) without and with it. Each row also records the compiled
-update's temporaries and arguments (``memory_analysis()``, in copies of the gradient:
-deterministic, unlike the times on a shared host) and each call's CPU time
-(``time.process_time``, every thread: ``cpu_copies`` is the row's median over the copy's,
-less disturbed by other work on the host than wall time), its minor page faults
-(``getrusage``: pages touched for the first time since they were mapped; ``fault_copies`` in
-gradient copies of 4 KiB pages) and ``hlo_copies``, the bytes the compiled update's
-instructions read and write over the bytes a copy moves (:func:`hlo_traffic`: a model of its
-memory traffic, deterministic). The state is built with ``jc.sharded_init`` and its specs
-from ``jc.state_specs``, so the script does not depend on the state's layout. Each figure is
-the median of ``--reps`` (>= 7) calls after ``--warmup``, each blocked until ready; the copy
-is timed before and after the rows (its samples pooled). Writes
+Rows: sign, int8, fp16 (unscaled) with residual feedback (the line drawn: 3 copies), top-k 1%
+(approximate) with residual feedback, ``jc.powersgd(4, "data", start_step=0)``, the default
+(scaled) fp16 and sign without feedback, plain ``jax.lax.pmean`` of the tree, sign, int8, fp16
+with the memories in bfloat16 (``memory_dtype``), int8 and fp16 with ``fuse_residuals=True``
+(each leaf encoded a chunk of ``--chunk`` values at a time, its memory written in the same
+loop), and sign with blocks of 128 (``sign_block``) without and with it. Each row also records
+the compiled update's temporaries and arguments (``memory_analysis()``, in copies of the
+gradient: deterministic, unlike the times on a shared host) and each call's CPU time
+(``time.process_time``, every thread: ``cpu_copies`` is the row's median over the copy's, less
+disturbed by other work on the host than wall time), its minor page faults (``getrusage``:
+pages touched for the first time since they were mapped; ``fault_copies`` in gradient copies of
+4 KiB pages) and ``hlo_copies``, the bytes the compiled update's instructions read and write
+over the bytes a copy moves (:func:`hlo_traffic`: a model of its memory traffic,
+deterministic). The state is built with ``jc.sharded_init`` and its specs from
+``jc.state_specs``, so the script does not depend on the state's layout. Each figure is the
+median of ``--reps`` (>= 7) calls after ``--warmup``, each blocked until ready; the copy is
+timed before and after the rows (its samples pooled). Writes
 ``benchmarks/results/hot_path[_LABEL].json`` and ``.png``::
 
     python -m benchmarks.hot_path --label before     # hot_path_before.json

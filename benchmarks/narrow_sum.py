@@ -1,8 +1,9 @@
 """Summing in a narrow float type: the error of a ring all-reduce in fp16 / bf16 against n.
 
-A summable codec (``jc.cast("fp16")``, ``jc.cast("bf16")``) under ``strategy="allreduce"`` is
-added *in its own type* by the network: a ring all-reduce passes a partial sum from device to
-device, and every hop rounds it to 11 (fp16) or 8 (bf16) significant bits. This simulates it
+A summable codec (``jc.cast("fp16", scaled=False)``, ``jc.cast("bf16")``; the scaled default
+fp16 is not summable) under ``strategy="allreduce"`` is added *in its own type* by the network:
+a ring all-reduce passes a partial sum from device to device, and every hop rounds it to 11
+(fp16) or 8 (bf16) significant bits. This simulates it
 in numpy (no devices; ``ml_dtypes`` for the types) for n = 2 .. 1024 devices, each holding
 ``x_i = g + noise_i`` (a shared signal and per-device noise of the same size, ``--size``
 floats), and compares the relative error ``||est - mean|| / ||mean||`` against the exact

@@ -78,6 +78,16 @@ def test_one_bit_values_at_the_mean_magnitude():
     assert np.isnan(np.asarray(mean.encode(jnp.asarray(bad))[2])[1])
 
 
+def test_one_bit_mean_scale_is_taken_over_the_real_values_only():
+    """``scale="mean"`` on a last chunk of fewer than ``k`` values (its zero padding fills the
+    other kept slots, which decode drops): each of its values is sent at their mean
+    magnitude, not shrunk by the padding (20 of 47 kept slots: 0.43x before)."""
+    x = np.random.default_rng(4).standard_normal(1024 + 20).astype(np.float32)
+    got = np.asarray(jc.chunked_top_k(47, chunk=1024, bits=1, scale="mean").roundtrip(x))
+    tail = x[1024:]
+    np.testing.assert_allclose(got[1024:], np.abs(tail).mean() * np.sign(tail), rtol=1e-6)
+
+
 CODEC = jc.chunked_top_k(2, chunk=64, bits=None)
 
 

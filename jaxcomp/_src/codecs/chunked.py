@@ -66,20 +66,26 @@ def unpack_stream(words: jax.Array, bits: int, n: int) -> jax.Array:
 
 
 #: How the per-chunk scale ``s`` of the kept values is taken: their largest magnitude (every
-#: value inside ``[-s, s]``), or, for 1-bit values only, their mean magnitude (``s sign(v)``
-#: closest to ``v`` in L2).
+#: value inside ``[-s, s]``), or, for 1-bit values only, the mean magnitude of the nonzero ones
+#: (``s sign(v)`` closest to ``v`` in L2 over them).
 SCALES = ("max", "mean")
 
 
 def quantize(v: jax.Array, bits: int, scale: str = "max") -> tuple[jax.Array, jax.Array]:
     """Rows of values ``[rows, k]`` to ``bits``-bit codes on ``2**bits`` evenly spaced levels of
-    ``[-s, s]``, ``s = max |v|`` per row (``scale="mean"``, 1 bit: ``s = mean |v|``, the
-    least-squares scale of ``s sign(v)``), float32; a row holding a NaN or inf gets a NaN
-    scale, so the payload flags it. Returns ``(codes uint32[rows, k], scale f32[rows])``."""
+    ``[-s, s]``, ``s = max |v|`` per row (``scale="mean"``, 1 bit: ``s = sum |v| / #{v != 0}``,
+    the least-squares scale of ``s sign(v)`` over the nonzero values: the zero padding of a
+    chunk shorter than ``k``, whose slots are dropped, does not shrink it), float32; a row
+    holding a NaN or inf gets a NaN scale, so the payload flags it. Returns
+    ``(codes uint32[rows, k], scale f32[rows])``."""
     top = 2**bits - 1
     finite = jnp.all(jnp.isfinite(v), axis=1)
     mag = jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0))
-    s = jnp.mean(mag, axis=1) if scale == "mean" else jnp.max(mag, axis=1)
+    if scale == "mean":
+        nonzero = jnp.maximum(jnp.sum(mag > 0, axis=1), 1).astype(jnp.float32)
+        s = jnp.sum(mag, axis=1) / nonzero
+    else:
+        s = jnp.max(mag, axis=1)
     safe = jnp.where(s > 0, s, 1.0)[:, None]
     q = jnp.round((jnp.where(jnp.isfinite(v), v, 0.0) / safe + 1.0) * (top / 2))
     codes = jnp.clip(q, 0, top).astype(jnp.uint32)
@@ -218,9 +224,9 @@ def chunked_top_k(
       chunk: values per chunk, ``>= 1`` (Templar: 4096, i.e. 64 x 64).
       bits: bits per value, in ``[1, 8]`` (2: SparseLoCo), or None for float32 values.
       scale: ``"max"`` (``s = max |v|`` over the chunk's kept values) or, with ``bits=1``
-        only, ``"mean"`` (``s = mean |v|``: each kept value sent as ``s sign(v)``, the
-        least-squares scale of a sign, where ``"max"`` sends every kept value at the
-        largest one's magnitude). The same bytes.
+        only, ``"mean"`` (``s`` = the mean ``|v|`` of the nonzero kept values: each sent as
+        ``s sign(v)``, the least-squares scale of a sign, where ``"max"`` sends every kept
+        value at the largest one's magnitude). The same bytes.
 
     Returns:
       A :class:`ChunkedTopK` codec.

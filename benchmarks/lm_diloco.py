@@ -320,6 +320,14 @@ def _h(
     return lm.Recipe(make, kind="replica", replicas=m, schedule=schedule)
 
 
+def _sparse_h30(m: int | None = None, **kw: Any) -> lm.Recipe:
+    """SparseLoCo at ``H = 30`` as tuned for 3000x: Muon inside at the held lr, outer SGD at
+    lr 1.5 without momentum, every leaf compressed (``min_size=0``); ``kw``: the codec's."""
+    return _h(
+        30, m, inner=_muon_held, outer=lambda run: _sgd(1.5, 0.0)(), sparse=True, min_size=0, **kw
+    )
+
+
 #: The intervals of ``-H5to30`` (``sync_every``): short syncs while the loss falls fast
 #: (13 syncs in 300 steps where ``H = 30`` makes 10); ``-H10to30``: one more sync (11), the
 #: most that keeps 8 replicas at 200x fewer bytes than data parallel.
@@ -353,81 +361,29 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     # 8 replicas at 3000x or more: a quarter of the density, every leaf compressed (3616x),
     # Muon inside and the outer lr of 1.5.
-    "sparseloco-H30-muon-innerconst-d16-min0-outer1.5": _h(
-        30,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=16 / 4096,
-        min_size=0,
-    ),
+    "sparseloco-H30-muon-innerconst-d16-min0-outer1.5": _sparse_h30(density=16 / 4096),
     # 3000x at H = 30 with every leaf compressed (min_size=0): on 2 replicas the norms and
     # biases sent whole in float32 took 54% of the bytes; their share buys 152 / 4096 values
     # (3152x; 3085x on the held-out pair's model). On 8 replicas 20 / 4096 (3001x computed;
     # not yet run).
-    "sparseloco-H30-M2-muon-innerconst-d152-min0-outer1.5": _h(
-        30,
-        2,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=152 / 4096,
-        min_size=0,
-    ),
-    "sparseloco-H30-muon-innerconst-d20-min0-outer1.5": _h(
-        30,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=20 / 4096,
-        min_size=0,
-    ),
+    "sparseloco-H30-M2-muon-innerconst-d152-min0-outer1.5": _sparse_h30(2, density=152 / 4096),
+    "sparseloco-H30-muon-innerconst-d20-min0-outer1.5": _sparse_h30(density=20 / 4096),
     # ... in chunks of 1024 (10-bit indices): 43 of each 1024 (172 / 4096, 3105x; 3037x).
-    "sparseloco-H30-M2-muon-innerconst-c1024-d172-min0-outer1.5": _h(
-        30,
-        2,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=172 / 4096,
-        chunk=1024,
-        min_size=0,
+    "sparseloco-H30-M2-muon-innerconst-c1024-d172-min0-outer1.5": _sparse_h30(
+        2, density=172 / 4096, chunk=1024
     ),
     # ... 1-bit values at their mean magnitude (value_scale="mean"), 47 of each 1024 (188 /
     # 4096, 3100x; 3029x): 29% of one replica's |D|^2 sent where 152 / 4096 at 2 bits send 22%.
-    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5": _h(
-        30,
-        2,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=188 / 4096,
-        chunk=1024,
-        bits=1,
-        value_scale="mean",
-        min_size=0,
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=188 / 4096, chunk=1024, bits=1, value_scale="mean"
     ),
     # ... 1 bit at the mean magnitude, 21 of 4096 (3048x).
-    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _h(
-        30,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        density=21 / 4096,
-        bits=1,
-        value_scale="mean",
-        min_size=0,
+    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(
+        density=21 / 4096, bits=1, value_scale="mean"
     ),
     # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x; 2776x
     # on the held-out pair's model, whose small leaves weigh more).
-    "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _h(
-        30,
-        inner=_muon_held,
-        outer=lambda run: _sgd(1.5, 0.0)(),
-        sparse=True,
-        strategy="two_phase",
-        min_size=0,
-    ),
+    "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _sparse_h30(strategy="two_phase"),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
     "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),

@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 from benchmarks import common
 
@@ -239,11 +240,20 @@ def _read_through_slices(name: str, lines: dict, users: dict) -> int | None:
 
 _TRIPS = re.compile(r'known_trip_count":\{"n":"(\d+)"')
 _BODY = re.compile(r"body=%([\w.\-]+)")
+_TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
 
 
 #: In a loop's body, buffers of at most this many bytes (a chunk of a leaf, its payload
 #: row) are taken to stay in cache: reading and writing them counts nothing.
 LOOP_CACHE_BYTES = 1 << 20
+
+
+class _Module(NamedTuple):
+    """A compiled module's text, parsed once for :func:`hlo_traffic`."""
+
+    bodies: dict[str, str]  # computation name -> body (the entry as "ENTRY")
+    sliced: dict[str, dict[int, int]]  # see _sliced_parameters
+    in_place: dict[str, int]  # see _in_place_bytes
 
 
 def hlo_traffic(hlo_text: str, computation: str = "ENTRY") -> int:
@@ -255,41 +265,55 @@ def hlo_traffic(hlo_text: str, computation: str = "ENTRY") -> int:
     the buffers the body reads and writes in place, counted there), where buffers of at
     most :data:`LOOP_CACHE_BYTES` count nothing (in cache; a slice of a larger buffer is
     counted each time an instruction reads it, in cache or not); a loop without a known trip
-    count (a non-finite step's restore: no trip on a finite one) counts nothing. A model of
-    the memory traffic of one call, deterministic, against which the timed copies can be
-    read."""
-    bodies = _computations(hlo_text)
-    sliced = _sliced_parameters(hlo_text)
-    in_place = _in_place_bytes(hlo_text)
+    count (a non-finite step's restore: no trip on a finite one) counts nothing. A ``call``
+    counts the traffic of the computation it calls, where the call sits (in the entry as the
+    entry's instructions, in a loop body as the body's): jaxlib 0.12's XLA:CPU wraps loops
+    in ``call(..., to_apply=%C), frontend_attributes={xla_cpu_small_call="true"}``, which
+    moves nothing itself. A model of the memory traffic of one call, deterministic, against
+    which the timed copies can be read. A named ``computation`` other than the entry is
+    counted as a loop body."""
+    module = _Module(
+        _computations(hlo_text), _sliced_parameters(hlo_text), _in_place_bytes(hlo_text)
+    )
+    return _traffic(module, computation, in_loop=computation != "ENTRY")
+
+
+def _traffic(module: _Module, computation: str, in_loop: bool) -> int:
+    """:func:`hlo_traffic` of one computation; ``in_loop``: it runs inside a loop's body,
+    where buffers of at most :data:`LOOP_CACHE_BYTES` stay in cache."""
     sizes: dict[str, int] = {}
     total = 0
-    for line in bodies[computation].splitlines():
+    for line in module.bodies[computation].splitlines():
         m = _ENTRY_LINE.match(line)
         if not m:
             continue
         name, shape, op, operands = m.groups()
         sizes[name] = _shape_bytes(shape)
+        if op == "call" and (target := _TO_APPLY.search(line)):
+            total += _traffic(module, target.group(1), in_loop)
+            continue
         if op in _NO_TRAFFIC:
             continue
         if op == "while":
             trips, body = _TRIPS.search(line), _BODY.search(line)
             if body:
                 count = int(trips.group(1)) if trips else 0
-                total += count * hlo_traffic(hlo_text, body.group(1))
+                total += count * _traffic(module, body.group(1), in_loop=True)
                 continue
         calls = _CALLS.search(line)
         fused = calls.group(1) if op == "fusion" and calls else None
-        only = sliced.get(fused, {}) if fused else {}
+        only = module.sliced.get(fused, {}) if fused else {}
         names = re.findall(r"%([\w.\-]+)", operands)
-        small = computation != "ENTRY"  # a loop body: small buffers stay in cache
         read = {
             o: 0
-            if small and sizes.get(o, 0) <= LOOP_CACHE_BYTES
+            if in_loop and sizes.get(o, 0) <= LOOP_CACHE_BYTES
             else min(sizes.get(o, 0), only.get(i, sizes.get(o, 0)))
             for i, o in enumerate(names)
         }
         written = (
-            0 if small and sizes[name] <= LOOP_CACHE_BYTES else in_place.get(fused, sizes[name])
+            0
+            if in_loop and sizes[name] <= LOOP_CACHE_BYTES
+            else module.in_place.get(fused, sizes[name])
         )
         total += written + sum(read.values())
     return total

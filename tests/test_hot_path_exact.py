@@ -9,6 +9,7 @@ formula, shared by the asserts.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +207,57 @@ def test_hot_path_op_names_parsed():
     # (read 4000 + 4 + 4 bytes, write 4000 + 4), not as a second read of all of a and b
     sliced = jax.jit(lambda a, b: (a * 2.0, a[0] + b[0])).lower(jnp.ones(1000), jnp.ones(1000))
     assert hot_path.hlo_traffic(sliced.compile().as_text()) == 8012
+
+
+def _loops_wrapped_in_calls(hlo_text: str) -> str:
+    """The module with each ``while`` moved into a computation of its own that a ``call``
+    runs, as jaxlib 0.12's XLA:CPU does (``xla_cpu_small_call``); the loops are unchanged."""
+    lines, wrappers = [], []
+    loop = re.compile(r"(\s*(?:ROOT )?)%(\S+) = (.*?) while\((%[\w.\-]+)\)(.*)$")
+    for line in hlo_text.splitlines():
+        m = loop.match(line)
+        if not m:
+            lines.append(line)
+            continue
+        indent, name, shape, operand, rest = m.groups()
+        lines.append(
+            f"{indent}%{name} = {shape} call({operand}), to_apply=%{name}.wrap, "
+            'frontend_attributes={xla_cpu_small_call="true"}'
+        )
+        wrappers.append(
+            f"%{name}.wrap (p: {shape}) -> {shape} {{\n  %p.{name} = {shape} parameter(0)\n"
+            f"  ROOT %{name}.inner = {shape} while(%p.{name}){rest}\n}}\n"
+        )
+    text = "\n".join(lines)
+    return text.replace("\nENTRY", "\n" + "\n".join(wrappers) + "\nENTRY", 1)
+
+
+def test_hlo_traffic_counts_a_loop_inside_a_call():
+    """A loop of 4 trips, each reading a quarter of ``x`` (2 MiB, above the loop's cache
+    size: its slices are counted) and writing it in place into a zeroed buffer: 2 MiB
+    written, then 4 x (512 KiB read + 512 KiB written), whether the loop sits in the entry
+    (jaxlib 0.10) or in a ``call`` that XLA:CPU wraps around it (``xla_cpu_small_call``,
+    jaxlib 0.12), and the same with each loop moved into one more call."""
+    from benchmarks.hot_path import LOOP_CACHE_BYTES, hlo_traffic
+
+    d, trips = 1 << 19, 4
+    chunk = d // trips
+
+    def scaled_in_chunks(x):
+        def body(i, out):
+            part = jax.lax.dynamic_slice(x, (i * chunk,), (chunk,))
+            return jax.lax.dynamic_update_slice(out, part * 2.0 + 1.0, (i * chunk,))
+
+        return jax.lax.fori_loop(0, trips, body, jnp.zeros_like(x))
+
+    text = jax.jit(scaled_in_chunks).lower(jnp.ones(d)).compile().as_text()
+    assert 4 * d > LOOP_CACHE_BYTES  # x and the output are not taken to be in cache
+    wrapped = _loops_wrapped_in_calls(text)
+    assert wrapped.count(" call(") == text.count(" call(") + text.count(" while(") >= 1
+    # the zeros (2 MiB written, 4 bytes of the f32 zero read), the loop counter's copy (an
+    # s32 read and written), then each trip's slice read and written
+    expected = 4 * d + 4 + 8 + trips * 2 * 4 * chunk
+    assert hlo_traffic(text) == hlo_traffic(wrapped) == expected
 
 
 def test_hot_path_settings_parsed():

@@ -7,13 +7,17 @@ feedback, Templar's mean over senders, bytes. The contract items (conservation w
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import N, per_device, shard
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src import sparse_exchange
 from jaxcomp._src.codecs.chunked import pack_stream, unpack_stream
 from jaxcomp._src.sparseloco import sparse_feedback
 
@@ -88,6 +92,54 @@ def test_one_bit_mean_scale_is_taken_over_the_real_values_only():
     np.testing.assert_allclose(got[1024:], np.abs(tail).mean() * np.sign(tail), rtol=1e-6)
 
 
+#: Every value coding of the codec: float32, and ``bits`` bits at the largest kept magnitude
+#: (1 bit at the mean too).
+VALUE_CODINGS = [(None, "max"), (1, "max"), (1, "mean"), (2, "max"), (3, "max"), (8, "max")]
+
+
+def sparse_vector() -> np.ndarray:
+    """276 values in chunks of 64 (5 kept each): chunk 0 holds 3 nonzeros (and a -0.0), chunk
+    1 none, chunk 2 sixteen, chunk 3 one, the short last chunk (20 values) two."""
+    x = np.zeros(4 * 64 + 20, np.float32)
+    x[[1, 7, 40]] = [0.5, -2.0, 1.25]
+    x[5] = -0.0
+    x[128:144] = np.random.default_rng(5).standard_normal(16)
+    x[200] = -3.0
+    x[[260, 275]] = [0.75, 4.0]
+    return x
+
+
+@pytest.mark.parametrize("bits, scale", VALUE_CODINGS)
+def test_exact_zeros_are_never_sent_as_values(bits, scale):
+    """A chunk with fewer than ``k`` nonzero values keeps zeros among its top ``k``: each
+    repeats its chunk's first index on the wire, and decode drops it. Before, each decoded to
+    a quantization level (``-s`` with 1 bit at the max, ``s/3`` with 2 bits, ``s/255`` with
+    8): 9 nonzeros where ``x`` is 0 here (2 + 4 + 3 kept zeros). The bytes are unchanged (the
+    formula of :func:`jaxcomp.chunked_top_k`)."""
+    codec = jc.chunked_top_k(5, chunk=64, bits=bits, scale=scale)
+    x = sparse_vector()
+    d, payload = x.shape[0], codec.encode(jnp.asarray(x))
+    got = np.asarray(codec.decode(payload, d))
+    assert np.all(got[x == 0] == 0)  # nothing where nothing was
+    small = np.ones(d, bool)
+    small[128:192] = False  # every chunk but chunk 2 has at most 5 nonzeros: all of them sent
+    np.testing.assert_array_equal(got[small] != 0, x[small] != 0)
+    exact = np.asarray(jc.chunked_top_k(5, chunk=64, bits=None).roundtrip(jnp.asarray(x)))
+    np.testing.assert_array_equal(got != 0, exact != 0)
+    if bits is not None:  # the one value of chunk 3 arrives at its own magnitude
+        assert got[200] == -3.0
+    slots, index_bits = 5 * 5, 6
+    values = 4 * slots if bits is None else 4 * math.ceil(slots * bits / 32) + 4 * 5
+    want = 4 * math.ceil(slots * index_bits / 32) + values
+    assert codec.payload_bytes(d) == want
+    assert sum(a.nbytes for a in jax.tree.leaves(payload)) == want
+    assert not np.any(np.asarray(codec.roundtrip(jnp.zeros(d))))  # a zero vector stays zero
+    bad = x.copy()
+    bad[3] = np.nan  # chunk 0 (3 nonzeros, 2 kept zeros): still flagged, never hidden
+    flagged = np.asarray(codec.roundtrip(jnp.asarray(bad)))
+    assert np.isnan(flagged[3]) and not np.any(np.isnan(flagged[64:]))
+
+
 CODEC = jc.chunked_top_k(2, chunk=64, bits=None)
 
 
@@ -149,3 +201,38 @@ def test_sync_bytes_at_templar_density_and_h30():
     sync = (N - 1) * codec.payload_bytes(d)
     assert 30 * pmean / sync == np.float64(30 * 16384 * 2 / N / 116)
     assert 1058 < 30 * pmean / sync < 1060
+
+
+@functools.cache
+def spike_step(bits: int | None, averaging: str):
+    """One jitted exchange of SparseLoCo's feedback over 8 devices of a 512-vector through
+    top-4 of every 64 values: (mean, memory)."""
+    codec = jc.chunked_top_k(4, chunk=64, bits=bits)
+    tx = sparse_feedback(codec, "data", ef_decay=0.5, min_size=0, averaging=averaging)
+
+    def step(d, e):
+        out, state = tx.update([d[0]], jc.SparseFeedbackState([e[0]]))
+        return out[0][None], state.memory[0]
+
+    return per_device(step, (P("data"), P("data")), (P(), P("data")))
+
+
+@pytest.mark.parametrize("bits, averaging", [(None, "senders"), (2, "senders"), (1, "all")])
+def test_kept_zeros_neither_count_as_senders_nor_enter_the_memory(bits, averaging):
+    """Device i sends one spike, ``i + 1`` at coordinate ``64 i + 3`` (its chunk's only nonzero
+    value; the three other kept slots hold zeros, the other chunks nothing). The mean over
+    senders is each spike itself (before: divided by the devices whose kept zeros landed on
+    it, and 2-bit zeros sent as ``s/3``); the memory stays zero (before: minus the zeros'
+    levels). The compiled step sends what ``sparse_exchange.wire_bytes`` says."""
+    d = np.zeros((N, 512), np.float32)
+    for i in range(N):
+        d[i, 64 * i + 3] = i + 1
+    step = spike_step(bits, averaging)
+    args = (shard(d), shard(np.zeros((N, 1, 512), np.float32)))
+    out, memory = step(*args)
+    want = d.sum(0) / (N if averaging == "all" else 1)
+    np.testing.assert_array_equal(np.asarray(out)[0], want)
+    np.testing.assert_array_equal(np.asarray(memory), 0.0)
+    codec = jc.chunked_top_k(4, chunk=64, bits=bits)
+    report = jc.comm_report(step.fn, *args)
+    assert report.bytes_per_device == sparse_exchange.wire_bytes([512], [codec], N)

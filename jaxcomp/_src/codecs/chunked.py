@@ -4,7 +4,9 @@ SparseLoCo's and DeMo's sparsifier (Templar: chunks of 64 x 64 = 4096 values, 64
 each). Selecting inside chunks instead of over the whole vector makes every payload shape
 static and the indices short: an index within a chunk of ``c`` values needs
 ``ceil(log2 c)`` bits (12 for 4096), packed end to end into uint32 words across word
-boundaries. Values are quantized to ``bits`` bits with one float32 scale per chunk.
+boundaries. Values are quantized to ``bits`` bits with one float32 scale per chunk. A chunk
+with fewer than ``k`` nonzero values keeps zeros among its top ``k``: they are sent with the
+chunk's first index repeated, and decode drops them (no level of a quantized value is 0).
 """
 
 from __future__ import annotations
@@ -92,6 +94,22 @@ def quantize(v: jax.Array, bits: int, scale: str = "max") -> tuple[jax.Array, ja
     return codes, jnp.where(finite, s, jnp.nan)
 
 
+def mark_zeros(idx: jax.Array, v: jax.Array) -> jax.Array:
+    """The indices ``[rows, k]`` to send: a kept zero (``v == 0``; a chunk with fewer than
+    ``k`` nonzero values keeps some) repeats its chunk's first index, which no other kept
+    value has (``lax.top_k``'s indices are distinct), so decode drops it (:func:`repeats_first`)
+    instead of sending its quantization level (``-s`` with 1 bit, ``+-s/3`` with 2) as a value.
+    Costs no bits; slot 0 holds the largest magnitude, zero only where every kept value is."""
+    later = jnp.arange(idx.shape[1]) > 0
+    return jnp.where((v == 0) & later, idx[:, :1], idx)
+
+
+def repeats_first(local: jax.Array) -> jax.Array:
+    """Slots ``[rows, k]`` that repeat their chunk's first index (slot 0 itself excluded): the
+    kept zeros :func:`mark_zeros` marked."""
+    return (local == local[:, :1]) & (jnp.arange(local.shape[1]) > 0)
+
+
 def dequantize(codes: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
     """Inverse of :func:`quantize`: ``s * (2 q / (2**bits - 1) - 1)``, f32 ``[rows, k]``."""
     top = 2**bits - 1
@@ -153,24 +171,27 @@ class ChunkedTopK(Codec):
         # NaN sorts above every number in lax.top_k: a non-finite chunk sends it.
         _, idx = jax.lax.top_k(jnp.abs(blocks), kc)
         v = jnp.take_along_axis(blocks, idx, axis=1)
-        index = pack_stream(idx.reshape(-1), self.index_bits(d))
+        index = pack_stream(mark_zeros(idx, v).reshape(-1), self.index_bits(d))
         if self.bits is None:
             return index, v.reshape(-1)
         codes, scale = quantize(v, self.bits, self.scale)
         return index, pack_stream(codes.reshape(-1), self.bits), scale
 
     def _slots(self, payload, d):
-        """Global indices ``int32[rows * kc]`` (``>= d`` in the padding: dropped) and the
-        decoded values ``f32[rows * kc]`` of one payload."""
+        """Global indices ``int32[rows * kc]`` and the decoded values ``f32[rows * kc]`` of one
+        payload; index ``d`` (dropped by the scatters) where a slot sends nothing: a kept zero
+        (:func:`mark_zeros`), a slot decoding to 0, and the padding (``>= d`` already)."""
         c, kc, rows = self.layout(d)
-        local = unpack_stream(payload[0], self.index_bits(d), rows * kc).astype(jnp.int32)
-        base = jnp.repeat(jnp.arange(rows, dtype=jnp.int32) * c, kc)
+        local = unpack_stream(payload[0], self.index_bits(d), rows * kc).reshape(rows, kc)
+        local = local.astype(jnp.int32)
         if self.bits is None:
-            values = payload[1]
+            values = payload[1].reshape(rows, kc)
         else:
             codes = unpack_stream(payload[1], self.bits, rows * kc).reshape(rows, kc)
-            values = dequantize(codes, payload[2], self.bits).reshape(-1)
-        return base + local, values
+            values = dequantize(codes, payload[2], self.bits)
+        base = (jnp.arange(rows, dtype=jnp.int32) * c)[:, None]
+        keep = jnp.logical_not(repeats_first(local)) & (values != 0)
+        return jnp.where(keep, base + local, d).reshape(-1), values.reshape(-1)
 
     def decode(self, payload, d):
         if d == 0:
@@ -218,6 +239,14 @@ def chunked_top_k(
     ``delta = k / chunk``). At ``k=64, chunk=4096, bits=2`` a chunk costs 116 bytes
     against 16384 in float32 (141x). Biased: use it with error feedback. A zero chunk decodes
     to zero; a NaN or inf makes its chunk's scale NaN (non-finite is never hidden).
+
+    Exact zeros stay zero: ``C(x)_i = 0`` wherever ``x_i = 0``. A chunk with fewer than ``k``
+    nonzero values (a sparse gradient, unused embedding rows, the padding of a short last
+    chunk) keeps zeros among its top ``k``, which ``lax.top_k`` puts last; each is sent with
+    the index of the chunk's first slot (its largest value, an index no other kept value
+    has), and decode drops every later slot repeating it, so a zero is neither decoded to a
+    level (``-s`` with 1 bit, ``s/3`` with 2: no level is 0) nor counted as a sender by
+    Templar's merge. It costs no bits: the payload and ``payload_bytes`` are unchanged.
 
     Args:
       k: values kept per chunk, in ``[1, chunk]``.

@@ -248,6 +248,31 @@ def test_value_modes_error():
     assert float(saturated[0]) == 65504.0  # saturates instead of overflowing to inf
 
 
+def test_sign_values_never_send_a_zero_as_plus_scale():
+    """``values="sign"`` has no sign for 0: a selected zero (a vector with fewer nonzeros than
+    ``k``) becomes an unfilled slot, so it decodes to 0 (before: ``+scale``, 7 of the 10
+    top-1% slots here) and stays out of the mean magnitude (before: 0.35 = 3.5 / 10, the
+    zeros shrinking it); the bytes are those of :func:`test_payload_bytes_formula`."""
+    x = np.zeros(1000, np.float32)
+    x[[3, 300, 301]] = [1.0, -2.0, 0.5]
+    codecs = [FACTORIES[name]("sign") for name in ("top_k", "top_k_approx", "top_k_sample")]
+    codecs.append(random_k(0.5, values="sign"))
+
+    @jax.jit
+    def run(x):
+        return [c.roundtrip(x, KEY) for c in codecs]
+
+    for codec, got in zip(codecs, run(x), strict=True):
+        got = np.asarray(got)
+        assert np.all(got[x == 0] == 0), codec
+        sent = got[x != 0] != 0
+        if codec.name.startswith("top"):  # all three nonzeros, at their mean magnitude
+            np.testing.assert_allclose(got[x != 0], np.sign(x[x != 0]) * 3.5 / 3, rtol=1e-6)
+        else:  # random-k: the drawn nonzeros, at their mean scaled magnitude
+            assert sent.sum() >= 1
+            assert len(np.unique(np.abs(got[x != 0][sent]))) == 1
+
+
 def test_threshold_semantics():
     x = np.array([0.5, -2.0, 0.1, 3.0, -0.9, 1.5, 0.0, -4.0], np.float32)
 

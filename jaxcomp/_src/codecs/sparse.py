@@ -467,7 +467,15 @@ class SparseCodec(Codec):
         """``k``: the number of (index, value) slots in the payload for a vector of size ``d``."""
         raise NotImplementedError
 
-    def _payload(self, indices, v, valid=None):
+    def _payload(self, indices, v, d, valid=None):
+        """``(indices, *value parts)``. With ``values="sign"`` a selected exact zero (top-k of a
+        vector with fewer than ``k`` nonzeros, a random-k draw of a zero) has no sign to
+        send: it becomes an unfilled slot (index ``d``, dropped by decode) and stays out of
+        the mean magnitude, instead of arriving as ``+scale``. No byte changes."""
+        if self.values == "sign":
+            nonzero = v != 0  # NaN is nonzero: sent, so it is flagged
+            valid = nonzero if valid is None else valid & nonzero
+            indices = jnp.where(nonzero, indices, d)
         return (indices.astype(jnp.int32), *_encode_values(v, valid, self.values))
 
     def decode(self, payload, d):
@@ -624,10 +632,10 @@ class TopK(SparseCodec):
         d, k = x.shape[0], self.size(x.shape[0])
         if method != "sample":
             indices = select_top_k(x, k, method)
-            return self._payload(indices, x[indices])
+            return self._payload(indices, x[indices], d)
         indices, filled = sampled_top_k(x, k, key, self.sample_ratio)
         v = jnp.where(filled, x[jnp.minimum(indices, max(d - 1, 0))], 0.0)
-        return self._payload(indices, v, filled)
+        return self._payload(indices, v, d, filled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -695,7 +703,7 @@ class RandomK(SparseCodec):
         d = x.shape[0]
         _, sizes = self.strata(d)
         indices = self.indices(key, d)
-        return self._payload(indices, x[indices] * jnp.asarray(sizes, jnp.float32))
+        return self._payload(indices, x[indices] * jnp.asarray(sizes, jnp.float32), d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -727,7 +735,7 @@ class Threshold(SparseCodec):
         v = x[indices]
         # NaN passes (never hidden); finite values at or below tau do not.
         valid = ~(jnp.abs(v) <= self.tau)
-        return self._payload(jnp.where(valid, indices, d), jnp.where(valid, v, 0.0), valid)
+        return self._payload(jnp.where(valid, indices, d), jnp.where(valid, v, 0.0), d, valid)
 
 
 # --------------------------------------------------------------------------- factories

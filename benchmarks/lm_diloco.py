@@ -796,9 +796,10 @@ def replica_deltas(
     starts: list[int],
     h: int,
     inner: Callable[[lm.Run], Any] | None = None,
+    min_size: int = 1024,
 ) -> list:
     """One replica's pseudo-gradients ``D = theta_s - theta_{s + h}`` for each ``s`` in
-    ``starts`` (each a list of its leaves of at least 1024 values, flat): AdamW at
+    ``starts`` (each a list of its leaves of at least ``min_size`` values, flat): AdamW at
     :func:`held_schedule` (or ``inner(run)``) on the replica's rows of every global batch
     (``n / replicas`` devices' worth), from the shared initialization, never synced."""
     import jax
@@ -823,7 +824,7 @@ def replica_deltas(
         if t < max(starts) + h:
             p, s = jax.block_until_ready(step(p, s, task.batch()[:rows]))
     pairs = [zip(snapshots[t], snapshots[t + h], strict=True) for t in starts]
-    return [[(a - b).reshape(-1) for a, b in pair if a.size >= 1024] for pair in pairs]
+    return [[(a - b).reshape(-1) for a, b in pair if a.size >= min_size] for pair in pairs]
 
 
 def fidelity(codec: Any, leaves: list) -> dict:
@@ -849,6 +850,33 @@ def fidelity(codec: Any, leaves: list) -> dict:
     }
 
 
+def short_chunks(codec: Any, leaves: list) -> dict:
+    """Where the chunked top-k ``codec`` keeps exact zeros of ``leaves`` (each encoded on its
+    own): its chunks holding fewer than ``k`` nonzero values (``short``; ``empty`` where none),
+    the zeros kept in them (``k`` minus the nonzeros, the padding of a short last chunk
+    included), the zero values and all values. Until the fix each kept zero travelled as a
+    level of its chunk's scale (``s/3`` at 2 bits, ``-s`` at 1) and counted as a sender; an
+    empty chunk's scale is 0, so it decoded to 0 but still counted. With no short chunk the
+    old and the new wire decode to the same bits."""
+    import numpy as np
+
+    out = dict.fromkeys(("chunks", "short", "empty", "kept_zeros", "zeros", "values"), 0)
+    out["short_leaf_sizes"] = []
+    for x in leaves:
+        c, kc, rows = codec.layout(x.size)
+        nonzero = (np.pad(x, (0, rows * c - x.size)).reshape(rows, c) != 0).sum(axis=1)
+        short = nonzero < kc
+        out["chunks"] += rows
+        out["short"] += int(np.sum(short & (nonzero > 0)))
+        out["empty"] += int(np.sum(nonzero == 0))
+        out["kept_zeros"] += int(np.sum(np.maximum(kc - nonzero, 0)))
+        out["zeros"] += int(np.sum(x == 0))
+        out["values"] += int(x.size)
+        if np.any(short):
+            out["short_leaf_sizes"].append(int(x.size))
+    return out
+
+
 def run_fidelity(
     largs: Any,
     replicas: int,
@@ -857,10 +885,12 @@ def run_fidelity(
     tag: str,
     muon: bool = False,
     codecs: tuple = FIDELITY_CODECS,
+    zeros: bool = False,
 ) -> int:
     """``--fidelity``: each codec's :func:`fidelity` on one replica's pseudo-gradient over
     ``[start, start + h)`` for each ``start`` (``muon``: Muon inside, :func:`_muon_held`);
-    writes ``lm_TAG.json``."""
+    with ``zeros`` instead :func:`short_chunks` of its chunked top-k codecs over every leaf
+    (``min_size=0``); writes ``lm_TAG.json``."""
     from jaxcomp.cpu import use_cpu_devices
 
     use_cpu_devices(largs.devices)
@@ -870,11 +900,13 @@ def run_fidelity(
     run = lm.Run(largs.steps, largs.lr, jax.device_count())
     records = []
     inner = _muon_held if muon else None
-    deltas = replica_deltas(task, run, replicas, starts, h, inner)
+    deltas = replica_deltas(task, run, replicas, starts, h, inner, 0 if zeros else 1024)
     for start, leaves in zip(starts, deltas, strict=True):
         for name, make in codecs:
+            if zeros and not hasattr(make(), "layout"):
+                continue  # not a chunked top-k
             rec = {"steps": f"{start}-{start + h}", "replicas": replicas, "codec": name}
-            rec.update(fidelity(make(), leaves))
+            rec.update(short_chunks(make(), leaves) if zeros else fidelity(make(), leaves))
             records.append(rec)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
     path = common.result_path("lm_" + tag, False)
@@ -908,6 +940,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2, help="--fidelity: M")
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
+        "--zeros",
+        action="store_true",
+        help="--fidelity: count the chunks holding fewer than k nonzero values (short_chunks) "
+        "over every leaf instead",
+    )
+    ap.add_argument(
         "--fidelity-codecs",
         choices=("default", "3000x"),
         default="default",
@@ -924,7 +962,14 @@ def main(argv: list[str] | None = None) -> int:
         largs = lm.parse(["--tag", args.tag, *rest])
         codecs = FIDELITY_3000X if args.fidelity_codecs == "3000x" else FIDELITY_CODECS
         return run_fidelity(
-            largs, args.replicas, args.fidelity, args.sync_every, args.tag, args.muon, codecs
+            largs,
+            args.replicas,
+            args.fidelity,
+            args.sync_every,
+            args.tag,
+            args.muon,
+            codecs,
+            args.zeros,
         )
     lm.RECIPES.update(lm_sparse.RECIPES)
     lm.RECIPES.update(RECIPES)

@@ -484,6 +484,22 @@ def test_lm_diloco_feedback_record_by_hand():
     assert rec["sent_cosine"] == pytest.approx(1.0)
 
 
+def test_lm_diloco_short_chunks_by_hand():
+    """benchmarks/lm_diloco.py: the chunks of a chunked top-k holding fewer than ``k`` nonzero
+    values (the zero padding of a short last chunk counted), and the zeros kept in them."""
+    import numpy as np
+
+    import jaxcomp as jc
+    from benchmarks import lm_diloco
+
+    full = np.ones(8, np.float32)  # chunks of 4, 2 kept: two full chunks
+    sparse = np.array([0, 3, 0, 0, 0, 0, 0, 0, 1, 1], np.float32)  # 1, 0 and 2 of 2 (padded)
+    rec = lm_diloco.short_chunks(jc.chunked_top_k(2, chunk=4), [full, sparse])
+    assert rec["chunks"] == 5 and rec["short"] == 1 and rec["empty"] == 1
+    assert rec["kept_zeros"] == 1 + 2 and rec["zeros"] == 7 and rec["values"] == 18
+    assert rec["short_leaf_sizes"] == [10]
+
+
 def test_lm_diloco_held_and_outer_cosine_schedules():
     """benchmarks/lm_diloco.py: the inner lr held at its peak after AdamW's 5% warm-up, and
     the outer lr from 0.7 at the first of the 10 outer steps of H = 30 to 0.07 at the last."""

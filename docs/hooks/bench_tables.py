@@ -1270,6 +1270,32 @@ def _lm_fidelity(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
+def _lm_zeros(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --fidelity ... --zeros``: per pseudo-gradient, the chunks of the
+    chunked top-k codecs holding fewer than ``k`` nonzero values (where a kept zero went on
+    the wire as a value until the fix), summed over the codecs."""
+    header = ["steps", "replicas", "values", "zero values", "codecs", "chunks"]
+    header += ["chunks with < k nonzeros", "zeros kept"]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in data["records"]:
+        groups.setdefault(str(r["steps"]), []).append(r)
+    rows = [
+        [
+            steps,
+            str(rs[0]["replicas"]),
+            _fmt(rs[0]["values"]),
+            _fmt(rs[0]["zeros"]),
+            str(len(rs)),
+            _fmt(sum(r["chunks"] for r in rs)),
+            _fmt(sum(r["short"] + r["empty"] for r in rs)),
+            _fmt(sum(r["kept_zeros"] for r in rs)),
+        ]
+        for steps, rs in groups.items()
+    ]
+    command = data.get("environment", {}).get("command") or FIDELITY_COMMAND + " --zeros"
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "convergence_diagnosis": (
         _convergence_diagnosis,
@@ -1287,6 +1313,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "lm": (_lm, "python -m benchmarks.lm"),
     "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
     "lm_fidelity": (_lm_fidelity, FIDELITY_COMMAND),
+    "lm_zeros": (_lm_zeros, FIDELITY_COMMAND + " --zeros"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -233,7 +233,8 @@ def test_kept_zeros_neither_count_as_senders_nor_enter_the_memory(bits, averagin
     value; the three other kept slots hold zeros, the other chunks nothing). The mean over
     senders is each spike itself (before: divided by the devices whose kept zeros landed on
     it, and 2-bit zeros sent as ``s/3``); the memory stays zero (before: minus the zeros'
-    levels). The compiled step sends what ``sparse_exchange.wire_bytes`` says."""
+    levels). The compiled step sends what ``sparse_exchange.wire_bytes`` says. A NaN still
+    makes every output NaN and leaves every memory as it was."""
     d = np.zeros((N, 512), np.float32)
     for i in range(N):
         d[i, 64 * i + 3] = i + 1
@@ -246,3 +247,8 @@ def test_kept_zeros_neither_count_as_senders_nor_enter_the_memory(bits, averagin
     codec = jc.chunked_top_k(4, chunk=64, bits=bits)
     report = jc.comm_report(step.fn, *args)
     assert report.bytes_per_device == sparse_exchange.wire_bytes([512], [codec], N)
+    d[0, 100] = np.nan  # a chunk of one NaN and three kept zeros: flagged, memory kept
+    memory = np.full((N, 1, 512), 0.25, np.float32)
+    out, after = step(shard(d), shard(memory))
+    assert np.all(np.isnan(np.asarray(out)))
+    np.testing.assert_array_equal(np.asarray(after), memory[:, 0])

@@ -315,6 +315,27 @@ def test_encode_sum_of_the_scaled_cast_bounds_from_the_row_scales():
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_scaled_cast_owner_sum_stays_finite_and_flags_by_its_scale():
+    """``encode_sum`` adds the rows in units of their largest scale, so rows near float32's
+    largest value (whose sum in ``x``'s units overflows: the mean of 2 rows of 3e38 was
+    inf with a finite scale) re-encode to finite values; the payload's values are finite
+    whenever its scale is, which is why ``flag_arrays`` names the scales alone (None for
+    the unscaled cast, whose values themselves carry inf)."""
+    c = jc.cast("fp16")
+    x = np.full((2, 512), 3.0e38, np.float32)
+    x[1, ::2] = 2.5e38
+    rows = jax.vmap(c.encode)(jnp.asarray(x))
+    values, scale = jax.jit(lambda r: c.encode_sum(r, 512, 0.5))(rows)
+    assert np.all(np.isfinite(np.asarray(values, np.float32))) and np.isfinite(float(scale[0]))
+    mean = x.astype(np.float64).mean(0)
+    got = np.asarray(c.decode((values, scale), 512), np.float64)
+    assert np.max(np.abs(got - mean) / mean) <= 2.0**-10
+    payloads = [rows, (values[None], scale[None])]
+    assert [a.shape for a in c.flag_arrays(payloads)] == [(2, 1), (1, 1)]
+    assert jc.cast("fp16", scaled=False).flag_arrays(payloads) is None
+    assert jc.int_quant(8).flag_arrays(payloads) is None
+
+
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
     """``jc.sign(scale="rms")`` (1-bit Adam's default codec): signs scaled by the root mean
     square of their block, so ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for

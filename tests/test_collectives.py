@@ -102,6 +102,26 @@ def test_nonfinite_on_one_device_poisons_every_device(strategy, bad):
     assert bool(jnp.all(~jnp.isfinite(out).all(axis=1)))
 
 
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+def test_scaled_fp16_flag_from_its_scales(strategy):
+    """The scaled cast's step flag reads its scales alone (``Codec.flag_arrays``), not the
+    payloads every device received: a NaN, inf or -inf on one device still poisons every
+    device, and gradients near float32's largest value on every device (whose sum
+    overflows float32 in their own units) average to a finite mean within fp16's rounding,
+    not to an inf that a flag from the scales would let through."""
+    c = jc.cast("fp16")
+    f = per_device(lambda t: jc.pmean(t[0], "data", c, strategy=strategy), P("data"), P("data"))
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        out = f(shard(stacked_normal(4, (200,)).at[3, 17].set(bad))).reshape(N, 200)
+        assert not bool(jnp.isfinite(out).all(axis=1).any()), (strategy, bad)
+    u = np.asarray(jax.random.uniform(jax.random.PRNGKey(7), (N, 200)))
+    big = jnp.asarray((3.0e38 * (0.5 + 0.5 * u)).astype(np.float32))  # up to 3.0e38
+    out = np.asarray(f(shard(big)).reshape(N, 200), np.float64)
+    mean = np.asarray(big, np.float64).mean(0)
+    assert np.all(np.isfinite(out))
+    assert np.max(np.abs(out - mean) / mean) <= 2.0**-10  # two fp16 roundings
+
+
 def test_unbound_axis_and_bad_arguments():
     with pytest.raises(ValueError, match="'batch'"):
         per_device(lambda t: jc.pmean(t, "batch", jc.sign()), P("data"), P())(

@@ -93,8 +93,9 @@ At n = 2 all-gather and two-phase send the same bytes. ``majority_vote`` (explic
 
 Non-finite input anywhere makes the output non-finite everywhere: one scalar flag is
 all-reduced per call (8 bytes) so a NaN is never hidden behind a codec that would drop it.
-Codecs that ``flags_nonfinite`` (their scales carry NaN/inf) raise the flag from the small
-payload; the others from one read of the input.
+Codecs that ``flags_nonfinite`` (their scales carry NaN/inf) raise the flag from the
+payloads every device received (:meth:`Codec.flag_arrays`: the scaled cast's scales alone);
+the others from one read of the input.
 
 Every strategy works on a *list* of segments (a leaf each, or one flat vector): each segment
 is encoded on its own, and the payloads of all segments travel together in a few buckets
@@ -275,6 +276,14 @@ def _floats(arrays: list) -> list[jax.Array]:
     return [a for a in arrays if jnp.issubdtype(a.dtype, jnp.floating)]
 
 
+def _flag_arrays(codec: Codec, received: list, held: list) -> list[jax.Array]:
+    """What a ``flags_nonfinite`` codec's step flag reads of the payloads every device
+    received: the arrays :meth:`Codec.flag_arrays` names (the scaled cast: its scales),
+    else every floating bucket ``held``."""
+    named = codec.flag_arrays(received)
+    return _floats(held) if named is None else named
+
+
 def _encode(xs, keys, ctx):
     """One payload per segment and what it drops, ``x - decode(payload)`` (allgather,
     majority_vote): :meth:`Codec.encode_with_error`, so the error comes from the encoding
@@ -389,7 +398,7 @@ def _allgather_exchange(payloads, ctx, servers):
     if pieces is not None:
         return _gather_in_pieces(payloads, pieces, ctx)
     gathered, held = _gather(payloads, ctx.axis_name, ctx.bucket_bytes)
-    return gathered, _floats(held)
+    return gathered, _flag_arrays(ctx.codec, gathered, held)
 
 
 def _allgather_decode(xs, payloads, gathered, ctx, fill):
@@ -528,7 +537,7 @@ def _two_phase_exchange(payloads, ctx, servers):
         for o, p, c, (_, second) in zip(own, own_payloads, cs, phases, strict=True)
     ]
     gathered, held = _gather(own_payloads, axis, ctx.bucket_bytes)
-    return (gathered, own_error, cs), _floats(held)
+    return (gathered, own_error, cs), _flag_arrays(ctx.codec, gathered, held)
 
 
 def _two_phase_decode(xs, payloads, exchanged, ctx, fill):

@@ -250,6 +250,15 @@ class Codec:
         not be written out before it is encoded."""
         return self.encode(self.decode_sum(payloads, d, scale), key)
 
+    def flag_arrays(self, payloads: list) -> list | None:
+        """The arrays of received payloads (one pytree per segment, stacked over devices)
+        whose NaN or inf entries flag a non-finite input, for a ``flags_nonfinite`` codec; or
+        None (the default): every floating array received. A codec whose payload values are
+        finite whenever its scales are (the scaled cast) names the scales alone, so the
+        step's flag reads ``n`` floats per segment instead of the received payloads."""
+        del payloads
+        return None
+
     def encode_rows_with_error(
         self, rows: jax.Array, keys: jax.Array | None = None
     ) -> tuple[Payload, jax.Array]:

@@ -156,7 +156,13 @@ class Cast(Codec):
         return self._cast(x * (1.0 / scale)), scale[None]
 
     def _cast(self, x):
+        """Round to the type, finite values saturating at its largest. Unscaled, inf stays
+        inf. Scaled, ``x / s`` is never inf (a finite ``x`` over a finite ``s`` is under
+        ``2^(t+1)``; an inf in ``x`` makes ``s`` inf and ``x / s`` NaN), so a clip alone
+        (which keeps NaN) is the same, one select less per value in the encoding's pass."""
         big = float(ml_dtypes.finfo(self.dtype).max)
+        if self.scaled:
+            return jnp.clip(x, -big, big).astype(self.dtype)
         x = jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x)
         return x.astype(self.dtype)
 
@@ -166,19 +172,46 @@ class Cast(Codec):
         values, scale = payload
         return values.astype(jnp.float32) * scale[0]
 
+    def decode_sum(self, payloads, d, scale=1.0, fill=0.0):
+        """Scaled: each row decoded with its scale times ``scale`` (``scale`` applied before
+        the sum, not after), so that rows near float32's largest value (each up to
+        ``M s_j``, ``M`` the type's largest value) average without overflowing float32."""
+        if not self.scaled:
+            return super().decode_sum(payloads, d, scale, fill)
+        values, scales = payloads
+        return super().decode_sum((values, scales * scale), d, 1.0, fill)
+
     def encode_sum(self, payloads, d, scale=1.0, key=None):
-        """Scaled: the mean of ``n`` rows (``scale <= 1/n``) re-encoded with the rows' largest
-        scale ``s = max_j s_j``, a bound read from the payloads, not from the sum: every row
-        is at most ``2^t s_j`` (``t`` = :func:`top_exponent`), so ``|mean| <= 2^t s``, under
-        the type's largest value, and the sum is cast as it is formed (XLA fuses the two; a
-        scale from ``max |mean|`` would write the mean out and read it twice). Values of the
-        mean below ``2^-(t+13) s`` (fp16: ``2^-28`` of the rows' largest) leave fp16's normal
-        range. A non-finite row scale is the result's scale (the flag)."""
+        """Scaled: the mean of ``n`` rows (``scale <= 1/n``) re-encoded with the rows'
+        largest scale ``s = max_j s_j``, a bound read from the payloads, not from the sum.
+
+        Each row is decoded straight into units of ``s``: ``q_j * (s_j * scale / s)``, a
+        power of two ``s_j / s <= 1`` times ``scale``. So every term is at most ``M scale``
+        (``M`` the type's largest value, where ``q_j`` saturates), the sum at most ``M``
+        (float32's rounding of it is clipped), and it is cast as it is formed (XLA fuses the
+        two; a scale from ``max |mean|`` would write the mean out and read it twice). Summed
+        in units of ``s``, finite rows never overflow float32 (in ``x``'s own units, rows
+        near float32's largest value could), so the values sent are finite whenever ``s``
+        is, and a non-finite row scale is the result's scale: the flag
+        (:meth:`flag_arrays`). Values of the mean below ``2^-(t+13) s`` (``t`` =
+        :func:`top_exponent`; fp16: ``2^-28`` of the rows' largest) leave fp16's normal
+        range."""
         rows = jax.tree.leaves(payloads)[0].shape[0]
         if not self.scaled or scale * rows > 1.0:
             return super().encode_sum(payloads, d, scale, key)
-        top = jnp.max(payloads[1][:, 0])
-        return self._cast(self.decode_sum(payloads, d, scale) * (1.0 / top)), top[None]
+        values, scales = payloads
+        # The largest row scale as int32 bits (scales are positive, NaN above inf above the
+        # rest): NaN propagates for any number of rows (a float max reduce need not keep it).
+        top = max_abs(scales.reshape(1, -1))[0]
+        return self._cast(self.decode_sum((values, scales / top), d, scale)), top[None]
+
+    def flag_arrays(self, payloads):
+        """Scaled: the scales alone. A finite scale comes with finite values (saturated at
+        the type's largest, :meth:`encode_sum` never overflows), and a NaN or inf in ``x``
+        makes the scale NaN or inf, so the step's flag need not read the values."""
+        if not self.scaled:
+            return None
+        return [p[1] for p in payloads]
 
     def chunk_unit(self, d):
         """Each value on its own: any chunk (None when ``scaled``: one scale for the whole)."""

@@ -853,8 +853,9 @@ def fidelity(codec: Any, leaves: list) -> dict:
 def short_chunks(codec: Any, leaves: list) -> dict:
     """Where the chunked top-k ``codec`` keeps exact zeros of ``leaves`` (each encoded on its
     own): its chunks holding fewer than ``k`` nonzero values (``short``; ``empty`` where none),
-    the zeros kept in them (``k`` minus the nonzeros, the padding of a short last chunk
-    included), the zero values and all values. Until the fix each kept zero travelled as a
+    the zeros kept in them (``k`` minus the nonzeros; the padding of a short last chunk
+    counted too, though its slots lie past the leaf and were always dropped: an upper
+    bound), the zero values and all values. Until the fix each kept zero travelled as a
     level of its chunk's scale (``s/3`` at 2 bits, ``-s`` at 1) and counted as a sender; an
     empty chunk's scale is 0, so it decoded to 0 but still counted. With no short chunk the
     old and the new wire decode to the same bits."""

@@ -245,12 +245,13 @@ def chunked_top_k(
     to zero; a NaN or inf makes its chunk's scale NaN (non-finite is never hidden).
 
     Exact zeros stay zero: ``C(x)_i = 0`` wherever ``x_i = 0``. A chunk with fewer than ``k``
-    nonzero values (a sparse gradient, unused embedding rows, the padding of a short last
-    chunk) keeps zeros among its top ``k``, which ``lax.top_k`` puts last; each is sent with
-    the index of the chunk's first slot (its largest value, an index no other kept value
-    has), and decode drops every later slot repeating it, so a zero is neither decoded to a
-    level (``-s`` with 1 bit, ``s/3`` with 2: no level is 0) nor counted as a sender by
-    Templar's merge. It costs no bits: the payload and ``payload_bytes`` are unchanged.
+    nonzero values (a sparse gradient, unused embedding rows, a zero leaf) keeps zeros among
+    its top ``k``, which ``lax.top_k`` puts last (the zero padding of a short last chunk lies
+    past ``d``: its slots were always dropped). Each is sent with the index of the chunk's
+    first slot (its largest value, an index no other kept value has), and decode drops every
+    later slot repeating it, so a zero is neither decoded to a level (``-s`` with 1 bit,
+    ``s/3`` with 2: no level is 0) nor counted as a sender by Templar's merge. It costs no
+    bits: the payload and ``payload_bytes`` are unchanged.
 
     Args:
       k: values kept per chunk, in ``[1, chunk]``.

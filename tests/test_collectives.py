@@ -1,5 +1,6 @@
 """jc.psum / jc.pmean: every strategy against the exact mean, on 8 devices."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ from helpers import N, per_device, rel_err, shard, stacked_normal
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.codecs.quantize import Cast
 
 # Relative error of the mean allowed per codec (gradients with mean 1, noise 1).
 TOLERANCE = {"identity": 1e-6, "fp16": 2e-3, "bf16": 1e-2, "int8": 2e-2, "int4": 0.25}
@@ -120,6 +122,30 @@ def test_scaled_fp16_flag_from_its_scales(strategy):
     mean = np.asarray(big, np.float64).mean(0)
     assert np.all(np.isfinite(out))
     assert np.max(np.abs(out - mean) / mean) <= 2.0**-10  # two fp16 roundings
+
+
+@pytest.mark.parametrize("strategy", ["two_phase", "allgather"])
+def test_scaled_fp16_flag_does_not_read_the_gathered_values(strategy):
+    """Compiled, the scaled cast's pmean moves at least the gathered float16 values' bytes
+    (and at most 1.2x that) less than the same codec with the default flag (every float
+    received is checked): the read that ``flag_arrays`` saves (``hot_path.hlo_traffic``)."""
+    from benchmarks import hot_path
+
+    @dataclasses.dataclass(frozen=True)
+    class EveryFloat(Cast):
+        def flag_arrays(self, payloads):
+            return None
+
+    d = 1 << 16
+    x = shard(stacked_normal(3, (d,)))
+    traffic = []
+    for codec in (jc.cast("fp16"), EveryFloat("float16", True)):
+        f = per_device(
+            lambda v, c=codec: jc.pmean(v[0], "data", c, strategy=strategy), P("data"), P()
+        )
+        traffic.append(hot_path.hlo_traffic(f.lower(x).compile().as_text()))
+    gathered = 2 * d * (N if strategy == "allgather" else 1)  # float16 bytes a device holds
+    assert gathered <= traffic[1] - traffic[0] <= 1.2 * gathered, (traffic, gathered)
 
 
 def test_unbound_axis_and_bad_arguments():

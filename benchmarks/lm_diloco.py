@@ -304,8 +304,9 @@ def _h(
     sparse: bool = False,
     **kw: Any,
 ) -> lm.Recipe:
-    """DiLoCo int4 (or ``sparse``: SparseLoCo, at its defaults but ``kw``) with ``inner(run)``
-    (None: the run's AdamW) and ``outer(run)`` (None: the default)."""
+    """DiLoCo int4 (or ``sparse``: SparseLoCo, at its defaults but ``kw``; its
+    ``small_codec``, if any, a function that makes it) with ``inner(run)`` (None: the run's
+    AdamW) and ``outer(run)`` (None: the default)."""
 
     def make(run: lm.Run, axis: Any) -> Any:
         import jaxcomp as jc
@@ -313,19 +314,27 @@ def _h(
         tx = run.adamw() if inner is None else inner(run)
         o = None if outer is None else outer(run)
         if sparse:
-            return jc.sparseloco(tx, axis, h, outer=o, **kw)
+            small = {"small_codec": kw["small_codec"]()} if "small_codec" in kw else {}
+            return jc.sparseloco(tx, axis, h, outer=o, **{**kw, **small})
         return jc.diloco(tx, axis, h, codec=common.make_codec("int4"), outer=o, **kw)
 
     schedule = {"sync_every": h, **{k: kw[k] for k in ("fragments", "delay") if k in kw}}
     return lm.Recipe(make, kind="replica", replicas=m, schedule=schedule)
 
 
-def _sparse_h30(m: int | None = None, **kw: Any) -> lm.Recipe:
+def _sign_mean() -> Any:
+    import jaxcomp as jc
+
+    return jc.sign("mean")
+
+
+def _sparse_h30(m: int | None = None, outer_lr: float = 1.5, **kw: Any) -> lm.Recipe:
     """SparseLoCo at ``H = 30`` as tuned for 3000x: Muon inside at the held lr, outer SGD at
-    lr 1.5 without momentum, every leaf compressed (``min_size=0``); ``kw``: the codec's."""
-    return _h(
-        30, m, inner=_muon_held, outer=lambda run: _sgd(1.5, 0.0)(), sparse=True, min_size=0, **kw
-    )
+    lr ``outer_lr`` without momentum, every leaf compressed (``min_size=0`` unless ``kw``
+    says otherwise); ``kw``: :func:`jaxcomp.sparseloco`'s codec and exchange arguments."""
+    kw.setdefault("min_size", 0)
+    outer = _sgd(outer_lr, 0.0)
+    return _h(30, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
 
 
 #: The intervals of ``-H5to30`` (``sync_every``): short syncs while the loss falls fast
@@ -376,6 +385,30 @@ RECIPES: dict[str, lm.Recipe] = {
     # 4096, 3100x; 3029x): 29% of one replica's |D|^2 sent where 152 / 4096 at 2 bits send 22%.
     "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5": _sparse_h30(
         2, density=188 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
+    # The 2-replica 1-bit row (47 of 1024 at the mean), one change at a time (slice S3).
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5-ef0.8": _sparse_h30(
+        2, density=188 / 4096, chunk=1024, bits=1, value_scale="mean", ef_decay=0.8
+    ),
+    # ... an outer lr of 1.2: the 1-bit mean payload is 0.54 of |D| long where 64 / 4096 at
+    # 2 bits was 0.41, so lr 1.5 applies about what lr 2.0 (which overshot) did there.
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.2": _sparse_h30(
+        2, 1.2, density=188 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.8": _sparse_h30(
+        2, 1.8, density=188 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
+    # ... the leaves under 1024 values (norms, biases) as 1-bit signs at their mean
+    # magnitude with the same error feedback (small_codec=jc.sign()): every value's sign for
+    # about the bytes of their top-k (3006x computed with the measured overhead; held-out 3006x).
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-smallsign-outer1.5": _sparse_h30(
+        2,
+        density=188 / 4096,
+        chunk=1024,
+        bits=1,
+        value_scale="mean",
+        min_size=1024,
+        small_codec=_sign_mean,
     ),
     # ... 1 bit at the mean magnitude, 21 of 4096 (3048x).
     "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(

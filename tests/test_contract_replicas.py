@@ -246,10 +246,11 @@ def gossip(topology: str, codec=None) -> dict:
     )
 
 
-def sparse_wire(codec, shapes: dict, min_size: int = 1024) -> float:
-    """Bytes per device of a chunked top-k all-gather of every leaf (pmean below min_size)."""
+def sparse_wire(codec, shapes: dict, min_size: int = 1024, small=None) -> float:
+    """Bytes per device of a chunked top-k all-gather of every leaf (below min_size: pmean,
+    or the ``small`` codec's all-gather)."""
     sizes = [int(np.prod(s)) for s in shapes.values()]
-    codecs = [codec if d >= min_size else None for d in sizes]
+    codecs = [codec if d >= min_size else small for d in sizes]
     return sparse_exchange.wire_bytes(sizes, codecs, N)
 
 
@@ -305,6 +306,24 @@ ROWS += [
         bad=SPARSELOCO_ERRORS,
         skip=(("pmap", PMAP_SHARED),),
         wire=lambda shapes: sparse_wire(jc.chunked_top_k(32, 2048, 2), shapes),
+    ),
+    Row(
+        # The small leaf (16 values) through 1-bit signs with the same error feedback.
+        "sparseloco-smallsign-ef1",
+        functools.partial(
+            jc.sparseloco,
+            inner(),
+            sync_every=2,
+            ef_decay=1.0,
+            averaging="all",
+            small_codec=jc.sign(),
+        ),
+        law=law_pseudo_gradient,
+        shapes={**STREAM_SHAPES, "b": (16,)},
+        compressed=("w", "v", "b"),
+        bad=SPARSELOCO_ERRORS + (("small_codec", jc.top_k(0.5)),),
+        skip=(("pmap", PMAP_SHARED),),
+        wire=lambda shapes: sparse_wire(jc.chunked_top_k(32, 2048, 2), shapes, small=jc.sign()),
     ),
     Row(
         # Through jc.compressed_allreduce's two-phase exchange: its server residual holds

@@ -252,3 +252,48 @@ def test_kept_zeros_neither_count_as_senders_nor_enter_the_memory(bits, averagin
     out, after = step(shard(d), shard(memory))
     assert np.all(np.isnan(np.asarray(out)))
     np.testing.assert_array_equal(np.asarray(after), memory[:, 0])
+
+
+@functools.cache
+def small_codec_step():
+    """One jitted exchange over 8 devices with the small leaf (10 values) through 1-bit
+    signs at the mean magnitude: (out, memory of the large leaf, memory of the small one)."""
+    tx = sparse_feedback(
+        CODEC, "data", ef_decay=0.5, min_size=64, averaging="senders", small_codec=jc.sign()
+    )
+
+    def step(d, e):
+        out, state = tx.update([d[0][0], d[1][0]], jc.SparseFeedbackState([e[0], e[1]]))
+        return [o[None] for o in out], state.memory[0], state.memory[1]
+
+    return per_device(step, (P("data"), P("data")), (P(), P("data"), P("data")))
+
+
+def test_small_leaves_through_a_dense_codec_keep_decayed_memory():
+    """``small_codec=jc.sign()``: the small leaf gets a memory, sends C(0.5 e + D) (every
+    sign at the mean magnitude: 8 bytes for 10 values), averaged over all devices; a zero
+    step stays zero; a NaN on one device poisons every output and keeps every memory."""
+    rng = np.random.default_rng(3)
+    d = rng.standard_normal((N, 128)).astype(np.float32)
+    small = rng.standard_normal((N, 10)).astype(np.float32)
+    memory = [rng.standard_normal((N, 1, s)).astype(np.float32) for s in (128, 10)]
+    out, _, mem_small = small_codec_step()(shard([d, small]), shard(memory))
+    target = 0.5 * memory[1][:, 0] + small
+    sent = np.stack([np.abs(t).mean() * np.where(t >= 0, 1.0, -1.0) for t in target])
+    np.testing.assert_allclose(np.asarray(out[1]).reshape(-1), sent.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mem_small), (target - sent)[:, None], atol=1e-6)
+    assert jc.sign().payload_bytes(10) == 8
+    # A zero step with an empty memory: zero out, zero memory, no NaN.
+    zeros = [np.zeros_like(d), np.zeros_like(small)]
+    out, m_big, m_small = small_codec_step()(
+        shard(zeros), shard([np.zeros_like(m) for m in memory])
+    )
+    for a in (*out, m_big, m_small):
+        assert np.all(np.asarray(a) == 0.0)
+    # A NaN in one device's small leaf: every output NaN, both memories as they were.
+    bad = small.copy()
+    bad[3, 4] = np.nan
+    out, m_big, m_small = small_codec_step()(shard([d, bad]), shard(memory))
+    assert np.all(np.isnan(np.asarray(out[0]))) and np.all(np.isnan(np.asarray(out[1])))
+    np.testing.assert_array_equal(np.asarray(m_big), memory[0])
+    np.testing.assert_array_equal(np.asarray(m_small), memory[1])

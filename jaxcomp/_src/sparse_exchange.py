@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp._src import buckets, collectives
-from jaxcomp._src.codecs.chunked import ChunkedTopK
+from jaxcomp._src.codecs.base import Codec
 
 #: How the gathered payloads are averaged: over every device, or per coordinate over the
 #: devices whose payload holds it (Templar).
@@ -38,7 +38,7 @@ class Exchanged(NamedTuple):
 
 def exchange(
     vectors: list[jax.Array],
-    codecs: list[ChunkedTopK | None],
+    codecs: list[Codec | None],
     axis_name: Any,
     *,
     averaging: str = "all",
@@ -46,8 +46,10 @@ def exchange(
 ) -> Exchanged:
     """The mean over ``axis_name`` of each 1-D float32 vector: through its codec (one
     all-gather of every payload, bucketed), or by a float32 ``pmean`` where its codec is
-    None. The non-finite flag is read from what every device received (the payloads'
-    per-chunk scales flag a NaN or inf), so it is the same everywhere."""
+    None. A chunked top-k payload is merged as ``averaging`` says; a dense codec's (every
+    coordinate sent by every device, e.g. :func:`jaxcomp.sign`) is the mean over all devices
+    either way. The non-finite flag is read from what every device received (the payloads'
+    scales flag a NaN or inf), so it is the same everywhere."""
     sparse = [i for i, c in enumerate(codecs) if c is not None]
     dense = [i for i, c in enumerate(codecs) if c is None]
     payloads = [codecs[i].encode(vectors[i]) for i in sparse]
@@ -69,7 +71,7 @@ def exchange(
     sent: list[Any] = [None] * len(vectors)
     for i, p, g in zip(sparse, payloads, gathered, strict=True):
         codec, d = codecs[i], vectors[i].shape[0]
-        if averaging == "senders":
+        if averaging == "senders" and not codec.dense:
             means[i] = codec.decode_mean_of_senders(g, d, fill=fill)
         else:
             means[i] = codec.decode_sum(g, d, scale=1.0 / n, fill=fill)
@@ -79,7 +81,7 @@ def exchange(
     return Exchanged(means, sent, bad)
 
 
-def wire_bytes(sizes: list[int], codecs: list[ChunkedTopK | None], n: int) -> float:
+def wire_bytes(sizes: list[int], codecs: list[Codec | None], n: int) -> float:
     """Ring-model bytes per device of one :func:`exchange` of vectors of ``sizes`` over ``n``
     devices: ``(n - 1) * payload_bytes`` per sparse vector (all-gather), ``2 (n - 1) / n * 4 d``
     per dense one (pmean, codec None)."""

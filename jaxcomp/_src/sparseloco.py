@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import periodic, sparse_exchange
-from jaxcomp._src.codecs.base import check_fraction, check_int, check_positive_float
+from jaxcomp._src.codecs.base import Codec, check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
@@ -27,7 +27,7 @@ F32 = jnp.float32
 class SparseFeedbackState(NamedTuple):
     """State of the SparseLoCo exchange of one fragment (nested in :class:`SparseLoCoState`)."""
 
-    memory: Any  # per device: f32[1, *shape] error feedback per compressed leaf, None if dense
+    memory: Any  # per device: f32[1, *shape] error feedback per coded leaf, None if pmean'd
 
     PER_DEVICE_FIELDS = ("memory",)
 
@@ -52,6 +52,7 @@ def sparse_feedback(
     min_size: int,
     averaging: str = "all",
     clip: bool = False,
+    small_codec: Codec | None = None,
 ) -> optax.GradientTransformation:
     r"""The mean over devices of a list of vectors-shaped arrays ``D_i``, through ``codec``
     with decayed error feedback (SparseLoCo)::
@@ -60,16 +61,18 @@ def sparse_feedback(
 
     ``c_i = 1``, or with ``clip`` :func:`clip_factor` (``min(1, |D_i| / |C(e_i)|)`` per leaf).
 
-    Leaves under ``min_size`` values are averaged exactly (``pmean``) and keep no memory. A
-    non-finite ``D`` on any device gives NaN outputs everywhere and keeps every memory.
+    Leaves under ``min_size`` values are averaged exactly (``pmean``) and keep no memory, or
+    with ``small_codec`` go through it (a dense codec, the mean over all devices) with the
+    same decayed error feedback. A non-finite ``D`` on any device gives NaN outputs
+    everywhere and keeps every memory.
     """
+
+    def leaf_codec(x):
+        return codec if jnp.size(x) >= min_size else small_codec
 
     def init_fn(leaves):
         return SparseFeedbackState(
-            [
-                jnp.zeros((1, *jnp.shape(x)), F32) if jnp.size(x) >= min_size else None
-                for x in leaves
-            ]
+            [None if leaf_codec(x) is None else jnp.zeros((1, *jnp.shape(x)), F32) for x in leaves]
         )
 
     def update_fn(deltas, state, params=None):
@@ -84,7 +87,10 @@ def sparse_feedback(
         ]
         out = sparse_exchange.exchange(
             [t.reshape(-1) for t in sends],
-            [None if m is None else codec for m in state.memory],
+            [
+                None if m is None else leaf_codec(t)
+                for m, t in zip(state.memory, sends, strict=True)
+            ],
             axis_name,
             averaging=averaging,
         )
@@ -108,7 +114,7 @@ def _norm_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return a, jnp.linalg.norm((x * p) / jnp.where(a > 0, a * p, 1.0))
 
 
-def clip_factor(codec: ChunkedTopK, target: jax.Array, delta: jax.Array) -> jax.Array:
+def clip_factor(codec: Codec, target: jax.Array, delta: jax.Array) -> jax.Array:
     r"""The factor ``c = min(1, |D| / |C(e)|)`` that scales one leaf's payload so that it is
     no longer than this sync's pseudo-gradient ``D`` (``e``: the error-feedback target).
 
@@ -168,6 +174,21 @@ def check_density(density: Any, chunk: int) -> int:
     return max(1, math.ceil(density * chunk - 1e-9))
 
 
+def check_small_codec(small_codec: Any) -> Codec | None:
+    """None, or a deterministic dense codec that flags a non-finite input in its payload
+    (e.g. ``jc.sign()``); an error naming ``small_codec`` otherwise."""
+    if small_codec is None:
+        return None
+    if not isinstance(small_codec, Codec):
+        raise TypeError(f"`small_codec` must be a jaxcomp codec or None, got {small_codec!r}")
+    if not small_codec.dense or small_codec.stochastic or not small_codec.flags_nonfinite:
+        raise ValueError(
+            "`small_codec` must send every coordinate (dense), need no random key and flag a "
+            f"non-finite input in its payload (e.g. jc.sign()), got {small_codec.name}"
+        )
+    return small_codec
+
+
 def resolve_averaging(averaging: Any, strategy: Any) -> str:
     """The merge of :func:`sparseloco`: ``averaging``, or where it is None ``"senders"``
     (Templar's) with the all-gather and ``"all"`` with two-phase (which sums payloads and
@@ -197,6 +218,7 @@ def sparseloco(
     min_size: int = 1024,
     clip: bool = False,
     value_scale: str = "max",
+    small_codec: Codec | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -254,13 +276,19 @@ def sparseloco(
         again through the codec; its second error stays in a server residual, not decayed;
         ``averaging`` must be ``"all"``). All-gather costs each device ``(n - 1) P`` bytes,
         two-phase about ``2 (n - 1) / n P``.
-      min_size: leaves with fewer values go through a float32 ``pmean``, >= 0.
+      min_size: leaves with fewer values go through a float32 ``pmean`` (or
+        ``small_codec``), >= 0.
       clip: scale each device's payload of each leaf down to the norm of its pseudo-gradient
         of this sync, ``|C(e_i)| <= |D_i|`` (:func:`clip_factor`; what is not sent stays in
         the memory). Only with ``strategy="allgather"``.
       value_scale: the per-chunk scale of the sent values (:func:`jaxcomp.chunked_top_k`'s
         ``scale``): ``"max"`` (their largest magnitude), or with ``bits=1`` ``"mean"`` (each
         sent as ``mean |v| sign(v)``).
+      small_codec: None (leaves under ``min_size`` in float32, exact) or a dense codec
+        for them, e.g. ``jc.sign()`` (every value's sign at their mean magnitude, ``d / 8 +
+        4`` bytes for ``d`` values: little more than a top-k payload of a few values, whose
+        indices and values are rounded up to whole uint32 words), with the same decayed
+        error feedback, averaged over all devices. Only with ``strategy="allgather"``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -293,7 +321,12 @@ def sparseloco(
     min_size = check_int("min_size", min_size, 0)
     if not isinstance(clip, bool):
         raise TypeError(f"`clip` must be True or False, got {clip!r}")
+    small_codec = check_small_codec(small_codec)
     if strategy == "two_phase":
+        if small_codec is not None:
+            raise ValueError(
+                "`small_codec` travels in SparseLoCo's all-gather: use `strategy`='allgather'"
+            )
         if clip:
             raise ValueError(
                 "`clip`=True scales each device's own payload before the all-gather: use "
@@ -305,7 +338,13 @@ def sparseloco(
         feedback = decayed(ex, ef_decay)
     elif strategy == "allgather":
         feedback = sparse_feedback(
-            codec, axis_name, ef_decay=ef_decay, min_size=min_size, averaging=averaging, clip=clip
+            codec,
+            axis_name,
+            ef_decay=ef_decay,
+            min_size=min_size,
+            averaging=averaging,
+            clip=clip,
+            small_codec=small_codec,
         )
     else:
         raise ValueError(f"`strategy` must be 'allgather' or 'two_phase', got {strategy!r}")

@@ -398,6 +398,9 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.8": _sparse_h30(
         2, 1.8, density=188 / 4096, chunk=1024, bits=1, value_scale="mean"
     ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-min0-outer1.5-ef0.3": _sparse_h30(
+        2, density=188 / 4096, chunk=1024, bits=1, value_scale="mean", ef_decay=0.3
+    ),
     # ... the leaves under 1024 values (norms, biases) as 1-bit signs at their mean
     # magnitude with the same error feedback (small_codec=jc.sign()): every value's sign for
     # about the bytes of their top-k (3006x computed with the measured overhead; held-out 3006x).

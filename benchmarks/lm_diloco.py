@@ -48,7 +48,9 @@ on 2 replicas at ``H = 10`` and 5 one change at a time (the density 256 / 4096, 
 of 1.5. With every leaf compressed on 2 replicas (3100-3152x): 152 of 4096 at 2 bits, 43 of
 1024 at 2 bits, 47 of 1024 at 1 bit at the mean magnitude (``value_scale="mean"``); on 8
 replicas 21 of 4096 at 1 bit at the mean and the two-phase exchange at 64 of 4096 (20 of 4096
-at 2 bits defined, not run).
+at 2 bits defined, not run). From the 1-bit row on 2 replicas, one change at a time:
+``ef_decay`` 0.3 and 0.8, an outer lr of 1.2 and 1.8, and the leaves under 1024 values as
+1-bit signs (``small_codec=jc.sign()``).
 ``--fidelity ... --muon --fidelity-codecs 3000x``: the codecs of those rows on a pseudo-gradient
 of Muon inside.
 

@@ -336,6 +336,28 @@ def test_scaled_cast_owner_sum_stays_finite_and_flags_by_its_scale():
     assert jc.int_quant(8).flag_arrays(payloads) is None
 
 
+@pytest.mark.parametrize("magnitude", [1e-36, 1e-34, 1e-30, 1.0, 3e38])
+def test_scaled_fp16_mean_of_rows_tiny_and_huge(magnitude):
+    """The mean of 8 scaled-fp16 rows, as all-gather decodes it (``decode_sum``) and as a
+    two-phase owner re-encodes it (``encode_sum``): the rows summed in units of their largest
+    scale stay within each row's bound (``2^-11 |x| + 2^-28 max |x|``, twice for the
+    re-encoding) plus float32's smallest normal (XLA:CPU flushes subnormals), from rows whose
+    scale is ``2^-126`` to rows near float32's largest. With ``1/n`` folded into each row's
+    scale (``2^-126 / 8``: subnormal, flushed) the mean of rows under ``2^-111`` was 0."""
+    rng = np.random.default_rng(4)
+    x = (rng.uniform(-1.0, 1.0, (8, 512)) * magnitude).astype(np.float32)
+    c = jc.cast("fp16")
+    rows = jax.vmap(c.encode)(jnp.asarray(x))
+    mean = x.astype(np.float64).mean(0)
+    got = np.asarray(jax.jit(lambda r: c.decode_sum(r, 512, 0.125))(rows), np.float64)
+    owner = jax.jit(lambda r: c.encode_sum(r, 512, 0.125))(rows)
+    again = np.asarray(c.decode(owner, 512), np.float64)
+    spread = np.abs(x.astype(np.float64)).mean(0)
+    bound = 2.0**-11 * spread + 2.0**-28 * float(np.abs(x).max()) + 2.0**-126
+    assert np.all(np.abs(got - mean) <= bound), np.max(np.abs(got - mean) / bound)
+    assert np.all(np.abs(again - mean) <= 2 * bound), np.max(np.abs(again - mean) / bound)
+
+
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
     """``jc.sign(scale="rms")`` (1-bit Adam's default codec): signs scaled by the root mean
     square of their block, so ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for

@@ -28,6 +28,9 @@ from jaxcomp._src.codecs.base import (
     require_key,
     safe_divide,
 )
+from jaxcomp._src.codecs.base import (
+    scaled as fill_plus,
+)
 
 
 def _effective_block(block_size: int | None, d: int) -> int:
@@ -173,13 +176,22 @@ class Cast(Codec):
         return values.astype(jnp.float32) * scale[0]
 
     def decode_sum(self, payloads, d, scale=1.0, fill=0.0):
-        """Scaled: each row decoded with its scale times ``scale`` (``scale`` applied before
-        the sum, not after), so that rows near float32's largest value (each up to
-        ``M s_j``, ``M`` the type's largest value) average without overflowing float32."""
+        """Scaled: ``fill + s * sum_j q_j (s_j / s) scale``, the rows summed in units of their
+        largest scale ``s = max_j s_j`` (:meth:`_sum_in_units`), so that rows near float32's
+        largest value (each up to ``M s_j``, ``M`` the type's largest value) average without
+        overflowing float32, and rows whose scale is float32's smallest normal (``2^-126``,
+        ``max |x|`` under ``2^-111``) do not lose their mean: ``s_j scale`` would be
+        subnormal, which XLA:CPU flushes to 0."""
         if not self.scaled:
             return super().decode_sum(payloads, d, scale, fill)
+        top = max_abs(payloads[1].reshape(1, -1))[0]
+        return fill_plus(self._sum_in_units(payloads, d, top, scale), top, fill)
+
+    def _sum_in_units(self, payloads, d, top, scale):
+        """``sum_j q_j (s_j / top) scale`` (scaled): the rows' sum times ``scale`` in units of
+        ``top``, each ``s_j / top`` a power of two (exact)."""
         values, scales = payloads
-        return super().decode_sum((values, scales * scale), d, 1.0, fill)
+        return super().decode_sum((values, (scales / top) * scale), d)
 
     def encode_sum(self, payloads, d, scale=1.0, key=None):
         """Scaled: the mean of ``n`` rows (``scale <= 1/n``) re-encoded with the rows'
@@ -203,7 +215,7 @@ class Cast(Codec):
         # The largest row scale as int32 bits (scales are positive, NaN above inf above the
         # rest): NaN propagates for any number of rows (a float max reduce need not keep it).
         top = max_abs(scales.reshape(1, -1))[0]
-        return self._cast(self.decode_sum((values, scales / top), d, scale)), top[None]
+        return self._cast(self._sum_in_units(payloads, d, top, scale)), top[None]
 
     def flag_arrays(self, payloads):
         """Scaled: the scales alone. A finite scale comes with finite values (saturated at

@@ -297,3 +297,27 @@ def test_small_leaves_through_a_dense_codec_keep_decayed_memory():
     assert np.all(np.isnan(np.asarray(out[0]))) and np.all(np.isnan(np.asarray(out[1])))
     np.testing.assert_array_equal(np.asarray(m_big), memory[0])
     np.testing.assert_array_equal(np.asarray(m_small), memory[1])
+
+
+def test_clip_bounds_a_small_leaf_by_what_its_own_codec_sends():
+    """``clip=True`` with ``small_codec``: each device's small leaf is scaled by the norm of
+    what the small codec sends (every sign of ``e + D`` at their mean magnitude), so
+    ``|sent_i| = |D_i|``. Scaled by the chunked top-k's norm instead (one value of the 10),
+    the signs went out longer than ``D_i`` (4.43 here, ``|D_i| = 2``)."""
+    tx = sparse_feedback(
+        CODEC, "data", ef_decay=1.0, min_size=64, averaging="all", clip=True, small_codec=jc.sign()
+    )
+
+    def step(d, e):
+        out, state = tx.update([d[0]], jc.SparseFeedbackState([e]))
+        return out[0][None], state.memory[0]
+
+    rng = np.random.default_rng(6)
+    e = (4.0 * np.where(rng.standard_normal((N, 1, 10)) < 0, -1.0, 1.0)).astype(np.float32)
+    d = np.zeros((N, 10), np.float32)
+    d[:, 0] = 2.0 * np.sign(e[:, 0, 0])  # |D_i| = 2, along e's first value
+    fn = per_device(step, (P("data"), P("data")), (P(), P("data")))
+    out, memory = fn(shard(d), shard(e))
+    sent = (e[:, 0] + d) - np.asarray(memory)[:, 0]
+    np.testing.assert_allclose(np.linalg.norm(sent, axis=1), 2.0, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out).reshape(-1), sent.mean(0), rtol=1e-5, atol=1e-6)

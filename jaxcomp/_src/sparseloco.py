@@ -82,7 +82,7 @@ def sparse_feedback(
             for d, m in zip(deltas, state.memory, strict=True)
         ]
         sends = [
-            t * clip_factor(codec, t, d) if clip and m is not None else t
+            t * clip_factor(leaf_codec(t), t, d) if clip and m is not None else t
             for t, d, m in zip(targets, deltas, state.memory, strict=True)
         ]
         out = sparse_exchange.exchange(
@@ -201,6 +201,48 @@ def resolve_averaging(averaging: Any, strategy: Any) -> str:
             "`averaging`='senders' needs every device's payload: use `strategy`='allgather'"
         )
     return averaging
+
+
+def exchange_feedback(
+    codec: ChunkedTopK,
+    axis_name: Any,
+    strategy: Any,
+    *,
+    ef_decay: float,
+    min_size: int,
+    averaging: str,
+    clip: bool,
+    small_codec: Codec | None,
+) -> optax.GradientTransformation:
+    """:func:`sparseloco`'s exchange of the pseudo-gradients with decayed error feedback:
+    :func:`sparse_feedback` (``strategy="allgather"``) or the two-phase
+    ``jc.compressed_allreduce`` with its memory :func:`decayed`, which neither clips nor
+    sends small leaves through ``small_codec`` (errors naming them)."""
+    if strategy == "allgather":
+        return sparse_feedback(
+            codec,
+            axis_name,
+            ef_decay=ef_decay,
+            min_size=min_size,
+            averaging=averaging,
+            clip=clip,
+            small_codec=small_codec,
+        )
+    if strategy != "two_phase":
+        raise ValueError(f"`strategy` must be 'allgather' or 'two_phase', got {strategy!r}")
+    if small_codec is not None:
+        raise ValueError(
+            "`small_codec` travels in SparseLoCo's all-gather: use `strategy`='allgather'"
+        )
+    if clip:
+        raise ValueError(
+            "`clip`=True scales each device's own payload before the all-gather: use "
+            "`strategy`='allgather' (two-phase re-encodes sums it cannot clip per device)"
+        )
+    ex = compressed_allreduce(
+        codec, axis_name, error_feedback="residual", strategy="two_phase", min_size=min_size
+    )
+    return decayed(ex, ef_decay)
 
 
 def sparseloco(
@@ -322,32 +364,16 @@ def sparseloco(
     if not isinstance(clip, bool):
         raise TypeError(f"`clip` must be True or False, got {clip!r}")
     small_codec = check_small_codec(small_codec)
-    if strategy == "two_phase":
-        if small_codec is not None:
-            raise ValueError(
-                "`small_codec` travels in SparseLoCo's all-gather: use `strategy`='allgather'"
-            )
-        if clip:
-            raise ValueError(
-                "`clip`=True scales each device's own payload before the all-gather: use "
-                "`strategy`='allgather' (two-phase re-encodes sums it cannot clip per device)"
-            )
-        ex = compressed_allreduce(
-            codec, axis_name, error_feedback="residual", strategy="two_phase", min_size=min_size
-        )
-        feedback = decayed(ex, ef_decay)
-    elif strategy == "allgather":
-        feedback = sparse_feedback(
-            codec,
-            axis_name,
-            ef_decay=ef_decay,
-            min_size=min_size,
-            averaging=averaging,
-            clip=clip,
-            small_codec=small_codec,
-        )
-    else:
-        raise ValueError(f"`strategy` must be 'allgather' or 'two_phase', got {strategy!r}")
+    feedback = exchange_feedback(
+        codec,
+        axis_name,
+        strategy,
+        ef_decay=ef_decay,
+        min_size=min_size,
+        averaging=averaging,
+        clip=clip,
+        small_codec=small_codec,
+    )
     cfg = _Config(
         name="sparseloco",
         state_type=SparseLoCoState,

@@ -321,3 +321,19 @@ def test_clip_bounds_a_small_leaf_by_what_its_own_codec_sends():
     sent = (e[:, 0] + d) - np.asarray(memory)[:, 0]
     np.testing.assert_allclose(np.linalg.norm(sent, axis=1), 2.0, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(out).reshape(-1), sent.mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_kept_zeros_stay_zero_through_pmean_and_its_two_phase_owners():
+    """``jc.pmean`` through the chunked top-k, all-gather and two-phase (each chunk's owner
+    decodes the devices' rows into their sum and re-encodes it, which keeps zeros again):
+    device i's one spike at ``128 i + 3``, every other kept slot a zero, arrives as ``(i +
+    1) / 8`` and nothing arrives anywhere else."""
+    d = np.zeros((N, 1024), np.float32)
+    for i in range(N):
+        d[i, 128 * i + 3] = i + 1
+    codec = jc.chunked_top_k(4, chunk=64, bits=2)
+    for strategy in ("allgather", "two_phase"):
+        f = per_device(
+            lambda v, s=strategy: jc.pmean(v[0], "data", codec, strategy=s)[None], P("data"), P()
+        )
+        np.testing.assert_array_equal(np.asarray(f(shard(d)))[0], d.mean(0), err_msg=strategy)

@@ -405,7 +405,7 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     # ... the leaves under 1024 values (norms, biases) as 1-bit signs at their mean
     # magnitude with the same error feedback (small_codec=jc.sign()): every value's sign for
-    # about the bytes of their top-k (3006x computed with the measured overhead; held-out 3006x).
+    # about the bytes of their top-k (measured: 3083x at seed 0, 3009x on the held-out pair).
     "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-smallsign-outer1.5": _sparse_h30(
         2,
         density=188 / 4096,

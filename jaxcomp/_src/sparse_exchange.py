@@ -83,8 +83,8 @@ def exchange(
 
 def wire_bytes(sizes: list[int], codecs: list[Codec | None], n: int) -> float:
     """Ring-model bytes per device of one :func:`exchange` of vectors of ``sizes`` over ``n``
-    devices: ``(n - 1) * payload_bytes`` per sparse vector (all-gather), ``2 (n - 1) / n * 4 d``
-    per dense one (pmean, codec None)."""
+    devices: ``(n - 1) * payload_bytes`` per coded vector (all-gather), ``2 (n - 1) / n * 4 d``
+    per vector without a codec (float32 pmean)."""
     total = 0.0
     for d, codec in zip(sizes, codecs, strict=True):
         if codec is not None:

@@ -358,6 +358,20 @@ def test_scaled_fp16_mean_of_rows_tiny_and_huge(magnitude):
     assert np.all(np.abs(again - mean) <= 2 * bound), np.max(np.abs(again - mean) / bound)
 
 
+@pytest.mark.parametrize("d", [1000, 8192, 1 << 20])
+def test_nonfinite_flagging_codecs_keep_a_nan_in_long_vectors(d):
+    """A NaN in a vector of 4,096 values or more reaches the payload's floats of the codecs
+    that flag non-finite input by their scales: XLA:CPU's float max reduce over that many
+    values can drop a NaN, and jc.terngrad()'s whole-vector scale did (payload finite,
+    the NaN sent as 0)."""
+    x = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    x[d // 2] = np.nan
+    for codec in (jc.terngrad(), jc.qsgd(), jc.cast("fp16"), jc.int_quant(8)):
+        payload = jax.jit(lambda v, c=codec: c.encode(v, jax.random.PRNGKey(0)))(jnp.asarray(x))
+        floats = [a for a in jax.tree.leaves(payload) if jnp.issubdtype(a.dtype, jnp.floating)]
+        assert not all(bool(jnp.isfinite(a).all()) for a in floats), (codec, d)
+
+
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():
     """``jc.sign(scale="rms")`` (1-bit Adam's default codec): signs scaled by the root mean
     square of their block, so ``||C(x)|| = ||x||`` (``jc.sign()``'s mean |x| gives 3.5 for

@@ -578,7 +578,9 @@ class TernGrad(Codec):
         x = check_vector(x, self)
         d = x.shape[0]
         xb = blocks(x, _effective_block(self.block_size, d))
-        scale = jnp.max(jnp.abs(xb), axis=1, initial=0.0)
+        # max_abs, not jnp.max: XLA:CPU's float max over 4,096 values or more can drop a NaN
+        # (a finite scale, the NaN value then sent as 0: a NaN gradient hidden).
+        scale = max_abs(xb)
         p = safe_divide(jnp.abs(xb), scale[:, None])
         u = jax.random.uniform(require_key(key, self), xb.shape, jnp.float32)
         keep = u < p

@@ -513,7 +513,9 @@ class QSGD(Codec):
         x = check_vector(x, self)
         d = x.shape[0]
         xb = blocks(x, self.bucket_size)
-        absmax = jnp.max(jnp.abs(xb), axis=1, initial=0.0)
+        # max_abs, not jnp.max: XLA:CPU's float max over 4,096 values or more can drop a NaN
+        # (a bucket's absmax then 0 and its norm 0: the NaN sent as 0, the payload finite).
+        absmax = max_abs(xb)
         # ||x|| computed as absmax * ||x / absmax|| so 1e30 entries do not overflow.
         norm = absmax * jnp.sqrt(jnp.sum(safe_divide(xb, absmax[:, None]) ** 2, axis=1))
         r = safe_divide(jnp.abs(xb), norm[:, None]) * self.levels

@@ -358,18 +358,29 @@ def test_scaled_fp16_mean_of_rows_tiny_and_huge(magnitude):
     assert np.all(np.abs(again - mean) <= 2 * bound), np.max(np.abs(again - mean) / bound)
 
 
+FLAGGING = [name for name in NAMES if jc.get_codec(name).flags_nonfinite]
+
+
 @pytest.mark.parametrize("d", [1000, 8192, 1 << 20])
-def test_nonfinite_flagging_codecs_keep_a_nan_in_long_vectors(d):
-    """A NaN in a vector of 4,096 values or more reaches the payload's floats of the codecs
-    that flag non-finite input by their scales: XLA:CPU's float max reduce over that many
-    values can drop a NaN, and jc.terngrad()'s whole-vector scale did (payload finite,
-    the NaN sent as 0)."""
-    x = np.random.default_rng(0).standard_normal(d).astype(np.float32)
-    x[d // 2] = np.nan
-    for codec in (jc.terngrad(), jc.qsgd(), jc.cast("fp16"), jc.int_quant(8)):
-        payload = jax.jit(lambda v, c=codec: c.encode(v, jax.random.PRNGKey(0)))(jnp.asarray(x))
-        floats = [a for a in jax.tree.leaves(payload) if jnp.issubdtype(a.dtype, jnp.floating)]
-        assert not all(bool(jnp.isfinite(a).all()) for a in floats), (codec, d)
+@pytest.mark.parametrize("name", FLAGGING)
+def test_nonfinite_flagging_codecs_keep_a_nan_in_long_vectors(name, d):
+    """A NaN or +inf at the first, a middle or the last value of a vector reaches the floats
+    a ``flags_nonfinite`` codec's step flag reads (:meth:`Codec.flag_arrays`, else every
+    floating leaf of the payload). XLA:CPU's float max reduce over 4,096 values or more can
+    drop a NaN (docs/errors.md): jc.terngrad()'s whole-vector scale did, and jc.qsgd()'s
+    bucket norm did for a NaN at the last value (payload finite, the NaN sent as 0)."""
+    codec = jc.get_codec(name)
+    encode = jax.jit(lambda v: codec.encode(v, jax.random.PRNGKey(0)))
+    clean = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    for value in (np.nan, np.inf):
+        for pos in (0, d // 2 + 37, d - 1):
+            x = clean.copy()
+            x[pos] = value
+            payload = encode(jnp.asarray(x))
+            named = codec.flag_arrays([payload])
+            floats = [a for a in jax.tree.leaves(payload) if jnp.issubdtype(a.dtype, jnp.floating)]
+            flags = floats if named is None else named
+            assert flags and not all(bool(jnp.isfinite(a).all()) for a in flags), (value, pos)
 
 
 def test_sign_rms_keeps_the_norm_at_the_bytes_of_sign():

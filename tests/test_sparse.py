@@ -157,6 +157,26 @@ def test_sampled_top_k_nonfinite_zero_and_small():
     )
 
 
+@pytest.mark.parametrize("values", [None, "int8"])
+def test_blocked_top_k_sends_a_nonfinite_value_as_exact_top_k_does(values):
+    """Exact top-k ranks NaN and inf first; the blocked selection's block maxima are taken
+    by ``max_abs`` (int32 bits), so a NaN's block is chosen too: XLA:CPU's float max over
+    4,096 values or more drops NaN (docs/errors.md), and a NaN anywhere in 32,768 or 65,536
+    values decoded finite. The int8 values' scale (a max over k values) keeps it too."""
+    for d in (1 << 15, 1 << 16):
+        codec = top_k(0.01, approx="blocked", values=values)
+        assert sparse._block_size(d, codec.size(d)) is not None  # the two-stage path
+        encode = jax.jit(lambda v, c=codec: c.encode(v))
+        for value in (np.nan, np.inf):
+            for pos in (0, d // 2 + 37, d - 1):
+                x = normal(d)
+                x[pos] = value
+                indices, *_ = encode(x)
+                assert pos in set(np.asarray(indices).tolist()), (d, value, pos)
+                decoded = np.asarray(codec.decode(encode(x), d))
+                assert not np.isfinite(decoded).all(), (d, value, pos)
+
+
 def test_approx_true_picks_by_ratio_and_platform():
     # approx=True: blocked below 0.6%; from there "auto", which is the sampled threshold on
     # CPU (this test) and the blocked selection on GPU/TPU, chosen at lowering.

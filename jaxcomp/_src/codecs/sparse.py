@@ -37,6 +37,7 @@ from jaxcomp._src.codecs.base import (
     check_int,
     check_positive_float,
     check_vector,
+    max_abs,
     require_key,
     safe_divide,
     scaled,
@@ -109,7 +110,8 @@ def _encode_values(v: jax.Array, valid: jax.Array | None, mode) -> tuple:
         big = float(ml_dtypes.finfo(dtype).max)
         return (jnp.where(jnp.isfinite(v), jnp.clip(v, -big, big), v).astype(dtype),)
     if mode == "int8":
-        scale = jnp.max(jnp.abs(v), initial=0.0) / 127.0
+        # max_abs, not jnp.max: XLA:CPU's float max over 4,096 values or more can drop a NaN.
+        scale = max_abs(v[None, :])[0] / 127.0
         q = jnp.clip(jnp.nan_to_num(jnp.round(safe_divide(v, scale))), -127, 127)
         return q.astype(jnp.int8), scale
     # "sign": one mean magnitude over the filled slots, signs packed 32 to a word.
@@ -203,7 +205,9 @@ def two_stage_top_k(x: jax.Array, k: int, block_size: int) -> jax.Array:
     nb = d // block_size
     main = x[: nb * block_size].reshape(nb, block_size)
     # |.| is recomputed where it is used, so XLA never writes a |x| copy of the whole vector.
-    _, blocks = jax.lax.top_k(jnp.max(jnp.abs(main), axis=1), k)
+    # max_abs, not jnp.max: XLA:CPU's float max over 4,096 values or more can drop a NaN, and
+    # a NaN's block then lost to the finite ones (exact top-k ranks a NaN first).
+    _, blocks = jax.lax.top_k(max_abs(main), k)
     candidates = jnp.abs(main[blocks]).reshape(-1)
     tail = jnp.abs(x[nb * block_size :])
     _, pos = jax.lax.top_k(jnp.concatenate([candidates, tail]), k)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 # An 80 MB output per call (above glibc's 32 MiB mmap threshold), async dispatch off (as
-# jaxcomp.cpu.use_cpu_devices sets it); prints each call's minor page faults, before and
-# after `jaxcomp.cpu.reuse_large_buffers()` when the first argument says so.
+# jaxcomp.cpu.use_cpu_devices sets it); prints each call's minor page faults, 4 calls before
+# and 8 after `jaxcomp.cpu.reuse_large_buffers()` when the first argument says so.
 FAULTS = """
 import resource, sys
 import jax, jax.numpy as jnp
@@ -19,19 +19,19 @@ import jaxcomp.cpu as c
 jax.config.update('jax_cpu_enable_async_dispatch', False)
 f = jax.jit(lambda a: a * 2 + 1)
 x = jnp.ones((20_000_000,))
-def faults():
+def faults(calls):
     f(x).block_until_ready()
     counts = []
-    for _ in range(4):
+    for _ in range(calls):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         out = f(x).block_until_ready()
         counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     return counts, out
-before, out = faults()
+before, out = faults(4)
 assert float(out[0]) == 3.0 and float(out.sum()) == 6e7
 if sys.argv[1] == 'reuse':
     assert c.reuse_large_buffers() is True
-    after, out = faults()
+    after, out = faults(8)
     assert float(out[0]) == 3.0 and float(out.sum()) == 6e7
     before += after
 print(*before)
@@ -51,11 +51,14 @@ def _faults(which: str, env=None) -> list[int]:
 def test_reuse_large_buffers_sets_glibc_and_steps_still_run():
     # In a fresh process: the setting lasts for the whole process. By default every call
     # faults on each 4 KiB page of its output (19,532 of 19,532 measured); once freed memory
-    # is kept, calls reuse it (0 faults in 14 of 16 calls measured: glibc's aligned
-    # allocation skips a freed block that small allocations have since bordered).
+    # is kept, most calls reuse it, not all (glibc's aligned allocation skips a freed block
+    # that small allocations have since bordered). Calls of 8 after the setting with 0
+    # faults, one process each: jaxlib 0.10.2 5-7 (12 processes), 0.12.0.1 3-6 (32), where
+    # 3 processes of 41 reused in none of their first 4 calls.
     counts = _faults("reuse")
     before, after = counts[:4], counts[4:]
-    assert min(before) >= 0.95 * PAGES and min(after) <= 0.01 * PAGES, counts
+    assert len(after) == 8 and min(before) >= 0.95 * PAGES, counts
+    assert sum(c <= 0.01 * PAGES for c in after) >= 2, counts
 
 
 def _transparent_huge_pages() -> bool:

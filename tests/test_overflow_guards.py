@@ -8,13 +8,23 @@ running squared norm stays finite.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcomp as jc
-from jaxcomp._src.codecs.base import F32_MAX, mean_abs, saturating_square, scaled_norm
+from jaxcomp._src.clipping import safe_global_norm
+from jaxcomp._src.codecs.base import (
+    F32_MAX,
+    max_abs_over,
+    mean_abs,
+    saturating_square,
+    scaled_global_norm,
+    scaled_norm,
+)
 from jaxcomp._src.onebit_adam import adam_denominator, saturate, unprecondition
 from jaxcomp._src.powersgd import _unit_columns
+from jaxcomp._src.sparseloco import _norm_parts
 
 
 def test_norm_and_mean_of_finite_values_stay_finite():
@@ -65,3 +75,35 @@ def test_adam_momentum_turned_back_from_preconditioned_units_saturates():
     total = x + x  # inf, inf, 2: a sum of finite values that overflows saturates
     np.testing.assert_array_equal(np.asarray(saturate(total, x)), [F32_MAX, F32_MAX, 2.0])
     assert np.isinf(float(saturate(jnp.float32(jnp.inf), jnp.float32(jnp.inf))))
+
+
+def test_guarded_norms_keep_a_nonfinite_value_of_a_long_vector():
+    """Each guarded norm scales by ``max |x|`` (:func:`max_abs_over`): a NaN or inf among
+    8,192 values, at every 128th position and the last ones, gives a non-finite norm.
+    ``scaled_global_norm`` took ``jnp.max(..., initial=0)``, which XLA:CPU computed as 0 for
+    a NaN at the last value (docs/errors.md): every value then scaled to 0, the norm 0."""
+    norms = {
+        "scaled_norm": lambda x: scaled_norm(x),
+        "scaled_norm_rows": lambda x: scaled_norm(x.reshape(64, -1), axis=1),
+        "scaled_global_norm": lambda x: scaled_global_norm([x]),
+        "safe_global_norm": lambda x: safe_global_norm({"a": x}),
+        "sparseloco_norm_parts": lambda x: jnp.stack(_norm_parts(x)),
+    }
+    d = 8192
+    clean = np.random.default_rng(0).standard_normal(d).astype(np.float32)
+    positions = [*range(0, d, 128), d // 2 + 37, d - 9, d - 8, d - 2, d - 1]
+    for name, fn in norms.items():
+        fn = jax.jit(fn)
+        hidden = []
+        for value in (np.nan, np.inf, -np.inf):
+            for pos in positions:
+                x = clean.copy()
+                x[pos] = value
+                if np.isfinite(np.asarray(fn(jnp.asarray(x)))).all():
+                    hidden.append((value, pos))
+        assert not hidden, (name, hidden)
+    # The same bits as jnp.max where nothing is NaN (inf included), over any axis.
+    x = jnp.asarray(clean.reshape(8, 32, 32)).at[3, 4, 5].set(-jnp.inf)
+    for axis in (None, 0, 1, -1):
+        want = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+        np.testing.assert_array_equal(max_abs_over(x, axis), want)

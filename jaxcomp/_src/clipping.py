@@ -25,6 +25,8 @@ def safe_global_norm(tree: Any) -> jax.Array:
     ]
     if not leaves:
         return jnp.zeros([], jnp.float32)
+    # A float max may drop a NaN on XLA:CPU (docs/errors.md), but ``safe`` is never 0, so a
+    # NaN still reaches ``total`` (tests/test_overflow_guards.py); max_abs would cost a pass.
     top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) if x.size else 0.0 for x in leaves]))
     safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
     total = sum(jnp.sum(jnp.square(x / safe)) for x in leaves)

@@ -107,7 +107,7 @@ def sparse_feedback(
 def _norm_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(a, b)`` with ``|x| = a b`` (``a = max |x_j|``, ``b = |x / a|``): no float32
     overflow where ``|x|`` itself would overflow."""
-    a = jnp.max(jnp.abs(x))
+    a = jnp.max(jnp.abs(x))  # may drop a NaN (docs/errors.md): x / a or x / 1 then keeps it
     # x / a in two exact power-of-two steps: XLA may divide by multiplying with 1 / a, which
     # is subnormal (flushed to 0 on CPU) for a above ~8.5e37.
     p = jnp.where(a > 1.0, 2.0**-40, 1.0)

@@ -419,6 +419,23 @@ def max_abs(xb: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.max(bits, axis=1, initial=0), jnp.float32)
 
 
+def max_abs_over(x: jax.Array, axis: int | None = None) -> jax.Array:
+    """``jnp.max(jnp.abs(x), axis=axis, keepdims=True)`` (every axis when None; 0 where
+    empty) by :func:`max_abs`: NaN propagates, the same bits for any other input.
+
+    Use it (or :func:`max_abs`) for every max of data that can be non-finite: XLA:CPU
+    (jaxlib 0.10.2 and 0.12.0.1) compiles a float max / min reduce over 4,096 values or
+    more, and a ``maximum`` / ``minimum`` fused into a reduce, to a YNNPACK fusion that
+    drops NaN (docs/errors.md), while an integer max reduce propagates it.
+    """
+    if axis is None:
+        return max_abs(x.reshape(1, -1)).reshape((1,) * x.ndim)
+    axis = axis % x.ndim
+    moved = jnp.moveaxis(x, axis, -1)
+    top = max_abs(moved.reshape(-1, x.shape[axis])).reshape(moved.shape[:-1])
+    return jnp.expand_dims(top, axis)
+
+
 #: :func:`all_finite` folds rows of this many values before its one reduce.
 FINITE_ROW = 256
 
@@ -476,9 +493,10 @@ def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.A
     ``m = max |x|``, so that it overflows only where the norm itself exceeds float32's range
     (``sum x^2`` overflows from ``|x| ~ 1.8e19``) and never underflows to 0 for tiny ``x``.
 
-    A zero ``x`` has norm 0; NaN and inf propagate.
+    A zero ``x`` has norm 0; NaN and inf propagate (``m`` by :func:`max_abs_over`: a float
+    max can drop a NaN on XLA:CPU, and ``m = 0`` would then scale it away).
     """
-    biggest = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    biggest = max_abs_over(x, axis)
     unit = safe_divide(x, biggest)
     norm = biggest * jnp.sqrt(jnp.sum(unit * unit, axis=axis, keepdims=True))
     return norm if keepdims else jnp.squeeze(norm, axis=axis)
@@ -487,7 +505,9 @@ def scaled_norm(x: jax.Array, axis: Any = None, keepdims: bool = False) -> jax.A
 def saturating_square(x: jax.Array) -> jax.Array:
     """``min(x^2, F32_MAX)``: a finite ``x`` has a finite square (``x^2`` is inf from
     ``|x| ~ 1.8e19``), so a second-moment estimate fed a finite outlier stays finite and
-    decays back; NaN and inf stay non-finite."""
+    decays back. Elementwise, NaN stays NaN and an inf saturates too (the exchange flags that
+    step); summed in one reduce on XLA:CPU, the ``minimum`` can turn a NaN into ``F32_MAX``
+    (docs/errors.md): read the flag from the input, not from such a sum."""
     return jnp.minimum(x * x, F32_MAX)
 
 
@@ -495,6 +515,6 @@ def scaled_global_norm(arrays: list[jax.Array]) -> jax.Array:
     """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded)."""
     if not arrays:
         return jnp.zeros([], jnp.float32)
-    biggest = jnp.max(jnp.stack([jnp.max(jnp.abs(a), initial=0.0) for a in arrays]))
+    biggest = jnp.max(jnp.stack([max_abs_over(a).reshape(()) for a in arrays]))
     total = sum(jnp.sum(jnp.square(safe_divide(a, biggest))) for a in arrays)
     return biggest * jnp.sqrt(total)

@@ -488,6 +488,39 @@ def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
             assert_trees_equal(new, old)
 
 
+# Leaves of 8,192 values: XLA:CPU's float max / min reduce over 4,096 values or more drops
+# NaN (docs/errors.md). A NaN or +inf at the first, a middle and the last value of device 3's
+# ``w`` at an exchange step: every output non-finite, the state as it was.
+LARGE = {"w": (128, 64), "v": (8192,)}
+LARGE_ROW_IDS = ("local_sgd-H2", "diloco-int4", "sparseloco-ef1", "sparseloco-two_phase-ef1")
+
+
+@functools.cache
+def built_large(row_id: str) -> Built:
+    row = ROW_BY_ID[row_id]
+    return Built(
+        dataclasses.replace(row, shapes={k: LARGE.get(k, s) for k, s in row.shapes.items()})
+    )
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("row_id", LARGE_ROW_IDS)
+def test_nonfinite_in_a_large_leaf_poisons_the_exchange_and_freezes_state(row_id, value):
+    b = built_large(row_id)
+    t = b.row.exchanges[0]
+    replicas, state = b.replicas0, b.state0
+    for s in range(t):
+        _, replicas, state = b.step(replicas, state, s)
+    for pos in (0, 4133, 8191):
+        g = grads(t, b.row.shapes)
+        g["w"].reshape(N, -1)[3, pos] = value
+        out, _, after = b.step(replicas, state, g)
+        for k, a in out.items():
+            finite = np.isfinite(np.asarray(a))
+            assert not finite.any(), (k, pos, int(finite.sum()))
+        assert_trees_equal(after, state)
+
+
 # --------------------------------------------------------------------------- 3. specs, sharded init
 
 

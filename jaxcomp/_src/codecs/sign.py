@@ -124,7 +124,7 @@ def nonzero_words(x: jax.Array) -> jax.Array:
     whole first (a temporary as large as ``x``)."""
     xb = blocks(x, 32)
     if xb.dtype != jnp.float32:
-        return (jnp.max(jnp.abs(xb), axis=1) != 0).astype(jnp.float32)
+        return (max_abs(xb) != 0).astype(jnp.float32)  # a NaN kept (docs/errors.md)
     magnitude = jax.lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
     return (jnp.max(magnitude, axis=1) >= _SMALLEST_NORMAL_BITS).astype(jnp.float32)
 

@@ -23,7 +23,7 @@ from jaxcomp._src.codecs.base import (
     scaled_norm,
 )
 from jaxcomp._src.onebit_adam import adam_denominator, saturate, unprecondition
-from jaxcomp._src.powersgd import _unit_columns
+from jaxcomp._src.powersgd import _unit_columns, orthogonalize
 from jaxcomp._src.sparseloco import _norm_parts
 
 
@@ -78,8 +78,9 @@ def test_adam_momentum_turned_back_from_preconditioned_units_saturates():
 
 
 def test_guarded_norms_keep_a_nonfinite_value_of_a_long_vector():
-    """Each guarded norm scales by ``max |x|`` (:func:`max_abs_over`): a NaN or inf among
-    8,192 values, at every 128th position and the last ones, gives a non-finite norm.
+    """Each guarded norm (and PowerSGD's orthogonalization, which scales each column by its
+    largest entry) of 8,192 values holding a NaN or inf, at every 128th position or one of
+    the last ones, is non-finite: none divides by a max that dropped the NaN and came out 0.
     ``scaled_global_norm`` took ``jnp.max(..., initial=0)``, which XLA:CPU computed as 0 for
     a NaN at the last value (docs/errors.md): every value then scaled to 0, the norm 0."""
     norms = {
@@ -88,6 +89,7 @@ def test_guarded_norms_keep_a_nonfinite_value_of_a_long_vector():
         "scaled_global_norm": lambda x: scaled_global_norm([x]),
         "safe_global_norm": lambda x: safe_global_norm({"a": x}),
         "sparseloco_norm_parts": lambda x: jnp.stack(_norm_parts(x)),
+        "powersgd_orthogonalize": lambda x: orthogonalize(x.reshape(-1, 4)),
     }
     d = 8192
     clean = np.random.default_rng(0).standard_normal(d).astype(np.float32)

@@ -402,15 +402,18 @@ def folded_sum(x: jax.Array) -> jax.Array:
 
 
 def max_abs(xb: jax.Array) -> jax.Array:
-    """``max_j |xb[b, j]|`` per row (0 for an empty row); NaN propagates. The same value as
-    ``jnp.max(jnp.abs(xb), axis=1)``, bit for bit (a NaN row: a NaN), without a temporary
-    as large as ``xb``.
+    """``max_j |xb[b, j]|`` per row (0 for an empty row); NaN propagates. The same bits as
+    ``jnp.max(jnp.abs(xb), axis=1)`` where a row holds no NaN, without a temporary as large
+    as ``xb``; a row holding a NaN gives NaN, which ``jnp.max`` does not guarantee: XLA:CPU
+    (jaxlib 0.10.2, 0.12.0.1) compiles a float max reduce over 4,096 values or more to a
+    YNNPACK fusion that drops NaN (docs/errors.md).
 
-    The folded rows are reduced as the int32 bit patterns of ``|x|`` (for non-negative
-    floats and NaN, whose sign ``abs`` clears, the integer order is the float order, NaN
-    above inf): XLA:CPU fuses an integer reduce with its producer in one pass, while a float
-    max reduce goes to its reduction kernel, which absorbed the fold's last ``maximum`` and
-    computed each half of the fold in a fusion of its own, each reading ``xb`` once more.
+    The folded rows are reduced as the integer bit patterns of ``|x|`` (int32 for float32,
+    int16 / int8 for narrower floats: for non-negative floats and NaN, whose sign ``abs``
+    clears, the integer order is the float order, NaN above inf): XLA:CPU fuses an integer
+    reduce with its producer in one pass, while a float max reduce goes to its reduction
+    kernel, which absorbed the fold's last ``maximum`` and computed each half of the fold in
+    a fusion of its own, each reading ``xb`` once more.
     """
     folded = fold_rows(jnp.abs(xb), jnp.maximum)
     # The same for float16 / bfloat16 / float8 through the signed integer of their width: a

@@ -184,8 +184,15 @@ class Cast(Codec):
         subnormal, which XLA:CPU flushes to 0."""
         if not self.scaled:
             return super().decode_sum(payloads, d, scale, fill)
-        top = max_abs(payloads[1].reshape(1, -1))[0]
+        top = self._largest_scale(payloads)
         return fill_plus(self._sum_in_units(payloads, d, top, scale), top, fill)
+
+    @staticmethod
+    def _largest_scale(payloads):
+        """``max_j s_j`` of the rows' scales (scaled), as int32 bits (:func:`max_abs`: the
+        scales are positive, NaN above inf above the rest, so NaN propagates for any number of
+        rows, which a float max reduce need not do)."""
+        return max_abs(payloads[1].reshape(1, -1))[0]
 
     def _sum_in_units(self, payloads, d, top, scale):
         """``sum_j q_j (s_j / top) scale`` (scaled): the rows' sum times ``scale`` in units of
@@ -211,10 +218,7 @@ class Cast(Codec):
         rows = jax.tree.leaves(payloads)[0].shape[0]
         if not self.scaled or scale * rows > 1.0:
             return super().encode_sum(payloads, d, scale, key)
-        values, scales = payloads
-        # The largest row scale as int32 bits (scales are positive, NaN above inf above the
-        # rest): NaN propagates for any number of rows (a float max reduce need not keep it).
-        top = max_abs(scales.reshape(1, -1))[0]
+        top = self._largest_scale(payloads)
         return self._cast(self._sum_in_units(payloads, d, top, scale)), top[None]
 
     def flag_arrays(self, payloads):

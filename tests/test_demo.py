@@ -147,3 +147,28 @@ def test_bytes_are_the_model_and_beat_pmean_80x():
         lm = nnx.state(model)
         pmean = 2 * (N - 1) / N * 4 * sum(x.size for x in jax.tree.leaves(lm))
         assert lo < pmean / demo_lib.wire_bytes(lm, N, topk=20, bits=3) < hi
+
+
+def test_scalar_leaf_is_a_one_by_one_block():
+    """A scalar leaf (a learned temperature or gain) is a 1 x 1 block: its one DCT component
+    is itself, sent whole, so the update is ``-lr sign(mean_i g_i)`` and nothing is kept
+    (``Blocks.of(())`` raised IndexError before). Its wire bytes are counted as sent."""
+    tx = jc.demo(LR, "data")
+    m = mesh()
+    params = jax.device_put({"t": np.float32(1.0), "w": np.ones((4, 8), np.float32)},
+                            NamedSharding(m, P()))  # fmt: skip
+    state = jc.sharded_init(tx, params, m, "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(g, s, p):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+
+    fn = per_device(step, (P("data"), specs, P()), (P(), specs), m)
+    g = {"t": np.arange(N, dtype=np.float32) - 5.0, "w": np.ones((N, 4, 8), np.float32)}
+    u, after = fn(shard(g), state, params)
+    assert np.shape(u["t"]) == () and u["t"].dtype == np.float32
+    assert float(u["t"]) == -LR * np.sign(g["t"].mean())  # mean -1.5: +lr
+    assert not np.asarray(after[0].momentum["t"]).any()
+    np.testing.assert_allclose(np.asarray(demo_lib.Blocks.of((), 64).forward(jnp.float32(3))), [3])
+    one = demo_lib.wire_bytes({"t": params["t"]}, N)
+    assert one == demo_lib.wire_bytes({"t": np.zeros((1,), np.float32)}, N) > 0

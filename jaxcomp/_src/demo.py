@@ -32,6 +32,14 @@ def dct_matrix(b: int) -> np.ndarray:
     return d.astype(np.float32)
 
 
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(rows, cols)`` of a leaf viewed as a matrix: a scalar is ``1 x 1``, a vector one row,
+    more dimensions fold into the rows."""
+    if len(shape) <= 1:
+        return 1, math.prod(shape)
+    return math.prod(shape[:-1]), shape[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """How one leaf is cut for the DCT: viewed as a ``rows x cols`` matrix (a vector is one
@@ -43,13 +51,13 @@ class Blocks:
 
     @staticmethod
     def of(shape: tuple[int, ...], chunk: int) -> Blocks:
-        rows, cols = (1, shape[0]) if len(shape) == 1 else (math.prod(shape[:-1]), shape[-1])
+        rows, cols = matrix_shape(tuple(shape))
         return Blocks(tuple(shape), min(chunk, rows), min(chunk, cols))
 
     @property
     def grid(self) -> tuple[int, int]:
-        rows = 1 if len(self.shape) == 1 else math.prod(self.shape[:-1])
-        return ceil_div(rows, self.b1), ceil_div(self.shape[-1], self.b2)
+        rows, cols = matrix_shape(self.shape)
+        return ceil_div(rows, self.b1), ceil_div(cols, self.b2)
 
     @property
     def size(self) -> int:
@@ -60,7 +68,7 @@ class Blocks:
     def forward(self, x: jax.Array) -> jax.Array:
         """``f32[size]``: the 2-D DCT of every block, blocks laid end to end."""
         n1, n2 = self.grid
-        m = x.reshape(-1, self.shape[-1]) if len(self.shape) > 1 else x.reshape(1, -1)
+        m = x.reshape(matrix_shape(self.shape))
         m = jnp.pad(m, ((0, n1 * self.b1 - m.shape[0]), (0, n2 * self.b2 - m.shape[1])))
         r = m.reshape(n1, self.b1, n2, self.b2)
         d1, d2 = dct_matrix(self.b1), dct_matrix(self.b2)
@@ -72,8 +80,8 @@ class Blocks:
         c = coeffs.reshape(n1, n2, self.b1, self.b2)
         d1, d2 = dct_matrix(self.b1), dct_matrix(self.b2)
         m = jnp.einsum("ji,abjl,lk->aibk", d1, c, d2).reshape(n1 * self.b1, n2 * self.b2)
-        rows = 1 if len(self.shape) == 1 else math.prod(self.shape[:-1])
-        return m[:rows, : self.shape[-1]].reshape(self.shape)
+        rows, cols = matrix_shape(self.shape)
+        return m[:rows, :cols].reshape(self.shape)
 
 
 class DeMoState(NamedTuple):

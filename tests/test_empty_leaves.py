@@ -163,3 +163,21 @@ def test_empty_leaf_left_out_of_adam_gradient_sums_and_autotune_pmean():
         ops = re.findall(COLLECTIVE, text, re.S)
         zero = [o for o in ops if re.search(r"tensor<(\d+x)*0x", o)]
         assert ops and not zero, (name, len(ops), zero)
+
+
+@pytest.mark.parametrize("name", ["onebit", "zero_one"])
+def test_empty_tree_through_the_adam_recipes(name):
+    """An empty params tree (``{}``: a partition of ``optax.multi_transform`` with no leaves)
+    gives an empty update, as ``optax.adam`` does; the per-leaf levels of the 1-bit recipes
+    stacked no leaf ("Need at least one array to stack") before."""
+    tx = {
+        "onebit": jc.onebit_adam(1e-2, "data", freeze_step=1),
+        "zero_one": jc.zero_one_adam(1e-2, "data", var_freeze_step=1),
+    }[name]
+    m = mesh()
+    state = jc.sharded_init(tx, {}, m, "data")
+    specs = jc.state_specs(state, "data")
+    f = per_device(lambda s: tx.update({}, s, {}), (specs,), (P(), specs), m)
+    for _ in range(2):  # the warm-up step, then a compressed one
+        out, state = f(state)
+        assert out == {}

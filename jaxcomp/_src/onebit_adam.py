@@ -98,6 +98,8 @@ def local_levels(grads: Any, every_axis: Any) -> Any:
             return jnp.zeros([], jnp.float32)
         return folded_sum(saturating_square(g.astype(jnp.float32)) / (g.size * n))
 
+    if not leaves:  # an empty tree: no level, and no empty all-reduce
+        return jax.tree.unflatten(treedef, [])
     local = jnp.stack([one(g) for g in leaves])
     return jax.tree.unflatten(treedef, list(jax.lax.psum(local, every_axis)))
 

@@ -105,6 +105,7 @@ with neither the number of leaves nor the number of devices.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -976,8 +977,10 @@ def pmean(
 
     Stateless (no error feedback): use :func:`jaxcomp.compressed_allreduce` to keep what the
     codec drops. Floating leaves with at least ``min_size`` elements are compressed, smaller
-    ones go through plain ``pmean``, integer leaves are returned untouched. Each leaf keeps its
-    dtype; the work is in float32.
+    ones go through plain ``pmean``; each keeps its dtype, the work is in float32. Other
+    leaves (integers, bools, complex: a count beside a loss) are reduced exactly by
+    ``jax.lax.pmean``, uncompressed, so they come back as it gives them (an integer's mean
+    is a float).
 
     ``pmean(x) = (1/n) sum_i decode(encode(x_i))`` over the ``n`` devices of ``axis_name``
     (``two_phase`` encodes each averaged chunk once more before the all-gather). The bytes of
@@ -1007,8 +1010,19 @@ def pmean(
         bucket per phase (default 32 MiB).
 
     Returns:
-      The mean, same structure and dtypes as ``tree``, identical on every device.
+      The mean, same structure as ``tree``, identical on every device; floating leaves in
+      their dtype, the others as ``jax.lax.pmean`` returns them.
     """
+    mean = _mean_of_floats(
+        tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
+    )
+    return _reduce_others(mean, jax.lax.pmean, axis_names(axis_name, inner_axis_name))
+
+
+def _mean_of_floats(
+    tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
+) -> Any:
+    """:func:`pmean` of the floating leaves; the other leaves of ``tree`` as they were."""
     check_codec(codec)
     check_pair(codec, strategy)
     check_granularity(granularity)
@@ -1038,6 +1052,21 @@ def pmean(
     return layouts.assemble(tree, layout, means, plain)
 
 
+def _reduce_others(tree: Any, reduce: Callable, every_axis: Any) -> Any:
+    """``tree`` with its non-floating leaves (integers, bools, complex) reduced by ``reduce``
+    (``jax.lax.psum`` or ``pmean``) over ``every_axis``, exactly as jax.lax does; returning
+    them untouched would leave each device its own value where the caller asked for the
+    reduction over the devices. ``float0`` (no value) stays as it is."""
+
+    def one(x):
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.floating) or dtype == jax.dtypes.float0:
+            return x
+        return reduce(x, every_axis)
+
+    return jax.tree.map(one, tree)
+
+
 def psum(
     tree: Any,
     axis_name: Any,
@@ -1059,25 +1088,20 @@ def psum(
     (each device's ``x / n`` through the codec), so the wire never overflows where the mean
     fits; the product ``n * mean`` is formed in float32 and cast to the leaf's dtype, so a
     sum that leaves the leaf's range is inf there, as ``jax.lax.psum`` gives (8 devices of
-    fp16 10000: inf in an fp16 leaf, 80000 in a float32 one).
+    fp16 10000: inf in an fp16 leaf, 80000 in a float32 one). Leaves that are not floating
+    (integers, bools, complex: a count of tokens) are summed exactly by ``jax.lax.psum``,
+    uncompressed.
 
     Example::
 
         total = jc.psum(grads, "data", jc.cast("bf16"))  # inside jax.shard_map over "data"
     """
-    n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
-    mean = pmean(
-        tree,
-        axis_name,
-        codec,
-        key=key,
-        strategy=strategy,
-        min_size=min_size,
-        granularity=granularity,
-        inner_axis_name=inner_axis_name,
-        bucket_bytes=bucket_bytes,
+    mean = _mean_of_floats(
+        tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
     )
+    n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
     scale = lambda m: (  # noqa: E731
         (m.astype(jnp.float32) * n).astype(m.dtype) if jnp.issubdtype(m.dtype, jnp.floating) else m
     )
-    return jax.tree.map(scale, mean)
+    total = jax.tree.map(scale, mean)
+    return _reduce_others(total, jax.lax.psum, axis_names(axis_name, inner_axis_name))

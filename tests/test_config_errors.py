@@ -837,6 +837,19 @@ TRACE_CHECKS = [
     ("every transform (update)", "updates", lambda x: _update(jax.lax.psum(x, "data")), ValueError),
     # ... and a per-device state entering replicated (here: built inside the step).
     ("every transform (update)", "state", lambda x: _update(x), ValueError),
+    # A complex gradient leaf would pass through unaveraged (each device its own): refused.
+    (
+        "every transform and clip_by_global_norm (update)",
+        "updates",
+        lambda x: _update({**x, "z": x["w"].astype(jnp.complex64)}),
+        TypeError,
+    ),
+    (
+        "every transform and clip_by_global_norm (update)",
+        "updates",
+        lambda x: jc.clip_by_global_norm(1.0, "data").update({"z": x["w"] * 1j}, None)[0],
+        TypeError,
+    ),
 ]
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives
+from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.onebit_adam import check_number
 
 
@@ -88,6 +88,7 @@ def clip_by_global_norm(
 
     def update_fn(updates, state, params=None):
         del params
+        skeleton.check_real("clip_by_global_norm", updates)  # it would pass unclipped
         n = collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
         norm = safe_global_norm(updates)

@@ -35,7 +35,29 @@ def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name:
     n = collectives.axis_size(axis_name)
     collectives.check_inner_axis(axis_name, inner_axis_name)
     check_varying_gradients(name, updates, axis_name)
+    check_real(name, updates)
     return n
+
+
+def check_real(name: str, updates: Any) -> None:
+    """Refuse complex gradient leaves: every exchange averages real floating leaves only, so
+    a complex one would pass through unaveraged (each device applying its own gradient, the
+    replicas drifting apart with no error)."""
+    paths = jax.tree_util.tree_leaves_with_path(updates)
+    bad = [
+        jax.tree_util.keystr(p) or "<root>"
+        for p, x in paths
+        if jnp.issubdtype(jnp.result_type(x), jnp.complexfloating)
+    ]
+    if bad:
+        raise TypeError(
+            f"{name}: the gradients (`updates`) at {_short(bad)} are complex: jaxcomp "
+            "transforms handle real floating leaves only, and a complex leaf would pass through "
+            "untouched (unaveraged: each device keeping its own gradient). Hold the param as "
+            "two real leaves (its real and imaginary parts), or leave it out of this transform "
+            "(optax.masked / optax.multi_transform) and average its gradient with "
+            "jax.lax.pmean."
+        )
 
 
 # --------------------------------------------------------------------------- varying axes (vma)

@@ -67,6 +67,7 @@ records in ``lm_TAG.json`` under ``"syncs"``.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -307,8 +308,8 @@ def _h(
     **kw: Any,
 ) -> lm.Recipe:
     """DiLoCo int4 (or ``sparse``: SparseLoCo, at its defaults but ``kw``; its
-    ``small_codec``, if any, a function that makes it) with ``inner(run)`` (None: the run's
-    AdamW) and ``outer(run)`` (None: the default)."""
+    ``small_codec`` and ``value_codec``, if any, functions that make them) with
+    ``inner(run)`` (None: the run's AdamW) and ``outer(run)`` (None: the default)."""
 
     def make(run: lm.Run, axis: Any) -> Any:
         import jaxcomp as jc
@@ -316,8 +317,8 @@ def _h(
         tx = run.adamw() if inner is None else inner(run)
         o = None if outer is None else outer(run)
         if sparse:
-            small = {"small_codec": kw["small_codec"]()} if "small_codec" in kw else {}
-            return jc.sparseloco(tx, axis, h, outer=o, **{**kw, **small})
+            made = {k: kw[k]() for k in ("small_codec", "value_codec") if k in kw}
+            return jc.sparseloco(tx, axis, h, outer=o, **{**kw, **made})
         return jc.diloco(tx, axis, h, codec=common.make_codec("int4"), outer=o, **kw)
 
     schedule = {"sync_every": h, **{k: kw[k] for k in ("fragments", "delay") if k in kw}}
@@ -954,6 +955,239 @@ def run_fidelity(
     return 0
 
 
+# ----------------------------------------------------------- exchange fidelity at M replicas
+
+
+def forked_deltas(
+    task: lm.Task, run: lm.Run, replicas: int, starts: list[int], h: int
+) -> list[list[list]]:
+    """For each ``s`` in ``starts``: the pseudo-gradients ``D_i = theta_s - theta_{s+h}^i`` of
+    ``replicas`` replicas forked at step ``s`` from one trajectory (Muon at the held lr,
+    :func:`_muon_held`, on every row of the global batch: data parallel) and run ``h`` steps
+    each on its own rows (``n / replicas`` devices' worth) with a copy of the trajectory's
+    optimizer state. Returns ``[start][replica][leaf]`` flat float32 arrays, every leaf."""
+    import jax
+    import numpy as np
+    import optax
+
+    tx = _muon_held(run)
+    rows = task.n // replicas * task.per_device
+
+    @jax.jit
+    def step(p, s, tokens):
+        g = jax.grad(task.loss)(p, tokens)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    def flat(p):
+        return [np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(jax.device_get(p))]
+
+    p, s = task.params, tx.init(task.params)
+    task.reset()
+    out, t = [], 0
+    for start in sorted(starts):
+        while t < start:
+            p, s = jax.block_until_ready(step(p, s, task.batch()))
+            t += 1
+        batches = [task.batch() for _ in range(h)]  # the next h global batches
+        base = flat(p)
+        per = []
+        for r in range(replicas):
+            q, qs = p, s
+            for b in batches:
+                q, qs = jax.block_until_ready(step(q, qs, b[r * rows : (r + 1) * rows]))
+            per.append([a - b for a, b in zip(base, flat(q), strict=True)])
+        out.append(per)
+        for b in batches:  # the trajectory goes on with the same batches, data parallel
+            p, s = jax.block_until_ready(step(p, s, b))
+            t += 1
+    return out
+
+
+def _exchange_variant(kind: str, replicas: int, **kw: Any) -> Any:
+    """The feedback transform of one SparseLoCo exchange over axis ``"r"``: ``"topk"``
+    (:func:`jaxcomp._src.sparseloco.sparse_feedback`, Templar's merge) or a shared mask."""
+    import jaxcomp as jc
+    from jaxcomp._src import shared_mask, sparseloco
+
+    if kind == "topk":
+        codec = jc.chunked_top_k(kw["k"], kw["chunk"], 1, "mean")
+        return sparseloco.sparse_feedback(codec, "r", ef_decay=0.5, min_size=0, averaging="senders")
+    return shared_mask.shared_mask_feedback(
+        jc.int_quant(kw["bits"], kw.get("block", 256)),
+        "r",
+        mask=kind,
+        density=kw["density"],
+        ef_decay=0.5,
+        min_size=0,
+        strategy="two_phase",
+        explore=kw.get("explore", 0.0),
+    )
+
+
+def _largest_density(bits: int, sizes: list[int], n: int, budget: float, block: int = 256) -> float:
+    """The largest density (in steps of 1/4096) whose two-phase int``bits`` exchange (a scale
+    per ``block`` values) costs at most ``budget`` bytes per device
+    (:func:`jaxcomp._src.shared_mask.wire_bytes`)."""
+    import jaxcomp as jc
+    from jaxcomp._src import shared_mask
+
+    codec = jc.int_quant(bits, block)
+    lo = 1
+    for j in range(1, 4097):
+        if shared_mask.wire_bytes(sizes, codec, n, j / 4096, 0) > budget:
+            break
+        lo = j
+    return lo / 4096
+
+
+def exchange_fidelity(variant: Any, deltas: list[list[list]], replicas: int) -> dict:
+    """Run ``variant`` (a feedback transform over ``"r"``) on every window of ``deltas`` in
+    turn (its memory carried, as at successive syncs) on a mesh of ``replicas`` devices; of
+    the last window: the share of ``|mean_i D_i|^2`` its output leaves out, the cosine and
+    norm ratio of the output to ``mean_i D_i``, the same against the mean of the targets
+    ``beta e_i + D_i``, and the compiled bytes per device (``jc.comm_report``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh(
+        (replicas,),
+        ("r",),
+        axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:replicas],
+    )
+    sizes = [x.size for x in deltas[0][0]]
+    state = variant.init([jnp.zeros(d, jnp.float32) for d in sizes])
+    per_dev = [f for f in type(state)._fields if f in type(state).PER_DEVICE_FIELDS]
+
+    def spec_of(field):
+        return P("r") if field in per_dev else P()
+
+    specs = type(state)(
+        *[jax.tree.map(lambda _, f=f: spec_of(f), getattr(state, f)) for f in type(state)._fields]
+    )
+    state = type(state)(
+        *[
+            jax.tree.map(lambda x: jnp.concatenate([x] * replicas), getattr(state, f))
+            if f in per_dev
+            else getattr(state, f)
+            for f in type(state)._fields
+        ]
+    )
+    state = jax.device_put(state, jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
+
+    def body(d, st):
+        out, st = variant.update([x[0] for x in d], st)
+        return out, st
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("r"), specs), out_specs=(P(), specs)))
+    beta = 0.5
+    for window in deltas:
+        d = [np.stack([window[r][j] for r in range(replicas)]) for j in range(len(sizes))]
+        d = jax.device_put(d, NamedSharding(mesh, P("r")))
+        memory = [np.asarray(m) if m is not None else None for m in state.memory]
+        args = (d, state)
+        out, state = jax.block_until_ready(fn(*args))
+    report = jc.comm_report(fn, *args)
+    mean_d = np.concatenate(
+        [np.mean([window[r][j] for r in range(replicas)], 0) for j in range(len(sizes))]
+    ).astype(np.float64)
+    target = np.concatenate(
+        [
+            np.mean(
+                [
+                    window[r][j] + (0 if memory[j] is None else beta * memory[j][r])
+                    for r in range(replicas)
+                ],
+                0,
+            )
+            for j in range(len(sizes))
+        ]
+    ).astype(np.float64)
+    o = np.concatenate([np.asarray(x).reshape(-1) for x in out]).astype(np.float64)
+
+    def compare(ref):
+        return (
+            float(np.sum((ref - o) ** 2) / np.sum(ref**2)),
+            float(o @ ref / np.sqrt((o @ o) * (ref @ ref))),
+            float(np.sqrt((o @ o) / (ref @ ref))),
+        )
+
+    left, cos, ratio = compare(mean_d)
+    left_t, cos_t, _ = compare(target)
+    return {
+        "left_out": left,
+        "cosine": cos,
+        "norm_ratio": ratio,
+        "left_out_of_target": left_t,
+        "cosine_target": cos_t,
+        "bytes_per_sync": float(report.bytes_per_device),
+    }
+
+
+def run_exchange_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str) -> int:
+    """``--fidelity-exchange START``: the exchanges of SparseLoCo at 3000x at ``H = h`` on
+    ``replicas`` replicas (per-replica top-k, 1 bit at the mean, all-gathered; shared masks,
+    int-quantized values, two-phase, at the top-k's bytes or under), each run at the syncs
+    ``start - h`` and ``start`` (:func:`forked_deltas`, Muon inside), every leaf coded;
+    writes ``lm_TAG.json``."""
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(largs.devices)
+    import jax
+
+    task = lm.Task(largs, jax.device_count())
+    run = lm.Run(largs.steps, largs.lr, jax.device_count())
+    t0 = time.perf_counter()
+    deltas = forked_deltas(task, run, replicas, [start - h, start], h)
+    print(f"deltas: {time.perf_counter() - t0:.0f} s", flush=True)
+    if os.environ.get("LM_SAVE_DELTAS"):  # for offline analysis: [window, replica, value]
+        import numpy as np
+
+        flat = [[np.concatenate(r) for r in w] for w in deltas]
+        np.save(os.environ["LM_SAVE_DELTAS"], np.asarray(flat, np.float32))
+    sizes = [x.size for x in deltas[0][0]]
+    ref = {"k": 21, "chunk": 4096} if replicas == 8 else {"k": 47, "chunk": 1024}
+    variants = [("topk", f"top-{ref['k']}/{ref['chunk']}, 1 bit at the mean (all-gather)", ref)]
+    records = []
+    budget = None
+    for kind, name, kw in variants:
+        rec = exchange_fidelity(_exchange_variant(kind, replicas, **kw), deltas, replicas)
+        budget = rec["bytes_per_sync"]
+        records.append(
+            {"replicas": replicas, "steps": f"{start}-{start + h}", "exchange": name, **kw, **rec}
+        )
+        print(records[-1], flush=True)
+    shared = []
+    for bits in (1, 2, 3, 4, 8):
+        dens = _largest_density(bits, sizes, replicas, budget)
+        name = f"shared random {dens * 100:.2f}%, int{bits} (two-phase)"
+        shared.append(("random", name, {"bits": bits, "density": dens}))
+    dens1 = _largest_density(1, sizes, replicas, budget, block=1024)
+    name = f"shared random {dens1 * 100:.2f}%, int1 per 1024 (two-phase)"
+    shared.append(("random", name, {"bits": 1, "density": dens1, "block": 1024}))
+    for bits in (1, 4):
+        dens = _largest_density(bits, sizes, replicas, budget)
+        for explore in (0.0, 0.25, 0.5):
+            name = f"previous update's top {dens * 100:.2f}%, explore {explore}, int{bits}"
+            shared.append(("previous", name, {"bits": bits, "density": dens, "explore": explore}))
+    for kind, name, kw in shared:
+        rec = exchange_fidelity(_exchange_variant(kind, replicas, **kw), deltas, replicas)
+        records.append(
+            {"replicas": replicas, "steps": f"{start}-{start + h}", "exchange": name, **kw, **rec}
+        )
+        print(records[-1], flush=True)
+    path = common.result_path("lm_" + tag, False)
+    out = {"environment": common.environment(), "config": lm.run_config(largs)}
+    common.write_json(path, {**out, "records": records})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -977,6 +1211,13 @@ def main(argv: list[str] | None = None) -> int:
         "the H steps from each of these steps (--replicas, --sync-every)",
     )
     ap.add_argument("--replicas", type=int, default=2, help="--fidelity: M")
+    ap.add_argument(
+        "--fidelity-exchange",
+        type=int,
+        default=None,
+        help="what SparseLoCo's exchanges at 3000x (per-replica top-k, shared masks) keep of "
+        "the mean of --replicas replicas' pseudo-gradients at the sync ending START + H",
+    )
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
         "--zeros",
@@ -997,6 +1238,11 @@ def main(argv: list[str] | None = None) -> int:
         help="--diagnose: the error feedback's decay of the SparseLoCo recipes diagnosed",
     )
     args, rest = ap.parse_known_args(argv)
+    if args.fidelity_exchange is not None:
+        largs = lm.parse(["--tag", args.tag, *rest])
+        return run_exchange_fidelity(
+            largs, args.replicas, args.fidelity_exchange, args.sync_every, args.tag
+        )
     if args.fidelity:
         largs = lm.parse(["--tag", args.tag, *rest])
         codecs = FIDELITY_3000X if args.fidelity_codecs == "3000x" else FIDELITY_CODECS

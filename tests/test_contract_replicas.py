@@ -332,6 +332,31 @@ ROWS += [
     ),
 ]
 ROWS += [
+    Row(
+        # A shared random mask (a quarter of each leaf, the same coordinates on every
+        # device), int8 values all-gathered: plain residual feedback (ef_decay=1) loses
+        # nothing, so DiLoCo's law holds; no index on the wire.
+        "sparseloco-random-ef1",
+        functools.partial(
+            jc.sparseloco,
+            inner(),
+            sync_every=2,
+            ef_decay=1.0,
+            mask="random",
+            density=0.25,
+            value_codec=jc.int_quant(8),
+            strategy="allgather",
+        ),
+        law=law_pseudo_gradient,
+        shapes=dict(STREAM_SHAPES),
+        compressed=("w", "v"),
+        bad=tuple(b for b in SPARSELOCO_ERRORS if b[0] not in ("chunk", "bits"))
+        + (("mask", "shared"), ("explore", 0.5), ("value_codec", jc.top_k(0.5))),
+        skip=(("pmap", PMAP_SHARED),),
+        wire=lambda shapes: (N - 1) * jc.int_quant(8).payload_bytes(2 * 512),
+    ),
+]
+ROWS += [
     Row("gossip-ring-int8", **gossip("ring", jc.int_quant(8))),
     Row(
         # The exponential graph is the same core with log2(n) permutations: tests/test_gossip.py

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import periodic, sparse_exchange
+from jaxcomp._src import periodic, shared_mask, sparse_exchange
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
+from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
 F32 = jnp.float32
@@ -245,6 +246,62 @@ def exchange_feedback(
     return decayed(ex, ef_decay)
 
 
+def masked_feedback(
+    axis_name: Any,
+    *,
+    mask: str,
+    density: Any,
+    ef_decay: Any,
+    min_size: Any,
+    strategy: Any,
+    averaging: Any,
+    clip: Any,
+    small_codec: Any,
+    value_codec: Any,
+    explore: Any,
+) -> tuple[optax.GradientTransformation, Codec]:
+    """:func:`sparseloco`'s exchange through a shared ``mask``
+    (:func:`jaxcomp._src.shared_mask.shared_mask_feedback`) and its value codec, after
+    checking the arguments (errors naming each)."""
+    density = check_positive_float("density", density, upper=1.0)
+    ef_decay = check_decay(ef_decay)
+    min_size = check_int("min_size", min_size, 0)
+    if averaging not in (None, "all"):
+        raise ValueError(
+            f"`averaging` must be None or 'all' with a shared `mask` (the kept values are "
+            f"summed over every device), got {averaging!r}"
+        )
+    if clip is not False:
+        raise ValueError("`clip` needs `mask`='topk' (each device's own payload, all-gathered)")
+    if small_codec is not None:
+        raise ValueError("`small_codec` needs `mask`='topk': with a shared mask pass `min_size`=0")
+    value_codec = int_quant(4) if value_codec is None else value_codec
+    if not isinstance(value_codec, Codec) or not value_codec.dense:
+        raise ValueError(
+            "`value_codec` must be a dense jaxcomp codec (e.g. jc.int_quant(4)), got "
+            f"{value_codec!r}"
+        )
+    if strategy not in ("allreduce", "allgather", "two_phase", "auto"):
+        raise ValueError(
+            "`strategy` must be 'two_phase', 'allgather', 'allreduce' or 'auto' with a shared "
+            f"`mask`, got {strategy!r}"
+        )
+    explore = check_fraction("explore", explore)
+    if explore and mask != "previous":
+        raise ValueError(f"`explore` applies to `mask`='previous', got `mask`={mask!r}")
+    feedback = shared_mask.shared_mask_feedback(
+        value_codec,
+        axis_name,
+        mask=mask,
+        density=density,
+        ef_decay=ef_decay,
+        min_size=min_size,
+        strategy=strategy,
+        explore=explore,
+    )
+    return feedback, value_codec
+
+
 def sparseloco(
     inner: optax.GradientTransformation,
     axis_name: Any,
@@ -256,11 +313,14 @@ def sparseloco(
     ef_decay: float = 0.5,
     outer: optax.GradientTransformation | None = None,
     averaging: str | None = None,
-    strategy: str = "allgather",
+    strategy: str | None = None,
     min_size: int = 1024,
     clip: bool = False,
     value_scale: str = "max",
     small_codec: Codec | None = None,
+    mask: str = "topk",
+    value_codec: Codec | None = None,
+    explore: float = 0.0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -312,7 +372,9 @@ def sparseloco(
         Templar's merge), ``"all"`` (the mean over every device: a coordinate one device
         sent counts ``1 / n``), or None (the default: ``"senders"`` with the all-gather,
         ``"all"`` with two-phase, which sums the payloads and cannot count senders).
-      strategy: ``"allgather"`` (every device's payload to every device, SparseLoCo's) or
+      strategy: None (the default: ``"allgather"`` with ``mask="topk"``, ``"two_phase"``
+        with a shared mask), ``"allgather"`` (every device's payload to every device,
+        SparseLoCo's) or
         ``"two_phase"`` (:func:`jaxcomp.compressed_allreduce`'s reduce-scatter style: each
         device owns ``1/n`` of every leaf, sums what the others sent of it, sends that sum
         again through the codec; its second error stays in a server residual, not decayed;
@@ -331,6 +393,21 @@ def sparseloco(
         4`` bytes for ``d`` values: little more than a top-k payload of a few values, whose
         indices and values are rounded up to whole uint32 words), with the same decayed
         error feedback, averaged over all devices. Only with ``strategy="allgather"``.
+      mask: which coordinates each device sends. ``"topk"`` (the default, SparseLoCo's):
+        its own chunked top-k, indices on the wire. Or a mask every device derives alone,
+        the same ``ceil(density d)`` coordinates of every leaf on every device, so no index
+        travels and the kept values are summed through ``value_codec`` and ``strategy``
+        (two-phase: about ``2 (n - 1) / n`` of the payload, not ``(n - 1)`` payloads):
+        ``"random"`` (drawn from a key shared by every device, folded with the sync count,
+        as ``jc.random_k``'s indices) or ``"previous"`` (the largest magnitudes of the
+        previous sync's merged update, a share ``explore`` of them drawn at random; random
+        at the first sync). With a shared mask ``chunk``, ``bits`` and ``value_scale`` are
+        unused, the mean is over all devices (``averaging`` None or ``"all"``), and
+        ``clip`` and ``small_codec`` are refused (module :mod:`jaxcomp._src.shared_mask`).
+      value_codec: with a shared mask, the dense codec of the kept values (default
+        ``jc.int_quant(4)``: 4 bits and a float32 scale per 256 values).
+      explore: with ``mask="previous"``, the share of the kept coordinates drawn at random
+        instead of from the previous update, in [0, 1) (default 0).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -352,6 +429,38 @@ def sparseloco(
     if outer is not None:
         outer = periodic.check_transform("outer", outer)
     sync_every, early = periodic.split_sync_every(periodic.check_common(sync_every)[0])
+    if shared_mask.check_mask(mask) != "topk":
+        feedback, codec = masked_feedback(
+            axis_name,
+            mask=mask,
+            density=density,
+            ef_decay=ef_decay,
+            min_size=min_size,
+            strategy="two_phase" if strategy is None else strategy,
+            averaging=averaging,
+            clip=clip,
+            small_codec=small_codec,
+            value_codec=value_codec,
+            explore=explore,
+        )
+        return periodic.make(
+            _Config(
+                name="sparseloco",
+                state_type=SparseLoCoState,
+                inner=inner,
+                axis_name=axis_name,
+                sync_every=sync_every,
+                outer=outer,
+                codec=codec,
+                error_feedback=None,
+                feedback=feedback,
+                early=early,
+            )
+        )
+    if value_codec is not None or explore != 0.0:
+        name = "value_codec" if value_codec is not None else "explore"
+        raise ValueError(f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'")
+    strategy = "allgather" if strategy is None else strategy
     chunk = check_int("chunk", chunk, 1, 2**30)
     if value_scale not in SCALES:
         raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")

@@ -1,0 +1,219 @@
+"""SparseLoCo's exchange through a mask shared by every device (``jc.sparseloco(mask=...)``):
+the same coordinates everywhere, no index on the wire, the kept values summed; bytes from the
+compiled step, error-feedback conservation, non-finite flags, the masks' choices."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import N, per_device, shard
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src import shared_mask
+from jaxcomp._src.shared_mask import SharedMaskState, shared_mask_feedback
+
+SIZES = (4096, 24)  # a masked leaf and, with min_size=64, a pmean'd one
+
+
+@functools.cache
+def exchange_step(mask: str, codec_name: str, strategy: str, min_size: int, decay: float = 0.5):
+    """One jitted exchange over 8 devices of two leaves: (means, memories, previous)."""
+    codec = {"int4": jc.int_quant(4), "identity": jc.identity()}[codec_name]
+    tx = shared_mask_feedback(
+        codec,
+        "data",
+        mask=mask,
+        density=0.05,
+        ef_decay=decay,
+        min_size=min_size,
+        strategy=strategy,
+        explore=0.25 if mask == "previous" else 0.0,
+    )
+
+    def step(d, e, prev, count):
+        memory = [None if m is None else m[0] for m in e]
+        state = SharedMaskState(memory, list(prev), count)
+        out, new = tx.update([x[0] for x in d], state)
+        mem = [None if m is None else m[None] for m in new.memory]
+        return [o[None] for o in out], mem, new.previous, new.count
+
+    def specs(x):
+        return jax.tree.map(lambda _: x, tx.init([jnp.zeros(s) for s in SIZES]).memory)
+
+    return tx, per_device(
+        step,
+        (P("data"), specs(P("data")), P(), P()),
+        (P("data"), specs(P("data")), P(), P()),
+    )
+
+
+def inputs(min_size: int, mask: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    d = [rng.standard_normal((N, s)).astype(np.float32) for s in SIZES]
+    e = [
+        rng.standard_normal((N, 1, s)).astype(np.float32) if s >= min_size else None for s in SIZES
+    ]
+    prev = [
+        rng.standard_normal(s).astype(np.float32) if s >= min_size and mask == "previous" else None
+        for s in SIZES
+    ]
+    return d, e, prev
+
+
+def run(mask, codec, strategy, min_size, d, e, prev, count=3, decay=0.5):
+    _, fn = exchange_step(mask, codec, strategy, min_size, decay)
+    args = (shard(d), shard(e), prev, np.int32(count))
+    return fn(*args), (fn, args)
+
+
+@pytest.mark.parametrize("mask", ["random", "previous"])
+def test_kept_coordinates_are_shared_summed_and_conserved(mask):
+    """Every device keeps the same ``ceil(0.05 d)`` coordinates; through an exact codec
+    (identity, all-reduce) the output there is the mean of the targets ``0.5 e + D``, 0
+    elsewhere; memory + sent = target on every device (sent = target on the mask); the small
+    leaf is the exact mean; every device holds the same output."""
+    d, e, prev = inputs(64, mask)
+    (out, memory, new_prev, count), _ = run(mask, "identity", "allreduce", 64, d, e, prev)
+    out0 = np.asarray(out[0])
+    assert np.all(out0 == out0[:1])
+    target = 0.5 * e[0][:, 0] + d[0]
+    mem = np.asarray(memory[0])[:, 0]
+    kept = mem == 0.0  # the sent coordinates: the memory there is target - target
+    assert np.all(kept == kept[:1]) and kept[0].sum() == shared_mask.kept(4096, 0.05) == 205
+    np.testing.assert_allclose(out0[0][kept[0]], target[:, kept[0]].mean(0), rtol=1e-5, atol=1e-6)
+    assert np.all(out0[0][~kept[0]] == 0.0)
+    np.testing.assert_array_equal(mem[:, ~kept[0]], target[:, ~kept[0]])
+    np.testing.assert_allclose(np.asarray(out[1])[0], d[1].mean(0), rtol=1e-6, atol=1e-7)
+    assert memory[1] is None and int(count) == 4
+    if mask == "previous":
+        # 154 of 205 from |previous| (its largest), 51 drawn from the rest
+        top = np.argsort(-np.abs(prev[0]))[:154]
+        assert np.all(kept[0][top]) and kept[0][np.argsort(-np.abs(prev[0]))[154:]].sum() == 51
+        np.testing.assert_array_equal(np.asarray(new_prev[0]), out0[0])
+
+
+def test_random_mask_changes_every_sync_and_is_uniform():
+    """The random mask folds in the sync count: two syncs keep different coordinates
+    (overlap about the density, 5%), each 205 of 4096."""
+    d, e, prev = inputs(64, "random")
+    masks = []
+    for count in (0, 1):
+        (_, memory, _, _), _ = run("random", "identity", "allreduce", 64, d, e, prev, count)
+        masks.append(np.asarray(memory[0])[0, 0] == 0.0)
+    assert masks[0].sum() == masks[1].sum() == 205
+    assert (masks[0] & masks[1]).sum() < 40
+
+
+def test_compiled_bytes_are_the_two_phase_arithmetic_and_no_index_travels():
+    """int4 two-phase: the compiled step sends ``(n - 1)`` rows of ``ceil(k / n)`` values
+    twice (all-to-all, all-gather of the owners' re-encoding): ``shared_mask.wire_bytes``;
+    nothing else of the masked leaf; with min_size=0 the small leaf is masked too."""
+    for min_size in (64, 0):
+        d, e, prev = inputs(min_size, "random")
+        _, (fn, args) = run("random", "int4", "two_phase", min_size, d, e, prev)
+        report = jc.comm_report(fn.fn, *args)
+        want = shared_mask.wire_bytes(list(SIZES), jc.int_quant(4), N, 0.05, min_size)
+        assert report.bytes_per_device == want
+    k = shared_mask.kept(4096, 0.05) + shared_mask.kept(24, 0.05)
+    assert k == 207 and -(-k // N) == 26  # rows of 26 kept values
+    assert want == 7 * 2 * (4 * 4 + 4)  # 26 int4 codes in 4 words and one scale, per row
+
+
+def test_int4_error_feedback_keeps_what_the_codec_dropped():
+    """Through int4 two-phase the memory is the target minus this device's int4 payload of
+    the kept values: bounded by half a quantization step there, the target elsewhere."""
+    d, e, prev = inputs(64, "random")
+    (out, memory, _, _), _ = run("random", "int4", "two_phase", 64, d, e, prev)
+    target = 0.5 * e[0][:, 0] + d[0]
+    mem = np.asarray(memory[0])[:, 0]
+    sent = target - mem
+    on = np.any(sent != 0, axis=0)
+    assert on.sum() == 205
+    assert np.all(np.abs(mem[:, on]) <= np.abs(target[:, on]).max() / 14 + 1e-6)
+    np.testing.assert_array_equal(mem[:, ~on], target[:, ~on])
+    # the output on the mask is the mean of the sent values, re-quantized once by its owner
+    out0 = np.asarray(out[0])[0]
+    err = np.abs(out0[on] - sent[:, on].mean(0)).max()
+    assert err <= np.abs(sent[:, on].mean(0)).max() / 14 + 1e-6 and np.all(out0[~on] == 0)
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_nonfinite_outside_the_mask_flags_the_sync_and_keeps_memories(where):
+    """A NaN on one device, in a coordinate the mask does not keep (where=0) or in the
+    pmean'd leaf (where=1): every output NaN, every memory as it was. A zero step with a
+    zero memory gives zeros, no NaN."""
+    d, e, prev = inputs(64, "random")
+    (_, memory, _, _), _ = run("random", "int4", "two_phase", 64, d, e, prev)
+    off = int(np.flatnonzero(np.asarray(memory[0])[0, 0] != 0.0)[0])  # not kept at count 3
+    bad = [x.copy() for x in d]
+    bad[where][5, off if where == 0 else 3] = np.nan
+    (out, after, _, count), _ = run("random", "int4", "two_phase", 64, bad, e, prev)
+    assert all(np.all(np.isnan(np.asarray(o))) for o in out)
+    np.testing.assert_array_equal(np.asarray(after[0]), e[0])
+    zeros = [np.zeros_like(x) for x in d]
+    (out, after, _, _), _ = run(
+        "random", "int4", "two_phase", 64, zeros, [np.zeros_like(e[0]), None], prev
+    )
+    assert all(np.all(np.asarray(o) == 0.0) for o in out) and np.all(np.asarray(after[0]) == 0)
+
+
+def test_sparseloco_shared_mask_trains_identical_replicas_and_checkpoints(tmp_path):
+    """``jc.sparseloco(mask="previous")`` end to end: after a sync every device holds the
+    same params; the state (memory, previous, count) restores from orbax and continues
+    bit-identically."""
+    import orbax.checkpoint as ocp
+
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    params = {"w": jnp.ones((64, 32)) * 0.1, "b": jnp.zeros((16,))}
+    tx = jc.sparseloco(optax.sgd(0.1), "data", 2, mask="previous", density=0.1, min_size=0)
+    replicas = jc.replica_params(params, mesh, "data")
+    state = jc.sharded_init(tx, params, mesh, "data")
+    specs = jc.state_specs(state, "data")
+    rspec = jax.tree.map(lambda _: P("data"), params)
+
+    def step(r, s, x):
+        p = jc.own(r)
+        g = jax.grad(lambda p: jnp.sum((p["w"] @ x[0]) ** 2) + jnp.sum(p["b"] * x[0][:16]))(p)
+        u, s = tx.update(g, s, p)
+        return jc.slot(optax.apply_updates(p, u)), s
+
+    fn = per_device(step, (rspec, specs, P("data")), (rspec, specs), mesh)
+    xs = shard(np.random.default_rng(0).standard_normal((N, 32)).astype(np.float32), mesh)
+    for _ in range(2):
+        replicas, state = fn(replicas, state, xs)
+    w = np.asarray(replicas["w"])
+    # the same anchor everywhere, up to the rounding of p + u (docs: jc.diloco)
+    assert np.abs(w - w[:1]).max() < 1e-6 and np.abs(w - 0.1).max() > 0.1
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "s", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "s", state)
+    a = fn(replicas, state, xs)
+    b = fn(replicas, restored, xs)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(mask="shared"), "mask"),
+        (dict(mask="random", averaging="senders"), "averaging"),
+        (dict(mask="random", clip=True), "clip"),
+        (dict(mask="random", small_codec=jc.sign()), "small_codec"),
+        (dict(mask="random", value_codec=jc.top_k(0.1)), "value_codec"),
+        (dict(mask="random", strategy="ring"), "strategy"),
+        (dict(mask="random", explore=0.5), "explore"),
+        (dict(mask="previous", explore=1.5), "explore"),
+        (dict(value_codec=jc.int_quant(4)), "value_codec"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kw, name):
+    with pytest.raises((ValueError, TypeError), match=f"`{name}`"):
+        jc.sparseloco(optax.sgd(0.1), "data", 2, **kw)

@@ -52,7 +52,11 @@ at 2 bits defined, not run). From the 1-bit row on 2 replicas, one change at a t
 ``ef_decay`` 0.3 and 0.8, an outer lr of 1.2 and 1.8, and the leaves under 1024 values as
 1-bit signs (``small_codec=jc.sign()``).
 ``--fidelity ... --muon --fidelity-codecs 3000x``: the codecs of those rows on a pseudo-gradient
-of Muon inside.
+of Muon inside. A coordinate mask shared by every replica (``mask="random"`` / ``"previous"``,
+1-bit values, two-phase) at 3000x on 8 and on 2 replicas; ``--fidelity-exchange START
+--replicas M``: what SparseLoCo's exchanges at 3000x (per-replica top-k, shared masks) keep of
+the mean of ``M`` replicas' pseudo-gradients (:func:`exchange_fidelity`); ``--block-energy
+NPY``: how the mean's energy is spread over blocks (:func:`block_energy`).
 
 ::
 
@@ -331,6 +335,12 @@ def _sign_mean() -> Any:
     return jc.sign("mean")
 
 
+def _int1() -> Any:
+    import jaxcomp as jc
+
+    return jc.int_quant(1)
+
+
 def _sparse_h30(m: int | None = None, outer_lr: float = 1.5, **kw: Any) -> lm.Recipe:
     """SparseLoCo at ``H = 30`` as tuned for 3000x: Muon inside at the held lr, outer SGD at
     lr ``outer_lr`` without momentum, every leaf compressed (``min_size=0`` unless ``kw``
@@ -423,6 +433,23 @@ RECIPES: dict[str, lm.Recipe] = {
     # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x; 2776x
     # on the held-out pair's model, whose small leaves weigh more).
     "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _sparse_h30(strategy="two_phase"),
+    # A coordinate mask shared by every replica (slice S4): no indices, the kept values summed
+    # (two-phase, about 2 (M - 1) / M of one payload instead of M - 1 payloads), here in 1
+    # bit (jc.int_quant(1): the sign at the mean magnitude of each 256 values). 3000x at
+    # H = 30 allows 1162 of 4096 on 8 replicas and 2038 on 2 (the arithmetic:
+    # jaxcomp._src.shared_mask.wire_bytes); these keep a margin.
+    "sparseloco-H30-muon-innerconst-random-d1150-int1-min0-outer1.5": _sparse_h30(
+        mask="random", density=1150 / 4096, value_codec=_int1
+    ),
+    "sparseloco-H30-muon-innerconst-previous-d1150-int1-min0-outer1.5": _sparse_h30(
+        mask="previous", density=1150 / 4096, value_codec=_int1
+    ),
+    "sparseloco-H30-M2-muon-innerconst-random-d2000-int1-min0-outer1.5": _sparse_h30(
+        2, mask="random", density=2000 / 4096, value_codec=_int1
+    ),
+    "sparseloco-H30-M2-muon-innerconst-previous-d2000-int1-min0-outer1.5": _sparse_h30(
+        2, mask="previous", density=2000 / 4096, value_codec=_int1
+    ),
     "diloco-int4-H30-innerconst-outerwarmup3": _h(30, inner=_inner_const, outer=_warmed(30)),
     "sparseloco-H30-innerconst": _h(30, inner=_inner_const, sparse=True),
     "diloco-int4-H30-M2-innerconst": _h(30, 2, inner=_inner_const),
@@ -1188,6 +1215,50 @@ def run_exchange_fidelity(largs: Any, replicas: int, start: int, h: int, tag: st
     return 0
 
 
+def block_energy(path: str, tag: str) -> int:
+    """``--block-energy NPY``: on the pseudo-gradients that ``--fidelity-exchange`` saved with
+    ``LM_SAVE_DELTAS=NPY`` (``[window, replica, value]``), the share of ``|mean_i D_i|^2`` of the
+    last window in the top ``p`` of its coordinates (known to no replica), and in the top
+    ``p`` of its blocks of 256 and 1024 values chosen by the block energy of the mean itself
+    (an oracle), by ``sum_i |D_i|^2`` per block (what one all-reduce of a float per block
+    gives every replica), by the previous window's mean, or at random (``p``, in
+    expectation); writes ``lm_TAG.json``."""
+    import numpy as np
+
+    deltas = np.load(path).astype(np.float64)
+    window, mean = deltas[-1], deltas[-1].mean(0)
+    total = float(np.sum(mean**2))
+    records = []
+    for p in (0.0757, 0.28):
+        top = np.sort(mean**2)[::-1][: int(p * mean.size)].sum() / total
+        records.append({"share": p, "block": 1, "oracle": float(top)})
+        for b in (256, 1024):
+            nb = mean.size // b
+
+            def per_block(x, nb=nb, b=b):
+                return (x[..., : nb * b].reshape(*x.shape[:-1], nb, b) ** 2).sum(-1)
+
+            energy, kb = per_block(mean), int(p * nb)
+
+            def kept(score, energy=energy, kb=kb):
+                return float(energy[np.argsort(-score)[:kb]].sum() / total)
+
+            records.append(
+                {
+                    "share": p,
+                    "block": b,
+                    "oracle": kept(energy),
+                    "sum_of_replica_energies": kept(per_block(window).sum(0)),
+                    "previous_mean": kept(per_block(deltas[-2].mean(0))),
+                    "random": p,
+                }
+            )
+            print(records[-1], flush=True)
+    path_out = common.result_path("lm_" + tag, False)
+    common.write_json(path_out, {"environment": common.environment(), "records": records})
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -1237,7 +1308,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0.5,
         help="--diagnose: the error feedback's decay of the SparseLoCo recipes diagnosed",
     )
+    ap.add_argument(
+        "--block-energy",
+        default=None,
+        help="the share of the mean pseudo-gradient's energy in the top blocks, from the NPY "
+        "that --fidelity-exchange saved (LM_SAVE_DELTAS=NPY)",
+    )
     args, rest = ap.parse_known_args(argv)
+    if args.block_energy:
+        return block_energy(args.block_energy, args.tag)
     if args.fidelity_exchange is not None:
         largs = lm.parse(["--tag", args.tag, *rest])
         return run_exchange_fidelity(

@@ -1296,6 +1296,56 @@ def _lm_zeros(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
+XFID_COMMAND = "python -m benchmarks.lm_diloco --fidelity-exchange 120 --replicas 8"
+
+
+def _lm_xfid(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --fidelity-exchange``: what each exchange's merged output keeps
+    of the mean of the replicas' pseudo-gradients at one sync (its memory carried from the
+    sync before), at the bytes per device of the compiled exchange."""
+    header = ["steps", "replicas", "exchange", "cosine with mean D", "‖out‖ / ‖mean D‖"]
+    header += ["left out", "left out at the best scale", "bytes per sync"]
+    rows = [
+        [
+            str(r["steps"]),
+            str(r["replicas"]),
+            r["exchange"],
+            f"{r['cosine']:.3f}",
+            f"{r['norm_ratio']:.3f}",
+            f"{100 * r['left_out']:.1f}%",
+            f"{100 * (1 - r['cosine'] ** 2):.1f}%",
+            _fmt(r["bytes_per_sync"]),
+        ]
+        for r in data["records"]
+    ]
+    command = data.get("environment", {}).get("command") or XFID_COMMAND
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
+def _lm_blocks(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --block-energy``: the share of the mean pseudo-gradient's
+    energy in the coordinates or blocks each rule keeps."""
+    header = ["kept", "unit", "the mean's own largest (oracle)", "by sum_i ‖D_i‖² per block"]
+    header += ["by the previous sync's mean", "at random"]
+
+    def pct(r: dict[str, Any], k: str) -> str:
+        return f"{100 * r[k]:.1f}%" if k in r else "–"
+
+    rows = [
+        [
+            f"{100 * r['share']:.2f}%",
+            "coordinates" if r["block"] == 1 else f"blocks of {r['block']}",
+            pct(r, "oracle"),
+            pct(r, "sum_of_replica_energies"),
+            pct(r, "previous_mean"),
+            pct(r, "random"),
+        ]
+        for r in data["records"]
+    ]
+    command = data.get("environment", {}).get("command") or "python -m benchmarks.lm_diloco"
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "convergence_diagnosis": (
         _convergence_diagnosis,
@@ -1314,6 +1364,8 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
     "lm_fidelity": (_lm_fidelity, FIDELITY_COMMAND),
     "lm_zeros": (_lm_zeros, FIDELITY_COMMAND + " --zeros"),
+    "lm_S4_xfid": (_lm_xfid, XFID_COMMAND),
+    "lm_S4_blocks": (_lm_blocks, "python -m benchmarks.lm_diloco --block-energy NPY"),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

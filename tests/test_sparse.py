@@ -157,6 +157,19 @@ def test_sampled_top_k_nonfinite_zero_and_small():
     )
 
 
+def test_sampled_top_k_under_x64_selects_as_without():
+    """With ``jax_enable_x64`` (scientific users turn it on) ``jnp.sum`` of int32 counts is
+    int64, so the sampled selection's count came out int64 beside an int32 rank and its
+    ``lax.cond`` refused to trace: jc.dgc (sampled top-k by default) could not run. The
+    counts now stay int32: the same indices with and without x64."""
+    codec = top_k(0.01, approx="sample")
+    x = normal(50_000)
+    want = np.asarray(jax.jit(codec.encode)(x, KEY)[0])
+    with jax.enable_x64(True):
+        got = np.asarray(jax.jit(codec.encode)(x, KEY)[0])
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("values", [None, "int8"])
 def test_blocked_top_k_sends_a_nonfinite_value_as_exact_top_k_does(values):
     """Exact top-k ranks NaN and inf first; the blocked selection's block maxima are taken

@@ -297,8 +297,8 @@ def _total(counts: jax.Array, row: int = 1024) -> jax.Array:
     per-block counts that produce it, XLA:CPU made the one-level sum a scalar loop 7x slower
     than the counts themselves (25M floats, blocks of 8)."""
     whole = counts.shape[0] // row * row
-    rows = jnp.sum(counts[:whole].reshape(-1, row), axis=1)
-    return jnp.sum(rows) + jnp.sum(counts[whole:])
+    rows = jnp.sum(counts[:whole].reshape(-1, row), axis=1, dtype=counts.dtype)
+    return jnp.sum(rows, dtype=counts.dtype) + jnp.sum(counts[whole:], dtype=counts.dtype)
 
 
 def _row_counts(flags: jax.Array) -> jax.Array:

@@ -43,7 +43,26 @@ Allocator settings (``--settings``): glibc reads its tunables when a process sta
 setting's rows are timed in a child process of its own, each against the copy timed in that
 process, one after another; the rows carry their ``setting``: its name where it has one
 (``NAME:VAR=VALUE,...``), else its variables with each file path cut to its file name (a
-temporary path names nothing once the run is over).
+temporary path names nothing once the run is over). ``--reuse-buffers`` with ``--settings``
+reuses freed memory in every setting's process.
+
+XLA:CPU's compile options (``XLA_FLAGS``, read when a process starts) are settings too, one
+process each, compared with XLA's defaults in one run; each row records the ``xla_flags`` it
+was compiled under (the collective timeouts of ``jaxcomp.cpu.use_cpu_devices`` left out)::
+
+    python -m benchmarks.hot_path --rows sign int8 fp16 --reps 9 --label xla_flags \
+        --settings default "vw512:XLA_FLAGS=--xla_cpu_prefer_vector_width=512" \
+        "fastmath:XLA_FLAGS=--xla_cpu_enable_fast_math=true"
+
+The same options per program, in one process (``--compile-options``: ``jax.jit``'s
+``compiler_options``, which apply to that program alone): each row is compiled once per set
+and the sets' calls are interleaved (call ``i`` of each in turn, the order turned by one each
+round, each on a gradient and a state of its own), so that a shared host's changing load
+falls on each alike; each row gets ``paired_ratio`` (``paired_cpu_ratio``), the median over
+calls of its time over the time of the first set's call beside it::
+
+    python -m benchmarks.hot_path --rows sign int8 fp16 --reps 15 --label per_program \
+        --compile-options default vw512:xla_cpu_prefer_vector_width=512
 
 Op by op (``--ops N``): after its timed calls, each row runs ``--op-calls`` more under
 ``jax.profiler.trace`` (a Perfetto trace; XLA:CPU records one event per thunk), and the JSON
@@ -341,8 +360,69 @@ def op_profile(fn, args, const, calls: int, instructions: dict, top: int) -> tup
     return ops, args
 
 
+def _time_row(mapped, fresh_grads, new_state, params, variants, reps: int, warmup: int):
+    """Per ``(name, compiler_options)`` of ``variants``: ``mapped`` jitted with those options
+    (the gradient and the state donated), compiled, and timed as :func:`timed` does, each on
+    a gradient and a state of its own; with several, their calls interleaved (call ``i`` of
+    each in turn, starting with a different one each round, so that none is always first),
+    so that a shared host's changing load falls on each alike. Returns per
+    variant (the jitted update, its compiled program, wall ms, CPU ms, minor faults)."""
+    import jax
+
+    updates, compiled, args = [], [], []
+    for _, opts in variants:
+        update = jax.jit(mapped, donate_argnums=(0, 1), compiler_options=opts or None)
+        grads, state = fresh_grads(), new_state()
+        compiled.append(update.lower(grads, state, params).compile())
+        updates.append(update)
+        args.append((grads, state))
+    measured = [([], [], []) for _ in variants]
+    for i in range(warmup + reps):
+        for j in range(len(updates)):  # call i of each, the order turned by one each round
+            k = (i + j) % len(updates)
+            update = updates[k]
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0, c0 = time.perf_counter(), time.process_time()
+            args[k] = jax.block_until_ready(update(*args[k], params))
+            if i >= warmup:
+                times, cpu, faults = measured[k]
+                times.append(1e3 * (time.perf_counter() - t0))
+                cpu.append(1e3 * (time.process_time() - c0))
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return [(u, c, *m) for u, c, m in zip(updates, compiled, measured, strict=True)]
+
+
+def parse_compile_options(spec: str) -> tuple[str, dict]:
+    """``'default'`` -> ``("default", {})``; ``NAME:option=value[,option=value]`` -> ``(NAME,
+    {option: value})``, each value ``true``/``false`` as a bool, digits as an int, else the
+    text (the ``compiler_options`` of ``jax.jit``: XLA's debug options, e.g.
+    ``vw512:xla_cpu_prefer_vector_width=512``)."""
+    if spec == "default":
+        return "default", {}
+    name, sep, rest = spec.partition(":")
+    pairs = [p.split("=", 1) for p in rest.split(",")] if sep else []
+    if not name or not pairs or not all(len(p) == 2 and p[0] for p in pairs):
+        raise ValueError(
+            f"--compile-options: {spec!r} is neither 'default' nor NAME:option=value[,...]"
+        )
+
+    def value(text: str):
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        return int(text) if text.lstrip("-").isdigit() else text
+
+    return name, {k: value(v) for k, v in pairs}
+
+
 def run(
-    sizes, names, reps: int, warmup: int, ops: int = 0, op_calls: int = 3, backend: str = "cpu"
+    sizes,
+    names,
+    reps: int,
+    warmup: int,
+    ops: int = 0,
+    op_calls: int = 3,
+    backend: str = "cpu",
+    compile_options: list[tuple[str, dict]] | None = None,
 ) -> dict:
     import warnings
 
@@ -382,6 +462,7 @@ def run(
         return timed(copy, (fresh_grads(),), reps, warmup, cpu=copy_cpu, faults=copy_faults)
 
     copy_ms = copy_times()
+    variants = compile_options or [("default", {})]
     rows = []
     for name in names:
         what, feedback, *rest = ROWS[name]
@@ -413,56 +494,59 @@ def run(
             def body(g, s, p, tx=tx):
                 return tx.update(jax.lax.pcast(g, AXIS, to="varying"), s, p)
 
-        update = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), specs)),
-            donate_argnums=(0, 1),
-        )
-        grads = fresh_grads()
-        compiled = update.lower(grads, state, params).compile()
-        memory = compiled.memory_analysis()
-        cpu: list[float] = []
-        faults: list[int] = []
-        times = timed(update, (grads, state), reps, warmup, const=(params,), cpu=cpu, faults=faults)
-        top_ops = []
-        if ops:
-            instructions = entry_instructions(compiled.as_text())
-            top_ops, _ = op_profile(
-                update,
-                (fresh_grads(), jc.sharded_init(tx, params, mesh, AXIS) if tx else ()),
-                (params,),
-                op_calls,
-                instructions,
-                ops,
-            )
-        row = {
-            "name": name,
-            "codec": what,
-            "error_feedback": feedback,
-            "memory_dtype": dtype[0] if dtype else "float32",
-            "fused": options.get("fuse_residuals", False),
-            # compiled, deterministic: buffers the update allocates / takes, in gradient copies
-            "temp_copies": memory.temp_size_in_bytes / (4 * n_params),
-            "argument_copies": memory.argument_size_in_bytes / (4 * n_params),
-            # bytes the compiled update's instructions read + write, in copies (a copy of the
-            # gradient reads and writes 4 bytes per parameter: 1)
-            "hlo_copies": hlo_traffic(compiled.as_text()) / (8 * n_params),
-            "update_ms": statistics.median(times),
-            "update_min_ms": min(times),
-            "times_ms": [round(t, 3) for t in times],
-            "update_cpu_ms": statistics.median(cpu),
-            "cpu_times_ms": [round(t, 3) for t in cpu],
-            # minor page faults per call (median), in pages of 4 KiB per gradient copy
-            "faults": statistics.median(faults),
-            "fault_copies": statistics.median(faults) * resource.getpagesize() / (4 * n_params),
-            "seconds": round(time.perf_counter() - t_start, 1),
-        }
-        if ops:
-            row["ops"] = top_ops  # the costliest instructions, ms per call (profiled calls)
-        rows.append(row)
-        print(f"{name:20s} {row['update_ms']:9.1f} ms", flush=True)
-        for op in top_ops:
-            print(f"    {op['ms']:8.2f} ms  {op['op']:34s} {op['shape']:24s} {op['op_name']}")
-        del update, state, compiled
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P()), out_specs=(P(), specs))
+
+        def new_state(tx=tx):
+            return jc.sharded_init(tx, params, mesh, AXIS) if tx else ()
+
+        timed_rows = _time_row(mapped, fresh_grads, new_state, params, variants, reps, warmup)
+        for (option_name, _), timed_row in zip(variants, timed_rows, strict=True):
+            update, compiled, times, cpu, faults = timed_row
+            memory = compiled.memory_analysis()
+            top_ops = []
+            if ops:
+                instructions = entry_instructions(compiled.as_text())
+                top_ops, _ = op_profile(
+                    update,
+                    (fresh_grads(), jc.sharded_init(tx, params, mesh, AXIS) if tx else ()),
+                    (params,),
+                    op_calls,
+                    instructions,
+                    ops,
+                )
+            row = {
+                "name": name,
+                "codec": what,
+                "error_feedback": feedback,
+                "memory_dtype": dtype[0] if dtype else "float32",
+                "fused": options.get("fuse_residuals", False),
+                # compiled, deterministic: buffers the update allocates / takes, in gradient
+                # copies
+                "temp_copies": memory.temp_size_in_bytes / (4 * n_params),
+                "argument_copies": memory.argument_size_in_bytes / (4 * n_params),
+                # bytes the compiled update's instructions read + write, in copies (a copy of
+                # the gradient reads and writes 4 bytes per parameter: 1)
+                "hlo_copies": hlo_traffic(compiled.as_text()) / (8 * n_params),
+                "update_ms": statistics.median(times),
+                "update_min_ms": min(times),
+                "times_ms": [round(t, 3) for t in times],
+                "update_cpu_ms": statistics.median(cpu),
+                "cpu_times_ms": [round(t, 3) for t in cpu],
+                # minor page faults per call (median), in pages of 4 KiB per gradient copy
+                "faults": statistics.median(faults),
+                "fault_copies": statistics.median(faults) * resource.getpagesize() / (4 * n_params),
+                "seconds": round(time.perf_counter() - t_start, 1),
+            }
+            if compile_options:
+                row["compile_options"] = option_name
+            if ops:
+                row["ops"] = top_ops  # the costliest instructions, ms per call (profiled calls)
+            rows.append(row)
+            print(f"{name:20s} {option_name:16s} {row['update_ms']:9.1f} ms", flush=True)
+            for op in top_ops:
+                print(f"    {op['ms']:8.2f} ms  {op['op']:34s} {op['shape']:24s} {op['op_name']}")
+            del update, compiled
+        del state, timed_rows
     copy_ms += copy_times()
     copy_median = statistics.median(copy_ms)
     copy_cpu_median = statistics.median(copy_cpu)
@@ -473,6 +557,13 @@ def run(
             min(row["times_ms"]) / copy_median,
             max(row["times_ms"]) / copy_median,
         ]
+    if compile_options:
+        first: dict[str, dict] = {}
+        for row in rows:  # each row against the first compile options' calls, pair by pair
+            base = first.setdefault(row["name"], row)
+            for key, times in (("paired_ratio", "times_ms"), ("paired_cpu_ratio", "cpu_times_ms")):
+                pairs = zip(row[times], base[times], strict=True)
+                row[key] = statistics.median(a / b for a, b in pairs)
     return {
         "params": n_params,
         "leaves": len(jax.tree.leaves(params)),
@@ -494,8 +585,11 @@ def draw(data: dict, path) -> None:
     rows = data["rows"]
 
     def one(ax):
-        several = len({r.get("setting") for r in rows}) > 1
-        names = [r["name"] + (f"\n{r['setting'][:28]}" if several else "") for r in rows]
+        several = len({(r.get("setting"), r.get("compile_options")) for r in rows}) > 1
+        names = [
+            r["name"] + (f"\n{r['setting'][:28]} {r.get('compile_options', '')}" if several else "")
+            for r in rows
+        ]
         vals = [r["copies"] for r in rows]
         ax.bar(np.arange(len(names)), vals, color="tab:blue")
         for i, v in enumerate(vals):
@@ -540,7 +634,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--reuse-buffers",
         action="store_true",
-        help="jaxcomp.cpu.reuse_large_buffers(): freed memory reused, no page faults",
+        help="jaxcomp.cpu.reuse_large_buffers(): freed memory reused, no page faults "
+        "(with --settings: in every setting's process)",
     )
     ap.add_argument(
         "--backend",
@@ -553,7 +648,8 @@ def main(argv=None) -> int:
         nargs="+",
         default=None,
         metavar="SETTING",
-        help="time the rows once per allocator setting, each in a process of its own: "
+        help="time the rows once per setting (an allocator, XLA_FLAGS), each in a process "
+        "of its own: "
         "'default' (none), 'reuse' (--reuse-buffers) or [NAME:]VAR=VALUE[,VAR=VALUE] "
         "environment variables (e.g. GLIBC_TUNABLES=glibc.malloc.hugetlb=1, "
         "jemalloc:LD_PRELOAD=/path/libjemalloc.so.2); the rows and the JSON name a setting "
@@ -566,15 +662,26 @@ def main(argv=None) -> int:
         help="values per chunk of the fused rows (fuse_residuals=True; None: "
         "jaxcomp._src.fused_residual.CHUNK)",
     )
+    ap.add_argument(
+        "--compile-options",
+        nargs="+",
+        default=None,
+        metavar="OPTIONS",
+        help="compile each row once per set of jax.jit compiler_options, 'default' (none) or "
+        "NAME:option=value[,option=value] (e.g. vw512:xla_cpu_prefer_vector_width=512), "
+        "their calls interleaved in one process; rows get paired_ratio against the first",
+    )
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.reps < 7 and not args.quick:
         ap.error("--reps must be at least 7 (or use --quick)")
-    for setting in args.settings or ():
-        try:
+    try:
+        for setting in args.settings or ():
             setting_env(setting)
-        except ValueError as e:
-            ap.error(str(e))
+        for spec in args.compile_options or ():
+            parse_compile_options(spec)
+    except ValueError as e:
+        ap.error(str(e))
     names = args.rows or (QUICK_ROWS if args.quick else list(ROWS))
     if args.settings:
         data = run_settings(args, names)
@@ -600,10 +707,15 @@ def run_here(args, names) -> dict:
 
     fused_residual.CHUNK = args.chunk or fused_residual.CHUNK
     sizes = QUICK_MLP if args.quick else common.MLP
-    data = run(sizes, names, args.reps, args.warmup, args.ops, args.op_calls, args.backend)
-    setting = "reuse" if reuse else os.environ.get("JAXCOMP_HOT_PATH_SETTING", "default")
+    compile_options = [parse_compile_options(c) for c in args.compile_options or ()]
+    data = run(
+        sizes, names, args.reps, args.warmup, args.ops, args.op_calls, args.backend, compile_options
+    )
+    setting = os.environ.get("JAXCOMP_HOT_PATH_SETTING") or ("reuse" if reuse else "default")
     for row in data["rows"]:
         row["setting"] = setting
+        row["xla_flags"] = compile_flags()
+        row["reuse_large_buffers"] = bool(reuse)
     return {
         "environment": common.environment(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],  # other work on the host
@@ -612,6 +724,17 @@ def run_here(args, names) -> dict:
         "chunk": fused_residual.CHUNK,  # values per chunk of the fused rows
         **data,
     }
+
+
+def compile_flags() -> str:
+    """This process's ``XLA_FLAGS`` less the collective timeouts that
+    ``jaxcomp.cpu.use_cpu_devices`` adds (they change no compiled program): the compile
+    options a row ran under ('' for XLA's defaults)."""
+    import jaxcomp.cpu
+
+    timeouts = {f.split("=")[0] for f in jaxcomp.cpu._FLAGS}
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if f.split("=")[0] not in timeouts)
 
 
 #: ``NAME:`` at the start of a setting, before its first ``VAR=`` (values may hold colons)
@@ -661,8 +784,9 @@ def run_settings(args, names) -> dict:
             command += ["--rows", *names, "--reps", str(args.reps), "--warmup", str(args.warmup)]
             command += ["--ops", str(args.ops), "--op-calls", str(args.op_calls)]
             command += ["--backend", args.backend] + ["--quick"] * args.quick
-            command += ["--reuse-buffers"] * (setting == "reuse")
+            command += ["--reuse-buffers"] * (setting == "reuse" or args.reuse_buffers)
             command += ["--chunk", str(args.chunk)] * bool(args.chunk)
+            command += ["--compile-options", *args.compile_options] * bool(args.compile_options)
             print(f"setting {name}:", flush=True)
             subprocess.run(command, env=env, check=True, cwd=common.ROOT)
             parts.append(json.loads(out.read_text()))
@@ -688,8 +812,10 @@ def report(data: dict) -> None:
     for s in data.get("settings", ()):
         print(f"  {s['setting']}: copy {s['copy_ms']:.2f} ms, {s['copy_faults']:.0f} faults")
     for r in data["rows"]:
+        setting = r["setting"] + (f" {r['compile_options']}" if "compile_options" in r else "")
+        paired = f" (x{r['paired_cpu_ratio']:.2f} CPU, paired)" if "paired_ratio" in r else ""
         print(
-            f"{r['name']:20s} {r['setting'][:24]:24s} {r['update_ms']:9.1f} ms "
+            f"{r['name']:20s} {setting[:24]:24s} {r['update_ms']:9.1f} ms{paired} "
             f"{r['copies']:7.1f} copies "
             f"(calls {r['copies_spread'][0]:.1f}-{r['copies_spread'][1]:.1f}; "
             f"CPU time {r['cpu_copies']:.1f}; page faults {r['faults']:.0f}; "

@@ -284,6 +284,28 @@ def test_hot_path_settings_parsed():
         main(["--quick", "--settings", "default", "hugetlb"])
 
 
+def test_hot_path_compile_options_parsed():
+    """``hot_path --compile-options``: 'default' compiles with none; ``NAME:option=value``
+    pairs become ``jax.jit``'s ``compiler_options`` (true/false as bools, digits as ints,
+    else text); an ``XLA_FLAGS`` setting keeps its flags, spaces and commas included."""
+    from benchmarks.hot_path import main, parse_compile_options, setting_env, setting_name
+
+    assert parse_compile_options("default") == ("default", {})
+    spec = "vw:xla_cpu_prefer_vector_width=512,xla_cpu_enable_fast_math=false,x=a,b"
+    assert parse_compile_options(spec.replace(",b", "")) == (
+        "vw",
+        {"xla_cpu_prefer_vector_width": 512, "xla_cpu_enable_fast_math": False, "x": "a"},
+    )
+    for bad in ("vw512", "vw:", ":a=1", "vw:=1", spec):
+        with pytest.raises(ValueError, match="--compile-options"):
+            parse_compile_options(bad)
+    with pytest.raises(SystemExit):  # argparse's error, before any jax work
+        main(["--quick", "--compile-options", "default", "vw512"])
+    flags = "x:XLA_FLAGS=--xla_a=1 --xla_b=c,d"
+    assert setting_env(flags) == {"XLA_FLAGS": "--xla_a=1 --xla_b=c,d"}
+    assert setting_name(flags) == "x"
+
+
 def test_max_abs_bit_exact():
     """``max_abs`` reduces the int32 bits of ``|x|``: the same floats as ``max(|x|)`` per row
     (+-0, subnormals, the largest float, inf), NaN in a row with a NaN, 0 for a zero row."""

@@ -500,7 +500,7 @@ def run(
             return jc.sharded_init(tx, params, mesh, AXIS) if tx else ()
 
         timed_rows = _time_row(mapped, fresh_grads, new_state, params, variants, reps, warmup)
-        for (option_name, _), timed_row in zip(variants, timed_rows, strict=True):
+        for (option_name, opts), timed_row in zip(variants, timed_rows, strict=True):
             update, compiled, times, cpu, faults = timed_row
             memory = compiled.memory_analysis()
             top_ops = []
@@ -539,6 +539,7 @@ def run(
             }
             if compile_options:
                 row["compile_options"] = option_name
+                row["compiler_options"] = " ".join(f"{k}={v}" for k, v in opts.items())
             if ops:
                 row["ops"] = top_ops  # the costliest instructions, ms per call (profiled calls)
             rows.append(row)

@@ -12,8 +12,9 @@ per program), deterministic facts against XLA's defaults, no timing:
   options differ in at most one object: register choices in the entry's call thunk);
 * the bits: ``--steps`` updates in a row (step 2 a NaN in one gradient value, step 4 an inf),
   each option set against the defaults: bytes of the outputs (the mean and the new state)
-  that differ, per step, and whether every float of the state stayed finite (a non-finite
-  gradient must leave the error-feedback memory as it was).
+  that differ, per step, the values that differ (a NaN equal to any NaN), and whether every
+  float of the state stayed finite (a non-finite gradient must leave the error-feedback
+  memory as it was).
 
 Which options help, timed, is ``python -m benchmarks.hot_path --compile-options ...`` (one
 process, calls interleaved) or ``--settings NAME:XLA_FLAGS=...`` (one process per setting);
@@ -36,6 +37,8 @@ import tempfile
 from benchmarks import common, hot_path
 
 DEFAULT_OPTIONS = [
+    # XLA's default level, set: the same program, which shows how much two compiles differ
+    "same_as_default:xla_backend_optimization_level=3",
     "vw512:xla_cpu_prefer_vector_width=512",
     "level2:xla_backend_optimization_level=2",
     "region_copies:xla_cpu_copy_insertion_use_region_analysis=true",
@@ -156,8 +159,14 @@ def run(sizes, names, specs, steps: int, folder: pathlib.Path) -> list[dict]:
                 "temp_copies": compiled.memory_analysis().temp_size_in_bytes / (4 * n_params),
                 **_code_summary(code, None if base is None else base["code"]),
                 "bytes_differing": None if base is None else _differing(outputs, base["out"]),
+                # the same, values (a NaN equal to any NaN)
+                "values_differing": None
+                if base is None
+                else _differing(outputs, base["out"], nan_equal=True),
                 "state_finite": [_finite(s) for _, s in outputs],
             }
+            row["steps_differing"] = _steps(row["values_differing"])  # the lists, for tables
+            row["state_finite_every_step"] = all(row["state_finite"])
             rows.append(row)
             if base is None:
                 base = {"hlo": _hlo_key(text), "code": code, "out": outputs}
@@ -165,7 +174,7 @@ def run(sizes, names, specs, steps: int, folder: pathlib.Path) -> list[dict]:
                 f"{name:26s} {option_name:18s} HLO same {row['hlo_same']!s:5s} "
                 f"objects differing {row['objects_differing']!s:4s} "
                 f"instructions {row['instructions']:6d} zmm {row['zmm_instructions']:5d} "
-                f"bytes differing {row['bytes_differing']}",
+                f"bytes differing {row['bytes_differing']} values {row['values_differing']}",
                 flush=True,
             )
     return rows
@@ -179,18 +188,30 @@ def _named(fn, name: str):
     return wrapped
 
 
-def _differing(outputs, base) -> list[int]:
-    """Per step, bytes of the outputs that differ from ``base``'s."""
+def _differing(outputs, base, nan_equal: bool = False) -> list[int]:
+    """Per step, bytes of the outputs that differ from ``base``'s (``nan_equal``: values
+    that differ, a NaN equal to any NaN, whatever its sign and payload bits)."""
     import jax
     import numpy as np
 
-    def raw(x):
-        return np.atleast_1d(np.asarray(x)).view(np.uint8)
+    def count(a, b):
+        a, b = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
+        if nan_equal:
+            same = (a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind == "f" else a == b
+            return int(np.sum(~same))
+        return int(np.sum(a.view(np.uint8) != b.view(np.uint8)))
 
     return [
-        int(sum(np.sum(raw(a) != raw(b)) for a, b in zip(*map(jax.tree.leaves, pair), strict=True)))
+        sum(count(a, b) for a, b in zip(*map(jax.tree.leaves, pair), strict=True))
         for pair in zip(outputs, base, strict=True)
     ]
+
+
+def _steps(counts: list[int] | None) -> str | None:
+    """The steps (from 0) whose count is not 0, as text ('none' where every count is 0)."""
+    if counts is None:
+        return None
+    return " ".join(str(t) for t, c in enumerate(counts) if c) or "none"
 
 
 def _finite(tree) -> bool:

@@ -572,6 +572,76 @@ def _exchange_cpu(data: dict[str, Any], path: pathlib.Path) -> str:
     )
 
 
+# ------------------------------------------------------------------- hot_path options
+
+
+def _hot_path_options(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``hot_path`` runs that compare XLA compile options (``--settings NAME:XLA_FLAGS=...``,
+    one process each, or ``--compile-options``, one process, calls interleaved): per row and
+    setting the update in copies of the copy timed in its process, wall and CPU time, and
+    with ``--compile-options`` the paired ratio to the first set."""
+    paired = any("paired_ratio" in r for r in data["rows"])
+    header = ["setting", "row", "copies", "CPU copies", "update ms", "update CPU ms"]
+    header += ["paired ratio", "paired CPU ratio"] if paired else ["copy ms"]
+    header += ["temp copies", "HLO copies", "faults"]
+    body = []
+    for r in data["rows"]:
+        setting = r.get("compile_options", r.get("setting", "–"))
+        cells = [f"`{setting}`", r["name"], _fmt(r["copies"]), _fmt(r["cpu_copies"])]
+        cells += [_fmt(r["update_ms"]), _fmt(r["update_cpu_ms"])]
+        if paired:
+            cells += [_fmt(r["paired_ratio"]), _fmt(r["paired_cpu_ratio"])]
+        else:
+            cells += [_fmt(r.get("setting_copy_ms", data["copy_ms"]))]
+        body.append(cells + [_fmt(r["temp_copies"]), _fmt(r["hlo_copies"]), _fmt(r["faults"])])
+    flags = {
+        r.get("compile_options", r.get("setting")): r.get("xla_flags", "") for r in data["rows"]
+    }
+    named = "; ".join(f"`{k}`: `{v}`" for k, v in flags.items() if v)
+    command = data["environment"].get("command", "")
+    if paired and "--compile-options" in command:
+        sets = command.split("--compile-options", 1)[1].split(" --")[0].split()
+        pairs = [s.split(":", 1) for s in sets if ":" in s]
+        named = "; ".join(f"`{name}`: `{options}`" for name, options in pairs)
+    reuse = {r.get("reuse_large_buffers") for r in data["rows"]} == {True}
+    load = [s["loadavg"][0] for s in data.get("settings", [])] or [data["loadavg"][0]]
+    intro = (
+        f"Host load {min(load)} to {max(load)}; freed memory "
+        f"{'reused (`--reuse-buffers`)' if reuse else 'not reused (default allocator)'}; "
+        f"{data['reps']} calls per row (median); copy {_fmt(data['copy_ms'])} ms"
+        f"{' (the first process)' if data.get('settings') else ''}."
+        + (f" {'Compile options' if paired else 'XLA_FLAGS'}: {named}." if named else "")
+    )
+    return f"{intro}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "python -m benchmarks.hot_path"
+    )
+
+
+def _xla_options(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``xla_options``: per row and set of compile options, the HLO and machine code against
+    XLA's defaults, and the steps whose outputs differ from the defaults' (NaN = NaN)."""
+    header = ["options", "row", "HLO same", "fusions", "HLO copies", "temp copies"]
+    header += ["instructions", "zmm", "objects differing", "steps differing", "state finite"]
+    body = [
+        [f"`{r['compile_options']}`", r["name"], _fmt(r["hlo_same"]), _fmt(r["fusions"]),
+         _fmt(r["hlo_copies"]), _fmt(r["temp_copies"]), _fmt(r["instructions"]),
+         _fmt(r["zmm_instructions"]),
+         "–" if r["objects_differing"] is None else f"{r['objects_differing']} / {r['objects']}",
+         _fmt(r["steps_differing"]), _fmt(r["state_finite_every_step"])]
+        for r in data["rows"]
+    ]  # fmt: skip
+    options = {r["compile_options"]: r["options"] for r in data["rows"] if r["options"]}
+    bad = ", ".join(f"step {k} a {v}" for k, v in data["bad_steps"].items())
+    intro = (
+        f"MLP {data['mlp']}, one CPU device; {bad} in one gradient value. Options: "
+        + "; ".join(f"`{k}`: `{v}`" for k, v in options.items())
+        + "."
+    )
+    return f"{intro}\n\n{_markdown((header, body))}\n\n" + _source(
+        path, data, "python -m benchmarks.xla_options"
+    )
+
+
 # --------------------------------------------------------------------------- overlap
 
 
@@ -1347,6 +1417,8 @@ def _lm_blocks(data: dict[str, Any], path: pathlib.Path) -> str:
 
 
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "hot_path_xla": (_hot_path_options, "python -m benchmarks.hot_path"),
+    "xla_options": (_xla_options, "python -m benchmarks.xla_options"),
     "convergence_diagnosis": (
         _convergence_diagnosis,
         "python -m benchmarks.convergence --label diagnosis --diagnose 50",

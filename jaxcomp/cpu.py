@@ -14,6 +14,8 @@ GPU/TPU.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +27,41 @@ _FLAGS = (
 
 
 def use_cpu_devices(n: int = 8) -> None:
-    """Ask for ``n`` CPU devices and the settings above. Call before jax creates its backends."""
+    """Ask for ``n`` CPU devices and the settings above. Call before jax creates its backends.
+
+    Warns where ``XLA_FLAGS`` holds a compile option that breaks jaxcomp's handling of
+    non-finite gradients (:func:`unsafe_xla_flags`)."""
     flags = os.environ.get("XLA_FLAGS", "")
+    for flag in unsafe_xla_flags(flags):
+        warnings.warn(
+            f"XLA_FLAGS sets {flag}: under it XLA:CPU folds away the checks that keep a "
+            "non-finite step out of jaxcomp's error-feedback memory (a NaN gradient then "
+            'corrupts it). Unset it; docs/benchmarks.md, "XLA:CPU\'s compile options".',
+            stacklevel=2,
+        )
     missing = [f for f in _FLAGS if f.split("=")[0] not in flags]
     os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
     jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+#: XLA:CPU options under which jaxcomp's updates no longer keep a non-finite step out of the
+#: error-feedback memory (measured: ``python -m benchmarks.xla_options``).
+_UNSAFE = re.compile(
+    r"--(xla_cpu_enable_fast_math)(?:=(?i:true|1))?(?=\s|$)"
+    r"|--(xla_cpu_experimental_ynn_fusion_type)=(?=\S)"
+)
+
+
+def unsafe_xla_flags(flags: str) -> list[str]:
+    """The flags of ``flags`` (an ``XLA_FLAGS`` value) that break jaxcomp's handling of a
+    non-finite gradient on XLA:CPU: ``--xla_cpu_enable_fast_math=true`` (XLA then folds
+    ``x != x`` to false, whatever ``xla_cpu_fast_math_honor_nans`` says, and the memory takes
+    a NaN step) and a non-empty ``--xla_cpu_experimental_ynn_fusion_type`` (other values on
+    every step; int8's memory non-finite after a NaN step)."""
+    return ["--" + (m.group(1) or m.group(2)) for m in _UNSAFE.finditer(flags)]
 
 
 def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -79,3 +79,27 @@ def test_hugetlb_tunable_cuts_page_faults():
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     counts = _faults("default", env)
     assert max(counts) <= 0.1 * PAGES, counts
+
+
+def test_unsafe_xla_flags_named_and_warned():
+    """``--xla_cpu_enable_fast_math=true`` (XLA folds the NaN checks away: the error-feedback
+    memory takes a NaN step) and a YNN fusion type are named; other flags, and fast math off,
+    are not; ``use_cpu_devices`` warns with the flag's name before jax starts."""
+    from jaxcomp.cpu import unsafe_xla_flags
+
+    fast, ynn = "--xla_cpu_enable_fast_math", "--xla_cpu_experimental_ynn_fusion_type"
+    for flags in (f"{fast}=true", f"{fast}=True --a=1", f"--a=1 {fast}", f"{fast}=1"):
+        assert unsafe_xla_flags(flags) == [fast], flags
+    assert unsafe_xla_flags(f"{ynn}=eltwise {fast}=true") == [ynn, fast]
+    for flags in ("", f"{fast}=false", f"{fast}_x=true", f"{ynn}=", "--xla_cpu_ftz=true"):
+        assert unsafe_xla_flags(flags) == [], flags
+    code = "import jaxcomp.cpu as c; c.use_cpu_devices(1)"
+    env = {**os.environ, "XLA_FLAGS": f"{fast}=true", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode != 0 and f"XLA_FLAGS sets {fast}" in proc.stderr, proc.stderr[-2000:]

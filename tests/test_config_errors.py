@@ -747,6 +747,14 @@ TRACE_CHECKS = [
     ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=0), ValueError),
     ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=1e6), TypeError),
     ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
+    # random-k with a key that differs per device (folded with the device index): each device
+    # would pick other coordinates and decode a different wrong mean.
+    (
+        "pmean",
+        "key",
+        lambda x: jc.pmean(x, "data", jc.random_k(0.1), key=_device_key()),
+        ValueError,
+    ),
     ("pmean", "axis_name", lambda x: jc.pmean(x, "model", S), ValueError),
     (
         "pmean",
@@ -851,6 +859,10 @@ TRACE_CHECKS = [
         TypeError,
     ),
 ]
+
+
+def _device_key():
+    return jax.random.fold_in(jax.random.key(0), jax.lax.axis_index("data"))
 
 
 def _update(grads):

@@ -10,6 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` may differ between devices: jax's
+    varying-manual-axes type (``jax.typeof(x).vma``), empty where jax does not track it."""
+    aval = jax.typeof(x)  # also reads a ShapeDtypeStruct (e.g. from jax.eval_shape)
+    vma = getattr(aval, "vma", None)
+    for kind in ("manual_axis_type", "mat"):  # the names of jax 0.10+
+        if vma is None:
+            vma = getattr(getattr(aval, kind, None), "varying", None)
+    return frozenset(vma or ())
+
 
 def axis_names(*axes: Any) -> tuple:
     """Flatten axis names (a name, a tuple of names, or None) into one tuple."""

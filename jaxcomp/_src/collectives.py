@@ -118,6 +118,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_axes,
     check_axis_name,
     check_mesh_axis,
+    varying_axes,
 )
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import (
@@ -238,8 +239,25 @@ def device_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array
             raise ValueError(f"{codec.name} is stochastic: pass `key=` (a PRNG key)")
         return None
     if codec.shared_randomness:
+        check_shared_key(key, codec, axis_name)
         return key
     return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def check_shared_key(key: jax.Array, codec: Codec, axis_name: Any) -> None:
+    """Refuse a key that differs between the devices of ``axis_name`` where the codec needs
+    the same one everywhere (random-k: every device must pick the same indices, or the summed
+    payloads add values of different coordinates and each device decodes its own indices: a
+    different wrong mean on each). Read from jax's varying-axes type, so under
+    ``check_vma=True`` only (``pmap`` and ``check_vma=False`` carry no such type)."""
+    varying = sorted(varying_axes(key) & set(axis_names(axis_name)), key=str)
+    if varying:
+        raise ValueError(
+            f"`key` differs between the devices of axis {varying} (it varies over them: "
+            f"e.g. folded with jax.lax.axis_index), but {codec.name} needs the same key on "
+            "every device, so that all pick the same coordinates. Pass the key as it is: "
+            "jaxcomp folds in the device index itself where a codec wants independent noise."
+        )
 
 
 # --------------------------------------------------------------------------- strategies

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxcomp._src import collectives, finite, server
 from jaxcomp._src import layout as layouts
+from jaxcomp._src.axes import varying_axes  # noqa: F401  (re-exported)
 
 
 def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name: Any = None) -> int:
@@ -61,17 +62,6 @@ def check_real(name: str, updates: Any) -> None:
 
 
 # --------------------------------------------------------------------------- varying axes (vma)
-
-
-def varying_axes(x: Any) -> frozenset:
-    """The manual mesh axes over which ``x`` may differ between devices: jax's
-    varying-manual-axes type (``jax.typeof(x).vma``), empty where jax does not track it."""
-    aval = jax.typeof(x)  # also reads a ShapeDtypeStruct (e.g. from jax.eval_shape)
-    vma = getattr(aval, "vma", None)
-    for kind in ("manual_axis_type", "mat"):  # the names of jax 0.10+
-        if vma is None:
-            vma = getattr(getattr(aval, kind, None), "varying", None)
-    return frozenset(vma or ())
 
 
 def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:

@@ -107,15 +107,19 @@ def make_step(mesh, opt_specs, reduce_plain: bool):
 
     ``opt_specs``: ``jc.nnx_state_specs(optimizer, "data")``. ``jax.lax.pcast`` makes the
     replicated params per-device before ``nnx.grad``: without it jax would all-reduce every
-    gradient in float32 (and jaxcomp refuses the summed gradients). ``reduce_plain``: the
+    gradient in float32 (and jaxcomp refuses the summed gradients). Only the ``nnx.Param``
+    state is pcast, and what the forward writes elsewhere (RNG counts, BatchNorm statistics)
+    is written back to ``model``: a pcast of the whole model would drop it. ``reduce_plain``: the
     uncompressed baseline, ``lax.pmean`` of the gradients before a plain optax optimizer.
     """
 
     @nnx.jit(donate_argnums=(0, 1))
     @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P(AXIS), P(AXIS)), out_specs=P())
     def step(model, optimizer, x, y):
-        local = jax.lax.pcast(model, AXIS, to="varying")
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        local = nnx.merge(graphdef, jax.lax.pcast(params, AXIS, to="varying"), rest)
         loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+        nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))  # RNG counts, BatchNorm
         if reduce_plain:
             grads = jax.lax.pmean(grads, AXIS)
         optimizer.update(model, grads)  # jaxcomp's exchange averages the gradients

@@ -71,10 +71,15 @@ def nnx_step(opt_specs, check_vma=True, pcast=True):
         check_vma=check_vma,
     )
     def step(model, optimizer, x, y):
-        local = jax.lax.pcast(model, AXIS, to="varying") if pcast else model
-        grads = nnx.grad(loss_fn)(local, x, y)
+        local = model
+        if pcast:  # only the Params per device: what the forward writes elsewhere is kept
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+            local = nnx.merge(graphdef, jax.lax.pcast(params, AXIS, to="varying"), rest)
+        loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+        nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))
+        nnx.update(model, jax.lax.pmean(nnx.state(model, nnx.BatchStat), AXIS))
         optimizer.update(model, grads)
-        return jnp.zeros(())
+        return jax.lax.pmean(loss, AXIS)
 
     return step
 
@@ -138,6 +143,34 @@ def test_nnx_state_specs_shard_exactly_the_per_device_fields():
     _, state = nnx.split((model, optimizer))
     with pytest.raises(ValueError, match=r"jc\.nnx_state_specs\(optimizer, 'data'\)"):
         jc.state_specs(state, AXIS)  # nnx.split flattened the state types: refused
+
+
+class DropoutMLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(16, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
+
+
+def test_rng_counts_and_batch_stats_written_by_the_forward_are_kept():
+    """The documented step pcasts only the Params: Dropout draws a new mask every step and
+    BatchNorm's running mean moves (the mean over devices). A pcast of the whole model
+    dropped both without an error: at lr 0 the loss was the same every step, count 0."""
+    model = DropoutMLP(nnx.Rngs(0, dropout=1))
+    tx = optax.chain(jc.compressed_allreduce(jc.int_quant(8), AXIS, min_size=16), optax.sgd(0.0))
+    optimizer = jc.nnx_optimizer(model, tx, mesh(), AXIS)
+    step = nnx_step(jc.nnx_state_specs(optimizer, AXIS))
+    x, y = batches()[0]
+    want_mean = 0.01 * np.asarray(model.hidden(x)).mean(0)  # momentum 0.99, from 0
+    losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
+    assert len(set(losses)) == 3, losses  # a new dropout mask each step (the params stay)
+    assert int(model.drop.rngs.count.get_value()) == 3
+    mean = np.asarray(model.norm.mean.get_value())
+    np.testing.assert_allclose(mean, want_mean * (1 + 0.99 + 0.99**2), rtol=1e-4, atol=1e-7)
 
 
 def test_naive_nnx_optimizer_is_refused_with_the_fix_named():

@@ -52,6 +52,11 @@ def nnx_optimizer(
     checkpoints like any NNX state. The model's ``wrt`` variables and the step count are
     placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them.
 
+    Only the ``nnx.Param`` state is ``pcast`` in the step: ``jax.lax.pcast(model, ...)``
+    returns a copy whose other variables (Dropout's RNG counts, BatchNorm's statistics) are
+    its own, and what the forward writes there would be dropped without an error (the same
+    dropout mask every step); ``nnx.update`` writes it back into ``model`` (docs/flax.md).
+
     The state is the per-device inits stacked along the device axis,
     ``s_0 = (init_1(params), ..., init_n(params))``: exactly
     ``jc.sharded_init(tx, params, mesh, axis_name)`` on the pure params.
@@ -78,8 +83,11 @@ def nnx_optimizer(
       @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P("data"), P("data")),
                      out_specs=P())
       def train_step(model, optimizer, x, y):
-          local = jax.lax.pcast(model, "data", to="varying")  # no implicit sum of grads
+          graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+          params = jax.lax.pcast(params, "data", to="varying")  # no implicit sum of grads
+          local = nnx.merge(graphdef, params, rest)
           loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+          nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))  # RNG counts, BatchNorm
           optimizer.update(model, grads)
           return jax.lax.pmean(loss, "data")
 

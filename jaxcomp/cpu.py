@@ -34,9 +34,9 @@ def use_cpu_devices(n: int = 8) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     for flag in unsafe_xla_flags(flags):
         warnings.warn(
-            f"XLA_FLAGS sets {flag}: under it XLA:CPU folds away the checks that keep a "
-            "non-finite step out of jaxcomp's error-feedback memory (a NaN gradient then "
-            'corrupts it). Unset it; docs/benchmarks.md, "XLA:CPU\'s compile options".',
+            f"XLA_FLAGS sets {flag}: under it XLA:CPU no longer detects a non-finite step in "
+            "jaxcomp's updates, and a NaN gradient corrupts the error-feedback memory. Unset "
+            'it; docs/benchmarks.md, "XLA:CPU\'s compile options".',
             stacklevel=2,
         )
     missing = [f for f in _FLAGS if f.split("=")[0] not in flags]
@@ -58,9 +58,10 @@ _UNSAFE = re.compile(
 def unsafe_xla_flags(flags: str) -> list[str]:
     """The flags of ``flags`` (an ``XLA_FLAGS`` value) that break jaxcomp's handling of a
     non-finite gradient on XLA:CPU: ``--xla_cpu_enable_fast_math=true`` (XLA then folds
-    ``x != x`` to false, whatever ``xla_cpu_fast_math_honor_nans`` says, and the memory takes
-    a NaN step) and a non-empty ``--xla_cpu_experimental_ynn_fusion_type`` (other values on
-    every step; int8's memory non-finite after a NaN step)."""
+    ``x * 0`` to 0, whatever ``xla_cpu_fast_math_honor_nans`` and ``_infs`` say, so the
+    finiteness flag ``sum(x * 0)`` is always 0 and the memory takes a NaN step) and a
+    non-empty ``--xla_cpu_experimental_ynn_fusion_type`` (other values on every step; int8's
+    memory non-finite after a NaN step)."""
     return ["--" + (m.group(1) or m.group(2)) for m in _UNSAFE.finditer(flags)]
 
 

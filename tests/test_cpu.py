@@ -82,9 +82,10 @@ def test_hugetlb_tunable_cuts_page_faults():
 
 
 def test_unsafe_xla_flags_named_and_warned():
-    """``--xla_cpu_enable_fast_math=true`` (XLA folds the NaN checks away: the error-feedback
-    memory takes a NaN step) and a YNN fusion type are named; other flags, and fast math off,
-    are not; ``use_cpu_devices`` warns with the flag's name before jax starts."""
+    """``--xla_cpu_enable_fast_math=true`` (XLA folds ``x * 0``, jaxcomp's finiteness flag,
+    to 0: the error-feedback memory takes a NaN step) and a YNN fusion type are named; other
+    flags, and fast math off, are not; ``use_cpu_devices`` warns with the flag's name before
+    jax starts."""
     from jaxcomp.cpu import unsafe_xla_flags
 
     fast, ynn = "--xla_cpu_enable_fast_math", "--xla_cpu_experimental_ynn_fusion_type"
@@ -103,3 +104,21 @@ def test_unsafe_xla_flags_named_and_warned():
         env=env,
     )
     assert proc.returncode != 0 and f"XLA_FLAGS sets {fast}" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_fast_math_folds_the_finiteness_flag():
+    """Why ``--xla_cpu_enable_fast_math=true`` is unsafe with jaxcomp: XLA:CPU folds ``x * 0``
+    to 0 under it (the honor flags left true), so ``sum(x * 0)``, the flag that is NaN exactly
+    when ``x`` holds a NaN or an inf, reads finite. Per program here (``compiler_options``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def flag_is_nan(x):
+        return jnp.isnan(jnp.sum(x * jnp.zeros([], x.dtype)))
+
+    x = jnp.array([np.nan, 1.0, np.inf], jnp.float32)
+    fast = {"xla_cpu_enable_fast_math": True, "xla_cpu_fast_math_honor_nans": True}
+    assert bool(jax.jit(flag_is_nan)(x)) is True
+    assert bool(jax.jit(flag_is_nan, compiler_options=fast)(x)) is False
+    assert bool(jax.jit(jnp.isnan, compiler_options=fast)(x)[0]) is True  # isnan alone stays

@@ -181,3 +181,30 @@ def test_empty_tree_through_the_adam_recipes(name):
     for _ in range(2):  # the warm-up step, then a compressed one
         out, state = f(state)
         assert out == {}
+
+
+@pytest.mark.parametrize("mask", ["random", "previous"])
+def test_empty_leaf_through_sparseloco_shared_masks(mask):
+    """``jc.sparseloco(mask="random" | "previous", min_size=0)`` with an empty leaf in the
+    params: the leaf keeps no memory and comes back empty, the other leaf is synced (its
+    shared-mask values flagged a NaN into the first kept value, which an empty leaf lacks:
+    IndexError while tracing before)."""
+    tx = jc.sparseloco(optax.sgd(LR), "data", 1, mask=mask, min_size=0)
+    m = mesh()
+    params = shard(PARAMS, m, P())
+    replicas = jc.replica_params(params, m, "data")
+    state = jc.sharded_init(tx, params, m, "data")
+    specs, rspecs = jc.state_specs(state, "data"), jc.replica_specs(PARAMS, "data")
+
+    def step(r, s, g):
+        p = jc.own(r)
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return jc.slot(optax.apply_updates(p, u)), s
+
+    f = per_device(step, (rspecs, specs, P("data")), (rspecs, specs), m)
+    g = {"w": np.ones((N, 4, 6), np.float32), "e": np.zeros((N, 0, 3), np.float32)}
+    replicas, state = f(replicas, state, shard(g, m))
+    assert replicas["e"].shape == (N, 0, 3)
+    w = np.asarray(replicas["w"])
+    assert np.isfinite(w).all() and (w == w[:1]).all()  # synced: the same on every device
+    assert (w != PARAMS["w"]).any()  # and moved

@@ -43,3 +43,15 @@ def test_local_sgd_passes_the_strategy():
     # auto at 8 devices: two_phase, whose chunk owners keep a server residual; allgather none.
     assert auto.server_residual is not None
     assert exchange_state(gathered).server_residual is None
+
+
+@pytest.mark.parametrize("mask", ["topk", "random"])
+def test_sparseloco_warns_by_its_own_min_size(mask):
+    """``jc.sparseloco`` builds its exchange itself; the nothing-compressed warning read the
+    codec exchange's default ``min_size`` (1024) instead of sparseloco's, so it told a user
+    who had passed ``min_size=0`` to pass ``min_size=0``. It warns at the default only."""
+    with pytest.warns(UserWarning, match=r"compresses none of the params.*min_size=1024"):
+        exchange_state(jc.sparseloco(optax.sgd(0.1), "data", 4, mask=mask))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exchange_state(jc.sparseloco(optax.sgd(0.1), "data", 4, mask=mask, min_size=0))

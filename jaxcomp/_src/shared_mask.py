@@ -114,8 +114,8 @@ def shared_mask_feedback(
     keeps every memory (the caller freezes the state on it).
     """
 
-    def masked(x) -> bool:
-        return jnp.size(x) >= min_size
+    def masked(x) -> bool:  # an empty leaf keeps nothing: its own mean, no collective
+        return jnp.size(x) >= max(min_size, 1)
 
     def init_fn(leaves):
         memory = [jnp.zeros((1, *jnp.shape(x)), F32) if masked(x) else None for x in leaves]

@@ -455,6 +455,7 @@ def sparseloco(
                 error_feedback=None,
                 feedback=feedback,
                 early=early,
+                options=(("min_size", min_size),),  # read by init's nothing-compressed warning
             )
         )
     if value_codec is not None or explore != 0.0:
@@ -494,5 +495,6 @@ def sparseloco(
         error_feedback=None,
         feedback=feedback,
         early=early,
+        options=(("min_size", min_size),),  # read by init's nothing-compressed warning
     )
     return periodic.make(cfg)

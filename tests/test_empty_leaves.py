@@ -183,13 +183,22 @@ def test_empty_tree_through_the_adam_recipes(name):
         assert out == {}
 
 
-@pytest.mark.parametrize("mask", ["random", "previous"])
-def test_empty_leaf_through_sparseloco_shared_masks(mask):
-    """``jc.sparseloco(mask="random" | "previous", min_size=0)`` with an empty leaf in the
-    params: the leaf keeps no memory and comes back empty, the other leaf is synced (its
-    shared-mask values flagged a NaN into the first kept value, which an empty leaf lacks:
-    IndexError while tracing before)."""
-    tx = jc.sparseloco(optax.sgd(LR), "data", 1, mask=mask, min_size=0)
+SPARSELOCO_EDGES = {
+    "random": dict(mask="random", min_size=0),
+    "previous": dict(mask="previous", min_size=0),
+    "clip": dict(clip=True, min_size=0),
+    "small_codec-clip": dict(small_codec=jc.sign(), clip=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(SPARSELOCO_EDGES))
+def test_empty_leaf_through_sparseloco_shared_masks(variant):
+    """``jc.sparseloco`` with an empty leaf in the params, through its shared masks
+    (``min_size=0``) and its clipping: the leaf comes back empty, the other leaf is synced.
+    Before, the shared masks flagged a NaN into the first kept value, which an empty leaf
+    lacks (IndexError while tracing), and ``clip=True`` took the max of its empty norm
+    ("zero-size array to reduction operation max")."""
+    tx = jc.sparseloco(optax.sgd(LR), "data", 1, **SPARSELOCO_EDGES[variant])
     m = mesh()
     params = shard(PARAMS, m, P())
     replicas = jc.replica_params(params, m, "data")

@@ -82,8 +82,8 @@ def sparse_feedback(
             d.astype(F32) if m is None else ef_decay * m[0] + d.astype(F32)
             for d, m in zip(deltas, state.memory, strict=True)
         ]
-        sends = [
-            t * clip_factor(leaf_codec(t), t, d) if clip and m is not None else t
+        sends = [  # an empty leaf sends nothing: nothing to clip (its norm has no max)
+            t * clip_factor(leaf_codec(t), t, d) if clip and m is not None and t.size else t
             for t, d, m in zip(targets, deltas, state.memory, strict=True)
         ]
         out = sparse_exchange.exchange(

@@ -23,7 +23,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import mesh
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -952,6 +952,11 @@ def test_docs_table_and_tested_checks_agree():
             test_mask_of_wrong_structure_says_so
         ),
         (update, "param_specs", ValueError): test_explicit_model_axis_says_so,
+        (
+            "compressed_allreduce / sgd, dgc, powersgd with inner_axis_name (update)",
+            "state",
+            ValueError,
+        ): test_hierarchical_state_over_the_wrong_axes_is_refused_naming_the_right_ones,
         ("OverlappedStep.__call__", "state", ValueError): _overlap_reuse_test(),
     }
     assert all(test.__name__.startswith("test_") for test in elsewhere.values())
@@ -995,6 +1000,53 @@ def test_state_for_other_params_says_so(name):
     grads = {"w": jax.ShapeDtypeStruct((8, 24, 32), jnp.float32)}
     with pytest.raises(ValueError, match=r"initialized for other params"):
         in_shard_map(lambda g: tx.update(g, state)[0], grads)
+
+
+@pytest.mark.parametrize(
+    "name,state_axes,match",
+    [
+        (
+            "sgd",
+            "host",
+            r"replicated over axis \('host', 'local'\).*sharded_init\(tx, params, "
+            r"mesh, \('host', 'local'\)\)",
+        ),
+        (
+            "dgc",
+            ("host", "local"),
+            r"`inner_axis_name`='local'.*sharded_init\(tx, params, mesh, "
+            r"'host'\)",
+        ),
+        ("powersgd", ("host", "local"), r"`inner_axis_name`='local'.*state_specs\(state, 'host'\)"),
+    ],
+)
+def test_hierarchical_state_over_the_wrong_axes_is_refused_naming_the_right_ones(
+    name, state_axes, match
+):
+    """jc.sgd / compressed_allreduce keep a memory per device of both axes (each owns its
+    chunk), DGC and PowerSGD one per host (they average the inner axis first). The other
+    layout failed in shard_map's out_specs check with no word of the fix: now refused at
+    trace time, the right axes named."""
+    tx = {
+        "sgd": lambda: jc.sgd(0.1, jc.int_quant(8), "host", inner_axis_name="local", min_size=1),
+        "dgc": lambda: jc.dgc(0.1, "host", inner_axis_name="local", min_size=1, warmup_steps=0),
+        "powersgd": lambda: jc.powersgd(2, "host", inner_axis_name="local", min_size=1),
+    }[name]()
+    params = {"w": jnp.zeros((32, 40))}
+    m = jax.make_mesh((2, 4), ("host", "local"), axis_types=(AxisType.Explicit,) * 2)
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, state_axes), params)
+    specs = jc.state_specs(state, state_axes)
+    step = jax.shard_map(
+        lambda g, s: tx.update({"w": g[0]}, s, params),
+        mesh=m,
+        in_specs=(P(("host", "local")), specs),
+        out_specs=(P(), specs),
+    )
+    g = jax.ShapeDtypeStruct(
+        (8, 32, 40), jnp.float32, sharding=NamedSharding(m, P(("host", "local")))
+    )
+    with pytest.raises(ValueError, match=match):
+        jax.jit(step).trace(g, state)
 
 
 @pytest.mark.parametrize("name", sorted(_transforms()))

@@ -470,8 +470,10 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
+        # With inner_axis_name each device owns its own chunk: per-device over both axes.
+        per_device = axis_name if inner_axis_name is None else every_axis
         skeleton.check_state(
-            "compressed_allreduce", state, lambda: fields(layout), layout, flat, axis_name
+            "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device
         )
         grads = layouts.compressed_vectors(updates, layout)
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)

@@ -550,6 +550,7 @@ def powersgd(
         skeleton.check_state(
             "powersgd", state, lambda: fields(p, jax.random.PRNGKey(0)), p.layout, False, axis_name
         )
+        skeleton.check_per_host("powersgd", state, axis_name, inner_axis_name)
         key, step_key = jax.random.split(state.key)
         plain = _flat([a.astype(jnp.float32) for a in _leaves_of(updates, p.layout, layouts.PLAIN)])
         ms = _stack(p, _leaves_of(updates, p.layout, layouts.COMPRESSED), lambda g: (g.n, g.m))

@@ -204,6 +204,30 @@ def check_per_device(name: str, state: Any, axis_name: Any) -> None:
             )
 
 
+def check_per_host(name: str, state: Any, axis_name: Any, inner_axis_name: Any) -> None:
+    """Refuse per-device fields that vary over ``inner_axis_name`` where the transform keeps
+    one value per device of ``axis_name`` (``check_vma=True``): DGC and PowerSGD average
+    the gradients over the inner axis first, so their memories, and PowerSGD's replicated
+    ``Q``, are the same on every device of a host; built over both axes they would leave
+    the step typed per device, an output ``shard_map`` cannot return replicated."""
+    fields = getattr(type(state), "PER_DEVICE_FIELDS", ())
+    if inner_axis_name is None or not fields or not tracks_variance(inner_axis_name):
+        return
+    inner = set(collectives.axis_names(inner_axis_name))
+    for field in fields:
+        leaves = jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]
+        bad = [jax.tree_util.keystr(p) for p, a in leaves if inner & varying_axes(a)]
+        if bad:
+            raise ValueError(
+                f"{name} state field `{field}` varies over `inner_axis_name`="
+                f"{inner_axis_name!r} (at {_short(bad)}), but {name} averages the gradients "
+                f"over {inner_axis_name!r} first and keeps one state per device of "
+                f"`axis_name`={axis_name!r}. Build the state over {axis_name!r} only: "
+                f"jc.sharded_init(tx, params, mesh, {axis_name!r}) and "
+                f"jc.state_specs(state, {axis_name!r}) (not both axes)."
+            )
+
+
 def zeros_like_compressed(
     layout: layouts.Layout, shape_fn: Callable | None = None, dtype: Any = jnp.float32
 ) -> Any:

@@ -246,6 +246,53 @@ def exchange_feedback(
     return decayed(ex, ef_decay)
 
 
+def topk_feedback(
+    axis_name: Any,
+    *,
+    density: Any,
+    chunk: Any,
+    bits: Any,
+    ef_decay: Any,
+    averaging: Any,
+    strategy: Any,
+    min_size: Any,
+    clip: Any,
+    value_scale: Any,
+    small_codec: Any,
+    value_codec: Any,
+    explore: Any,
+) -> tuple[optax.GradientTransformation, Codec]:
+    """:func:`sparseloco`'s exchange of each device's own chunked top-k
+    (:func:`exchange_feedback`) and its codec, after checking the arguments (errors naming
+    each; ``value_codec`` and ``explore`` belong to a shared mask and are refused)."""
+    if value_codec is not None or explore != 0.0:
+        name = "value_codec" if value_codec is not None else "explore"
+        raise ValueError(f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'")
+    chunk = check_int("chunk", chunk, 1, 2**30)
+    if value_scale not in SCALES:
+        raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")
+    if value_scale == "mean" and bits != 1:
+        raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
+    codec = chunked_top_k(check_density(density, chunk), chunk, bits, value_scale)
+    ef_decay = check_decay(ef_decay)
+    averaging = resolve_averaging(averaging, strategy)
+    min_size = check_int("min_size", min_size, 0)
+    if not isinstance(clip, bool):
+        raise TypeError(f"`clip` must be True or False, got {clip!r}")
+    small_codec = check_small_codec(small_codec)
+    feedback = exchange_feedback(
+        codec,
+        axis_name,
+        strategy,
+        ef_decay=ef_decay,
+        min_size=min_size,
+        averaging=averaging,
+        clip=clip,
+        small_codec=small_codec,
+    )
+    return feedback, codec
+
+
 def masked_feedback(
     axis_name: Any,
     *,
@@ -429,61 +476,24 @@ def sparseloco(
     if outer is not None:
         outer = periodic.check_transform("outer", outer)
     sync_every, early = periodic.split_sync_every(periodic.check_common(sync_every)[0])
-    if shared_mask.check_mask(mask) != "topk":
-        feedback, codec = masked_feedback(
-            axis_name,
-            mask=mask,
-            density=density,
-            ef_decay=ef_decay,
-            min_size=min_size,
-            strategy="two_phase" if strategy is None else strategy,
-            averaging=averaging,
-            clip=clip,
-            small_codec=small_codec,
-            value_codec=value_codec,
-            explore=explore,
-        )
-        return periodic.make(
-            _Config(
-                name="sparseloco",
-                state_type=SparseLoCoState,
-                inner=inner,
-                axis_name=axis_name,
-                sync_every=sync_every,
-                outer=outer,
-                codec=codec,
-                error_feedback=None,
-                feedback=feedback,
-                early=early,
-                options=(("min_size", min_size),),  # read by init's nothing-compressed warning
-            )
-        )
-    if value_codec is not None or explore != 0.0:
-        name = "value_codec" if value_codec is not None else "explore"
-        raise ValueError(f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'")
-    strategy = "allgather" if strategy is None else strategy
-    chunk = check_int("chunk", chunk, 1, 2**30)
-    if value_scale not in SCALES:
-        raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")
-    if value_scale == "mean" and bits != 1:
-        raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
-    codec = chunked_top_k(check_density(density, chunk), chunk, bits, value_scale)
-    ef_decay = check_decay(ef_decay)
-    averaging = resolve_averaging(averaging, strategy)
-    min_size = check_int("min_size", min_size, 0)
-    if not isinstance(clip, bool):
-        raise TypeError(f"`clip` must be True or False, got {clip!r}")
-    small_codec = check_small_codec(small_codec)
-    feedback = exchange_feedback(
-        codec,
-        axis_name,
-        strategy,
+    common = dict(
+        density=density,
         ef_decay=ef_decay,
         min_size=min_size,
         averaging=averaging,
         clip=clip,
         small_codec=small_codec,
+        value_codec=value_codec,
+        explore=explore,
     )
+    if shared_mask.check_mask(mask) != "topk":
+        strategy = "two_phase" if strategy is None else strategy
+        feedback, codec = masked_feedback(axis_name, mask=mask, strategy=strategy, **common)
+    else:
+        strategy = "allgather" if strategy is None else strategy
+        feedback, codec = topk_feedback(
+            axis_name, strategy=strategy, chunk=chunk, bits=bits, value_scale=value_scale, **common
+        )
     cfg = _Config(
         name="sparseloco",
         state_type=SparseLoCoState,

@@ -217,3 +217,21 @@ def test_sparseloco_shared_mask_trains_identical_replicas_and_checkpoints(tmp_pa
 def test_bad_arguments_name_the_argument(kw, name):
     with pytest.raises((ValueError, TypeError), match=f"`{name}`"):
         jc.sparseloco(optax.sgd(0.1), "data", 2, **kw)
+
+
+def test_previous_mask_keeps_the_last_nonzeros_and_draws_the_rest_at_random():
+    """A merged update nonzero on 100 coordinates (the last mask, some kept values rounded
+    to 0): ``"previous"`` keeps those 100 and draws the other 105 of 205 from the zeros at
+    random, not the 105 lowest indices (``jax.lax.top_k``'s tie-break); the draw is the
+    shared key's, so every device makes the same one."""
+    rng = np.random.default_rng(1)
+    previous = np.zeros(4096, np.float32)
+    on = rng.choice(4096, 100, replace=False)
+    previous[on] = rng.standard_normal(100).astype(np.float32)
+    key = jax.random.PRNGKey(3)
+    idx = np.asarray(shared_mask.select("previous", 205, key, jnp.asarray(previous), 0.0))
+    assert len(set(idx)) == 205 and set(on) <= set(idx)
+    rest = np.setdiff1d(idx, on)
+    assert rest.size == 105 and rest.max() > 2048  # not the lowest zeros (max 105 + 100)
+    again = shared_mask.select("previous", 205, key, jnp.asarray(previous), 0.0)
+    np.testing.assert_array_equal(idx, np.asarray(again))

@@ -11,7 +11,8 @@ dense codec and strategy of :func:`jaxcomp._src.collectives.reduce_segments` car
   folded with the sync count and the leaf's index (as ``jc.random_k``'s shared indices);
 * ``"previous"``: the ``k`` largest magnitudes of the previous sync's merged update (held by
   every device), a share ``explore`` of ``k`` drawn at random from the rest; random at the
-  first sync.
+  first sync. That update is zero outside the last mask, so the mask moves only by
+  ``explore`` and by the kept values the codec rounded to 0 (:func:`select`).
 
 What the mask (and the value codec) does not take stays in the decayed error feedback.
 """
@@ -65,13 +66,20 @@ def select(
     """``int32[k]`` distinct indices of a flat leaf, the same on every device: the top ``k`` of
     a shared uniform draw (``"random"``), or of ``|previous|`` for ``k - round(explore k)``
     of them and the rest drawn at random from the others (``"previous"``; all random while
-    ``previous`` is zero, before the first merged update)."""
+    ``previous`` is zero, before the first merged update).
+
+    The merged update is zero outside the last mask (and where the value codec rounded a
+    kept value to 0), so ``|previous|`` has at most ``k`` nonzero entries: ``"previous"``
+    keeps the last mask's nonzero coordinates and only ``explore`` (and the zeros) bring
+    others in. Zeros rank below every nonzero entry in a shared random order, not by index
+    (``jax.lax.top_k`` breaks ties toward the lowest index: every new coordinate would come
+    from the start of the leaf)."""
     size = previous.size if previous is not None else None
     if mask == "random":
         return jax.lax.top_k(jax.random.uniform(key, (size,)), k)[1]
     u = jax.random.uniform(key, (size,))
     score = jnp.abs(previous.reshape(-1))
-    score = jnp.where(jnp.any(score > 0), score, u)
+    score = jnp.where(jnp.any(score > 0), jnp.where(score > 0, score, -u), u)
     k_top = k - round(explore * k)
     if k_top == k:
         return jax.lax.top_k(score, k)[1]

@@ -448,9 +448,12 @@ def sparseloco(
         ``"random"`` (drawn from a key shared by every device, folded with the sync count,
         as ``jc.random_k``'s indices) or ``"previous"`` (the largest magnitudes of the
         previous sync's merged update, a share ``explore`` of them drawn at random; random
-        at the first sync). With a shared mask ``chunk``, ``bits`` and ``value_scale`` are
-        unused, the mean is over all devices (``averaging`` None or ``"all"``), and
-        ``clip`` and ``small_codec`` are refused (module :mod:`jaxcomp._src.shared_mask`).
+        at the first sync; that update is zero outside the last mask, so without
+        ``explore`` the mask keeps its coordinates sync after sync and the others,
+        rarely sent, decay in the memory). With a shared mask ``chunk``, ``bits`` and
+        ``value_scale`` are unused, the mean is over all devices (``averaging`` None or
+        ``"all"``), and ``clip`` and ``small_codec`` are refused (module
+        :mod:`jaxcomp._src.shared_mask`).
       value_codec: with a shared mask, the dense codec of the kept values (default
         ``jc.int_quant(4)``: 4 bits and a float32 scale per 256 values).
       explore: with ``mask="previous"``, the share of the kept coordinates drawn at random

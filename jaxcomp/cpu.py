@@ -14,7 +14,6 @@ GPU/TPU.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,11 +47,12 @@ def use_cpu_devices(n: int = 8) -> None:
 
 
 #: XLA:CPU options under which jaxcomp's updates no longer keep a non-finite step out of the
-#: error-feedback memory (measured: ``python -m benchmarks.xla_options``).
-_UNSAFE = re.compile(
-    r"--(xla_cpu_enable_fast_math)(?:=(?i:true|1))?(?=\s|$)"
-    r"|--(xla_cpu_experimental_ynn_fusion_type)=(?=\S)"
-)
+#: error-feedback memory (measured: ``python -m benchmarks.xla_options``), each with the test
+#: of its value (None: given bare, ``--name``) that makes it unsafe.
+_UNSAFE = {
+    "xla_cpu_enable_fast_math": lambda v: v is None or v.lower() in ("true", "1"),
+    "xla_cpu_experimental_ynn_fusion_type": lambda v: bool(v),
+}
 
 
 def unsafe_xla_flags(flags: str) -> list[str]:
@@ -61,8 +61,15 @@ def unsafe_xla_flags(flags: str) -> list[str]:
     ``x * 0`` to 0, whatever ``xla_cpu_fast_math_honor_nans`` and ``_infs`` say, so the
     finiteness flag ``sum(x * 0)`` is always 0 and the memory takes a NaN step) and a
     non-empty ``--xla_cpu_experimental_ynn_fusion_type`` (other values on every step; int8's
-    memory non-finite after a NaN step)."""
-    return ["--" + (m.group(1) or m.group(2)) for m in _UNSAFE.finditer(flags)]
+    memory non-finite after a NaN step). A flag given twice counts at its last value, as
+    XLA reads it; each is named once, in the order of its last occurrence."""
+    last: dict[str, str | None] = {}
+    for token in flags.split():
+        if token.startswith("--"):
+            name, eq, value = token[2:].partition("=")
+            last.pop(name, None)  # re-inserted: the order of the last occurrence
+            last[name] = value if eq else None
+    return ["--" + name for name, value in last.items() if name in _UNSAFE and _UNSAFE[name](value)]
 
 
 def blocking(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -94,6 +94,9 @@ def test_unsafe_xla_flags_named_and_warned():
     assert unsafe_xla_flags(f"{ynn}=eltwise {fast}=true") == [ynn, fast]
     for flags in ("", f"{fast}=false", f"{fast}_x=true", f"{ynn}=", "--xla_cpu_ftz=true"):
         assert unsafe_xla_flags(flags) == [], flags
+    # a flag given again counts at its last value (XLA's reading), named once
+    assert unsafe_xla_flags(f"{fast}=true --a=1 {fast}=false") == []
+    assert unsafe_xla_flags(f"{fast}=false {fast} {ynn}=x {fast}=1") == [ynn, fast]
     code = "import jaxcomp.cpu as c; c.use_cpu_devices(1)"
     env = {**os.environ, "XLA_FLAGS": f"{fast}=true", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Blocking, mesh
+from helpers import Blocking, N, mesh, per_device, shard
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -198,3 +198,20 @@ def test_consensus_distance():
     x = {"w": jnp.array([[1.0, 1.0], [3.0, 3.0]]), "i": jnp.array([1, 2])}
     assert float(jc.consensus_distance(x)) == pytest.approx(0.5)
     assert float(jc.consensus_distance({"w": jnp.zeros((3, 2))})) == 0.0
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e30])
+def test_consensus_distance_of_tiny_and_huge_params(scale):
+    """Scaled norms: the plain norm gave 0 at 1e-30 (squares underflow) and NaN at 1e30."""
+    x = {"w": jnp.array([[1.0, 1.0], [3.0, 3.0]]) * scale}
+    assert float(jc.consensus_distance(x)) == pytest.approx(0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_consensus_distance_of_a_nonfinite_replica_is_nan(bad):
+    """A diverged replica was reported as agreement (0.0): the NaN mean failed norm > 0."""
+    x = np.ones((N, 64), np.float32)
+    x[3, 5] = bad
+    assert np.isnan(float(jc.consensus_distance({"w": jnp.asarray(x)})))
+    fn = per_device(lambda p: jc.consensus_distance(p[0], "data")[None], P("data"), P("data"))
+    assert np.all(np.isnan(np.asarray(fn(shard(x)))))

@@ -21,7 +21,13 @@ import optax
 from jaxcomp._src import buckets, collectives, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src import topology as topologies
-from jaxcomp._src.codecs.base import Codec, check_int, check_positive_float
+from jaxcomp._src.codecs.base import (
+    Codec,
+    check_int,
+    check_positive_float,
+    max_abs_over,
+    scaled_norm,
+)
 
 
 class GossipState(NamedTuple):
@@ -355,7 +361,7 @@ def consensus_distance(replicas: Any, axis_name: Any = None) -> jax.Array:
 
     Returns:
       A float32 scalar (the same on every device with ``axis_name``); 0 when the replicas
-      agree (or the mean is zero).
+      agree (or the mean is zero); NaN when a replica is not finite.
 
     Example::
 
@@ -373,11 +379,14 @@ def consensus_distance(replicas: Any, axis_name: Any = None) -> jax.Array:
     if axis_name is None:
         flat = jnp.concatenate([x.reshape(x.shape[0], -1) for x in leaves], axis=1)
         mean = jnp.mean(flat, axis=0)
-        spread = jnp.max(jnp.linalg.norm(flat - mean, axis=1))
+        spread = max_abs_over(scaled_norm(flat - mean, axis=1))[0]
     else:
         collectives.axis_size(axis_name)  # a named error where the axis is not bound
         flat = jnp.concatenate([x.reshape(-1) for x in leaves])
         mean = jax.lax.pmean(flat, axis_name)
-        spread = jax.lax.pmax(jnp.linalg.norm(flat - mean), axis_name)
-    norm = jnp.linalg.norm(mean)
-    return jnp.where(norm > 0, spread / jnp.where(norm > 0, norm, 1.0), 0.0)
+        spread = jax.lax.pmax(scaled_norm(flat - mean), axis_name)
+    # Scaled norms neither overflow (|x| from ~1e19) nor underflow to 0 (|x| below ~1e-19).
+    # A non-finite replica makes the mean, so the norm, NaN or inf: the result is NaN, never
+    # the 0 of agreeing replicas (norm > 0 is False for NaN).
+    norm = scaled_norm(mean)
+    return jnp.where(norm == 0, jnp.float32(0.0), spread / norm)

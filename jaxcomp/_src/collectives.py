@@ -995,10 +995,10 @@ def pmean(
 
     Stateless (no error feedback): use :func:`jaxcomp.compressed_allreduce` to keep what the
     codec drops. Floating leaves with at least ``min_size`` elements are compressed, smaller
-    ones go through plain ``pmean``; each keeps its dtype, the work is in float32. Other
-    leaves (integers, bools, complex: a count beside a loss) are reduced exactly by
-    ``jax.lax.pmean``, uncompressed, so they come back as it gives them (an integer's mean
-    is a float).
+    ones go through plain ``pmean``; each keeps its dtype, the work is in float32. Integer
+    and bool leaves pass through untouched (a step counter riding along with the gradients;
+    for a count's mean over the devices call ``jax.lax.pmean`` on it); complex leaves are
+    reduced exactly by ``jax.lax.pmean``, uncompressed.
 
     ``pmean(x) = (1/n) sum_i decode(encode(x_i))`` over the ``n`` devices of ``axis_name``
     (``two_phase`` encodes each averaged chunk once more before the all-gather). The bytes of
@@ -1028,13 +1028,13 @@ def pmean(
         bucket per phase (default 32 MiB).
 
     Returns:
-      The mean, same structure as ``tree``, identical on every device; floating leaves in
-      their dtype, the others as ``jax.lax.pmean`` returns them.
+      The mean, same structure and dtypes as ``tree``, identical on every device (integer
+      and bool leaves: each device's own, untouched).
     """
     mean = _mean_of_floats(
         tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
     )
-    return _reduce_others(mean, jax.lax.pmean, axis_names(axis_name, inner_axis_name))
+    return _reduce_complex(mean, jax.lax.pmean, axis_names(axis_name, inner_axis_name))
 
 
 def _mean_of_floats(
@@ -1070,17 +1070,16 @@ def _mean_of_floats(
     return layouts.assemble(tree, layout, means, plain)
 
 
-def _reduce_others(tree: Any, reduce: Callable, every_axis: Any) -> Any:
-    """``tree`` with its non-floating leaves (integers, bools, complex) reduced by ``reduce``
-    (``jax.lax.psum`` or ``pmean``) over ``every_axis``, exactly as jax.lax does; returning
-    them untouched would leave each device its own value where the caller asked for the
-    reduction over the devices. ``float0`` (no value) stays as it is."""
+def _reduce_complex(tree: Any, reduce: Callable, every_axis: Any) -> Any:
+    """``tree`` with its complex leaves reduced by ``reduce`` (``jax.lax.psum`` or ``pmean``)
+    over ``every_axis``, exactly as jax.lax does: the codecs take real floats, and a complex
+    leaf returned untouched would leave each device its own value. Integer and bool leaves
+    pass through (DESIGN.md: a step counter rides along with the gradients, in its dtype)."""
 
     def one(x):
-        dtype = jnp.result_type(x)
-        if jnp.issubdtype(dtype, jnp.floating) or dtype == jax.dtypes.float0:
-            return x
-        return reduce(x, every_axis)
+        if jnp.issubdtype(jnp.result_type(x), jnp.complexfloating):
+            return reduce(x, every_axis)
+        return x
 
     return jax.tree.map(one, tree)
 
@@ -1106,9 +1105,9 @@ def psum(
     (each device's ``x / n`` through the codec), so the wire never overflows where the mean
     fits; the product ``n * mean`` is formed in float32 and cast to the leaf's dtype, so a
     sum that leaves the leaf's range is inf there, as ``jax.lax.psum`` gives (8 devices of
-    fp16 10000: inf in an fp16 leaf, 80000 in a float32 one). Leaves that are not floating
-    (integers, bools, complex: a count of tokens) are summed exactly by ``jax.lax.psum``,
-    uncompressed.
+    fp16 10000: inf in an fp16 leaf, 80000 in a float32 one). Integer and bool leaves pass
+    through untouched, as in :func:`pmean` (sum a count of tokens with ``jax.lax.psum``);
+    complex leaves are summed exactly by ``jax.lax.psum``, uncompressed.
 
     Example::
 
@@ -1122,4 +1121,4 @@ def psum(
         (m.astype(jnp.float32) * n).astype(m.dtype) if jnp.issubdtype(m.dtype, jnp.floating) else m
     )
     total = jax.tree.map(scale, mean)
-    return _reduce_others(total, jax.lax.psum, axis_names(axis_name, inner_axis_name))
+    return _reduce_complex(total, jax.lax.psum, axis_names(axis_name, inner_axis_name))

@@ -307,6 +307,26 @@ def test_resize_refuses_what_it_cannot_move():
         jc.resize_state(state, rank2, _params(), mesh(4), ("data", "model"))
 
 
+def test_resize_refuses_choco_gossip_copies_tied_to_the_topology():
+    """CHOCO's mixes s_i = sum_j w_ij x_hat_j were folded like memories: after 8 -> 4
+    devices, replicas restarted equal and zero gradients, their consensus distance was 0.31
+    after one step, 0.78 after 30. Refused, naming the restart; exact gossip moves."""
+    import optax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    choco = jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8))
+    state = _filled(choco, mesh(8), 8)
+    with pytest.raises(ValueError, match=r"`public` of GossipState.*jc\.mean_replica"):
+        jc.resize_state(state, choco, _params(), mesh(4), "data")
+    same = jc.resize_state(state, choco, _params(), mesh(8), "data")  # 8 -> 8: nothing folds
+    assert same.public["w"].shape == state.public["w"].shape
+    exact = jc.gossip(optax.sgd(0.1), "data")
+    moved = jc.resize_state(_filled(exact, mesh(8), 8), exact, _params(), mesh(4), "data")
+    assert moved.public is None and moved.count.shape == ()
+
+
 def _trainer(mesh, tx):
     """(params, jitted step, batch(t)) of a small regression on ``mesh``."""
     import jax

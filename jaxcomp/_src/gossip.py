@@ -47,6 +47,9 @@ class GossipState(NamedTuple):
     count: jax.Array  # int32[]: number of updates applied
 
     PER_DEVICE_FIELDS = ("inner", "public", "mixed")
+    #: Fields tied to the mixing matrix of the devices they were built on
+    #: (``mixed = sum_j w_ij public_j``): no fold over another device count keeps that.
+    TOPOLOGY_FIELDS = ("public", "mixed")
 
 
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:

@@ -19,6 +19,8 @@ what error feedback holds back. :func:`resize_state` moves each field by what it
   re-encoding error, already in units of the mean): the chunks are joined into the leaf's
   whole residual and cut again into ``m`` chunks, a copy (padding past the leaf's ``d``
   values belongs to no parameter and is dropped).
+* CHOCO gossip's public copies and their mixes (``jc.gossip`` with a codec) are tied to
+  the topology of the ``n`` devices: refused (start the gossip again from the mean model).
 * Integer per-device leaves (an inner optimizer's step count): new device ``j`` takes the
   row of the first old device folded into it.
 * Replicated fields (PowerSGD's ``Q``, EF21's estimate, keys, step counts, replicated
@@ -115,6 +117,27 @@ def restore_target(
         return jax.ShapeDtypeStruct(shape, a.dtype, sharding=replicated)
 
     return jax.tree.map(saved, abstract, specs)
+
+
+def _check_no_topology(state: Any, n: int, m: int) -> None:
+    """Refuse fields tied to the mixing matrix of ``n`` devices (``TOPOLOGY_FIELDS``:
+    CHOCO gossip's public copies ``x_hat_i`` and their mixes ``s_i = sum_j w_ij x_hat_j``).
+    Folded, ``s_j`` no longer mixes the new copies by the new matrix, and the replicas stop
+    agreeing, even restarted equal (docs/checkpoints.md)."""
+    marked = lambda x: bool(getattr(type(x), "TOPOLOGY_FIELDS", ()))  # noqa: E731
+    for node in jax.tree.leaves(state, is_leaf=marked):
+        if not marked(node):
+            continue
+        for field in type(node).TOPOLOGY_FIELDS:
+            if jax.tree.leaves(getattr(node, field)):
+                raise ValueError(
+                    f"`state` field `{field}` of {type(node).__name__} holds the mixing of "
+                    f"the {n} devices' topology (CHOCO gossip's public copies): folded onto "
+                    f"{m} devices the replicas would stop agreeing. Start the gossip again "
+                    "on the new mesh from one model, p = jc.mean_replica(replicas): "
+                    "jc.replica_params(p, mesh, axis_name) and jc.sharded_init(tx, p, mesh, "
+                    "axis_name) (exact gossip, codec=None, keeps no such field and moves)"
+                )
 
 
 def _fold(rows: np.ndarray, m: int) -> np.ndarray:
@@ -243,6 +266,8 @@ def resize_state(
         )
     rows = [np.shape(x)[0] for (_, x), p in zip(with_path, per_device, strict=True) if p]
     n = rows[0] if rows else m
+    if n != m:
+        _check_no_topology(state, n, m)
     saved = jax.tree.leaves(_abstract(tx, params, axis_name, n)[0])
     placed = []
     for (path, x), s, a, p, sp in zip(

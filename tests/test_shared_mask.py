@@ -212,6 +212,9 @@ def test_sparseloco_shared_mask_trains_identical_replicas_and_checkpoints(tmp_pa
         (dict(mask="random", explore=0.5), "explore"),
         (dict(mask="previous", explore=1.5), "explore"),
         (dict(value_codec=jc.int_quant(4)), "value_codec"),
+        (dict(mask="random", bits=1), "bits"),  # ignored before: int4 values sent
+        (dict(mask="previous", chunk=1024), "chunk"),
+        (dict(mask="random", value_scale="mean"), "value_scale"),
     ],
 )
 def test_bad_arguments_name_the_argument(kw, name):
@@ -235,3 +238,13 @@ def test_previous_mask_keeps_the_last_nonzeros_and_draws_the_rest_at_random():
     assert rest.size == 105 and rest.max() > 2048  # not the lowest zeros (max 105 + 100)
     again = shared_mask.select("previous", 205, key, jnp.asarray(previous), 0.0)
     np.testing.assert_array_equal(idx, np.asarray(again))
+
+
+def test_topk_defaults_are_sparseloco_signature_defaults():
+    """The values a shared mask accepts for the top-k codec's arguments are their defaults."""
+    import inspect
+
+    from jaxcomp._src.sparseloco import TOPK_DEFAULTS
+
+    params = inspect.signature(jc.sparseloco).parameters
+    assert TOPK_DEFAULTS == tuple((name, params[name].default) for name, _ in TOPK_DEFAULTS)

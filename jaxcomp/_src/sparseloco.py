@@ -293,6 +293,23 @@ def topk_feedback(
     return feedback, codec
 
 
+#: :func:`sparseloco`'s arguments of the per-device chunked top-k codec, at their defaults.
+TOPK_DEFAULTS = (("chunk", 4096), ("bits", 2), ("value_scale", "max"))
+
+
+def refuse_topk_options(**given: Any) -> None:
+    """With a shared mask the chunked top-k codec's arguments have no use: refuse one set
+    away from its default, which would otherwise be ignored (``bits=1`` sending int4
+    values), naming the argument and the fix (``value_codec``)."""
+    for name, default in TOPK_DEFAULTS:
+        if given[name] != default:
+            raise ValueError(
+                f"`{name}` applies to `mask`='topk' (the chunked top-k codec), got "
+                f"`{name}`={given[name]!r} with a shared `mask`: the kept values go through "
+                "`value_codec` (e.g. jc.int_quant(1) for one bit per value)"
+            )
+
+
 def masked_feedback(
     axis_name: Any,
     *,
@@ -450,9 +467,9 @@ def sparseloco(
         previous sync's merged update, a share ``explore`` of them drawn at random; random
         at the first sync; that update is zero outside the last mask, so without
         ``explore`` the mask keeps its coordinates sync after sync and the others,
-        rarely sent, decay in the memory). With a shared mask ``chunk``, ``bits`` and
-        ``value_scale`` are unused, the mean is over all devices (``averaging`` None or
-        ``"all"``), and ``clip`` and ``small_codec`` are refused (module
+        rarely sent, decay in the memory). With a shared mask the mean is over all devices
+        (``averaging`` None or ``"all"``), and ``clip``, ``small_codec`` and ``chunk``,
+        ``bits``, ``value_scale`` away from their defaults are refused (module
         :mod:`jaxcomp._src.shared_mask`).
       value_codec: with a shared mask, the dense codec of the kept values (default
         ``jc.int_quant(4)``: 4 bits and a float32 scale per 256 values).
@@ -490,6 +507,7 @@ def sparseloco(
         explore=explore,
     )
     if shared_mask.check_mask(mask) != "topk":
+        refuse_topk_options(chunk=chunk, bits=bits, value_scale=value_scale)
         strategy = "two_phase" if strategy is None else strategy
         feedback, codec = masked_feedback(axis_name, mask=mask, strategy=strategy, **common)
     else:
@@ -508,6 +526,7 @@ def sparseloco(
         error_feedback=None,
         feedback=feedback,
         early=early,
-        options=(("min_size", min_size),),  # read by init's nothing-compressed warning
+        # read by init's nothing-compressed warning: with a small_codec every leaf is coded
+        options=(("min_size", min_size if small_codec is None else 0),),
     )
     return periodic.make(cfg)

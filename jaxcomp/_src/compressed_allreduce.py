@@ -404,6 +404,8 @@ def compressed_allreduce(
     if not isinstance(worker_nesterov, bool):
         raise TypeError(f"`worker_nesterov` must be a bool, got {worker_nesterov!r}")
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
+    # With inner_axis_name each device owns its own chunk: per-device over both axes.
+    per_device = axis_name if inner_axis_name is None else every_axis
     memory_dtype = feedback.check_memory_dtype(memory_dtype)
 
     flat = granularity == "flat"
@@ -470,8 +472,6 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
-        # With inner_axis_name each device owns its own chunk: per-device over both axes.
-        per_device = axis_name if inner_axis_name is None else every_axis
         skeleton.check_state(
             "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device
         )

@@ -262,9 +262,9 @@ def small_codec_step():
         CODEC, "data", ef_decay=0.5, min_size=64, averaging="senders", small_codec=jc.sign()
     )
 
-    def step(d, e):
-        out, state = tx.update([d[0][0], d[1][0]], jc.SparseFeedbackState([e[0], e[1]]))
-        return [o[None] for o in out], state.memory[0], state.memory[1]
+    def step(d, e):  # e[j]: this device's block (1, 1, s); its memory slot is (1, s)
+        out, state = tx.update([d[0][0], d[1][0]], jc.SparseFeedbackState([e[0][0], e[1][0]]))
+        return [o[None] for o in out], state.memory[0][None], state.memory[1][None]
 
     return per_device(step, (P("data"), P("data")), (P(), P("data"), P("data")))
 
@@ -308,9 +308,9 @@ def test_clip_bounds_a_small_leaf_by_what_its_own_codec_sends():
         CODEC, "data", ef_decay=1.0, min_size=64, averaging="all", clip=True, small_codec=jc.sign()
     )
 
-    def step(d, e):
-        out, state = tx.update([d[0]], jc.SparseFeedbackState([e]))
-        return out[0][None], state.memory[0]
+    def step(d, e):  # e: this device's block (1, 1, 10); its memory slot is (1, 10)
+        out, state = tx.update([d[0]], jc.SparseFeedbackState([e[0]]))
+        return out[0][None], state.memory[0][None]
 
     rng = np.random.default_rng(6)
     e = (4.0 * np.where(rng.standard_normal((N, 1, 10)) < 0, -1.0, 1.0)).astype(np.float32)

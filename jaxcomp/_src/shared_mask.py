@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives
+from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.buckets import BUCKET_BYTES
 from jaxcomp._src.codecs.base import Codec
 
@@ -47,6 +47,9 @@ class SharedMaskState(NamedTuple):
     count: jax.Array  # int32[]: syncs done (the random mask's key folds it in)
 
     PER_DEVICE_FIELDS = ("memory",)
+
+
+FIELDS = ("memory", "previous")  # SharedMaskState's fields shaped like the params
 
 
 def check_mask(mask: Any) -> str:
@@ -134,7 +137,9 @@ def shared_mask_feedback(
         return SharedMaskState(memory, previous, jnp.zeros([], jnp.int32))
 
     def update_fn(deltas, state, params=None):
-        del params
+        del params  # a state of other params or devices: refused (memory[0] reads one row)
+        want = jax.eval_shape(init_fn, deltas)
+        skeleton.check_fields("sparseloco", state, {k: getattr(want, k) for k in FIELDS})
         key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
         coded = [i for i, m in enumerate(state.memory) if m is not None]
         plain = [i for i, m in enumerate(state.memory) if m is None]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import periodic, shared_mask, sparse_exchange
+from jaxcomp._src import periodic, shared_mask, skeleton, sparse_exchange
 from jaxcomp._src.codecs.base import Codec, check_fraction, check_int, check_positive_float
 from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
 from jaxcomp._src.codecs.quantize import int_quant
@@ -77,7 +77,8 @@ def sparse_feedback(
         )
 
     def update_fn(deltas, state, params=None):
-        del params
+        del params  # a state of other params or devices: refused (m[0] would read one row)
+        skeleton.check_fields("sparseloco", state, jax.eval_shape(init_fn, deltas)._asdict())
         targets = [
             d.astype(F32) if m is None else ef_decay * m[0] + d.astype(F32)
             for d, m in zip(deltas, state.memory, strict=True)

@@ -350,7 +350,7 @@ ROWS += [
         law=law_pseudo_gradient,
         shapes=dict(STREAM_SHAPES),
         compressed=("w", "v"),
-        bad=tuple(b for b in SPARSELOCO_ERRORS if b[0] not in ("chunk", "bits"))
+        bad=SPARSELOCO_ERRORS  # chunk, bits: the top-k codec's, refused with a shared mask
         + (("mask", "shared"), ("explore", 0.5), ("value_codec", jc.top_k(0.5))),
         skip=(("pmap", PMAP_SHARED),),
         wire=lambda shapes: (N - 1) * jc.int_quant(8).payload_bytes(2 * 512),

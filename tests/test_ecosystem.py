@@ -327,3 +327,27 @@ def test_linen_pmap_example_trains(variant, codec, floor_acc, floor_ratio):
     print(f"{variant}/{codec}: acc {r.accuracy:.4f}, {r.ratio:.1f}x fewer bytes")
     assert r.accuracy >= floor_acc
     assert r.ratio >= floor_ratio
+
+
+def test_accumulate_refuses_a_state_of_other_devices():
+    """A state saved on 2n devices and restored on n without ``jc.resize_state``: each
+    device's flat accumulator holds two devices' sums; refused naming the field (it was a
+    broadcasting TypeError inside the sum, "add got incompatible shapes")."""
+    tx = jc.accumulate(optax.chain(compress(), optax.sgd(0.1)), 2)
+    m = mesh()
+    params = shard(PARAMS, m, P())
+    state = jc.sharded_init(tx, params, m, "data")
+    specs = jc.state_specs(state, "data")
+    doubled = state._replace(
+        acc=jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],), a.dtype, sharding=a.sharding),
+            state.acc,
+        )
+    )
+
+    def step(g, s, p):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+
+    fn = per_device(step, (P("data"), specs, P()), (P(), specs), m)
+    with pytest.raises(ValueError, match="accumulate state field `acc`"):
+        fn.fn.trace(shard(grads(0)), doubled, params)

@@ -33,7 +33,7 @@ import optax
 
 from jaxcomp._src.codecs.base import check_int
 from jaxcomp._src.periodic import check_transform
-from jaxcomp._src.skeleton import varying_like
+from jaxcomp._src.skeleton import check_fields, varying_like
 
 
 class AccumulateState(NamedTuple):
@@ -90,13 +90,18 @@ def accumulate(
         raise TypeError(f"`use_grad_mean` must be a bool, got {use_grad_mean!r}")
     inner = optax.with_extra_args_support(tx)
 
-    def init_fn(params):
-        acc = jax.tree.map(
+    def zero_acc(params):
+        return jax.tree.map(
             lambda p: jnp.zeros((jnp.size(p),), jnp.float32) if _is_float(p) else None, params
         )
-        return AccumulateState(jnp.zeros([], jnp.int32), acc, inner.init(params))
+
+    def init_fn(params):
+        return AccumulateState(jnp.zeros([], jnp.int32), zero_acc(params), inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
+        # A state of other params or devices (restored on another mesh): named, not a
+        # broadcasting error deep in the sum.
+        check_fields("accumulate", state, {"acc": jax.eval_shape(zero_acc, updates)})
         acc = jax.tree.map(
             lambda a, g: a if a is None else a + jnp.ravel(g).astype(jnp.float32),
             state.acc,

@@ -11,6 +11,7 @@ import functools
 import jax
 import numpy as np
 import optax
+import pytest
 from helpers import Blocking, N, mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -124,3 +125,34 @@ def test_plain_pmean_delayed_with_axis_name():
     _, state = fn(put(grads(0)), state)
     out, _ = fn(put(grads(1)), state)
     np.testing.assert_allclose(out["w"], -grads(0)["w"].mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_state_of_other_devices_is_refused_naming_pending():
+    """A state saved on 2n devices, restored on n without ``jc.resize_state``: each device
+    holds two rows of ``pending``; refused naming it (``jc.delayed(optax.sgd, axis_name=...)``
+    has no other per-device field, and read the first row, dropping the other, with no
+    error)."""
+    tx = jc.delayed(optax.sgd(1.0), axis_name="data")
+    m = mesh()
+    p = jax.device_put(params(), NamedSharding(m, P()))
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+    doubled = state._replace(
+        pending=jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                (2 * a.shape[0], *a.shape[1:]), a.dtype, sharding=a.sharding
+            ),
+            state.pending,
+        )
+    )
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(jc.own(g), s, p),
+            mesh=m,
+            in_specs=(P("data"), specs),
+            out_specs=(P(), specs),
+        )
+    )
+    g = jax.device_put(grads(0), NamedSharding(m, P("data")))
+    with pytest.raises(ValueError, match="delayed state field `pending`"):
+        fn.trace(g, doubled)

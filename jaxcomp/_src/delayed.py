@@ -68,11 +68,18 @@ def delayed(
     if axis_name is not None:
         collectives.check_axis_name(axis_name)
 
+    def zero_pending(params):
+        return jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.result_type(p)), params)
+
     def init_fn(params):
-        pending = jax.tree.map(lambda p: jnp.zeros((1, *jnp.shape(p)), jnp.result_type(p)), params)
-        return DelayedState(pending=pending, inner=tx.init(params), count=jnp.zeros([], jnp.int32))
+        return DelayedState(
+            pending=zero_pending(params), inner=tx.init(params), count=jnp.zeros([], jnp.int32)
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
+        # A state of other params or devices: refused (a[0] would read one of its rows).
+        want = jax.eval_shape(zero_pending, updates)
+        skeleton.check_fields("delayed", state, {"pending": want})
         previous = jax.tree.map(lambda a: a[0], state.pending)
 
         def exchange(ops):

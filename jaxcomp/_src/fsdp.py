@@ -35,7 +35,7 @@ from jaxcomp._src import buckets
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
-from jaxcomp._src.sharded import gather_outer, scatter_rows, tile, two_hop_stack
+from jaxcomp._src.sharded import exact, gather_outer, scatter_rows, tile, two_hop_stack
 from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
 
 #: The name of the slow hop's result (hpZ's secondary partition) for ``jax.checkpoint`` policies.
@@ -111,16 +111,24 @@ def _gather_bwd(cfg, residual, cts):
 
 
 def _scatter_cotangents(cfg, residual, cts):
-    """:func:`_gather_bwd` of leaves that are not empty."""
-    blocks = [ct.reshape(ct.shape[0], -1).astype(jnp.float32) for ct in cts]
-    if residual is not None:
-        blocks = [b + r.reshape(b.shape) for b, r in zip(blocks, residual, strict=True)]
-    if cfg.grads is None:
+    """:func:`_gather_bwd` of leaves that are not empty. With ``grads`` None or the identity
+    the sum is ``jax.lax.psum_scatter`` in the cotangent's dtype (all_gather's own transpose,
+    bit for bit); a residual, zero under an exact reduction, is added in that dtype."""
+    if exact(cfg.grads):
+        blocks = [ct.reshape(ct.shape[0], -1) for ct in cts]
+        if residual is not None:
+            blocks = [
+                b + r.reshape(b.shape).astype(b.dtype)
+                for b, r in zip(blocks, residual, strict=True)
+            ]
         own = [
             jax.lax.psum_scatter(b, cfg.axis_name, scatter_dimension=0, tiled=False) for b in blocks
         ]
         new_residual = None if residual is None else [jnp.zeros_like(r) for r in residual]
     else:
+        blocks = [ct.reshape(ct.shape[0], -1).astype(jnp.float32) for ct in cts]
+        if residual is not None:
+            blocks = [b + r.reshape(b.shape) for b, r in zip(blocks, residual, strict=True)]
         keys = [None] * len(blocks)
         s = scatter_rows(blocks, cfg.axis_name, cfg.grads, keys, cfg.bucket_bytes)
         bad = s.bad

@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxcomp._src import buckets
 from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.codecs.quantize import Identity
 from jaxcomp._src.collectives import (
     axis_names,
     axis_size,
@@ -109,6 +110,12 @@ def _paths(tree: Any) -> list[str]:
 
 def _compressed(a: jax.Array) -> bool:
     return jnp.issubdtype(a.dtype, jnp.floating) and a.size > 0
+
+
+def exact(codec: Codec | None) -> bool:
+    """No codec or the identity: the collective is ``jax.lax``'s own, in the leaf's dtype
+    (DESIGN.md: identity codecs = jax.lax exactly; a float32 sum of float16 leaves differs)."""
+    return codec is None or isinstance(codec, Identity)
 
 
 def _keys(key: jax.Array | None, count: int, codec: Codec, axis_name: Any) -> list:
@@ -382,8 +389,8 @@ def psum_scatter(
     Args:
       tree: a pytree of arrays, this device's full-size values (e.g. its gradient).
       axis_name: the mesh axis to reduce over (with ``inner_axis_name``: the slow one).
-      codec: a jaxcomp codec (:func:`jaxcomp.identity` gives ``jax.lax.psum_scatter``'s
-        values, summed in another order).
+      codec: a jaxcomp codec (:func:`jaxcomp.identity` is ``jax.lax.psum_scatter`` itself,
+        in each leaf's dtype: the same bits).
       scatter_dimension: the dimension cut into chunks; its size must be a multiple of the
         number of devices (``tiled=True``) or equal to it (``tiled=False``, the dimension is
         dropped), as in :func:`jax.lax.psum_scatter`.
@@ -394,7 +401,8 @@ def psum_scatter(
 
     Returns:
       This device's chunk of the sum, each leaf in its own dtype; NaN everywhere when some
-      device's input was non-finite. Integer leaves go through ``jax.lax.psum_scatter``.
+      device's input was non-finite (the identity: where ``jax.lax.psum_scatter`` puts it).
+      Integer leaves go through ``jax.lax.psum_scatter``.
 
     Example::
 
@@ -410,7 +418,7 @@ def psum_scatter(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     leaves, treedef = jax.tree.flatten(tree)
     dims = _check_scatter_dims(leaves, _paths(tree), scatter_dimension, tiled, n)
-    idx = [i for i, a in enumerate(leaves) if _compressed(a)]
+    idx = [] if exact(codec) else [i for i, a in enumerate(leaves) if _compressed(a)]
     blocks = [inner_scatter(scatter_blocks(leaves[i], dims[i], n), inner_axis_name) for i in idx]
     keys = _keys(_inner_key(key, inner_axis_name), len(blocks), codec, axis_name)
     s = scatter_rows(blocks, axis_name, codec, keys, bucket_bytes) if blocks else None

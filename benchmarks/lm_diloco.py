@@ -855,6 +855,21 @@ def _chunked(k: int, bits: int | None, chunk: int = 4096, scale: str = "max") ->
     return jc.chunked_top_k(k, chunk, bits, scale)
 
 
+def _train_step(task: lm.Task, tx: Any) -> Callable:
+    """One jitted step of ``tx`` on ``task``'s loss: ``(params, state, tokens) -> (params,
+    state)``, the replica's own (no exchange)."""
+    import jax
+    import optax
+
+    @jax.jit
+    def step(p, s, tokens):
+        g = jax.grad(task.loss)(p, tokens)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return step
+
+
 def replica_deltas(
     task: lm.Task,
     run: lm.Run,
@@ -870,16 +885,10 @@ def replica_deltas(
     (``n / replicas`` devices' worth), from the shared initialization, never synced."""
     import jax
     import numpy as np
-    import optax
 
     tx = (inner or _inner_const)(run)
     rows = task.n // replicas * task.per_device
-
-    @jax.jit
-    def step(p, s, tokens):
-        g = jax.grad(task.loss)(p, tokens)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    step = _train_step(task, tx)
 
     p, snapshots = task.params, {}
     s = tx.init(p)
@@ -995,16 +1004,10 @@ def forked_deltas(
     optimizer state. Returns ``[start][replica][leaf]`` flat float32 arrays, every leaf."""
     import jax
     import numpy as np
-    import optax
 
     tx = _muon_held(run)
     rows = task.n // replicas * task.per_device
-
-    @jax.jit
-    def step(p, s, tokens):
-        g = jax.grad(task.loss)(p, tokens)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+    step = _train_step(task, tx)
 
     def flat(p):
         return [np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(jax.device_get(p))]

@@ -877,7 +877,24 @@ TRACE_CHECKS = [
         lambda x: jc.clip_by_global_norm(1.0, "data").update({"z": x["w"] * 1j}, None)[0],
         TypeError,
     ),
+    # An integer param's gradient (float0, or an int array) in an optimizer recipe: refused.
+    *[
+        ("sgd, onebit_adam, zero_one_adam, demo (update)", "updates", call, TypeError)
+        for call in (
+            lambda x: _int_param_update(jc.sgd(0.1, S, "data"), x),
+            lambda x: _int_param_update(jc.onebit_adam(0.1, "data", freeze_step=2), x),
+            lambda x: _int_param_update(jc.zero_one_adam(0.1, "data", var_freeze_step=2), x),
+            lambda x: _int_param_update(jc.demo(0.1, "data"), x, grad=jnp.zeros([], jnp.int32)),
+        )
+    ],
 ]
+
+
+def _int_param_update(tx, x, grad=np.zeros([], jax.dtypes.float0)):
+    """``tx.update`` of params with an int32 step counter beside ``x``, its gradient
+    ``grad`` (float0: what ``jax.grad(..., allow_int=True)`` gives it)."""
+    params = {**x, "step": jnp.zeros([], jnp.int32)}
+    return tx.update({**x, "step": grad}, tx.init(params), params)[0]
 
 
 def _device_key():
@@ -1181,3 +1198,42 @@ def test_explicit_model_axis_says_so():
     }
     with pytest.raises(ValueError, match=r"`param_specs`.*AxisType\.Auto"):
         jax.eval_shape(f, x)
+
+
+def test_integer_leaves_pass_the_transforms_and_the_recipes_name_them():
+    """An int32 step counter beside a float param: its gradient (float0 from
+    ``jax.grad(..., allow_int=True)``, or an int array) passes ``compressed_allreduce``,
+    ``dgc`` and ``powersgd`` untouched in its dtype (DESIGN.md), and the optimizer recipes
+    refuse it naming the leaf and its dtype (1-bit Adam raised 'Called multiply with a float0
+    array' from inside its moments; jc.sgd the same from optax's learning-rate scale)."""
+    m = mesh()
+    seen = {}
+
+    def trace(name, tx, grad):
+        def body(x):
+            x = jax.tree.map(lambda a: a[0], x)
+            params = {**x, "step": jnp.zeros((3,), jnp.int32)}
+            out = tx.update({**x, "step": grad}, tx.init(params), params)[0]
+            seen[name, str(grad.dtype)] = out["step"].dtype
+            return out["w"][None]
+
+        f = jax.shard_map(body, mesh=m, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+        sharded = {"w": jax.ShapeDtypeStruct((8, 100), jnp.float32, sharding=shard_spec)}
+        return jax.eval_shape(f, sharded)
+
+    shard_spec = NamedSharding(m, P("data"))
+    grads = (np.zeros((3,), jax.dtypes.float0), jnp.ones((3,), jnp.int32))
+    for name, tx in _transforms().items():
+        for grad in grads:
+            trace(name, tx, grad)
+            assert seen[name, str(grad.dtype)] == grad.dtype, (name, grad.dtype)
+    recipes = {
+        "sgd": jc.sgd(0.1, S, "data"),
+        "onebit_adam": jc.onebit_adam(0.1, "data", freeze_step=2),
+        "zero_one_adam": jc.zero_one_adam(0.1, "data", var_freeze_step=2),
+        "demo": jc.demo(0.1, "data"),
+    }
+    for name, tx in recipes.items():
+        for grad, dtype in zip(grads, ("float0", "int32"), strict=True):
+            with pytest.raises(TypeError, match=rf"{name}: .*\['step'\]: {dtype} are not floating"):
+                trace(name, tx, grad)

@@ -159,6 +159,7 @@ def scale_by_demo(
 
     def update_fn(updates, state, params=None):
         skeleton.begin("demo", updates, params, axis_name)
+        skeleton.check_floating("demo", updates)
         skeleton.check_fields(
             "demo", state, {"momentum": jax.eval_shape(init_fn, updates).momentum}
         )

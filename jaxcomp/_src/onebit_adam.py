@@ -461,6 +461,7 @@ def scale_by_onebit_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("onebit_adam", updates, params, axis_name, inner_axis)
+        skeleton.check_floating("onebit_adam", updates)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
         warm = state.count < freeze_step

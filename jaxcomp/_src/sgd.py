@@ -11,6 +11,7 @@ from typing import Any
 
 import optax
 
+from jaxcomp._src import skeleton
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.compressed_allreduce import check_momentum, compressed_allreduce
 
@@ -133,9 +134,27 @@ def sgd(
             raise TypeError(f"jc.sgd sets `{name}` itself: use `momentum` / `nesterov`")
     beta = check_momentum("momentum", momentum)
     ahead = look_ahead(nesterov, codec)
-    return optax.chain(
-        compressed_allreduce(
-            codec, axis_name, worker_momentum=beta, worker_nesterov=ahead, **options
+    return floating_only(
+        "sgd",
+        optax.chain(
+            compressed_allreduce(
+                codec, axis_name, worker_momentum=beta, worker_nesterov=ahead, **options
+            ),
+            optax.scale_by_learning_rate(heavy_ball_rate(learning_rate, beta)),
         ),
-        optax.scale_by_learning_rate(heavy_ball_rate(learning_rate, beta)),
     )
+
+
+def floating_only(
+    name: str, tx: optax.GradientTransformation
+) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose update first refuses gradient leaves that are not floating (integer,
+    bool, ``float0``: :func:`jaxcomp._src.skeleton.check_floating`), naming them; the same
+    init and state."""
+    tx = optax.with_extra_args_support(tx)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        skeleton.check_floating(name, updates)
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update_fn)

@@ -61,6 +61,40 @@ def check_real(name: str, updates: Any) -> None:
         )
 
 
+def check_floating(name: str, updates: Any) -> None:
+    """Refuse gradient leaves that are not floating (integer, bool, or ``float0``: what
+    ``jax.grad(..., allow_int=True)`` gives for an integer param) in an optimizer recipe,
+    whose update is the step added to the params.
+
+    The exchange transforms (``compressed_allreduce``, ``dgc``, ``powersgd``, ``delayed``)
+    pass such leaves through untouched, as optax transforms do; a recipe also keeps Adam's
+    moments or scales by the learning rate, which a ``float0`` cannot take (optax refuses it
+    too: "Called multiply with a float0 array") and which would move an integer param by
+    its integer "gradient"."""
+    paths = jax.tree_util.tree_leaves_with_path(updates)
+    bad = [
+        f"{jax.tree_util.keystr(p) or '<root>'}: {_dtype_name(x)}"
+        for p, x in paths
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    if bad:
+        raise TypeError(
+            f"{name}: the gradients (`updates`) at {_short(', '.join(bad))} are not floating: an "
+            "integer param (a step counter, an index table) has no gradient to step by "
+            "(jax.grad(..., allow_int=True) gives it float0, which optax.apply_updates "
+            "refuses too). Keep integer leaves out of the tree this optimizer updates: take "
+            "the gradient of the floating params only and update those, the integers held "
+            "beside them (Flax NNX: nnx.Optimizer(model, tx, wrt=nnx.Param) or "
+            "jc.nnx_optimizer, whose default wrt is nnx.Param). The exchange transforms "
+            "(jc.compressed_allreduce, jc.dgc, jc.powersgd) pass integer leaves through."
+        )
+
+
+def _dtype_name(x: Any) -> str:
+    dtype = jnp.result_type(x)
+    return "float0" if dtype == jax.dtypes.float0 else str(dtype)
+
+
 # --------------------------------------------------------------------------- varying axes (vma)
 
 

@@ -378,6 +378,7 @@ def scale_by_zero_one_adam(
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
         skeleton.begin("zero_one_adam", updates, params, axis_name, inner_axis)
+        skeleton.check_floating("zero_one_adam", updates)
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
         compressed_before = coded & (state.variance_updates < state.count)

@@ -156,3 +156,44 @@ def test_a_state_of_other_devices_is_refused_naming_pending():
     g = jax.device_put(grads(0), NamedSharding(m, P("data")))
     with pytest.raises(ValueError, match="delayed state field `pending`"):
         fn.trace(g, doubled)
+
+
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_integer_leaves_pass_through_one_step_late(axis_name):
+    """An int32 counter beside the floats: its int gradient passes the wrapped exchange
+    untouched (each device its own, in its dtype: zero at step 0, step t - 1's at t), also
+    with ``axis_name`` (whose pmean turned it into float32); a ``float0`` gradient
+    (``jax.grad(..., allow_int=True)``) reaches ``tx`` as a ``float0``. Both raised a
+    ``lax.cond`` type error ("the manual axis types do not match") before 2026-11-27."""
+    inner = jc.compressed_allreduce(jc.cast("fp16", scaled=False), "data")
+    tx = jc.delayed(inner if axis_name is None else optax.identity(), axis_name=axis_name)
+    m = mesh()
+    p = jax.device_put(
+        {"b": np.zeros(48, np.float32), "n": np.zeros(3, np.int32)}, NamedSharding(m, P())
+    )
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+    seen = []
+
+    def step(g, s):
+        g = jc.own(g)
+        zero = tx.update({"b": g["b"], "n": np.zeros(3, jax.dtypes.float0)}, s, p)[0]["n"]
+        seen.append(zero.dtype)
+        out, s = tx.update(g, s, p)
+        return jax.tree.map(lambda a: a[None], out), s
+
+    fn = Blocking(
+        jax.jit(
+            jax.shard_map(step, mesh=m, in_specs=(P("data"), specs), out_specs=(P("data"), specs))
+        )
+    )
+    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    counts = [np.arange(3 * N, dtype=np.int32).reshape(N, 3) + 100 * t for t in range(2)]
+    out0, state = fn(put({"b": grads(0)["b"], "n": counts[0]}), state)
+    out1, _ = fn(put({"b": grads(1)["b"], "n": counts[1]}), state)
+    assert seen[0] == jax.dtypes.float0
+    assert out0["n"].dtype == np.int32 and not out0["n"].any()
+    np.testing.assert_array_equal(out1["n"], counts[0])
+    np.testing.assert_allclose(
+        out1["b"], np.broadcast_to(grads(0)["b"].mean(0), (N, 48)), rtol=1e-3, atol=1e-3
+    )

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import collectives, periodic, skeleton
@@ -41,6 +42,12 @@ def delayed(
     applied to (PipeDream-style weight staleness). With ``axis_name`` the delayed gradients
     are first averaged with a ``pmean`` in the params' dtypes (plain data parallel, delayed:
     ``jc.delayed(optax.sgd(0.1), axis_name="data")``).
+
+    Integer and bool gradient leaves are delayed like the others and reach ``tx`` in their
+    dtype (the ``pmean`` of ``axis_name`` passes them through untouched, as
+    :func:`jaxcomp.pmean` does); a ``float0`` gradient (``jax.grad(..., allow_int=True)`` of
+    an integer param) holds no value and reaches ``tx`` as the same ``float0``: ``delayed(tx)``
+    takes what ``tx`` takes.
 
     A non-finite gradient reaches ``tx`` one step later: that step's output is non-finite
     and ``tx`` keeps its own state as its contract says (jaxcomp transforms leave their
@@ -80,22 +87,57 @@ def delayed(
         # A state of other params or devices: refused (a[0] would read one of its rows).
         want = jax.eval_shape(zero_pending, updates)
         skeleton.check_fields("delayed", state, {"pending": want})
-        previous = jax.tree.map(lambda a: a[0], state.pending)
+        previous = jax.tree.map(
+            lambda g, a: float0_like(g) if is_float0(g) else a[0], updates, state.pending
+        )
 
         def exchange(ops):
             previous, inner = ops
             if axis_name is not None:
-                previous = skeleton.tree_pmean(previous, axis_name)  # empty leaves left out
+                previous = floating_pmean(previous, axis_name)
             return tx.update(previous, inner, params, **extra_args)
 
         def first(ops):
             out, inner = jax.eval_shape(exchange, ops)
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out), ops[1]
+            return jax.tree.map(zeros_typed_as, out), ops[1]
 
         out, inner = jax.lax.cond(state.count == 0, first, exchange, (previous, state.inner))
         pending = jax.tree.map(
-            lambda g, old: jnp.asarray(g, old.dtype)[None], updates, state.pending
+            lambda g, old: old if is_float0(g) else jnp.asarray(g, old.dtype)[None],
+            updates,
+            state.pending,
         )
         return out, DelayedState(pending=pending, inner=inner, count=state.count + 1)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def is_float0(x: Any) -> bool:
+    """Whether ``x`` is a ``float0`` array: the gradient ``jax.grad(..., allow_int=True)``
+    gives an integer param, which holds no value (nothing to delay)."""
+    return jnp.result_type(x) == jax.dtypes.float0
+
+
+def float0_like(x: Any) -> np.ndarray:
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+def floating_pmean(tree: Any, axis_name: Any) -> Any:
+    """``jax.lax.pmean`` of the floating (and complex) leaves of ``tree``; integer, bool and
+    ``float0`` leaves pass through untouched, as in :func:`jaxcomp.pmean` (``jax.lax.pmean``
+    turns an int32 leaf into float32, and refuses a ``float0``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    reduce = [jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in leaves]
+    means = iter(
+        skeleton.tree_pmean([a for a, r in zip(leaves, reduce, strict=True) if r], axis_name)
+    )
+    return treedef.unflatten([next(means) if r else a for a, r in zip(leaves, reduce, strict=True)])
+
+
+def zeros_typed_as(like: jax.ShapeDtypeStruct) -> Any:
+    """Zeros of ``like``'s shape and dtype, varying over the manual axes it varies over (the
+    first step's output must type as the exchange's: an integer leaf ``tx`` passes through
+    is each device's own, varying); a ``float0`` as itself."""
+    if like.dtype == jax.dtypes.float0:
+        return float0_like(like)
+    return skeleton.varying_over(jnp.zeros(like.shape, like.dtype), skeleton.varying_axes(like))

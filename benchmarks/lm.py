@@ -486,6 +486,7 @@ RECIPES: dict[str, Recipe] = {
     "powersgd4-adamw": _psgd(4),
     "powersgd8-adamw": _psgd(8),
     "powersgd16-adamw": _psgd(16),
+    "powersgd24-adamw": _psgd(24),  # d_model / 4 on the third pair's d_model 96
     **{f"powersgd{r}-adamw-start{t}": _psgd(r, t) for r in (8, 16, 32) for t in (30, 60)},
     "powersgd32-adamw": _psgd(32),
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),

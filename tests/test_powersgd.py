@@ -236,16 +236,24 @@ def shared_grads(seed, **overrides):
 
 
 def test_warmup_then_compression():
-    """start_step steps of exact pmean (memory stays zero), then compression (conservation:
-    tests/test_contract.py)."""
+    """start_step steps of exact pmean (the memory of a float32 leaf stays zero; a bfloat16
+    leaf's holds its output's rounding, the same on every device), then compression
+    (conservation: tests/test_contract.py, and for narrow leaves tests/test_conservation.py)."""
     step, state = shared()
     for t in range(4):
         grads = shared_grads(10 + t)
         g = np.asarray(grads["w"])
+        held = np.asarray(state.error["h"], np.float32)[0]
         out, state = step(grads, state)
         if t < 2:
             np.testing.assert_allclose(out["w"], g.mean(0), rtol=1e-5, atol=1e-6)
-            assert not any(np.asarray(e).any() for e in jax.tree.leaves(state.error))
+            errors = {k: np.asarray(e, np.float32) for k, e in state.error.items() if k != "h"}
+            assert not any(e.any() for e in errors.values())
+            h = np.asarray(state.error["h"], np.float32)
+            np.testing.assert_array_equal(h, np.broadcast_to(h[0], h.shape))
+            exact = np.asarray(grads["h"], np.float32).mean(0) + held  # the mean sent
+            np.testing.assert_allclose(h[0] + np.asarray(out["h"], np.float32), exact, atol=1e-6)
+            assert np.abs(h[0]).max() > 0
         else:
             assert rel(out["w"], g.mean(0)) > 0.3  # rank 2 of a random matrix: lossy
             assert all(np.asarray(e).any() for e in jax.tree.leaves(state.error))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import buckets, collectives, server, shards, skeleton, warmup
+from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import (
     F32_MAX,
@@ -486,6 +486,10 @@ def dgc(
             state.count, warmup_steps, [reduce_with(c) for c in codecs], servers
         )
         new_velocity, new_accumulation = _feedback(u, v, sent, masking, ok)
+        # A bfloat16 / float16 leaf's accumulation also keeps its output's rounding.
+        new_accumulation = feedback.with_rounding(
+            new_accumulation, means, feedback.compressed_dtypes(layout), ok
+        )
 
         traces, plain_out = _plain_momentum(
             momentum, nesterov, layouts.field_leaves(state.momentum), plain_mean

@@ -8,7 +8,10 @@ Pure functions on ``(grad, memory)``; the transform holds the memory in its stat
     e_i' = p_i - C(p_i)               # what it could not send, kept for next step
     out   = mean_i C(p_i)
 
-so after T steps ``sum_t out_t + mean_i e_i = sum_t mean_i g_i``: nothing is lost.
+so after T steps ``sum_t out_t + mean_i e_i = sum_t mean_i g_i``: nothing is lost. ``out``
+is the value returned, in the leaf's dtype: for a bfloat16 or float16 leaf its rounding
+``mean - cast(mean)`` (identical on every device) is added to every memory
+(:func:`with_rounding`), so the identity holds for what is applied, to float32 rounding.
 
 With ``two_phase`` the owner of chunk ``j`` re-encodes the chunk's average, and keeps that
 second error in a server residual ``s_j`` (1-bit Adam's server error, Tang et al. 2021;
@@ -50,6 +53,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxcomp._src import layout as layouts
 
 KINDS = ("auto", "residual", "ef21", None)
 
@@ -148,3 +153,49 @@ def to_memory(x: jax.Array, dtype: Any) -> jax.Array:
         return x
     big = float(jnp.finfo(dtype).max)
     return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)
+
+
+def output_rounding(mean: jax.Array, dtype: Any) -> jax.Array | None:
+    """``mean - cast(mean)``: what casting the float32 ``mean`` to the output's ``dtype``
+    drops (the saturating cast of :func:`~jaxcomp._src.layout.assemble`, so the same bits);
+    None for float32 and wider, which drop nothing."""
+    if jnp.dtype(dtype).itemsize >= 4:
+        return None
+    return mean - layouts.saturating_cast(mean, dtype).astype(jnp.float32)
+
+
+def with_rounding(memories: list, means: list, dtypes: list, ok: Any = True) -> list:
+    r"""Each memory plus the rounding of its leaf's output to the leaf's ``dtype``
+    (:func:`output_rounding`), where ``ok`` (a finite step); float32 leaves as they are.
+
+    Residual feedback keeps ``sum_i e_i' = sum_i (g_i + e_i) - n * out``, with ``out`` the
+    value applied. A bfloat16 or float16 leaf's output is ``cast(mean)``, not the float32
+    ``mean`` the memories were formed against: without this, each step's ``n (mean -
+    cast(mean))`` was lost (1e-3 of the update, relative, for bfloat16). The rounding is the
+    same on every device, so each memory takes it once and their mean holds it exactly::
+
+        e_i' <- e_i' + (mean - cast(mean))      # sum_i e_i' + n cast(mean) = sum_i (g_i + e_i)
+
+    Args:
+      memories: the new memories, one array per compressed leaf (any shape, its dtype kept).
+      means: the float32 means (the outputs before the cast), one per memory.
+      dtypes: the output dtype of each leaf.
+      ok: where False (a non-finite step), the memories as they are.
+
+    Returns:
+      The memories with the roundings added.
+    """
+    out = []
+    for e, mean, dtype in zip(memories, means, dtypes, strict=True):
+        r = output_rounding(mean, dtype)
+        if r is None:
+            out.append(e)
+            continue
+        r = jnp.where(ok, r, 0.0).reshape(e.shape)
+        out.append((e.astype(jnp.float32) + r).astype(e.dtype))
+    return out
+
+
+def compressed_dtypes(layout: layouts.Layout) -> list:
+    """The dtype of each compressed leaf of ``layout``, in order."""
+    return [d for d, g in zip(layout.dtypes, layout.groups, strict=True) if g == layouts.COMPRESSED]

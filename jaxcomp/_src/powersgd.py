@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, shards, skeleton
+from jaxcomp._src import collectives, feedback, shards, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import check_int, safe_divide, scaled_norm
 
@@ -336,7 +336,7 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     The cond returns the means (the warm-up: the sums, divided by ``n`` after the cond; a
     division inside would write a second buffer beside the sum) and the small factors of
     this device's share ``P (M_i^T P)^T``. The new memory ``M_i - share`` (zero in the
-    warm-up) is formed after the cond, into the old memory's donated buffer: formed in the
+    warm-up, but for a narrow leaf's output rounding) is formed after the cond, into the old memory's donated buffer: formed in the
     compressing branch, it was a second gradient-sized output beside the means and ``M_i``
     (the cond's operand). A branch that returned its input (``M_i`` as the warm-up's share)
     would copy every matrix into the cond's output.
@@ -396,7 +396,10 @@ def powersgd(
     The output ``\hat M`` is the mean of the ``M_i`` projected on an ``r``-dimensional
     column space, identical on every device; a mean of rank ``<= r`` is reproduced exactly.
     ``P P^T M_i`` is device ``i``'s share of the output, so its memory keeps exactly what it
-    could not send, and nothing is lost: ``sum_t out_t + mean_i E_i = sum_t mean_i G_i``.
+    could not send, and nothing is lost: ``sum_t out_t + mean_i E_i = sum_t mean_i G_i``,
+    with ``out_t`` the output as returned: a bfloat16 or float16 leaf's output is
+    ``cast(\hat M)``, and its rounding ``\hat M - cast(\hat M)`` (the same on every device)
+    is added to every ``E_i``, in the warm-up too (a float32 leaf's memory stays zero there).
     (``torch``'s PowerSGD hook keeps ``M_i - \hat M`` instead. The outputs are the same,
     since every round sums over devices, but that memory also accumulates each device's
     deviation from the mean, a random walk that grows without bound.) ``Q'`` (its
@@ -574,7 +577,11 @@ def powersgd(
             for s, g in zip(p.layout.shapes, p.layout.groups, strict=True)
             if g == layouts.COMPRESSED
         ]
-        errors = _unstack(p, errors)
+        # A bfloat16 / float16 leaf's memory also keeps its output's rounding (the value
+        # applied is cast(mean)); the freeze below restores it on a non-finite step.
+        errors, means = _unstack(p, errors), _unstack(p, means)
+        if error_feedback:
+            errors = feedback.with_rounding(errors, means, feedback.compressed_dtypes(p.layout))
         new_state = PowerSGDState(
             error=layouts.like_compressed(
                 p.layout, [e.reshape(1, *s) for e, s in zip(errors, low_shapes, strict=True)]
@@ -588,7 +595,7 @@ def powersgd(
             count=state.count + 1,
         )
         new_state = skeleton.freeze(bad, state, new_state)
-        outs = [collectives.poison(m, bad).reshape(-1) for m in _unstack(p, means)]
+        outs = [collectives.poison(m, bad).reshape(-1) for m in means]
         plains = _split(collectives.poison(plain_mean, bad), p._plain_sizes)
         return layouts.assemble(updates, p.layout, outs, plains), new_state
 

@@ -8,6 +8,7 @@ optax's decoupled weight decay and learning rate, as ``optax.adamw`` chains its 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -23,13 +24,41 @@ from jaxcomp._src.codecs.chunked import chunked_top_k
 F32 = jnp.float32
 
 
+@functools.cache
 def dct_matrix(b: int) -> np.ndarray:
     """The orthonormal DCT-II matrix ``D`` (``b x b``): ``X = D x`` is ``scipy.fft.dct(x,
-    norm="ortho")`` and ``x = D^T X``."""
+    norm="ortho")`` and ``x = D^T X``. One read-only array per side ``b``, built once."""
     n = np.arange(b)
     d = np.sqrt(2.0 / b) * np.cos(np.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * b))
     d[0] /= np.sqrt(2.0)
-    return d.astype(np.float32)
+    d = d.astype(np.float32)
+    d.setflags(write=False)
+    return d
+
+
+def block_side(n: int, chunk: int) -> int:
+    """The side of the blocks that cut a dimension of ``n`` values, given the target ``chunk``:
+
+    - ``n`` itself where ``n <= chunk`` (one block);
+    - else the largest divisor of ``n`` in ``[ceil(chunk / 2), chunk]`` (``chunk`` itself where
+      it divides ``n``): ``n / side`` equal blocks, none padded (96 -> 48, 160 -> 40);
+    - else ``chunk``, the last block zero-padded: ``n`` has no divisor there (a prime such as
+      97, or 130 = 2 x 5 x 13).
+
+    A ``b1 x b2`` block sends ``topk b1 b2 / chunk^2`` components, rounded up (:func:`_codec`),
+    so the divided cut pays for the leaf's own values where the padded one pays for its zeros
+    too (a 96 x 96 leaf padded to 128 x 128 sends four full blocks' components; cut by 48, four
+    of 12). Rounding up per block and the floor of one component can cost a few more on a
+    short vector (160 values: four blocks of 40, one component each, against three of 64).
+    The lower bound keeps a dimension from many tiny blocks (a prime would be cut into blocks
+    of 1), each with a scale and at least one component. DeMo's reference implementation
+    likewise cuts each dimension by a divisor near the target chunk."""
+    if n <= chunk:
+        return n
+    for side in range(chunk, (chunk + 1) // 2 - 1, -1):
+        if n % side == 0:
+            return side
+    return chunk
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -43,7 +72,9 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class Blocks:
     """How one leaf is cut for the DCT: viewed as a ``rows x cols`` matrix (a vector is one
-    row; more dimensions fold into the rows), zero-padded to whole ``b1 x b2`` blocks."""
+    row; more dimensions fold into the rows), cut into ``b1 x b2`` blocks, each side chosen by
+    :func:`block_side` (zero-padded to whole blocks only where a dimension has no divisor
+    near ``chunk``)."""
 
     shape: tuple[int, ...]
     b1: int
@@ -52,7 +83,7 @@ class Blocks:
     @staticmethod
     def of(shape: tuple[int, ...], chunk: int) -> Blocks:
         rows, cols = matrix_shape(tuple(shape))
-        return Blocks(tuple(shape), min(chunk, rows), min(chunk, cols))
+        return Blocks(tuple(shape), block_side(rows, chunk), block_side(cols, chunk))
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -217,8 +248,16 @@ def demo(
         theta <- theta - lr (sign(q) + weight_decay theta)     # sign=False: q instead
 
     A leaf is viewed as a matrix (a vector is one row; more dimensions fold into the rows)
-    cut into ``chunk x chunk`` blocks (smaller where a dimension is shorter, then ``topk``
-    scaled to the same density), zero-padded at the edges. The components travel as a
+    cut into equal blocks, each side chosen per dimension of ``n`` values by
+    :func:`block_side`: ``n`` where ``n <= chunk``, else the largest divisor of ``n`` in
+    ``[ceil(chunk / 2), chunk]`` (``chunk`` for a multiple of it; 96 -> two blocks of 48),
+    else ``chunk`` with the last block zero-padded (no such divisor: a prime such as 97).
+    A block of ``b1 x b2`` sends ``topk b1 b2 / chunk^2`` components (rounded up; at least
+    one): the same density as a ``chunk x chunk`` block. As in DeMo's reference code, which
+    cuts each dimension by a divisor near the target chunk; until 2026-11-27 every dimension
+    over ``chunk`` was cut into ``chunk``-wide blocks, the last zero-padded, so a 96 x 96 leaf
+    sent four full blocks' components (docs, "Training language models over slow links",
+    DeMo: the bytes before and after). The components travel as a
     :func:`jaxcomp.chunked_top_k` payload, one chunk per block: indices in
     ``ceil(log2 chunk^2)`` bits (12 for 64), values in ``bits`` bits with a float32 scale
     per block, in one all-gather; at the defaults 44 bytes per 64 x 64 block (16384 bytes in
@@ -242,7 +281,8 @@ def demo(
         128, confirmed on 192), with a warm-up over 2% of the steps (docs, "Training
         language models over slow links").
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
-      chunk: block side, in [1, 4096] (DeMo: 64).
+      chunk: the target block side, in [1, 4096] (DeMo: 64): a dimension that is not a
+        multiple of it is cut by a divisor near it (:func:`block_side`).
       topk: components sent per ``chunk x chunk`` block, in [1, chunk^2] (default 16 of 4096;
         DeMo's paper: 32). 18 with ``bits=4`` costs the same 44 bytes per 64 x 64 block as
         16 with 8 bits, and fewer in the small blocks of vectors; 20 with ``bits=3`` about 4%

@@ -18,6 +18,7 @@ from jaxcomp._src.codecs.base import (
     F32_MAX,
     max_abs_over,
     mean_abs,
+    safe_divide,
     saturating_square,
     scaled_global_norm,
     scaled_norm,
@@ -122,3 +123,60 @@ def test_max_abs_over_keeps_a_nan_in_narrow_floats():
         np.testing.assert_array_equal(top(x), jnp.max(jnp.abs(x), keepdims=True))
         for pos in (0, d // 2 + 37, d - 1):
             assert np.isnan(float(top(jnp.asarray(clean, dtype).at[pos].set(jnp.nan))[0])), pos
+
+
+def test_division_by_values_above_2_to_126_is_right():
+    """XLA:CPU divides by multiplying with the reciprocal, subnormal (flushed to 0) for a
+    divisor above 2^126: safe_divide scales such divisors by 2^-64 first, and the codecs that
+    divide a block by its largest value read right at float32's top (all were 0 before)."""
+    x = jnp.asarray([3e38, -1e38, 2e38, 0.0], jnp.float32)
+    unit = jax.jit(safe_divide)(x, jnp.float32(3e38))
+    np.testing.assert_allclose(np.asarray(unit), [1.0, -1 / 3, 2 / 3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(float(scaled_norm(x[:2])), np.hypot(3e38, 1e38), rtol=1e-6)
+    q = np.asarray(_unit_columns(x[None, :, None], jnp.ones((1, 4, 1))))[0, :, 0]
+    np.testing.assert_allclose(q, np.asarray(x) / np.linalg.norm(np.float64(x)), rtol=1e-6)
+
+    def roundtrip(codec, v, key=None):
+        return np.asarray(jax.jit(codec.roundtrip)(jnp.asarray(v, jnp.float32), key))
+
+    np.testing.assert_allclose(roundtrip(jc.int_quant(3, 4), x), x, rtol=1e-6)
+    np.testing.assert_allclose(roundtrip(jc.int_quant(2, 4), x), [3e38, 0, 3e38, 0], rtol=1e-6)
+    for codec in (jc.chunked_top_k(2, 3, bits=8), jc.chunked_top_k(4, 4, 1, "mean")):
+        v = np.asarray([3e38, -3e38, 3e38, -3e38][: codec.k], np.float32)
+        np.testing.assert_allclose(roundtrip(codec, v), v, rtol=1e-6)  # was +-1.2e36 / inf
+    keys = jax.random.split(jax.random.PRNGKey(0), 2000)
+    for codec in (jc.terngrad(), jc.int_quant(2, 4, stochastic=True), jc.qsgd(4, 4)):
+        ys = np.asarray(jax.jit(jax.vmap(lambda k, c=codec: c.roundtrip(x, k)))(keys))
+        assert np.isfinite(ys).all(), codec
+        # Unbiased: the mean of 2000 draws within 5 standard errors (all were 0 before).
+        err = np.abs(ys.astype(np.float64).mean(0) - np.float64(x))
+        assert (err <= 5 * ys.astype(np.float64).std(0) / np.sqrt(2000) + 1e-6 * 3e38).all()
+
+
+def test_codecs_whose_scale_overflows_float32_stay_finite_and_unbiased():
+    """QSGD's bucket norm of 600 values of 2e37 (4.9e38) and random-k's d/k times a value
+    above F32_MAX / 2 (6e38) overflowed: NaN (0 * inf) and inf from finite input. The norm
+    is sent as F32_MAX (any norm >= max |x_i| keeps QSGD unbiased), random-k saturates."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 400)
+    x = jnp.full((600,), 2e37, jnp.float32)
+    ys = np.asarray(jax.jit(jax.vmap(lambda k: jc.qsgd(16).roundtrip(x, k)))(keys), np.float64)
+    assert np.isfinite(ys).all()
+    np.testing.assert_allclose(ys.mean(), 2e37, rtol=0.02)  # 240,000 draws of a 6% s.d.
+    y = np.asarray(jc.random_k(0.5).roundtrip(jnp.asarray([3e38, 3e38]), keys[0]))
+    assert y.max() == F32_MAX and y.min() == 0.0  # 2 * 3e38 saturated, was inf
+    y = jc.random_k(0.5).roundtrip(jnp.asarray([jnp.nan, jnp.nan]), keys[0])
+    assert np.isnan(np.asarray(y)).any()  # non-finite stays non-finite
+
+
+def test_clip_by_global_norm_of_values_above_2_to_126_clips_to_the_norm():
+    """A gradient near float32's top: its norm was 0 (x / top flushed), so it passed
+    unclipped; a norm above 2^126 * limit made ``limit / norm`` 0, every update dropped."""
+    g = {"a": jnp.asarray([1e38, -0.5e38], jnp.float32), "b": jnp.asarray([0.8e38], jnp.float32)}
+    true = np.sqrt(1.89) * 1e38  # 1.37e38: 1 / true is subnormal
+    np.testing.assert_allclose(float(safe_global_norm(g)), true, rtol=1e-6)  # was 0
+    tx = jc.clip_by_global_norm(1.0, "data", bound=True)
+    out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="data")(
+        jax.tree.map(lambda x: x[None], g)
+    )
+    flat = np.concatenate([np.asarray(out["a"][0]), np.asarray(out["b"][0])])
+    np.testing.assert_allclose(flat, np.asarray([1e38, -0.5e38, 0.8e38]) / true, rtol=1e-6)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
+from jaxcomp._src.codecs.base import LARGE_DIVISOR, safe_divide
 from jaxcomp._src.onebit_adam import check_number
 
 
@@ -29,7 +30,8 @@ def safe_global_norm(tree: Any) -> jax.Array:
     # NaN still reaches ``total`` (tests/test_overflow_guards.py); max_abs would cost a pass.
     top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) if x.size else 0.0 for x in leaves]))
     safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
-    total = sum(jnp.sum(jnp.square(x / safe)) for x in leaves)
+    # safe_divide: XLA:CPU's x / safe is 0 for safe above 2^126 (docs/errors.md).
+    total = sum(jnp.sum(jnp.square(safe_divide(x, safe))) for x in leaves)
     return jnp.where(jnp.isfinite(top), safe * jnp.sqrt(total), top)
 
 
@@ -92,10 +94,13 @@ def clip_by_global_norm(
         n = collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
         norm = safe_global_norm(updates)
-        factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
+        # limit / norm is subnormal (flushed to 0: every update dropped) for a norm above
+        # 2^126 * limit: such updates are scaled by 2^-64 first and the norm with them.
+        pre = jnp.where((norm > limit) & (norm > LARGE_DIVISOR), 1.0 / LARGE_DIVISOR, 1.0)
+        factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm * pre, 1.0), 1.0)
         clipped = jax.tree.map(
             lambda x: (
-                (x * factor).astype(x.dtype)
+                ((x * pre) * factor).astype(x.dtype)
                 if jnp.issubdtype(jnp.result_type(x), jnp.floating)
                 else x
             ),

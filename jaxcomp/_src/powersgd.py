@@ -29,7 +29,7 @@ import optax
 
 from jaxcomp._src import collectives, feedback, shards, skeleton
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.codecs.base import check_int, safe_divide, scaled_norm
+from jaxcomp._src.codecs.base import check_int, max_abs_over, safe_divide, scaled_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -263,11 +263,16 @@ def _unit_columns(q: jax.Array, old: jax.Array) -> jax.Array:
     taken after dividing by the column's largest entry, as :func:`orthogonalize` does: the
     plain ``sqrt(sum q^2)`` overflows to inf from entries of ~1.8e19 (one large finite
     gradient value), and ``q / inf`` is a zero column from which power iteration never
-    recovers. A zero column keeps its old direction for the same reason.
+    recovers. A zero column keeps its old direction for the same reason. A finite column
+    whose norm itself passes float32's range (entries near 3e38) is divided by its largest
+    entry and then by the norm of that.
     """
     norm = scaled_norm(q, axis=1, keepdims=True)
     keep = norm > 0
-    return jnp.where(keep, safe_divide(q, norm), old)
+    unit = safe_divide(q, max_abs_over(q, axis=1))
+    over = jnp.isinf(norm) & jnp.all(jnp.isfinite(q), axis=1, keepdims=True)
+    unit = safe_divide(unit, jnp.sqrt(jnp.sum(unit * unit, axis=1, keepdims=True)))
+    return jnp.where(keep, jnp.where(over, unit, safe_divide(q, norm)), old)
 
 
 def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):

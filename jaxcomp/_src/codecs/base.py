@@ -358,12 +358,23 @@ def per_value(per_block: jax.Array, block_size: int, d: int) -> jax.Array:
     return jnp.broadcast_to(per_block[:, None], (nb, block_size)).reshape(-1)[:d]
 
 
+#: Divisors above this are scaled by its inverse first (:func:`safe_divide`).
+LARGE_DIVISOR = 2.0**64
+
+
 def safe_divide(num: jax.Array, den: jax.Array) -> jax.Array:
     """``num / den`` with 0 where ``den == 0`` (a zero block stays zero, never NaN).
 
-    A non-finite ``den`` still propagates: only exact zeros are guarded.
+    A non-finite ``den`` still propagates: only exact zeros are guarded. Where ``|den| >
+    2^64`` both are multiplied by ``2^-64`` first (exact: a power of two): XLA:CPU divides by
+    multiplying with the reciprocal, which is subnormal for ``|den| > 2^126`` and flushed to
+    zero, so ``3e38 / 3e38`` gave 0 (docs/errors.md). The same bits as ``num / den`` for
+    every other ``den``.
     """
     zero = den == 0
+    large = jnp.abs(den) > LARGE_DIVISOR
+    num = jnp.where(large, num * (1.0 / LARGE_DIVISOR), num)
+    den = jnp.where(large, den * (1.0 / LARGE_DIVISOR), den)
     return jnp.where(zero, 0.0, num / jnp.where(zero, 1.0, den))
 
 

@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, check_vector, scaled
+from jaxcomp._src.codecs.base import (
+    Codec,
+    ceil_div,
+    check_int,
+    check_vector,
+    safe_divide,
+    scaled,
+)
 
 
 def stream_words(n: int, bits: int) -> int:
@@ -85,11 +92,14 @@ def quantize(v: jax.Array, bits: int, scale: str = "max") -> tuple[jax.Array, ja
     mag = jnp.abs(jnp.where(jnp.isfinite(v), v, 0.0))
     if scale == "mean":
         nonzero = jnp.maximum(jnp.sum(mag > 0, axis=1), 1).astype(jnp.float32)
-        s = jnp.sum(mag, axis=1) / nonzero
+        total = jnp.sum(mag, axis=1)
+        # Finite values whose sum overflows: the terms divided first (at most max |v|).
+        s = jnp.where(jnp.isfinite(total), total / nonzero, jnp.sum(mag / nonzero[:, None], 1))
     else:
         s = jnp.max(mag, axis=1)
-    safe = jnp.where(s > 0, s, 1.0)[:, None]
-    q = jnp.round((jnp.where(jnp.isfinite(v), v, 0.0) / safe + 1.0) * (top / 2))
+    # safe_divide: XLA:CPU's v / s flushed to 0 for s > 2^126 (every code the middle one).
+    unit = safe_divide(jnp.where(jnp.isfinite(v), v, 0.0), s[:, None])
+    q = jnp.round((unit + 1.0) * (top / 2))
     codes = jnp.clip(q, 0, top).astype(jnp.uint32)
     return codes, jnp.where(finite, s, jnp.nan)
 

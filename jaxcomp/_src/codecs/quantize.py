@@ -16,6 +16,8 @@ import ml_dtypes
 
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import (
+    F32_MAX,
+    LARGE_DIVISOR,
     Codec,
     blocks,
     ceil_div,
@@ -353,6 +355,25 @@ def rounded_codes(y: jax.Array, levels: int) -> jax.Array:
     return jnp.where(y == y, code, jnp.uint32(levels))
 
 
+def in_levels(xb: jax.Array, absmax: jax.Array, levels: int) -> jax.Array:
+    """``xb[b] * L / absmax[b]`` per row: a value's place on the ``L`` levels of its block.
+
+    One division per block, a multiply per value (2x faster on XLA:CPU than ``x / s``):
+    ``|q s - x| <= s / 2`` up to float32 rounding of ``L / absmax``. A zero block stays
+    zero; a non-finite ``absmax`` gives ``inv = 0`` here and a non-finite scale in the
+    payload. ``L / absmax`` is subnormal, and XLA flushes it to zero, for ``absmax > L 2^126``,
+    inside float32's range for ``L < 4`` (int2: ``absmax > 8.5e37``, int3: ``> 2.6e38``):
+    there the block and ``absmax`` are scaled by ``2^-64`` first (exact), a select per value
+    that int4 and int8 (``L >= 7``) never need.
+    """
+    if levels * 2.0**126 < F32_MAX:
+        large = absmax > LARGE_DIVISOR
+        xb = jnp.where(large[:, None], xb * (1.0 / LARGE_DIVISOR), xb)
+        absmax = jnp.where(large, absmax * (1.0 / LARGE_DIVISOR), absmax)
+    inv = jnp.where(absmax > 0, levels / jnp.where(absmax > 0, absmax, 1.0), 0.0)
+    return xb * inv[:, None]
+
+
 @dataclasses.dataclass(frozen=True)
 class IntQuant(Codec):
     """Blockwise symmetric integer quantization (absmax scaling), bit-packed.
@@ -426,11 +447,7 @@ class IntQuant(Codec):
         else:
             L = self.levels
             scale = absmax / L
-            # One division per block, a multiply per value (2x faster on XLA:CPU than x / s):
-            # |q s - x| <= s / 2 up to float32 rounding of L / absmax. A zero block stays zero;
-            # a non-finite absmax gives inv = 0 here and a non-finite scale in the payload.
-            inv = jnp.where(absmax > 0, L / jnp.where(absmax > 0, absmax, 1.0), 0.0)
-            y = xb * inv[:, None]
+            y = in_levels(xb, absmax, L)
             if self.stochastic:
                 q = jnp.clip(jnp.nan_to_num(jnp.floor(y + u)), -L, L)
                 code = (q + L).astype(jnp.uint32)
@@ -520,8 +537,11 @@ class QSGD(Codec):
         # max_abs, not jnp.max: XLA:CPU's float max over 4,096 values or more can drop a NaN
         # (a bucket's absmax then 0 and its norm 0: the NaN sent as 0, the payload finite).
         absmax = max_abs(xb)
-        # ||x|| computed as absmax * ||x / absmax|| so 1e30 entries do not overflow.
+        # ||x|| computed as absmax * ||x / absmax|| so 1e30 entries do not overflow. A norm
+        # past float32's range (finite values: 600 of 2e37) is sent as F32_MAX: any norm at
+        # least max |x_i| keeps Q unbiased (l_i / s <= 1), where inf decoded 0 * inf = NaN.
         norm = absmax * jnp.sqrt(jnp.sum(safe_divide(xb, absmax[:, None]) ** 2, axis=1))
+        norm = jnp.where(jnp.isfinite(absmax), jnp.minimum(norm, F32_MAX), norm)
         r = safe_divide(jnp.abs(xb), norm[:, None]) * self.levels
         u = jax.random.uniform(require_key(key, self), xb.shape, jnp.float32)
         lvl = jnp.clip(jnp.nan_to_num(jnp.floor(r + u)), 0, self.levels)

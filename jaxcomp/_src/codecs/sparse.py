@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxcomp._src.codecs import packing
 from jaxcomp._src.codecs.base import (
+    F32_MAX,
     Codec,
     after,
     check_int,
@@ -707,7 +708,12 @@ class RandomK(SparseCodec):
         d = x.shape[0]
         _, sizes = self.strata(d)
         indices = self.indices(key, d)
-        return self._payload(indices, x[indices] * jnp.asarray(sizes, jnp.float32), d)
+        picked = x[indices]
+        # s_j x_i past float32's range (|x_i| > F32_MAX / s_j) saturates, as a cast does:
+        # a finite input never sends inf; inf and NaN stay themselves.
+        v = picked * jnp.asarray(sizes, jnp.float32)
+        v = jnp.where(jnp.isfinite(picked), jnp.clip(v, -F32_MAX, F32_MAX), v)
+        return self._payload(indices, v, d)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -248,3 +248,89 @@ def test_topk_defaults_are_sparseloco_signature_defaults():
 
     params = inspect.signature(jc.sparseloco).parameters
     assert TOPK_DEFAULTS == tuple((name, params[name].default) for name, _ in TOPK_DEFAULTS)
+
+
+def _captured(monkeypatch, **kw):
+    """The keyword arguments ``jc.sparseloco(**kw)`` gives the shared-mask exchange."""
+    seen = {}
+    real = shared_mask.shared_mask_feedback
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shared_mask, "shared_mask_feedback", spy)
+    jc.sparseloco(optax.sgd(0.1), "data", 2, **kw)
+    return seen
+
+
+def test_previous_mask_explores_by_default_and_seed_reaches_the_exchange(monkeypatch):
+    """``explore`` defaults to ``PREVIOUS_EXPLORE`` (0.5) with ``mask="previous"`` and 0 with
+    ``"random"``; an explicit 0 stays 0; ``seed`` (default 0) reaches the exchange."""
+    assert shared_mask.PREVIOUS_EXPLORE == 0.5
+    assert _captured(monkeypatch, mask="previous")["explore"] == 0.5
+    assert _captured(monkeypatch, mask="previous", explore=0.0)["explore"] == 0.0
+    assert _captured(monkeypatch, mask="random")["explore"] == 0.0
+    assert _captured(monkeypatch, mask="random")["seed"] == 0
+    assert _captured(monkeypatch, mask="previous", seed=7)["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(seed=1), dict(mask="random", seed=-1), dict(mask="random", seed=1.0)]
+)
+def test_seed_is_checked_and_only_for_a_shared_mask(kw):
+    with pytest.raises((ValueError, TypeError), match="`seed`"):
+        jc.sparseloco(optax.sgd(0.1), "data", 2, **kw)
+
+
+def test_previous_mask_at_the_default_explore_covers_more_of_the_leaf():
+    """Ten syncs of ``select("previous")``, the merged update nonzero on the last mask:
+    at ``explore=0`` the mask keeps its first random draw (205 of 4096 coordinates ever
+    chosen); at the default 0.5, over 1000."""
+    k, size = 205, 4096
+
+    def ever_chosen(explore):
+        previous, ever = jnp.zeros(size), np.zeros(size, bool)
+        for t in range(10):
+            key = jax.random.fold_in(jax.random.PRNGKey(0), t)
+            idx = shared_mask.select("previous", k, key, previous, explore)
+            ever[np.asarray(idx)] = True
+            previous = jnp.zeros(size).at[idx].set(jax.random.normal(key, (k,)) + 5.0)
+        return int(ever.sum())
+
+    assert ever_chosen(0.0) == k
+    assert ever_chosen(shared_mask.PREVIOUS_EXPLORE) > 1000
+
+
+@pytest.mark.parametrize("mask", ["random", "previous"])
+def test_seed_zero_is_the_old_fixed_key_and_another_seed_draws_another_mask(mask):
+    """The mask of sync 3 (leaf 0) for seeds 0 and 7 against the key every device used
+    before ``seed`` existed, ``fold_in(fold_in(PRNGKey(0), count), leaf)``: seed 0 draws
+    exactly its mask (existing runs unchanged, bit for bit), seed 7 another."""
+
+    def kept_at(seed):
+        tx = shared_mask_feedback(
+            jc.identity(),
+            "data",
+            mask=mask,
+            density=0.05,
+            ef_decay=0.5,
+            min_size=0,
+            strategy="allgather",
+            explore=0.25 if mask == "previous" else 0.0,
+            seed=seed,
+        )
+
+        def step(d):
+            state = tx.init([d[0]])._replace(count=jnp.int32(3))
+            return tx.update([d[0]], state)[0][0][None]
+
+        d = shard(np.ones((N, 4096), np.float32))
+        out = per_device(step, P("data"), P("data"))(d)
+        return set(np.flatnonzero(np.asarray(out)[0]))
+
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), 3), 0)
+    old = set(np.asarray(shared_mask.select(mask, 205, key, jnp.zeros(4096), 0.25)).tolist())
+    assert kept_at(0) == old
+    other = kept_at(7)
+    assert len(other) == 205 and len(other & old) < 50  # about 205 * 0.05 by chance

@@ -51,6 +51,21 @@ class SharedMaskState(NamedTuple):
 
 FIELDS = ("memory", "previous")  # SharedMaskState's fields shaped like the params
 
+#: ``explore``'s default with ``mask="previous"``: half of the kept coordinates drawn at random.
+#: The previous merged update is zero outside the last mask, so at ``explore=0`` the mask
+#: hardly moves: it keeps its first random draw, and the other coordinates are sent only in
+#: place of kept values the codec rounded to 0 (measured: ``python -m
+#: benchmarks.mask_coverage``, docs/lm.md).
+PREVIOUS_EXPLORE = 0.5
+
+
+def default_explore(mask: str, explore: Any) -> Any:
+    """``explore``, or where None its default for ``mask``: :data:`PREVIOUS_EXPLORE` for
+    ``"previous"``, 0 for the others (which do not use it)."""
+    if explore is not None:
+        return explore
+    return PREVIOUS_EXPLORE if mask == "previous" else 0.0
+
 
 def check_mask(mask: Any) -> str:
     if mask not in MASKS:
@@ -122,7 +137,8 @@ def shared_mask_feedback(
     phase; two-phase's re-encoding error of the sum is dropped, as ``jc.pmean``'s). Leaves
     under ``min_size`` values go through a float32 ``pmean`` and keep no memory. A
     non-finite ``D`` on any device, inside the mask or not, gives NaN outputs everywhere and
-    keeps every memory (the caller freezes the state on it).
+    keeps every memory (the caller freezes the state on it). Every device draws the masks
+    from ``jax.random.PRNGKey(seed)`` folded with the sync count and the leaf's index.
     """
 
     def masked(x) -> bool:  # an empty leaf keeps nothing: its own mean, no collective

@@ -262,13 +262,18 @@ def topk_feedback(
     small_codec: Any,
     value_codec: Any,
     explore: Any,
+    seed: Any,
 ) -> tuple[optax.GradientTransformation, Codec]:
     """:func:`sparseloco`'s exchange of each device's own chunked top-k
     (:func:`exchange_feedback`) and its codec, after checking the arguments (errors naming
-    each; ``value_codec`` and ``explore`` belong to a shared mask and are refused)."""
-    if value_codec is not None or explore != 0.0:
-        name = "value_codec" if value_codec is not None else "explore"
-        raise ValueError(f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'")
+    each; ``value_codec``, ``explore`` and ``seed`` belong to a shared mask and are refused)."""
+    given = {"value_codec": value_codec is not None, "explore": explore not in (None, 0.0)}
+    given["seed"] = check_int("seed", seed, 0) != 0
+    for name, set_ in given.items():
+        if set_:
+            raise ValueError(
+                f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'"
+            )
     chunk = check_int("chunk", chunk, 1, 2**30)
     if value_scale not in SCALES:
         raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")
@@ -324,6 +329,7 @@ def masked_feedback(
     small_codec: Any,
     value_codec: Any,
     explore: Any,
+    seed: Any,
 ) -> tuple[optax.GradientTransformation, Codec]:
     """:func:`sparseloco`'s exchange through a shared ``mask``
     (:func:`jaxcomp._src.shared_mask.shared_mask_feedback`) and its value codec, after
@@ -351,7 +357,7 @@ def masked_feedback(
             "`strategy` must be 'two_phase', 'allgather', 'allreduce' or 'auto' with a shared "
             f"`mask`, got {strategy!r}"
         )
-    explore = check_fraction("explore", explore)
+    explore = check_fraction("explore", shared_mask.default_explore(mask, explore))
     if explore and mask != "previous":
         raise ValueError(f"`explore` applies to `mask`='previous', got `mask`={mask!r}")
     feedback = shared_mask.shared_mask_feedback(
@@ -363,6 +369,7 @@ def masked_feedback(
         min_size=min_size,
         strategy=strategy,
         explore=explore,
+        seed=check_int("seed", seed, 0),
     )
     return feedback, value_codec
 
@@ -385,7 +392,8 @@ def sparseloco(
     small_codec: Codec | None = None,
     mask: str = "topk",
     value_codec: Codec | None = None,
-    explore: float = 0.0,
+    explore: float | None = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -468,14 +476,22 @@ def sparseloco(
         previous sync's merged update, a share ``explore`` of them drawn at random; random
         at the first sync; that update is zero outside the last mask, so without
         ``explore`` the mask keeps its coordinates sync after sync and the others,
-        rarely sent, decay in the memory). With a shared mask the mean is over all devices
+        rarely sent, decay in the memory: ``explore`` defaults to 0.5 there). With a shared
+        mask the mean is over all devices
         (``averaging`` None or ``"all"``), and ``clip``, ``small_codec`` and ``chunk``,
         ``bits``, ``value_scale`` away from their defaults are refused (module
         :mod:`jaxcomp._src.shared_mask`).
       value_codec: with a shared mask, the dense codec of the kept values (default
         ``jc.int_quant(4)``: 4 bits and a float32 scale per 256 values).
       explore: with ``mask="previous"``, the share of the kept coordinates drawn at random
-        instead of from the previous update, in [0, 1) (default 0).
+        instead of from the previous update, in [0, 1). None (the default): 0.5 with
+        ``mask="previous"`` (:data:`jaxcomp._src.shared_mask.PREVIOUS_EXPLORE`), 0 with the
+        others. At 0 the mask hardly moves (the previous update is zero outside the last
+        mask); the measurements: docs, "a mask shared by every replica".
+      seed: with a shared mask, seeds the key every device draws the mask from (the same on
+        every device of a run; two runs or jobs with different seeds draw different masks).
+        Default 0, the key of ``jax.random.PRNGKey(0)`` used before the argument existed
+        (the same masks, bit for bit). Only 0 with ``mask="topk"``, which draws nothing.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -506,6 +522,7 @@ def sparseloco(
         small_codec=small_codec,
         value_codec=value_codec,
         explore=explore,
+        seed=seed,
     )
     if shared_mask.check_mask(mask) != "topk":
         refuse_topk_options(chunk=chunk, bits=bits, value_scale=value_scale)

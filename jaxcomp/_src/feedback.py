@@ -171,8 +171,9 @@ def with_rounding(memories: list, means: list, dtypes: list, ok: Any = True) -> 
     Residual feedback keeps ``sum_i e_i' = sum_i (g_i + e_i) - n * out``, with ``out`` the
     value applied. A bfloat16 or float16 leaf's output is ``cast(mean)``, not the float32
     ``mean`` the memories were formed against: without this, each step's ``n (mean -
-    cast(mean))`` was lost (1e-3 of the update, relative, for bfloat16). The rounding is the
-    same on every device, so each memory takes it once and their mean holds it exactly::
+    cast(mean))`` was lost (measured: docs/errors.md, tests/test_conservation.py). The
+    rounding is the same on every device, so each memory takes it once and their mean holds
+    it exactly::
 
         e_i' <- e_i' + (mean - cast(mean))      # sum_i e_i' + n cast(mean) = sum_i (g_i + e_i)
 

@@ -341,10 +341,11 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     The cond returns the means (the warm-up: the sums, divided by ``n`` after the cond; a
     division inside would write a second buffer beside the sum) and the small factors of
     this device's share ``P (M_i^T P)^T``. The new memory ``M_i - share`` (zero in the
-    warm-up, but for a narrow leaf's output rounding) is formed after the cond, into the old memory's donated buffer: formed in the
-    compressing branch, it was a second gradient-sized output beside the means and ``M_i``
-    (the cond's operand). A branch that returned its input (``M_i`` as the warm-up's share)
-    would copy every matrix into the cond's output.
+    warm-up, but for a narrow leaf's output rounding) is formed after the cond, into the old
+    memory's donated buffer: formed in the compressing branch, it was a second
+    gradient-sized output beside the means and ``M_i`` (the cond's operand). A branch that
+    returned its input (``M_i`` as the warm-up's share) would copy every matrix into the
+    cond's output.
     """
     if not plan.groups:
         plain_mean = jax.lax.psum(plain, axis_name) / n_dev

@@ -105,21 +105,20 @@ def loss_fn(model, x, y):
 def make_step(mesh, opt_specs, reduce_plain: bool):
     """The train step (model, optimizer, x, y) -> mean loss, updating both in place.
 
-    ``opt_specs``: ``jc.nnx_state_specs(optimizer, "data")``. ``jax.lax.pcast`` makes the
-    replicated params per-device before ``nnx.grad``: without it jax would all-reduce every
-    gradient in float32 (and jaxcomp refuses the summed gradients). Only the ``nnx.Param``
-    state is pcast, and what the forward writes elsewhere (RNG counts, BatchNorm statistics)
-    is written back to ``model``: a pcast of the whole model would drop it. ``reduce_plain``: the
-    uncompressed baseline, ``lax.pmean`` of the gradients before a plain optax optimizer.
+    ``opt_specs``: ``jc.nnx_state_specs(optimizer, "data")``. ``jc.nnx_local`` makes the
+    replicated ``nnx.Param`` state per-device before ``nnx.grad`` (``jax.lax.pcast``): without
+    it jax would all-reduce every gradient in float32 (and jaxcomp refuses the summed
+    gradients); what the forward writes elsewhere (RNG counts, BatchNorm statistics,
+    averaged) is written back to ``model``, which a pcast of the whole model would drop.
+    ``reduce_plain``: the uncompressed baseline, ``lax.pmean`` of the gradients before a
+    plain optax optimizer.
     """
 
     @nnx.jit(donate_argnums=(0, 1))
     @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P(AXIS), P(AXIS)), out_specs=P())
     def step(model, optimizer, x, y):
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        local = nnx.merge(graphdef, jax.lax.pcast(params, AXIS, to="varying"), rest)
-        loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
-        nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))  # RNG counts, BatchNorm
+        with jc.nnx_local(model, AXIS) as local:  # per-device Params; the rest written back
+            loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
         if reduce_plain:
             grads = jax.lax.pmean(grads, AXIS)
         optimizer.update(model, grads)  # jaxcomp's exchange averages the gradients

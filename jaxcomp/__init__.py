@@ -43,7 +43,7 @@ from jaxcomp._src.finite import apply_if_finite
 from jaxcomp._src.fsdp import fsdp_gather, fsdp_residual
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
-from jaxcomp._src.nnx import nnx_optimizer, nnx_state_specs
+from jaxcomp._src.nnx import nnx_local, nnx_optimizer, nnx_state_specs
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomp._src.overlap import OverlappedStep, overlapped_step
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
@@ -116,6 +116,7 @@ __all__ = [
     "identity",
     "int_quant",
     "natural",
+    "nnx_local",
     "nnx_optimizer",
     "nnx_state_specs",
     "OneBitAdamState",

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.axes import varying_axes
 
 AXIS = "data"
 STEPS = 20
@@ -71,13 +72,11 @@ def nnx_step(opt_specs, check_vma=True, pcast=True):
         check_vma=check_vma,
     )
     def step(model, optimizer, x, y):
-        local = model
         if pcast:  # only the Params per device: what the forward writes elsewhere is kept
-            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-            local = nnx.merge(graphdef, jax.lax.pcast(params, AXIS, to="varying"), rest)
-        loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
-        nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))
-        nnx.update(model, jax.lax.pmean(nnx.state(model, nnx.BatchStat), AXIS))
+            with jc.nnx_local(model, AXIS) as local:
+                loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+        else:
+            loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
         optimizer.update(model, grads)
         return jax.lax.pmean(loss, AXIS)
 
@@ -171,6 +170,44 @@ def test_rng_counts_and_batch_stats_written_by_the_forward_are_kept():
     assert int(model.drop.rngs.count.get_value()) == 3
     mean = np.asarray(model.norm.mean.get_value())
     np.testing.assert_allclose(mean, want_mean * (1 + 0.99 + 0.99**2), rtol=1e-4, atol=1e-7)
+
+
+def test_nnx_local_pcasts_only_the_params_and_writes_the_rest_back():
+    """Inside ``jc.nnx_local`` the Params vary per device and the BatchNorm statistics and
+    RNG counts do not (yet); after the forward and the block, the model holds the counts
+    advanced and the statistics averaged over the devices (replicated again), and its
+    Params are the replicated ones it entered with. Without averaging, the per-device
+    statistics are written back as they are (varying: ``nnx.shard_map`` would refuse them
+    as ``P()``)."""
+    seen = {}
+
+    def probe(average):
+        model = DropoutMLP(nnx.Rngs(0, dropout=1))
+
+        @nnx.shard_map(mesh=mesh(), in_specs=(P(), P(AXIS)), out_specs=P())
+        def step(model, x):
+            with jc.nnx_local(model, AXIS, average_batch_stats=average) as local:
+                seen["param"] = varying_axes(local.hidden.kernel.get_value())
+                seen["stat"] = varying_axes(local.norm.mean.get_value())
+                local(x)
+            seen["after"] = varying_axes(model.norm.mean.get_value())
+            seen["kernel"] = varying_axes(model.hidden.kernel.get_value())
+            return jax.lax.pmean(jnp.zeros(()), AXIS)
+
+        return model, step
+
+    model, step = probe(True)
+    x = batches()[0][0]
+    jax.block_until_ready(nnx.jit(step)(model, x))
+    assert seen["param"] == {AXIS} and seen["stat"] == frozenset() == seen["kernel"]
+    assert seen["after"] == frozenset()  # averaged: replicated again
+    assert int(model.drop.rngs.count.get_value()) == 1
+    want = 0.01 * np.asarray(DropoutMLP(nnx.Rngs(0, dropout=1)).hidden(x)).mean(0)
+    np.testing.assert_allclose(model.norm.mean.get_value(), want, rtol=1e-4, atol=1e-7)
+    model, step = probe(False)
+    with pytest.raises(Exception, match="out_specs|replicat|vary"):
+        nnx.jit(step)(model, x)
+    assert seen["after"] == {AXIS}  # per device, as computed
 
 
 def test_naive_nnx_optimizer_is_refused_with_the_fix_named():

@@ -12,19 +12,29 @@ over the mesh, every empty slot left as optax's ``MaskedNode``, never wrapped in
     optimizer = jc.nnx_optimizer(model, tx, mesh, "data")
     opt_specs = jc.nnx_state_specs(optimizer, "data")
 
+Inside the step, :func:`nnx_local` gives the model to differentiate: its ``nnx.Param`` state
+per device, what the forward writes elsewhere written back (BatchNorm statistics averaged)::
+
+    with jc.nnx_local(model, "data") as local:
+        loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+    optimizer.update(model, grads)
+
 Flax is imported only when these functions run: the library itself does not depend on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import sharding
+from jaxcomp._src import collectives, sharding, skeleton
 
 
 def _is_variable(x: Any) -> bool:
@@ -52,10 +62,11 @@ def nnx_optimizer(
     checkpoints like any NNX state. The model's ``wrt`` variables and the step count are
     placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them.
 
-    Only the ``nnx.Param`` state is ``pcast`` in the step: ``jax.lax.pcast(model, ...)``
-    returns a copy whose other variables (Dropout's RNG counts, BatchNorm's statistics) are
-    its own, and what the forward writes there would be dropped without an error (the same
-    dropout mask every step); ``nnx.update`` writes it back into ``model`` (docs/flax.md).
+    Only the ``nnx.Param`` state is ``pcast`` in the step (:func:`nnx_local`):
+    ``jax.lax.pcast(model, ...)`` returns a copy whose other variables (Dropout's RNG counts,
+    BatchNorm's statistics) are its own, and what the forward writes there would be dropped
+    without an error (the same dropout mask every step); :func:`nnx_local` writes it back
+    into ``model``, the statistics averaged over the devices (docs/flax.md).
 
     The state is the per-device inits stacked along the device axis,
     ``s_0 = (init_1(params), ..., init_n(params))``: exactly
@@ -83,11 +94,8 @@ def nnx_optimizer(
       @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P("data"), P("data")),
                      out_specs=P())
       def train_step(model, optimizer, x, y):
-          graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-          params = jax.lax.pcast(params, "data", to="varying")  # no implicit sum of grads
-          local = nnx.merge(graphdef, params, rest)
-          loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
-          nnx.update(model, nnx.state(local, nnx.Not(nnx.Param)))  # RNG counts, BatchNorm
+          with jc.nnx_local(model, "data") as local:  # Params per device: no implicit sum
+              loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
           optimizer.update(model, grads)
           return jax.lax.pmean(loss, "data")
 
@@ -170,3 +178,86 @@ def nnx_state_specs(
         if _is_variable(node)
     }
     return nnx.StateSharding(nnx.from_flat_state(flat))
+
+
+@contextlib.contextmanager
+def nnx_local(
+    model: Any, axis_name: Any, *, wrt: Any = None, average_batch_stats: bool = True
+) -> Iterator[Any]:
+    r"""The model to differentiate inside a data-parallel NNX step: its ``wrt`` state
+    (default ``nnx.Param``) made per device, the rest written back into ``model`` on exit.
+
+    The params enter ``nnx.shard_map`` replicated (``P()``): differentiated as they are,
+    ``jax.grad`` all-reduces their gradients in float32 (the transpose of the implicit
+    broadcast), and jaxcomp refuses the summed gradients. The ``local`` model yielded here
+    holds ``jax.lax.pcast(params, axis_name, to="varying")`` beside the model's other
+    variables, so each device differentiates its own loss. A ``pcast`` of the whole model
+    would return a copy whose other variables (Dropout's RNG counts, BatchNorm's running
+    statistics) are the copy's own, and what the forward writes there would be dropped with
+    no error (the same dropout mask every step); on leaving the block they are written back
+    with ``nnx.update``. Statistics each device computed from its own batch differ per
+    device, and ``nnx.shard_map`` refuses to return them replicated: with
+    ``average_batch_stats`` (default) every floating ``nnx.BatchStat`` that differs per
+    device is replaced by its mean over ``axis_name`` (synchronized BatchNorm):
+
+    .. math:: \mu \leftarrow \frac{1}{n} \sum_i \mu_i
+
+    Nothing is written back if the block raises.
+
+    Args:
+      model: the NNX module of the step (entered ``nnx.shard_map`` as ``P()``).
+      axis_name: the data axis (a name, or a tuple of names).
+      wrt: the filter of the differentiated variables (default ``nnx.Param``; the
+        ``wrt`` of :func:`nnx_optimizer`).
+      average_batch_stats: average the per-device ``nnx.BatchStat`` values over
+        ``axis_name`` on the way out (True), or write them back as they are (False: return
+        them per device yourself).
+
+    Yields:
+      The model to differentiate, ``nnx.merge(graphdef, pcast(params), rest)``.
+
+    Example::
+
+      @nnx.jit(donate_argnums=(0, 1))
+      @nnx.shard_map(mesh=mesh, in_specs=(P(), opt_specs, P("data"), P("data")),
+                     out_specs=P())
+      def train_step(model, optimizer, x, y):
+          with jc.nnx_local(model, "data") as local:
+              loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
+          optimizer.update(model, grads)  # the jaxcomp exchange averages the gradients
+          return jax.lax.pmean(loss, "data")
+
+    References:
+      Flax NNX, ``nnx.split`` / ``nnx.merge`` / ``nnx.update``: https://flax.readthedocs.io;
+      Ioffe, Szegedy, "Batch Normalization", ICML 2015 (synchronized statistics: the mean
+      over the devices' batches); docs/flax.md.
+    """
+    from flax import nnx
+
+    wrt = nnx.Param if wrt is None else wrt
+    collectives.check_axis_name(axis_name)
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    local = nnx.merge(graphdef, jax.lax.pcast(params, axis_name, to="varying"), rest)
+    yield local
+    written = nnx.state(local, nnx.Not(wrt))
+    if average_batch_stats:
+        stats = nnx.state(local, nnx.All(nnx.BatchStat, nnx.Not(wrt)))
+        nnx.update(written, _per_device_means(stats, axis_name))
+    nnx.update(model, written)
+
+
+def _per_device_means(state: Any, axis_name: Any) -> Any:
+    """``state`` with each floating leaf that differs per device of ``axis_name`` replaced by
+    its mean over the axis (every floating leaf where jax does not track variance:
+    ``pmap``, ``check_vma=False``, where a mean of equal values is the value)."""
+    names = set(collectives.axis_names(axis_name))
+    tracked = skeleton.tracks_variance(axis_name)
+
+    def mean(x):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        if tracked and not names & skeleton.varying_axes(x):
+            return x
+        return jax.lax.pmean(x, axis_name)
+
+    return jax.tree.map(mean, state)

@@ -206,8 +206,8 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
             "directly get an implicit float32 all-reduce of their gradients, so every device "
             "would send the same sum and the step would come out n times too large. Make the "
             f"params per-device before the gradient: jax.lax.pcast(params, {axis_name!r}, "
-            f"to='varying') (Flax NNX: pcast the model's nnx.Param state, nnx.split(model, "
-            "nnx.Param, ...), then nnx.merge, before nnx.grad: docs/flax.md). Gradients "
+            f"to='varying') (Flax NNX: differentiate the model of `with jc.nnx_local(model, "
+            f"{axis_name!r}) as local:`, whose nnx.Param state is pcast: docs/flax.md). Gradients "
             "meant to be equal on every device need no exchange: use the plain optax optimizer."
         )
 

@@ -281,3 +281,31 @@ def test_scaled_fp16_pmean_small_gradients_exact_wire_bytes():
             == jc.strategy_bytes(codec, d, N)["two_phase"]
             == 2 * (N - 1) * (2 * d // N + 4)
         )
+
+
+def test_vmap_axis_name_gives_the_numbers_of_shard_map():
+    """``jax.vmap(..., axis_name="data")`` binds the axis without shard_map's varying types,
+    and jax refuses ``jax.lax.pcast`` and ``all_gather(to="invarying")`` there ("pvary should
+    be called under jax.shard_map"): every exchange that gathers (int8 two-phase, top-k) and
+    1-bit Adam's idle branch raised. They are type annotations only, left out for such axes:
+    devices emulated on one give the bits of 8 devices."""
+    x = {"w": stacked_normal(3, (3000,)), "b": stacked_normal(4, (33,))}
+    key = jax.random.PRNGKey(5)
+    for codec in (jc.int_quant(8), jc.top_k(0.01), jc.sign()):
+        body = functools.partial(jc.pmean, axis_name="data", codec=codec, key=key)
+        ref = per_device(
+            lambda t, b=body: jax.tree.map(lambda a: a[None], b(jax.tree.map(lambda a: a[0], t))),
+            P("data"),
+            P("data"),
+        )(shard(x))
+        out = jax.vmap(body, axis_name="data")(x)
+        tol = 0 if codec.name.startswith(("Int", "TopK")) else 1e-6  # sign: a float psum
+        jax.tree.map(lambda a, b, t=tol: np.testing.assert_allclose(a, b, atol=t), out, ref)
+    tx = jc.onebit_adam(1e-3, "data", freeze_step=1)
+    params = {"w": jnp.zeros((40, 50))}
+    state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=N)(params)
+    for t in range(2):  # the warm-up, then a 1-bit step
+        g = {"w": stacked_normal(t, (40, 50))}
+        out, state = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")(g, state)
+    assert np.isfinite(np.asarray(out["w"])).all() and float(jnp.abs(out["w"]).max()) > 0
+    np.testing.assert_array_equal(out["w"][0], out["w"][N - 1])  # the same step everywhere

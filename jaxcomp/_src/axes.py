@@ -24,6 +24,22 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(vma or ())
 
 
+def manual_axes() -> frozenset:
+    """The mesh axes that are manual where this is traced (inside ``jax.shard_map`` or
+    ``jax.pmap``). An axis bound by ``jax.vmap(..., axis_name=...)`` (devices emulated on one)
+    is not one: jax tracks no varying types there and refuses ``jax.lax.pcast`` and
+    ``all_gather(..., to="invarying")`` ("pvary should be called under jax.shard_map"),
+    type annotations that move no data, so jaxcomp leaves them out for such axes."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def gather_to(axis_name: Any) -> str:
+    """``to=`` of an ``all_gather`` over ``axis_name`` whose result every device holds the
+    same: ``"invarying"`` over manual mesh axes, ``"varying"`` (jax's default, the same
+    values) where ``jax.vmap`` binds the axis (:func:`manual_axes`)."""
+    return "invarying" if set(axis_names(axis_name)) <= manual_axes() else "varying"
+
+
 def axis_names(*axes: Any) -> tuple:
     """Flatten axis names (a name, a tuple of names, or None) into one tuple."""
     out: tuple = ()

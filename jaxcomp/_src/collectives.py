@@ -118,6 +118,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_axes,
     check_axis_name,
     check_mesh_axis,
+    gather_to,
     varying_axes,
 )
 from jaxcomp._src.codecs import packing
@@ -285,7 +286,7 @@ def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> tuple[list, li
     and the gathered buckets."""
     return buckets.exchange(
         payloads,
-        lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
+        lambda b: jax.lax.all_gather(b, axis_name, to=gather_to(axis_name)),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )
@@ -777,7 +778,7 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     bad = jax.lax.psum(r.bad.astype(jnp.int32), inner_axis_name) > 0
     gathered = buckets.exchange(
         r.mean,
-        lambda b: jax.lax.all_gather(b, inner_axis_name, to="invarying"),
+        lambda b: jax.lax.all_gather(b, inner_axis_name, to=gather_to(inner_axis_name)),
         bucket_bytes=bb,
     )
     fill = jnp.where(bad, jnp.nan, 0.0)

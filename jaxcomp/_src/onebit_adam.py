@@ -291,7 +291,7 @@ class BranchExchange(NamedTuple):
         payloads (varying over the axes, as the sending branch's)."""
         shapes = jax.eval_shape(lambda *a: self.send(*a)[2], y, exchange_state, params)
         zeros = jax.tree.map(
-            lambda a: jax.lax.pcast(jnp.zeros(a.shape, a.dtype), self.every_axis, to="varying"),
+            lambda a: skeleton.varying_over(jnp.zeros(a.shape, a.dtype), self.every_axis),
             shapes,
         )
         return self.without_memory(exchange_state), zeros

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src import collectives, feedback, replicas, skeleton
+from jaxcomp._src.axes import manual_axes
 from jaxcomp._src.codecs.base import check_int
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
@@ -84,7 +85,8 @@ def _varying(x: jax.Array, axes: tuple) -> jax.Array:
     context does not track variance: pmap, ``check_vma=False``)."""
     if not skeleton.tracks_variance(axes):
         return x
-    missing = tuple(a for a in axes if a not in skeleton.varying_axes(x))
+    manual = manual_axes()
+    missing = tuple(a for a in axes if a in manual and a not in skeleton.varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

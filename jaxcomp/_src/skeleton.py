@@ -26,7 +26,10 @@ import jax.numpy as jnp
 
 from jaxcomp._src import collectives, finite, server
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.axes import varying_axes  # noqa: F401  (re-exported)
+from jaxcomp._src.axes import (
+    manual_axes,
+    varying_axes,  # noqa: F401  (re-exported)
+)
 
 
 def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name: Any = None) -> int:
@@ -107,7 +110,7 @@ def varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
 def varying_over(x: jax.Array, axes: Any) -> jax.Array:
     """``x`` typed as varying over the manual mesh ``axes`` too (``jax.lax.pcast`` of the
     ones it does not vary over yet)."""
-    missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+    missing = tuple(sorted((frozenset(axes) & manual_axes()) - varying_axes(x), key=str))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomp._src import buckets, collectives
+from jaxcomp._src.axes import gather_to
 from jaxcomp._src.codecs.base import Codec
 
 #: How the gathered payloads are averaged: over every device, or per coordinate over the
@@ -55,7 +56,7 @@ def exchange(
     payloads = [codecs[i].encode(vectors[i]) for i in sparse]
     gathered, held = buckets.exchange(
         payloads,
-        lambda b: jax.lax.all_gather(b, axis_name, to="invarying"),
+        lambda b: jax.lax.all_gather(b, axis_name, to=gather_to(axis_name)),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )

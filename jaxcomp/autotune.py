@@ -30,17 +30,43 @@ def _tree(params: float, leaves: int) -> dict:
     return tree
 
 
+def _bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: ``kind`` of the text, at least ``low`` (above it: ``open_low``),
+    so that bad input is a usage error naming the flag, not a traceback."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
+    from jaxcomp._src.codecs.registry import CODECS
+    from jaxcomp._src.cost import STRATEGIES
+
     p = argparse.ArgumentParser(
         prog="python -m jaxcomp.autotune",
         description=__doc__.split("\n\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--params", type=float, default=4e6, help="float32 parameters of the model")
-    p.add_argument("--leaves", type=int, default=8, help="weight matrices (each with a bias)")
+    p.add_argument(
+        "--params",
+        type=_bounded(float, 1),
+        default=4e6,
+        help="float32 parameters of the model",
+    )
+    p.add_argument(
+        "--leaves", type=_bounded(int, 1), default=8, help="weight matrices (each with a bias)"
+    )
     p.add_argument(
         "--devices",
-        type=int,
+        type=_bounded(int, 0),
         default=0,
         help="simulate this many CPU devices (0: the devices jax finds)",
     )
@@ -48,18 +74,30 @@ def _parser() -> argparse.ArgumentParser:
         "--codecs",
         nargs="+",
         default=["none", "bf16", "fp16", "int8"],
+        choices=["none", *CODECS],
+        metavar="CODEC",
         help="candidates: 'none' (plain pmean) or jc.CODECS names, e.g. sign topk1%%",
     )
     p.add_argument(
         "--strategies",
         nargs="+",
         default=None,
+        choices=[s for s in STRATEGIES if s != "auto"],
+        metavar="STRATEGY",
         help="strategies to try (default: allreduce allgather two_phase)",
     )
     p.add_argument(
-        "--check", type=int, default=4, help="candidates timed for real (best of each codec first)"
+        "--check",
+        type=_bounded(int, 1),
+        default=4,
+        help="candidates timed for real (best of each codec first)",
     )
-    p.add_argument("--budget", type=float, default=120.0, help="seconds for the timed checks")
+    p.add_argument(
+        "--budget",
+        type=_bounded(float, 0, open_low=True),
+        default=120.0,
+        help="seconds for the timed checks",
+    )
     p.add_argument("--json", default=None, help="also write the table to this JSON file")
     return p
 

@@ -769,3 +769,32 @@ def test_recorded_idle_runs_are_predicted_within_a_quarter():
     )
     assert errors["10gbit", "one fit"]["fp16_unscaled", "two_phase"] < 0.2
     assert errors["1gbit", "unwidened"]["bf16", "allgather"] < -0.4
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--codecs", "int9"], "--codecs"),
+        (["--strategies", "two-phase"], "--strategies"),
+        (["--params", "-5"], "--params"),
+        (["--leaves", "0"], "--leaves"),
+        (["--devices", "-1"], "--devices"),
+        (["--check", "0"], "--check"),
+        (["--budget", "nan"], "--budget"),
+    ],
+)
+def test_cli_refuses_bad_arguments_naming_the_flag(argv, flag, capsys):
+    # Were tracebacks (math domain error, ZeroDivisionError, unknown codec name), or for an
+    # unknown strategy a table of plain pmean alone: the typo skipped like a strategy the
+    # codec cannot carry.
+    from jaxcomp.autotune import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_unknown_strategy_is_refused_naming_the_argument():
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match="`strategies`"):
+        jc.autotune({"w": np.zeros((64, 64), np.float32)}, mesh, "data", strategies=["two-phase"])

@@ -700,6 +700,12 @@ CHECKS = [
         ValueError,
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
+    (
+        "autotune",
+        "strategies",
+        lambda: jc.autotune(_W, mesh(), "data", strategies=["two-phase"]),
+        ValueError,
+    ),
     ("autotune.select", "rows", lambda: tuning.select([]), ValueError),
     (
         "autotune",

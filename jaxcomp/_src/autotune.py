@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp._src import buckets, feedback
 from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
 from jaxcomp._src.codecs.quantize import Cast, cast, int_quant
-from jaxcomp._src.cost import _summed_dtype, check_pair, strategy_bytes
+from jaxcomp._src.cost import STRATEGIES, _summed_dtype, check_pair, strategy_bytes
 
 #: Candidates when ``codecs=None``: the codecs that keep quality without changing the
 #: optimizer (16-bit casts, int8 blocks). Aggressive codecs (sign, top-k) only when listed.
@@ -724,6 +724,19 @@ def _candidates(codecs, strategies, bucket_sizes, min_sizes) -> list[tuple]:
     return out
 
 
+def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
+    """``strategies`` as a tuple of names a candidate can take (``auto`` picks for itself:
+    not one), else a ValueError naming the argument: an unknown name was skipped like a
+    strategy the codec cannot carry, so a typo tuned nothing but plain pmean."""
+    if isinstance(strategies, str):
+        strategies = (strategies,)
+    known = tuple(s for s in STRATEGIES if s != "auto")
+    bad = [s for s in strategies if s not in known]
+    if bad or not strategies:
+        raise ValueError(f"`strategies` must be names among {known}, got {list(strategies)!r}")
+    return tuple(strategies)
+
+
 def _check_args(params: Any, axis_name: Any, mesh: Any, codecs: Any) -> list[int]:
     names = _names(axis_name)
     missing = [a for a in names if a not in mesh.shape]
@@ -858,7 +871,7 @@ def autotune(
     if loss_fn is not None:
         batch = autotune_steps.place_batch(batch, mesh, axis_name)
     check = check_int("check", check, 1)
-    strategies = DEFAULT_STRATEGIES if strategies is None else tuple(strategies)
+    strategies = DEFAULT_STRATEGIES if strategies is None else check_strategies(strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     costs, failed = _codec_costs(codecs, mesh, axis_name, sizes, reps)

@@ -559,10 +559,7 @@ def compressed_allreduce(
             else adaptive.update(state.adaptive, state.count, outs),
         )
         new_state = _freeze(reduced.bad, state, new_state, layout, restored)
-        if kind == "residual":  # a narrow leaf's memory keeps its output's rounding
-            new_state = new_state._replace(
-                memory=_with_rounding(new_state.memory, outs, layout, reduced.bad)
-            )
+        new_state = _with_rounding(kind, new_state, outs, layout, reduced.bad)
         outs = _after_memory(outs, new_state.memory, every_axis, kind == "residual")
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
@@ -629,15 +626,15 @@ def _new_memories(kind, memory_dtype, step: tuple, fused: list, bad) -> tuple[li
     return [n if r is None else r for n, r in zip(new, restored, strict=True)], restored
 
 
-def _with_rounding(memory: Any, outs: list, layout: layouts.Layout, bad) -> Any:
-    """The ``memory`` field with each bfloat16 / float16 leaf's output rounding added
-    (:func:`~jaxcomp._src.feedback.with_rounding`; float32 leaves untouched), but not on a
-    non-finite step (``bad``)."""
+def _with_rounding(kind, state, outs: list, layout: layouts.Layout, bad):
+    """``state`` whose residual ``memory`` holds each bfloat16 / float16 leaf's output
+    rounding too (:func:`~jaxcomp._src.feedback.with_rounding`; float32 leaves and the other
+    feedback kinds untouched), but not on a non-finite step (``bad``)."""
     dtypes = feedback.compressed_dtypes(layout)
-    if all(jnp.dtype(d).itemsize >= 4 for d in dtypes):
-        return memory
-    leaves = feedback.with_rounding(layouts.field_leaves(memory), outs, dtypes, ~bad)
-    return layouts.like_compressed(layout, leaves)
+    if kind != "residual" or all(jnp.dtype(d).itemsize >= 4 for d in dtypes):
+        return state
+    leaves = feedback.with_rounding(layouts.field_leaves(state.memory), outs, dtypes, ~bad)
+    return state._replace(memory=layouts.like_compressed(layout, leaves))
 
 
 def _freeze(bad, state, new_state, layout, restored: list):

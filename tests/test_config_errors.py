@@ -59,6 +59,14 @@ def _nnx_optimizer(axis_name):
     return jc.nnx_optimizer(model, jc.sgd(0.1, S, "data"), mesh(), axis_name)
 
 
+def _nnx_local(axis_name):
+    """Enter ``jc.nnx_local`` (its checks run on entering the block)."""
+    from flax import nnx
+
+    with jc.nnx_local(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), axis_name) as local:
+        return local
+
+
 def _nnx_split_state():
     """``nnx.split`` of a model and its optimizer: the state's NamedTuples become dicts."""
     from flax import nnx
@@ -775,6 +783,8 @@ TRACE_CHECKS = [
     ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=0), ValueError),
     ("pmean", "bucket_bytes", lambda x: jc.pmean(x, "data", S, bucket_bytes=1e6), TypeError),
     ("pmean", "key", lambda x: jc.pmean(x, "data", jc.qsgd()), ValueError),
+    ("nnx_local", "axis_name", lambda x: _nnx_local("batch"), ValueError),  # not bound
+    ("nnx_local", "axis_name", lambda x: _nnx_local(0), TypeError),
     # random-k with a key that differs per device (folded with the device index): each device
     # would pick other coordinates and decode a different wrong mean.
     (

@@ -210,6 +210,47 @@ def test_nnx_local_pcasts_only_the_params_and_writes_the_rest_back():
     assert seen["after"] == {AXIS}  # per device, as computed
 
 
+def test_nnx_local_writes_nothing_back_if_the_block_raises_and_nests():
+    """``local`` holds copies of the model's variables: a block that raises leaves the
+    BatchNorm statistics as they were (nnx.merge shares the Variables by default, so the
+    forward's per-device writes reached ``model`` and ``nnx.shard_map`` refused them as
+    ``P()``); a nested block pcasts nothing twice ("Unsupported pcast from=varying") and
+    writes the same averaged statistics as one block."""
+    x = batches()[0][0]
+
+    def run(body):
+        model = DropoutMLP(nnx.Rngs(0, dropout=1))
+
+        @nnx.shard_map(mesh=mesh(), in_specs=(P(), P(AXIS)), out_specs=P())
+        def step(model, x):
+            body(model, x)
+            return jax.lax.pmean(jnp.zeros(()), AXIS)
+
+        jax.block_until_ready(nnx.jit(step)(model, x))
+        return np.asarray(model.norm.mean.get_value()), int(model.drop.rngs.count.get_value())
+
+    def raising(model, x):
+        with pytest.raises(RuntimeError, match="boom"), jc.nnx_local(model, AXIS) as local:
+            local(x)
+            raise RuntimeError("boom")
+
+    def once(model, x):
+        with jc.nnx_local(model, AXIS) as local:
+            local(x)
+
+    def nested(model, x):
+        with jc.nnx_local(model, AXIS) as outer, jc.nnx_local(outer, AXIS) as inner:
+            inner(x)
+
+    mean, count = run(raising)
+    assert count == 0 and not mean.any()
+    want, count = run(once)
+    assert count == 1 and np.abs(want).max() > 1e-3
+    got, count = run(nested)
+    assert count == 1
+    np.testing.assert_array_equal(got, want)
+
+
 def test_naive_nnx_optimizer_is_refused_with_the_fix_named():
     """nnx.Optimizer's own init, passed as P(): one memory copy for all devices."""
     model = MLP(nnx.Rngs(0))

@@ -202,7 +202,8 @@ def nnx_local(
 
     .. math:: \mu \leftarrow \frac{1}{n} \sum_i \mu_i
 
-    Nothing is written back if the block raises.
+    Nothing is written back if the block raises (``local`` holds copies of the model's
+    variables). Nested blocks, or an axis bound by ``jax.vmap``, pcast nothing twice.
 
     Args:
       model: the NNX module of the step (entered ``nnx.shard_map`` as ``P()``).
@@ -214,7 +215,7 @@ def nnx_local(
         them per device yourself).
 
     Yields:
-      The model to differentiate, ``nnx.merge(graphdef, pcast(params), rest)``.
+      The model to differentiate, ``nnx.merge(graphdef, pcast(params), rest, copy=True)``.
 
     Example::
 
@@ -236,14 +237,25 @@ def nnx_local(
 
     wrt = nnx.Param if wrt is None else wrt
     collectives.check_axis_name(axis_name)
+    collectives.axis_size(axis_name)  # a named error where the axis is not bound
     graphdef, params, rest = nnx.split(model, wrt, ...)
-    local = nnx.merge(graphdef, jax.lax.pcast(params, axis_name, to="varying"), rest)
+    # copy=True: nnx.merge reuses the Variables of `rest` by default, so the forward's
+    # writes (per device, unaveraged) would reach `model` even if the block raised.
+    local = nnx.merge(graphdef, _per_device(params, axis_name), rest, copy=True)
     yield local
     written = nnx.state(local, nnx.Not(wrt))
     if average_batch_stats:
         stats = nnx.state(local, nnx.All(nnx.BatchStat, nnx.Not(wrt)))
         nnx.update(written, _per_device_means(stats, axis_name))
     nnx.update(model, written)
+
+
+def _per_device(params: Any, axis_name: Any) -> Any:
+    """``jax.lax.pcast(params, axis_name, to="varying")``, each leaf over the manual axes it
+    does not vary over yet (:func:`~jaxcomp._src.skeleton.varying_over`): a nested
+    :func:`nnx_local` pcasts nothing again, nor does an axis bound by ``jax.vmap``."""
+    names = collectives.axis_names(axis_name)
+    return jax.tree.map(lambda x: skeleton.varying_over(x, names), params)
 
 
 def _per_device_means(state: Any, axis_name: Any) -> Any:

@@ -137,7 +137,7 @@ def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
     """``sqrt(sum_j xb[b, j]^2 / count[b])`` per row as ``m sqrt(sum (x / m)^2 / count)``
     (``m = max |x|``): at most ``m``, so a finite row never overflows; 0 for a zero row;
     NaN and inf propagate. Rows above ``2^64`` are scaled by ``2^-64`` (exact) before the
-    division, whose reciprocal XLA would otherwise flush to zero.
+    division, whose reciprocal XLA would otherwise flush to zero (:func:`safe_divide`).
 
     The maximum and the sum of squares fold each row's 8 column groups first
     (:func:`max_abs`, :func:`fold_rows`; the sum is then that of a pairwise tree of 8
@@ -146,8 +146,7 @@ def root_mean_square(xb: jax.Array, count: jax.Array) -> jax.Array:
     vector's reduce had the squares fused in; folded, it writes that quarter too.
     """
     biggest = max_abs(xb)
-    s = jnp.where(biggest > 2.0**64, 2.0**-64, 1.0)
-    unit = safe_divide(xb * s[:, None], (biggest * s)[:, None])
+    unit = safe_divide(xb, biggest[:, None])  # rows above 2^64 scaled by 2^-64 there
     squares = fold_rows(unit * unit, jnp.add)
     return biggest * jnp.sqrt(jnp.sum(squares, axis=1) / count)
 

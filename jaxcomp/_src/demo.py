@@ -300,6 +300,9 @@ def demo(
     Returns:
       An optax ``GradientTransformation`` (a chain: :func:`scale_by_demo`, decoupled weight
       decay, the learning rate); its first state is a :class:`DeMoState`.
+      Its update refuses gradient leaves that are not floating (integer, bool, ``float0``)
+      with a TypeError naming them (the exchange transforms pass them through): keep
+      integer params out of the tree it optimizes (docs/errors.md).
 
     Example (the setting measured on the LM benchmark: AdamW's peak lr 3e-3 and warm-up of
     15 steps, no decay after; momentum decay 0.95 for runs of hundreds of steps)::

@@ -655,6 +655,9 @@ def onebit_adam(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: the update to add to the params.
+      Its update refuses gradient leaves that are not floating (integer, bool, ``float0``)
+      with a TypeError naming them (the exchange transforms pass them through): keep
+      integer params out of the tree it optimizes (docs/errors.md).
 
     Example::
 

@@ -117,6 +117,9 @@ def sgd(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update is the step to add to the
       params (identical on every device).
+      Its update refuses gradient leaves that are not floating (integer, bool, ``float0``)
+      with a TypeError naming them (the exchange transforms pass them through): keep
+      integer params out of the tree it optimizes (docs/errors.md).
 
     Example::
 

@@ -73,10 +73,45 @@ if OPT_DEFAULT or "JAXCOMP_TEST_XLA_COMPILE_FLAGS" not in os.environ:
 _COMPILE = os.environ["JAXCOMP_TEST_XLA_COMPILE_FLAGS"]
 os.environ["XLA_FLAGS"] = _with_flags(os.environ.get("XLA_FLAGS", ""), f"{_FLAGS} {_COMPILE}")
 
-import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_threefry_partitionable", True)
-# With async dispatch, steps queue up ahead and the devices of two steps can starve each
-# other's collective rendezvous on few cores (an XLA:CPU deadlock seen here).
-jax.config.update("jax_cpu_enable_async_dispatch", False)
+def _configure_jax() -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_threefry_partitionable", True)
+    # With async dispatch, steps queue up ahead and the devices of two steps can starve each
+    # other's collective rendezvous on few cores (an XLA:CPU deadlock seen here).
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def pytest_configure(config) -> None:
+    """jax's settings, before any test module is imported. pytest-xdist's controller (``-n N``)
+    runs no test and leaves jax unimported: 3 s of CPU less a run on 2 cores."""
+    controller = "PYTEST_XDIST_WORKER" not in os.environ and config.getoption("numprocesses", 0)
+    if not controller:
+        _configure_jax()
+
+
+# pytest-xdist (`make test`: -n 2 --dist loadscope --no-loadscope-reorder) hands each worker a
+# whole module at a time, in collection order. Heaviest first, so that the run ends on small
+# modules on both workers, not on one worker's long multi-process test while the other is
+# idle: the modules' CPU seconds (tests and their subprocesses, getrusage per test on 2 cores,
+# tests/module_cpu_seconds.json); a module not listed counts 0.3 s a test. Within a module
+# the order is pytest's. xdist's own order (by test count) ended the run with test_replicas
+# (31 s of CPU, one test) on one worker while the other had finished 77 s earlier.
+_UNLISTED_SECONDS_PER_TEST = 0.3
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    import collections
+    import json
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    seconds = json.loads((here / "module_cpu_seconds.json").read_text())
+    module = lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1]  # noqa: E731
+    counts = collections.Counter(module(item) for item in items)
+    weight = {m: seconds.get(m, _UNLISTED_SECONDS_PER_TEST * n) for m, n in counts.items()}
+    items.sort(key=lambda item: (-weight[module(item)], module(item)))  # stable within one

@@ -37,6 +37,27 @@ def run_bench(script: str, *args: str, out: pathlib.Path, timeout: float = 300) 
     return proc.stdout
 
 
+def run_here(script: str, *args: str, out: pathlib.Path, monkeypatch) -> None:
+    """``python -m benchmarks.SCRIPT ARGS`` run in this process, its JSON into ``out``: for
+    benchmarks that run on the suite's 8 CPU devices (or on none), which saves a process's
+    start-up (jax and matplotlib imported anew, about 4 s of CPU a run). The device count it
+    asks for must be the suite's, since jax has started."""
+    import importlib
+
+    import jax
+
+    import jaxcomp.cpu
+    from benchmarks import common
+
+    def use_cpu_devices(n: int = 8) -> None:
+        assert n == jax.device_count(), f"{script} asks for {n} devices, the suite has 8"
+
+    monkeypatch.setattr(jaxcomp.cpu, "use_cpu_devices", use_cpu_devices)
+    monkeypatch.setattr(common, "RESULTS", out)
+    module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    assert module.main(list(args)) == 0
+
+
 def load(out: pathlib.Path, name: str) -> dict:
     return json.loads((out / name).read_text())
 
@@ -83,7 +104,7 @@ def test_wire_bytes_quick_matches_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_codec_speed_and_alpha_beta_quick(tmp_path):
+def test_codec_speed_and_alpha_beta_quick(tmp_path, monkeypatch):
     run_bench("codec_speed.py", "--quick", "--sizes", "1048576", "--reps", "3", out=tmp_path)
     speed = load(tmp_path, "codec_speed_quick.json")
     assert speed["environment"]["backend"] in ("cpu", "gpu", "tpu")
@@ -95,7 +116,7 @@ def test_codec_speed_and_alpha_beta_quick(tmp_path):
         assert math.isfinite(r["in_copies"]) and r["in_copies"] > 0
         assert r["compression"] == pytest.approx(4 * r["size"] / r["payload_bytes"])
 
-    run_bench("alpha_beta.py", "--quick", out=tmp_path)
+    run_here("alpha_beta.py", "--quick", out=tmp_path, monkeypatch=monkeypatch)  # no jax
     model = load(tmp_path, "alpha_beta_quick.json")
     assert model["codec_cost_source"].startswith("codec_speed_quick.json")
     rows = model["rows"]
@@ -210,8 +231,9 @@ def test_zero_one_regimes_count_the_warmup_and_the_skipped_rounds():
     assert counts("zero_one_adam-scaler100") == {0: 38, 1: 212, 2: 50}
 
 
-def test_convergence_quick(tmp_path):
-    run_bench("convergence.py", "--quick", "--steps", "30", "--eval-at", "10", out=tmp_path)
+def test_convergence_quick(tmp_path, monkeypatch):
+    args = ("--quick", "--steps", "30", "--eval-at", "10")  # 8 devices, the suite's
+    run_here("convergence.py", *args, out=tmp_path, monkeypatch=monkeypatch)
     data = load(tmp_path, "convergence_quick.json")
     assert data["complete"]
     runs = {r["method"]: r for r in data["runs"]}
@@ -247,7 +269,7 @@ def test_gpu_step_quick(tmp_path):
 
 
 @pytest.mark.slow
-def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
+def test_hot_path_compile_size_mesh_bytes_quick(tmp_path, monkeypatch):
     # Layout-agnostic smoke runs: ratios present and finite, no targets (before/after differ).
     run_bench("hot_path.py", "--quick", "--reps", "3", "--label", "t", out=tmp_path)
     hot = load(tmp_path, "hot_path_t_quick.json")
@@ -266,13 +288,16 @@ def test_hot_path_compile_size_mesh_bytes_quick(tmp_path):
     assert temps["int8"] < 1.25 and temps["sign"] < 1.0 and temps["sign (no feedback)"] < 0.3
     assert (tmp_path / "hot_path_t_quick.png").stat().st_size > 0
 
-    run_bench("compile_size.py", "--quick", "--strategies", "auto", out=tmp_path)
+    # compile_size and mesh_bytes: 8 devices, the suite's (hot_path times 1 device, and
+    # counts its own process's page faults: a process of its own)
+    args = ("--quick", "--strategies", "auto")
+    run_here("compile_size.py", *args, out=tmp_path, monkeypatch=monkeypatch)
     rows = load(tmp_path, "compile_size_quick.json")["rows"]
     assert [(r["codec"], r["strategy"]) for r in rows] == [("pmean", "-"), ("sign", "auto")]
     for r in rows:
         assert r["compile_s"] > 0 and r["hlo_instructions"] > 0 and r["collectives"] >= 1
 
-    run_bench("mesh_bytes.py", "--quick", "--no-run", out=tmp_path)
+    run_here("mesh_bytes.py", "--quick", "--no-run", out=tmp_path, monkeypatch=monkeypatch)
     mesh = load(tmp_path, "mesh_bytes_quick.json")
     assert len(mesh["rows"]) == 4 and mesh["mesh"] == {"data": 4, "model": 2}
     assert 0.3 < mesh["pmean_sharded_over_replicated"] < 0.7  # pmean of model shards: ~half

@@ -1057,6 +1057,20 @@ def test_state_for_other_params_says_so(name):
         in_shard_map(lambda g: tx.update(g, state)[0], grads)
 
 
+@pytest.mark.parametrize("name", sorted(_transforms()))
+def test_state_for_another_tree_of_params_says_so(name):
+    # A leaf more than the state knows: compressed_allreduce (two-phase server residual) raised
+    # jax's "Dict key mismatch; expected keys: ['b', 'w']" while reading its server residual.
+    tx = _transforms()[name]
+    state = tx.init({"w": jnp.zeros((16, 32))})
+    grads = {
+        "w": jax.ShapeDtypeStruct((8, 16, 32), jnp.float32),
+        "b": jax.ShapeDtypeStruct((8, 32), jnp.float32),
+    }
+    with pytest.raises(ValueError, match=r"state field `.*initialized for other params"):
+        in_shard_map(lambda g: tx.update(g, state)[0], grads)
+
+
 @pytest.mark.parametrize(
     "name,state_axes,match",
     [

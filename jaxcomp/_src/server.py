@@ -95,7 +95,10 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
 def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
     """Whether ``field`` was built outside the mesh: room for each whole vector."""
     sizes = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
-    wholes = _wholes(field, layout, flat)
+    try:
+        wholes = _wholes(field, layout, flat)
+    except ValueError:  # a tree of other params ("Dict key mismatch"): check_fields names it
+        return False
     return (
         field is not None
         and all(layouts.is_empty(w) or w.shape[-1] == d for w, d in zip(wholes, sizes, strict=True))

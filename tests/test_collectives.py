@@ -298,14 +298,14 @@ def test_vmap_axis_name_gives_the_numbers_of_shard_map():
             P("data"),
             P("data"),
         )(shard(x))
-        out = jax.vmap(body, axis_name="data")(x)
+        out = jax.jit(jax.vmap(body, axis_name="data"))(x)  # one program, not op by op
         tol = 0 if codec.name.startswith(("Int", "TopK")) else 1e-6  # sign: a float psum
         jax.tree.map(lambda a, b, t=tol: np.testing.assert_allclose(a, b, atol=t), out, ref)
     tx = jc.onebit_adam(1e-3, "data", freeze_step=1)
     params = {"w": jnp.zeros((40, 50))}
-    state = jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=N)(params)
+    state = jax.jit(jax.vmap(tx.init, in_axes=None, axis_name="data", axis_size=N))(params)
+    step = jax.jit(jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data"))
     for t in range(2):  # the warm-up, then a 1-bit step
-        g = {"w": stacked_normal(t, (40, 50))}
-        out, state = jax.vmap(lambda g, s: tx.update(g, s, params), axis_name="data")(g, state)
+        out, state = step({"w": stacked_normal(t, (40, 50))}, state)
     assert np.isfinite(np.asarray(out["w"])).all() and float(jnp.abs(out["w"]).max()) > 0
     np.testing.assert_array_equal(out["w"][0], out["w"][N - 1])  # the same step everywhere

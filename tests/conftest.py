@@ -98,7 +98,8 @@ def pytest_configure(config) -> None:
 # idle: the modules' CPU seconds (tests and their subprocesses, getrusage per test on 2 cores,
 # tests/module_cpu_seconds.json); a module not listed counts 0.3 s a test. Within a module
 # the order is pytest's. xdist's own order (by test count) ended the run with test_replicas
-# (31 s of CPU, one test) on one worker while the other had finished 77 s earlier.
+# (31 s of CPU, one test) on one worker while the other had finished 77 s earlier; in this
+# order the two workers finished 0.5 s apart (the whole suite, 2 cores at load 3-10).
 _UNLISTED_SECONDS_PER_TEST = 0.3
 
 

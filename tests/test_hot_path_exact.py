@@ -38,8 +38,10 @@ def _old_encode(x, bits, block):
     d = x.shape[0]
     xb = jnp.pad(x, (0, -d % block)).reshape(-1, block)
     absmax = max_abs(xb)
-    inv = jnp.where(absmax > 0, levels / jnp.where(absmax > 0, absmax, 1.0), 0.0)
-    code = _old_codes(xb * inv[:, None], levels)
+    # The block's place on the levels as the codec forms it (``in_levels``: int2's blocks
+    # above 2^126 scaled by 2^-64 first, tests/test_overflow_guards.py): only the rounding
+    # that ``rounded_codes`` replaced is the old formula here.
+    code = _old_codes(quantize.in_levels(xb, absmax, levels), levels)
     return _old_pack(code.reshape(-1)[:d], bits), absmax / levels
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -798,3 +799,21 @@ def test_unknown_strategy_is_refused_naming_the_argument():
     mesh = jax.make_mesh((8,), ("data",))
     with pytest.raises(ValueError, match="`strategies`"):
         jc.autotune({"w": np.zeros((64, 64), np.float32)}, mesh, "data", strategies=["two-phase"])
+
+
+def test_cli_on_one_device_says_there_is_nothing_to_exchange():
+    # Every compressed row of the table was "failed: bytes model: ZeroDivisionError" and
+    # plain pmean chosen: jax saw one CPU device (no --devices). A subprocess: the suite's
+    # process already has 8 devices.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxcomp.autotune", "--params", "1000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--devices 8" in out.stderr, out.stderr[-500:]

@@ -11,7 +11,7 @@ One program per transform, a bfloat16 and a float16 leaf in the same tree.
 import jax
 import numpy as np
 import pytest
-from helpers import Blocking, N, is_jaxcomp, mesh
+from helpers import N, is_jaxcomp, mesh, per_device
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,16 +66,7 @@ def test_narrow_leaves_conserve_the_returned_output(name):
     p = jax.device_put({k: np.zeros(SHAPE, d) for k, d in DTYPES.items()}, NamedSharding(m, P()))
     state = jc.sharded_init(tx, p, m, "data")
     specs = jc.state_specs(state, "data")
-    step = Blocking(
-        jax.jit(
-            jax.shard_map(
-                lambda g, s: tx.update(jc.own(g), s, p),
-                mesh=m,
-                in_specs=(P("data"), specs),
-                out_specs=(P(), specs),
-            )
-        )
-    )
+    step = per_device(lambda g, s: tx.update(jc.own(g), s, p), (P("data"), specs), (P(), specs), m)
     for t in range(2):  # the warm-up step of powersgd (dense), then a compressed one
         rng = np.random.default_rng(t)
         g = {k: (1.7 * rng.standard_normal((N, *SHAPE)) + 0.3).astype(d) for k, d in DTYPES.items()}

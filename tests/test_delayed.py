@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import Blocking, N, mesh
+from helpers import Blocking, N, mesh, per_device
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -182,11 +182,7 @@ def test_integer_leaves_pass_through_one_step_late(axis_name):
         out, s = tx.update(g, s, p)
         return jax.tree.map(lambda a: a[None], out), s
 
-    fn = Blocking(
-        jax.jit(
-            jax.shard_map(step, mesh=m, in_specs=(P("data"), specs), out_specs=(P("data"), specs))
-        )
-    )
+    fn = per_device(step, (P("data"), specs), (P("data"), specs), m)
     put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
     counts = [np.arange(3 * N, dtype=np.int32).reshape(N, 3) + 100 * t for t in range(2)]
     out0, state = fn(put({"b": grads(0)["b"], "n": counts[0]}), state)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 import jaxcomp as jc
 from jaxcomp._src.clipping import safe_global_norm
@@ -23,6 +25,7 @@ from jaxcomp._src.codecs.base import (
     scaled_global_norm,
     scaled_norm,
 )
+from jaxcomp._src.dgc import _clip_local
 from jaxcomp._src.onebit_adam import adam_denominator, saturate, unprecondition
 from jaxcomp._src.powersgd import _unit_columns, orthogonalize
 from jaxcomp._src.sparseloco import _norm_parts
@@ -180,3 +183,86 @@ def test_clip_by_global_norm_of_values_above_2_to_126_clips_to_the_norm():
     )
     flat = np.concatenate([np.asarray(out["a"][0]), np.asarray(out["b"][0])])
     np.testing.assert_allclose(flat, np.asarray([1e38, -0.5e38, 0.8e38]) / true, rtol=1e-6)
+
+
+# Finite gradients whose global norm overflows float32 (3e38 x 4: norm 6e38; 1e38 x 100: 1e39;
+# 1e20 x 5: a plain sum of squares is inf, the scaled norm 2.2e20 is not) or lies above 2^126
+# (1.37e38: ``limit / norm`` is subnormal, flushed to 0 on XLA:CPU).
+OVERFLOWING = {
+    "3e38x4": {"a": jnp.asarray([3e38, -3e38, 3e38, -3e38], jnp.float32)},
+    "1e38x100": {"a": jnp.full((60,), 1e38, jnp.float32), "b": jnp.full((40,), -1e38)},
+    "1e20x5": {"a": jnp.full((3,), 1e20, jnp.float32), "b": jnp.full((2,), -1e20)},
+    "norm 1.37e38": {"a": jnp.asarray([1e38, -0.5e38]), "b": jnp.asarray([0.8e38])},
+}
+
+
+@jax.jit
+def _clip_library(tree, limit):
+    """``jc.clip_by_global_norm(limit, bound=True)`` and dgc's local clipping of one device."""
+    tx = jc.clip_by_global_norm(limit, "data", bound=True)
+    ours = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="data")(
+        jax.tree.map(lambda x: x[None], tree)
+    )
+    dgc_g, _ = _clip_local(jax.tree.leaves(tree), [], limit)
+    return {
+        "clip_by_global_norm": jnp.concatenate([jnp.ravel(x[0]) for x in jax.tree.leaves(ours)]),
+        "dgc clip_norm": jnp.concatenate([jnp.ravel(x) for x in dgc_g]),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(OVERFLOWING))
+def test_clipping_a_finite_gradient_whose_norm_overflows_keeps_its_direction(case):
+    """The clipped gradient has norm ``limit`` along the gradient's direction. Before,
+    ``limit / inf`` made every value 0 (3e38x4, 1e38x100) for both clippings (1e20x5 and
+    1.37e38 were right since 89b2222); optax's ``clip_by_global_norm`` returns zeros for
+    all four (docs/errors.md)."""
+    tree = OVERFLOWING[case]
+    g = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+    want = g * (2.0 / np.linalg.norm(g))
+    for name, got in _clip_library(tree, 2.0).items():
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-6, err_msg=name)
+    optax_out, _ = optax.clip_by_global_norm(2.0).update(tree, optax.EmptyState())
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(optax_out))  # as documented
+
+
+def test_clipping_keeps_a_nonfinite_gradient_nonfinite():
+    """An inf among values of 1e38 (norm inf either way) or a NaN is never clipped away."""
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        tree = {"a": jnp.full((8,), 1e38, jnp.float32).at[3].set(bad), "b": jnp.ones(3)}
+        for name, got in _clip_library(tree, 1.0).items():
+            assert not np.isfinite(np.asarray(got)).all(), (name, bad)
+
+
+def test_clipping_gives_the_same_bits_as_before_on_ordinary_gradients():
+    """The formulas before the overflow guard (written out here) and after agree bit for bit
+    wherever the old norm was finite and ``limit / norm`` normal: scales 1e-30 .. 1e30
+    (norms above 2^64 take the 2^-64 path), clipped and not clipped."""
+
+    def old_clip(tree, limit):  # clipping.py before: norm * pre, pre = 2^-64 above 2^64
+        norm = safe_global_norm(tree)
+        pre = jnp.where((norm > limit) & (norm > 2.0**64), 2.0**-64, 1.0)
+        factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm * pre, 1.0), 1.0)
+        return jnp.concatenate([jnp.ravel((x * pre) * factor) for x in jax.tree.leaves(tree)])
+
+    def old_dgc(tree, limit):  # dgc._clip_local before
+        norm = scaled_global_norm(jax.tree.leaves(tree))
+        scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
+        return jnp.concatenate([jnp.ravel(x * scale) for x in jax.tree.leaves(tree)])
+
+    key = jax.random.PRNGKey(3)
+    for scale in (1e-30, 1e-3, 1.0, 1e10, 1e25, 1e30):
+        tree = {
+            "w": scale * jax.random.normal(key, (37, 29)),
+            "b": scale * jax.random.normal(jax.random.fold_in(key, 1), (13,)),
+        }
+        for limit in (scale * 0.5, scale * 1e3, 1.0):
+            limit = jnp.float32(limit)
+            got = _clip_library(tree, limit)
+            want = {
+                "clip_by_global_norm": np.asarray(jax.jit(old_clip)(tree, limit)),
+                "dgc clip_norm": np.asarray(jax.jit(old_dgc)(tree, limit)),
+            }
+            for name in got:
+                np.testing.assert_array_equal(
+                    np.asarray(got[name]).view(np.uint32), want[name].view(np.uint32), err_msg=name
+                )

@@ -11,28 +11,36 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import LARGE_DIVISOR, safe_divide
+from jaxcomp._src.codecs.base import clip_scales, safe_divide
 from jaxcomp._src.onebit_adam import check_number
 
 
-def safe_global_norm(tree: Any) -> jax.Array:
-    """The float32 L2 norm of every floating leaf, computed after dividing by the largest
-    magnitude, so finite inputs near float32's range give a finite norm (0 for zeros; NaN or
-    inf for non-finite inputs)."""
+def global_norm_parts(tree: Any) -> tuple[jax.Array, jax.Array]:
+    """``(m, r)`` with the float32 L2 norm of every floating leaf ``= m r``: ``m`` the largest
+    magnitude (1 where it is 0; itself where it is not finite) and ``r = sqrt(sum (x / m)^2)``,
+    so both parts are finite for finite inputs, even where their product overflows."""
     leaves = [
         jnp.asarray(x, jnp.float32)
         for x in jax.tree.leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.floating)
     ]
     if not leaves:
-        return jnp.zeros([], jnp.float32)
+        return jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
     # A float max may drop a NaN on XLA:CPU (docs/errors.md), but ``safe`` is never 0, so a
     # NaN still reaches ``total`` (tests/test_overflow_guards.py); max_abs would cost a pass.
     top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) if x.size else 0.0 for x in leaves]))
     safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
     # safe_divide: XLA:CPU's x / safe is 0 for safe above 2^126 (docs/errors.md).
     total = sum(jnp.sum(jnp.square(safe_divide(x, safe))) for x in leaves)
-    return jnp.where(jnp.isfinite(top), safe * jnp.sqrt(total), top)
+    return jnp.where(jnp.isfinite(top), safe, top), jnp.sqrt(total)
+
+
+def safe_global_norm(tree: Any) -> jax.Array:
+    """The float32 L2 norm of every floating leaf, computed after dividing by the largest
+    magnitude, so finite inputs give a finite norm up to float32's range (inf past it: use
+    :func:`global_norm_parts` there; 0 for zeros; NaN or inf for non-finite inputs)."""
+    scale, root = global_norm_parts(tree)
+    return jnp.where(jnp.isfinite(scale), scale * root, scale)
 
 
 def clip_by_global_norm(
@@ -63,7 +71,10 @@ def clip_by_global_norm(
     never form the mean gradient: chain this before them.
 
     A zero gradient stays zero; a non-finite gradient stays non-finite (never hidden). The
-    norm is computed after scaling by the largest magnitude (no float32 overflow).
+    norm is computed after scaling by the largest magnitude, and a finite gradient whose norm
+    overflows float32 (values of ``1e38``, or ``~1e19`` and more in a large tree) is clipped to
+    the threshold along its direction (:func:`~jaxcomp._src.codecs.base.clip_scales`), where
+    ``optax.clip_by_global_norm`` returns zeros (its norm is inf).
 
     Args:
       max_norm: ``c`` > 0, the norm the mean gradient is clipped to.
@@ -93,11 +104,9 @@ def clip_by_global_norm(
         skeleton.check_real("clip_by_global_norm", updates)  # it would pass unclipped
         n = collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
-        norm = safe_global_norm(updates)
-        # limit / norm is subnormal (flushed to 0: every update dropped) for a norm above
-        # 2^126 * limit: such updates are scaled by 2^-64 first and the norm with them.
-        pre = jnp.where((norm > limit) & (norm > LARGE_DIVISOR), 1.0 / LARGE_DIVISOR, 1.0)
-        factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm * pre, 1.0), 1.0)
+        # A norm past float32's range (finite values) or above 2^126 (limit / norm flushed
+        # to 0) zeroed every update: clip_scales scales such updates by 2^-64 first.
+        pre, factor = clip_scales(*global_norm_parts(updates), limit)
         clipped = jax.tree.map(
             lambda x: (
                 ((x * pre) * factor).astype(x.dtype)

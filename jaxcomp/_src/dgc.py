@@ -24,7 +24,8 @@ from jaxcomp._src.codecs.base import (
     check_fraction,
     check_int,
     check_positive_float,
-    scaled_global_norm,
+    clip_scales,
+    scaled_global_norm_parts,
 )
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
 
@@ -179,9 +180,10 @@ def _feedback(u: list, v: list, sent: list, masking: Any, ok: jax.Array) -> tupl
 
 def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
     """Local gradient clipping: every leaf scaled by ``min(1, limit / ||(g, p)||)``."""
-    norm = scaled_global_norm(g + p)  # overflows only past float32's range
-    scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
-    return [a * scale for a in g], [a * scale for a in p]
+    # A norm past float32's range (all values finite) or above 2^126 (limit / norm flushed to
+    # 0) zeroed the gradient: clip_scales scales such gradients by 2^-64 first.
+    pre, factor = clip_scales(*scaled_global_norm_parts(g + p), limit)
+    return [(a * pre) * factor for a in g], [(a * pre) * factor for a in p]
 
 
 def _correct(momentum, nesterov: bool, velocity: list, accumulation: list, g: list, ok):

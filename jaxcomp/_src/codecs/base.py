@@ -526,10 +526,40 @@ def saturating_square(x: jax.Array) -> jax.Array:
     return jnp.minimum(x * x, F32_MAX)
 
 
-def scaled_global_norm(arrays: list[jax.Array]) -> jax.Array:
-    """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded)."""
+def scaled_global_norm_parts(arrays: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(m, r)``: the global 2-norm of ``arrays`` is ``m r``, ``m = max |x|`` and ``r =
+    sqrt(sum (x / m)^2)`` in ``[1, sqrt(d)]`` (0 for zeros). Each part is finite for finite
+    input even where the norm itself overflows float32 (:func:`clip_scales` reads them)."""
     if not arrays:
-        return jnp.zeros([], jnp.float32)
+        return jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
     biggest = jnp.max(jnp.stack([max_abs_over(a).reshape(()) for a in arrays]))
     total = sum(jnp.sum(jnp.square(safe_divide(a, biggest))) for a in arrays)
-    return biggest * jnp.sqrt(total)
+    return biggest, jnp.sqrt(total)
+
+
+def scaled_global_norm(arrays: list[jax.Array]) -> jax.Array:
+    """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded)."""
+    biggest, root = scaled_global_norm_parts(arrays)
+    return biggest * root
+
+
+def clip_scales(top: jax.Array, root: jax.Array, limit: Any) -> tuple[jax.Array, jax.Array]:
+    r"""Scalars ``(pre, factor)`` with ``(x * pre) * factor = x min(1, limit / |g|)`` for every
+    value ``x`` of a gradient ``g`` whose norm is ``|g| = top * root`` (Pascanu et al., 2013).
+
+    ``|g|`` may overflow float32 while every value is finite (``|x| ~ 1.8e19`` squares to
+    inf; ``d`` values near ``F32_MAX`` have a norm near ``F32_MAX sqrt(d)``): ``limit / |g|``
+    was then 0 and the clipped gradient all zeros. Above ``2^64`` the norm is therefore formed
+    as ``(top 2^-64) root`` and the values scaled by ``pre = 2^-64`` with it (exact: a power of
+    two), which also keeps ``limit / |g|`` off the subnormals XLA:CPU flushes to 0 (its
+    reciprocal of a divisor above ``2^126``). For any other gradient ``pre = 1`` and
+    ``factor = limit / |g|``: the same bits as ``x * (limit / |g|)``. A NaN norm leaves ``g``
+    as it is (``factor = 1``), an infinite ``top`` makes ``factor = 0`` (its inf becomes
+    NaN): a non-finite gradient stays non-finite.
+    """
+    norm = top * root  # inf where it overflows: over the limit, and above 2^64
+    over = norm > limit
+    pre = jnp.where(over & (norm > LARGE_DIVISOR), 1.0 / LARGE_DIVISOR, 1.0)
+    scaled = (top * pre) * root  # finite for finite top: at most 2^64 sqrt(d)
+    factor = jnp.where(over, limit / jnp.where(scaled > 0, scaled, 1.0), 1.0)
+    return pre, factor

@@ -504,6 +504,8 @@ def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
     assert all(np.isfinite(out[k][others]).all() for k in row.shapes)
     for field in after._fields:
         new, old = getattr(after, field), getattr(run.states[t], field)
+        if field == "pending":  # a delayed snapshot carries the NaN to its landing
+            continue  # (test_delayed_snapshot_of_a_nonfinite_update_is_flagged_where_it_lands)
         if field in per_device_fields(after):  # device 3 keeps its slot
             for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
                 np.testing.assert_array_equal(np.asarray(x)[3], np.asarray(y)[3])
@@ -690,6 +692,23 @@ def test_streaming_sync_sends_one_fragment():
 # 3 (counts 0, 2, 5, ...). Not a contract row: the core and its other items are local_sgd-H2's.
 GROWING = Row("local_sgd-H1,2,3", local_sgd(sync_every=(1, 2, 3)), exchanges=(0, 2), local=1)
 ROW_BY_ID[GROWING.id] = GROWING
+
+
+def test_delayed_snapshot_of_a_nonfinite_update_is_flagged_where_it_lands():
+    """A NaN in device 3's update at the step its fragment's pseudo-gradient is snapshotted
+    (``w`` at step 0, landing at step 1): the landing's mean is NaN, so every device's ``w``
+    update is NaN and the whole state stays as it was. Until 2026-11-27 device 3 kept its
+    previous snapshot (zeros): the landing averaged it, finite, and the other devices went
+    on with an anchor that had silently left device 3 out, at every sync after."""
+    b, run = built("streaming_diloco-F2-delay1"), trajectory("streaming_diloco-F2-delay1")
+    g = grads(0, b.row.shapes)
+    g["w"].reshape(N, -1)[3, 7] = np.nan
+    _, reps, state = b.step(run.arrays[0], run.states[0], g)
+    pending = np.asarray(state.pending[1][0])  # fragment 1 holds w
+    assert not np.isfinite(pending[3]).all() and np.isfinite(np.delete(pending, 3, 0)).all()
+    out, _, after = b.step(reps, state, 1)
+    assert not np.isfinite(np.asarray(out["w"])).any()  # NaN on every device
+    assert_trees_equal(after, state)  # the anchor, the outer state and the count too
 
 
 def test_growing_sync_every_syncs_at_the_early_steps_then_every_h():

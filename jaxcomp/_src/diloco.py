@@ -110,9 +110,10 @@ def diloco(
         theta_i <- (1 - mix) theta_i + mix x
 
     The sync runs inside a ``jax.lax.cond`` on the step count: other steps send nothing. A
-    non-finite update on one device freezes that device's per-device state and gives it a
-    non-finite output; a sync whose mean is not finite gives non-finite outputs everywhere
-    and leaves the whole state as it was (the sync is retried next step). Wrap the inner
+    non-finite update on one device freezes that device's inner state and gives it a
+    non-finite output (with ``delay``, a snapshot taken then is non-finite and reaches the
+    exchange where it lands); a sync whose mean is not finite gives non-finite outputs
+    everywhere and leaves the whole state as it was (the sync is retried next step). Wrap the inner
     optimizer, not this transform, in ``optax.apply_if_finite``.
 
     Args:

@@ -437,15 +437,17 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         u_leaves = treedef.flatten_up_to(u)
         local_bad = _nonfinite([x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)])
         out, anchor, parts, bad = _sync_fragments(ex, state, treedef, p_leaves, u_leaves)
+        # A device's non-finite inner update freezes its inner state only. Its delayed
+        # pseudo-gradient snapshot (``pending``) is the message the next landing exchanges:
+        # taken as it is, non-finite, so that the landing's mean is flagged on every device.
+        # Kept from the previous period instead, it hid the bad device from every later sync.
         values = {
             "inner": _where(local_bad, state.inner, jax.tree.map(lambda a: a[None], inner_new)),
             "count": state.count + 1,
             "anchor": jax.tree.unflatten(treedef, anchor),
             "outer": None if parts["outer"] is None else tuple(parts["outer"]),
             "exchange": None if parts["exchange"] is None else tuple(parts["exchange"]),
-            "pending": None
-            if parts["pending"] is None
-            else _where(local_bad, state.pending, tuple(parts["pending"])),
+            "pending": None if parts["pending"] is None else tuple(parts["pending"]),
         }
         new_state = cfg.state_type(**{k: v for k, v in values.items() if k in fields})
         # A sync whose mean is not finite (the flag is identical on every device) leaves the

@@ -1003,6 +1003,9 @@ def test_docs_table_and_tested_checks_agree():
         (update, "axis_name", ValueError): test_unbound_axis_says_so,
         (update, "state", ValueError): test_state_for_other_params_says_so,
         (update, "updates", ValueError): test_tree_of_same_size_but_other_leaves_says_so,
+        ("every transform with a state (update)", "updates", ValueError): (
+            test_bare_array_against_dict_params_names_both_trees
+        ),
         ("compressed_allreduce, powersgd (init/update)", "mask", ValueError): (
             test_mask_of_wrong_structure_says_so
         ),
@@ -1270,3 +1273,55 @@ def test_integer_leaves_pass_the_transforms_and_the_recipes_name_them():
         for grad, dtype in zip(grads, ("float0", "int32"), strict=True):
             with pytest.raises(TypeError, match=rf"{name}: .*\['step'\]: {dtype} are not floating"):
                 trace(name, tx, grad)
+
+
+def _stateful_transforms():
+    """Every public transform whose update takes a state built for a params tree."""
+    inner = optax.sgd(0.1)
+    return {
+        "compressed_allreduce": jc.compressed_allreduce(S, "data", min_size=16),
+        "sgd": jc.sgd(0.1, S, "data", min_size=16),
+        "dgc": jc.dgc(0.1, "data", min_size=16),
+        "powersgd": jc.powersgd(2, "data", min_size=16),
+        "onebit_adam": jc.onebit_adam(1e-3, "data", freeze_step=2),
+        "zero_one_adam": jc.zero_one_adam(1e-3, "data", var_freeze_step=2),
+        "demo": jc.demo(1e-3, "data"),
+        "local_sgd": jc.local_sgd(inner, "data", 2),
+        "diloco": jc.diloco(inner, "data", 2),
+        "sparseloco": jc.sparseloco(inner, "data", 2, min_size=16),
+        "gossip": jc.gossip(inner, "data"),
+        "delayed": jc.delayed(inner, axis_name="data"),
+        "accumulate": jc.accumulate(jc.sgd(0.1, S, "data", min_size=16), 2),
+    }
+
+
+# Those whose update needs the params (each device's own params move to the synced ones).
+_NEED_PARAMS = {"local_sgd", "diloco", "sparseloco", "gossip"}
+
+
+@pytest.mark.parametrize(
+    "name,with_params",
+    [
+        (n, p)
+        for n in sorted(_stateful_transforms())
+        for p in (False, True)
+        if p or n not in _NEED_PARAMS
+    ],
+)
+def test_bare_array_against_dict_params_names_both_trees(name, with_params):
+    """A bare array of the shape of the state's one leaf: the shape checks passed it, then
+    compressed_allreduce / jc.sgd raised AttributeError ("'dict' object has no attribute
+    'shape'") and local_sgd / diloco / sparseloco "Expected dict, got Array"; dgc, powersgd,
+    the Adam recipes, demo, delayed, accumulate said "has shapes {'w': (16, 32)} but these
+    gradients need (16, 32)"; gossip ran."""
+    tx = _stateful_transforms()[name]
+    params = {"w": jnp.zeros((16, 32))}
+    state, specs = abstract_state(tx, params)
+    bare = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)
+    both = (
+        r"`updates`\) have the tree structure PyTreeDef\(\*\) but .* has PyTreeDef\(\{'w': \*\}\)"
+    )
+    with pytest.raises(ValueError, match=both):
+        in_shard_map(
+            lambda g, s: tx.update(g, s, params if with_params else None)[0], bare, state, specs
+        )

@@ -101,7 +101,9 @@ def accumulate(
     def update_fn(updates, state, params=None, **extra_args):
         # A state of other params or devices (restored on another mesh): named, not a
         # broadcasting error deep in the sum.
-        check_fields("accumulate", state, {"acc": jax.eval_shape(zero_acc, updates)})
+        check_fields(
+            "accumulate", state, {"acc": jax.eval_shape(zero_acc, updates)}, updates=updates
+        )
         acc = jax.tree.map(
             lambda a, g: a if a is None else a + jnp.ravel(g).astype(jnp.float32),
             state.acc,

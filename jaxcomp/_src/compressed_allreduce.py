@@ -473,7 +473,7 @@ def compressed_allreduce(
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
         skeleton.check_state(
-            "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device
+            "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device, updates
         )
         grads = layouts.compressed_vectors(updates, layout)
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)

@@ -86,7 +86,7 @@ def delayed(
     def update_fn(updates, state, params=None, **extra_args):
         # A state of other params or devices: refused (a[0] would read one of its rows).
         want = jax.eval_shape(zero_pending, updates)
-        skeleton.check_fields("delayed", state, {"pending": want})
+        skeleton.check_fields("delayed", state, {"pending": want}, updates=updates)
         previous = jax.tree.map(
             lambda g, a: float0_like(g) if is_float0(g) else a[0], updates, state.pending
         )

@@ -192,7 +192,7 @@ def scale_by_demo(
         skeleton.begin("demo", updates, params, axis_name)
         skeleton.check_floating("demo", updates)
         skeleton.check_fields(
-            "demo", state, {"momentum": jax.eval_shape(init_fn, updates).momentum}
+            "demo", state, {"momentum": jax.eval_shape(init_fn, updates).momentum}, updates=updates
         )
         leaves, treedef = jax.tree.flatten(updates)
         mom_in = treedef.flatten_up_to(state.momentum)

@@ -426,7 +426,9 @@ def dgc(
         n = skeleton.begin("dgc", updates, params, axis_name, inner_axis_name)
         updates = collectives.inner_mean(updates, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, _matrix_mask)
-        skeleton.check_state("dgc", state, lambda: fields(layout), layout, axis_name=axis_name)
+        skeleton.check_state(
+            "dgc", state, lambda: fields(layout), layout, axis_name=axis_name, updates=updates
+        )
         skeleton.check_per_host("dgc", state, axis_name, inner_axis_name)
         g = layouts.compressed_vectors(updates, layout)
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]

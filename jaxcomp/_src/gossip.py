@@ -204,7 +204,7 @@ def gossip(
         abstract = _abstract(params)
         expected = jax.eval_shape(lambda: fields(abstract))
         expected["inner"] = jax.eval_shape(lambda: _slotted(inner.init(abstract)))
-        skeleton.check_fields("gossip", state, expected, axis_name)
+        skeleton.check_fields("gossip", state, expected, axis_name, updates)
         topo = topologies.topology(topology_name, n)
         inner_state = jax.tree.map(lambda x: x[0], state.inner)
         step, inner_new = inner.update(updates, inner_state, params, **extra_args)

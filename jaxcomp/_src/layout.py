@@ -188,8 +188,56 @@ def assemble(tree: Any, layout: Layout, compressed: list[jax.Array], plain: list
     return jax.tree.unflatten(layout.treedef, out)
 
 
+def _is_slot(x: Any) -> bool:
+    """An empty slot of a per-leaf tree (None, ``optax.MaskedNode``): counted as a leaf."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """The key path of every leaf of ``tree``, empty slots included (``''`` for a bare
+    array): dicts, FrozenDicts and NNX states of the same keys read the same."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_slot)[0]
+    return [jax.tree_util.keystr(p) for p, _ in leaves]
+
+
+def _structure(tree: Any) -> str:
+    text = str(jax.tree.structure(tree, is_leaf=_is_slot))
+    return text if len(text) < 200 else text[:200] + "..."
+
+
+def check_same_tree(transform: str, updates: Any, reference: Any, what: str) -> None:
+    """Refuse gradients (``updates``) whose tree is not ``reference``'s, leaf for leaf by key
+    path: a bare array against a dict of one leaf of the same shape passed the shape checks
+    and failed deep inside (AttributeError, "Expected dict, got Array"). ``what`` names the
+    reference (the params, or a state field initialized for them)."""
+    got, want = leaf_paths(updates), leaf_paths(reference)
+    if got == want:
+        return
+    first = next(
+        (
+            f"{a or '<root>'} against {b or '<root>'}"
+            for a, b in zip(got, want, strict=False)
+            if a != b
+        ),
+        f"{len(got)} leaves against {len(want)}",
+    )
+    cause = (
+        "the state was initialized for other params"
+        if what.startswith("the state")
+        else "the gradients must have the tree of the params"
+    )
+    raise ValueError(
+        f"{transform}: the gradients (`updates`) have the tree structure {_structure(updates)} "
+        f"but {what} has {_structure(reference)} (first difference: {first}): {cause}. Pass "
+        "gradients of the params tree the state was initialized for (e.g. jax.grad of the "
+        "loss with respect to those params, not a bare array for a dict of one leaf), or "
+        "initialize the state with these params."
+    )
+
+
 def check_like_params(updates: Any, params: Any, transform: str) -> None:
-    """Raise if the gradient tree does not match ``params`` leaf for leaf (shapes, in order).
+    """Raise if the gradient tree does not match ``params`` leaf for leaf (shapes, in order,
+    and key paths: :func:`check_same_tree`).
 
     The state of a transform holds flat vectors, so a gradient tree of the same total size
     but other leaves would silently pair its memory with the wrong entries; the ``params``
@@ -200,7 +248,8 @@ def check_like_params(updates: Any, params: Any, transform: str) -> None:
         return
     got = [tuple(jnp.shape(x)) for x in jax.tree.leaves(updates)]
     want = [tuple(jnp.shape(x)) for x in jax.tree.leaves(params)]
-    if got == want:
+    if got == want:  # the same shapes in order: the same tree too (a bare array is not)
+        check_same_tree(transform, updates, params, "the params passed to update (`params`)")
         return
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(updates)]
     if len(got) != len(want):

@@ -463,7 +463,7 @@ def scale_by_onebit_adam(
         skeleton.begin("onebit_adam", updates, params, axis_name, inner_axis)
         skeleton.check_floating("onebit_adam", updates)
         like = jax.eval_shape(lambda: zeros_f32(updates))
-        skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like})
+        skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like}, updates=updates)
         warm = state.count < freeze_step
         if rescale:
             level, level_ref, nu_scale = levels(updates, state, warm)

@@ -354,8 +354,9 @@ def _fragment_step(ex: _Exchange, ops: tuple, pending: Any, count: Any, f: int) 
     return (*cond(cfg.lands(count, f), land, keep, (*ops, pending)), w_new)
 
 
-def _check_update(cfg: Config, updates: Any, state: Any, params: Any, expected: Any) -> None:
-    """Trace-time checks: ``params`` given, the gradient tree and the state match them."""
+def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: Any) -> None:
+    """Trace-time checks: ``params`` given, the gradient tree and the state match them
+    (``init_fn(params)`` traced abstractly once ``params`` is known to be there)."""
     if params is None:
         raise ValueError(
             f"{cfg.name} needs `params` in update(grads, state, params): it moves each "
@@ -363,8 +364,10 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, expected: 
         )
     skeleton.begin(cfg.name, updates, params, cfg.axis_name)
     replicas.check_within_replica(cfg.name, updates, params, cfg.axis_name)
+    expected = jax.eval_shape(init_fn, params)
     names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]
-    skeleton.check_fields(cfg.name, state, {k: getattr(expected, k) for k in names}, cfg.axis_name)
+    want = {k: getattr(expected, k) for k in names}
+    skeleton.check_fields(cfg.name, state, want, cfg.axis_name, updates)
 
 
 def _fields_of(state: Any) -> dict[str, Any]:
@@ -430,7 +433,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         return cfg.state_type(**{k: v for k, v in values.items() if k in fields})
 
     def update_fn(updates, state, params=None, **extra_args):
-        _check_update(cfg, updates, state, params, jax.eval_shape(init_fn, params))
+        _check_update(cfg, updates, state, params, init_fn)
         inner_old = jax.tree.map(lambda a: a[0], state.inner)
         u, inner_new = inner.update(updates, inner_old, params, **extra_args)
         p_leaves, treedef = jax.tree.flatten(params)

@@ -557,7 +557,13 @@ def powersgd(
         updates = collectives.inner_mean(updates, inner_axis_name)
         p = plan(updates)
         skeleton.check_state(
-            "powersgd", state, lambda: fields(p, jax.random.PRNGKey(0)), p.layout, False, axis_name
+            "powersgd",
+            state,
+            lambda: fields(p, jax.random.PRNGKey(0)),
+            p.layout,
+            False,
+            axis_name,
+            updates,
         )
         skeleton.check_per_host("powersgd", state, axis_name, inner_axis_name)
         key, step_key = jax.random.split(state.key)

@@ -307,13 +307,31 @@ def vectors(field: Any) -> list[jax.Array]:
     return [jnp.ravel(a) for a in layouts.field_leaves(field)]
 
 
-def check_fields(name: str, state: Any, expected: dict[str, Any], axis_name: Any = None) -> None:
+def check_trees(name: str, state: Any, expected: dict[str, Any], updates: Any) -> None:
+    """Refuse gradients (``updates``) of another tree than the params the state was built
+    for: each field of ``expected`` that mirrors ``updates`` leaf for leaf (a per-leaf field,
+    None where a leaf has no slot) must mirror the state's field too. A bare array against a
+    state of ``{"w": ...}`` has the same shapes, so only the key paths tell them apart."""
+    mine = layouts.leaf_paths(updates)
+    for field, want in expected.items():
+        got = getattr(state, field)
+        if got is None or want is None or layouts.leaf_paths(want) != mine:
+            continue
+        layouts.check_same_tree(name, updates, got, f"the state field `{field}`")
+
+
+def check_fields(
+    name: str, state: Any, expected: dict[str, Any], axis_name: Any = None, updates: Any = None
+) -> None:
     """Raise a clear error if a state field does not have the expected structure and shapes.
 
     ``expected`` maps a field name to a tree of ``jax.ShapeDtypeStruct`` (or None) built for
-    the current gradients, e.g. ``jax.eval_shape`` of the init. Given ``axis_name``, the
-    per-device fields must also vary over it (:func:`check_per_device`).
+    the current gradients, e.g. ``jax.eval_shape`` of the init. Given ``updates``, a state
+    of another params tree is named as such first (:func:`check_trees`). Given
+    ``axis_name``, the per-device fields must also vary over it (:func:`check_per_device`).
     """
+    if updates is not None:
+        check_trees(name, state, expected, updates)
     for field, want in expected.items():
         got = getattr(state, field)
         got_s = jax.tree.map(lambda a: tuple(jnp.shape(a)), got)
@@ -339,11 +357,15 @@ def check_state(
     layout: layouts.Layout,
     flat: bool = False,
     axis_name: Any = None,
+    updates: Any = None,
 ) -> None:
     """:func:`check_fields` against ``fields()`` (the init's fields for these gradients,
     traced abstractly); a server residual built outside the mesh (room for whole vectors,
-    see :mod:`jaxcomp._src.server`) is accepted as it is."""
+    see :mod:`jaxcomp._src.server`) is accepted as it is. Given ``updates``, a state of
+    another params tree is refused first (:func:`check_trees`)."""
     expected = jax.eval_shape(fields)
+    if updates is not None:  # before the server residual is read for its slots
+        check_trees(name, state, expected, updates)
     if "server_residual" in expected and server.is_whole(state.server_residual, layout, flat):
         expected["server_residual"] = state.server_residual
     check_fields(name, state, expected, axis_name)

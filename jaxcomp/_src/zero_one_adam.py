@@ -380,7 +380,7 @@ def scale_by_zero_one_adam(
         skeleton.begin("zero_one_adam", updates, params, axis_name, inner_axis)
         skeleton.check_floating("zero_one_adam", updates)
         like = jax.eval_shape(lambda: zeros_f32(updates))
-        skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like})
+        skeleton.check_fields("zero_one_adam", state, {"mu": like, "nu": like}, updates=updates)
         compressed_before = coded & (state.variance_updates < state.count)
         kind = round_kind(
             state.count, freeze, var_scaler, local_scaler, clip, warmup, compressed_before

@@ -600,6 +600,12 @@ CHECKS = [
         lambda: jc.sparseloco(SGD, "d", 4, mask="previous", explore="0.5"),
         TypeError,
     ),
+    (
+        "sparseloco",
+        "explore",
+        lambda: jc.sparseloco(SGD, "d", 4, mask="topk", explore=np.asarray([0.5, 0.5])),
+        ValueError,
+    ),
     ("sparseloco", "seed", lambda: jc.sparseloco(SGD, "d", 4, mask="random", seed=-1), ValueError),
     ("sparseloco", "seed", lambda: jc.sparseloco(SGD, "d", 4, seed=1), ValueError),
     ("sparseloco", "seed", lambda: jc.sparseloco(SGD, "d", 4, mask="random", seed=1.0), TypeError),
@@ -1325,3 +1331,58 @@ def test_bare_array_against_dict_params_names_both_trees(name, with_params):
         in_shard_map(
             lambda g, s: tx.update(g, s, params if with_params else None)[0], bare, state, specs
         )
+
+
+# Float and int arguments given as NumPy scalars (a NumPy config, an np.linspace sweep): each
+# factory built once from np.float32 / np.int64 and once from the Python numbers they hold
+# (exact in float32). Until 2026-11-27 all but clip_norm's neighbours were refused ("`decay`
+# must be a number, got float32 np.float32(0.75)"), sgd and dgc's `momentum`, the Adam
+# recipes' step counts, demo's decays, diloco's `mix`, sparseloco's `explore` and `ef_decay`,
+# clip_by_global_norm's `max_norm`.
+NUMPY_SCALARS = {
+    "sgd": lambda f, i: jc.sgd(f(0.5), S, "data", momentum=f(0.5), min_size=i(16)),
+    "dgc": lambda f, i: jc.dgc(
+        f(0.25), "data", momentum=f(0.5), clip_norm=f(1.0), min_size=i(16), warmup_steps=i(0)
+    ),
+    "demo": lambda f, i: jc.demo(f(0.5), "data", decay=f(0.75), weight_decay=f(0.25), chunk=i(8)),
+    "onebit_adam": lambda f, i: jc.onebit_adam(f(0.5), "data", freeze_step=i(1), b1=f(0.5)),
+    "zero_one_adam": lambda f, i: jc.zero_one_adam(
+        f(0.5), "data", var_freeze_step=i(2), warmup_steps=i(1)
+    ),
+    "clip_by_global_norm": lambda f, i: jc.clip_by_global_norm(f(0.5), "data"),
+    "diloco": lambda f, i: jc.diloco(optax.sgd(f(0.5)), "data", i(2), mix=f(0.25), delay=i(1)),
+    "sparseloco": lambda f, i: jc.sparseloco(
+        optax.sgd(0.5), "data", i(1), mask="previous", explore=f(0.5), ef_decay=f(0.75), min_size=0
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NUMPY_SCALARS))
+def test_numpy_scalar_arguments_act_as_the_python_numbers(name):
+    """Two updates (dgc one) on 8 vmapped devices: the same bits from NumPy scalars as from
+    the Python numbers."""
+    params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 16))}
+    grads = {"w": jax.random.normal(jax.random.PRNGKey(1), (8, 16, 16))}
+
+    def steps(tx):
+        def step(g):
+            out, state = tx.update(g, tx.init(params), params)
+            # a second update reads the momenta (dgc: one, its compile costs seconds)
+            return out if name == "dgc" else tx.update(g, state, params)[0]
+
+        return np.asarray(jax.jit(jax.vmap(step, axis_name="data"))(grads)["w"])
+
+    ours, python = (
+        steps(NUMPY_SCALARS[name](f, i)) for f, i in ((np.float32, np.int64), (float, int))
+    )
+    assert np.any(ours != 0)
+    np.testing.assert_array_equal(ours.view(np.uint32), python.view(np.uint32))
+
+
+def test_explore_array_with_topk_names_explore_and_mask():
+    """Was numpy's bare "The truth value of an array with more than one element is ambiguous"."""
+    with pytest.raises(
+        ValueError, match=r"`explore` applies to a shared mask, not to `mask`='topk'"
+    ):
+        jc.sparseloco(SGD, "d", 4, mask="topk", explore=np.asarray([0.5, 0.5]))
+    assert jc.sparseloco(SGD, "d", 4, mask="topk", explore=np.float32(0.0)) is not None

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from jaxcomp._src import skeleton, sparse_exchange
-from jaxcomp._src.codecs.base import ceil_div, check_fraction, check_int
+from jaxcomp._src.codecs.base import ceil_div, check_fraction, check_int, is_number
 from jaxcomp._src.codecs.chunked import chunked_top_k
 
 F32 = jnp.float32
@@ -215,7 +215,7 @@ def check_demo(chunk: Any, topk: Any, decay: Any, bits: Any, min_size: Any) -> t
     """The arguments of :func:`demo` checked, each error naming its argument."""
     chunk = check_int("chunk", chunk, 1, 4096)
     topk = check_int("topk", topk, 1, chunk * chunk)
-    if isinstance(decay, int | float) and not isinstance(decay, bool) and decay == 1:
+    if is_number(decay) and decay == 1:
         decay = 1.0  # plain accumulation: nothing is lost (what the contract tests check)
     else:
         decay = check_fraction("decay", decay)
@@ -322,7 +322,7 @@ def demo(
       2024; Loshchilov, Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
     chunk, topk, decay, bits, min_size = check_demo(chunk, topk, decay, bits, min_size)
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float):
+    if not is_number(weight_decay):
         raise TypeError(f"`weight_decay` must be a number >= 0, got {weight_decay!r}")
     if not weight_decay >= 0 or not math.isfinite(weight_decay):
         raise ValueError(f"`weight_decay` must be >= 0 and finite, got {weight_decay}")

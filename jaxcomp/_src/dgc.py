@@ -25,6 +25,7 @@ from jaxcomp._src.codecs.base import (
     check_int,
     check_positive_float,
     clip_scales,
+    is_number,
     scaled_global_norm_parts,
 )
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
@@ -370,7 +371,7 @@ def dgc(
     if not isinstance(momentum_masking, bool):
         raise TypeError(f"`momentum_masking` must be a bool, got {momentum_masking!r}")
     if clip_norm is not None:
-        if isinstance(clip_norm, bool) or not isinstance(clip_norm, int | float):
+        if not is_number(clip_norm):
             raise TypeError(f"`clip_norm` must be a number or None, got {clip_norm!r}")
         if not (math.isfinite(clip_norm) and clip_norm > 0):
             raise ValueError(f"`clip_norm` must be > 0 and finite, got {clip_norm}")

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
@@ -290,8 +291,9 @@ def fsdp_gather(
     )
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
-    if isinstance(axis, bool) or not isinstance(axis, int):
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
         raise TypeError(f"`axis` must be an int, got {type(axis).__name__} {axis!r}")
+    axis = int(axis)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shards)]
     _check_shards(leaves, paths, axis)
     stacked = _gather(leaves, _check_residual(residual, leaves, treedef, n), cfg)

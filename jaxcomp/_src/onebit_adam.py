@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, saturating_square
+from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, is_number, saturating_square
 from jaxcomp._src.codecs.sign import sign
 from jaxcomp._src.compressed_allreduce import (
     CompressedAllreduceState,
@@ -38,7 +38,7 @@ def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool =
     are checked where concrete."""
     if isinstance(value, jax.core.Tracer):
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float | jax.Array):
+    if not (is_number(value) or isinstance(value, jax.Array)) or isinstance(value, bool):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     if integer and number != int(number):
@@ -698,6 +698,6 @@ def decoupled_weight_decay(weight_decay: Any, mask: Any) -> tuple:
     to ``update``) always gets the decay, even a zero: both then build the same chain, whose
     states must match."""
     weight_decay = check_number("weight_decay", weight_decay, 0.0, float("inf"))
-    if isinstance(weight_decay, int | float) and weight_decay == 0.0:
+    if is_number(weight_decay) and weight_decay == 0.0:
         return ()
     return (optax.add_decayed_weights(weight_decay, mask),)

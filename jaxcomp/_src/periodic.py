@@ -38,7 +38,7 @@ import optax
 
 from jaxcomp._src import collectives, feedback, replicas, skeleton
 from jaxcomp._src.axes import manual_axes
-from jaxcomp._src.codecs.base import check_int
+from jaxcomp._src.codecs.base import check_int, is_number
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
 F32 = jnp.float32
@@ -56,7 +56,7 @@ def check_transform(name: str, tx: Any) -> optax.GradientTransformation:
 def check_mix(mix: Any) -> float | None:
     if mix is None:
         return None
-    if isinstance(mix, bool) or not isinstance(mix, int | float):
+    if not is_number(mix):
         raise TypeError(f"`mix` must be None or a number in [0, 1], got {mix!r}")
     if not 0.0 <= float(mix) <= 1.0:
         raise ValueError(f"`mix` must be in [0, 1], got {mix}")

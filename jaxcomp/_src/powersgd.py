@@ -29,7 +29,7 @@ import optax
 
 from jaxcomp._src import collectives, feedback, shards, skeleton
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.codecs.base import check_int, max_abs_over, safe_divide, scaled_norm
+from jaxcomp._src.codecs.base import check_int, is_number, max_abs_over, safe_divide, scaled_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -620,7 +620,7 @@ def powersgd(
 
 
 def _check_nonnegative(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    if not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"`{name}` must be >= 0 and finite, got {value}")

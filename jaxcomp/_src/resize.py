@@ -107,8 +107,13 @@ def restore_target(
         state = jc.resize_state(saved, tx, params, mesh4, "data")
     """
     _check_axis(mesh, axis_name)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+    if (
+        isinstance(num_devices, bool)
+        or not isinstance(num_devices, int | np.integer)
+        or num_devices < 1
+    ):
         raise ValueError(f"`num_devices` must be an int >= 1, got {num_devices!r}")
+    num_devices = int(num_devices)
     abstract, specs = _abstract(tx, params, axis_name, num_devices)
     replicated = NamedSharding(mesh, P())
 

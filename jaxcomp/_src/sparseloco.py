@@ -17,7 +17,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import periodic, shared_mask, skeleton, sparse_exchange
-from jaxcomp._src.codecs.base import Codec, check_fraction, check_int, check_positive_float
+from jaxcomp._src.codecs.base import (
+    Codec,
+    check_fraction,
+    check_int,
+    check_positive_float,
+    is_number,
+)
 from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
@@ -163,9 +169,17 @@ class _Config(periodic.Config):
         return self.feedback
 
 
+def _brief(value: Any) -> str:
+    """``repr(value)`` in one short line (an array's shape and dtype, not its values)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not is_number(value):
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def check_decay(ef_decay: Any) -> float:
     """``ef_decay`` in [0, 1] (1: the plain residual error feedback), else an error naming it."""
-    if isinstance(ef_decay, int | float) and not isinstance(ef_decay, bool) and ef_decay == 1:
+    if is_number(ef_decay) and ef_decay == 1:
         return 1.0
     return check_fraction("ef_decay", ef_decay)
 
@@ -267,12 +281,17 @@ def topk_feedback(
     """:func:`sparseloco`'s exchange of each device's own chunked top-k
     (:func:`exchange_feedback`) and its codec, after checking the arguments (errors naming
     each; ``value_codec``, ``explore`` and ``seed`` belong to a shared mask and are refused)."""
-    given = {"value_codec": value_codec is not None, "explore": explore not in (None, 0.0)}
+    # explore: any value but None or a zero number (an array too: its truth value was
+    # ambiguous, a bare ValueError of numpy's) is refused naming `explore` and `mask`.
+    explore_set = explore is not None and not (is_number(explore) and explore == 0)
+    given = {"value_codec": value_codec is not None, "explore": explore_set}
     given["seed"] = check_int("seed", seed, 0) != 0
     for name, set_ in given.items():
         if set_:
+            value = {"value_codec": value_codec, "explore": explore, "seed": seed}[name]
             raise ValueError(
-                f"`{name}` applies to a shared mask: pass `mask`='random' or 'previous'"
+                f"`{name}` applies to a shared mask, not to `mask`='topk' (got `{name}`="
+                f"{_brief(value)}): pass `mask`='random' or 'previous', or leave `{name}` out"
             )
     chunk = check_int("chunk", chunk, 1, 2**30)
     if value_scale not in SCALES:

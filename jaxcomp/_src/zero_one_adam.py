@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import collectives, skeleton
@@ -125,7 +126,7 @@ def default_warmup(var_freeze_step: Any, warmup_steps: Any) -> Any:
     if warmup_steps is None:
         return var_freeze_step // 2
     check_number("warmup_steps", warmup_steps, 0, float("inf"), integer=True)
-    if isinstance(var_freeze_step, int) and warmup_steps > var_freeze_step:
+    if isinstance(var_freeze_step, int | np.integer) and warmup_steps > var_freeze_step:
         raise ValueError(
             f"`warmup_steps` must be at most `var_freeze_step` ({var_freeze_step}): the "
             f"warm-up's rounds are variance rounds, which end at the freeze; got {warmup_steps}"

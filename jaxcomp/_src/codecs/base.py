@@ -314,9 +314,17 @@ def require_key(key: jax.Array | None, codec: Codec) -> jax.Array:
     return key
 
 
+def is_number(value: Any) -> bool:
+    """A real scalar given as an argument: a Python or NumPy int or float (``np.float32(0.5)``,
+    ``np.int64(4)``, what a NumPy config or ``np.linspace`` sweep hands over), not a bool."""
+    return not isinstance(value, bool | np.bool_) and isinstance(
+        value, int | float | np.integer | np.floating
+    )
+
+
 def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     """Construction-time check of an integer argument, naming it in the error."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}")
     if value < lo or (hi is not None and value > hi):
         rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
@@ -326,7 +334,7 @@ def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 def check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
     """``value`` as a float in ``[0, 1)`` (``(0, 1)`` with ``lo_open``), else an error naming it."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     ok = (0.0 < value if lo_open else 0.0 <= value) and value < 1.0
@@ -336,7 +344,7 @@ def check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
 
 
 def check_positive_float(name: str, value: Any, *, upper: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+    if not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not np.isfinite(value) or value <= 0 or (upper is not None and value > upper):

@@ -184,6 +184,15 @@ def test_accumulate_communicates_only_on_the_applying_step():
     assert theirs == {i: steps for i in range(N)}
 
 
+def test_multisteps_with_its_accumulator_replicated_names_jc_accumulate():
+    """``optax.MultiSteps(jc.sgd(...))`` set up as every jaxcomp state (``jc.sharded_init``,
+    ``jc.state_specs``: ``acc_grads`` replicated) is refused at trace time; the message named
+    only a missing ``pcast`` of the params, which was not the mistake, until 2026-11-27."""
+    multi = optax.MultiSteps(jc.sgd(0.1, jc.sign(), "data"), 2)
+    with pytest.raises(ValueError, match=r"optax.MultiSteps' `acc_grads`.*jc.accumulate"):
+        run(optax.GradientTransformation(multi.init, multi.update), steps=1)
+
+
 def test_accumulate_applies_inner_transform_to_the_mean_of_k_gradients():
     k = 3
     inner = optax.chain(compress(), optax.sgd(0.1, momentum=0.9))

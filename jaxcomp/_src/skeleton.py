@@ -211,7 +211,11 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
             f"params per-device before the gradient: jax.lax.pcast(params, {axis_name!r}, "
             f"to='varying') (Flax NNX: differentiate the model of `with jc.nnx_local(model, "
             f"{axis_name!r}) as local:`, whose nnx.Param state is pcast: docs/flax.md). Gradients "
-            "meant to be equal on every device need no exchange: use the plain optax optimizer."
+            "meant to be equal on every device need no exchange: use the plain optax optimizer. "
+            "A wrapper whose accumulator entered the step replicated does the same: "
+            "optax.MultiSteps' `acc_grads` (jc.state_specs gives a state it does not know P()); "
+            "use jc.accumulate(tx, every_k), whose accumulator is per device and which "
+            "exchanges once per update (MultiSteps runs the exchange on every mini-step)."
         )
 
 

@@ -18,6 +18,7 @@ only on sync steps.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import jaxcomp as jc
@@ -147,14 +148,38 @@ def train(
     return accuracy, per_step
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--sync-every", type=int, default=20, help="H: inner steps per outer step")
-    ap.add_argument("--codec", default="int4", help="none, or a name of jc.CODECS (int4, int8)")
-    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
-    ap.add_argument("--delay", type=int, default=0, help="steps before an exchange lands")
+    ap.add_argument("--steps", type=bounded(int, 1), default=400)
+    ap.add_argument(
+        "--sync-every", type=bounded(int, 1), default=20, help="H: inner steps per outer step"
+    )
+    ap.add_argument("--codec", default="int4", choices=["none", *sorted(jc.CODECS)])
+    ap.add_argument(
+        "--fragments", type=bounded(int, 1), default=1, help="Streaming DiLoCo fragments"
+    )
+    ap.add_argument(
+        "--delay", type=bounded(int, 0), default=0, help="steps before an exchange lands"
+    )
     args = ap.parse_args(argv)
+    if args.fragments > args.sync_every or args.delay >= args.sync_every:
+        ap.error("argument --fragments / --delay: at most / less than --sync-every")
     rows = []
     for method in ("pmean", "diloco"):
         acc, per_step = train(

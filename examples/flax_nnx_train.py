@@ -18,6 +18,7 @@ donates model and optimizer. Bytes on the wire come from the compiled step
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
@@ -203,16 +204,28 @@ def print_table(results: list[Result]) -> None:
         )
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument(
-        "--codec",
-        default="sign",
-        help=f"one of: none, {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
-    )
+    ap.add_argument("--codec", default="sign", choices=["none", *sorted(jc.CODECS)])
     ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES, help="the exchange")
     ap.add_argument(
         "--error-feedback",
@@ -220,11 +233,16 @@ def main(argv=None) -> int:
         choices=["auto", "residual", "ef21", "none"],
         help="error-feedback kind",
     )
-    ap.add_argument("--steps", type=int, default=1000, help="training steps per codec")
+    ap.add_argument("--steps", type=bounded(int, 1), default=1000, help="training steps per codec")
     ap.add_argument(
         "--optimizer", default="sgd", choices=["sgd", "adamw"], help="the optax optimizer"
     )
-    ap.add_argument("--lr", type=float, default=None, help="None: sgd 0.05, adamw 0.002")
+    ap.add_argument(
+        "--lr",
+        type=bounded(float, 0, open_low=True),
+        default=None,
+        help="None: sgd 0.05, adamw 0.002",
+    )
     ap.add_argument("--demo", action="store_true", help="compare several codecs (make demo)")
     args = ap.parse_args(argv)
     ef = None if args.error_feedback == "none" else args.error_feedback

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import sys
 import time
 from typing import Any
@@ -270,21 +271,44 @@ def gather_params(shards: Any, mesh) -> Any:
     )(shards)
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--weights", default="int8", help="weight codec (jc.CODECS) or none")
-    parser.add_argument("--grads", default="int4", help="gradient codec (jc.CODECS) or none")
+    parser.add_argument("--steps", type=bounded(int, 1), default=200)
+    codecs = ["none", *sorted(jc.CODECS)]
+    parser.add_argument("--weights", default="int8", choices=codecs, help="weight codec")
+    parser.add_argument("--grads", default="int4", choices=codecs, help="gradient codec")
     parser.add_argument("--ef", action="store_true", help="error feedback on the gradients")
-    parser.add_argument("--replicas", type=int, default=1, help="replica axis size (HSDP)")
-    parser.add_argument("--replica-codec", default="int8")
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2, help="decoder blocks")
-    parser.add_argument("--devices", type=int, default=8, help="CPU devices (one process)")
+    parser.add_argument(
+        "--replicas", type=bounded(int, 1), default=1, help="replica axis size (HSDP)"
+    )
+    parser.add_argument("--replica-codec", default="int8", choices=sorted(jc.CODECS))
+    parser.add_argument("--d-model", type=bounded(int, 1), default=128)
+    parser.add_argument("--layers", type=bounded(int, 1), default=2, help="decoder blocks")
+    parser.add_argument(
+        "--devices", type=bounded(int, 1), default=8, help="CPU devices (one process)"
+    )
     parser.add_argument("--multiprocess", action="store_true", help="join jaxcomp.launch")
     parser.add_argument("--no-baseline", action="store_true", help="only the compressed run")
     parser.add_argument("--no-report", action="store_true", help="skip comm_report (a compile)")
     args = parser.parse_args(argv)
+    if not args.multiprocess and args.devices % args.replicas:
+        parser.error(f"argument --replicas: must divide --devices ({args.devices})")
     if args.multiprocess:
         from jaxcomp.launch import initialize
 

@@ -106,11 +106,27 @@ def train(topology: str = "ring", codec: str = "int8", steps: int = 300, batch: 
     return accuracy, float(jc.consensus_distance(replicas)), report.bytes_per_device, pmean
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--topology", choices=jc.TOPOLOGIES, default="ring")
     ap.add_argument("--codec", choices=list(CODECS), default="int8")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=bounded(int, 1), default=300)
     args = ap.parse_args(argv)
     accuracy, distance, sent, pmean = train(args.topology, args.codec, args.steps)
     t = jc.topology(args.topology, jax.device_count())

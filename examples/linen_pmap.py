@@ -26,6 +26,7 @@ Per-device memory, by ``--parallel``:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 
@@ -201,6 +202,22 @@ def train(
     return Result(variant, name, accuracy, bytes_step, base_bytes)
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -208,13 +225,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--variant", default="ef", choices=VARIANTS, help="how jaxcomp enters")
     ap.add_argument("--parallel", default="pmap", choices=PARALLEL, help="jax.pmap or shard_map")
+    ap.add_argument("--codec", default="sign", choices=sorted(jc.CODECS))
+    ap.add_argument("--steps", type=bounded(int, 1), default=500, help="training steps")
     ap.add_argument(
-        "--codec",
-        default="sign",
-        help=f"one of: {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
+        "--lr", type=bounded(float, 0, open_low=True), default=0.05, help="SGD learning rate"
     )
-    ap.add_argument("--steps", type=int, default=500, help="training steps")
-    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     args = ap.parse_args(argv)
     platform = jax.devices()[0].platform
     print(f"devices: {jax.local_device_count()} x {platform}; Linen MLP, {args.parallel}")

@@ -57,9 +57,16 @@ def train(method: str, args) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sync-every", type=int, default=30, help="H: inner Muon steps")
-    ap.add_argument("--lr", type=float, default=0.02, help="Muon's learning rate")
+    ap.add_argument("--steps", type=shared.bounded(int, 1), default=300)
+    ap.add_argument(
+        "--sync-every", type=shared.bounded(int, 1), default=30, help="H: inner Muon steps"
+    )
+    ap.add_argument(
+        "--lr",
+        type=shared.bounded(float, 0, open_low=True),
+        default=0.02,
+        help="Muon's learning rate",
+    )
     args = ap.parse_args(argv)
     rows = [(m, *train(m, args)) for m in ("muon", "muloco")]
     base = rows[0][2]

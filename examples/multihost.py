@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import sys
 
@@ -90,22 +91,36 @@ def params_digest(params) -> str:
     return h.hexdigest()
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog=HOW_TO_LAUNCH,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument(
-        "--codec",
-        default="sign",
-        help=f"one of: {', '.join(sorted(jc.CODECS))}".replace("%", "%%"),
-    )
+    ap.add_argument("--codec", default="sign", choices=sorted(jc.CODECS))
     ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=256, help="global batch, over all processes")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--steps", type=bounded(int, 1), default=100)
+    ap.add_argument(
+        "--batch", type=bounded(int, 1), default=256, help="global batch, over all processes"
+    )
+    ap.add_argument("--hidden", type=bounded(int, 1), default=128)
+    ap.add_argument("--lr", type=bounded(float, 0, open_low=True), default=0.05)
     ap.add_argument("--no-report", action="store_true", help="skip comm_report (one compile less)")
     args = ap.parse_args(argv)
     join()

@@ -19,6 +19,7 @@ over its period).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import jaxcomp as jc
@@ -131,14 +132,41 @@ def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
     return float(jnp.mean(jnp.argmax(logits, -1) == yte)), per_step
 
 
+def bounded(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
+    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--sync-every", type=int, default=10, help="H: SparseLoCo's inner steps")
+    ap.add_argument("--steps", type=bounded(int, 1), default=300)
+    ap.add_argument(
+        "--sync-every", type=bounded(int, 1), default=10, help="H: SparseLoCo's inner steps"
+    )
     ap.add_argument("--averaging", default="senders", choices=("all", "senders"))
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW (baseline and inner)")
-    ap.add_argument("--demo-lr", type=float, default=3e-4, help="DeMo's sign step")
-    ap.add_argument("--topk", type=int, default=16, help="DeMo: components per 64x64 block")
+    ap.add_argument(
+        "--lr",
+        type=bounded(float, 0, open_low=True),
+        default=1e-3,
+        help="AdamW (baseline and inner)",
+    )
+    ap.add_argument(
+        "--demo-lr", type=bounded(float, 0, open_low=True), default=3e-4, help="DeMo's sign step"
+    )
+    ap.add_argument(
+        "--topk", type=bounded(int, 1), default=16, help="DeMo: components per 64x64 block"
+    )
     args = ap.parse_args(argv)
     rows = [(m, *train(m, args)) for m in ("adamw", "sparseloco", "demo")]
     base = rows[0][2]

@@ -41,13 +41,18 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
 
 
-@pytest.fixture(scope="module")
-def helps() -> dict[str, subprocess.CompletedProcess]:
+def _answers(commands: dict[str, list[str]], *flags: str) -> dict:
+    """Every command run in one process by tests/scripts/help_all.py (``flags`` for it)."""
     driver = ROOT / "tests" / "scripts" / "help_all.py"
-    proc = _run([sys.executable, str(driver), json.dumps(COMMANDS)])
+    proc = _run([sys.executable, str(driver), json.dumps(commands), *flags])
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: subprocess.CompletedProcess(COMMANDS[name], **a) for name, a in answers.items()}
+    return {name: subprocess.CompletedProcess(commands[name], **a) for name, a in answers.items()}
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, subprocess.CompletedProcess]:
+    return _answers(COMMANDS)
 
 
 def test_every_benchmark_module_is_a_script_or_the_harness():
@@ -79,4 +84,64 @@ def test_multihost_run_directly_says_how_to_launch():
     proc = _run([sys.executable, str(ROOT / "examples" / "multihost.py"), "--steps", "1"])
     assert proc.returncode != 0
     assert "python -m jaxcomp.launch -n 2 examples/multihost.py" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# Nonsense flags of the examples, each with the flag its usage error must name. Before
+# 2026-11-27 none was refused: --steps -1 / 0 trained nothing and printed a table (or divided
+# by zero), --lr 0 or negative trained backwards or not at all, --devices 0 / --batch 0 /
+# --replicas 3 of 8 failed deep inside, an unknown --codec raised get_codec's KeyError.
+BAD_FLAGS = [
+    ("diloco", ["--steps", "-1"], "--steps"),
+    ("diloco", ["--sync-every", "0"], "--sync-every"),
+    ("diloco", ["--fragments", "0"], "--fragments"),
+    ("diloco", ["--delay", "-1"], "--delay"),
+    ("diloco", ["--delay", "20"], "--fragments / --delay"),
+    ("diloco", ["--codec", "int9"], "--codec"),
+    ("flax_nnx_train", ["--steps", "0"], "--steps"),
+    ("flax_nnx_train", ["--lr", "0"], "--lr"),
+    ("flax_nnx_train", ["--lr", "-0.1"], "--lr"),
+    ("flax_nnx_train", ["--codec", "int9"], "--codec"),
+    ("fsdp_lm", ["--steps", "-1"], "--steps"),
+    ("fsdp_lm", ["--devices", "0"], "--devices"),
+    ("fsdp_lm", ["--replicas", "0"], "--replicas"),
+    ("fsdp_lm", ["--replicas", "3"], "--replicas"),
+    ("fsdp_lm", ["--d-model", "0"], "--d-model"),
+    ("fsdp_lm", ["--layers", "0"], "--layers"),
+    ("fsdp_lm", ["--grads", "int9"], "--grads"),
+    ("gossip", ["--steps", "-1"], "--steps"),
+    ("linen_pmap", ["--steps", "0"], "--steps"),
+    ("linen_pmap", ["--lr", "-1"], "--lr"),
+    ("linen_pmap", ["--lr", "nan"], "--lr"),
+    ("muloco", ["--steps", "0"], "--steps"),
+    ("muloco", ["--sync-every", "0"], "--sync-every"),
+    ("muloco", ["--lr", "0"], "--lr"),
+    ("multihost", ["--steps", "-1"], "--steps"),
+    ("multihost", ["--batch", "0"], "--batch"),
+    ("multihost", ["--hidden", "0"], "--hidden"),
+    ("multihost", ["--lr", "0"], "--lr"),
+    ("sparseloco_demo", ["--steps", "-1"], "--steps"),
+    ("sparseloco_demo", ["--sync-every", "0"], "--sync-every"),
+    ("sparseloco_demo", ["--lr", "0"], "--lr"),
+    ("sparseloco_demo", ["--demo-lr", "-1"], "--demo-lr"),
+    ("sparseloco_demo", ["--topk", "0"], "--topk"),
+]
+
+
+def _bad_id(row) -> str:
+    return f"{row[0]}{''.join(row[1])}"
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict[str, subprocess.CompletedProcess]:
+    """argparse's answers to BAD_FLAGS, all from one process (no training starts)."""
+    commands = {_bad_id(row): [*COMMANDS[f"examples/{row[0]}.py"], *row[1]] for row in BAD_FLAGS}
+    return _answers(commands, "--as-given")
+
+
+@pytest.mark.parametrize("row", BAD_FLAGS, ids=[_bad_id(r) for r in BAD_FLAGS])
+def test_examples_refuse_nonsense_flags_naming_them(refusals, row):
+    proc = refusals[_bad_id(row)]
+    assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-1500:])
+    assert f"error: argument {row[2]}" in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr

@@ -3,7 +3,9 @@
 ``python tests/scripts/help_all.py CMD_JSON`` where CMD_JSON maps a name to the command a
 user types (``[python, examples/x.py]`` or ``[python, -m, benchmarks.x]``). Each script runs
 as its command would run it (``runpy`` with ``__main__``, ``sys.argv`` and ``sys.path[0]``
-as Python sets them) with ``--help`` appended; its stdout, stderr and exit code are kept.
+as Python sets them) with ``--help`` appended (``--as-given``: nothing appended, for flags
+argparse refuses; a script still running after ``AS_GIVEN_SECONDS`` got past its argument
+checks and is stopped, exit code 1); its stdout, stderr and exit code are kept.
 One process imports jax, flax and the harness once instead of once per script: the
 scripts' ``--help`` paths never touch a device, so they do not disturb each other.
 """
@@ -12,18 +14,29 @@ import contextlib
 import io
 import json
 import runpy
+import signal
 import sys
 
+#: ``--as-given``: seconds a script may run before it counts as having accepted its flags.
+AS_GIVEN_SECONDS = 20
 
-def _answer(command: list[str]) -> dict:
+
+def _stop(signum, frame):
+    raise TimeoutError(f"still running after {AS_GIVEN_SECONDS} s: the flags were accepted")
+
+
+def _answer(command: list[str], extra: tuple[str, ...] = ("--help",)) -> dict:
     out, err = io.StringIO(), io.StringIO()
     is_module = command[1] == "-m"
     target = command[2] if is_module else command[1]
     argv, path = sys.argv[:], sys.path[:]
-    sys.argv = [target, *command[3 if is_module else 2 :], "--help"]
+    sys.argv = [target, *command[3 if is_module else 2 :], *extra]
     if not is_module:
         sys.path.insert(0, target.rsplit("/", 1)[0])
     code = 0
+    if not extra:
+        signal.signal(signal.SIGALRM, _stop)
+        signal.alarm(AS_GIVEN_SECONDS)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             if is_module:
@@ -35,10 +48,13 @@ def _answer(command: list[str]) -> dict:
         except BaseException as e:  # noqa: BLE001 - reported to the test, like a crash
             print(f"{type(e).__name__}: {e}", file=err)
             code = 1
+        finally:
+            signal.alarm(0)
     sys.argv, sys.path[:] = argv, path
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 if __name__ == "__main__":
     commands = json.loads(sys.argv[1])
-    print(json.dumps({name: _answer(cmd) for name, cmd in commands.items()}))
+    extra = () if "--as-given" in sys.argv[2:] else ("--help",)
+    print(json.dumps({name: _answer(cmd, extra) for name, cmd in commands.items()}))

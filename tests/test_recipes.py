@@ -452,6 +452,17 @@ def test_accordion_gentle_in_critical_intervals_and_memory_shared():
     np.testing.assert_allclose(sent + held, fed, atol=2e-5)
 
 
+def test_accordion_state_stays_float32_under_x64():
+    """``previous`` was ``jnp.zeros([])``: float64 with ``jax_enable_x64`` on, where the
+    state documents float32 (a checkpoint then changed dtype between x64 and not)."""
+    acc = jc.accordion(jc.top_k(0.5), interval=2)
+    with jax.enable_x64(True):
+        state = acc.init()
+        after = acc.update(state, jnp.int32(1), [jnp.ones(4, jnp.float32)])
+    want = [jnp.dtype(bool), jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)]
+    assert [x.dtype for x in state] == want and [x.dtype for x in after] == want
+
+
 def test_accordion_errors_name_the_argument():
     with pytest.raises(TypeError, match="gentle"):
         jc.accordion("top_k")

@@ -49,7 +49,9 @@ class Accordion:
 
     def init(self) -> AccordionState:
         return AccordionState(
-            critical=jnp.bool_(True), norm=jnp.zeros([], jnp.float32), previous=jnp.zeros([])
+            critical=jnp.bool_(True),
+            norm=jnp.zeros([], jnp.float32),
+            previous=jnp.zeros([], jnp.float32),
         )
 
     def update(self, state: AccordionState, count: jax.Array, outs: list) -> AccordionState:

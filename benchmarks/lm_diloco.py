@@ -430,6 +430,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(
         density=21 / 4096, bits=1, value_scale="mean"
     ),
+    # ... an outer lr of 1.0, for the inner lr at data parallel's 4.5e-3 (--lr 4.5e-3): the
+    # applied step about as long as 1.5 x the inner lr at 3e-3 (slice L2).
+    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.0": _sparse_h30(
+        None, 1.0, density=21 / 4096, bits=1, value_scale="mean"
+    ),
     # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x; 2776x
     # on the held-out pair's model, whose small leaves weigh more).
     "sparseloco-H30-muon-innerconst-2phase-min0-outer1.5": _sparse_h30(strategy="two_phase"),

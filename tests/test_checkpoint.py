@@ -416,3 +416,77 @@ if __name__ == "__main__":
 
     jax.config.update("jax_threefry_partitionable", True)
     resume(Path(sys.argv[1]))
+
+
+def _doc_blocks() -> list[str]:
+    """docs/checkpoints.md's blocks of the section on params of another tree: the error text,
+    the removed-leaf restore and the added-leaf restore, in that order."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
+    section = page.split("## Into params of another tree")[1].split("\n## ")[0]
+    return re.findall(r"^```\w+\n(.*?)^```", section, re.S | re.M)
+
+
+def test_restore_into_params_of_another_tree(tmp_path):
+    """A checkpoint of params {w, b} restored for {w, b, c} and for {w}: orbax's error as the
+    docs quote it, its hint's TypeError, and both documented restores (saved values where the
+    leaf was saved, a fresh state for the new leaf, on the state's shardings)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = optax.chain(jc.compressed_allreduce(jc.sign(), "data", min_size=16), optax.sgd(0.1, 0.9))
+    shapes = {"w": (16, 32), "b": (32,), "c": (16, 16)}
+
+    def params_of(*names, value=3.0):  # the new params 3, the saved ones 2
+        return jax.device_put(
+            {k: jnp.full(shapes[k], value) for k in names}, NamedSharding(mesh, P())
+        )
+
+    def template(params):
+        state = jc.sharded_init(tx, params, mesh, "data")
+        return jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": state})
+
+    saved_params = params_of("w", "b", value=2.0)
+    state = jax.tree.map(  # every floating field 1: told apart from a fresh state's zeros
+        lambda a: a + 1 if jnp.issubdtype(a.dtype, jnp.floating) else a,
+        jc.sharded_init(tx, saved_params, mesh, "data"),
+    )
+    path = tmp_path / "ckpt"
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, {"params": saved_params, "opt_state": state})
+    ckpt.wait_until_finished()
+    quoted, removed, added = _doc_blocks()
+
+    # The error, both ways, as quoted (its first lines) and described.
+    with pytest.raises(ValueError) as more:
+        ckpt.restore(path, template(params_of("w", "b", "c")))
+    for line in quoted.splitlines()[:4] + quoted.splitlines()[-1:]:
+        assert line.split("sharding=")[0].removeprefix("ValueError: ") in str(more.value), line
+    with pytest.raises(ValueError) as fewer:
+        ckpt.restore(path, template(params_of("w")), strict=False)
+    assert "opt_state[0].memory.b:\n    - Source: MISSING" in str(fewer.value)
+    with pytest.raises(TypeError, match="partial_restore"):
+        ckpt.restore(path, template(params_of("w")), partial_restore=True)
+
+    names = {"jax": jax, "jc": jc, "ocp": ocp, "NamedSharding": NamedSharding, "P": P}
+    names.update(tx=tx, mesh=mesh, path=path, ckpt=ckpt)
+    for block, kept in ((removed, ("w",)), (added, ("w", "b", "c"))):
+        ns = {**names, "params": params_of(*kept)}
+        exec(compile(block, "docs/checkpoints.md", "exec"), ns)
+        got = ns["restored"]
+        memory = got["opt_state"][0].memory
+        assert sorted(memory) == sorted(kept) and sorted(got["params"]) == sorted(kept)
+        for k in kept:
+            new = k == "c"  # a fresh memory and the new param; else the saved ones
+            np.testing.assert_array_equal(np.asarray(memory[k]), 0.0 if new else 1.0)
+            assert memory[k].sharding.spec == P("data", *[None] * len(shapes[k]))
+            np.testing.assert_array_equal(np.asarray(got["params"][k]), 3.0 if new else 2.0)
+    ckpt.close()

@@ -345,7 +345,11 @@ def ring_bytes(kind: str, array_bytes: float, group_size: int) -> float:
 
 
 def format_bytes(n: float) -> str:
-    """Human-readable binary size: ``112 B``, ``7.00 KiB``, ``1.50 MiB``."""
+    """Human-readable binary size: ``112 B``, ``7.00 KiB``, ``1.50 MiB``.
+
+    Args:
+      n: a number of bytes.
+    """
     if not math.isfinite(n):
         return str(n)
     sign = "-" if n < 0 else ""
@@ -1064,6 +1068,15 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
     modelled. Collectives inside ``lax.cond`` / ``lax.switch`` branches are all counted in
     ``bytes_per_device``; :meth:`CommReport.branch_bytes` gives each branch's and
     :meth:`CommReport.mean_bytes_per_device` the mean over how often each branch runs.
+
+    Args:
+      fn: the step: jitted, pmapped or a plain callable.
+      *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``; only shapes,
+        dtypes and shardings are read).
+      **kwargs: its keyword arguments, as ``args``.
+
+    Returns:
+      A :class:`CommReport`.
 
     Example::
 

@@ -83,6 +83,11 @@ def accumulate(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with :class:`AccumulateState`.
+
+    Raises:
+      ValueError: at construction, ``every_k`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: at construction, ``every_k``, ``use_grad_mean`` or ``tx`` of the wrong kind.
     """
     tx = check_transform("tx", tx)
     every_k = check_int("every_k", every_k, 1)

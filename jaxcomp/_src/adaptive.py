@@ -94,6 +94,11 @@ def accordion(gentle: Codec, *, interval: int = 100, threshold: float = 0.5) -> 
     Returns:
       An :class:`Accordion` configuration.
 
+    Raises:
+      ValueError: at construction, ``interval`` or ``threshold`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``gentle`` of the wrong kind.
+
     References:
       Agarwal, Wang, Lee, Venkataraman, Papailiopoulos, "Adaptive Gradient Communication via
       Critical Learning Regime Identification", MLSys 2021.

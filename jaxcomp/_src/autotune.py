@@ -846,6 +846,11 @@ def autotune(
       decode ms of the tree per codec) and ``feedback_ms`` (the residual pass per codec).
 
     Raises:
+      ValueError: before anything is measured, ``axis_name`` not an axis of ``mesh``,
+        ``params`` without floating-point leaves, ``check`` < 1, unknown ``strategies``, or
+        ``batch`` without ``loss_fn`` (or ``loss_fn`` without it).
+      TypeError: ``codecs`` not jaxcomp codecs, ``loss_fn`` not callable, ``optimizer`` not an
+        optax transform (the message names the argument; the rules: docs/errors.md).
       RuntimeError: every timed candidate failed (the reasons are in the message).
 
     Example::

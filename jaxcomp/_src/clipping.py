@@ -84,6 +84,11 @@ def clip_by_global_norm(
     Returns:
       An ``optax.GradientTransformation`` (stateless) to chain before the recipe.
 
+    Raises:
+      ValueError: at construction, ``max_norm`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+      TypeError: at construction, ``max_norm`` or ``bound`` of the wrong kind.
+
     Example::
 
         tx = optax.chain(jc.clip_by_global_norm(1.0, "data"), jc.sgd(0.1, jc.sign(), "data"))

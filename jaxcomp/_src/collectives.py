@@ -1110,6 +1110,20 @@ def psum(
     through untouched, as in :func:`pmean` (sum a count of tokens with ``jax.lax.psum``);
     complex leaves are summed exactly by ``jax.lax.psum``, uncompressed.
 
+    Args:
+      tree: a pytree of arrays (the per-device value), inside ``shard_map``/``pmap``.
+      axis_name: the mesh axis to reduce over (with ``inner_axis_name``: the slow one).
+      codec: a jaxcomp codec.
+      key: PRNG key, the same on every device (stochastic codecs), as :func:`pmean`.
+      strategy: as :func:`pmean`.
+      min_size: leaves smaller than this are summed exactly (plain ``pmean`` times ``n``).
+      granularity: ``"leaf"`` or ``"flat"``, as :func:`pmean`.
+      inner_axis_name: a second, fast mesh axis, as :func:`pmean`.
+      bucket_bytes: payload bucket size, as :func:`pmean`.
+
+    Returns:
+      The tree of sums, each leaf in its own dtype.
+
     Example::
 
         total = jc.psum(grads, "data", jc.cast("bf16"))  # inside jax.shard_map over "data"

@@ -368,6 +368,15 @@ def compressed_allreduce(
         (docs/benchmarks.md, "Chunked residuals"): fewer bytes moved, but not faster for
         int8 or fp16 there; hence off by default.
 
+    Raises:
+      ValueError: at construction, ``strategy``, ``error_feedback``, ``granularity``, ``min_size``,
+        ``bucket_bytes``, ``seed``, ``worker_momentum``, ``memory_dtype``, ``warmup_steps``,
+        ``axis_name`` or ``inner_axis_name`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: at construction, ``codec``, ``min_size``, ``bucket_bytes``, ``seed``,
+        ``server_feedback``, ``worker_momentum``, ``worker_nesterov``, ``fuse_residuals``,
+        ``adaptive``, ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
 

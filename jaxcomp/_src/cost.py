@@ -79,6 +79,14 @@ def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
 
     For the hierarchical case pass the outer axis size as ``n`` and the chunk each inner device
     holds, ``ceil(d / n_inner)``, as ``d`` (see :func:`hierarchical_bytes`).
+
+    Args:
+      codec: a jaxcomp codec.
+      d: the length of the vector.
+      n: the number of devices on the axis.
+
+    Returns:
+      ``{strategy: bytes per device}`` for the strategies ``codec`` supports, and ``"plain"``.
     """
     out = {}
     if codec.summable:
@@ -141,6 +149,16 @@ def hierarchical_bytes(
 
     ``inner``: float32 reduce-scatter + all-gather over the fast axis, ``2 (L-1)/L * 4d``;
     ``outer``: ``strategy`` over the slow axis for the ``ceil(d/L)`` chunk each device holds.
+
+    Args:
+      codec: a jaxcomp codec (the slow axis).
+      d: the length of the vector.
+      n_outer: the number of devices on the slow axis (``axis_name``).
+      n_inner: ``L``, the number of devices on the fast axis (``inner_axis_name``).
+      strategy: the slow axis' strategy, ``"auto"`` as :func:`choose_strategy`.
+
+    Returns:
+      ``{"inner": bytes, "outer": bytes}`` per device.
     """
     chunk = ceil_div(d, n_inner) if d else 0
     chosen = choose_strategy(codec, chunk, n_outer, strategy)
@@ -169,6 +187,19 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
     themselves; ``strategy_bytes(...)["plain"]``), it returns ``"plain"``: the leaf is
     averaged uncompressed and exactly. It never picks ``majority_vote``: the sign of a vote
     is not the mean the other strategies estimate.
+
+    Args:
+      codec: a jaxcomp codec.
+      d: the length of the vector (one leaf, or one device's chunk in the hierarchical case).
+      n: the number of devices on the axis.
+      strategy: ``"auto"`` or one of :data:`STRATEGIES` the codec supports.
+
+    Returns:
+      The strategy's name, or ``"plain"`` (above).
+
+    Raises:
+      ValueError: ``strategy`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
     """
     check_pair(codec, strategy)
     if strategy != "auto":

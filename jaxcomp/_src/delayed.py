@@ -61,6 +61,11 @@ def delayed(
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`DelayedState`.
 
+    Raises:
+      ValueError: at construction, ``axis_name`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+      TypeError: at construction, ``tx`` or ``axis_name`` of the wrong kind.
+
     Example::
 
         tx = jc.delayed(optax.chain(jc.compressed_allreduce(jc.sign(), "data"),

@@ -176,7 +176,32 @@ def scale_by_demo(
     ``chunk x chunk`` block of ``m_i`` are all-gathered and subtracted from ``m_i``; the output
     is ``sign(q)`` (or ``q``), ``q`` the inverse DCT of their mean. See :func:`demo`; a block
     smaller than ``chunk x chunk`` (a vector's ``1 x chunk``) sends at least ``min_topk``
-    components (default 1: the same density as a full block)."""
+    components (default 1: the same density as a full block).
+
+    Args:
+      axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
+      chunk: the target block side, in [1, 4096] (as :func:`demo`).
+      topk: components sent per ``chunk x chunk`` block, in [1, chunk^2].
+      decay: the momentum's decay, in [0, 1].
+      sign: output ``sign(q)`` (DeMo) or ``q`` itself.
+      bits: bits per sent value, in [1, 8], or None for float32 values.
+      min_size: leaves with fewer values are averaged exactly, >= 0.
+      min_topk: the fewest components a block smaller than ``chunk x chunk`` sends, >= 1.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`DeMoState`; its update
+      returns the direction before the learning rate (chain ``optax.scale_by_learning_rate``).
+
+    Raises:
+      ValueError: at construction, ``chunk``, ``topk``, ``decay``, ``bits``, ``min_size`` or
+        ``min_topk`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: at construction, ``chunk``, ``topk``, ``decay``, ``sign``, ``bits``,
+        ``min_size`` or ``min_topk`` of the wrong kind.
+    """
+    chunk, topk, decay, bits, min_size = check_demo(chunk, topk, decay, bits, min_size)
+    if not isinstance(sign, bool):
+        raise TypeError(f"`sign` must be a bool, got {sign!r}")
     min_topk = check_int("min_topk", min_topk, 1)
 
     def init_fn(params):
@@ -304,6 +329,12 @@ def demo(
       with a TypeError naming them (the exchange transforms pass them through): keep
       integer params out of the tree it optimizes (docs/errors.md).
 
+    Raises:
+      ValueError: at construction, ``chunk``, ``topk``, ``decay``, ``weight_decay``, ``bits`` or
+        ``min_size`` outside its rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``chunk``, ``topk``, ``decay``, ``weight_decay``, ``sign``,
+        ``bits`` or ``min_size`` of the wrong kind.
+
     Example (the setting measured on the LM benchmark: AdamW's peak lr 3e-3 and warm-up of
     15 steps, no decay after; momentum decay 0.95 for runs of hundreds of steps)::
 
@@ -321,14 +352,11 @@ def demo(
       Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870,
       2024; Loshchilov, Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
-    chunk, topk, decay, bits, min_size = check_demo(chunk, topk, decay, bits, min_size)
     if not is_number(weight_decay):
         raise TypeError(f"`weight_decay` must be a number >= 0, got {weight_decay!r}")
     if not weight_decay >= 0 or not math.isfinite(weight_decay):
         raise ValueError(f"`weight_decay` must be >= 0 and finite, got {weight_decay}")
-    if not isinstance(sign, bool):
-        raise TypeError(f"`sign` must be a bool, got {sign!r}")
-    return optax.chain(
+    return optax.chain(  # scale_by_demo checks the other arguments
         scale_by_demo(
             axis_name, chunk=chunk, topk=topk, decay=decay, sign=sign, bits=bits, min_size=min_size
         ),

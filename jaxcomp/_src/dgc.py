@@ -354,6 +354,15 @@ def dgc(
       An ``optax.GradientTransformationExtraArgs``; its update returns the averaged sparse
       momentum update, to be scaled by ``optax.sgd(learning_rate)``.
 
+    Raises:
+      ValueError: at construction, ``ratio``, ``axis_name``, ``momentum``, ``clip_norm``,
+        ``warmup_steps``, ``warmup_schedule``, ``sample_ratio``, ``min_size``, ``strategy``,
+        ``seed`` or ``inner_axis_name`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: at construction, ``ratio``, ``momentum``, ``nesterov``, ``momentum_masking``,
+        ``clip_norm``, ``warmup_steps``, ``warmup_schedule``, ``sample_ratio``, ``min_size``,
+        ``seed``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+
     Example::
 
         tx = optax.chain(jc.dgc(0.001, "data", momentum=0.9), optax.sgd(0.1))

@@ -161,6 +161,13 @@ def diloco(
       ``optax.apply_updates`` gives every replica the anchor bit for bit (float32 params:
       to the rounding of ``p + (anchor - p)``, at most an ulp of the leaf's largest value).
 
+    Raises:
+      ValueError: at construction, ``sync_every``, ``fragments``, ``delay``, ``mix``,
+        ``error_feedback`` or ``axis_name`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``fragments``, ``delay``,
+        ``mix``, ``codec``, ``min_size``, ``mask`` or ``axis_name`` of the wrong kind.
+
     Example::
 
         tx = jc.diloco(optax.adamw(1e-3), "data", sync_every=50, codec=jc.int_quant(4))

@@ -116,6 +116,11 @@ def apply_if_finite(
       ``optax.ApplyIfFiniteState`` (``notfinite_count``, ``last_finite``,
       ``total_notfinite``: identical on every device; ``inner_state``).
 
+    Raises:
+      ValueError: at construction, ``axis_name`` or ``max_consecutive_errors`` outside its rule (the
+        message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``inner`` or ``max_consecutive_errors`` of the wrong kind.
+
     Example::
 
         tx = jc.apply_if_finite(jc.sgd(0.1, jc.int_quant(8), "data"), "data", 3)

@@ -144,6 +144,13 @@ def gossip(
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`GossipState`.
 
+    Raises:
+      ValueError: at construction, ``axis_name``, ``topology``, ``gamma``, ``every``, ``seed`` or
+        ``bucket_bytes`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: at construction, ``inner``, ``codec``, ``gamma``, ``every``, ``seed``,
+        ``bucket_bytes`` or ``axis_name`` of the wrong kind.
+
     Example (8 devices on a ring, int8 CHOCO)::
 
       tx = jc.gossip(optax.sgd(0.1, momentum=0.9), "data", codec=jc.int_quant(8))
@@ -332,6 +339,10 @@ def gossip_bytes(
 
     Returns:
       Bytes per device per step (float).
+
+    Raises:
+      ValueError: ``topology`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
     """
     topo = topologies.topology(topologies.check_topology(topology), n)
     every = check_int("every", every, 1)

@@ -80,6 +80,12 @@ def local_sgd(
       ``optax.apply_updates`` gives every replica the anchor bit for bit (float32 params:
       to the rounding of ``p + (anchor - p)``, at most an ulp of the leaf's largest value).
 
+    Raises:
+      ValueError: at construction, ``sync_every``, ``start_step``, ``error_feedback`` or
+        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``inner``, ``sync_every``, ``start_step``, ``codec``,
+        ``min_size``, ``mask`` or ``axis_name`` of the wrong kind.
+
     Example::
 
         tx = jc.local_sgd(optax.sgd(0.05, momentum=0.9), "data", sync_every=4)

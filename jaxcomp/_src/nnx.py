@@ -85,6 +85,10 @@ def nnx_optimizer(
       An ``nnx.Optimizer`` with ``tx`` and the per-device state, ready for the
       ``nnx.shard_map`` whose optimizer spec is :func:`nnx_state_specs` of it.
 
+    Raises:
+      ValueError: ``axis_name`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+
     Example::
 
       optimizer = jc.nnx_optimizer(model, jc.sgd(0.05, jc.sign(), "data"), mesh, "data")
@@ -149,6 +153,9 @@ def nnx_state_specs(
     Returns:
       ``nnx.StateSharding`` mapping every variable path of ``optimizer`` to its
       ``PartitionSpec``.
+
+    Raises:
+      TypeError: ``optimizer`` of the wrong kind.
 
     Example::
 
@@ -216,6 +223,11 @@ def nnx_local(
 
     Yields:
       The model to differentiate, ``nnx.merge(graphdef, pcast(params), rest, copy=True)``.
+
+    Raises:
+      ValueError: ``axis_name`` not bound where the block is entered (inside
+        ``nnx.shard_map``).
+      TypeError: ``axis_name`` not a name or a tuple of names.
 
     Example::
 

@@ -659,6 +659,12 @@ def onebit_adam(
       with a TypeError naming them (the exchange transforms pass them through): keep
       integer params out of the tree it optimizes (docs/errors.md).
 
+    Raises:
+      ValueError: at construction, ``freeze_step``, ``b1``, ``b2``, ``eps``, ``weight_decay`` or
+        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``worker_momentum``,
+        ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong kind.
+
     Example::
 
         tx = jc.onebit_adam(3e-3, "data", freeze_step=50, weight_decay=0.1)

@@ -219,6 +219,11 @@ def overlapped_step(
       An :class:`OverlappedStep` ``step``: ``state = step.init(params)``, then
       ``params, state = step(params, state, *batch)`` (blocks until both programs are done).
 
+    Raises:
+      ValueError: at construction, ``axis_name`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+      TypeError: at construction, ``loss_fn``, ``tx``, ``axis_name`` or ``pmean`` of the wrong kind.
+
     Example::
 
       step = jc.overlapped_step(loss_fn, optax.chain(

@@ -488,6 +488,15 @@ def powersgd(
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
 
+    Raises:
+      ValueError: at construction, ``rank``, ``start_step``, ``min_size``, ``seed``,
+        ``min_compression_rate``, ``orthogonalization_epsilon``, ``axis_name`` or
+        ``inner_axis_name`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: at construction, ``rank``, ``start_step``, ``min_size``, ``seed``,
+        ``min_compression_rate``, ``orthogonalization_epsilon``, ``warm_start``, ``error_feedback``,
+        ``batch_same_shape``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+
     Example::
 
         mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))

@@ -55,14 +55,25 @@ def _size(mesh: jax.sharding.Mesh, axis_name: Any) -> int:
 
 
 def replica_specs(params: Any, axis_name: Any) -> Any:
-    """``P(axis_name)`` for every leaf of ``params``: the specs of stacked replicas."""
+    """``P(axis_name)`` for every leaf of ``params``: the specs of stacked replicas.
+
+    Args:
+      params: a pytree of arrays (or of anything: only its structure is read).
+      axis_name: the replica axis.
+    """
     lead = _lead(axis_name)
     return jax.tree.map(lambda _: P(lead), params)
 
 
 def replica_params(params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
     """One copy of ``params`` per device of ``axis_name``: leaves ``(n, *shape)``, sharded
-    ``P(axis_name)`` on ``mesh``, so that each device's ``shard_map`` step holds its own."""
+    ``P(axis_name)`` on ``mesh``, so that each device's ``shard_map`` step holds its own.
+
+    Args:
+      params: a pytree of arrays, one model.
+      mesh: the mesh the copies are laid out on.
+      axis_name: the replica axis of ``mesh``.
+    """
     n = _size(mesh, axis_name)
     sharding = NamedSharding(mesh, P(_lead(axis_name)))
     return jax.tree.map(
@@ -71,12 +82,20 @@ def replica_params(params: Any, mesh: jax.sharding.Mesh, axis_name: Any) -> Any:
 
 
 def own(replicas: Any) -> Any:
-    """Inside a ``shard_map`` step: this device's params from its ``(1, *shape)`` slots."""
+    """Inside a ``shard_map`` step: this device's params from its ``(1, *shape)`` slots.
+
+    Args:
+      replicas: the step's block of :func:`replica_params`: leaves ``(1, *shape)``.
+    """
     return jax.tree.map(lambda x: x[0], replicas)
 
 
 def slot(params: Any) -> Any:
-    """Inside a ``shard_map`` step: this device's params as ``(1, *shape)`` slots again."""
+    """Inside a ``shard_map`` step: this device's params as ``(1, *shape)`` slots again.
+
+    Args:
+      params: this device's params, leaves ``shape`` (as :func:`own` returns them).
+    """
     return jax.tree.map(lambda x: x[None], params)
 
 
@@ -84,6 +103,9 @@ def mean_replica(replicas: Any) -> Any:
     """The mean model of stacked replicas ``(n, *shape)``: the one to evaluate.
 
     Integer leaves (step counters, which agree across replicas) give their minimum.
+
+    Args:
+      replicas: stacked replicas, leaves ``(n, *shape)`` (:func:`replica_params`' layout).
     """
 
     def mean(x):

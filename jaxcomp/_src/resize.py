@@ -100,6 +100,10 @@ def restore_target(
     Returns:
       A tree like the state, of ``jax.ShapeDtypeStruct``.
 
+    Raises:
+      ValueError: ``num_devices`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+
     Example::
 
         target = jc.restore_target(tx, params, mesh4, "data", num_devices=8)
@@ -243,7 +247,8 @@ def resize_state(
       ready for the ``shard_map`` step built on ``mesh``.
 
     Raises:
-      ValueError: a field it cannot move (named), a state of another structure, a bad axis.
+      ValueError: ``state`` of another structure or with a field it cannot move (named), or
+        ``axis_name`` not one axis of ``mesh``.
 
     Example::
 

@@ -121,6 +121,12 @@ def sgd(
       with a TypeError naming them (the exchange transforms pass them through): keep
       integer params out of the tree it optimizes (docs/errors.md).
 
+    Raises:
+      ValueError: at construction, ``momentum`` or ``axis_name`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``momentum``, ``nesterov``, ``worker_momentum`` or ``axis_name``
+        of the wrong kind.
+
     Example::
 
         tx = jc.sgd(optax.cosine_decay_schedule(0.05, 1000), jc.sign(), "data")

@@ -159,6 +159,21 @@ def state_specs(
     ``nnx.StateSharding`` for ``nnx.shard_map``), and ``optimizer.opt_state`` its spec tree;
     the state of ``nnx.split`` / ``nnx.state`` is refused (NNX has flattened the state's
     types into dicts: the per-device fields cannot be told apart).
+
+    Args:
+      state: the optimizer state (concrete or ``jax.eval_shape``'s), or an ``nnx.Optimizer``.
+      axis_name: the data axis (a name, or a tuple of names).
+      param_specs: None, or the params' specs over the other mesh axes (above).
+      params: the params, for the shapes where ``param_specs`` are not arrays.
+      mesh: the mesh, checked to have ``axis_name``; with ``param_specs``, it gives each
+        device's block shape of the params.
+
+    Returns:
+      A tree like ``state`` of ``PartitionSpec``.
+
+    Raises:
+      ValueError: ``axis_name`` or ``state`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
@@ -268,6 +283,21 @@ def sharded_init(
     ``P(axis_name, *param_spec)``, so no device holds more than its block. The step's
     ``shard_map`` specs are still ``state_specs(state, axis_name)`` (the manual axis only;
     the arrays carry their model sharding).
+
+    Args:
+      tx: the optax transform (a jaxcomp transform, or a chain that holds them).
+      params: the params (arrays or ``jax.ShapeDtypeStruct``).
+      mesh: the mesh of the step.
+      axis_name: the data axis (a name, or a tuple of names for a hierarchical transform).
+      param_specs: None (params replicated over the other axes) or a tree like the params of
+        ``PartitionSpec`` / ``NamedSharding`` (above).
+
+    Returns:
+      The state, its per-device fields ``(n, ...)`` sharded ``P(axis_name)`` on ``mesh``.
+
+    Raises:
+      ValueError: ``axis_name`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
     """
     names = _names(axis_name)
     check_mesh_axes(mesh, axis_name, "axis_name")
@@ -298,6 +328,11 @@ def sharded_init(
 
 
 def replicate(tree: Any, num_devices: int | None = None) -> Any:
-    """Stack ``tree`` ``num_devices`` times along a new leading axis (the ``pmap`` layout)."""
+    """Stack ``tree`` ``num_devices`` times along a new leading axis (the ``pmap`` layout).
+
+    Args:
+      tree: a pytree of arrays.
+      num_devices: the copies, default ``jax.local_device_count()``.
+    """
     n = jax.local_device_count() if num_devices is None else num_devices
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)

@@ -515,6 +515,15 @@ def sparseloco(
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
 
+    Raises:
+      ValueError: at construction, ``sync_every``, ``density``, ``chunk``, ``bits``, ``ef_decay``,
+        ``averaging``, ``min_size``, ``value_scale``, ``small_codec``, ``mask``, ``value_codec``,
+        ``explore`` or ``seed`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
+        ``bits``, ``ef_decay``, ``min_size``, ``small_codec``, ``explore`` or ``seed`` of the wrong
+        kind.
+
     Example::
 
         tx = jc.sparseloco(optax.adamw(1e-3), "data", sync_every=30)

@@ -608,6 +608,14 @@ def zero_one_adam(
       with a TypeError naming them (the exchange transforms pass them through): keep
       integer params out of the tree it optimizes (docs/errors.md).
 
+    Raises:
+      ValueError: at construction, ``var_freeze_step``, ``warmup_steps``, ``var_update_scaler``,
+        ``local_step_scaler``, ``local_step_clipper``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
+        ``variance_rounds`` or ``axis_name`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
+        ``weight_decay``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong kind.
+
     Example::
 
         tx = jc.zero_one_adam(3e-3, "data", var_freeze_step=200, local_step_clipper=4)

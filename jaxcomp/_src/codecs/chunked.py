@@ -275,6 +275,11 @@ def chunked_top_k(
     Returns:
       A :class:`ChunkedTopK` codec.
 
+    Raises:
+      ValueError: at construction, ``k``, ``chunk``, ``bits`` or ``scale`` outside its rule (the
+        message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``k``, ``chunk`` or ``bits`` of the wrong kind.
+
     Example::
 
         codec = jc.chunked_top_k(64, chunk=4096, bits=2)   # 1.56% density, 2-bit values

@@ -291,6 +291,11 @@ def cast(dtype="bfloat16", scaled: bool | None = None) -> Cast:
       scaled: divide by a power-of-two scale of the vector first (above); None (default):
         True for fp16, False for the others (bf16 has float32's exponent range).
 
+    Raises:
+      ValueError: at construction, ``dtype`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: at construction, ``scaled`` of the wrong kind.
+
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018 (fp16 ranges, loss scaling);
       Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training", 2019;
@@ -492,6 +497,11 @@ def int_quant(bits: int = 8, block_size: int = 256, stochastic: bool = False) ->
       block_size: values per float32 scale, >= 1.
       stochastic: stochastic rounding (unbiased; then error feedback defaults to none).
 
+    Raises:
+      ValueError: at construction, ``bits`` or ``block_size`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``bits``, ``block_size`` or ``stochastic`` of the wrong kind.
+
     References:
       Dettmers, "8-bit Approximations for Parallelism in Deep Learning", ICLR 2016;
       Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant Model
@@ -572,6 +582,11 @@ def qsgd(levels: int = 16, bucket_size: int = 512) -> QSGD:
       levels: quantization levels ``s``, 1..127 (16: the paper's no-loss setting).
       bucket_size: values per norm, >= 1.
 
+    Raises:
+      ValueError: at construction, ``levels`` or ``bucket_size`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``levels`` or ``bucket_size`` of the wrong kind.
+
     References:
       Alistarh, Grubic, Li, Tomioka, Vojnovic, "QSGD: Communication-Efficient SGD via
       Gradient Quantization and Encoding", NeurIPS 2017.
@@ -635,6 +650,11 @@ def terngrad(block_size: int | None = None) -> TernGrad:
     Args:
       block_size: values per scale, or None for one scale per vector (the paper's per-layer
         scaler).
+
+    Raises:
+      ValueError: at construction, ``block_size`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+      TypeError: at construction, ``block_size`` of the wrong kind.
 
     References:
       Wen, Xu, Yan, Wu, Wang, Chen, Li, "TernGrad: Ternary Gradients to Reduce Communication
@@ -737,6 +757,11 @@ def threshold_2bit(threshold: float = 0.5) -> Threshold2Bit:
 
     Args:
       threshold: ``t`` > 0.
+
+    Raises:
+      ValueError: at construction, ``threshold`` outside its rule (the message names the argument;
+        the rules: docs/errors.md).
+      TypeError: at construction, ``threshold`` of the wrong kind.
 
     References:
       Apache MXNet, "Gradient Compression" (``kvstore.set_gradient_compression``, type

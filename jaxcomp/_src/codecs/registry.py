@@ -68,6 +68,9 @@ def get_codec(name: str) -> Codec:
 
     ``get_codec(name) == CODECS[name]()``; see :data:`CODECS` for the names.
 
+    Args:
+      name: a key of :data:`CODECS`.
+
     Raises:
       ValueError: ``name`` is not registered (the message lists the known names).
     """

@@ -180,6 +180,11 @@ def sign(
     Returns:
       A :class:`Sign` codec.
 
+    Raises:
+      ValueError: at construction, ``scale`` or ``block_size`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``block_size`` or ``exact_zeros`` of the wrong kind.
+
     Example::
 
         c = jc.sign(scale="rms")

@@ -780,6 +780,11 @@ def top_k(
       sample_ratio: with ``approx="sample"``, the fraction of entries sampled to estimate the
         threshold, in (0, 1] (DGC: 0.01; clipped to ``[32 d / k, 512 d / k]`` entries).
 
+    Raises:
+      ValueError: at construction, ``ratio``, ``approx``, ``values`` or ``sample_ratio`` outside its
+        rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``ratio``, ``approx`` or ``sample_ratio`` of the wrong kind.
+
     Example::
 
         tx = optax.chain(
@@ -816,6 +821,11 @@ def random_k(ratio: float = 0.01, values: str | None = None) -> RandomK:
       ratio: fraction of coordinates sent, in (0, 1].
       values: how values travel (see :func:`top_k`); None keeps it unbiased.
 
+    Raises:
+      ValueError: at construction, ``ratio`` or ``values`` outside its rule (the message names the
+        argument; the rules: docs/errors.md).
+      TypeError: at construction, ``ratio`` of the wrong kind.
+
     References:
       Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
       Wangni, Wang, Liu, Zhang, "Gradient Sparsification for Communication-Efficient
@@ -836,6 +846,11 @@ def threshold(tau: float, capacity: int, values: str | None = None) -> Threshold
       tau: the threshold, > 0.
       capacity: the most values sent per vector (static payload size), >= 1.
       values: how values travel (see :func:`top_k`).
+
+    Raises:
+      ValueError: at construction, ``tau`` or ``capacity`` outside its rule (the message names the
+        argument; the rules: docs/errors.md).
+      TypeError: at construction, ``tau`` or ``capacity`` of the wrong kind.
 
     References:
       Strom, "Scalable Distributed DNN Training Using Commodity GPU Cloud Computing",

@@ -1,0 +1,120 @@
+"""Docstrings against the code: every public function's ``Args:`` names its parameters (no
+more, no fewer), its ``Raises:`` names the errors docs/errors.md lists for it at
+construction, and the API overview (docs/api/index.md) lists every public name on the page
+that renders it (tests/test_docs.py checks that each name is on some page).
+"""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import jaxcomp as jc
+
+ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / "docs" / "api"
+ERRORS = ROOT / "docs" / "errors.md"
+
+FUNCTIONS = sorted(n for n in jc.__all__ if inspect.isfunction(getattr(jc, n)))
+
+
+def section(doc: str, title: str) -> str | None:
+    """The body of a Google-style section (``Args:`` ...), or None where it is missing."""
+    match = re.search(rf"^{title}:\n((?:[ \t]+.*\n|[ \t]*\n)*)", doc + "\n", re.M)
+    return match.group(1) if match else None
+
+
+def entries(body: str) -> dict[str, str]:
+    """``{name: text}`` of a section's two-space-indented ``name: text`` entries."""
+    found = {}
+    for match in re.finditer(r"^  (\*{0,2}\w+)(?: \([^)]*\))?:(.*(?:\n    .*)*)", body, re.M):
+        found[match.group(1).lstrip("*")] = match.group(2)
+    return found
+
+
+def test_section_parser():
+    doc = "Sum.\n\nArgs:\n  x: a value\n    on two lines.\n  *rest: more.\n\nReturns:\n  y.\n"
+    assert entries(section(doc, "Args")) == {"x": " a value\n    on two lines.", "rest": " more."}
+    assert section(doc, "Raises") is None
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_args_name_every_parameter(name):
+    params = list(inspect.signature(getattr(jc, name)).parameters)
+    doc = inspect.getdoc(getattr(jc, name)) or ""
+    body = section(doc, "Args")
+    if not params:
+        assert body is None, f"jaxcomp.{name} takes no arguments but documents Args"
+        return
+    assert body is not None, f"jaxcomp.{name}: no Args section for {params}"
+    documented = list(entries(body))
+    assert sorted(documented) == sorted(params), (
+        f"jaxcomp.{name}: Args {documented} against the signature's {params}"
+    )
+
+
+def construction_rows() -> dict[str, dict[str, list[str]]]:
+    """``{function: {error type: [arguments]}}`` of docs/errors.md's construction-time rows
+    whose function cell names public functions (``OverlappedStep.__call__``, ``launch.run``
+    and the like are documented on their own pages)."""
+    text = ERRORS.read_text().split("## Construction time", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, dict[str, list[str]]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 4 or cells[0] in ("function", "---"):
+            continue
+        argument = cells[1].strip("`")
+        for function in re.findall(r"`([\w.]+)`", cells[0]):
+            if function not in FUNCTIONS:
+                continue
+            for error in ("ValueError", "TypeError"):
+                if error in cells[3]:
+                    rows.setdefault(function, {}).setdefault(error, []).append(argument)
+    return rows
+
+
+ROWS = construction_rows()
+
+
+def test_errors_page_has_construction_rows():
+    assert len(ROWS) >= 30, sorted(ROWS)
+    assert ROWS["int_quant"] == {"ValueError": ["bits", "block_size"]} | {
+        "TypeError": ["bits", "block_size", "stochastic"]
+    }
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_raises_names_the_errors_of_its_rows(name):
+    doc = inspect.getdoc(getattr(jc, name)) or ""
+    body = section(doc, "Raises")
+    assert body is not None, f"jaxcomp.{name}: no Raises section; docs/errors.md: {ROWS[name]}"
+    documented = entries(body)
+    for error, arguments in ROWS[name].items():
+        assert error in documented, f"jaxcomp.{name}: Raises lacks {error} ({arguments})"
+        missing = [a for a in arguments if f"``{a}``" not in documented[error]]
+        assert not missing, f"jaxcomp.{name}: Raises {error} does not name {missing}"
+
+
+def rendered_names(page: Path) -> set[str]:
+    """The public names a docs/api page renders (``::: object`` and its ``members:``)."""
+    text = page.read_text()
+    names = {m.rsplit(".", 1)[-1] for m in re.findall(r"^::: ([\w.]+)", text, re.M)}
+    for members in re.findall(r"members:\s*\[([^\]]*)\]", text):
+        names |= {m.strip() for m in members.split(",")}
+    return names & set(jc.__all__)
+
+
+def test_api_overview_lists_each_page_names():
+    rows = re.findall(
+        r"^\| \[[^\]]+\]\((\w[\w-]*\.md)\) \| (.*) \|$", (API / "index.md").read_text(), re.M
+    )
+    listed = {page: set(re.findall(r"`(\w+)`", names)) & set(jc.__all__) for page, names in rows}
+    pages = {p.name for p in API.glob("*.md")} - {"index.md"}
+    assert set(listed) == pages, f"pages without an overview row: {sorted(pages - set(listed))}"
+    for page, names in listed.items():
+        rendered = rendered_names(API / page)
+        assert names == rendered, (
+            f"docs/api/index.md's row for {page}: lists {sorted(names - rendered)} it does not "
+            f"render, misses {sorted(rendered - names)}"
+        )

@@ -145,3 +145,28 @@ def test_examples_refuse_nonsense_flags_naming_them(refusals, row):
     assert proc.returncode == 2, (proc.stdout[-500:], proc.stderr[-1500:])
     assert f"error: argument {row[2]}" in proc.stderr, proc.stderr[-1500:]
     assert "Traceback" not in proc.stderr
+
+
+def test_docs_list_every_example_with_a_command_it_accepts(helps):
+    """docs/index.md's Examples table has a row per file of examples/, whose command names
+    only flags the script has, with a value among the flag's choices where it has some; the
+    README names every file."""
+    text = (ROOT / "docs" / "index.md").read_text()
+    rows = dict(re.findall(r"^\| `examples/([\w.]+)` \| .* \| (.+) \|$", text, re.M))
+    files = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".ipynb")}
+    assert set(rows) == files, f"docs/index.md's Examples table: {sorted(files ^ set(rows))}"
+    readme = (ROOT / "README.md").read_text()
+    assert not [f for f in files if f"`{f}`" not in readme], "README's Documentation list"
+    for name, run in rows.items():
+        if name.endswith(".ipynb"):
+            continue
+        match = re.fullmatch(rf"`python (?:-m jaxcomp\.launch -n \d+ )?examples/{name}(.*)`", run)
+        assert match, f"{name}: {run}"
+        usage = " ".join(helps[f"examples/{name}"].stdout.split())
+        words = match.group(1).split()
+        for flag, value in zip(words, [*words[1:], None], strict=False):
+            if not flag.startswith("--"):
+                continue
+            assert f"{flag}" in usage, f"{name}: {flag} is not a flag of the script"
+            choices = re.search(rf"\[{flag} {{([^}}]*)}}\]", usage)
+            assert not choices or value in choices.group(1).split(","), f"{name}: {flag} {value}"

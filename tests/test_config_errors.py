@@ -582,6 +582,14 @@ CHECKS = [
         ValueError,
     ),
     ("sparseloco", "mask", lambda: jc.sparseloco(SGD, "d", 4, mask="shared"), ValueError),
+    ("sparseloco", "clip", lambda: jc.sparseloco(SGD, "d", 4, clip=1), TypeError),
+    ("sparseloco", "strategy", lambda: jc.sparseloco(SGD, "d", 4, strategy="auto"), ValueError),
+    (
+        "sparseloco",
+        "clip",
+        lambda: jc.sparseloco(SGD, "d", 4, clip=True, strategy="two_phase"),
+        ValueError,
+    ),
     (
         "sparseloco",
         "value_codec",

@@ -517,12 +517,12 @@ def sparseloco(
 
     Raises:
       ValueError: at construction, ``sync_every``, ``density``, ``chunk``, ``bits``, ``ef_decay``,
-        ``averaging``, ``min_size``, ``value_scale``, ``small_codec``, ``mask``, ``value_codec``,
-        ``explore`` or ``seed`` outside its rule (the message names the argument; the rules:
-        docs/errors.md).
+        ``averaging``, ``strategy``, ``min_size``, ``value_scale``, ``small_codec``, ``clip``,
+        ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
+        the argument; the rules: docs/errors.md).
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
-        ``bits``, ``ef_decay``, ``min_size``, ``small_codec``, ``explore`` or ``seed`` of the wrong
-        kind.
+        ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore`` or ``seed`` of
+        the wrong kind.
 
     Example::
 

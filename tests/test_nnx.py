@@ -61,8 +61,9 @@ def batches():
     return [(shard(x[i]), shard(y[i])) for i in range(STEPS)]
 
 
-def nnx_step(opt_specs, check_vma=True, pcast=True):
-    """The step Flax's docs teach: nnx.jit over nnx.shard_map, optimizer.update inside."""
+def nnx_step(opt_specs, check_vma=True, pcast=True, traces=None):
+    """The step Flax's docs teach: nnx.jit over nnx.shard_map, optimizer.update inside
+    (``traces``: a list the step appends to each time it is traced)."""
 
     @nnx.jit
     @nnx.shard_map(
@@ -72,6 +73,8 @@ def nnx_step(opt_specs, check_vma=True, pcast=True):
         check_vma=check_vma,
     )
     def step(model, optimizer, x, y):
+        if traces is not None:
+            traces.append(1)
         if pcast:  # only the Params per device: what the forward writes elsewhere is kept
             with jc.nnx_local(model, AXIS) as local:
                 loss, grads = nnx.value_and_grad(loss_fn)(local, x, y)
@@ -158,14 +161,19 @@ class DropoutMLP(nnx.Module):
 def test_rng_counts_and_batch_stats_written_by_the_forward_are_kept():
     """The documented step pcasts only the Params: Dropout draws a new mask every step and
     BatchNorm's running mean moves (the mean over devices). A pcast of the whole model
-    dropped both without an error: at lr 0 the loss was the same every step, count 0."""
+    dropped both without an error: at lr 0 the loss was the same every step, count 0.
+    The step is traced (and compiled) once: until 2026-11-27 ``jc.nnx_optimizer`` placed
+    only the Params on the mesh, the statistics and RNG state stayed on one device, and the
+    second step was traced and compiled again for the first step's outputs."""
     model = DropoutMLP(nnx.Rngs(0, dropout=1))
     tx = optax.chain(jc.compressed_allreduce(jc.int_quant(8), AXIS, min_size=16), optax.sgd(0.0))
     optimizer = jc.nnx_optimizer(model, tx, mesh(), AXIS)
-    step = nnx_step(jc.nnx_state_specs(optimizer, AXIS))
+    traces = []
+    step = nnx_step(jc.nnx_state_specs(optimizer, AXIS), traces=traces)
     x, y = batches()[0]
     want_mean = 0.01 * np.asarray(model.hidden(x)).mean(0)  # momentum 0.99, from 0
     losses = [float(step(model, optimizer, x, y)) for _ in range(3)]
+    assert len(traces) == 1
     assert len(set(losses)) == 3, losses  # a new dropout mask each step (the params stay)
     assert int(model.drop.rngs.count.get_value()) == 3
     mean = np.asarray(model.norm.mean.get_value())

@@ -60,7 +60,9 @@ def nnx_optimizer(
     ``(1, 64, 48)``. Every other field (keys, step counts) is replicated. The optimizer is
     a plain ``nnx.Optimizer``: ``optimizer.update(model, grads)`` inside the step, the state
     checkpoints like any NNX state. The model's ``wrt`` variables and the step count are
-    placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them.
+    placed on ``mesh`` too (replicated, or by ``param_specs``), as the step will hold them,
+    and so are its other variables not on ``mesh`` yet (replicated: BatchNorm statistics,
+    Dropout's RNG state), so that the step compiles once.
 
     Only the ``nnx.Param`` state is ``pcast`` in the step (:func:`nnx_local`):
     ``jax.lax.pcast(model, ...)`` returns a copy whose other variables (Dropout's RNG counts,
@@ -114,6 +116,7 @@ def nnx_optimizer(
     params = nnx.as_pure(nnx.state(model, wrt))
     state = sharding.sharded_init(tx, params, mesh, axis_name, param_specs)
     nnx.update(model, _placed(params, mesh, param_specs))
+    nnx.update(model, _replicated(nnx.as_pure(nnx.state(model, nnx.Not(wrt))), mesh))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
     optimizer.tx = tx
     optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, state))
@@ -129,6 +132,20 @@ def _placed(params: Any, mesh: Any, param_specs: Any) -> Any:
         sharding.spec_of, param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
     )
     return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+def _replicated(state: Any, mesh: Any) -> Any:
+    """The model's other variables (BatchNorm statistics, RNG keys and counts) replicated on
+    ``mesh`` where they are not on it yet: left on one device, the first step was compiled
+    for that placement and the second again for the step's own output (two compiles)."""
+
+    def place(x):
+        if not isinstance(x, jax.Array):
+            return x
+        on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh else jax.device_put(x, NamedSharding(mesh, P()))
+
+    return jax.tree.map(place, state)
 
 
 def nnx_state_specs(

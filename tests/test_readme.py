@@ -38,6 +38,14 @@ def test_readme_links_exist():
     for target in re.findall(r"\]\(([^)#]+)", README):
         if "://" not in target:
             assert (ROOT / target).exists(), target
+    # Anchors into the docs, slugged as mkdocs' toc extension does (lower case, words joined
+    # by hyphens, punctuation dropped).
+    for page, anchor in re.findall(r"\]\(([^)#:]+\.md)#([^)]+)\)", README):
+        headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(), re.M)
+        slugs = {
+            re.sub(r"[\s-]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings
+        }
+        assert anchor in slugs, f"{page}#{anchor}"
 
 
 def test_quickstart_runs_as_written():

@@ -1,9 +1,11 @@
 """Docstrings against the code: every public function's ``Args:`` names its parameters (no
-more, no fewer), its ``Raises:`` names the errors docs/errors.md lists for it at
-construction, and the API overview (docs/api/index.md) lists every public name on the page
-that renders it (tests/test_docs.py checks that each name is on some page).
+more, no fewer) and every public class's ``Attributes:`` its fields, its ``Raises:`` names the
+errors docs/errors.md lists for it at construction, the API overview (docs/api/index.md) lists
+every public name on the page that renders it (tests/test_docs.py checks that each name is on
+some page), and the overview's table of defaults that differ from the design is the code's.
 """
 
+import dataclasses
 import inspect
 import re
 from pathlib import Path
@@ -52,6 +54,31 @@ def test_args_name_every_parameter(name):
     assert sorted(documented) == sorted(params), (
         f"jaxcomp.{name}: Args {documented} against the signature's {params}"
     )
+
+
+CLASSES = sorted(n for n in jc.__all__ if inspect.isclass(getattr(jc, n)))
+
+
+def fields(cls: type) -> list[str]:
+    """A NamedTuple's or dataclass's fields; for another class, its ``__init__``'s arguments."""
+    if hasattr(cls, "_fields"):
+        return list(cls._fields)
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_attributes_name_every_field(name):
+    cls = getattr(jc, name)
+    names = fields(cls)
+    doc = inspect.getdoc(cls) or ""
+    body = section(doc, "Attributes") or section(doc, "Args")
+    if not names:
+        return
+    assert body is not None, f"jaxcomp.{name}: no Attributes (or Args) section for {names}"
+    documented = list(entries(body))
+    assert sorted(documented) == sorted(names), f"jaxcomp.{name}: {documented} against {names}"
 
 
 def construction_rows() -> dict[str, dict[str, list[str]]]:

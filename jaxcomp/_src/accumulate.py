@@ -37,12 +37,18 @@ from jaxcomp._src.skeleton import check_fields, varying_like
 
 
 class AccumulateState(NamedTuple):
-    """State of :func:`accumulate`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`accumulate`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    mini_step: jax.Array  # int32[], identical on every device: micro-batches since the last apply
-    acc: Any  # per device: tree like the params, f32[size] (raveled) local gradient sums;
-    #           None for integer leaves (orbax cannot save zero-size arrays)
-    inner_state: Any  # the wrapped transform's state
+    Attributes:
+      mini_step: int32[], identical on every device: micro-batches since the last apply
+      acc: per device: tree like the params, f32[size] (raveled) local gradient sums; None for
+        integer leaves (orbax cannot save zero-size arrays)
+      inner_state: the wrapped transform's state
+    """
+
+    mini_step: jax.Array
+    acc: Any
+    inner_state: Any
 
     PER_DEVICE_FIELDS = ("acc",)
 

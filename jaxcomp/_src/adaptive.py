@@ -32,16 +32,29 @@ from jaxcomp._src.codecs.base import (
 
 
 class AccordionState(NamedTuple):
-    """Replicated scalars of :func:`accordion` (identical on every device)."""
+    """Replicated scalars of :func:`accordion` (identical on every device).
 
-    critical: jax.Array  # bool[]: this interval runs the gentle codec
-    norm: jax.Array  # f32[]: sum of the squared output norms of this interval so far
-    previous: jax.Array  # f32[]: the previous interval's mean squared norm (0: none yet)
+    Attributes:
+      critical: bool[]: this interval runs the gentle codec
+      norm: f32[]: sum of the squared output norms of this interval so far
+      previous: f32[]: the previous interval's mean squared norm (0: none yet)
+    """
+
+    critical: jax.Array
+    norm: jax.Array
+    previous: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class Accordion:
-    """Configuration of :func:`accordion` (hashable: static under jit)."""
+    """Configuration of :func:`accordion` (hashable: static under jit).
+
+    Attributes:
+      gentle: the codec of the critical intervals (less compression).
+      interval: steps per interval: the regime is judged once per interval.
+      threshold: the relative change of the mean squared norm from one interval to the next
+        at or above which the next interval is critical.
+    """
 
     gentle: Codec
     interval: int

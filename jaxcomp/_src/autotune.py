@@ -113,16 +113,29 @@ class Candidate(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class AutotunePlan:
     """What :func:`autotune` chose, and why (``table``: every candidate, the chosen one first,
-    then the timed ones fastest first, then the untimed ones, the failed ones last)."""
+    then the timed ones fastest first, then the untimed ones, the failed ones last).
 
-    codec: Codec | None  # None: no compression (plain pmean is fastest here)
+    Attributes:
+      codec: the chosen codec; None: no compression (plain pmean is fastest here).
+      strategy: the chosen strategy (``jc.pmean``'s ``strategy``).
+      bucket_bytes: the chosen payload bucket size.
+      min_size: the chosen ``min_size`` (smaller leaves go through plain ``pmean``).
+      table: every candidate (:class:`Candidate`: bytes, predicted and measured ms, any
+        failure), in the order above.
+      link: the fitted latency and bandwidth per collective kind (:class:`LinkFit`).
+      codec_ms: encode and decode ms of the tree per codec.
+      error_feedback: what the chosen candidate was timed with.
+      feedback_ms: the residual pass's ms per codec.
+    """
+
+    codec: Codec | None
     strategy: str
     bucket_bytes: int
     min_size: int
     table: tuple[Candidate, ...]
     link: dict[str, LinkFit]
     codec_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-    error_feedback: str | None = None  # what the chosen candidate was timed with
+    error_feedback: str | None = None
     feedback_ms: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property

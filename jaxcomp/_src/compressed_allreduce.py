@@ -31,16 +31,25 @@ class CompressedAllreduceState(NamedTuple):
 
     Per-device fields mirror the gradient tree, None at leaves that are not compressed
     (small, masked, integer); each array carries a leading axis of 1, this device's slot.
+
+    Attributes:
+      memory: per device, [1, *leaf.shape] (f32 or memory_dtype) per compressed leaf: e_i, h_i
+      server_residual: per device, [1, c] (f32 or memory_dtype) per two-phase leaf: the owned
+        chunk's re-encoding error (c = ceil(size / n)); None if unused
+      estimate: identical on every device, f32[*leaf.shape] per compressed leaf: EF21's h
+      key: uint32[2], identical on every device; split every step
+      count: int32[]: number of updates applied
+      momentum: per device, f32[1, *leaf.shape] per float leaf: worker momentum
+      adaptive: replicated AccordionState (adaptive=jc.accordion(...)), else None
     """
 
-    memory: Any  # per device, [1, *leaf.shape] (f32 or memory_dtype) per compressed leaf: e_i, h_i
-    server_residual: Any  # per device, [1, c] (f32 or memory_dtype) per two-phase leaf: the owned
-    #                       chunk's re-encoding error (c = ceil(size / n)); None if unused
-    estimate: Any  # identical on every device, f32[*leaf.shape] per compressed leaf: EF21's h
-    key: chex.PRNGKey  # uint32[2], identical on every device; split every step
-    count: jax.Array  # int32[]: number of updates applied
-    momentum: Any = None  # per device, f32[1, *leaf.shape] per float leaf: worker momentum
-    adaptive: Any = None  # replicated AccordionState (adaptive=jc.accordion(...)), else None
+    memory: Any
+    server_residual: Any
+    estimate: Any
+    key: chex.PRNGKey
+    count: jax.Array
+    momentum: Any = None
+    adaptive: Any = None
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
 

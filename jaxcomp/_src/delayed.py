@@ -13,11 +13,17 @@ from jaxcomp._src import collectives, periodic, skeleton
 
 
 class DelayedState(NamedTuple):
-    """State of :func:`delayed`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`delayed`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    pending: Any  # per device: the previous step's gradients, [1, *leaf.shape], leaf dtype
-    inner: Any  # the wrapped transform's state
-    count: jax.Array  # int32[]: number of updates applied
+    Attributes:
+      pending: per device: the previous step's gradients, [1, *leaf.shape], leaf dtype
+      inner: the wrapped transform's state
+      count: int32[]: number of updates applied
+    """
+
+    pending: Any
+    inner: Any
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("pending",)
 

@@ -116,10 +116,15 @@ class Blocks:
 
 
 class DeMoState(NamedTuple):
-    """State of :func:`scale_by_demo`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`scale_by_demo`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    momentum: Any  # per device: f32[1, *shape] per float leaf (MaskedNode at integer leaves)
-    count: jax.Array  # int32[]: number of updates applied
+    Attributes:
+      momentum: per device: f32[1, *shape] per float leaf (MaskedNode at integer leaves)
+      count: int32[]: number of updates applied
+    """
+
+    momentum: Any
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("momentum",)
 

@@ -37,14 +37,22 @@ class DGCState(NamedTuple):
     Fields mirror the gradient tree, None at leaves they do not cover: the per-device
     memories cover the sparsified leaves (with a leading axis of 1, this device's slot), the
     momentum the plain ones (small or 1-D leaves, averaged with plain ``pmean``).
+
+    Attributes:
+      velocity: per device, f32[1, *leaf.shape] per sparsified leaf: u, the velocity
+      accumulation: per device, f32[1, *leaf.shape] per sparsified leaf: v, not yet sent
+      server_residual: per device, f32[1, c] per two-phase leaf (owned chunk), else None
+      momentum: identical on every device, f32[*leaf.shape] per plain leaf
+      key: uint32[2], identical on every device; split every step
+      count: int32[]: number of updates applied
     """
 
-    velocity: Any  # per device, f32[1, *leaf.shape] per sparsified leaf: u, the velocity
-    accumulation: Any  # per device, f32[1, *leaf.shape] per sparsified leaf: v, not yet sent
-    server_residual: Any  # per device, f32[1, c] per two-phase leaf (owned chunk), else None
-    momentum: Any  # identical on every device, f32[*leaf.shape] per plain leaf
-    key: chex.PRNGKey  # uint32[2], identical on every device; split every step
-    count: jax.Array  # int32[]: number of updates applied
+    velocity: Any
+    accumulation: Any
+    server_residual: Any
+    momentum: Any
+    key: chex.PRNGKey
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual")
 

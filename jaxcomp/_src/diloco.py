@@ -16,14 +16,23 @@ FEW_REPLICAS = 2
 
 
 class DiLoCoState(NamedTuple):
-    """State of :func:`diloco`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`diloco`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
-    anchor: Any  # identical on every device: f32 global params, like the params
-    outer: Any  # identical on every device: the outer optax state of each fragment (a tuple)
-    exchange: Any  # with a codec: CompressedAllreduceState of each fragment; else None
-    pending: Any  # per device, with delay: f32[1, *shape] pseudo-gradient snapshots; else None
-    count: jax.Array  # int32[]: number of updates applied
+    Attributes:
+      inner: per device: the inner optax state, every leaf with a leading slot of 1
+      anchor: identical on every device: f32 global params, like the params
+      outer: identical on every device: the outer optax state of each fragment (a tuple)
+      exchange: with a codec: CompressedAllreduceState of each fragment; else None
+      pending: per device, with delay: f32[1, *shape] pseudo-gradient snapshots; else None
+      count: int32[]: number of updates applied
+    """
+
+    inner: Any
+    anchor: Any
+    outer: Any
+    exchange: Any
+    pending: Any
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner", "pending")
 

@@ -36,15 +36,22 @@ class GossipState(NamedTuple):
     Per-device fields carry a leading axis of 1 on every array, this device's slot; the
     per-leaf ones mirror the params tree (``optax.MaskedNode`` at integer leaves; None
     without a codec).
+
+    Attributes:
+      inner: per device: the inner transform's state, every leaf with a leading slot of 1
+      public: per device, f32[1, *leaf.shape] per float leaf: x_hat_i, this device's public copy
+        (what its neighbours know of it); CHOCO only
+      mixed: per device, f32[1, *leaf.shape] per float leaf: s_i = sum_j w_ij x_hat_j, the weighted
+        public copies of itself and its neighbours; CHOCO only
+      key: uint32[2], identical on every device (fold_in axis_index per device)
+      count: int32[]: number of updates applied
     """
 
-    inner: Any  # per device: the inner transform's state, every leaf with a leading slot of 1
-    public: Any  # per device, f32[1, *leaf.shape] per float leaf: x_hat_i, this device's
-    #              public copy (what its neighbours know of it); CHOCO only
-    mixed: Any  # per device, f32[1, *leaf.shape] per float leaf: s_i = sum_j w_ij x_hat_j,
-    #             the weighted public copies of itself and its neighbours; CHOCO only
-    key: chex.PRNGKey  # uint32[2], identical on every device (fold_in axis_index per device)
-    count: jax.Array  # int32[]: number of updates applied
+    inner: Any
+    public: Any
+    mixed: Any
+    key: chex.PRNGKey
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner", "public", "mixed")
     #: Fields tied to the mixing matrix of the devices they were built on

@@ -12,12 +12,19 @@ from jaxcomp._src.codecs.base import Codec
 
 
 class LocalSGDState(NamedTuple):
-    """State of :func:`local_sgd`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`local_sgd`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
-    anchor: Any  # identical on every device: f32 params of the last sync, like the params
-    exchange: Any  # with a codec: (CompressedAllreduceState,) of the params' delta; else None
-    count: jax.Array  # int32[]: number of updates applied
+    Attributes:
+      inner: per device: the inner optax state, every leaf with a leading slot of 1
+      anchor: identical on every device: f32 params of the last sync, like the params
+      exchange: with a codec: (CompressedAllreduceState,) of the params' delta; else None
+      count: int32[]: number of updates applied
+    """
+
+    inner: Any
+    anchor: Any
+    exchange: Any
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner",)
 

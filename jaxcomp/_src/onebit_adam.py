@@ -21,14 +21,23 @@ from jaxcomp._src.sgd import exchange_options
 
 
 class OneBitAdamState(NamedTuple):
-    """State of :func:`onebit_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`onebit_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    count: jax.Array  # int32[]: finite steps taken (the schedule's step: warm-up, freeze)
-    mu: Any  # identical on every device, f32 like the params: the (synchronized) momentum
-    nu: Any  # identical on every device, f32 like the params: the variance, frozen later
-    level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
-    level_ref: Any  # identical on every device, f32[] per leaf: level_hat when nu last moved
-    exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
+    Attributes:
+      count: int32[]: finite steps taken (the schedule's step: warm-up, freeze)
+      mu: identical on every device, f32 like the params: the (synchronized) momentum
+      nu: identical on every device, f32 like the params: the variance, frozen later
+      level: identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
+      level_ref: identical on every device, f32[] per leaf: level_hat when nu last moved
+      exchange: the momentum's exchange: per-device error feedback
+    """
+
+    count: jax.Array
+    mu: Any
+    nu: Any
+    level: Any
+    level_ref: Any
+    exchange: CompressedAllreduceState
 
     PER_DEVICE_FIELDS = ()  # the per-device memories are the exchange's own fields
 

@@ -55,7 +55,15 @@ def _check_loss(loss_fn: Any) -> Callable:
 
 class OverlappedStep:
     """The step :func:`overlapped_step` returns: ``init(params)``,
-    ``step(params, state, *batch) -> (params, state)`` and ``close()``; see there."""
+    ``step(params, state, *batch) -> (params, state)`` and ``close()``; see there.
+
+    Args:
+      loss_fn: as :func:`overlapped_step`.
+      tx: as :func:`overlapped_step`.
+      mesh: as :func:`overlapped_step`.
+      axis_name: as :func:`overlapped_step`.
+      pmean: as :func:`overlapped_step`.
+    """
 
     def __init__(self, loss_fn, tx, mesh, axis_name, pmean):
         self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name

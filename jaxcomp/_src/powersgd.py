@@ -40,12 +40,18 @@ class PowerSGDState(NamedTuple):
     Fields mirror the gradient tree, None at leaves that are not sent low-rank; each low-rank
     leaf is seen as an ``n x m`` matrix (:func:`matrix_view`) of rank ``r``. Same-shaped
     matrices are stacked for the work (:attr:`Plan.groups`), never in the state.
+
+    Attributes:
+      error: per device, f32[1, *leaf.shape] per low-rank leaf: M_i - P P^T M_i; None if off
+      q: the same on every device, f32[m, r] per low-rank leaf (n x m view); None if cold
+      key: uint32[2], the same on every device; split every step
+      count: int32[]: number of updates applied (plain pmean until start_step)
     """
 
-    error: Any  # per device, f32[1, *leaf.shape] per low-rank leaf: M_i - P P^T M_i; None if off
-    q: Any  # the same on every device, f32[m, r] per low-rank leaf (n x m view); None if cold
-    key: chex.PRNGKey  # uint32[2], the same on every device; split every step
-    count: jax.Array  # int32[]: number of updates applied (plain pmean until start_step)
+    error: Any
+    q: Any
+    key: chex.PRNGKey
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("error",)
 

@@ -32,21 +32,33 @@ F32 = jnp.float32
 
 
 class SparseFeedbackState(NamedTuple):
-    """State of the SparseLoCo exchange of one fragment (nested in :class:`SparseLoCoState`)."""
+    """State of the SparseLoCo exchange of one fragment (nested in :class:`SparseLoCoState`).
 
-    memory: Any  # per device: f32[1, *shape] error feedback per coded leaf, None if pmean'd
+    Attributes:
+      memory: per device: f32[1, *shape] error feedback per coded leaf, None if pmean'd
+    """
+
+    memory: Any
 
     PER_DEVICE_FIELDS = ("memory",)
 
 
 class SparseLoCoState(NamedTuple):
-    """State of :func:`sparseloco`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`sparseloco`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    inner: Any  # per device: the inner optax state, every leaf with a leading slot of 1
-    anchor: Any  # identical on every device: f32 global params, like the params
-    outer: Any  # identical on every device: the outer optax state (a 1-tuple), or None
-    exchange: Any  # (SparseFeedbackState,) or, two-phase, (CompressedAllreduceState,)
-    count: jax.Array  # int32[]: number of updates applied
+    Attributes:
+      inner: per device: the inner optax state, every leaf with a leading slot of 1
+      anchor: identical on every device: f32 global params, like the params
+      outer: identical on every device: the outer optax state (a 1-tuple), or None
+      exchange: (SparseFeedbackState,) or, two-phase, (CompressedAllreduceState,)
+      count: int32[]: number of updates applied
+    """
+
+    inner: Any
+    anchor: Any
+    outer: Any
+    exchange: Any
+    count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner",)
 

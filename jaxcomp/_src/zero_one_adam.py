@@ -43,17 +43,29 @@ FULL, COMPRESSED, SKIPPED, VARIANCE = 0, 1, 2, 3  # the kinds of round
 
 
 class ZeroOneAdamState(NamedTuple):
-    """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`."""
+    """State of :func:`zero_one_adam`. Under ``shard_map`` use :func:`jaxcomp.state_specs`.
 
-    count: jax.Array  # int32[]: finite steps taken (the schedule's step: rounds, freeze)
-    variance_updates: jax.Array  # int32[]: rounds that moved the variance (FULL, VARIANCE)
-    variance_step: jax.Array  # int32[]: count + 1 at the last of them (nu's bias correction)
-    mu: Any  # identical on every device, f32 like the params: the synchronized momentum
-    nu: Any  # identical on every device, f32 like the params: the variance
-    level: Any  # identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
-    level_ref: Any  # identical on every device, f32[] per leaf: level_hat at the last FULL round
-    pending: Any  # per device, f32[1, *shape] per leaf: (1 - b1) g_i of skipped rounds
-    exchange: CompressedAllreduceState  # the momentum's exchange: per-device error feedback
+    Attributes:
+      count: int32[]: finite steps taken (the schedule's step: rounds, freeze)
+      variance_updates: int32[]: rounds that moved the variance (FULL, VARIANCE)
+      variance_step: int32[]: count + 1 at the last of them (nu's bias correction)
+      mu: identical on every device, f32 like the params: the synchronized momentum
+      nu: identical on every device, f32 like the params: the variance
+      level: identical on every device, f32[] per leaf: EMA of the devices' mean g_i^2
+      level_ref: identical on every device, f32[] per leaf: level_hat at the last FULL round
+      pending: per device, f32[1, *shape] per leaf: (1 - b1) g_i of skipped rounds
+      exchange: the momentum's exchange: per-device error feedback
+    """
+
+    count: jax.Array
+    variance_updates: jax.Array
+    variance_step: jax.Array
+    mu: Any
+    nu: Any
+    level: Any
+    level_ref: Any
+    pending: Any
+    exchange: CompressedAllreduceState
 
     PER_DEVICE_FIELDS = ("pending",)
 

@@ -134,7 +134,14 @@ def dequantize(codes: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
 class ChunkedTopK(Codec):
     r"""Top-``k`` in every chunk of ``chunk`` values: indices in ``ceil(log2 c)`` bits, values
     in ``bits`` bits (None: float32) with one float32 scale per chunk. See
-    :func:`chunked_top_k`."""
+    :func:`chunked_top_k`.
+
+    Attributes:
+      k: values kept per chunk.
+      chunk: values per chunk.
+      bits: bits per kept value, or None for float32 values.
+      scale: the chunk's value scale, ``"max"`` or ``"mean"`` (as :func:`chunked_top_k`).
+    """
 
     k: int = 64
     chunk: int = 4096

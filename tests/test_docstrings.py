@@ -157,3 +157,22 @@ def test_design_deviations_table_matches_the_defaults():
         default = inspect.signature(getattr(jc, name)).parameters[argument].default
         assert repr(default).replace("'", '"') == code, (name, argument, default)
         assert code != design
+
+
+def test_api_overview_names_the_rendered_helpers_that_are_not_public():
+    """A page's ``members:`` outside ``jc.__all__`` are named in the overview as ``jaxcomp._src``
+    helpers (Autotune's, which its own page introduces, and the Codec class's methods aside)."""
+    index = (API / "index.md").read_text()
+    note = index.split("Only the names in this table are public", 1)[1].split("\n\n", 1)[0]
+    for page in API.glob("*.md"):
+        text = page.read_text()
+        for module, members in re.findall(
+            r"^::: ([\w.]+)\n(?:.*\n){0,4}?\s*members: \[([^\]]*)\]", text, re.M
+        ):
+            if not module.startswith("jaxcomp._src") or module.endswith(
+                (".Codec", "autotune", "autotune_steps")
+            ):
+                continue
+            extra = [m.strip() for m in members.split(",") if m.strip() not in jc.__all__]
+            missing = [m for m in extra if f"`{m}`" not in note]
+            assert not missing, f"{page.name} renders {missing}: name them in docs/api/index.md"

@@ -129,6 +129,54 @@ def test_plan_times_plain_and_the_best_predictions_as_whole_steps(plan):
     assert set(plan.link) == set(tuning.KINDS) and all(f.bandwidth > 0 for f in plan.link.values())
 
 
+def _exchange_report(plan, row):
+    """comm_report of ``row``'s exchange as :meth:`AutotunePlan.transform` builds it (the plan
+    with the row's codec, strategy, bucket size, min_size and feedback), per-device gradients."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    chosen = dataclasses.replace(
+        plan,
+        codec=row.codec,
+        strategy=row.strategy if row.codec is not None else "auto",
+        bucket_bytes=row.bucket_bytes,
+        min_size=row.min_size,
+        error_feedback=row.error_feedback,
+    )
+    tx = chosen.transform("data")
+    mesh = jax.make_mesh((8,), ("data",))
+    state = jc.sharded_init(tx, PARAMS, mesh, "data")
+    specs = jc.state_specs(state, "data")
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+    grads = {k: jax.device_put(jnp.zeros((8, *v.shape), v.dtype), rows) for k, v in PARAMS.items()}
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+            mesh=mesh,
+            in_specs=(P("data"), specs),
+            out_specs=(P(), specs),
+        )
+    )
+    return jc.comm_report(step, grads, state)
+
+
+def test_plan_transform_sends_the_bytes_its_table_row_names(plan):
+    """The table's bytes/device are the payloads' (jc.strategy_bytes); the transform the plan
+    builds sends them plus its step's non-finite verdict where it has one: one float32 scalar
+    all-reduce, 7 bytes per device at n = 8, for int8 with its residual (docs/autotune.md); the
+    fp16 cast (no feedback, the NaN travels in the payload) and plain pmean: the table's bytes."""
+    verdict = 2 * 7 / 8 * 4
+    for row in plan.table:
+        if row.error:
+            continue
+        report = _exchange_report(plan, row)
+        scalars = [c for c in report.collectives if c.shapes == ((),)]
+        assert report.bytes_per_device == pytest.approx(
+            row.bytes_per_device + verdict * len(scalars)
+        ), row.name
+        assert len(scalars) == {"none": 0, "int8": 1, "fp16": 0}[row.name], row.name
+
+
 def test_plan_runs_each_codec_with_its_feedback_and_skips_a_failing_one(plan):
     feedback = {r.name: r.error_feedback for r in plan.table if r.codec is not None}
     assert feedback["int8"] == "residual" and feedback["fp16"] is None

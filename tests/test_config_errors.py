@@ -283,6 +283,18 @@ CHECKS = [
         lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=-0.1),
         ValueError,
     ),
+    (
+        "onebit_adam",
+        "weight_decay_mask",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=0.1, weight_decay_mask="w"),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "weight_decay_mask",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay_mask=3),
+        TypeError,
+    ),
     ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm(0.0, "d"), ValueError),
     ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm("1", "d"), TypeError),
     ("clip_by_global_norm", "bound", lambda: jc.clip_by_global_norm(1.0, "d", bound=1), TypeError),

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import collectives, skeleton
@@ -671,8 +672,9 @@ def onebit_adam(
     Raises:
       ValueError: at construction, ``freeze_step``, ``b1``, ``b2``, ``eps``, ``weight_decay`` or
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
-      TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``worker_momentum``,
-        ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong kind.
+      TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``weight_decay_mask``,
+        ``worker_momentum``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong
+        kind.
 
     Example::
 
@@ -713,6 +715,23 @@ def decoupled_weight_decay(weight_decay: Any, mask: Any) -> tuple:
     to ``update``) always gets the decay, even a zero: both then build the same chain, whose
     states must match."""
     weight_decay = check_number("weight_decay", weight_decay, 0.0, float("inf"))
+    mask = check_decay_mask(mask)
     if is_number(weight_decay) and weight_decay == 0.0:
         return ()
     return (optax.add_decayed_weights(weight_decay, mask),)
+
+
+def check_decay_mask(mask: Any) -> Any:
+    """``weight_decay_mask`` as ``optax.masked`` reads it: None, a callable, a bool, or a tree
+    (of bools, like the params or a prefix of them). A single leaf that is no bool (``"w"``,
+    ``3``) would be read as one truthy mask over every param: refused, naming it."""
+    if mask is None or callable(mask) or isinstance(mask, bool | np.bool_):
+        return mask
+    if jax.tree_util.treedef_is_leaf(jax.tree.structure(mask)) and not (
+        hasattr(mask, "dtype") and mask.dtype == bool
+    ):
+        raise TypeError(
+            "`weight_decay_mask` must be None, a bool, a tree of bools like the params or a "
+            f"callable of the params giving one, got {mask!r}"
+        )
+    return mask

@@ -626,7 +626,8 @@ def zero_one_adam(
         ``variance_rounds`` or ``axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md).
       TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
-        ``weight_decay``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong kind.
+        ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound`` or
+        ``axis_name`` of the wrong kind.
 
     Example::
 

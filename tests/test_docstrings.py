@@ -1,8 +1,9 @@
 """Docstrings against the code: every public function's ``Args:`` names its parameters (no
 more, no fewer) and every public class's ``Attributes:`` its fields, its ``Raises:`` names the
-errors docs/errors.md lists for it at construction, the API overview (docs/api/index.md) lists
-every public name on the page that renders it (tests/test_docs.py checks that each name is on
-some page), and the overview's table of defaults that differ from the design is the code's.
+errors docs/errors.md lists for it (at construction, or at the call), the API overview
+(docs/api/index.md) lists every public name on the page that renders it (tests/test_docs.py
+checks that each name is on some page), and the overview's table of defaults that differ from
+the design is the code's.
 """
 
 import dataclasses
@@ -82,14 +83,18 @@ def test_attributes_name_every_field(name):
 
 
 def construction_rows() -> dict[str, dict[str, list[str]]]:
-    """``{function: {error type: [arguments]}}`` of docs/errors.md's construction-time rows
-    whose function cell names public functions (``OverlappedStep.__call__``, ``launch.run``
-    and the like are documented on their own pages)."""
-    text = ERRORS.read_text().split("## Construction time", 1)[1].split("\n## ", 1)[0]
+    """``{function: {error type: [arguments]}}`` of docs/errors.md's rows whose function cell
+    names public functions: the construction-time rows, and the trace-time rows of a call
+    itself (``jc.pmean(...)`` inside ``shard_map``; rows of a transform's ``(update)`` are
+    not its factory's). ``OverlappedStep.__call__``, ``launch.run`` and the like are
+    documented on their own pages."""
+    text = ERRORS.read_text().split("## Construction time", 1)[1].split("\n## Not raised", 1)[0]
     rows: dict[str, dict[str, list[str]]] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("|") or len(cells) != 4 or cells[0] in ("function", "---"):
+            continue
+        if "(" in cells[0]:  # (update), (init/update), (every timed candidate failed)
             continue
         argument = cells[1].strip("`")
         for function in re.findall(r"`([\w.]+)`", cells[0]):

@@ -1005,6 +1005,13 @@ def pmean(
     (``two_phase`` encodes each averaged chunk once more before the all-gather). The bytes of
     each strategy are in :data:`STRATEGIES` and :func:`strategy_bytes`.
 
+    Raises:
+      ValueError: when the call is traced, ``strategy``, ``granularity``, ``min_size``,
+        ``bucket_bytes``, ``key``, ``axis_name`` or ``inner_axis_name`` outside its rule (the
+        message names the argument; the rules: docs/errors.md).
+      TypeError: when the call is traced, ``codec``, ``min_size``, ``bucket_bytes`` or ``axis_name``
+        of the wrong kind.
+
     References: compressed reduce-scatter / all-gather as in ZeRO++ qgZ (Wang et al., 2023)
     and gTop-k (Shi et al., ICDCS 2019); ``majority_vote``: Bernstein, Zhao, Azizzadenesheli,
     Anandkumar, "signSGD with Majority Vote is Communication Efficient and Fault Tolerant",
@@ -1123,6 +1130,11 @@ def psum(
 
     Returns:
       The tree of sums, each leaf in its own dtype.
+
+    Raises:
+      ValueError: when the call is traced, ``axis_name`` or ``strategy`` outside its rule (the
+        message names the argument; the rules: docs/errors.md).
+      TypeError: when the call is traced, ``axis_name`` of the wrong kind.
 
     Example::
 

@@ -196,6 +196,10 @@ def fsdp_residual(shards: Any, axis_name: Any, inner_axis_name: Any = None) -> A
 
     Returns:
       A pytree like ``shards`` of float32 zeros ``[H, *shard.shape]``.
+
+    Raises:
+      ValueError: when the call is traced, ``axis_name`` outside its rule (the message names the
+        argument; the rules: docs/errors.md).
     """
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
@@ -266,6 +270,12 @@ def fsdp_gather(
 
     Returns:
       The gathered weights, like ``shards`` with ``axis`` ``n`` times longer, in their dtypes.
+
+    Raises:
+      ValueError: when the call is traced, ``weights``, ``grads``, ``axis_name``, ``axis`` or
+        ``residual`` outside its rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: when the call is traced, ``weights``, ``grads``, ``axis`` or ``shards`` of the
+        wrong kind.
 
     Example::
 

@@ -384,6 +384,11 @@ def consensus_distance(replicas: Any, axis_name: Any = None) -> jax.Array:
       A float32 scalar (the same on every device with ``axis_name``); 0 when the replicas
       agree (or the mean is zero); NaN when a replica is not finite.
 
+    Raises:
+      ValueError: when the call is traced, ``axis_name`` outside its rule (the message names the
+        argument; the rules: docs/errors.md).
+      TypeError: when the call is traced, ``axis_name`` of the wrong kind.
+
     Example::
 
       >>> import jax.numpy as jnp, jaxcomp as jc

@@ -257,6 +257,12 @@ def all_gather(
       The gathered tree, each leaf in its own dtype; NaN everywhere when some device's input
       was non-finite. Integer leaves go through ``jax.lax.all_gather``.
 
+    Raises:
+      ValueError: when the call is traced, ``axis_name``, ``inner_axis_name``, ``key``, ``axis`` or
+        ``bucket_bytes`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: when the call is traced, ``codec``, ``axis`` or ``tiled`` of the wrong kind.
+
     Example::
 
       w = jc.all_gather(w_shard, "data", jc.int_quant(8))   # f32[n * rows, cols]
@@ -403,6 +409,13 @@ def psum_scatter(
       This device's chunk of the sum, each leaf in its own dtype; NaN everywhere when some
       device's input was non-finite (the identity: where ``jax.lax.psum_scatter`` puts it).
       Integer leaves go through ``jax.lax.psum_scatter``.
+
+    Raises:
+      ValueError: when the call is traced, ``axis_name``, ``key``, ``scatter_dimension`` or
+        ``bucket_bytes`` outside its rule (the message names the argument; the rules:
+        docs/errors.md).
+      TypeError: when the call is traced, ``codec``, ``scatter_dimension`` or ``tiled`` of the wrong
+        kind.
 
     Example::
 

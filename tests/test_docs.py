@@ -72,6 +72,15 @@ def test_every_public_name_is_on_an_api_page():
     assert not missing, f"add to a docs/api/*.md members list: {missing}"
 
 
+def test_no_text_after_a_closing_code_fence():
+    """A fence line with text after a space (docs/api/transforms.md had "``` Without
+    `param_specs`, ...") is no closing fence: the paragraph after it rendered as code, and
+    mkdocs --strict does not warn."""
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not re.match(r"\s*```+\w* +\S", line), f"{page.name}:{number}: {line}"
+
+
 @pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     pytest.importorskip("mkdocs")

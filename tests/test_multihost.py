@@ -93,3 +93,66 @@ def test_cli_runs_a_script(tmp_path, capsys):
     script = write(tmp_path, "sys.exit(0 if len(sys.argv) == 2 and sys.argv[1] == 'x' else 5)\n")
     assert launch.main(["-n", "2", "--timeout", "60", script, "x"]) == 0
     assert launch.main(["-n", "2", "--timeout", "60", script]) == 5
+
+
+SEEDED_BY_RANK = """
+from jaxcomp.launch import initialize
+initialize(local_devices=2)
+import jax, jax.numpy as jnp
+import jaxcomp as jc
+mesh = jax.make_mesh((4,), ("data",))
+for name, seed in (("same", 0), ("rank", rank)):
+    tx = jc.sgd(0.1, jc.random_k(0.1), "data", seed=seed)
+    try:
+        jc.sharded_init(tx, {"w": jnp.ones((16, 16))}, mesh, "data")
+        print("seed", name, "accepted", flush=True)
+    except ValueError as e:
+        print("seed", name, "refused", str(e).splitlines()[0][:120], flush=True)
+"""
+
+
+def test_a_per_process_seed_is_refused_at_sharded_init(tmp_path):
+    """``seed=jax.process_index()``: the state's PRNG key (replicated) differed between the
+    processes unchecked, each drew its own random-k indices and the params drifted apart
+    (2 processes x 2 devices, 2 steps of jc.sgd: 3,720 apart). Now sharded_init refuses it on
+    every process, naming the key; the same seed everywhere passes."""
+    out = io.StringIO()
+    status = launch.run([write(tmp_path, SEEDED_BY_RANK)], 2, local_devices=2, timeout=120, out=out)
+    text = out.getvalue()
+    assert status == 0, text[-3000:]
+    for rank in "01":
+        assert f"[{rank}] seed same accepted" in text, text[-3000:]
+    refused = re.findall(r"^\[(\d)\] seed rank refused (.*)$", text, re.M)
+    assert sorted(r for r, _ in refused) == ["0", "1"], text[-3000:]
+    assert all("['[0].key']" in m and "differ between the 2 processes" in m for _, m in refused)
+
+
+def test_replicated_state_leaves_are_compared_across_processes():
+    """check_same_on_every_process with the all-gather stood in for: one process's key from
+    another seed is refused naming the leaf; identical copies pass; single-bit and order
+    changes change the fingerprint."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxcomp as jc
+    from jaxcomp._src import sharding
+
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w": jnp.ones((16, 16))}
+    mine = jc.sharded_init(jc.sgd(0.1, jc.random_k(0.1), "data", seed=0), params, mesh, "data")
+    theirs = jc.sharded_init(jc.sgd(0.1, jc.random_k(0.1), "data", seed=1), params, mesh, "data")
+    seen = []
+    sharding.check_same_on_every_process(
+        theirs, gather=lambda local: seen.append(local) or local[None]
+    )
+    sharding.check_same_on_every_process(mine, gather=lambda local: np.stack([local, local]))
+    with pytest.raises(ValueError, match=r"\['\[0\]\.key'\] differ between the 2 processes.*seed"):
+        sharding.check_same_on_every_process(mine, gather=lambda local: np.stack([local, seen[0]]))
+    fp = sharding.fingerprint
+    a = jnp.arange(6, dtype=jnp.float32)
+    assert (fp(a) == fp(jnp.arange(6, dtype=jnp.float32))).all()
+    assert (fp(a) != fp(a.at[3].set(jnp.nextafter(a[3], 9.0)))).any()
+    assert (fp(a) != fp(a[::-1])).any()
+    assert (fp(a.astype(jnp.bfloat16)) != fp(a.astype(jnp.bfloat16).at[0].set(1))).any()
+    assert (fp(jnp.array([True, False])) != fp(jnp.array([False, True]))).any()

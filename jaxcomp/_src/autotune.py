@@ -651,9 +651,9 @@ def abstract_state(tx: Any, params: Any, mesh: Any, axis_name: Any) -> tuple[Any
 def path_state(params: Any, mesh: Any, axis_name: Any, row: Candidate) -> Any:
     """The first state :func:`compiled_path`'s program takes: ``jc.sharded_init`` of the
     candidate's transform (:func:`plain_transform`'s for plain ``pmean``)."""
-    from jaxcomp._src.sharding import sharded_init
+    from jaxcomp._src.sharding import init_state
 
-    return sharded_init(_exchange_tx(row, axis_name), params, mesh, axis_name)
+    return init_state(_exchange_tx(row, axis_name), params, mesh, axis_name)
 
 
 def _path_median(compiled: Callable, tree: Any, state: Any, reps: int) -> float:

@@ -150,12 +150,12 @@ class StepRunner:
     before the step's collectives run."""
 
     def __init__(self, program: tuple, params: Any, batch: tuple, mesh, axis_name):
-        from jaxcomp._src.sharding import sharded_init
+        from jaxcomp._src.sharding import init_state
 
         self.program, self.batch = program, batch
         copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=_replicated(mesh))
         self.params = copy(params)  # the step donates them: never the caller's arrays
-        self.state = sharded_init(program[1], self.params, mesh, axis_name)
+        self.state = init_state(program[1], self.params, mesh, axis_name)
         jax.block_until_ready((self.params, self.state))
         self.times: list[float] = []  # wall seconds of each timed step
         self.cpu: list[float] = []  # this process's CPU seconds (every thread) of each

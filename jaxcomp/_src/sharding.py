@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -295,10 +296,30 @@ def sharded_init(
     Returns:
       The state, its per-device fields ``(n, ...)`` sharded ``P(axis_name)`` on ``mesh``.
 
+    Several processes: the state's replicated leaves (PRNG keys, counts) are compared across
+    them (:func:`check_same_on_every_process`), so a ``tx`` built with a per-process ``seed``
+    is refused rather than left to desynchronise the replicas.
+
     Raises:
       ValueError: ``axis_name`` outside its rule (the message names the argument;
-        the rules: docs/errors.md).
+        the rules: docs/errors.md); ``tx`` built differently on different processes (a
+        replicated state leaf that differs between them, named).
     """
+    state = init_state(tx, params, mesh, axis_name, param_specs)
+    check_same_on_every_process(state)
+    return state
+
+
+def init_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: Any,
+    param_specs: Any = None,
+) -> Any:
+    """:func:`sharded_init` without the comparison across processes: for callers that build
+    the same ``tx`` on every process themselves (``jc.autotune``, whose candidate stages must
+    run no collective a failed process would not enter)."""
     names = _names(axis_name)
     check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
@@ -325,6 +346,88 @@ def sharded_init(
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
     placed = jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), params, spec_tree)
     return jax.jit(init)(placed)
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as a flat ``uint32`` vector (keys as their data, 8- and 16-bit types
+    widened, 64-bit types split in two words)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}[size]
+    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32).reshape(-1)
+
+
+@jax.jit
+def fingerprint(x: jax.Array) -> jax.Array:
+    """``uint32[2]``: two position-weighted sums of ``x``'s bits (mod 2^32), on the device that
+    holds ``x``: equal arrays give equal fingerprints; arrays that differ in one word, or in
+    the order of their words, give different ones but for a chance of about 2^-64."""
+    w = _as_words(x)
+    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(w * (i * jnp.uint32(2654435761) + 1)), jnp.sum(w ^ (i * 40503 + 7))])
+
+
+def _gather_fingerprints(local: Any) -> Any:
+    """``[processes, leaves, 2]``: every process's fingerprints (one small host all-gather;
+    ``local[None]`` in a single process)."""
+    if jax.process_count() == 1:
+        return local[None]
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(local)
+
+
+def check_same_on_every_process(state: Any, gather: Any = None) -> None:
+    """Refuse a state whose replicated leaves differ between processes (multi-process only).
+
+    A replicated leaf of the state (a PRNG key, a step count, PowerSGD's shared factors) is one
+    value on every device; ``tx.init`` makes it inside the program from its closure, so a
+    transform built with a per-process argument (``seed=jax.process_index()``) gives each
+    process its own value under a replicated sharding, unchecked by jax: random-k's indices
+    then differ between processes and the replicas drift apart silently (docs/multihost.md).
+    Each process fingerprints its copy of every fully replicated leaf on its
+    device (:func:`fingerprint`) and one host all-gather of those compares them.
+
+    ``gather`` stands in for the all-gather (``local -> [processes, leaves, 2]``) in tests.
+
+    Raises:
+      ValueError: naming the leaves that differ and the likely cause.
+    """
+    if gather is None:
+        if jax.process_count() == 1:
+            return
+        gather = _gather_fingerprints
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves = [
+        (path, x)
+        for path, x in flat
+        if isinstance(x, jax.Array) and x.size and x.sharding.is_fully_replicated
+    ]
+    if not leaves:
+        return
+    local = np.stack([np.asarray(fingerprint(x.addressable_data(0))) for _, x in leaves])
+    every = np.asarray(gather(local))
+    differ = [
+        jax.tree_util.keystr(path)
+        for j, (path, _) in enumerate(leaves)
+        if (every[:, j] != every[0, j]).any()
+    ]
+    if differ:
+        raise ValueError(
+            f"the state's replicated leaves at {differ[:5]}{' ...' if len(differ) > 5 else ''} "
+            f"differ between the {len(every)} processes: the transform was built with "
+            "different arguments on different processes (e.g. `seed`=jax.process_index(): the "
+            "PRNG key each process would draw its own random-k indices from, so the replicas "
+            "would drift apart silently). Build the same transform on every process: "
+            "the same `seed`, learning rate and options."
+        )
 
 
 def replicate(tree: Any, num_devices: int | None = None) -> Any:

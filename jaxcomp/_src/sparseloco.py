@@ -521,6 +521,9 @@ def sparseloco(
         mask); the measurements: docs, "a mask shared by every replica".
       seed: with a shared mask, seeds the key every device draws the mask from (the same on
         every device of a run; two runs or jobs with different seeds draw different masks).
+        A constant of the compiled program, not state: pass the same seed on every process
+        of a multi-process run (a per-process seed is not detected, and desynchronises the
+        replicas).
         Default 0, the key of ``jax.random.PRNGKey(0)`` used before the argument existed
         (the same masks, bit for bit). Only 0 with ``mask="topk"``, which draws nothing.
 

@@ -129,8 +129,8 @@ def test_a_per_process_seed_is_refused_at_sharded_init(tmp_path):
 
 def test_replicated_state_leaves_are_compared_across_processes():
     """check_same_on_every_process with the all-gather stood in for: one process's key from
-    another seed is refused naming the leaf; identical copies pass; single-bit and order
-    changes change the fingerprint."""
+    another seed is refused naming the leaf; identical copies pass, and so does a process
+    that holds no copy; single-bit and order changes change the fingerprint."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -147,6 +147,9 @@ def test_replicated_state_leaves_are_compared_across_processes():
         theirs, gather=lambda local: seen.append(local) or local[None]
     )
     sharding.check_same_on_every_process(mine, gather=lambda local: np.stack([local, local]))
+    # a process that holds no copy (a mesh without its devices) sends zeros: left out
+    none = lambda local: np.stack([local, np.zeros_like(local)])  # noqa: E731
+    sharding.check_same_on_every_process(mine, gather=none)
     with pytest.raises(ValueError, match=r"\['\[0\]\.key'\] differ between the 2 processes.*seed"):
         sharding.check_same_on_every_process(mine, gather=lambda local: np.stack([local, seen[0]]))
     fp = sharding.fingerprint

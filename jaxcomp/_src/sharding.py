@@ -374,8 +374,16 @@ def fingerprint(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(w * (i * jnp.uint32(2654435761) + 1)), jnp.sum(w ^ (i * 40503 + 7))])
 
 
+def _held_fingerprint(x: jax.Array) -> np.ndarray:
+    """``uint32[3]``: :func:`fingerprint` of this process's copy of ``x`` and 1, or zeros
+    where this process holds no copy (a mesh without its devices)."""
+    if not x.addressable_shards:
+        return np.zeros(3, np.uint32)
+    return np.append(np.asarray(fingerprint(x.addressable_data(0))), np.uint32(1))
+
+
 def _gather_fingerprints(local: Any) -> Any:
-    """``[processes, leaves, 2]``: every process's fingerprints (one small host all-gather;
+    """``[processes, leaves, 3]``: every process's fingerprints (one small host all-gather;
     ``local[None]`` in a single process)."""
     if jax.process_count() == 1:
         return local[None]
@@ -395,7 +403,8 @@ def check_same_on_every_process(state: Any, gather: Any = None) -> None:
     Each process fingerprints its copy of every fully replicated leaf on its
     device (:func:`fingerprint`) and one host all-gather of those compares them.
 
-    ``gather`` stands in for the all-gather (``local -> [processes, leaves, 2]``) in tests.
+    ``gather`` stands in for the all-gather (``local -> [processes, leaves, 3]``: fingerprint,
+    held) in tests; a process that holds no copy of a leaf is left out of its comparison.
 
     Raises:
       ValueError: naming the leaves that differ and the likely cause.
@@ -412,12 +421,12 @@ def check_same_on_every_process(state: Any, gather: Any = None) -> None:
     ]
     if not leaves:
         return
-    local = np.stack([np.asarray(fingerprint(x.addressable_data(0))) for _, x in leaves])
+    local = np.stack([_held_fingerprint(x) for _, x in leaves])
     every = np.asarray(gather(local))
     differ = [
         jax.tree_util.keystr(path)
         for j, (path, _) in enumerate(leaves)
-        if (every[:, j] != every[0, j]).any()
+        if len({tuple(f[:2]) for f in every[:, j] if f[2]}) > 1
     ]
     if differ:
         raise ValueError(

@@ -193,3 +193,27 @@ def test_integer_leaves_pass_through_one_step_late(axis_name):
     np.testing.assert_allclose(
         out1["b"], np.broadcast_to(grads(0)["b"].mean(0), (N, 48)), rtol=1e-3, atol=1e-3
     )
+
+
+def test_axis_name_with_an_exchanging_tx_is_refused_naming_axis_name():
+    """``delayed(chain(compressed_allreduce, sgd), axis_name="data")`` averages twice: the
+    inner exchange refused the already-averaged gradients with a message about ``pcast``;
+    now the error names delayed's `axis_name` and says to leave it out."""
+    tx = jc.delayed(wrapped(), axis_name="data")
+    m = mesh()
+    p = jax.device_put(params(), NamedSharding(m, P()))
+    state = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(state, "data")
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(jc.own(g), s, p),
+            mesh=m,
+            in_specs=(P("data"), specs),
+            out_specs=(P(), specs),
+        )
+    )
+    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"delayed: `axis_name`='data' averages.*leave `axis_name` out"
+    ):
+        fn.lower(put(grads(0)), state)

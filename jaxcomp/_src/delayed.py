@@ -104,9 +104,20 @@ def delayed(
 
         def exchange(ops):
             previous, inner = ops
-            if axis_name is not None:
-                previous = floating_pmean(previous, axis_name)
-            return tx.update(previous, inner, params, **extra_args)
+            if axis_name is None:
+                return tx.update(previous, inner, params, **extra_args)
+            previous = floating_pmean(previous, axis_name)
+            try:
+                return tx.update(previous, inner, params, **extra_args)
+            except ValueError as e:
+                if "identical on every device" not in str(e):
+                    raise
+                raise ValueError(
+                    f"delayed: `axis_name`={axis_name!r} averages the gradients before `tx`, "
+                    "and `tx` exchanges them itself (it refused gradients already equal on "
+                    "every device): leave `axis_name` out, delayed(tx) with a jaxcomp exchange "
+                    f"inside `tx` delays that exchange. ({str(e).splitlines()[0][:160]} ...)"
+                ) from None
 
         def first(ops):
             out, inner = jax.eval_shape(exchange, ops)

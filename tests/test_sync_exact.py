@@ -11,6 +11,7 @@ here, by at most one ulp of the leaf's largest value): no float32 update can do 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -72,3 +73,49 @@ def test_f32_replicas_are_the_anchor_to_the_rounding_of_p_plus_u():
     # ulps (8192 here), but never more than one ulp of the leaf's largest value.
     assert differ < 0.25
     assert np.abs(replicas - anchor).max() <= np.spacing(np.abs(anchor).max())
+
+
+# Float64 params under jax_enable_x64 (docs/local-sgd-diloco.md, "Float64 params"): the anchor
+# and the pseudo-gradients are float32 (DESIGN.md: float32 inside), so a sync lands every
+# replica on the float32 anchor; jc.accumulate sums float64 gradients in float32. Until
+# 2026-11-27 the sync's update was the float32 `anchor - float32(p)`, and `p + u` kept the
+# digits of `p` below float32's resolution on each replica.
+LOCO = {
+    "diloco": lambda: jc.diloco(optax.sgd(1.0), "data", 1),
+    "local_sgd": lambda: jc.local_sgd(optax.sgd(1.0), "data", 1),
+    "sparseloco": lambda: jc.sparseloco(optax.sgd(1.0), "data", 1, min_size=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOCO))
+def test_float64_params_sync_to_the_float32_anchor(name):
+    tx = LOCO[name]()
+    with jax.enable_x64(True):
+        # float32 values plus 1e-12 .. 1.5e-11 (below float32's resolution at 1: 1.2e-7)
+        params = {"w": jnp.asarray(1.0 + np.arange(16) * 1e-12, jnp.float64)}
+        grads = jnp.asarray(np.random.default_rng(1).standard_normal((N, 16)) * 1e-3)
+
+        def step(g):
+            u, state = tx.update({"w": g}, tx.init(params), params)
+            return u, state, optax.apply_updates(params, u)
+
+        u, state, after = jax.jit(jax.vmap(step, axis_name="data"))(grads)
+    anchor = np.asarray(state.anchor["w"])
+    assert anchor.dtype == np.float32 and u["w"].dtype == after["w"].dtype == jnp.float64
+    # every replica is the float32 anchor, exactly: the float64 digits are gone
+    np.testing.assert_array_equal(np.asarray(after["w"]), np.broadcast_to(anchor, (N, 16)))
+    if name == "local_sgd":  # the anchor is the mean params, rounded to float32
+        exact = np.asarray(params["w"]) - np.asarray(grads).mean(0)
+        assert 0 < np.abs(anchor - exact).max() <= 2**-23
+
+
+def test_accumulate_sums_float64_gradients_in_float32():
+    tx = jc.accumulate(optax.identity(), 2)
+    with jax.enable_x64(True):
+        params = {"w": jnp.ones(4, jnp.float64)}
+        state = tx.init(params)
+        _, state = tx.update({"w": jnp.ones(4, jnp.float64)}, state, params)
+        u, state = tx.update({"w": jnp.full(4, 1e-9, jnp.float64)}, state, params)
+    assert state.acc["w"].dtype == jnp.float32
+    # 1 + 1e-9 rounds to 1 in float32: the applied mean is 0.5, not 0.5000000005
+    np.testing.assert_array_equal(np.asarray(u["w"]), np.full(4, 0.5))

@@ -72,7 +72,9 @@ def accumulate(
     leave ``tx``'s state untouched. The inner update sits in the true branch of a
     ``lax.cond``, so its collectives run only on the applying call: the wire traffic per
     sample falls by ``k``. Accumulation is local to each device (the sum is per device; the
-    inner transform averages over devices), so the accumulator is per-device state.
+    inner transform averages over devices), so the accumulator is per-device state. It is
+    float32, as jaxcomp's states are: float64 gradients (``jax_enable_x64``) are summed in
+    float32.
 
     A non-finite gradient is not hidden: it reaches the inner transform on the applying call
     (``jc.compressed_allreduce`` then returns NaN and keeps its memory, so

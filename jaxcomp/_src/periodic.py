@@ -292,16 +292,18 @@ def _restart(target: list, p_f: list, u_f: list, bad: jax.Array, axes: tuple) ->
     """The updates moving each param to its target, NaN everywhere if ``bad`` (a mean that
     is not finite: the state keeps its old anchor). The target is rounded to the param's
     dtype first and the update is float32 for narrow params (:func:`wide`): ``p + u`` then
-    gives every replica the same value (float32 params: up to the rounding of ``p + u``)."""
+    gives every replica the same value (float32 params: up to the rounding of ``p + u``).
+    For float64 params (``jax_enable_x64``) ``t - p`` is formed in float64, so ``p + u`` is
+    the float32 target (a float32 ``t - p`` kept ``p``'s digits below float32's resolution)."""
     return [
-        _varying(
-            jnp.where(bad, jnp.nan, t.astype(p.dtype).astype(F32) - p.astype(F32)).astype(
-                wide(v.dtype)
-            ),
-            axes,
-        )
+        _varying(jnp.where(bad, jnp.nan, _to(t, p, wide(v.dtype))), axes)
         for t, p, v in zip(target, p_f, u_f, strict=True)
     ]
+
+
+def _to(target: jax.Array, p: jax.Array, dtype: Any) -> jax.Array:
+    """``target - p`` in ``dtype``, the target rounded to ``p``'s dtype first."""
+    return target.astype(p.dtype).astype(dtype) - p.astype(dtype)
 
 
 def _keep(ops: tuple, axes: tuple) -> tuple:

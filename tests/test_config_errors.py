@@ -244,6 +244,10 @@ CHECKS = [
     ),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=1.0), ValueError),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
+    # arrays (inject_hyperparams' 0-d hyperparameters) must be 0-d int/float: np.array(False)
+    # was momentum 0 until 2026-11-27, a (3,) array failed in float() naming nothing
+    ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=np.array(False)), TypeError),
+    ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=jnp.zeros(3)), TypeError),
     ("sgd", "worker_momentum", lambda: jc.sgd(0.1, S, "d", worker_momentum=0.9), TypeError),
     ("sgd", "nesterov", lambda: jc.sgd(0.1, S, "d", nesterov="yes"), TypeError),
     (
@@ -275,6 +279,12 @@ CHECKS = [
         TypeError,
     ),
     ("onebit_adam", "b1", lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, b1=1.0), ValueError),
+    (
+        "onebit_adam",
+        "b1",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, b1=jnp.array(False)),
+        TypeError,
+    ),
     ("onebit_adam", "b2", lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, b2=-0.1), ValueError),
     ("onebit_adam", "eps", lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, eps=-1.0), ValueError),
     (

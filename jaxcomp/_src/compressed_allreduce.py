@@ -23,7 +23,7 @@ from jaxcomp._src import (
 )
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
-from jaxcomp._src.codecs.base import Codec, after, check_fraction, check_int
+from jaxcomp._src.codecs.base import Codec, after, check_fraction, check_int, check_scalar_array
 
 
 class CompressedAllreduceState(NamedTuple):
@@ -78,7 +78,8 @@ def check_momentum(name: str, value: Any) -> Any:
     hyperparameter injected by ``optax.inject_hyperparams``; checked where concrete)."""
     if value is None:
         return None
-    if isinstance(value, jax.Array | np.ndarray) and not isinstance(value, bool):
+    if isinstance(value, jax.Array | np.ndarray):
+        check_scalar_array(name, value)
         if not isinstance(value, jax.core.Tracer):
             check_fraction(name, float(value))
         return value

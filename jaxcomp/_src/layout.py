@@ -195,7 +195,8 @@ def _is_slot(x: Any) -> bool:
 
 def leaf_paths(tree: Any) -> list[str]:
     """The key path of every leaf of ``tree``, empty slots included (``''`` for a bare
-    array): dicts, FrozenDicts and NNX states of the same keys read the same."""
+    array): dicts and FrozenDicts of the same keys read the same (an NNX state's leaves add
+    ``.value``: ``['w'].value``, so its pure dict is another tree)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_slot)[0]
     return [jax.tree_util.keystr(p) for p, _ in leaves]
 

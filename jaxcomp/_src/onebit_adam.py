@@ -11,7 +11,14 @@ import numpy as np
 import optax
 
 from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.codecs.base import F32_MAX, Codec, folded_sum, is_number, saturating_square
+from jaxcomp._src.codecs.base import (
+    F32_MAX,
+    Codec,
+    check_scalar_array,
+    folded_sum,
+    is_number,
+    saturating_square,
+)
 from jaxcomp._src.codecs.sign import sign
 from jaxcomp._src.compressed_allreduce import (
     CompressedAllreduceState,
@@ -46,9 +53,11 @@ class OneBitAdamState(NamedTuple):
 def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
     """``value`` in ``[lo, hi)``, an int where ``integer``; arrays (injected hyperparameters)
     are checked where concrete."""
+    if isinstance(value, jax.Array):
+        check_scalar_array(name, value)
     if isinstance(value, jax.core.Tracer):
         return value
-    if not (is_number(value) or isinstance(value, jax.Array)) or isinstance(value, bool):
+    if not (is_number(value) or isinstance(value, jax.Array)):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")
     number = float(value)
     if integer and number != int(number):

@@ -322,6 +322,19 @@ def is_number(value: Any) -> bool:
     )
 
 
+def check_scalar_array(name: str, value: Any) -> None:
+    """An array given for a number (a hyperparameter ``optax.inject_hyperparams`` passes, a
+    tracer included) must be a 0-d int or float array: a bool array is refused as a bool
+    is, and a larger array would fail in ``float()`` without naming the argument."""
+    dtype = jnp.result_type(value)
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    if jnp.ndim(value) != 0 or not real:
+        raise TypeError(
+            f"`{name}` must be a number or a 0-d int or float array, got "
+            f"{type(value).__name__} of shape {jnp.shape(value)} and dtype {dtype}"
+        )
+
+
 def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     """Construction-time check of an integer argument, naming it in the error."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):

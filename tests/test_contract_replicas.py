@@ -709,6 +709,11 @@ def test_delayed_snapshot_of_a_nonfinite_update_is_flagged_where_it_lands():
     out, _, after = b.step(reps, state, 1)
     assert not np.isfinite(np.asarray(out["w"])).any()  # NaN on every device
     assert_trees_equal(after, state)  # the anchor, the outer state and the count too
+    # the retried landing reads the same snapshot: it fails again (jc.apply_if_finite around
+    # the transform skips the snapshot step instead, docs/local-sgd-diloco.md)
+    out, _, again = b.step(reps, after, 2)
+    assert not np.isfinite(np.asarray(out["w"])).any()
+    assert_trees_equal(again, state)
 
 
 def test_growing_sync_every_syncs_at_the_early_steps_then_every_h():

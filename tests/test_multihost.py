@@ -153,9 +153,12 @@ def test_replicated_state_leaves_are_compared_across_processes():
     with pytest.raises(ValueError, match=r"\['\[0\]\.key'\] differ between the 2 processes.*seed"):
         sharding.check_same_on_every_process(mine, gather=lambda local: np.stack([local, seen[0]]))
     fp = sharding.fingerprint
-    a = jnp.arange(6, dtype=jnp.float32)
-    assert (fp(a) == fp(jnp.arange(6, dtype=jnp.float32))).all()
-    assert (fp(a) != fp(a.at[3].set(jnp.nextafter(a[3], 9.0)))).any()
-    assert (fp(a) != fp(a[::-1])).any()
-    assert (fp(a.astype(jnp.bfloat16)) != fp(a.astype(jnp.bfloat16).at[0].set(1))).any()
+    a = jnp.arange(6, dtype=jnp.uint32)
+    assert (fp(a) == fp(jnp.arange(6, dtype=jnp.uint32))).all()
+    assert (fp(a) != fp(a.at[3].set(2))).any() and (fp(a) != fp(a[::-1])).any()
+    assert (fp(a) != fp(a.astype(jnp.int32))).any()  # the dtype counts
     assert (fp(jnp.array([True, False])) != fp(jnp.array([False, True]))).any()
+    assert (fp(jax.random.key(0)) != fp(jax.random.key(1))).any()  # typed keys: their data
+    # keys and counts are compared, float leaves (moments, anchors) are not read
+    assert sharding._checked(mine[0].key) and sharding._checked(mine[0].count)
+    assert not sharding._checked(jnp.zeros(3))

@@ -18,6 +18,7 @@ Under ``jax.pmap`` every leaf carries a leading device axis instead: build the s
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from typing import Any
 
@@ -296,7 +297,7 @@ def sharded_init(
     Returns:
       The state, its per-device fields ``(n, ...)`` sharded ``P(axis_name)`` on ``mesh``.
 
-    Several processes: the state's replicated leaves (PRNG keys, counts) are compared across
+    Several processes: the state's replicated keys and counts are compared across
     them (:func:`check_same_on_every_process`), so a ``tx`` built with a per-process ``seed``
     is refused rather than left to desynchronise the replicas.
 
@@ -348,30 +349,28 @@ def init_state(
     return jax.jit(init)(placed)
 
 
-def _as_words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as a flat ``uint32`` vector (keys as their data, 8- and 16-bit types
-    widened, 64-bit types split in two words)."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+def fingerprint(x: Any) -> np.ndarray:
+    """``uint32[2]``: the first 8 bytes of the SHA-256 of ``x``'s dtype, shape and bits (a
+    PRNG key: its key data), read on the host."""
+    if jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    size = x.dtype.itemsize
-    if size == 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-    if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-    narrow = {1: jnp.uint8, 2: jnp.uint16}[size]
-    return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32).reshape(-1)
+    a = np.asarray(x)
+    digest = hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).digest()
+    return np.frombuffer(digest[:8], np.uint32).copy()
 
 
-@jax.jit
-def fingerprint(x: jax.Array) -> jax.Array:
-    """``uint32[2]``: two position-weighted sums of ``x``'s bits (mod 2^32), on the device that
-    holds ``x``: equal arrays give equal fingerprints; arrays that differ in one word, or in
-    the order of their words, give different ones but for a chance of about 2^-64."""
-    w = _as_words(x)
-    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
-    return jnp.stack([jnp.sum(w * (i * jnp.uint32(2654435761) + 1)), jnp.sum(w ^ (i * 40503 + 7))])
+def _checked(x: Any) -> bool:
+    """The leaves compared across processes: fully replicated arrays of integers, bools or
+    PRNG keys (keys and step counts: a few words each, read on the host without compiling
+    anything). Float leaves (moments, anchors) are not read: a per-process ``seed`` shows
+    in the key it seeds, which every jaxcomp state that draws from it keeps."""
+    return (
+        isinstance(x, jax.Array)
+        and x.size > 0
+        and x.sharding.is_fully_replicated
+        and not jnp.issubdtype(x.dtype, jnp.floating)
+        and not jnp.issubdtype(x.dtype, jnp.complexfloating)
+    )
 
 
 def _held_fingerprint(x: jax.Array) -> np.ndarray:
@@ -379,7 +378,7 @@ def _held_fingerprint(x: jax.Array) -> np.ndarray:
     where this process holds no copy (a mesh without its devices)."""
     if not x.addressable_shards:
         return np.zeros(3, np.uint32)
-    return np.append(np.asarray(fingerprint(x.addressable_data(0))), np.uint32(1))
+    return np.append(fingerprint(x.addressable_data(0)), np.uint32(1))
 
 
 def _gather_fingerprints(local: Any) -> Any:
@@ -395,13 +394,13 @@ def _gather_fingerprints(local: Any) -> Any:
 def check_same_on_every_process(state: Any, gather: Any = None) -> None:
     """Refuse a state whose replicated leaves differ between processes (multi-process only).
 
-    A replicated leaf of the state (a PRNG key, a step count, PowerSGD's shared factors) is one
-    value on every device; ``tx.init`` makes it inside the program from its closure, so a
-    transform built with a per-process argument (``seed=jax.process_index()``) gives each
-    process its own value under a replicated sharding, unchecked by jax: random-k's indices
-    then differ between processes and the replicas drift apart silently (docs/multihost.md).
-    Each process fingerprints its copy of every fully replicated leaf on its
-    device (:func:`fingerprint`) and one host all-gather of those compares them.
+    A replicated leaf of the state (a PRNG key, a step count) is one value on every device;
+    ``tx.init`` makes it inside the program from its closure, so a transform built with a
+    per-process argument (``seed=jax.process_index()``) gives each process its own value under
+    a replicated sharding, unchecked by jax: random-k's indices then differ between processes
+    and the replicas drift apart silently (docs/multihost.md). Each process fingerprints its
+    copy of every fully replicated integer, bool or key leaf on the host (:func:`fingerprint`,
+    :func:`_checked`) and one host all-gather of those compares them.
 
     ``gather`` stands in for the all-gather (``local -> [processes, leaves, 3]``: fingerprint,
     held) in tests; a process that holds no copy of a leaf is left out of its comparison.
@@ -414,11 +413,7 @@ def check_same_on_every_process(state: Any, gather: Any = None) -> None:
             return
         gather = _gather_fingerprints
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    leaves = [
-        (path, x)
-        for path, x in flat
-        if isinstance(x, jax.Array) and x.size and x.sharding.is_fully_replicated
-    ]
+    leaves = [(path, x) for path, x in flat if _checked(x)]
     if not leaves:
         return
     local = np.stack([_held_fingerprint(x) for _, x in leaves])

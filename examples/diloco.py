@@ -18,8 +18,9 @@ only on sync steps.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+
+from _flags import bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -146,22 +147,6 @@ def train(
         final = jc.mean_replica(final)  # replicas agree after a full sync; else the mean
     accuracy = float(jnp.mean(jnp.argmax(logits(final, xte), -1) == yte))
     return accuracy, per_step
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

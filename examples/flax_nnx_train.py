@@ -18,9 +18,10 @@ donates model and optimizer. Bytes on the wire come from the compiled step
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
+
+from _flags import bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -202,22 +203,6 @@ def print_table(results: list[Result]) -> None:
             f"{r.codec:10s} {jc.format_bytes(r.bytes_per_step):>18s} "
             f"{r.ratio:>8.1f}x {100 * r.accuracy:>8.1f}% {delta:>7s}"
         )
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv=None) -> int:

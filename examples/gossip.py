@@ -19,6 +19,8 @@ import argparse
 import math
 import sys
 
+from _flags import bounded  # examples/_flags.py
+
 import jaxcomp as jc
 from jaxcomp.cpu import use_cpu_devices
 
@@ -104,22 +106,6 @@ def train(topology: str = "ring", codec: str = "int8", steps: int = 300, batch: 
     d = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
     pmean = 2 * (n - 1) / n * 4 * d
     return accuracy, float(jc.consensus_distance(replicas)), report.bytes_per_device, pmean
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv=None) -> int:

@@ -26,9 +26,10 @@ Per-device memory, by ``--parallel``:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
+
+from _flags import bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -200,22 +201,6 @@ def train(
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == yte))
     name = "none" if variant == "plain" else codec_name
     return Result(variant, name, accuracy, bytes_step, base_bytes)
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from _flags import bounded  # examples/_flags.py
+
 import jaxcomp as jc
 from jaxcomp.cpu import use_cpu_devices
 
@@ -60,13 +62,11 @@ def train(method: str, args) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=shared.bounded(int, 1), default=300)
-    ap.add_argument(
-        "--sync-every", type=shared.bounded(int, 1), default=30, help="H: inner Muon steps"
-    )
+    ap.add_argument("--steps", type=bounded(int, 1), default=300)
+    ap.add_argument("--sync-every", type=bounded(int, 1), default=30, help="H: inner Muon steps")
     ap.add_argument(
         "--lr",
-        type=shared.bounded(float, 0, open_low=True),
+        type=bounded(float, 0, open_low=True),
         default=0.02,
         help="Muon's learning rate",
     )

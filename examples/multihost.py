@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import math
 import os
 import sys
 
@@ -26,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _flags import bounded  # examples/_flags.py
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -89,22 +89,6 @@ def params_digest(params) -> str:
     for leaf in jax.tree.leaves(params):
         h.update(np.asarray(leaf.addressable_data(0)).tobytes())
     return h.hexdigest()
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv=None) -> int:

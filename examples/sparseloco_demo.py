@@ -19,8 +19,9 @@ over its period).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+
+from _flags import bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -130,22 +131,6 @@ def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
         final = jc.mean_replica(final)
     logits = jax.nn.relu(xte @ final["w0"] + final["b0"]) @ final["w1"] + final["b1"]
     return float(jnp.mean(jnp.argmax(logits, -1) == yte)), per_step
-
-
-def bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``),
-    so that ``--steps -1`` or ``--lr 0`` is a usage error naming the flag (exit status 2)."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ def _commands() -> dict[str, list[str]]:
     commands = {
         f"examples/{p.name}": [sys.executable, str(p)]
         for p in sorted((ROOT / "examples").glob("*.py"))
+        if not p.name.startswith("_")  # examples/_flags.py: a helper the examples import
     }
     for p in sorted((ROOT / "benchmarks").glob("*.py")):
         if p.stem not in HARNESS:
@@ -153,7 +154,11 @@ def test_docs_list_every_example_with_a_command_it_accepts(helps):
     README names every file."""
     text = (ROOT / "docs" / "index.md").read_text()
     rows = dict(re.findall(r"^\| `examples/([\w.]+)` \| .* \| (.+) \|$", text, re.M))
-    files = {p.name for p in (ROOT / "examples").iterdir() if p.suffix in (".py", ".ipynb")}
+    files = {
+        p.name
+        for p in (ROOT / "examples").iterdir()
+        if p.suffix in (".py", ".ipynb") and not p.name.startswith("_")
+    }
     assert set(rows) == files, f"docs/index.md's Examples table: {sorted(files ^ set(rows))}"
     readme = (ROOT / "README.md").read_text()
     assert not [f for f in files if f"`{f}`" not in readme], "README's Documentation list"

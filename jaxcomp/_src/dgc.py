@@ -456,14 +456,8 @@ def dgc(
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         bad = _checked(g, plain_bad, axis_name)
         ok = ~bad
-        u, v = _correct(
-            momentum,
-            nesterov,
-            layouts.field_leaves(state.velocity),
-            layouts.field_leaves(state.accumulation),
-            g,
-            ok,
-        )
+        velocity, accumulation = map(layouts.field_leaves, (state.velocity, state.accumulation))
+        u, v = _correct(momentum, nesterov, velocity, accumulation, g, ok)
         key, step_key = jax.random.split(state.key)
         plan = collectives.segments_for([a.size for a in v], "leaf")
         owned = chunks(layout) if g and use_server else None

@@ -1427,3 +1427,14 @@ def test_explore_array_with_topk_names_explore_and_mask():
     ):
         jc.sparseloco(SGD, "d", 4, mask="topk", explore=np.asarray([0.5, 0.5]))
     assert jc.sparseloco(SGD, "d", 4, mask="topk", explore=np.float32(0.0)) is not None
+
+
+@pytest.mark.parametrize("mask", [{}, (), {"w": True, "b": False}, np.array(True), None])
+def test_weight_decay_masks_that_are_trees_of_bools_pass(mask):
+    """Only a single leaf that is no bool is refused: an empty tree is a tree of bools (it was
+    refused as a single leaf until 2026-11-27: an empty container flattens to one node)."""
+    for tx in (
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=0.1, weight_decay_mask=mask),
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay_mask=mask),
+    ):
+        assert callable(tx().update)

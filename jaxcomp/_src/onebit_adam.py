@@ -736,9 +736,7 @@ def check_decay_mask(mask: Any) -> Any:
     ``3``) would be read as one truthy mask over every param: refused, naming it."""
     if mask is None or callable(mask) or isinstance(mask, bool | np.bool_):
         return mask
-    if jax.tree_util.treedef_is_leaf(jax.tree.structure(mask)) and not (
-        hasattr(mask, "dtype") and mask.dtype == bool
-    ):
+    if jax.tree_util.all_leaves([mask]) and not (hasattr(mask, "dtype") and mask.dtype == bool):
         raise TypeError(
             "`weight_decay_mask` must be None, a bool, a tree of bools like the params or a "
             f"callable of the params giving one, got {mask!r}"

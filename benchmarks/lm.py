@@ -365,6 +365,33 @@ def _zo(note: str = "", **kw: Any) -> Recipe:
     )
 
 
+def _zo_freeze(divisor: int, note: str = "", **kw: Any) -> Recipe:
+    """``jc.zero_one_adam`` with the variance frozen at ``steps // divisor`` (the benchmark's
+    other settings, ``kw`` overriding them): with ``warmup_steps`` equal to it, no variance
+    round after the 1-bit rounds start (1-bit Adam's rounds, 0/1 Adam's variance)."""
+
+    def freeze(run: Run) -> int:
+        return max(1, run.steps // divisor)
+
+    def make(run: Run, axis: Any) -> Any:
+        import jaxcomp as jc
+
+        z = {**ZERO_ONE, "warmup_steps": freeze(run) // 4, **kw}
+        return jc.zero_one_adam(
+            run.schedule(), axis, var_freeze_step=freeze(run), weight_decay=WEIGHT_DECAY, **z
+        )
+
+    def regime(run: Run, t: int) -> str:
+        from jaxcomp._src.zero_one_adam import default_warmup, round_kinds
+
+        z = {**ZERO_ONE, "warmup_steps": freeze(run) // 4, **kw}
+        gaps = (z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"])
+        warmup = default_warmup(freeze(run), z["warmup_steps"])
+        return ZERO_ONE_BRANCHES[round_kinds(run.steps, freeze(run), *gaps, warmup)[t]]
+
+    return Recipe(make, branches=ZERO_ONE_BRANCHES[:3], regime=regime, note=note)
+
+
 def _codec(name: str, **kw: Any) -> Callable[[], Any]:
     def make() -> Any:
         import jaxcomp as jc
@@ -463,6 +490,26 @@ RECIPES: dict[str, Recipe] = {
     ),
     "zero_one_adam-var16-warmup50": _zo(
         var_update_scaler=16, warmup_steps=50, note="var_update_scaler=16, warm-up of 50 steps"
+    ),
+    # Diagnoses of the defaults' seed-2 gap on the third pair (Z15): the same rounds with the
+    # momentum exchanged in float32, and with the momentum coded at the variance rounds too.
+    "zero_one_adam-var16-warmup50-f32": _zo(
+        var_update_scaler=16,
+        warmup_steps=50,
+        codec=_codec("identity"),
+        note="diagnosis: the defaults' rounds, the momentum exchanged in float32",
+    ),
+    "zero_one_adam-var16-warmup50-coded": _zo(
+        var_update_scaler=16,
+        warmup_steps=50,
+        variance_rounds="coded",
+        note="the defaults' rounds; variance rounds: the momentum through the codec",
+    ),
+    "zero_one_adam-var16-freeze50-warmup50": _zo_freeze(
+        6,
+        var_update_scaler=16,
+        warmup_steps=50,
+        note="diagnosis: frozen at 50, 50 warm-up steps: no variance round after a 1-bit one",
     ),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"

@@ -173,6 +173,16 @@ def _zero_one_kinds(run: Run, gaps: tuple, warmup_steps: int | None, coded: bool
     return tuple(round_kinds(run.steps, zero_one_freeze(run), *gaps, warmup, coded))
 
 
+@functools.cache
+def _zero_one_kinds_at(steps: int, freeze: int, gaps: tuple, warmup_steps: int | None) -> tuple:
+    """:func:`_zero_one_kinds` with the variance frozen at ``freeze`` (computed once: each
+    step's kind is a few eager jax ops)."""
+    from jaxcomp._src.zero_one_adam import default_warmup, round_kinds
+
+    warmup = default_warmup(freeze, warmup_steps)
+    return tuple(round_kinds(steps, freeze, *gaps, warmup))
+
+
 def _zero_one_regime(run: Run, t: int, **kw: Any) -> str:
     """The round ``jc.zero_one_adam`` at the benchmark's settings (``kw`` overriding them)
     takes at step ``t``."""
@@ -382,12 +392,10 @@ def _zo_freeze(divisor: int, note: str = "", **kw: Any) -> Recipe:
         )
 
     def regime(run: Run, t: int) -> str:
-        from jaxcomp._src.zero_one_adam import default_warmup, round_kinds
-
         z = {**ZERO_ONE, "warmup_steps": freeze(run) // 4, **kw}
         gaps = (z["var_update_scaler"], z["local_step_scaler"], z["local_step_clipper"])
-        warmup = default_warmup(freeze(run), z["warmup_steps"])
-        return ZERO_ONE_BRANCHES[round_kinds(run.steps, freeze(run), *gaps, warmup)[t]]
+        kinds = _zero_one_kinds_at(run.steps, freeze(run), gaps, z["warmup_steps"])
+        return ZERO_ONE_BRANCHES[kinds[t]]
 
     return Recipe(make, branches=ZERO_ONE_BRANCHES[:3], regime=regime, note=note)
 
@@ -504,6 +512,11 @@ RECIPES: dict[str, Recipe] = {
         warmup_steps=50,
         variance_rounds="coded",
         note="the defaults' rounds; variance rounds: the momentum through the codec",
+    ),
+    "zero_one_adam-var16-warmup100": _zo(
+        var_update_scaler=16,
+        warmup_steps=100,
+        note="diagnosis: a warm-up to the freeze (100): the 1-bit rounds from step 100",
     ),
     "zero_one_adam-var16-freeze50-warmup50": _zo_freeze(
         6,

@@ -231,6 +231,29 @@ def test_zero_one_regimes_count_the_warmup_and_the_skipped_rounds():
     assert counts("zero_one_adam-scaler100") == {0: 38, 1: 212, 2: 50}
 
 
+def test_lm_zero_one_diagnosis_rows_count_their_rounds():
+    """The rounds the LM benchmark weighs the bytes of 0/1 Adam's diagnosis rows by (300
+    steps, the freeze at 100 unless moved): the defaults' 50 warm-up steps and 12 variance
+    rounds (52, 56, ..., 96) float32; coded, those 12 send the momentum through the codec;
+    frozen at 50 after 50 warm-up steps, 1-bit Adam's 50 and 250; a warm-up to the freeze,
+    100 and 200."""
+    from collections import Counter
+
+    from benchmarks import lm
+
+    run = lm.Run(300, 6e-3, 8)
+
+    def counts(name):
+        return dict(Counter(lm.RECIPES[name].regime(run, t) for t in range(300)))
+
+    assert counts("zero_one_adam-var16-warmup50") == {"full": 62, "compressed": 238}
+    assert counts("zero_one_adam-var16-warmup50-f32") == {"full": 62, "compressed": 238}
+    coded = {"full": 50, "compressed": 238, "variance": 12}
+    assert counts("zero_one_adam-var16-warmup50-coded") == coded
+    assert counts("zero_one_adam-var16-freeze50-warmup50") == {"full": 50, "compressed": 250}
+    assert counts("zero_one_adam-var16-warmup100") == {"full": 100, "compressed": 200}
+
+
 def test_convergence_quick(tmp_path, monkeypatch):
     args = ("--quick", "--steps", "30", "--eval-at", "10")  # 8 devices, the suite's
     run_here("convergence.py", *args, out=tmp_path, monkeypatch=monkeypatch)

@@ -55,7 +55,7 @@ def exchange(mask: str, explore: float, n: int):
     )
 
     def step(d, e, prev, count):
-        out, new = tx.update([d[0]], SharedMaskState([e[0]], [prev], count))
+        out, new = tx.update([d[0]], SharedMaskState([e[0]], [prev], count, jax.random.PRNGKey(0)))
         return out[0][None], new.memory[0][None], new.previous[0], new.count
 
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))

@@ -98,16 +98,22 @@ def test_cli_runs_a_script(tmp_path, capsys):
 SEEDED_BY_RANK = """
 from jaxcomp.launch import initialize
 initialize(local_devices=2)
-import jax, jax.numpy as jnp
+import jax, jax.numpy as jnp, optax
 import jaxcomp as jc
 mesh = jax.make_mesh((4,), ("data",))
-for name, seed in (("same", 0), ("rank", rank)):
-    tx = jc.sgd(0.1, jc.random_k(0.1), "data", seed=seed)
-    try:
-        jc.sharded_init(tx, {"w": jnp.ones((16, 16))}, mesh, "data")
-        print("seed", name, "accepted", flush=True)
-    except ValueError as e:
-        print("seed", name, "refused", str(e).splitlines()[0][:120], flush=True)
+builds = {
+    "sgd": lambda seed: jc.sgd(0.1, jc.random_k(0.1), "data", seed=seed),
+    "sparseloco": lambda seed: jc.sparseloco(
+        optax.sgd(0.1), "data", 2, mask="random", min_size=0, seed=seed
+    ),
+}
+for tx_name, build in builds.items():
+    for name, seed in (("same", 0), ("rank", rank)):
+        try:
+            jc.sharded_init(build(seed), {"w": jnp.ones((16, 16))}, mesh, "data")
+            print(tx_name, "seed", name, "accepted", flush=True)
+        except ValueError as e:
+            print(tx_name, "seed", name, "refused", str(e).splitlines()[0][:120], flush=True)
 """
 
 
@@ -115,16 +121,20 @@ def test_a_per_process_seed_is_refused_at_sharded_init(tmp_path):
     """``seed=jax.process_index()``: the state's PRNG key (replicated) differed between the
     processes unchecked, each drew its own random-k indices and the params drifted apart
     (2 processes x 2 devices, 2 steps of jc.sgd: 3,720 apart). Now sharded_init refuses it on
-    every process, naming the key; the same seed everywhere passes."""
+    every process, naming the key; the same seed everywhere passes. The same for
+    jc.sparseloco's shared mask (its key was a program constant, not state: params 30 apart
+    after 2 steps), whose key is ``exchange[0].key``."""
     out = io.StringIO()
     status = launch.run([write(tmp_path, SEEDED_BY_RANK)], 2, local_devices=2, timeout=120, out=out)
     text = out.getvalue()
     assert status == 0, text[-3000:]
-    for rank in "01":
-        assert f"[{rank}] seed same accepted" in text, text[-3000:]
-    refused = re.findall(r"^\[(\d)\] seed rank refused (.*)$", text, re.M)
-    assert sorted(r for r, _ in refused) == ["0", "1"], text[-3000:]
-    assert all("['[0].key']" in m and "differ between the 2 processes" in m for _, m in refused)
+    leaves = {"sgd": "['[0].key']", "sparseloco": "['.exchange[0].key']"}
+    for tx_name, leaf in leaves.items():
+        for rank in "01":
+            assert f"[{rank}] {tx_name} seed same accepted" in text, text[-3000:]
+        refused = re.findall(rf"^\[(\d)\] {tx_name} seed rank refused (.*)$", text, re.M)
+        assert sorted(r for r, _ in refused) == ["0", "1"], text[-3000:]
+        assert all(leaf in m and "differ between the 2 processes" in m for _, m in refused), text
 
 
 def test_replicated_state_leaves_are_compared_across_processes():

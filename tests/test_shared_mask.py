@@ -38,7 +38,7 @@ def exchange_step(mask: str, codec_name: str, strategy: str, min_size: int, deca
 
     def step(d, e, prev, count):
         memory = [None if m is None else m[0] for m in e]
-        state = SharedMaskState(memory, list(prev), count)
+        state = SharedMaskState(memory, list(prev), count, jax.random.PRNGKey(0))
         out, new = tx.update([x[0] for x in d], state)
         mem = [None if m is None else m[None] for m in new.memory]
         return [o[None] for o in out], mem, new.previous, new.count
@@ -334,3 +334,71 @@ def test_seed_zero_is_the_old_fixed_key_and_another_seed_draws_another_mask(mask
     assert kept_at(0) == old
     other = kept_at(7)
     assert len(other) == 205 and len(other & old) < 50  # about 205 * 0.05 by chance
+
+
+def old_exchange(mask, seed, d, syncs, decay=0.5, explore=0.25):
+    """The means of ``syncs`` exchanges of one leaf (identity codec) as the code before the
+    key was state computed them, in numpy: the mask drawn with ``fold_in(fold_in(PRNGKey(seed),
+    count), 0)``, ``t_i = decay e_i + d_i``, ``out[S] = mean_i t_i[S]``, ``e_i = t_i`` off
+    ``S`` and 0 on it; ``previous`` the last mean."""
+    memory, previous, outs = np.zeros_like(d), np.zeros(d.shape[1], np.float32), []
+    k = shared_mask.kept(d.shape[1], 0.05)
+    for count in range(syncs):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), count), 0)
+        ex = explore if mask == "previous" else 0.0
+        idx = np.asarray(shared_mask.select(mask, k, key, jnp.asarray(previous), ex))
+        t = decay * memory + d
+        out = np.zeros(d.shape[1], np.float32)
+        out[idx] = t[:, idx].mean(0)
+        memory = t.copy()
+        memory[:, idx] = 0.0
+        previous = out
+        outs.append(out)
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("mask", ["random", "previous"])
+def test_the_key_in_the_state_draws_the_old_masks_for_every_seed(mask):
+    """The key is state (``PRNGKey(seed)``, kept as is) and the masks of three syncs, and
+    their means, are those of the old program constant ``fold_in(PRNGKey(seed), count)``,
+    for seeds 0 and 3: the same kept coordinates exactly, the means to float32 rounding."""
+    d = np.random.default_rng(5).standard_normal((N, 4096)).astype(np.float32)
+    for seed in (0, 3):
+        tx = shared_mask_feedback(
+            jc.identity(),
+            "data",
+            mask=mask,
+            density=0.05,
+            ef_decay=0.5,
+            min_size=0,
+            strategy="allgather",
+            explore=0.25 if mask == "previous" else 0.0,
+            seed=seed,
+        )
+
+        def step(x, tx=tx):
+            state, outs = tx.init([x[0]]), []
+            for _ in range(3):
+                out, state = tx.update([x[0]], state)
+                outs.append(out[0])
+            return jnp.stack(outs)[None], state.key, state.count
+
+        outs, key, count = per_device(step, P("data"), (P("data"), P(), P()))(shard(d))
+        np.testing.assert_array_equal(np.asarray(key), np.asarray(jax.random.PRNGKey(seed)))
+        assert int(count) == 3
+        want = old_exchange(mask, seed, d, 3)
+        got = np.asarray(outs)[0]
+        for s in range(3):  # the same kept coordinates, sync by sync
+            assert set(np.flatnonzero(got[s])) == set(np.flatnonzero(want[s]))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # numpy's sum order
+
+
+def test_a_state_whose_key_is_not_a_prng_key_pair_is_refused_naming_the_field():
+    """A state from elsewhere (a typed ``jax.random.key``, shape ()) is named by its field."""
+    tx = shared_mask_feedback(
+        jc.identity(), "data", mask="random", density=0.05, ef_decay=0.5, min_size=0
+    )
+    x = jnp.zeros(64)
+    state = tx.init([x])._replace(key=jax.random.key(0))
+    with pytest.raises(ValueError, match="field `key`"):
+        jax.eval_shape(lambda: tx.update([x], state))

@@ -45,11 +45,12 @@ class SharedMaskState(NamedTuple):
     previous: Any  # identical on every device: f32[*shape] per masked leaf, the last merged
     #                update (mask="previous"), else None
     count: jax.Array  # int32[]: syncs done (the random mask's key folds it in)
+    key: jax.Array  # uint32[2], identical on every device: jax.random.PRNGKey(seed), kept as is
 
     PER_DEVICE_FIELDS = ("memory",)
 
 
-FIELDS = ("memory", "previous")  # SharedMaskState's fields shaped like the params
+FIELDS = ("memory", "previous", "key")  # SharedMaskState's fields checked against the init's
 
 #: ``explore``'s default with ``mask="previous"``: half of the kept coordinates drawn at random.
 #: The previous merged update is zero outside the last mask, so at ``explore=0`` the mask
@@ -138,7 +139,10 @@ def shared_mask_feedback(
     under ``min_size`` values go through a float32 ``pmean`` and keep no memory. A
     non-finite ``D`` on any device, inside the mask or not, gives NaN outputs everywhere and
     keeps every memory (the caller freezes the state on it). Every device draws the masks
-    from ``jax.random.PRNGKey(seed)`` folded with the sync count and the leaf's index.
+    from the state's ``key`` (``jax.random.PRNGKey(seed)``, made by the init and replicated
+    like the count) folded with the sync count and the leaf's index. The key is state, not a
+    constant of the program, so :func:`jaxcomp.sharded_init` compares it across processes:
+    a per-process ``seed`` is refused there instead of desynchronising the replicas.
     """
 
     def masked(x) -> bool:  # an empty leaf keeps nothing: its own mean, no collective
@@ -150,13 +154,13 @@ def shared_mask_feedback(
             jnp.zeros(jnp.shape(x), F32) if masked(x) and mask == "previous" else None
             for x in leaves
         ]
-        return SharedMaskState(memory, previous, jnp.zeros([], jnp.int32))
+        return SharedMaskState(memory, previous, jnp.zeros([], jnp.int32), jax.random.PRNGKey(seed))
 
     def update_fn(deltas, state, params=None):
         del params  # a state of other params or devices: refused (memory[0] reads one row)
         want = jax.eval_shape(init_fn, deltas)
         skeleton.check_fields("sparseloco", state, {k: getattr(want, k) for k in FIELDS})
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), state.count)
+        key = jax.random.fold_in(state.key, state.count)
         coded = [i for i, m in enumerate(state.memory) if m is not None]
         plain = [i for i, m in enumerate(state.memory) if m is None]
         targets = {i: ef_decay * state.memory[i][0] + deltas[i].astype(F32) for i in coded}
@@ -194,7 +198,7 @@ def shared_mask_feedback(
                 previous[i] = jnp.where(r.bad, previous[i], means[i])
         for i, m in zip(plain, means_plain, strict=True):
             means[i] = collectives.poison(m, r.bad).reshape(deltas[i].shape)
-        return means, SharedMaskState(memory, previous, state.count + 1)
+        return means, SharedMaskState(memory, previous, state.count + 1, state.key)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -50,7 +50,9 @@ class SparseLoCoState(NamedTuple):
       inner: per device: the inner optax state, every leaf with a leading slot of 1
       anchor: identical on every device: f32 global params, like the params
       outer: identical on every device: the outer optax state (a 1-tuple), or None
-      exchange: (SparseFeedbackState,) or, two-phase, (CompressedAllreduceState,)
+      exchange: (SparseFeedbackState,) or, two-phase, (CompressedAllreduceState,); with a
+        shared ``mask``, the shared-mask state (``memory`` per device; ``previous``,
+        ``count`` and the masks' PRNG ``key`` identical on every device)
       count: int32[]: number of updates applied
     """
 
@@ -521,9 +523,10 @@ def sparseloco(
         mask); the measurements: docs, "a mask shared by every replica".
       seed: with a shared mask, seeds the key every device draws the mask from (the same on
         every device of a run; two runs or jobs with different seeds draw different masks).
-        A constant of the compiled program, not state: pass the same seed on every process
-        of a multi-process run (a per-process seed is not detected, and desynchronises the
-        replicas).
+        The key, ``jax.random.PRNGKey(seed)``, is state (the shared-mask state's ``key``,
+        replicated like its count), so in a multi-process run :func:`jaxcomp.sharded_init`
+        compares it across the processes and refuses a per-process seed (e.g.
+        ``seed=jax.process_index()``), naming the leaf ``exchange[0].key``.
         Default 0, the key of ``jax.random.PRNGKey(0)`` used before the argument existed
         (the same masks, bit for bit). Only 0 with ``mask="topk"``, which draws nothing.
 

@@ -105,23 +105,24 @@ def test_nan_reaches_the_output_one_step_later_and_memory_is_kept():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_plain_pmean_delayed_with_axis_name():
-    tx = jc.delayed(optax.sgd(1.0), axis_name="data")
+def _axis_name_step(tx):
+    """``(step, state, put)``: ``tx`` (a ``jc.delayed(..., axis_name="data")``) under
+    ``jit(shard_map)`` on the 8-device mesh, replicated params, per-device gradients."""
     m = mesh()
     p = jax.device_put(params(), NamedSharding(m, P()))
     state = jc.sharded_init(tx, p, m, "data")
     specs = jc.state_specs(state, "data")
-    fn = Blocking(
-        jax.jit(
-            jax.shard_map(
-                lambda g, s: tx.update(jc.own(g), s, p),
-                mesh=m,
-                in_specs=(P("data"), specs),
-                out_specs=(P(), specs),
-            )
-        )
+    step = jax.shard_map(
+        lambda g, s: tx.update(jc.own(g), s, p),
+        mesh=m,
+        in_specs=(P("data"), specs),
+        out_specs=(P(), specs),
     )
-    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    return Blocking(jax.jit(step)), state, lambda g: jax.device_put(g, NamedSharding(m, P("data")))
+
+
+def test_plain_pmean_delayed_with_axis_name():
+    fn, state, put = _axis_name_step(jc.delayed(optax.sgd(1.0), axis_name="data"))
     _, state = fn(put(grads(0)), state)
     out, _ = fn(put(grads(1)), state)
     np.testing.assert_allclose(out["w"], -grads(0)["w"].mean(0), rtol=1e-5, atol=1e-6)
@@ -199,20 +200,7 @@ def test_axis_name_with_an_exchanging_tx_is_refused_naming_axis_name():
     """``delayed(chain(compressed_allreduce, sgd), axis_name="data")`` averages twice: the
     inner exchange refused the already-averaged gradients with a message about ``pcast``;
     now the error names delayed's `axis_name` and says to leave it out."""
-    tx = jc.delayed(wrapped(), axis_name="data")
-    m = mesh()
-    p = jax.device_put(params(), NamedSharding(m, P()))
-    state = jc.sharded_init(tx, p, m, "data")
-    specs = jc.state_specs(state, "data")
-    fn = jax.jit(
-        jax.shard_map(
-            lambda g, s: tx.update(jc.own(g), s, p),
-            mesh=m,
-            in_specs=(P("data"), specs),
-            out_specs=(P(), specs),
-        )
-    )
-    put = lambda g: jax.device_put(g, NamedSharding(m, P("data")))  # noqa: E731
+    fn, state, put = _axis_name_step(jc.delayed(wrapped(), axis_name="data"))
     with pytest.raises(
         ValueError, match=r"delayed: `axis_name`='data' averages.*leave `axis_name` out"
     ):

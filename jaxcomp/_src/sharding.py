@@ -428,9 +428,9 @@ def check_same_on_every_process(state: Any, gather: Any = None) -> None:
             f"the state's replicated leaves at {differ[:5]}{' ...' if len(differ) > 5 else ''} "
             f"differ between the {len(every)} processes: the transform was built with "
             "different arguments on different processes (e.g. `seed`=jax.process_index(): the "
-            "PRNG key each process would draw its own random-k indices from, so the replicas "
-            "would drift apart silently). Build the same transform on every process: "
-            "the same `seed`, learning rate and options."
+            "PRNG key each process would draw its own random-k indices or sparseloco masks from, "
+            "so the replicas would drift apart silently). Build the same transform on every "
+            "process: the same `seed`, learning rate and options."
         )
 
 

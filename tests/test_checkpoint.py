@@ -418,14 +418,59 @@ if __name__ == "__main__":
     resume(Path(sys.argv[1]))
 
 
-def _doc_blocks() -> list[str]:
-    """docs/checkpoints.md's blocks of the section on params of another tree: the error text,
-    the removed-leaf restore and the added-leaf restore, in that order."""
+def _doc_blocks(title: str = "## Into params of another tree") -> list[str]:
+    """docs/checkpoints.md's blocks of the section ``title`` (default: the section on params
+    of another tree: the error text, the removed-leaf restore and the added-leaf restore)."""
     import re
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text()
-    section = page.split("## Into params of another tree")[1].split("\n## ")[0]
+    section = page.split(title)[1].split("\n## ")[0]
     return re.findall(r"^```\w+\n(.*?)^```", section, re.S | re.M)
+
+
+def test_restore_a_shared_mask_state_saved_without_its_key(tmp_path):
+    """The docs' recipe for a shared-mask SparseLoCo state saved before its ``key`` field
+    (the old layout written here as a dict of its three fields): orbax's error names the
+    missing key as quoted, and the docs' block restores the saved fields with the fresh
+    state's key (PRNGKey(seed), the key the old program used as a constant)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = jc.sparseloco(optax.sgd(0.1), "data", 2, mask="previous", min_size=0, seed=3)
+    params = jax.device_put({"w": jnp.ones((16, 32))}, NamedSharding(mesh, P()))
+    fresh = jc.sharded_init(tx, params, mesh, "data")
+    e = fresh.exchange[0]
+    saved = {"memory": jax.tree.map(lambda a: a + 1, e.memory), "previous": e.previous}
+    saved["count"] = e.count + 2
+    path = tmp_path / "ckpt"
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, {"opt_state": fresh._replace(exchange=(saved,))})
+    ckpt.wait_until_finished()
+    quoted, recipe = _doc_blocks("## A shared-mask SparseLoCo state saved without its `key`")
+
+    template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": fresh})
+    with pytest.raises(ValueError) as missing:
+        ckpt.restore(path, template)
+    for line in quoted.splitlines():
+        assert line.split("...")[0].removeprefix("ValueError: ") in str(missing.value), line
+
+    scope = {"jc": jc, "jax": jax, "ocp": ocp, "tx": tx, "params": params, "mesh": mesh}
+    scope.update(ckpt=ckpt, path=path)
+    exec(recipe, scope)
+    got = scope["opt_state"].exchange[0]
+    assert type(got) is type(e) and int(got.count) == 2
+    np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(e.key))
+    assert len(jax.tree.leaves(e.memory)) == 1
+    for ours, before in zip(jax.tree.leaves(got.memory), jax.tree.leaves(e.memory), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(before) + 1)  # the saved 1s
+        assert ours.sharding == before.sharding
 
 
 def test_restore_into_params_of_another_tree(tmp_path):

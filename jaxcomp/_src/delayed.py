@@ -109,7 +109,9 @@ def delayed(
             previous = floating_pmean(previous, axis_name)
             try:
                 return tx.update(previous, inner, params, **extra_args)
-            except skeleton.InvariantGradientsError as e:
+            except ValueError as e:
+                if "identical on every device" not in str(e):
+                    raise
                 raise ValueError(
                     f"delayed: `axis_name`={axis_name!r} averages the gradients before `tx`, "
                     "and `tx` exchanges them itself (it refused gradients already equal on "

@@ -186,11 +186,6 @@ def _invariant_leaves(tree: Any, names: tuple) -> list[str]:
     return out
 
 
-class InvariantGradientsError(ValueError):
-    """:func:`check_varying_gradients`' refusal (a ValueError): a wrapper that averaged the
-    gradients itself (``jc.delayed(tx, axis_name=...)``) catches it to name its own argument."""
-
-
 def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     """Refuse gradients already identical on every device (``check_vma=True`` only).
 
@@ -207,7 +202,7 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     names = collectives.axis_names(axis_name)
     bad = _invariant_leaves(updates, names)
     if bad:
-        raise InvariantGradientsError(
+        raise ValueError(
             f"{name}: the gradients (`updates`) at {_short(bad)} are identical on every device of "
             f"axis {axis_name!r} (jax's varying-axes type: invariant). They were already "
             "summed over the devices: params passed to shard_map as P() and differentiated "

@@ -1042,6 +1042,22 @@ def _overlap_reuse_test():
     return test_overlap.test_a_second_call_reuses_its_compiled_programs_without_tracing
 
 
+def _elsewhere_tests():
+    """Tests of other files that raise an errors.md row's check (not collected here):
+    delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes)."""
+    import test_delayed
+    import test_multihost
+
+    return {
+        ("delayed (update)", "axis_name", ValueError): (
+            test_delayed.test_axis_name_with_an_exchanging_tx_is_refused_naming_axis_name
+        ),
+        ("sharded_init", "tx", ValueError): (
+            test_multihost.test_a_per_process_seed_is_refused_at_sharded_init
+        ),
+    }
+
+
 def test_docs_table_and_tested_checks_agree():
     """Both ways: every tested check has its row; every row (and error type) is tested."""
     # Rows whose check is raised by a test of its own below (all ValueError).
@@ -1063,6 +1079,7 @@ def test_docs_table_and_tested_checks_agree():
             ValueError,
         ): test_hierarchical_state_over_the_wrong_axes_is_refused_naming_the_right_ones,
         ("OverlappedStep.__call__", "state", ValueError): _overlap_reuse_test(),
+        **_elsewhere_tests(),
     }
     assert all(test.__name__.startswith("test_") for test in elsewhere.values())
     tested = {(f, arg, exc) for f, arg, _, exc in CHECKS + TRACE_CHECKS} | set(elsewhere)

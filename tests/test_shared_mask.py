@@ -302,6 +302,22 @@ def test_previous_mask_at_the_default_explore_covers_more_of_the_leaf():
     assert ever_chosen(shared_mask.PREVIOUS_EXPLORE) > 1000
 
 
+def seeded_exchange(mask, seed):
+    """The one-leaf exchange the seed tests compare: identity codec, density 0.05, all-gather,
+    ``explore`` 0.25 with ``mask="previous"``."""
+    return shared_mask_feedback(
+        jc.identity(),
+        "data",
+        mask=mask,
+        density=0.05,
+        ef_decay=0.5,
+        min_size=0,
+        strategy="allgather",
+        explore=0.25 if mask == "previous" else 0.0,
+        seed=seed,
+    )
+
+
 @pytest.mark.parametrize("mask", ["random", "previous"])
 def test_seed_zero_is_the_old_fixed_key_and_another_seed_draws_another_mask(mask):
     """The mask of sync 3 (leaf 0) for seeds 0 and 7 against the key every device used
@@ -309,17 +325,7 @@ def test_seed_zero_is_the_old_fixed_key_and_another_seed_draws_another_mask(mask
     exactly its mask (existing runs unchanged, bit for bit), seed 7 another."""
 
     def kept_at(seed):
-        tx = shared_mask_feedback(
-            jc.identity(),
-            "data",
-            mask=mask,
-            density=0.05,
-            ef_decay=0.5,
-            min_size=0,
-            strategy="allgather",
-            explore=0.25 if mask == "previous" else 0.0,
-            seed=seed,
-        )
+        tx = seeded_exchange(mask, seed)
 
         def step(d):
             state = tx.init([d[0]])._replace(count=jnp.int32(3))
@@ -364,17 +370,7 @@ def test_the_key_in_the_state_draws_the_old_masks_for_every_seed(mask):
     for seeds 0 and 3: the same kept coordinates exactly, the means to float32 rounding."""
     d = np.random.default_rng(5).standard_normal((N, 4096)).astype(np.float32)
     for seed in (0, 3):
-        tx = shared_mask_feedback(
-            jc.identity(),
-            "data",
-            mask=mask,
-            density=0.05,
-            ef_decay=0.5,
-            min_size=0,
-            strategy="allgather",
-            explore=0.25 if mask == "previous" else 0.0,
-            seed=seed,
-        )
+        tx = seeded_exchange(mask, seed)
 
         def step(x, tx=tx):
             state, outs = tx.init([x[0]]), []

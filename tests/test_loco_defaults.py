@@ -1,5 +1,5 @@
 """The defaults of ``jc.diloco``'s outer step and ``jc.sparseloco``'s merge: chosen by the
-number of replicas and the exchange (the measurements behind them: docs/lm.md)."""
+number of replicas and the exchange (the measurements behind them: docs/lm-measurements.md)."""
 
 from __future__ import annotations
 

@@ -456,6 +456,10 @@ CHECKS = [
     ("dgc", "axis_name", lambda: jc.dgc(0.01), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=1.0), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum="0.9"), TypeError),
+    # an array as sgd's (optax.inject_hyperparams): 0-d int or float, in [0, 1) where concrete
+    ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=jnp.asarray(1.0)), ValueError),
+    ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=np.array(False)), TypeError),
+    ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=jnp.zeros(3)), TypeError),
     ("dgc", "nesterov", lambda: jc.dgc(0.01, "d", nesterov=1), TypeError),
     ("dgc", "momentum_masking", lambda: jc.dgc(0.01, "d", momentum_masking=None), TypeError),
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm=0.0), ValueError),

@@ -105,6 +105,39 @@ def test_inject_hyperparams_traced_shape_arg_is_a_clear_error():
         optax.inject_hyperparams(chain_with)(learning_rate=0.1, min_size=100).init(PARAMS)
 
 
+def same_bits(a, b):
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(
+            *(np.asarray(v).view(np.uint32) for v in (x, y))
+        ),
+        a,
+        b,
+    )
+
+
+def test_inject_hyperparams_schedules_dgc_momentum():
+    """jc.dgc's momentum scheduled by inject_hyperparams (0.9, 0.9, 0.5: a 0-d array at every
+    step) gives the bits of jc.dgc(momentum=0.9) for two steps, then of jc.dgc(momentum=0.5)
+    on that state. Until 2026-11-27 dgc refused the array in init ("`momentum` must be a
+    number, got DynamicJaxprTracer JitTracer(float32[])"), where jc.sgd's momentum took it."""
+    # exact top-k (sample_ratio=None) and no warm-up: the cheapest programs to compile
+    dgc = dict(ratio=0.1, axis_name="data", min_size=100, warmup_steps=0, sample_ratio=None)
+    static = ("ratio", "warmup_steps", "min_size", "seed")
+    injected = optax.inject_hyperparams(jc.dgc, static_args=static)(
+        momentum=lambda count: jnp.where(count < 2, 0.9, 0.5), **dgc
+    )
+    step, state, _ = make_step(injected)
+    fixed = {m: make_step(jc.dgc(momentum=m, **dgc)) for m in (0.9, 0.5)}
+    reference = fixed[0.9][1]
+    for t, m in enumerate((0.9, 0.9, 0.5)):
+        out, state = step(grads(t), state)
+        want, reference = fixed[m][0](grads(t), reference)
+        assert float(state.hyperparams["momentum"]) == np.float32(m)
+        assert np.any(np.asarray(want["w"]) != 0)
+        same_bits(out, want)
+        same_bits(state.inner_state, reference)
+
+
 # --------------------------------------------------------------------------- apply_if_finite
 
 

@@ -23,7 +23,7 @@ from jaxcomp._src import (
 )
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
-from jaxcomp._src.codecs.base import Codec, after, check_fraction, check_int, check_scalar_array
+from jaxcomp._src.codecs.base import Codec, after, check_fraction_array, check_int
 
 
 class CompressedAllreduceState(NamedTuple):
@@ -78,12 +78,8 @@ def check_momentum(name: str, value: Any) -> Any:
     hyperparameter injected by ``optax.inject_hyperparams``; checked where concrete)."""
     if value is None:
         return None
-    if isinstance(value, jax.Array | np.ndarray):
-        check_scalar_array(name, value)
-        if not isinstance(value, jax.core.Tracer):
-            check_fraction(name, float(value))
-        return value
-    return check_fraction(name, value) or None
+    value = check_fraction_array(name, value)
+    return value if isinstance(value, jax.Array | np.ndarray) else value or None
 
 
 def _check_same_servers(

@@ -22,6 +22,7 @@ from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import (
     F32_MAX,
     check_fraction,
+    check_fraction_array,
     check_int,
     check_positive_float,
     clip_scales,
@@ -319,7 +320,10 @@ def dgc(
     Args:
       ratio: density after warm-up: the fraction of each compressed leaf sent per step.
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
-      momentum: the momentum ``m`` in [0, 1).
+      momentum: the momentum ``m`` in [0, 1): a number, or a 0-d array (a hyperparameter
+        ``optax.inject_hyperparams`` schedules; checked where concrete). The other numbers are
+        static: ``optax.inject_hyperparams(jc.dgc, static_args=("ratio", "warmup_steps",
+        "sample_ratio", "min_size", "seed"))(momentum=schedule, ...)``.
       nesterov: Nesterov momentum.
       momentum_masking: zero ``u_i`` where ``v_i`` was sent (the paper's default, True), from
         step ``warmup_steps`` on.
@@ -382,7 +386,7 @@ def dgc(
     """
     ratio = check_ratio(ratio)
     collectives.check_axes(axis_name, inner_axis_name)
-    momentum = check_fraction("momentum", momentum)
+    momentum = check_fraction_array("momentum", momentum)
     if not isinstance(nesterov, bool):
         raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
     if not isinstance(momentum_masking, bool):

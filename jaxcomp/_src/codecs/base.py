@@ -356,6 +356,18 @@ def check_fraction(name: str, value: Any, lo_open: bool = False) -> float:
     return value
 
 
+def check_fraction_array(name: str, value: Any) -> Any:
+    """:func:`check_fraction`, or a 0-d int or float array returned as it is: a hyperparameter
+    ``optax.inject_hyperparams`` passes (concrete to ``init``, traced to ``update``), checked
+    in ``[0, 1)`` where concrete (:func:`check_scalar_array` refuses a bool or larger one)."""
+    if not isinstance(value, jax.Array | np.ndarray):
+        return check_fraction(name, value)
+    check_scalar_array(name, value)
+    if not isinstance(value, jax.core.Tracer):
+        check_fraction(name, float(value))
+    return value
+
+
 def check_positive_float(name: str, value: Any, *, upper: float | None = None) -> float:
     if not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")

@@ -286,8 +286,8 @@ def demo(
     one): the same density as a ``chunk x chunk`` block. As in DeMo's reference code, which
     cuts each dimension by a divisor near the target chunk; until 2026-11-27 every dimension
     over ``chunk`` was cut into ``chunk``-wide blocks, the last zero-padded, so a 96 x 96 leaf
-    sent four full blocks' components (docs, "Training language models over slow links",
-    DeMo: the bytes before and after). The components travel as a
+    sent four full blocks' components (docs, "Language models over slow links: the
+    measurements", DeMo: the bytes before and after). The components travel as a
     :func:`jaxcomp.chunked_top_k` payload, one chunk per block: indices in
     ``ceil(log2 chunk^2)`` bits (12 for 64), values in ``bits`` bits with a float32 scale
     per block, in one all-gather; at the defaults 44 bytes per 64 x 64 block (16384 bytes in
@@ -305,8 +305,8 @@ def demo(
         step alike: AdamW's peak and warm-up, then the peak held to the end
         (``optax.linear_schedule(0, peak, warmup)``), trains an LM better than AdamW's
         cosine decay, and the peak decayed linearly to a tenth over the last 20% of the
-        steps better still (the measurements: docs, "Training language models over slow
-        links"). The peak follows the model's width, as a sign step moves every coordinate
+        steps better still (docs, "Language models over slow links: the
+        measurements"). The peak follows the model's width, as a sign step moves every coordinate
         by it: ``3e-3 x 128 / d_model`` on the LM benchmark's models (found on widths 64 and
         128, confirmed on 192), with a warm-up over 2% of the steps (docs, "Training
         language models over slow links").
@@ -316,8 +316,8 @@ def demo(
       topk: components sent per ``chunk x chunk`` block, in [1, chunk^2] (default 16 of 4096;
         DeMo's paper: 32). 18 with ``bits=4`` costs the same 44 bytes per 64 x 64 block as
         16 with 8 bits, and fewer in the small blocks of vectors; 20 with ``bits=3`` about 4%
-        more, and trained the held-out LM of the docs closer to AdamW (docs, "Training
-        language models over slow links", DeMo).
+        more, and trained the held-out LM of the docs closer to AdamW (docs, "Language
+        models over slow links: the measurements", DeMo).
       decay: the momentum's decay, in [0, 1] (DeMo: 0.999; 1: plain accumulation). The
         unsent momentum lives about ``1 / (1 - decay)`` steps: on runs of hundreds of steps
         a shorter memory (0.9-0.95) did better on the LM benchmark than DeMo's 0.999.

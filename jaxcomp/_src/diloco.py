@@ -131,14 +131,14 @@ def diloco(
         it: at ``H = 30`` on a language model a cosine decay cost loss, and Muon inside
         (``optax.contrib.muon``, MuLoCo) did better still, on 8 replicas of one device and
         on 2 of several: the recommended inner optimizer at ``H = 30`` (figures in the docs,
-        "Training language models over slow links": MuLoCo).
+        "Language models over slow links: the measurements": MuLoCo).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps; or a sequence of intervals
         ``(h_1, ..., h_k)``: syncs after ``h_1``, ``h_1 + h_2``, ... steps, then every
         ``h_k`` (a growing ``H``, e.g. ``(5, 5, 10, 10, 30)``: short intervals while the
         loss falls fast; with ``fragments=1`` and ``delay=0`` only). On a language model a
-        constant shorter ``H`` did as well for fewer bytes (docs, "Training language models
-        over slow links": AdamW inside at ``H = 30``). ``H`` trades bytes (``1 / H``) for
+        constant shorter ``H`` did as well for fewer bytes (docs, "Language models over slow
+        links: the measurements": AdamW inside at ``H = 30``). ``H`` trades bytes (``1 / H``) for
         loss: fewer replicas hold a longer ``H`` (the same docs page gives the rule for ``H``
         with the measured losses and bytes).
       outer: the optax transform of the anchor, fed the averaged pseudo-gradient. Default
@@ -146,8 +146,8 @@ def diloco(
         (``x <- x - Delta``) at ``M <= 2``, ``optax.sgd(0.7, momentum=0.6, nesterov=True)``
         (MuLoCo's: an effective step ``lr / (1 - momentum)`` = 1.75) above. The paper's
         0.7 / 0.9 takes an effective step of 7 and overshoots on runs of tens of outer steps
-        (docs, "Training language models over slow links": the rule for ``H`` and the outer
-        step).
+        (docs, "Language models over slow links: the measurements": the rule for ``H`` and
+        the outer step).
       codec: None (float32 ``pmean``) or a jaxcomp codec for the pseudo-gradient (e.g.
         ``jc.int_quant(4)``, ``jc.cast("fp8_e4m3")``, ``jc.sign()``, ``jc.top_k(0.01)``),
         sent by :func:`jaxcomp.compressed_allreduce`.

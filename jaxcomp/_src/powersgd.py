@@ -438,9 +438,9 @@ def powersgd(
     ``r`` directions (error feedback delays the rest), and its *training* loss stays higher.
     A longer plain warm-up, a larger batch or another learning rate did not close the gap on
     short runs; a higher rank does. Raise the rank for short runs, or when the training loss
-    matters. On a small GPT-style language model trained with AdamW (docs, "Training
-    language models over slow links": PowerSGD with Adam, with the measured losses and
-    bytes), rank ``d_model / 4`` chained before ``optax.adamw`` at data parallel's lr is the
+    matters. On a small GPT-style language model trained with AdamW (docs, "Language
+    models over slow links: the measurements": PowerSGD with Adam, with the measured losses
+    and bytes), rank ``d_model / 4`` chained before ``optax.adamw`` at data parallel's lr is the
     recommended setting; ``d_model / 8`` sends half the bytes and loses more.
 
     Warm-up: the first ``start_step`` steps send plain ``pmean`` (gradients change fast early

@@ -470,8 +470,8 @@ def sparseloco(
         (the applied step grows far beyond the current pseudo-gradients); 0.95 suits runs of
         thousands of outer steps, and replicas that are data-parallel groups: on the LM
         benchmark 0.95 ends closer to AdamW than 0.5 on 2 replicas of 4 devices and far
-        behind it on 8 one-device replicas (the measurements: docs, "Training language
-        models over slow links", SparseLoCo).
+        behind it on 8 one-device replicas (docs, "Language models over slow links:
+        the measurements", SparseLoCo).
       outer: None (``x <- x - Delta``, an outer lr of 1) or an optax transform fed ``Delta``
         (e.g. ``optax.sgd(0.7)`` for a smaller outer lr).
       averaging: ``"senders"`` (per coordinate, the mean over the devices that sent it:

@@ -558,10 +558,10 @@ def zero_one_adam(
     gradient is dropped, only delayed. The momentum a skipped round applies is the last
     exchanged one, 1-bit error included, which the error feedback returns only at the next
     synced round: skipped rounds trade loss for bytes where that error matters (measured on
-    the LM benchmark: docs, "Training language models over slow links"), so they start late
-    by default (``local_step_scaler=1000``). Gaps past 2 set off loss spikes at a constant
-    learning rate, codec or none: a gradient waits up to ``gap - 1`` steps, and the synced
-    round puts the gap's gradients into the momentum at once. Gaps of at most 2
+    the LM benchmark: docs, "Language models over slow links: the measurements"), so they
+    start late by default (``local_step_scaler=1000``). Gaps past 2 set off loss spikes at a
+    constant learning rate, codec or none: a gradient waits up to ``gap - 1`` steps, and the
+    synced round puts the gap's gradients into the momentum at once. Gaps of at most 2
     (``local_step_clipper=2``), or the default ``local_step_scaler``, did not spike where
     ``local_step_scaler=100`` did (docs, "Choosing a codec", "0/1 Adam's skipped rounds",
     with the measured accuracies). A skipped round sends one 4-byte

@@ -279,6 +279,31 @@ def test_accumulate_state_with_integer_leaves_saves_with_orbax(tmp_path):
     assert specs.acc == {"w": P("data"), "step": None}
 
 
+def test_a_state_saved_with_a_larger_every_k_applies_on_the_next_call():
+    """A checkpoint of ``jc.accumulate(tx, 4)`` saved holding 3 micro-batches, restored into
+    ``jc.accumulate(tx, 2)``: the next call applies the mean of the 4 gradients it then holds
+    and counting restarts. ``mini_step == every_k - 1`` never held again (3 > 1): zero updates
+    at every later step, the accumulator growing, silently (until 2026-11-27)."""
+    params = {"w": jnp.zeros(3)}
+    gs = [{"w": jnp.full(3, float(t + 1))} for t in range(7)]
+    saved = jc.accumulate(optax.sgd(1.0), 4).init(params)
+    tx4 = jc.accumulate(optax.sgd(1.0), 4)
+    for g in gs[:3]:
+        _, saved = tx4.update(g, saved, params)
+    assert int(saved.mini_step) == 3
+    tx2, state, outs = jc.accumulate(optax.sgd(1.0), 2), saved, []
+    for g in gs[3:]:
+        u, state = tx2.update(g, state, params)
+        outs.append(float(u["w"][0]))
+    # (1 + 2 + 3 + 4) / 4 at once, then every 2nd call the mean of 2: (5 + 6) / 2 and 7 held
+    assert outs == [-2.5, 0.0, -5.5, 0.0]
+    assert int(state.mini_step) == 1 and float(state.acc["w"][0]) == 7.0
+    # The sum (use_grad_mean=False): 10 at once.
+    summed = jc.accumulate(optax.sgd(1.0), 2, use_grad_mean=False)
+    u, _ = summed.update(gs[3], saved, params)
+    assert float(u["w"][0]) == -10.0
+
+
 def test_accumulate_errors():
     with pytest.raises(ValueError, match="every_k"):
         jc.accumulate(optax.sgd(0.1), 0)

@@ -61,6 +61,17 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
+def _mean_scale(mini_step: jax.Array, every_k: int) -> jax.Array:
+    """``1 / m``, ``m = mini_step + 1`` the micro-batches in the accumulator on the applying
+    call: ``1 / every_k`` (the same constant as ever) unless a state saved with a larger
+    ``every_k`` holds more."""
+    return jnp.where(
+        mini_step == every_k - 1,
+        jnp.float32(1.0 / every_k),
+        1.0 / (mini_step + 1).astype(jnp.float32),
+    )
+
+
 def accumulate(
     tx: optax.GradientTransformation, every_k: int, *, use_grad_mean: bool = True
 ) -> optax.GradientTransformationExtraArgs:
@@ -86,7 +97,9 @@ def accumulate(
     Args:
       tx: the transform to apply every ``every_k`` calls, e.g. a chain starting with
         ``jc.compressed_allreduce``.
-      every_k: number of calls (micro-batches) per update; static, >= 1.
+      every_k: number of calls (micro-batches) per update; static, >= 1. A state restored
+        from a run with a larger ``every_k`` that holds ``m >= every_k`` micro-batches applies
+        on its next call, to their mean (or sum), and counts from 0 after it.
       use_grad_mean: average the accumulated gradients (default) or sum them.
 
     Returns:
@@ -125,7 +138,7 @@ def accumulate(
         )
 
         def apply(acc, inner_state):
-            scale = 1.0 / every_k if use_grad_mean else 1.0
+            scale = _mean_scale(state.mini_step, every_k) if use_grad_mean else 1.0
             total = jax.tree.map(
                 lambda a, g: (
                     g if a is None else (a * scale).reshape(jnp.shape(g)).astype(jnp.result_type(g))
@@ -146,7 +159,9 @@ def accumulate(
             held = jax.tree.map(varying_like, inner_state, new_state)
             return jax.tree.map(varying_like, zeros, out), acc, held
 
-        applying = state.mini_step == every_k - 1
+        # ``>=``: a state saved with a larger ``every_k`` (restored into this one) may hold
+        # more micro-batches than ``every_k``; ``==`` never applied it again (zero updates).
+        applying = state.mini_step >= every_k - 1
         out, acc, inner_state = jax.lax.cond(applying, apply, hold, acc, state.inner_state)
         mini_step = jnp.where(applying, 0, state.mini_step + 1).astype(jnp.int32)
         return out, AccumulateState(mini_step, acc, inner_state)

@@ -39,6 +39,20 @@ SGD = optax.sgd(0.1)
 _W = {"w": np.zeros(64, np.float32)}
 
 
+_WB = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+
+
+def _decay_mask_init(recipe, mask):
+    """``init`` of 1-bit / 0/1 Adam with weight decay under ``weight_decay_mask`` for _WB."""
+    if recipe == "onebit_adam":
+        tx = jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=0.1, weight_decay_mask=mask)
+    else:
+        tx = jc.zero_one_adam(
+            1e-3, "d", var_freeze_step=9, weight_decay=0.1, weight_decay_mask=mask
+        )
+    return tx.init(_WB)
+
+
 def _resize(state, axis_name):
     tx = jc.compressed_allreduce(S, "data")
     return jc.resize_state(state, tx, {"w": np.zeros((64, 48), np.float32)}, mesh(4), axis_name)
@@ -460,6 +474,19 @@ CHECKS = [
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=jnp.asarray(1.0)), ValueError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=np.array(False)), TypeError),
     ("dgc", "momentum", lambda: jc.dgc(0.01, "d", momentum=jnp.zeros(3)), TypeError),
+    # a mask of another tree than the params: jax's pytree error named nothing until 2026-11-27
+    (
+        "onebit_adam, zero_one_adam (init)",
+        "weight_decay_mask",
+        lambda: _decay_mask_init("onebit_adam", {"w": True}),
+        ValueError,
+    ),
+    (
+        "onebit_adam, zero_one_adam (init)",
+        "weight_decay_mask",
+        lambda: _decay_mask_init("zero_one_adam", lambda p: [True, False]),
+        ValueError,
+    ),
     ("dgc", "nesterov", lambda: jc.dgc(0.01, "d", nesterov=1), TypeError),
     ("dgc", "momentum_masking", lambda: jc.dgc(0.01, "d", momentum_masking=None), TypeError),
     ("dgc", "clip_norm", lambda: jc.dgc(0.01, "d", clip_norm=0.0), ValueError),
@@ -1459,3 +1486,24 @@ def test_weight_decay_masks_that_are_trees_of_bools_pass(mask):
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay_mask=mask),
     ):
         assert callable(tx().update)
+
+
+@pytest.mark.parametrize("recipe", ["onebit_adam", "zero_one_adam"])
+def test_weight_decay_mask_of_another_tree_is_refused_at_init_naming_both(recipe):
+    """A mask (or a callable's) that is no prefix of the params is refused by ``init``, naming
+    ``weight_decay_mask`` and both structures. Until 2026-11-27: jax's "pytree structure
+    error: different numbers of pytree children at key path tree_map tree ...", which named
+    neither. Masks like the params, callables giving one, bools and None still pass."""
+    for mask, tree in (
+        ({"w": True}, "PyTreeDef({'w': *})"),
+        (lambda p: {"w": True, "b": False, "c": True}, "PyTreeDef({'b': *, 'c': *, 'w': *})"),
+        ({"w": {"x": True}, "b": False}, "PyTreeDef({'b': *, 'w': {'x': *}})"),
+    ):
+        with pytest.raises(ValueError, match="`weight_decay_mask`") as info:
+            _decay_mask_init(recipe, mask)
+        assert type(info.value) is ValueError
+        assert tree in str(info.value)
+        assert "PyTreeDef({'b': *, 'w': *})" in str(info.value)
+    for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False}, True, None):
+        state = _decay_mask_init(recipe, mask)
+        assert len(jax.tree.leaves(state)) > 0

@@ -660,7 +660,8 @@ def onebit_adam(
       weight_decay: AdamW's decoupled weight decay ``wd`` (>= 0; 0: Adam), scaled by the
         learning rate as ``optax.adamw``; computed from the params, so nothing is sent.
       weight_decay_mask: None (decay every param) or, as ``optax.adamw``'s ``mask``, a tree
-        of bools like the params (or a callable of the params giving one): True where decayed.
+        of bools like the params or a prefix of them (or a callable of the params giving one):
+        True where decayed. ``init`` refuses one of another tree, naming both structures.
       rescale_variance: True (default): the frozen variance follows each leaf's gradient
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
@@ -680,7 +681,8 @@ def onebit_adam(
 
     Raises:
       ValueError: at construction, ``freeze_step``, ``b1``, ``b2``, ``eps``, ``weight_decay`` or
-        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
+        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md);
+        at ``init``, a ``weight_decay_mask`` that is no prefix of the params' tree.
       TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``weight_decay_mask``,
         ``worker_momentum``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong
         kind.
@@ -699,7 +701,7 @@ def onebit_adam(
       Large-Scale Large-Batch Training with LAMB's Convergence Speed", HiPC 2022 (a frozen
       variance corrected by a scaling from fresh statistics).
     """
-    return optax.chain(
+    chain = optax.chain(
         scale_by_onebit_adam(
             axis_name,
             freeze_step=freeze_step,
@@ -714,6 +716,38 @@ def onebit_adam(
         *decoupled_weight_decay(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+    return checking_decay_mask(chain, weight_decay_mask)
+
+
+def checking_decay_mask(tx: optax.GradientTransformationExtraArgs, mask: Any):
+    """``tx`` (a recipe's chain) whose ``init`` first refuses a ``weight_decay_mask`` that is
+    no prefix of the params' tree (:func:`check_decay_mask_tree`); its update is ``tx``'s."""
+    if mask is None:
+        return tx
+
+    def init_fn(params):
+        check_decay_mask_tree(mask, params)
+        return tx.init(params)
+
+    return tx._replace(init=init_fn)
+
+
+def check_decay_mask_tree(mask: Any, params: Any) -> None:
+    """``weight_decay_mask`` (a callable: what it gives for ``params``) must be a prefix of
+    the params' tree, as ``optax.masked`` maps it over them; otherwise a ValueError naming it
+    and both structures (jax's own error named neither)."""
+    tree = mask(params) if callable(mask) else mask
+    structure = jax.tree.structure(tree)
+    try:
+        structure.flatten_up_to(params)
+    except ValueError as e:
+        given = "`weight_decay_mask` gives" if callable(mask) else "`weight_decay_mask` has"
+        raise ValueError(
+            f"{given} the tree structure {structure}, which is not a prefix of the params' "
+            f"{jax.tree.structure(params)} ({str(e).splitlines()[0][:120]}): the mask must be a "
+            "tree of bools like the params, or a prefix of them (one bool for a whole subtree), "
+            "as optax.adamw's `mask`"
+        ) from None
 
 
 def decoupled_weight_decay(weight_decay: Any, mask: Any) -> tuple:

@@ -23,6 +23,7 @@ from jaxcomp._src.onebit_adam import (
     bounded_step,
     check_flag,
     check_number,
+    checking_decay_mask,
     decoupled_weight_decay,
     filled_variance,
     gradient_mean,
@@ -599,7 +600,9 @@ def zero_one_adam(
       b2: the variance's decay.
       eps: added to the square root of the variance.
       weight_decay: AdamW's decoupled weight decay (>= 0; 0: Adam), as ``optax.adamw``.
-      weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask``.
+      weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask`` (a tree of
+        bools like the params or a prefix of them, or a callable giving one; ``init`` refuses one
+        of another tree).
       rescale_variance: True (default): between variance rounds each leaf's variance follows
         the gradients' level (one float32 per leaf per step on the wire); False: it stays
         as the last variance round left it. A Python bool (``optax.inject_hyperparams``
@@ -624,7 +627,8 @@ def zero_one_adam(
       ValueError: at construction, ``var_freeze_step``, ``warmup_steps``, ``var_update_scaler``,
         ``local_step_scaler``, ``local_step_clipper``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
         ``variance_rounds`` or ``axis_name`` outside its rule (the message names the argument; the
-        rules: docs/errors.md).
+        rules: docs/errors.md); at ``init``, a ``weight_decay_mask`` that is no prefix of the
+        params' tree.
       TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
         ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound`` or
         ``axis_name`` of the wrong kind.
@@ -637,7 +641,7 @@ def zero_one_adam(
       Lu, Li, Zhang, De Sa, He, "Maximizing Communication Efficiency for Large-scale Training
       via 0/1 Adam", ICLR 2023 (arXiv 2202.06009, 2022).
     """
-    return optax.chain(
+    chain = optax.chain(
         scale_by_zero_one_adam(
             axis_name,
             var_freeze_step=var_freeze_step,
@@ -657,3 +661,4 @@ def zero_one_adam(
         *decoupled_weight_decay(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
+    return checking_decay_mask(chain, weight_decay_mask)

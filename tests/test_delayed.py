@@ -205,3 +205,23 @@ def test_axis_name_with_an_exchanging_tx_is_refused_naming_axis_name():
         ValueError, match=r"delayed: `axis_name`='data' averages.*leave `axis_name` out"
     ):
         fn.lower(put(grads(0)), state)
+
+
+def test_only_the_marked_refusal_is_rewritten():
+    """delayed tells the inner exchange's refusal of averaged gradients by its mark
+    (``skeleton.INVARIANT_GRADIENTS``), not by its text: another ValueError of ``tx`` that
+    happens to say "identical on every device" reaches the user as ``tx`` raised it (until
+    2026-11-27 delayed matched that text and replaced it by its `axis_name` advice), and the
+    refusal itself is exactly a ValueError (tests/test_config_errors.py checks the type)."""
+
+    def update(updates, state, params=None):
+        raise ValueError("my_tx: these gradients are identical on every device, as meant")
+
+    mine = optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+    fn, state, put = _axis_name_step(jc.delayed(mine, axis_name="data"))
+    with pytest.raises(ValueError, match="^my_tx: these gradients"):
+        fn.lower(put(grads(0)), state)
+    fn, state, put = _axis_name_step(jc.delayed(wrapped(), axis_name="data"))
+    with pytest.raises(ValueError, match="leave `axis_name` out") as info:
+        fn.lower(put(grads(0)), state)
+    assert type(info.value) is ValueError and info.value.__cause__ is None

@@ -110,7 +110,7 @@ def delayed(
             try:
                 return tx.update(previous, inner, params, **extra_args)
             except ValueError as e:
-                if "identical on every device" not in str(e):
+                if not skeleton.is_refusal(e, skeleton.INVARIANT_GRADIENTS):
                     raise
                 raise ValueError(
                     f"delayed: `axis_name`={axis_name!r} averages the gradients before `tx`, "

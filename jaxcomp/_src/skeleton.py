@@ -202,7 +202,7 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     names = collectives.axis_names(axis_name)
     bad = _invariant_leaves(updates, names)
     if bad:
-        raise ValueError(
+        error = ValueError(
             f"{name}: the gradients (`updates`) at {_short(bad)} are identical on every device of "
             f"axis {axis_name!r} (jax's varying-axes type: invariant). They were already "
             "summed over the devices: params passed to shard_map as P() and differentiated "
@@ -217,6 +217,24 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
             "use jc.accumulate(tx, every_k), whose accumulator is per device and which "
             "exchanges once per update (MultiSteps runs the exchange on every mini-step)."
         )
+        raise marked(INVARIANT_GRADIENTS, error)
+
+
+#: The refusal of :func:`check_varying_gradients`, as its ValueError's ``jaxcomp_refusal``.
+INVARIANT_GRADIENTS = "invariant_gradients"
+
+
+def marked(refusal: str, error: ValueError) -> ValueError:
+    """``error`` with ``error.jaxcomp_refusal = refusal``: a caller (``jc.delayed``) tells this
+    refusal from other ValueErrors by :func:`is_refusal`, not by its text, and the type stays
+    exactly ValueError (the type docs/errors.md documents and the tests check)."""
+    error.jaxcomp_refusal = refusal
+    return error
+
+
+def is_refusal(error: BaseException, refusal: str) -> bool:
+    """Whether ``error`` is jaxcomp's ``refusal`` (:func:`marked`)."""
+    return getattr(error, "jaxcomp_refusal", None) == refusal
 
 
 def check_per_device(name: str, state: Any, axis_name: Any) -> None:

@@ -358,7 +358,9 @@ def check_fields(
         got = getattr(state, field)
         got_s = jax.tree.map(lambda a: tuple(jnp.shape(a)), got)
         want_s = jax.tree.map(lambda a: tuple(a.shape), want)
-        if jax.tree.structure(got_s) == jax.tree.structure(want_s) and got_s == want_s:
+        # Leaves compared, not the trees: `==` on a custom pytree node without `__eq__`
+        # (jax.tree_util.register_pytree_node) is identity, False for equal shapes.
+        if _same_shapes(got_s, want_s):
             continue
         raise ValueError(
             f"{name} state field `{field}` has shapes {_short(got_s)} but these gradients need "
@@ -370,6 +372,13 @@ def check_fields(
         )
     if axis_name is not None:
         check_per_device(name, state, axis_name)
+
+
+def _same_shapes(got: Any, want: Any) -> bool:
+    """Whether two trees of shapes have the same structure and the same shapes, leaf by leaf."""
+    return jax.tree.structure(got) == jax.tree.structure(want) and jax.tree.leaves(
+        got
+    ) == jax.tree.leaves(want)
 
 
 def check_state(

@@ -211,13 +211,23 @@ def _after_memory(outs: list, memory: Any, axes: Any, residual: bool = True) -> 
     return [after(o, dep) for o in outs]
 
 
+def _outputs(kind: Any, means: list, estimate: Any) -> list:
+    """The transform's output per compressed leaf from the exchanged means: the mean itself,
+    or EF21's new estimate ``h + mean`` (``estimate``: the state field ``h``)."""
+    estimate = skeleton.vectors(estimate) if kind == "ef21" else [None] * len(means)
+    return [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
+
+
 def _worker_momentum(beta, nesterov: bool, layout: layouts.Layout, field, grads, plain):
     """Per device, on every floating leaf: ``m_i <- beta m_i + (1 - beta) g_i``.
 
     Returns the new momenta (``[compressed, plain]`` vectors) and what is sent in place of
     the gradients: the momentum, or Nesterov's look-ahead ``beta m_i + (1 - beta) g_i``
-    with the new ``m_i`` (compressed vectors, plain leaves in their shapes).
+    with the new ``m_i`` (compressed vectors, plain leaves in their shapes). Without worker
+    momentum (``beta`` None): None and the gradients as they are.
     """
+    if beta is None:
+        return None, grads, plain
     flat_plain = [jnp.ravel(g).astype(jnp.float32) for g in plain]
     old = layouts.split_floats(layout, skeleton.vectors(field))
     momentum = [
@@ -492,11 +502,9 @@ def compressed_allreduce(
         )
         grads = layouts.compressed_vectors(updates, layout)
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
-        momentum = None
-        if beta is not None:
-            momentum, grads, plain = _worker_momentum(
-                beta, worker_nesterov, layout, state.momentum, grads, plain
-            )
+        momentum, grads, plain = _worker_momentum(
+            beta, worker_nesterov, layout, state.momentum, grads, plain
+        )
         plain_out, plain_bad = skeleton.plain_means(plain, every_axis, bucket_bytes)
         kind = error_feedback if grads else None
         key, step_key = jax.random.split(state.key)
@@ -549,9 +557,8 @@ def compressed_allreduce(
             )
 
         reduced = reduce_in_regime()
-        means, sent = plan.join(reduced.mean), plan.join(reduced.sent)
-        estimate = skeleton.vectors(state.estimate) if kind == "ef21" else [None] * len(means)
-        outs = [feedback.output(m, h, kind) for m, h in zip(means, estimate, strict=True)]
+        sent = plan.join(reduced.sent)
+        outs = _outputs(kind, plan.join(reduced.mean), state.estimate)
 
         step = (updates, grads, layout, state)
         errors = _residuals(kind, residual_how, step, plan, reduced, fused)

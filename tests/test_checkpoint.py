@@ -535,3 +535,135 @@ def test_restore_into_params_of_another_tree(tmp_path):
             assert memory[k].sharding.spec == P("data", *[None] * len(shapes[k]))
             np.testing.assert_array_equal(np.asarray(got["params"][k]), 3.0 if new else 2.0)
     ckpt.close()
+
+
+# --------------------------------------------------------------------------- mid-cycle resumes
+#
+# The contract suites restore every row of theirs at step 2 of 4 (tests/test_contract.py,
+# tests/test_contract_replicas.py). These are the stateful transforms and phases they do not
+# save in: a key drawn every step (random-k), DGC's density warm-up, 1-bit Adam before its
+# freeze, PowerSGD before start_step, the one-step-late jc.delayed, SparseLoCo's "previous"
+# mask, gossip mixing every 2nd step on the exponential graph. Each is saved at step 3 of 7
+# (mid-phase), restored with orbax into the abstract state of a fresh transform's
+# jc.sharded_init and run on by the same compiled step, which it must not retrace. (Run on by
+# a step traced from the fresh transform, as a new process does, they gave the same bits too:
+# one compile per row is what keeps this under 20 s.)
+
+MID_SHAPES = {"w": (32, 32), "b": (32,)}  # w compressed (min_size 64), b averaged
+
+
+def mid_cycle_transforms():
+    import optax
+
+    import jaxcomp as jc
+
+    small = {"min_size": 64}
+    replicated = {
+        "sgd_random_k": lambda: jc.sgd(0.1, jc.random_k(0.1), "data", seed=3, **small),
+        "dgc_mid_warmup": lambda: jc.dgc(0.05, "data", warmup_steps=6, **small),
+        "onebit_adam_before_freeze": lambda: jc.onebit_adam(1e-2, "data", freeze_step=5, **small),
+        "powersgd_before_start": lambda: optax.chain(
+            jc.powersgd(2, "data", start_step=5, **small), optax.sgd(0.1, momentum=0.9)
+        ),
+        "delayed_sgd": lambda: jc.delayed(jc.sgd(0.1, jc.sign(), "data", **small)),
+    }
+    replicas = {
+        "sparseloco_previous": lambda: jc.sparseloco(
+            optax.adam(0.01), "data", 2, mask="previous", density=0.25, explore=0.25, **small
+        ),
+        "gossip_exponential_every2": lambda: jc.gossip(
+            optax.sgd(0.1), "data", topology="exponential", codec=jc.sign(), every=2
+        ),
+    }
+    return {
+        **{k: (v, False) for k, v in replicated.items()},
+        **{k: (v, True) for k, v in replicas.items()},
+    }
+
+
+def _mid_cycle_step(tx, mesh, state, params, per_device_params):
+    """The jitted shard_map step ``(params, state, grads (n, ...)) -> (params, state)``."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    specs = jc.state_specs(state, "data")
+    pspecs = jc.replica_specs(params, "data") if per_device_params else P()
+
+    def step(p, s, g):
+        p = jc.own(p) if per_device_params else p
+        u, s = tx.update(jc.own(g), s, p)
+        p = optax.apply_updates(p, u)
+        return (jc.slot(p) if per_device_params else p), s
+
+    fn = jax.shard_map(
+        step, mesh=mesh, in_specs=(pspecs, specs, P("data")), out_specs=(pspecs, specs)
+    )
+    return jax.jit(fn)
+
+
+@pytest.mark.parametrize("name", sorted(mid_cycle_transforms()))
+def test_resume_mid_cycle_continues_bit_identically(name, tmp_path):
+    import jax
+    import orbax.checkpoint as ocp
+    from helpers import assert_trees_equal, mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    make, per_device_params = mid_cycle_transforms()[name]
+    m, save_at, steps = mesh(), 3, 7
+    rng = np.random.default_rng(0)
+    params = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in MID_SHAPES.items()}
+    grads = [
+        jax.device_put(
+            {
+                k: (rng.standard_normal((8, *s)) + 0.3).astype(np.float32)
+                for k, s in MID_SHAPES.items()
+            },
+            NamedSharding(m, P("data")),
+        )
+        for _ in range(steps)
+    ]
+
+    def start(tx):
+        state = jc.sharded_init(tx, params, m, "data")
+        if per_device_params:
+            return jc.replica_params(params, m, "data"), state
+        return jax.device_put(params, NamedSharding(m, P())), state
+
+    tx = make()
+    p, s = start(tx)
+    step = _mid_cycle_step(tx, m, s, params, per_device_params)
+    with ocp.StandardCheckpointer() as ckpt:
+        for t in range(steps):
+            if t == save_at:
+                ckpt.save(tmp_path / "ckpt", {"params": p, "opt_state": s})
+                ckpt.wait_until_finished()
+            p, s = jax.block_until_ready(step(p, s, grads[t]))
+        fresh_tx = make()
+        template = start(fresh_tx)
+        abstract = jax.tree.map(
+            ocp.utils.to_shape_dtype_struct, {"params": template[0], "opt_state": template[1]}
+        )
+        restored = ckpt.restore(tmp_path / "ckpt", abstract)
+    rp, rs = restored["params"], restored["opt_state"]
+    for a, b in zip(jax.tree.leaves(template[1]), jax.tree.leaves(rs), strict=True):
+        assert b.sharding.is_equivalent_to(a.sharding, a.ndim) and b.dtype == a.dtype
+    compiled = step._cache_size()
+    for t in range(save_at, steps):
+        rp, rs = jax.block_until_ready(step(rp, rs, grads[t]))
+    assert step._cache_size() == compiled  # the restored state compiles no new program
+    assert_trees_equal(rp, p)
+    assert_trees_equal(rs, s)
+    # Sensitivity: the same steps from a fresh state (what was saved lost) end elsewhere.
+    lost = restored["params"], template[1]
+    for t in range(save_at, steps):
+        lost = step(*lost, grads[t])
+    assert any(
+        not np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(lost[0]), jax.tree.leaves(p), strict=True)
+    ), name

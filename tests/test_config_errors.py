@@ -828,6 +828,18 @@ CHECKS = [
         ValueError,
     ),
     ("state_specs", "state", lambda: jc.state_specs(_nnx_split_state(), "data"), ValueError),
+    (
+        "sharded_init, state_specs",
+        "param_specs",
+        lambda: jc.sharded_init(SGD, _W, mesh(), "data", param_specs={"v": P()}),
+        ValueError,
+    ),
+    (
+        "sharded_init, state_specs",
+        "param_specs",
+        lambda: jc.state_specs(SGD.init(_WB), "data", param_specs=P(), params=_WB),
+        ValueError,
+    ),
     ("nnx_optimizer", "axis_name", lambda: _nnx_optimizer("batch"), ValueError),
     ("nnx_state_specs", "optimizer", lambda: jc.nnx_state_specs({}, "data"), TypeError),
 ]

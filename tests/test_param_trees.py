@@ -6,7 +6,9 @@ a plain dict and in a user's own pytree node give the same numbers, bit for bit.
 
 import jax
 import numpy as np
+import pytest
 from helpers import mesh, per_device, shard
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -62,3 +64,28 @@ def test_state_check_accepts_a_custom_pytree_node_without_eq():
         np.testing.assert_array_equal(a, b)
     # b is small (plain pmean); sign is biased, so jc.sgd looks ahead: -lr (1 + beta) mean g.
     np.testing.assert_allclose(want[1], -0.1 * 1.9 * G["b"].mean(0), rtol=1e-5)
+
+
+def test_param_specs_of_another_tree_are_refused_naming_param_specs():
+    """A transform's ``param_specs`` (data x model mesh) of a tree other than the gradients'
+    failed in jax's "pytree structure error ... shard_map in_specs" (a key more or less) or
+    "zip() argument 3 is longer" (one P() for the tree); refused at trace time now."""
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    params = {"w": W, "b": B}
+    for bad in ({"w": P(None, "model")}, P()):
+        tx = jc.compressed_allreduce(jc.int_quant(8), "data", param_specs=bad)
+        state = jc.sharded_init(tx, params, m, "data")
+
+        def step(g, s, tx=tx):
+            return tx.update(jax.tree.map(lambda a: a[0], g), s, params)[0]
+
+        f = jax.shard_map(
+            step,
+            mesh=m,
+            in_specs=(P("data"), jc.state_specs(state, "data")),
+            out_specs=P(),
+            axis_names={"data"},
+        )
+        grads = jax.tree.map(lambda a: np.stack([a] * 4), params)
+        with pytest.raises(ValueError, match=r"`param_specs` must be a tree like the params"):
+            jax.jit(f).lower(grads, state)

@@ -124,8 +124,45 @@ def _block_shape(shape: tuple, spec: P, mesh: Any) -> tuple:
     return tuple(out)
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P | jax.sharding.Sharding)
+
+
+def check_param_specs(param_specs: Any, params: Any) -> None:
+    """Refuse ``param_specs`` that is not a tree like ``params``, one spec per leaf (an empty
+    slot of ``params``, ``optax.MaskedNode``, may face a spec): a spec tree of other keys or
+    leaves, or one ``P()`` for the whole tree, failed deep inside (IndexError, "zip()
+    argument 2 is shorter", jax's "pytree structure error ... shard_map in_specs"), naming
+    neither the argument nor the params."""
+
+    def one(spec: Any, sub: Any) -> None:
+        if len(jax.tree.leaves(sub)) > 1:
+            raise ValueError(
+                f"one spec, {spec}, for a subtree of {len(jax.tree.leaves(sub))} leaves"
+            )
+
+    try:
+        jax.tree.map(one, param_specs, params, is_leaf=_is_spec)
+    except ValueError as e:
+        got = jax.tree.structure(param_specs, is_leaf=_is_spec)
+        raise ValueError(
+            f"`param_specs` must be a tree like the params, one PartitionSpec (or "
+            f"NamedSharding) per leaf: it has the tree structure {_short(got)} but the params "
+            f"have {_short(jax.tree.structure(params))} ({_short(e)}). Build it from the "
+            "params, e.g. jax.tree.map(lambda a: a.sharding.spec, params) for params placed "
+            "on the mesh, P() for each replicated leaf."
+        ) from None
+
+
+def _short(x: Any) -> str:
+    text = str(x).replace("\n", " ")
+    return text if len(text) < 300 else text[:300] + "..."
+
+
 def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
     """(treedef, spec per param leaf, (global shape, block shape) per param leaf)."""
+    if params is not None:
+        check_param_specs(param_specs, params)
     shaped = params if params is not None else param_specs
     specs, treedef = jax.tree.flatten(
         param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
@@ -174,8 +211,8 @@ def state_specs(
       A tree like ``state`` of ``PartitionSpec``.
 
     Raises:
-      ValueError: ``axis_name`` or ``state`` outside its rule (the message names
-        the argument; the rules: docs/errors.md).
+      ValueError: ``axis_name``, ``state`` or ``param_specs`` outside its rule (the message
+        names the argument; the rules: docs/errors.md).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
@@ -302,8 +339,8 @@ def sharded_init(
     is refused rather than left to desynchronise the replicas.
 
     Raises:
-      ValueError: ``axis_name`` outside its rule (the message names the argument;
-        the rules: docs/errors.md); ``tx`` built differently on different processes (a
+      ValueError: ``axis_name`` or ``param_specs`` outside its rule (the message names the
+        argument; the rules: docs/errors.md); ``tx`` built differently on different processes (a
         replicated state leaf that differs between them, named).
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)

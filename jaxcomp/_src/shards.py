@@ -112,6 +112,7 @@ def _named(spec: P) -> set:
 
 
 def _given_specs(param_specs: Any, updates: Any, state: Any, params: Any) -> tuple:
+    sharding.check_param_specs(param_specs, updates)
     specs = jax.tree.map(
         sharding.spec_of,
         param_specs,

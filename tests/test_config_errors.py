@@ -42,15 +42,15 @@ _W = {"w": np.zeros(64, np.float32)}
 _WB = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
 
 
-def _decay_mask_init(recipe, mask):
-    """``init`` of 1-bit / 0/1 Adam with weight decay under ``weight_decay_mask`` for _WB."""
+def _decay_mask_tx(recipe, mask):
+    """1-bit / 0/1 Adam with weight decay under ``weight_decay_mask``."""
     if recipe == "onebit_adam":
-        tx = jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=0.1, weight_decay_mask=mask)
-    else:
-        tx = jc.zero_one_adam(
-            1e-3, "d", var_freeze_step=9, weight_decay=0.1, weight_decay_mask=mask
-        )
-    return tx.init(_WB)
+        return jc.onebit_adam(1e-3, "d", freeze_step=9, weight_decay=0.1, weight_decay_mask=mask)
+    return jc.zero_one_adam(1e-3, "d", var_freeze_step=9, weight_decay=0.1, weight_decay_mask=mask)
+
+
+def _decay_mask_init(recipe, mask):
+    return _decay_mask_tx(recipe, mask).init(_WB)
 
 
 def _resize(state, axis_name):
@@ -1519,3 +1519,7 @@ def test_weight_decay_mask_of_another_tree_is_refused_at_init_naming_both(recipe
     for mask in ({"w": True, "b": False}, lambda p: {"w": True, "b": False}, True, None):
         state = _decay_mask_init(recipe, mask)
         assert len(jax.tree.leaves(state)) > 0
+    # optax.tree_map_params inits with a placeholder for the params: no mask error there
+    tx = _decay_mask_tx(recipe, {"w": True, "b": False})
+    doubled = optax.tree_map_params(tx, lambda p: 2 * p, tx.init(_WB))
+    assert len(jax.tree.leaves(doubled)) == len(jax.tree.leaves(tx.init(_WB)))

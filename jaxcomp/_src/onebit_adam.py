@@ -661,7 +661,8 @@ def onebit_adam(
         learning rate as ``optax.adamw``; computed from the params, so nothing is sent.
       weight_decay_mask: None (decay every param) or, as ``optax.adamw``'s ``mask``, a tree
         of bools like the params or a prefix of them (or a callable of the params giving one):
-        True where decayed. ``init`` refuses one of another tree, naming both structures.
+        True where decayed. With a weight decay, ``init`` refuses one of another tree, naming
+        both structures.
       rescale_variance: True (default): the frozen variance follows each leaf's gradient
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
@@ -720,14 +721,20 @@ def onebit_adam(
 
 
 def checking_decay_mask(tx: optax.GradientTransformationExtraArgs, mask: Any):
-    """``tx`` (a recipe's chain) whose ``init`` first refuses a ``weight_decay_mask`` that is
-    no prefix of the params' tree (:func:`check_decay_mask_tree`); its update is ``tx``'s."""
+    """``tx`` (a recipe's chain) whose ``init``, where it fails, says so when
+    ``weight_decay_mask`` is no prefix of the params' tree (:func:`check_decay_mask_tree`;
+    jax's own pytree error named neither). An init that succeeds is ``tx``'s own (and so is
+    ``optax.tree_map_params``' call with its placeholder for the params), and so is the
+    update."""
     if mask is None:
         return tx
 
     def init_fn(params):
-        check_decay_mask_tree(mask, params)
-        return tx.init(params)
+        try:
+            return tx.init(params)
+        except ValueError:
+            check_decay_mask_tree(mask, params)
+            raise
 
     return tx._replace(init=init_fn)
 

@@ -601,8 +601,8 @@ def zero_one_adam(
       eps: added to the square root of the variance.
       weight_decay: AdamW's decoupled weight decay (>= 0; 0: Adam), as ``optax.adamw``.
       weight_decay_mask: None (decay every param) or ``optax.adamw``'s ``mask`` (a tree of
-        bools like the params or a prefix of them, or a callable giving one; ``init`` refuses one
-        of another tree).
+        bools like the params or a prefix of them, or a callable giving one; with a weight decay,
+        ``init`` refuses one of another tree).
       rescale_variance: True (default): between variance rounds each leaf's variance follows
         the gradients' level (one float32 per leaf per step on the wire); False: it stays
         as the last variance round left it. A Python bool (``optax.inject_hyperparams``

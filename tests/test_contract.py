@@ -850,3 +850,31 @@ def test_bf16_memory_halves_the_state_and_tracks_float32():
         for k in ("w", "v"):
             diff = np.linalg.norm(bf16_outs[t][k] - f32_outs[t][k])
             assert diff <= 0.01 * np.linalg.norm(f32_outs[t][k]), (t, k)
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "two_phase"])
+def test_bf16_memory_with_a_codec_that_keeps_no_memory(strategy):
+    """``memory_dtype="bfloat16"`` with an unbiased codec, whose ``error_feedback="auto"``
+    keeps no memory (stochastic int4): the same outputs as the float32 default, bit for bit
+    (there is no memory to round). It raised "isfinite requires ndarray or scalar arguments,
+    got <class 'NoneType'>" while tracing (the absent memory was stored as bfloat16) until
+    2026-11-27."""
+    from helpers import per_device, shard
+
+    params = {"w": np.zeros((64, 48), np.float32)}
+    g = shard({"w": np.random.default_rng(0).standard_normal((N, 64, 48)).astype(np.float32)})
+    outs = []
+    for memory_dtype in (None, "bfloat16"):
+        tx = jc.compressed_allreduce(
+            jc.int_quant(4, stochastic=True), "data", strategy=strategy, memory_dtype=memory_dtype
+        )
+        state = jc.sharded_init(tx, params, mesh_of(ROWS[0])[0], "data")
+        assert state.memory is None
+        specs = jc.state_specs(state, "data")
+        fn = per_device(
+            lambda g, s, tx=tx: tx.update(jax.tree.map(lambda a: a[0], g), s),
+            (P("data"), specs),
+            (P(), specs),
+        )
+        outs.append(fn(g, state)[0])
+    assert_trees_equal(outs[0], outs[1])

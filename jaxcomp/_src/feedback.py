@@ -147,9 +147,10 @@ def to_memory(x: jax.Array, dtype: Any) -> jax.Array:
     Finite values beyond the type's largest finite value are clipped to it (float32's
     3.4e38 would round to bfloat16's inf, float16 overflows at 65504), so a finite memory
     never becomes inf by being stored; NaN and inf stay what they are (a non-finite step is
-    frozen before it is stored, ``skeleton.freeze``).
+    frozen before it is stored, ``skeleton.freeze``). None (a codec that keeps no memory,
+    ``error_feedback=None`` or an unbiased codec's ``"auto"``) stays None.
     """
-    if dtype == jnp.float32:
+    if x is None or dtype == jnp.float32:
         return x
     big = float(jnp.finfo(dtype).max)
     return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)

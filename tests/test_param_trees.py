@@ -4,8 +4,13 @@ A transform's update must not depend on how the params' leaves are held: the sam
 a plain dict and in a user's own pytree node give the same numbers, bit for bit.
 """
 
+import re
+import textwrap
+from pathlib import Path
+
 import jax
 import numpy as np
+import optax
 import pytest
 from helpers import mesh, per_device, shard
 from jax.sharding import AxisType
@@ -89,3 +94,43 @@ def test_param_specs_of_another_tree_are_refused_naming_param_specs():
         grads = jax.tree.map(lambda a: np.stack([a] * 4), params)
         with pytest.raises(ValueError, match=r"`param_specs` must be a tree like the params"):
             jax.jit(f).lower(grads, state)
+
+
+def _index_block(containing: str) -> str:
+    """The (indented) python block of docs/index.md that contains ``containing``."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text()
+    blocks = re.findall(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M)
+    found = [textwrap.dedent(b) for _, b in blocks if containing in b]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_one_exchange_in_front_of_multi_transform_keeps_the_replicas_equal():
+    """docs/index.md: labels split after one exchange, whose mask= sends the adamw leaf
+    through plain pmean; every device holds the same params, b stepped by adamw of the mean.
+    Two exchanges chained: the second refuses the first one's mean, naming `updates`."""
+    ns = {"jc": jc, "optax": optax}
+    exec(_index_block("optax.multi_transform"), ns)
+    params = {"w": W, "b": B}
+    m = mesh()
+
+    def replicas(tx):
+        state = jc.sharded_init(tx, shard(params, m, P()), m, "data")
+        specs = jc.state_specs(state, "data")
+
+        def step(p, s, g):
+            u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+            return jax.tree.map(lambda a: a[None], optax.apply_updates(p, u))
+
+        f = per_device(step, (P(), specs, P("data")), P("data"), m)
+        return f(shard(params, m, P()), state, shard(G, m))
+
+    out = replicas(ns["tx"])
+    for leaf in jax.tree.leaves(out):  # the eight copies of every param are one
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(leaf)[:1].repeat(8, 0))
+    adamw = optax.adamw(1e-3)
+    u, _ = adamw.update(G["b"].mean(0), adamw.init(B), B)
+    np.testing.assert_allclose(np.asarray(out["b"])[0], B + np.asarray(u), rtol=0, atol=1e-7)
+    twice = optax.chain(jc.sgd(0.1, jc.sign(), "data"), jc.compressed_allreduce(jc.sign(), "data"))
+    with pytest.raises(ValueError, match=r"`updates`.*exchange once"):
+        replicas(twice)

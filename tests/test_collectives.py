@@ -256,6 +256,30 @@ def test_two_phase_top_k_splits_its_slots_so_the_owner_drops_nothing():
     assert jc.strategy_bytes(jc.top_k(0.1), 400, N)["two_phase"] == 560
 
 
+def test_two_phase_random_k_owner_resends_the_indices_the_devices_drew():
+    """random_k through two_phase: every device draws chunk j's indices from the same key, so
+    the owner's sum has k nonzeros; its re-encoding (top-k of those k, same bytes) sends them
+    all. The mean is the random-k of the mean chunk by chunk, 8 * 26 = 208 values (a second
+    random-k from another key kept 13 of 4,096, scaled twice: a single mean 22x its norm away,
+    SGD on a convex problem diverged)."""
+    codec = jc.random_k(0.05)
+    first, second = codec.phase_codecs(512, N)
+    assert first == codec and (second.size(512), second.approx) == (26, "exact")
+    assert second.payload_bytes(512) == codec.payload_bytes(512)
+    x = stacked_normal(7, (4096,), offset=1.0)
+    out = np.asarray(pmean_fn(codec, "two_phase")(shard(x), jax.random.PRNGKey(3)))
+    # Chunk by chunk (512 floats), one coordinate of each of the 26 strata, the mean there
+    # times the stratum's size: random-k of the mean, as one shared draw per chunk sends it.
+    mean = np.asarray(x, np.float64).mean(0).reshape(N, 512)
+    starts, sizes = codec.strata(512)
+    for chunk, m in zip(out.reshape(N, 512), mean, strict=True):
+        for start, size in zip(starts, sizes, strict=True):
+            (hit,) = np.flatnonzero(chunk[start : start + size]) + start
+            np.testing.assert_allclose(chunk[hit], size * m[hit], rtol=2e-6)
+    assert int((out != 0).sum()) == 208
+    assert jc.strategy_bytes(codec, 4096, N)["two_phase"] == 2 * (N - 1) * 8 * 26
+
+
 def test_scaled_fp16_pmean_small_gradients_exact_wire_bytes():
     """The default fp16 cast (scaled) averages gradients of 1e-7 over 8 devices to fp16's
     relative rounding, two_phase (float32 sums) at the bytes of the cost model, which

@@ -560,7 +560,9 @@ def mid_cycle_transforms():
     small = {"min_size": 64}
     replicated = {
         "sgd_random_k": lambda: jc.sgd(0.1, jc.random_k(0.1), "data", seed=3, **small),
-        "dgc_mid_warmup": lambda: jc.dgc(0.05, "data", warmup_steps=6, **small),
+        "dgc_mid_warmup": lambda: jc.dgc(
+            0.05, "data", warmup_steps=6, warmup_schedule=(0.75,), **small
+        ),
         "onebit_adam_before_freeze": lambda: jc.onebit_adam(1e-2, "data", freeze_step=5, **small),
         "powersgd_before_start": lambda: optax.chain(
             jc.powersgd(2, "data", start_step=5, **small), optax.sgd(0.1, momentum=0.9)

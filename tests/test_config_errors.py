@@ -228,6 +228,12 @@ CHECKS = [
     ),
     (
         "compressed_allreduce",
+        "server_feedback",
+        lambda: jc.compressed_allreduce(S, "d", error_feedback="ef21", server_feedback=False),
+        ValueError,
+    ),
+    (
+        "compressed_allreduce",
         "worker_momentum",
         lambda: jc.compressed_allreduce(S, "d", worker_momentum=1.0),
         ValueError,

@@ -60,6 +60,23 @@ def _uses_server_residual(codec: Codec, strategy: str, error_feedback, server_fe
     return strategy == "two_phase" or (strategy == "auto" and not codec.summable)
 
 
+def _check_ef21_server(error_feedback, codec: Codec, strategy: str, server_feedback: bool):
+    """EF21 through ``two_phase`` needs the owner's residual: the devices add their own
+    ``c_i`` to ``h_i`` while the global ``h`` adds the owner's re-encoding of ``mean_i c_i``,
+    so ``h = mean_i h_i - s`` holds only with the residual ``s`` kept. Without it the
+    difference grows by every re-encoding error and never returns (sign, 8 devices: ``h``
+    at 1e-5 where ``mean_i h_i`` was 11, the params stalled at 0.87 of their starting
+    distance to the optimum at any learning rate)."""
+    two_phase = strategy == "two_phase" or (strategy == "auto" and not codec.summable)
+    if error_feedback == "ef21" and two_phase and not server_feedback:
+        raise ValueError(
+            "`server_feedback`=False with error_feedback='ef21' through two_phase: the global "
+            "estimate would lose every re-encoding error of the chunk owners for good and stop "
+            "tracking the devices' estimates (a wrong fixed point). Keep server_feedback=True, "
+            "or pass strategy='allgather'"
+        )
+
+
 def _resolve_feedback(error_feedback, codec: Codec, strategy: str):
     """``"auto"`` feedback; majority vote defaults to none (signSGD with majority vote / Signum)."""
     if strategy == "majority_vote":
@@ -341,7 +358,10 @@ def compressed_allreduce(
       seed: seeds the PRNG key kept in the state (stochastic codecs).
       inner_axis_name: a fast mesh axis reduced uncompressed first (hierarchical), or None.
       server_feedback: keep the chunk owner's re-encoding error (two_phase). False keeps the
-        worker residual only (for comparison: it converges less close to uncompressed).
+        worker residual only (for comparison: it converges less close to uncompressed);
+        refused with ``"ef21"``, whose global estimate needs it. With ``"ef21"`` two_phase
+        compresses both ways (EF21 on the devices and on the owners): the stable learning
+        rate is smaller than ``allgather``'s (docs/choosing-a-codec.md).
       worker_momentum: None (default) or ``beta`` in [0, 1): each device compresses its own
         momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). A Python 0
         is None; an array (``optax.inject_hyperparams``) keeps the momentum state.
@@ -386,8 +406,8 @@ def compressed_allreduce(
 
     Raises:
       ValueError: at construction, ``strategy``, ``error_feedback``, ``granularity``, ``min_size``,
-        ``bucket_bytes``, ``seed``, ``worker_momentum``, ``memory_dtype``, ``warmup_steps``,
-        ``axis_name`` or ``inner_axis_name`` outside its rule (the message names the argument; the
+        ``bucket_bytes``, ``seed``, ``server_feedback``, ``worker_momentum``, ``memory_dtype``,
+        ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md).
       TypeError: at construction, ``codec``, ``min_size``, ``bucket_bytes``, ``seed``,
         ``server_feedback``, ``worker_momentum``, ``worker_nesterov``, ``fuse_residuals``,
@@ -425,6 +445,7 @@ def compressed_allreduce(
     if not isinstance(server_feedback, bool):
         raise TypeError(f"`server_feedback` must be a bool, got {server_feedback!r}")
     use_server = _uses_server_residual(codec, strategy, error_feedback, server_feedback)
+    _check_ef21_server(error_feedback, codec, strategy, server_feedback)
     beta = check_momentum("worker_momentum", worker_momentum)
     if not isinstance(worker_nesterov, bool):
         raise TypeError(f"`worker_nesterov` must be a bool, got {worker_nesterov!r}")

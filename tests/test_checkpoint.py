@@ -1,8 +1,10 @@
 """Checkpoints: a jaxcomp state restored in a FRESH process resumes training bit-identically.
 
 Every transform's state saves, restores and continues bit-identically within a process (the
-contract suite, tests/test_contract.py). Here the restore happens in another process, for
-EF21 inside ``jc.accumulate`` (saved in the middle of an accumulation): train 40 steps, saving
+contract suites, tests/test_contract.py and tests/test_contract_replicas.py, and the
+mid-cycle rows below). Here the restore happens in another process, for EF21 inside
+``jc.accumulate`` (saved in the middle of an accumulation) and for ``jc.sgd`` with random-k
+(its key in the state): train 40 steps, saving
 params and optimizer state (per-device memories sharded ``P("data")``) at step 20 with orbax's
 ``StandardCheckpointer``; a fresh process restores the checkpoint onto the same shardings,
 trains the last 20 steps and writes its params; they must equal the uninterrupted run's bit
@@ -37,6 +39,9 @@ def transforms():
             ),
             3,
         ),
+        # random-k draws its indices from the key in the state, split every step: the fresh
+        # process must draw the same ones (steps 20 to 40 from the restored key)
+        "sgd_random_k": jc.sgd(0.05, jc.random_k(0.1), "data", seed=3),
     }
 
 

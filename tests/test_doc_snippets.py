@@ -3,6 +3,7 @@ their page leaves to the reader (params, batch, loss). A wrong snippet is a wron
 copies; these fail when a block stops running or stops computing what its prose says.
 """
 
+import ast
 import re
 from pathlib import Path
 
@@ -100,3 +101,39 @@ def test_index_page_step_trains_at_one_bit():
     # The error-feedback momentum is per device (P("data")), and the devices' copies differ.
     mom = opt_state[0].momentum["w"]
     assert mom.sharding.spec[0] == "data" and np.abs(np.diff(np.asarray(mom), axis=0)).max() > 0
+
+
+def _lm_code_blocks() -> list:
+    """The ```python blocks of docs/lm.md's "The code" section, in order."""
+    text = (ROOT / "docs/lm.md").read_text()
+    section = text.split("\n## The code\n", 1)[1].split("\n## ", 1)[0]
+    return BLOCK.findall(section)
+
+
+def test_lm_page_recipes_build_with_the_schedules_their_prose_says():
+    """docs/lm.md, "The code": every block builds its transforms, whose init runs on a small
+    params tree, and the schedules are the prose's: DeMo's peak held after a 2% warm-up and
+    a tenth at the end, the held lrs' 5% warm-up (``steps // 20``) to the peak."""
+    blocks = _lm_code_blocks()
+    assert len(blocks) == 6
+    steps, params = 300, {"w": jnp.ones((64, 48)), "b": jnp.zeros(48)}
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 4.5e-3, 15, steps, 4.5e-4)
+    built = []
+    for code in blocks:
+        ns, txs = _run("", steps=steps, d_model=64, schedule=schedule), []
+        for statement in ast.parse(code).body:  # each ``tx = ...`` of the block kept
+            exec(compile(ast.Module([statement], []), "<doc block>", "exec"), ns)
+            if "tx" in {getattr(t, "id", None) for t in getattr(statement, "targets", [])}:
+                txs.append(ns["tx"])
+        assert txs, code
+        for tx in txs:
+            assert jax.tree.leaves(jax.eval_shape(tx.init, params))
+        built.append((ns, len(txs)))
+    assert [n for _, n in built] == [2, 2, 1, 1, 4, 1]
+    demo, muloco = built[2][0], built[3][0]
+    assert demo["peak"] == 6e-3
+    lr = demo["lr"]
+    assert float(lr(0)) == 0.0 and float(lr(6)) == np.float32(6e-3)
+    assert float(lr(239)) == np.float32(6e-3)
+    np.testing.assert_allclose(float(lr(steps)), 6e-4, rtol=1e-6)
+    assert float(muloco["lr"](15)) == np.float32(4.5e-3) and float(muloco["lr"](7)) < 4.5e-3

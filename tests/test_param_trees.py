@@ -96,6 +96,26 @@ def test_param_specs_of_another_tree_are_refused_naming_param_specs():
             jax.jit(f).lower(grads, state)
 
 
+@pytest.mark.parametrize("empty", [None, optax.MaskedNode()], ids=["None", "MaskedNode"])
+def test_an_empty_param_slot_keeps_the_model_sharding_of_the_others(empty):
+    """Params with an empty slot (``b``: None or ``optax.MaskedNode``) on a data x model
+    mesh: the spec at that slot (None or ``P()``) is read as the slot's, and ``w``'s memory
+    keeps its model axis. Until 2026-11-27 a None spec laid every memory out ``P('data')``
+    (``w``'s memory gathered on every model shard, silently) and ``P()`` failed with
+    "zip() argument 2 is longer than argument 1"; one ``P()`` for a subtree is refused."""
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    tx = jc.compressed_allreduce(jc.int_quant(8), "data", min_size=10)
+    params = {"w": W, "b": empty}
+    for b_spec in (None, P()) if empty is None else (P(),):
+        specs = {"w": P(None, "model"), "b": b_spec}
+        state = jc.sharded_init(tx, params, m, "data", param_specs=specs)
+        assert state.memory["w"].sharding.spec == P("data", None, "model")
+        laid = jc.state_specs(state, "data", param_specs=specs, params=params)
+        assert laid.memory == {"w": P("data", None, "model"), "b": empty}
+    with pytest.raises(ValueError, match=r"`param_specs` must be a tree like the params"):
+        jc.sharded_init(tx, {"w": {"x": W}}, m, "data", param_specs={"w": P()})
+
+
 def _index_block(containing: str) -> str:
     """The (indented) python block of docs/index.md that contains ``containing``."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "index.md").read_text()

@@ -130,16 +130,15 @@ def _is_spec(x: Any) -> bool:
 
 def check_param_specs(param_specs: Any, params: Any) -> None:
     """Refuse ``param_specs`` that is not a tree like ``params``, one spec per leaf (an empty
-    slot of ``params``, ``optax.MaskedNode``, may face a spec): a spec tree of other keys or
-    leaves, or one ``P()`` for the whole tree, failed deep inside (IndexError, "zip()
-    argument 2 is shorter", jax's "pytree structure error ... shard_map in_specs"), naming
-    neither the argument nor the params."""
+    slot of ``params``, None or ``optax.MaskedNode``, may face a spec; a None slot None): a
+    spec tree of other keys or leaves, or one ``P()`` for a subtree, failed deep inside
+    (IndexError, "zip() argument 2 is shorter", jax's "pytree structure error ... shard_map
+    in_specs"), naming neither the argument nor the params."""
 
     def one(spec: Any, sub: Any) -> None:
-        if len(jax.tree.leaves(sub)) > 1:
-            raise ValueError(
-                f"one spec, {spec}, for a subtree of {len(jax.tree.leaves(sub))} leaves"
-            )
+        leaves = jax.tree.leaves(sub)
+        if leaves and not jax.tree_util.treedef_is_leaf(jax.tree.structure(sub)):
+            raise ValueError(f"one spec, {spec}, for a subtree of {len(leaves)} leaves")
 
     try:
         jax.tree.map(one, param_specs, params, is_leaf=_is_spec)
@@ -159,16 +158,23 @@ def _short(x: Any) -> str:
     return text if len(text) < 300 else text[:300] + "..."
 
 
+def _is_slot(x: Any) -> bool:
+    return _is_none(x) or _is_spec(x)
+
+
 def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
-    """(treedef, spec per param leaf, (global shape, block shape) per param leaf)."""
+    """(treedef, spec per param slot, (global shape, block shape) per param slot).
+
+    The slots are the params' leaves and empty slots (None, ``optax.MaskedNode``), as a
+    per-leaf state field holds them (``_field_specs``): an empty slot gets ``P()`` and shape
+    ``()``, whether ``param_specs`` holds None or a spec there."""
     if params is not None:
         check_param_specs(param_specs, params)
     shaped = params if params is not None else param_specs
-    specs, treedef = jax.tree.flatten(
-        param_specs, is_leaf=lambda x: isinstance(x, P | jax.sharding.Sharding)
-    )
-    specs = [spec_of(x) for x in specs]
-    shapes = [tuple(jnp.shape(x)) for x in jax.tree.leaves(shaped)]
+    slots, treedef = jax.tree.flatten(shaped, is_leaf=_is_slot)
+    given = treedef.flatten_up_to(param_specs)
+    specs = [P() if _is_none(s) else spec_of(s) for s in given]
+    shapes = [() if _is_none(x) else tuple(jnp.shape(x)) for x in slots]
     if mesh is not None:
         shapes = [(s, _block_shape(s, p, mesh)) for s, p in zip(shapes, specs, strict=True)]
     else:
@@ -375,14 +381,19 @@ def init_state(
     blocks = jax.tree.unflatten(
         treedef,
         [
-            jax.ShapeDtypeStruct(sh[1], jnp.result_type(x))
-            for sh, x in zip(shapes, jax.tree.leaves(params), strict=True)
+            x if _is_none(x) else jax.ShapeDtypeStruct(sh[1], jnp.result_type(x))
+            for sh, x in zip(shapes, jax.tree.leaves(params, is_leaf=_is_none), strict=True)
         ],
     )
     abstract = abstract_init(tx, blocks, mesh, axis_name)
     full = state_specs(abstract, axis_name, param_specs, params, mesh)
     init = jax.shard_map(tx.init, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
-    placed = jax.tree.map(lambda x, p: jax.device_put(x, NamedSharding(mesh, p)), params, spec_tree)
+    placed = jax.tree.map(
+        lambda p, x: x if _is_none(x) else jax.device_put(x, NamedSharding(mesh, p)),
+        spec_tree,
+        params,
+        is_leaf=_is_spec,
+    )
     return jax.jit(init)(placed)
 
 

@@ -54,10 +54,15 @@ class CompressedAllreduceState(NamedTuple):
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
 
 
+def _may_run_two_phase(codec: Codec, strategy: str) -> bool:
+    """``two_phase``, or ``"auto"`` with a codec that is not summable (which may pick it)."""
+    return strategy == "two_phase" or (strategy == "auto" and not codec.summable)
+
+
 def _uses_server_residual(codec: Codec, strategy: str, error_feedback, server_feedback) -> bool:
     if error_feedback is None or not server_feedback:
         return False
-    return strategy == "two_phase" or (strategy == "auto" and not codec.summable)
+    return _may_run_two_phase(codec, strategy)
 
 
 def _check_ef21_server(error_feedback, codec: Codec, strategy: str, server_feedback: bool):
@@ -67,8 +72,7 @@ def _check_ef21_server(error_feedback, codec: Codec, strategy: str, server_feedb
     difference grows by every re-encoding error and never returns (sign, 8 devices: ``h``
     at 1e-5 where ``mean_i h_i`` was 11, the params stalled at 0.87 of their starting
     distance to the optimum at any learning rate)."""
-    two_phase = strategy == "two_phase" or (strategy == "auto" and not codec.summable)
-    if error_feedback == "ef21" and two_phase and not server_feedback:
+    if error_feedback == "ef21" and _may_run_two_phase(codec, strategy) and not server_feedback:
         raise ValueError(
             "`server_feedback`=False with error_feedback='ef21' through two_phase: the global "
             "estimate would lose every re-encoding error of the chunk owners for good and stop "
@@ -407,8 +411,8 @@ def compressed_allreduce(
     Raises:
       ValueError: at construction, ``strategy``, ``error_feedback``, ``granularity``, ``min_size``,
         ``bucket_bytes``, ``seed``, ``server_feedback``, ``worker_momentum``, ``memory_dtype``,
-        ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` outside its rule (the message names the argument; the
-        rules: docs/errors.md).
+        ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` outside its rule (the message
+        names the argument; the rules: docs/errors.md).
       TypeError: at construction, ``codec``, ``min_size``, ``bucket_bytes``, ``seed``,
         ``server_feedback``, ``worker_momentum``, ``worker_nesterov``, ``fuse_residuals``,
         ``adaptive``, ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.

@@ -753,7 +753,12 @@ def threshold_2bit(threshold: float = 0.5) -> Threshold2Bit:
     ``C(x)_i = t`` if ``x_i >= t``, ``-t`` if ``x_i <= -t``, else ``0``: 2-bit codes, 16 per
     uint32 word, no scale on the wire (``t`` is static). Biased: what is not sent must stay
     in the residual error-feedback memory (the default) and goes out once it grows past
-    ``t``, as in MXNet, so pick ``t`` near the typical gradient magnitude.
+    ``t``, as in MXNet, so pick ``t`` near the typical gradient magnitude. Not contractive:
+    a device sends at most ``t`` per value and step, so where its gradient stays above ``t``
+    its memory grows by ``|g| - t`` every step, without bound, and training converges to the
+    point where the mean of the clipped gradients vanishes, not to the optimum of the mean
+    loss (measured: docs/choosing-a-codec.md, "What each exchange converges to"). ``t``
+    above every device's gradient keeps the memory under ``t``.
 
     Args:
       threshold: ``t`` > 0.

@@ -992,6 +992,13 @@ TRACE_CHECKS = [
         lambda x: jc.clip_by_global_norm(1.0, "data").update({"z": x["w"] * 1j}, None)[0],
         TypeError,
     ),
+    # Gradients already the mean (chained after an exchange): clipped at c sqrt(n), refused.
+    (
+        "clip_by_global_norm (update)",
+        "updates",
+        lambda x: jc.clip_by_global_norm(1.0, "data").update(jax.lax.pmean(x, "data"), None)[0],
+        ValueError,
+    ),
     # An integer param's gradient (float0, or an int array) in an optimizer recipe: refused.
     *[
         ("sgd, onebit_adam, zero_one_adam, demo (update)", "updates", call, TypeError)

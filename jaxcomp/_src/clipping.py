@@ -43,6 +43,26 @@ def safe_global_norm(tree: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(scale), scale * root, scale)
 
 
+def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> None:
+    """Refuse gradients typed identical on every device (``shard_map(..., check_vma=True)``):
+    chained after an exchange, :func:`clip_by_global_norm` receives the mean, and its
+    per-device threshold ``c sqrt(n)`` would clip that mean ``sqrt(n)`` times looser than
+    asked (8 devices: at 2.83 for ``c = 1``), with no error."""
+    if not skeleton.tracks_variance(axis_name):
+        return
+    bad = skeleton.invariant_leaves(updates, collectives.axis_names(axis_name))
+    if bad:
+        raise ValueError(
+            f"clip_by_global_norm: the gradients (`updates`) at {bad[:5]} are identical on "
+            f"every device of axis {axis_name!r}: already the mean (chained after a jaxcomp "
+            "exchange?). It clips each device's own gradient, at c sqrt(n) unless bound=True, "
+            "so the mean would be clipped sqrt(n) times looser than `max_norm`. To clip the "
+            f"mean, chain optax.clip_by_global_norm({max_norm!r}) after the exchange; to "
+            "clip before it (recipes that exchange a momentum), chain this before the "
+            "exchange, on the per-device gradients."
+        )
+
+
 def clip_by_global_norm(
     max_norm: float, axis_name: Any, *, bound: bool = False
 ) -> optax.GradientTransformation:
@@ -89,6 +109,9 @@ def clip_by_global_norm(
         the rules: docs/errors.md).
       TypeError: at construction, ``max_norm`` or ``bound`` of the wrong kind.
 
+    The update refuses gradients already identical on every device (``check_vma=True``),
+    the mean of an exchange chained before it, with ValueError naming ``updates``.
+
     Example::
 
         tx = optax.chain(jc.clip_by_global_norm(1.0, "data"), jc.sgd(0.1, jc.sign(), "data"))
@@ -107,6 +130,7 @@ def clip_by_global_norm(
     def update_fn(updates, state, params=None):
         del params
         skeleton.check_real("clip_by_global_norm", updates)  # it would pass unclipped
+        check_per_device_gradients(updates, axis_name, max_norm)
         n = collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
         # A norm past float32's range (finite values) or above 2^126 (limit / norm flushed

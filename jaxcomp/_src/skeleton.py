@@ -175,7 +175,7 @@ def tracks_variance(axis_name: Any) -> bool:
     return all(a in varying_axes(jax.lax.axis_index(a)) for a in names)
 
 
-def _invariant_leaves(tree: Any, names: tuple) -> list[str]:
+def invariant_leaves(tree: Any, names: tuple) -> list[str]:
     """Paths of the non-scalar floating leaves of ``tree`` typed invariant over ``names``."""
     out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -200,7 +200,7 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     if not tracks_variance(axis_name):
         return
     names = collectives.axis_names(axis_name)
-    bad = _invariant_leaves(updates, names)
+    bad = invariant_leaves(updates, names)
     if bad:
         error = ValueError(
             f"{name}: the gradients (`updates`) at {_short(bad)} are identical on every device of "
@@ -252,7 +252,7 @@ def check_per_device(name: str, state: Any, axis_name: Any) -> None:
         return
     names = collectives.axis_names(axis_name)
     for field in fields:
-        bad = _invariant_leaves(getattr(state, field), names)
+        bad = invariant_leaves(getattr(state, field), names)
         if bad:
             raise ValueError(
                 f"{name} state field `{field}` (one value per device) entered the step "

@@ -243,6 +243,49 @@ def test_onebit_adam_warmup_is_adam_and_identity_stays_adam_with_rescaled_varian
         assert float(ours.level_ref[k]) == pytest.approx(ref[k] if rescale else 0.0, rel=1e-5)
 
 
+def test_onebit_adam_restored_past_a_lower_freeze_step_fills_its_variance():
+    """A 1-bit Adam state saved in its warm-up (count 5 of ``freeze_step=8``) with half of
+    ``w`` unseen (variance 0) and run with ``freeze_step=3``: the variance is filled at once
+    (the unseen coordinates take the leaf's mean, the others kept bit for bit) and the unseen
+    coordinates move from the next step. The fill ran only at count ``freeze_step - 1``, so
+    they kept a zero preconditioner and never moved again (output 0 there; until 2026-11-27)."""
+    tx = jc.onebit_adam(LR, "data", freeze_step=3, min_size=64)
+    m = mesh()
+    p = jax.device_put(params(), NamedSharding(m, P()))
+    fresh = jc.sharded_init(tx, p, m, "data")
+    specs = jc.state_specs(fresh, "data")
+    rng = np.random.default_rng(1)
+    nu = {k: rng.uniform(0.5, 1.5, s).astype(np.float32) for k, s in SHAPES.items()}
+    nu["w"][:, :24] = 0.0
+    adam = fresh[0]  # (OneBitAdamState, the scale's EmptyState)
+    saved = (
+        adam._replace(
+            count=jax.device_put(np.int32(5), adam.count.sharding),
+            nu=jax.tree.map(lambda a, x: jax.device_put(x, a.sharding), adam.nu, nu),
+        ),
+        *fresh[1:],
+    )
+
+    def step(g, s, p):
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return u, s
+
+    run = Blocking(
+        jax.jit(
+            jax.shard_map(step, mesh=m, in_specs=(P("data"), specs, P()), out_specs=(P(), specs))
+        )
+    )
+    state, outs = saved, []
+    for t in range(2):
+        out, state = run(jax.device_put(grads(t), NamedSharding(m, P("data"))), state, p)
+        outs.append(np.asarray(out["w"]))
+        if t == 0:
+            after = np.asarray(state[0].nu["w"])
+            np.testing.assert_array_equal(after[:, 24:], nu["w"][:, 24:])
+            np.testing.assert_allclose(after[:, :24], nu["w"][:, 24:].mean(), rtol=1e-5)
+    assert np.isfinite(outs[1]).all() and np.abs(outs[1][:, :24]).min() > 0
+
+
 def test_onebit_adam_momentum_exchange_conserves():
     """Compression stage, in the preconditioned units u = m / (sqrt(v_hat) + eps) the
     momentum travels in: u_t + held_t == mean_i clip(u(b1 m_{t-1} + (1 - b1) g_{i,t}), B_t)

@@ -439,8 +439,11 @@ def scale_by_onebit_adam(
 
     def variance(state, warm, x, bad):
         """Warm-up: Adam's variance moved by the mean gradient ``x``; after: frozen. A
-        non-finite step keeps it. The variance is filled once, as it freezes (a coordinate
-        never seen takes its leaf's mean): after that it is a constant of the state."""
+        non-finite step keeps it. The variance is filled as it freezes (a coordinate never
+        seen takes its leaf's mean): after that it is a constant of the state, which the
+        frozen steps return filled again (the same bits: no zero is left but in a leaf zero
+        everywhere), so that a state restored past a ``freeze_step`` it never reached (saved
+        with a larger one) is filled too; left at zero its unseen coordinates never moved."""
         nu = jax.tree.map(
             lambda v, g: jnp.minimum(b2 * v + (1.0 - b2) * saturating_square(g), F32_MAX),
             state.nu,
@@ -448,7 +451,10 @@ def scale_by_onebit_adam(
         )
         last = state.count == freeze_step - 1
         nu = jax.tree.map(lambda v, f: jnp.where(last, f, v), nu, filled_variance(nu))
-        return jax.tree.map(lambda a, v: jnp.where(warm & ~bad, a, v), nu, state.nu)
+        frozen = filled_variance(state.nu)
+        return jax.tree.map(
+            lambda a, f, v: jnp.where(bad, v, jnp.where(warm, a, f)), nu, frozen, state.nu
+        )
 
     def momentum(state, warm, x, nu, nu_scale, bad):
         """Warm-up: Adam's momentum moved by the mean gradient ``x``; after: ``mu = x``, sent

@@ -677,7 +677,10 @@ def onebit_adam(
         clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) / sqrt((1 - b2)(1 -
         b1^2 / b2))``, 7.27 at the defaults; above) before the codec; False: sent as it is
         (the paper's 1-bit Adam). A Python bool (docs: "1-bit Adam and 0/1 Adam for
-        language models").
+        language models"). The clip acts on each device's own step, before the mean: where
+        the devices' gradients disagree far beyond the mean's (data that differ by device)
+        it clips them unevenly and training stops short of the optimum of the mean loss
+        (docs/choosing-a-codec.md, "What each exchange converges to").
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

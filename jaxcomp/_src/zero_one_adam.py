@@ -614,7 +614,9 @@ def zero_one_adam(
       adam_bound: True (default): each device's momentum step, in preconditioned units, is
         clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (above; times the rounds a synced
         round sends after skipped ones) before the codec; False: sent as it is. A Python
-        bool.
+        bool. Each device's own step is clipped, before the mean: with data that differ by
+        device it stops short of the optimum of the mean loss, as :func:`jaxcomp.onebit_adam`
+        (docs/choosing-a-codec.md, "What each exchange converges to").
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

@@ -225,3 +225,10 @@ def test_only_the_marked_refusal_is_rewritten():
     with pytest.raises(ValueError, match="leave `axis_name` out") as info:
         fn.lower(put(grads(0)), state)
     assert type(info.value) is ValueError and info.value.__cause__ is None
+    # jc.clip_by_global_norm before the exchange refuses the averaged gradients first (its
+    # own refusal, unmarked: without an exchange in tx its advice is the right one); it names
+    # the way out of this one too.
+    clipped = optax.chain(jc.clip_by_global_norm(1.0, "data"), wrapped())
+    fn, state, put = _axis_name_step(jc.delayed(clipped, axis_name="data"))
+    with pytest.raises(ValueError, match=r"^clip_by_global_norm: .*leave `axis_name` out"):
+        fn.lower(put(grads(0)), state)

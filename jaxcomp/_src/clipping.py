@@ -59,7 +59,9 @@ def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> N
             "so the mean would be clipped sqrt(n) times looser than `max_norm`. To clip the "
             f"mean, chain optax.clip_by_global_norm({max_norm!r}) after the exchange; to "
             "clip before it (recipes that exchange a momentum), chain this before the "
-            "exchange, on the per-device gradients."
+            "exchange, on the per-device gradients. (Inside jc.delayed(tx, axis_name=...), "
+            "whose `axis_name` averages the gradients before tx: with a jaxcomp exchange in "
+            "tx, leave `axis_name` out.)"
         )
 
 

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -154,3 +155,21 @@ def test_one_exchange_in_front_of_multi_transform_keeps_the_replicas_equal():
     twice = optax.chain(jc.sgd(0.1, jc.sign(), "data"), jc.compressed_allreduce(jc.sign(), "data"))
     with pytest.raises(ValueError, match=r"`updates`.*exchange once"):
         replicas(twice)
+
+
+def test_python_numbers_among_the_params_init_as_their_arrays():
+    """A Python float or int leaf (a scale held as 1.0, as optax's init takes it) raised
+    AttributeError "'float' object has no attribute 'dtype'" in tx.init of every exchange
+    (the layout read leaf.dtype / leaf.shape); it inits as jnp.asarray of it does."""
+    params = {"w": W, "scale": 1.0, "steps": 3}
+    arrays = jax.tree.map(jnp.asarray, params)
+    for tx in (
+        jc.compressed_allreduce(jc.sign(), "data", min_size=0),
+        jc.dgc(0.1, "data", min_size=0),
+        jc.powersgd(2, "data", min_size=0),
+        jc.gossip(optax.sgd(0.1), "data", codec=jc.sign()),
+    ):
+        got, want = (
+            jax.tree.map(lambda a: (a.shape, a.dtype), tx.init(p)) for p in (params, arrays)
+        )
+        assert got == want

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
@@ -60,7 +61,7 @@ class DGCState(NamedTuple):
 
 def _matrix_mask(tree: Any) -> Any:
     """DGC compresses only tensors with more than one dimension."""
-    return jax.tree.map(lambda leaf: len(leaf.shape) > 1, tree)
+    return jax.tree.map(lambda leaf: np.ndim(leaf) > 1, tree)
 
 
 def _check_schedule(schedule: Any, warmup_steps: int) -> tuple[float, ...] | None:

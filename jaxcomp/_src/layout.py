@@ -71,20 +71,18 @@ def layout_of(tree: Any, min_size: int = 0, mask: Any = None) -> Layout:
     leaves, treedef = jax.tree.flatten(tree)
     flags = jax.tree.leaves(resolve_mask(mask, tree))
     groups = []
-    for leaf, allowed in zip(leaves, flags, strict=True):
-        dtype = jnp.dtype(leaf.dtype)
+    # np.shape / jnp.result_type, not .shape / .dtype: a Python number among the params (a
+    # scale held as 1.0) is a leaf too, as optax's init takes it.
+    shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)
+    dtypes = tuple(jnp.dtype(jnp.result_type(leaf)) for leaf in leaves)
+    for shape, dtype, allowed in zip(shapes, dtypes, flags, strict=True):
         if not jnp.issubdtype(dtype, jnp.floating):
             groups.append(PASSTHROUGH)
-        elif allowed and int(np.prod(leaf.shape)) >= max(min_size, 1):
+        elif allowed and int(np.prod(shape)) >= max(min_size, 1):
             groups.append(COMPRESSED)
         else:
             groups.append(PLAIN)
-    return Layout(
-        treedef,
-        tuple(groups),
-        tuple(tuple(leaf.shape) for leaf in leaves),
-        tuple(jnp.dtype(leaf.dtype) for leaf in leaves),
-    )
+    return Layout(treedef, tuple(groups), shapes, dtypes)
 
 
 def leaves_of(tree: Any, layout: Layout, group: str) -> list[jax.Array]:

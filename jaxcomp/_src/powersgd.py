@@ -145,8 +145,8 @@ def plan_of(
     lowrank = jax.tree.map(
         lambda leaf, ok: (
             bool(ok)
-            and len(leaf.shape) >= 2
-            and compression_rate(tuple(leaf.shape), rank) >= min_compression_rate
+            and np.ndim(leaf) >= 2
+            and compression_rate(tuple(np.shape(leaf)), rank) >= min_compression_rate
         ),
         tree,
         allowed,

@@ -268,11 +268,17 @@ def dgc(
         v_i <- v_i * 1[not S_i],  u_i <- u_i * 1[not S_i]        # momentum factor masking
 
     and ``out`` goes to ``optax.sgd(learning_rate)``, so ``w <- w - lr * out``. What is not
-    sent waits in ``v_i``: nothing is lost, only delayed. Momentum correction accumulates the
-    *velocity* rather than the gradient, so a coordinate sent after ``T`` quiet steps carries
-    the momentum-SGD update of those steps. Momentum factor masking stops the stale momentum
-    of a coordinate that was just sent from pushing it again. (So at ``ratio = 1`` masking
-    zeroes every ``u_i`` each step and DGC is plain SGD on the compressed leaves; with
+    sent waits in ``v_i``: without masking nothing is lost, only delayed. Momentum correction
+    accumulates the *velocity* rather than the gradient, so a coordinate sent after ``T``
+    quiet steps carries the momentum-SGD update of those steps. Momentum factor masking stops
+    the stale momentum of a coordinate that was just sent from pushing it again. That
+    momentum is dropped, not delayed: a device's gradient counts ``1 / (1 - m)`` times where
+    it waits long and less where it is sent often, so where the devices' data differ (each
+    device's own gradient far from the mean's at the optimum) the devices are weighted by how
+    often they send and DGC converges to another point than the minimiser of the mean loss:
+    pass ``momentum_masking=False`` there (measured: docs/choosing-a-codec.md, "What each
+    exchange converges to"). (So at ``ratio = 1`` masking zeroes every ``u_i`` each step and
+    DGC is plain SGD on the compressed leaves; with
     ``momentum_masking=False`` it is exactly momentum SGD on the mean gradient.)
 
     Warm-up (``warmup_steps``, default 200; 0 turns it off): the density ``ratio_t`` falls

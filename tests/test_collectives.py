@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import N, per_device, rel_err, shard, stacked_normal
+from helpers import N, mesh, per_device, rel_err, shard, stacked_normal
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -333,3 +333,38 @@ def test_vmap_axis_name_gives_the_numbers_of_shard_map():
         out, state = step({"w": stacked_normal(t, (40, 50))}, state)
     assert np.isfinite(np.asarray(out["w"])).all() and float(jnp.abs(out["w"]).max()) > 0
     np.testing.assert_array_equal(out["w"][0], out["w"][N - 1])  # the same step everywhere
+
+
+def test_random_k_with_per_device_keys_under_pmap_is_one_mean_everywhere():
+    """``pmap`` and ``check_vma=False`` type every key invariant, so a per-device key
+    (``jax.random.split`` into ``pmap``) reached random-k unrefused: each device drew its own
+    coordinates, the psum added values of different coordinates and each device decoded a
+    different wrong mean (``jc.psum_scatter`` the same). The keys are now made one over the
+    axis (a ``pmax`` of their words): every device gets ``(d/k) P_S(mean)`` for one draw ``S``."""
+    x = stacked_normal(11, (64,))
+    keys = jax.random.split(jax.random.key(3), N)  # one key per device
+    codec = jc.random_k(0.5)
+
+    def check(out, exact, d):
+        out = np.asarray(out)
+        for row in out:  # every device the same answer
+            np.testing.assert_array_equal(row, out[0])
+        kept = out[0] != 0
+        assert kept.sum() == d // 2  # one draw of k = d/2 coordinates
+        np.testing.assert_allclose(out[0][kept], 2 * exact[kept], rtol=1e-5, atol=1e-6)
+
+    mean = jax.pmap(lambda v, k: jc.pmean(v, "i", codec, key=k), axis_name="i")(x, keys)
+    check(mean, np.asarray(x).mean(0), 64)
+    off = jax.jit(
+        jax.shard_map(
+            lambda v, k: jc.psum(v[0], "data", codec, key=k[0])[None],
+            mesh=mesh(),
+            in_specs=(P("data"), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )(shard(x), shard(keys))
+    check(off, np.asarray(x).sum(0), 64)
+    scattered = jax.pmap(lambda v, k: jc.psum_scatter(v, "i", codec, key=k), axis_name="i")
+    out = np.asarray(scattered(x, keys)).reshape(1, -1)  # device i holds chunk i of the sum
+    check(out, np.asarray(x).sum(0), 64)

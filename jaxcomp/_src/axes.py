@@ -24,6 +24,13 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(vma or ())
 
 
+def tracks_variance(axis_name: Any) -> bool:
+    """True inside ``jax.shard_map(..., check_vma=True)`` over every axis of ``axis_name``:
+    there a value's type says whether it differs per device. ``pmap``, ``vmap`` and
+    ``check_vma=False`` do not track it (``axis_index`` is then typed invariant)."""
+    return all(a in varying_axes(jax.lax.axis_index(a)) for a in axis_names(axis_name))
+
+
 def manual_axes() -> frozenset:
     """The mesh axes that are manual where this is traced (inside ``jax.shard_map`` or
     ``jax.pmap``). An axis bound by ``jax.vmap(..., axis_name=...)`` (devices emulated on one)

@@ -119,6 +119,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_axis_name,
     check_mesh_axis,
     gather_to,
+    tracks_variance,
     varying_axes,
 )
 from jaxcomp._src.codecs import packing
@@ -259,6 +260,27 @@ def check_shared_key(key: jax.Array, codec: Codec, axis_name: Any) -> None:
             "every device, so that all pick the same coordinates. Pass the key as it is: "
             "jaxcomp folds in the device index itself where a codec wants independent noise."
         )
+
+
+def shared_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array | None:
+    """The caller's ``key``, made the same on every device of ``axis_name`` where ``codec``
+    needs one key everywhere (random-k) and the key's type cannot say it already is.
+
+    Under ``jax.shard_map(..., check_vma=True)`` a key that varies over the axis is refused
+    (:func:`check_shared_key`) and an invariant one is used as it is. ``pmap``, ``vmap`` and
+    ``check_vma=False`` type every key invariant, so a per-device key (``jax.random.split``
+    into ``pmap``) passed there would give every device its own indices: the summed payloads
+    would add values of different coordinates and each device decode its own, a different
+    wrong mean on each. There the key's words are replaced by their maximum over the devices
+    (one ``pmax`` of 8 bytes for a threefry key): one key, so one draw of ``k`` coordinates
+    ``S`` and the mean ``(d/k) P_S(mean_i x_i)`` on every device, as with a shared key.
+    """
+    if key is None or not codec.shared_randomness or tracks_variance(axis_name):
+        return key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    words = jax.random.key_data(key) if typed else key
+    words = jax.lax.pmax(words, axis_names(axis_name))
+    return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key)) if typed else words
 
 
 # --------------------------------------------------------------------------- strategies
@@ -1068,7 +1090,7 @@ def _mean_of_floats(
         axis_name,
         codec,
         strategy,
-        key,
+        shared_key(key, codec, axis_name) if xs else key,
         None,
         inner_axis_name,
         local_nonfinite(held) if plain else None,  # means: the same on every device

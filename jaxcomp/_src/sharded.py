@@ -49,6 +49,7 @@ from jaxcomp._src.collectives import (
     check_inner_axis,
     device_key,
     local_nonfinite,
+    shared_key,
 )
 from jaxcomp._src.cost import check_codec
 from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
@@ -433,7 +434,10 @@ def psum_scatter(
     dims = _check_scatter_dims(leaves, _paths(tree), scatter_dimension, tiled, n)
     idx = [] if exact(codec) else [i for i, a in enumerate(leaves) if _compressed(a)]
     blocks = [inner_scatter(scatter_blocks(leaves[i], dims[i], n), inner_axis_name) for i in idx]
-    keys = _keys(_inner_key(key, inner_axis_name), len(blocks), codec, axis_name)
+    # random-k's indices must be the same on every device for its payloads to add (pmap and
+    # check_vma=False cannot type a per-device key: shared_key makes it one there)
+    key = shared_key(_inner_key(key, inner_axis_name), codec, axis_name) if blocks else key
+    keys = _keys(key, len(blocks), codec, axis_name)
     s = scatter_rows(blocks, axis_name, codec, keys, bucket_bytes) if blocks else None
     bad = jnp.bool_(False) if s is None else s.bad
     if inner_axis_name is not None and s is not None:

@@ -26,9 +26,10 @@ import jax.numpy as jnp
 
 from jaxcomp._src import collectives, finite, server
 from jaxcomp._src import layout as layouts
-from jaxcomp._src.axes import (
+from jaxcomp._src.axes import (  # noqa: F401  (tracks_variance, varying_axes: re-exported)
     manual_axes,
-    varying_axes,  # noqa: F401  (re-exported)
+    tracks_variance,
+    varying_axes,
 )
 
 
@@ -165,14 +166,6 @@ def _non_empty(collective: Callable, tree: Any, axis_name: Any) -> Any:
         return varying_over(jnp.zeros(a.shape, a.dtype), varying_axes(a) - names)
 
     return treedef.unflatten([next(reduced) if a.size else empty(a) for a in leaves])
-
-
-def tracks_variance(axis_name: Any) -> bool:
-    """True inside ``jax.shard_map(..., check_vma=True)`` over every axis of ``axis_name``:
-    there a value's type says whether it differs per device. ``pmap``, ``vmap`` and
-    ``check_vma=False`` do not track it (``axis_index`` is then typed invariant)."""
-    names = collectives.axis_names(axis_name)
-    return all(a in varying_axes(jax.lax.axis_index(a)) for a in names)
 
 
 def invariant_leaves(tree: Any, names: tuple) -> list[str]:

@@ -368,3 +368,37 @@ def test_random_k_with_per_device_keys_under_pmap_is_one_mean_everywhere():
     scattered = jax.pmap(lambda v, k: jc.psum_scatter(v, "i", codec, key=k), axis_name="i")
     out = np.asarray(scattered(x, keys)).reshape(1, -1)  # device i holds chunk i of the sum
     check(out, np.asarray(x).sum(0), 64)
+
+
+def test_vmap_axes_in_a_tuple_give_the_numbers_of_a_2d_mesh():
+    """Reducing over ``("i", "j")`` where ``jax.vmap`` binds ``i`` (``vmap(pmap)``) or both
+    (``vmap(vmap)``): jax's all_gather over such a tuple failed while batching ("axis size
+    doesn't match"), and jax batched an all_to_all operand that does not vary over a vmap
+    axis (random-k's shared indices) into the wrong shape (verifier error at lowering;
+    ``vmap`` alone over ``"j"``: "Bounds of the scatter dimensions"). Now the bits of a 2 x 4
+    ``shard_map`` mesh."""
+    y = stacked_normal(7, (300,)).reshape(2, 4, 300)
+    key = jax.random.PRNGKey(2)
+    m = jax.make_mesh((2, 4), ("i", "j"), devices=jax.devices()[:8])
+    for codec, strategy in ((jc.int_quant(8), "allgather"), (jc.random_k(0.5), "two_phase")):
+        body = functools.partial(
+            jc.pmean, axis_name=("i", "j"), codec=codec, key=key, strategy=strategy
+        )
+        ref = jax.jit(
+            jax.shard_map(
+                lambda v, b=body: b(v[0, 0])[None, None],
+                mesh=m,
+                in_specs=P("i", "j"),
+                out_specs=P("i", "j"),
+            )
+        )(jax.device_put(y, jax.NamedSharding(m, P("i", "j"))))
+        nested = jax.jit(jax.vmap(jax.vmap(body, axis_name="j"), axis_name="i"))(y)
+        np.testing.assert_array_equal(nested, ref)
+        np.testing.assert_array_equal(
+            jax.vmap(jax.pmap(body, axis_name="j"), axis_name="i")(y), ref
+        )
+    one = functools.partial(
+        jc.pmean, axis_name="j", codec=jc.random_k(0.5), key=key, strategy="two_phase"
+    )
+    out = jax.jit(jax.vmap(one, axis_name="j"))(y[0])
+    np.testing.assert_array_equal(out, jax.pmap(one, axis_name="j")(y[0]))

@@ -119,6 +119,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_axis_name,
     check_mesh_axis,
     gather_to,
+    manual_axes,
     tracks_variance,
     varying_axes,
 )
@@ -308,10 +309,42 @@ def _gather(payloads: list, axis_name: Any, bucket_bytes: int) -> tuple[list, li
     and the gathered buckets."""
     return buckets.exchange(
         payloads,
-        lambda b: jax.lax.all_gather(b, axis_name, to=gather_to(axis_name)),
+        lambda b: all_gather_rows(b, axis_name),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )
+
+
+def all_gather_rows(b: jax.Array, axis_name: Any) -> jax.Array:
+    """``jax.lax.all_gather(b, axis_name)``: ``[n, *b.shape]``, row ``i`` device ``i``'s ``b``
+    (over a tuple of axes ``(a, c)``: device ``(i_a, i_c)`` is row ``i_a n_c + i_c``).
+
+    A tuple with a ``jax.vmap`` axis in it (``jax.vmap(jax.pmap(step, axis_name="j"),
+    axis_name="i")`` or two nested vmaps, reducing over ``("i", "j")``) is gathered one axis
+    at a time, the last first, which gives the same rows: jax's own all_gather over such a
+    tuple fails while batching ("axis size doesn't match"), where ``jax.lax.psum`` / ``pmean``
+    over it work."""
+    names = axis_names(axis_name)
+    if len(names) < 2 or set(names) <= manual_axes():
+        return jax.lax.all_gather(b, axis_name, to=gather_to(axis_name))
+    out = b
+    for a in reversed(names):
+        out = jax.lax.all_gather(out, a, to=gather_to(a))
+    return out.reshape(-1, *b.shape)
+
+
+def all_to_all_rows(b: jax.Array, axis_name: Any) -> jax.Array:
+    """``jax.lax.all_to_all(b, axis_name, 0, 0, tiled=False)``: row ``j`` of the result is
+    device ``j``'s row ``i`` on device ``i``.
+
+    Where ``jax.vmap(..., axis_name=...)`` binds an axis, jax batches an operand that does
+    not vary over it (random-k's indices, drawn from the one key every device shares) into
+    the wrong shape (an ``[8, 3]`` operand on 8 emulated devices came back ``[8, 3, 8, 3]``
+    each): the operand is made to vary over the axis first (a select on ``axis_index``, no
+    data moved). Manual axes (``shard_map``, ``pmap``) take the operand as it is."""
+    if not set(axis_names(axis_name)) <= manual_axes():
+        b = jnp.where(jax.lax.axis_index(axis_name) >= 0, b, b)
+    return jax.lax.all_to_all(b, axis_name, 0, 0, tiled=False)
 
 
 def _floats(arrays: list) -> list[jax.Array]:
@@ -554,7 +587,7 @@ def _two_phase_exchange(payloads, ctx, servers):
     # Row j of a received payload is device j's encoding of the chunk this device owns.
     received = buckets.exchange(
         payloads,
-        lambda b: jax.lax.all_to_all(b, axis, 0, 0, tiled=False),
+        lambda b: all_to_all_rows(b, axis),
         lead=1,
         bucket_bytes=ctx.bucket_bytes,
     )
@@ -617,7 +650,7 @@ def _vote_exchange(payloads, ctx, servers):
     n, axis = ctx.n, ctx.axis_name
     received = buckets.exchange(
         [_rows(w, n) for w, _ in payloads],
-        lambda b: jax.lax.all_to_all(b, axis, 0, 0, tiled=False),
+        lambda b: all_to_all_rows(b, axis),
         lead=1,
         bucket_bytes=ctx.bucket_bytes,
     )

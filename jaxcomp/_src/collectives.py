@@ -1058,7 +1058,9 @@ def pmean(
 
     ``pmean(x) = (1/n) sum_i decode(encode(x_i))`` over the ``n`` devices of ``axis_name``
     (``two_phase`` encodes each averaged chunk once more before the all-gather). The bytes of
-    each strategy are in :data:`STRATEGIES` and :func:`strategy_bytes`.
+    each strategy are in :data:`STRATEGIES` and :func:`strategy_bytes`. Under ``jax.grad``
+    the derivative is ``jax.lax.pmean``'s (straight-through: the codec's rounding and
+    selection are not differentiated, the backward pass is uncompressed).
 
     Raises:
       ValueError: when the call is traced, ``strategy``, ``granularity``, ``min_size``,
@@ -1094,10 +1096,51 @@ def pmean(
       The mean, same structure and dtypes as ``tree``, identical on every device (integer
       and bool leaves: each device's own, untouched).
     """
-    mean = _mean_of_floats(
-        tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
-    )
-    return _reduce_complex(mean, jax.lax.pmean, axis_names(axis_name, inner_axis_name))
+    every_axis = axis_names(axis_name, inner_axis_name)
+
+    def forward(t):
+        mean = _mean_of_floats(
+            t, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
+        )
+        return _reduce_complex(mean, jax.lax.pmean, every_axis)
+
+    return straight_through(forward, jax.lax.pmean, every_axis, tree)
+
+
+def straight_through(forward: Callable, reduce: Callable, every_axis: Any, tree: Any) -> Any:
+    """``forward(tree)`` (the compressed reduction), differentiated as ``reduce``
+    (``jax.lax.pmean`` / ``psum``) of the floating and complex leaves over ``every_axis``.
+
+    A codec's rounding and selection have derivative zero almost everywhere (int8's
+    ``round``) or keep only the coordinates it chose (top-k): ``jax.grad`` through the
+    program as written gave zero, or a few coordinates, where the drop-in's reference
+    ``jax.lax.pmean`` gives the mean of the cotangents. The backward pass is the reference's
+    own (``jax.vjp`` of ``reduce``: uncompressed, with jax's rules for pmap and for
+    ``shard_map``'s varying types), the straight-through estimator of quantization-aware
+    training (Bengio, Leonard, Courville, 2013). Integer and bool leaves pass through, as in
+    the forward pass, with no cotangent.
+    """
+
+    def reference(t):
+        return jax.tree.map(
+            lambda x: (
+                reduce(x, every_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+            ),
+            t,
+        )
+
+    @jax.custom_vjp
+    def reduced(t):
+        return forward(t)
+
+    def fwd(t):
+        return forward(t), t
+
+    def bwd(t, cotangent):
+        return jax.vjp(reference, t)[1](cotangent)
+
+    reduced.defvjp(fwd, bwd)
+    return reduced(tree)
 
 
 def _mean_of_floats(
@@ -1162,7 +1205,8 @@ def psum(
     """Compressed ``jax.lax.psum``: :func:`pmean` times the number of devices. Same arguments.
 
     ``psum(x) = n * pmean(x) ~ sum_i decode(encode(x_i))`` over the ``n`` devices of the
-    axis (or axes); the strategies, bytes and references are those of :func:`pmean`.
+    axis (or axes); the strategies, bytes and references are those of :func:`pmean`. Under
+    ``jax.grad`` the derivative is ``jax.lax.psum``'s (straight-through, as :func:`pmean`).
 
     The sum is that of ``jax.lax.psum``: in the leaf's own type. What travels is the mean
     (each device's ``x / n`` through the codec), so the wire never overflows where the mean
@@ -1195,12 +1239,27 @@ def psum(
 
         total = jc.psum(grads, "data", jc.cast("bf16"))  # inside jax.shard_map over "data"
     """
-    mean = _mean_of_floats(
-        tree, axis_name, codec, key, strategy, min_size, granularity, inner_axis_name, bucket_bytes
-    )
-    n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
-    scale = lambda m: (  # noqa: E731
-        (m.astype(jnp.float32) * n).astype(m.dtype) if jnp.issubdtype(m.dtype, jnp.floating) else m
-    )
-    total = jax.tree.map(scale, mean)
-    return _reduce_complex(total, jax.lax.psum, axis_names(axis_name, inner_axis_name))
+    every_axis = axis_names(axis_name, inner_axis_name)
+
+    def forward(t):
+        mean = _mean_of_floats(
+            t,
+            axis_name,
+            codec,
+            key,
+            strategy,
+            min_size,
+            granularity,
+            inner_axis_name,
+            bucket_bytes,
+        )
+        n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
+        scale = lambda m: (  # noqa: E731
+            (m.astype(jnp.float32) * n).astype(m.dtype)
+            if jnp.issubdtype(m.dtype, jnp.floating)
+            else m
+        )
+        total = jax.tree.map(scale, mean)
+        return _reduce_complex(total, jax.lax.psum, every_axis)
+
+    return straight_through(forward, jax.lax.psum, every_axis, tree)

@@ -441,3 +441,9 @@ def test_grad_through_pmean_and_psum_is_that_of_jax_lax():
         {"f": x}
     )
     np.testing.assert_array_equal(ours["f"], want["f"])
+    tangent = stacked_normal(4, (40,))  # forward mode: the tangent through jax.lax.psum
+    jvp = lambda r: jax.pmap(lambda v, t: jax.jvp(r, (v,), (t,))[1], axis_name="i")  # noqa: E731
+    np.testing.assert_array_equal(
+        jvp(lambda v: jc.psum(v, "i", jc.sign()))(x, tangent),
+        jvp(lambda v: jax.lax.psum(v, "i"))(x, tangent),
+    )

@@ -1114,11 +1114,11 @@ def straight_through(forward: Callable, reduce: Callable, every_axis: Any, tree:
     A codec's rounding and selection have derivative zero almost everywhere (int8's
     ``round``) or keep only the coordinates it chose (top-k): ``jax.grad`` through the
     program as written gave zero, or a few coordinates, where the drop-in's reference
-    ``jax.lax.pmean`` gives the mean of the cotangents. The backward pass is the reference's
-    own (``jax.vjp`` of ``reduce``: uncompressed, with jax's rules for pmap and for
-    ``shard_map``'s varying types), the straight-through estimator of quantization-aware
-    training (Bengio, Leonard, Courville, 2013). Integer and bool leaves pass through, as in
-    the forward pass, with no cotangent.
+    ``jax.lax.pmean`` gives the mean of the cotangents. Here the tangents go through
+    ``reduce`` itself (uncompressed; forward mode, ``jax.jvp``), and ``jax.grad`` through its
+    transpose, with jax's rules for pmap and for ``shard_map``'s varying types: the
+    straight-through estimator of quantization-aware training (Bengio, Leonard, Courville,
+    2013). Integer and bool leaves pass through, as in the forward pass, with no cotangent.
     """
 
     def reference(t):
@@ -1129,17 +1129,14 @@ def straight_through(forward: Callable, reduce: Callable, every_axis: Any, tree:
             t,
         )
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def reduced(t):
         return forward(t)
 
-    def fwd(t):
-        return forward(t), t
+    @reduced.defjvp
+    def _(primals, tangents):  # linear in the tangent: jax transposes it for jax.grad
+        return forward(primals[0]), reference(tangents[0])
 
-    def bwd(t, cotangent):
-        return jax.vjp(reference, t)[1](cotangent)
-
-    reduced.defvjp(fwd, bwd)
     return reduced(tree)
 
 

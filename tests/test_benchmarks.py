@@ -777,3 +777,21 @@ def test_lm_branch_bytes_refuses_an_unknown_second_conditional(monkeypatch):
     recipe = lm.Recipe(make=None, branches=("a", "b"), regime=lambda run, t: "a" if t < 2 else "b")
     with pytest.raises(ValueError, match="variance cond"):
         lm.branch_bytes(recipe, lm.Run(steps=4, lr=1e-3, devices=8), None, None, None, None)
+
+
+def test_exact_optimum_quick(tmp_path, monkeypatch):
+    """--quick: identity and int8, 50 steps. The identity's distance is exact gradient
+    descent's on the mean loss, ``w_T = w* (1 - (1 - lr mean_i h_i)^T)`` per coordinate."""
+    import numpy as np
+
+    from benchmarks import exact_optimum as eo
+
+    run_here("exact_optimum.py", "--quick", out=tmp_path, monkeypatch=monkeypatch)
+    rows = {r["exchange"]: r for r in load(tmp_path, "exact_optimum_quick.json")["rows"]}
+    assert set(rows) == {"identity", "int8"} and rows["identity"]["steps"] == 50
+    h, _, best = eo.problem()
+    for lr in eo.LRS:
+        w = {k: best[k] * (1 - (1 - lr * h[k].astype(np.float64).mean(0)) ** 50) for k in best}
+        expected = eo.distance(w, best)
+        assert rows["identity"][f"lr {lr:g}"] == pytest.approx(expected, rel=2e-3)
+        assert rows["int8"][f"lr {lr:g}"] == pytest.approx(expected, rel=0.05)

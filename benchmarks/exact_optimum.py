@@ -77,8 +77,9 @@ def rows() -> dict[str, tuple[Callable, int]]:
 
     ef21 = {"error_feedback": "ef21"}
 
-    def dgc(momentum, masking=True):
+    def dgc(momentum, masking=True, sample_ratio=0.01):
         kw = {"warmup_steps": 0, "momentum": momentum, "momentum_masking": masking}
+        kw["sample_ratio"] = sample_ratio
         return lambda lr: _sgd(jc.dgc(0.05, "data", **kw), lr, 0.1 if momentum else 1.0)
 
     return {
@@ -104,8 +105,14 @@ def rows() -> dict[str, tuple[Callable, int]]:
         "top_k(0.05) allgather": (_ca(jc.top_k(0.05), strategy="allgather"), STEPS),
         "top_k(0.05) two_phase": (_ca(jc.top_k(0.05), strategy="two_phase"), STEPS),
         "dgc(0.05) momentum 0": (dgc(0.0), STEPS),
-        "dgc(0.05) momentum 0.9, masking off, sgd(lr / 10)": (dgc(0.9, False), 4 * STEPS),
-        "dgc(0.05) momentum 0.9, masking on, sgd(lr / 10)": (dgc(0.9), 4 * STEPS),
+        "dgc(0.05) momentum 0.9, masking off, exact top-k, sgd(lr / 10)": (
+            dgc(0.9, False, None),
+            4 * STEPS,
+        ),
+        "dgc(0.05) momentum 0.9, masking on, exact top-k, sgd(lr / 10)": (
+            dgc(0.9, True, None),
+            4 * STEPS,
+        ),
         "qsgd()": (_ca(jc.qsgd(), strategy="allgather"), STEPS),
         "natural()": (_ca(jc.natural(), strategy="allgather"), STEPS),
         "terngrad()": (_ca(jc.terngrad(), strategy="allgather"), STEPS),

@@ -48,9 +48,7 @@ def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> N
     chained after an exchange, :func:`clip_by_global_norm` receives the mean, and its
     per-device threshold ``c sqrt(n)`` would clip that mean ``sqrt(n)`` times looser than
     asked (8 devices: at 2.83 for ``c = 1``), with no error."""
-    if not skeleton.tracks_variance(axis_name):
-        return
-    bad = skeleton.invariant_leaves(updates, collectives.axis_names(axis_name))
+    bad = skeleton.invariant_gradients(updates, axis_name)
     if bad:
         raise ValueError(
             f"clip_by_global_norm: the gradients (`updates`) at {bad[:5]} are identical on "

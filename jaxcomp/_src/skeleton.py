@@ -179,6 +179,15 @@ def invariant_leaves(tree: Any, names: tuple) -> list[str]:
     return out
 
 
+def invariant_gradients(updates: Any, axis_name: Any) -> list[str]:
+    """Paths of the gradients typed identical on every device of ``axis_name`` (already
+    the mean or the sum); none where jax does not type it (``pmap``, ``vmap``,
+    ``check_vma=False``)."""
+    if not tracks_variance(axis_name):
+        return []
+    return invariant_leaves(updates, collectives.axis_names(axis_name))
+
+
 def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     """Refuse gradients already identical on every device (``check_vma=True`` only).
 
@@ -190,10 +199,7 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
     that all-reduce. With ``check_vma=False`` jax adds no such all-reduce (each device's
     gradient is its own) and nothing is checked.
     """
-    if not tracks_variance(axis_name):
-        return
-    names = collectives.axis_names(axis_name)
-    bad = invariant_leaves(updates, names)
+    bad = invariant_gradients(updates, axis_name)
     if bad:
         error = ValueError(
             f"{name}: the gradients (`updates`) at {_short(bad)} are identical on every device of "

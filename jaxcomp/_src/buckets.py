@@ -13,7 +13,7 @@ split over devices by ``all_to_all``); the collective may add or drop leading ax
 (``all_gather`` adds the device axis, ``psum_scatter`` drops one). An array of at least
 ``bucket_bytes / 16`` (2 MiB by default) travels alone, without a copy: concatenating it
 would copy its bytes to save one collective launch, and on XLA:CPU that copy costs more
-than the launch (measured: docs/benchmarks.md, "Where the time of one update goes, op by
+than the launch (measured: docs/hot-path.md, "Where the time of one update goes, op by
 op"). Concatenation only ever touches arrays smaller than that, which are compressed
 already.
 """

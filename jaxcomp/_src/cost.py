@@ -181,7 +181,7 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
     at any ``n``: at 2 devices it sends one float32 scale more per leaf than ``allgather``
     (``2d + 8`` against ``2d + 4`` bytes), its second encoding only rounds again (``2^-11``),
     and its owners decode ``d`` values where the all-gather decodes ``n d`` (measured:
-    docs/benchmarks.md, "fp16 at 1 Gbit/s"). Where plain float32 ``pmean``
+    docs/network.md, "fp16 at 1 Gbit/s"). Where plain float32 ``pmean``
     sends fewer bytes still (a leaf of a
     few floats: a payload's scales, words and per-chunk padding cost more than the floats
     themselves; ``strategy_bytes(...)["plain"]``), it returns ``"plain"``: the leaf is

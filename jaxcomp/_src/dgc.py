@@ -322,7 +322,7 @@ def dgc(
     flag is read from the gradients before any state is written (one scalar ``psum``), and
     ``u_i`` and ``v_i`` saturate at ``+-F32_MAX``, so a finite gradient always leaves them
     finite: each is then written once, in place in its donated buffer (the step's
-    temporaries: docs/benchmarks.md, "Memory of the step").
+    temporaries: docs/memory.md, "Memory of the step").
 
     Args:
       ratio: density after warm-up: the fraction of each compressed leaf sent per step.

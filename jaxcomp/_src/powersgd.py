@@ -432,7 +432,7 @@ def powersgd(
     (Vogels et al.); a small model trained for few steps needs more.
 
     What rank costs in loss (the character transformer of ``benchmarks/char_transformer.py``,
-    run by ``benchmarks/powersgd_convergence.py``; measured: docs/benchmarks.md and
+    run by ``benchmarks/powersgd_convergence.py``; measured: docs/convergence.md and
     docs/choosing-a-codec.md): with Adam or SGD, rank 4 ends a long run at the held-out loss
     of uncompressed training, but early on it is slower: each step moves a matrix along only
     ``r`` directions (error feedback delays the rest), and its *training* loss stays higher.

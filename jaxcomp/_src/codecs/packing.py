@@ -32,7 +32,7 @@ def pack(codes: jax.Array, bits: int) -> jax.Array:
     are disjoint, so the sum is the OR of the shifted codes and lowers to one reduce. One bit
     per code is packed in two stages, 8 codes to a byte and then 4 bytes to a word
     (``word_j = sum_b octet_{4j+b} << 8b``, ``octet_m = sum_i codes[8m + i] << i``): the same
-    words, in less CPU time on XLA:CPU than one 32-lane reduce (measured: docs/benchmarks.md,
+    words, in less CPU time on XLA:CPU than one 32-lane reduce (measured: docs/hot-path.md,
     "Where the time of one update goes, op by op").
 
     Args:

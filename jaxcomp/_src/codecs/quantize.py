@@ -336,7 +336,7 @@ def rounded_codes(y: jax.Array, levels: int) -> jax.Array:
     bit, with round-to-nearest-even done by the float32 adder: ``y`` is clipped to
     ``[-L, L]``, then ``bits(y + 1.5 * 2^23) - bits(1.5 * 2^23) = round(y)`` for ``|y| < 2^22``
     (the sum's exponent is fixed, the low bits of its mantissa hold the integer), so no
-    ``round`` or float-to-unsigned conversion runs per value (measured: docs/benchmarks.md,
+    ``round`` or float-to-unsigned conversion runs per value (measured: docs/hot-path.md,
     "Where the time of one update goes, op by op"). The clip matters where ``L / max|x_B|``
     overflows to inf (a block whose largest value is below ``L / F32_MAX``, e.g. ``3.7e-37``
     for int8): ``y = +-inf`` then saturates to the end codes, as ``nan_to_num`` did, instead

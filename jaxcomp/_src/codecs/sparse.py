@@ -51,13 +51,13 @@ _FLOAT16 = {"fp16": jnp.float16, "bf16": jnp.bfloat16}
 APPROX_METHODS = ("exact", "blocked", "sample", "approx_max_k", "auto")
 #: What ``approx=True`` means below :data:`APPROX_SAMPLE_FROM`: the fastest method measured
 #: there on XLA:CPU and on an H100 (``benchmarks/topk_speed.py``; measured:
-#: docs/choosing-a-codec.md, docs/benchmarks.md).
+#: docs/choosing-a-codec.md, docs/speed.md).
 APPROX_DEFAULT = "blocked"
 #: From this ratio on ``approx=True`` means ``"auto"``: the sampled threshold on CPU, blocked
 #: elsewhere. On XLA:CPU the blocked selection's second stage grows as ``k * sqrt(d / k)``
 #: and the sampled threshold's cost hardly moves with ``k``, so the two cross between 0.3%
 #: and 1%; on an H100 blocked stays the faster at every ratio (measured:
-#: docs/choosing-a-codec.md, docs/benchmarks.md).
+#: docs/choosing-a-codec.md, docs/speed.md).
 APPROX_SAMPLE_FROM = 0.006
 #: Where ``approx="auto"`` uses the sampled threshold (``jax.lax.platform_dependent``).
 SAMPLE_PLATFORMS = ("cpu",)
@@ -537,7 +537,7 @@ class TopK(SparseCodec):
     times faster than exact); its cost hardly grows with ``k``, and at 1% it is the fastest on
     CPU (see :data:`APPROX_SAMPLE_FROM`). On an H100 blocked is the fastest at every ratio
     (measured with ``benchmarks/topk_speed.py``: docs/choosing-a-codec.md,
-    docs/benchmarks.md).
+    docs/speed.md).
 
     Per layer or whole model: ``compressed_allreduce(..., granularity="leaf")`` (the
     default) selects ``k = ratio * d_leaf`` in every leaf; ``granularity="flat"`` selects

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, feedback, replicas, skeleton
+from jaxcomp._src import collectives, feedback, replicas, shards, skeleton
 from jaxcomp._src.axes import manual_axes
 from jaxcomp._src.codecs.base import check_int, is_number
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
@@ -320,7 +320,7 @@ def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
     delta = [a - _local(p, v) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
     mean, e_f = ex.average(delta, e_f)
     a_f, o_f = ex.outer_step(mean, o_f, a_f)
-    bad = _nonfinite(mean)
+    bad = shards.any_shard(_nonfinite(mean))
     return _restart(a_f, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
 
 
@@ -338,7 +338,7 @@ def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
     a_f, o_f = ex.outer_step(mean, o_f, a_f)
     mix = ex.cfg.mix
     target = [(1.0 - mix) * _local(p, v) + mix * a for p, v, a in zip(p_f, u_f, a_f, strict=True)]
-    bad = _nonfinite(mean)
+    bad = shards.any_shard(_nonfinite(mean))
     return _restart(target, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
 
 
@@ -440,7 +440,8 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         u, inner_new = inner.update(updates, inner_old, params, **extra_args)
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = treedef.flatten_up_to(u)
-        local_bad = _nonfinite([x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)])
+        floats = [x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)]
+        local_bad = shards.any_shard(_nonfinite(floats), keep=cfg.axes)
         out, anchor, parts, bad = _sync_fragments(ex, state, treedef, p_leaves, u_leaves)
         # A device's non-finite inner update freezes its inner state only. Its delayed
         # pseudo-gradient snapshot (``pending``) is the message the next landing exchanges:

@@ -39,6 +39,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import sharding
+from jaxcomp._src.axes import varying_axes
 
 _AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxcomp_shard_axes", default=())
 
@@ -168,8 +169,25 @@ def over_shards(update: Callable, param_specs: Any = None, data_axes: tuple = ()
 
 
 def any_block(flag: jax.Array) -> jax.Array:
-    """``flag`` or-ed over the blocks of :func:`over_shards` (itself outside of it)."""
+    """``flag`` or-ed over the blocks of :func:`over_shards` (itself outside of it) and over
+    the shards of :func:`any_shard`."""
     axes = _AXES.get()
-    if not axes:
+    if axes:
+        flag = jax.lax.psum(flag.astype(jnp.int32), axes) > 0
+    return any_shard(flag)
+
+
+def any_shard(flag: jax.Array, keep: tuple = ()) -> jax.Array:
+    """``flag`` or-ed over the manual mesh axes it still differs on, ``keep`` excepted.
+
+    A step's non-finite flag, or-ed over the transform's own axis, still differs per device
+    where the leaves are shards of one model over another manual axis (FSDP over ``"data"``
+    inside a replica of ``jc.diloco(..., "replica")``, params ``P("replica", "data")``): a
+    non-finite shard must freeze every shard's state, as one model's (and ``lax.cond``'s
+    branches must agree on the flag's type). One scalar ``psum``; none where the flag is the
+    same everywhere already or jax does not type it (``pmap``, ``check_vma=False``).
+    """
+    extra = tuple(sorted(varying_axes(flag) - set(keep), key=str))
+    if not extra:
         return flag
-    return jax.lax.psum(flag.astype(jnp.int32), axes) > 0
+    return jax.lax.psum(flag.astype(jnp.int32), extra) > 0

@@ -1,0 +1,148 @@
+"""FSDP (``jc.fsdp_gather``) as an LM user runs it: many steps against ``jax.lax`` FSDP, and
+in combination with the rest of jaxcomp (a replica axis, scan, remat, clipping, narrow types).
+
+Small on purpose: tiny models, a few compiled programs, each test a few seconds.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Blocking
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+D = 32
+BOTH = ("replica", "data")
+
+
+def _mesh_2x4():
+    return jax.make_mesh(
+        (2, 4), BOTH, axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8]
+    )
+
+
+def _params(d=D):
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    return {"a": jax.random.normal(k[0], (d, d)) / 6, "b": jax.random.normal(k[1], (d, 8)) / 6}
+
+
+def _batches(steps, rows, d=D, seed=1):
+    k = jax.random.split(jax.random.PRNGKey(seed), 2)
+    x = jax.random.normal(k[0], (steps, rows, d))
+    y = jax.random.normal(k[1], (steps, rows, 8))
+    return x, y
+
+
+def _net(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] - y) ** 2)
+
+
+# --------------------------------------------------------------------------- a replica axis
+
+
+def _train_replicas(tx, fsdp, steps=4, grads=None):
+    """``tx`` over ``"replica"`` of a 2 x 4 mesh: FSDP over ``"data"`` inside each replica
+    (``fsdp``: params ``P("replica", "data")``, shard gradients from ``jc.fsdp_gather``) or
+    data parallel (params ``P("replica")``, ``pmean`` over ``"data"``)."""
+    m = _mesh_2x4()
+    pspec = P("replica", "data") if fsdp else P("replica")
+    reps = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(m, pspec)),
+        jc.replica_params(_params(), m, "replica"),
+    )
+    if fsdp:  # every state array per device: its leading dimension over both axes
+        init = lambda r: tx.init(jc.own(r))  # noqa: E731
+        shape = jax.eval_shape(
+            jax.shard_map(init, mesh=m, in_specs=pspec, out_specs=P(), check_vma=False), reps
+        )
+        specs = jax.tree.map(lambda a: P(BOTH) if a.ndim else P(), shape)
+        state = jax.jit(jax.shard_map(init, mesh=m, in_specs=pspec, out_specs=specs))(reps)
+    else:
+        state = jc.sharded_init(tx, _params(), m, "replica")
+        specs = jc.state_specs(state, "replica")
+
+    def step(r, s, x, y, given):
+        p = jc.own(r)
+        if grads is not None:  # the given per-device gradient, e.g. a NaN on one device
+            g = jax.tree.map(lambda a: a[0], given)
+        elif fsdp:
+            gather = functools.partial(jc.fsdp_gather, axis_name="data", weights=None, grads=None)
+            g = jax.grad(lambda p: _net(gather(p), x, y))(p)
+            g = jax.tree.map(lambda a: a / 4, g)  # the sum over the replica's devices -> mean
+        else:
+            local = jax.lax.pcast(p, "data", to="varying")
+            g = jax.lax.pmean(jax.grad(lambda p: _net(p, x, y))(local), "data")
+        u, s = tx.update(g, s, p)
+        return jc.slot(optax.apply_updates(p, u)), s, jax.tree.map(lambda a: a[None], u)
+
+    gspec = P(BOTH)
+    fn = Blocking(
+        jax.jit(
+            jax.shard_map(
+                step,
+                mesh=m,
+                in_specs=(pspec, specs, gspec, gspec, gspec),
+                out_specs=(pspec, specs, gspec),
+            )
+        )
+    )
+    xs, ys = _batches(steps, 64)
+    put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
+    given = jax.tree.map(put, grads if grads is not None else jnp.zeros((8,)))
+    updates = None
+    for t in range(steps):
+        reps, state, updates = fn(reps, state, put(xs[t]), put(ys[t]), given)
+    return reps, state, updates
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jc.diloco(optax.adamw(3e-3), "replica", sync_every=2),
+        lambda: jc.local_sgd(optax.sgd(0.1), "replica", sync_every=2),
+    ],
+    ids=["diloco", "local_sgd"],
+)
+def test_fsdp_inside_the_replicas_of_diloco_and_local_sgd_is_data_parallel_exactly(make):
+    """FSDP over "data" inside each replica of jc.diloco / jc.local_sgd gives data parallel's
+    params bit for bit (4 steps, 2 syncs): the outer exchange averages each shard over the
+    replicas. Until 2026-11-27 it failed while tracing ("cond branches must have equal output
+    types": the sync's non-finite flag differed per shard)."""
+    fsdp, _, _ = _train_replicas(make(), fsdp=True)
+    dp, _, _ = _train_replicas(make(), fsdp=False)
+    for a, b in zip(jax.tree.leaves(fsdp), jax.tree.leaves(dp), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fsdp_inside_diloco_with_a_codec_is_within_int8_error():
+    tx = lambda: jc.diloco(
+        optax.adamw(3e-3), "replica", sync_every=2, codec=jc.int_quant(8), min_size=0
+    )  # noqa: E731
+    fsdp, _, _ = _train_replicas(tx(), fsdp=True)
+    dp, _, _ = _train_replicas(tx(), fsdp=False)
+    for a, b in zip(jax.tree.leaves(fsdp), jax.tree.leaves(dp), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.max(np.abs(a - b)) <= 1e-4 * np.max(np.abs(b))  # measured: the largest difference
+        # synced: the replicas agree, up to the float32 rounding of p + u (docs/lm.md)
+        np.testing.assert_allclose(a[0], a[1], rtol=0, atol=1e-6 * np.max(np.abs(b)))
+
+
+def test_a_nonfinite_shard_skips_the_sync_of_every_shard():
+    """A NaN in one device's shard gradient (replica 0, shard 0) at a sync: every device's
+    update is NaN and its whole state stays as it was, not only the devices of that shard
+    (each shard's mean is exchanged by its own devices: their flags were their own)."""
+    tx = jc.diloco(optax.sgd(0.1), "replica", sync_every=1)
+    g = jax.tree.map(lambda a: jnp.ones((8, a.shape[0] // 4, *a.shape[1:])), _params())
+    g["a"] = g["a"].at[0, 0, 0].set(jnp.nan)
+    _, state, updates = _train_replicas(tx, fsdp=True, steps=1, grads=g)
+    for u in jax.tree.leaves(updates):
+        assert bool(jnp.all(jnp.isnan(u)))
+    assert int(np.asarray(state.count)) == 0  # the sync is retried next step
+    for a, p in zip(jax.tree.leaves(state.anchor), jax.tree.leaves(_params()), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).reshape(2, *p.shape)[0], p)

@@ -1223,6 +1223,218 @@ def run_exchange_fidelity(largs: Any, replicas: int, start: int, h: int, tag: st
     return 0
 
 
+# ------------------------------------------------- low-rank factors against the top-k at 3000x
+
+
+def svd_kept(x: Any, ranks: tuple[int, ...]) -> dict[int, float]:
+    """The share of ``|x|^2`` in the best rank-``r`` approximation of the matrix ``x``
+    (Eckart-Young: the top ``r`` squared singular values over their sum), for each ``r``."""
+    import numpy as np
+
+    s2 = np.linalg.svd(np.asarray(x, np.float64), compute_uv=False) ** 2
+    return {r: float(s2[:r].sum() / s2.sum()) for r in ranks}
+
+
+def gaussian_kept(shape: tuple[int, int], ranks: tuple[int, ...], draws: int = 3) -> dict:
+    """:func:`svd_kept` of a matrix of independent normal entries of ``shape`` (the mean over
+    ``draws`` draws, seed 0): the share a rank-``r`` approximation keeps of noise."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    kept = [svd_kept(rng.standard_normal(shape), ranks) for _ in range(draws)]
+    return {r: float(np.mean([k[r] for k in kept])) for r in ranks}
+
+
+def topk_kept(x: Any, k: int, chunk: int) -> float:
+    """The share of ``|x|^2`` in the ``k`` largest magnitudes of each ``chunk`` values of
+    ``x`` (flat, zero-padded to whole chunks), the values sent exactly."""
+    import numpy as np
+
+    v = np.asarray(x, np.float64).reshape(-1)
+    v = np.pad(v, (0, -v.size % chunk)).reshape(-1, chunk) ** 2
+    return float(np.sort(v, axis=1)[:, -k:].sum() / v.sum())
+
+
+def powersgd_exchange(rank: int, deltas: list[list[list]], shapes: list, replicas: int) -> tuple:
+    """``jc.powersgd(rank)`` (warm-started ``Q``, error feedback, no warm-up) run as the
+    exchange of every window of ``deltas`` in turn on ``replicas`` devices, its state carried
+    as from sync to sync (the leaves under 1024 values through its plain float32 ``pmean``).
+    Returns the last window's output (flat leaves) and the compiled exchange's bytes per
+    device (``jc.comm_report``)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh(
+        (replicas,),
+        ("r",),
+        axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:replicas],
+    )
+    tx = jc.powersgd(rank, "r", start_step=0)
+    zeros = [np.zeros(s, np.float32) for s in shapes]
+    state = jc.sharded_init(tx, zeros, mesh, "r")
+    specs = jc.state_specs(state, "r")
+
+    def body(d, st):
+        return tx.update([x[0] for x in d], st)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("r"), specs), out_specs=(P(), specs)))
+    for window in deltas:
+        d = [
+            np.stack([window[r][j].reshape(s) for r in range(replicas)])
+            for j, s in enumerate(shapes)
+        ]
+        args = (jax.device_put(d, NamedSharding(mesh, P("r"))), state)
+        out, state = jax.block_until_ready(fn(*args))
+    report = jc.comm_report(fn, *args)
+    return [np.asarray(x, np.float64).reshape(-1) for x in out], float(report.bytes_per_device)
+
+
+def _cosine(a: Any, b: Any) -> float:
+    import numpy as np
+
+    return float(a @ b / np.sqrt((a @ a) * (b @ b)))
+
+
+def lowrank_records(
+    deltas: list[list[list]], shapes: list, replicas: int, ranks: tuple, k: int, chunk: int
+) -> tuple[list, list]:
+    """What low-rank factors keep of the last window's pseudo-gradients against the top-k at
+    ``k`` of ``chunk`` (the 3000x density): per matrix leaf and over all matrices, the share
+    of ``|D|^2`` kept by the top-k (values exact) and by the best rank ``r`` (SVD), of one
+    replica's ``D`` and of ``mean_i D_i`` (and of normal noise of each shape,
+    :func:`gaussian_kept`); and of ``mean_i D_i`` by :func:`powersgd_exchange`
+    (one power iteration per sync, ``Q`` warm from the sync before, its memory carried): the
+    share at the best scale (``cosine^2``), the share left out as applied, the length ratio,
+    and the compiled bytes. Returns ``(per-leaf rows, summary rows)``."""
+    import numpy as np
+
+    last = deltas[-1]
+    mats = [j for j, s in enumerate(shapes) if len(s) == 2]
+    one = [np.asarray(last[0][j], np.float64) for j in range(len(shapes))]
+    mean = [
+        np.mean([last[r][j] for r in range(replicas)], 0).astype(np.float64)
+        for j in range(len(shapes))
+    ]
+    leaves, energy = [], {"one replica": 0.0, f"mean of {replicas}": 0.0}
+    energy["normal noise of each shape"] = sum(float(one[j] @ one[j]) for j in mats)
+    sums: dict[tuple, float] = {}
+    for j in mats:
+        row = {"leaf": j, "shape": list(shapes[j])}
+        noise = gaussian_kept(shapes[j], ranks)
+        row["gaussian"] = {f"rank {r} (SVD)": v for r, v in noise.items()}
+        for of, x in (("one replica", one[j]), (f"mean of {replicas}", mean[j])):
+            e = float(x @ x)
+            energy[of] += e
+            kept = {f"top-{k}/{chunk}": topk_kept(x, k, chunk)}
+            kept.update(
+                {f"rank {r} (SVD)": v for r, v in svd_kept(x.reshape(shapes[j]), ranks).items()}
+            )
+            row[of] = kept
+            for name, v in kept.items():
+                sums[(of, name)] = sums.get((of, name), 0.0) + v * e
+            s = np.linalg.svd(x.reshape(shapes[j]), compute_uv=False)
+            row[of]["sigma1 / sigma2"] = float(s[0] / s[1])
+        for r, v in noise.items():  # weighted by the leaf's share of one replica's |D|^2
+            key = ("normal noise of each shape", f"rank {r} (SVD)")
+            sums[key] = sums.get(key, 0.0) + v * float(one[j] @ one[j])
+        leaves.append(row)
+    summary = [
+        {"of": of, "method": name, "kept": v / energy[of], "replicas": replicas}
+        for (of, name), v in sums.items()
+    ]
+    ref = np.concatenate([mean[j] for j in mats])
+    for r in ranks:
+        out, nbytes = powersgd_exchange(r, deltas, shapes, replicas)
+        out = [out[j] for j in mats]
+        o = np.concatenate(out)
+        cos = _cosine(o, ref)
+        for row, x in zip(leaves, out, strict=True):
+            row[f"mean of {replicas}"][f"powersgd rank {r}, cosine"] = _cosine(x, mean[row["leaf"]])
+        summary.append(
+            {
+                "of": f"mean of {replicas}",
+                "method": f"jc.powersgd rank {r}: one power step, Q warm, memory carried",
+                "kept": cos**2,
+                "cosine": cos,
+                "norm_ratio": float(np.sqrt((o @ o) / (ref @ ref))),
+                "left_out_as_applied": float((ref - o) @ (ref - o) / (ref @ ref)),
+                "bytes_per_sync": nbytes,
+                "replicas": replicas,
+            }
+        )
+    return leaves, summary
+
+
+def run_lowrank_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str) -> int:
+    """``--fidelity-lowrank START``: low-rank factors against the top-k at 3000x on the
+    pseudo-gradients of :func:`forked_deltas` (Muon inside; syncs ``START - H`` and
+    ``START``), the matrices of the model (:func:`lowrank_records`), with the bytes per
+    device and sync that 3000x allows, the top-k exchange's (:func:`exchange_fidelity`) and
+    rank ``r`` factors' in float32 and 16 bits (all-reduced: ``2 (M - 1) / M`` of them);
+    writes ``lm_TAG.json``. ``LM_LOAD_DELTAS=NPY``: the pseudo-gradients that
+    ``--fidelity-exchange`` saved (``LM_SAVE_DELTAS``, the same trajectory) instead."""
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(largs.devices)
+    import jax
+    import numpy as np
+
+    task = lm.Task(largs, jax.device_count())
+    run = lm.Run(largs.steps, largs.lr, jax.device_count())
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(task.params)]
+    t0 = time.perf_counter()
+    if os.environ.get("LM_LOAD_DELTAS"):  # what --fidelity-exchange saved (LM_SAVE_DELTAS)
+        saved = np.load(os.environ["LM_LOAD_DELTAS"])
+        cuts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+        deltas = [
+            [[r[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)] for r in w] for w in saved
+        ]
+    else:
+        deltas = forked_deltas(task, run, replicas, [start - h, start], h)
+    print(f"deltas: {time.perf_counter() - t0:.0f} s", flush=True)
+    k, chunk = (21, 4096) if replicas == 8 else (47, 1024)
+    leaves, summary = lowrank_records(deltas, shapes, replicas, (1, 2, 4, 8), k, chunk)
+    ref = {"k": k, "chunk": chunk}
+    topk = exchange_fidelity(_exchange_variant("topk", replicas, **ref), deltas, replicas)
+    summary.append(
+        {
+            "of": f"mean of {replicas}",
+            "method": f"top-{k}/{chunk}, 1 bit at the mean, all-gathered (every leaf)",
+            "kept": topk["cosine"] ** 2,
+            "cosine": topk["cosine"],
+            "norm_ratio": topk["norm_ratio"],
+            "left_out_as_applied": topk["left_out"],
+            "bytes_per_sync": topk["bytes_per_sync"],
+            "replicas": replicas,
+        }
+    )
+    d = sum(int(np.prod(s)) for s in shapes)
+    ring = 2 * (replicas - 1) / replicas
+    factor_floats = sum(s[0] + s[1] for s in shapes if len(s) == 2)
+    budget = {
+        "pmean_bytes_per_step": ring * 4 * d,
+        "bytes_per_sync_at_3000x": ring * 4 * d * h / 3000,
+        "factor_floats_per_rank": factor_floats,
+        "rank_r_bytes_per_sync_float32": ring * 4 * factor_floats,
+        "rank_r_bytes_per_sync_16bit": ring * 2 * factor_floats,
+        "small_leaf_values": sum(int(np.prod(s)) for s in shapes if len(s) < 2),
+    }
+    for r in summary:
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+    print(budget, flush=True)
+    path = common.result_path("lm_" + tag, False)
+    out = {"environment": common.environment(), "config": lm.run_config(largs)}
+    if os.environ.get("LM_LOAD_DELTAS"):
+        out["deltas_from"] = os.environ["LM_LOAD_DELTAS"]
+    common.write_json(path, {**out, "budget": budget, "records": summary, "leaves": leaves})
+    return 0
+
+
 def block_energy(path: str, tag: str) -> int:
     """``--block-energy NPY``: on the pseudo-gradients that ``--fidelity-exchange`` saved with
     ``LM_SAVE_DELTAS=NPY`` (``[window, replica, value]``), the share of ``|mean_i D_i|^2`` of the
@@ -1297,6 +1509,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what SparseLoCo's exchanges at 3000x (per-replica top-k, shared masks) keep of "
         "the mean of --replicas replicas' pseudo-gradients at the sync ending START + H",
     )
+    ap.add_argument(
+        "--fidelity-lowrank",
+        type=int,
+        default=None,
+        help="what low-rank factors (SVD, jc.powersgd) keep of one replica's and the mean "
+        "pseudo-gradient at the sync ending START + H, against the top-k at 3000x",
+    )
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
         "--zeros",
@@ -1325,6 +1544,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.block_energy:
         return block_energy(args.block_energy, args.tag)
+    if args.fidelity_lowrank is not None:
+        largs = lm.parse(["--tag", args.tag, *rest])
+        return run_lowrank_fidelity(
+            largs, args.replicas, args.fidelity_lowrank, args.sync_every, args.tag
+        )
     if args.fidelity_exchange is not None:
         largs = lm.parse(["--tag", args.tag, *rest])
         return run_exchange_fidelity(

@@ -1367,6 +1367,7 @@ def _lm_zeros(data: dict[str, Any], path: pathlib.Path) -> str:
 
 
 XFID_COMMAND = "python -m benchmarks.lm_diloco --fidelity-exchange 120 --replicas 8"
+LOWRANK_COMMAND = "python -m benchmarks.lm_diloco --fidelity-lowrank 120 --replicas 8"
 
 
 def _lm_xfid(data: dict[str, Any], path: pathlib.Path) -> str:
@@ -1389,6 +1390,46 @@ def _lm_xfid(data: dict[str, Any], path: pathlib.Path) -> str:
         for r in data["records"]
     ]
     command = data.get("environment", {}).get("command") or XFID_COMMAND
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
+def _lm_lowrank(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --fidelity-lowrank``: the share of the pseudo-gradient's
+    ``|D|^2`` (the model's matrices) kept by the top-k at 3000x and by rank-``r`` factors (the
+    best, by SVD; ``jc.powersgd``'s one power step with ``Q`` warm and memory carried), of one
+    replica's ``D`` and of the mean over the replicas, with the bytes per device and sync."""
+    budget = data["budget"]
+    header = ["of", "what", "kept of ‖D‖² (at the best scale)", "cosine", "‖out‖ / ‖mean D‖"]
+    header += ["left out as applied", "bytes per sync"]
+
+    def nbytes(r: dict[str, Any]) -> str:
+        if "bytes_per_sync" in r:
+            return _fmt(r["bytes_per_sync"]) + " (compiled)"
+        if "(SVD)" in r["method"]:
+            rank = int(r["method"].split()[1])
+            return _fmt(rank * budget["rank_r_bytes_per_sync_16bit"]) + " (16-bit factors)"
+        return "–"
+
+    def num(r: dict[str, Any], k: str, pct: bool = False) -> str:
+        if k not in r:
+            return "–"
+        return f"{100 * r[k]:.1f}%" if pct else f"{r[k]:.3f}"
+
+    rows = [
+        [
+            r["of"],
+            r["method"],
+            num(r, "kept", True),
+            num(r, "cosine"),
+            num(r, "norm_ratio"),
+            num(r, "left_out_as_applied", True),
+            nbytes(r),
+        ]
+        for r in data["records"]
+    ]
+    command = data.get("environment", {}).get("command") or LOWRANK_COMMAND
+    if data.get("deltas_from"):
+        command = f"LM_LOAD_DELTAS={data['deltas_from']} {command}"
     return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
@@ -1438,6 +1479,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "lm_zeros": (_lm_zeros, FIDELITY_COMMAND + " --zeros"),
     "lm_S4_xfid": (_lm_xfid, XFID_COMMAND),
     "lm_S4_blocks": (_lm_blocks, "python -m benchmarks.lm_diloco --block-energy NPY"),
+    "lm_S2_lowrank": (_lm_lowrank, LOWRANK_COMMAND),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -71,6 +71,7 @@ records in ``lm_TAG.json`` under ``"syncs"``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -1435,6 +1436,134 @@ def run_lowrank_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str
     return 0
 
 
+# ----------------------------------------- where the 2-replica top-k's bytes could go further
+
+
+def block_topk(x: Any, block: int, k: int, scale_block: int, exact: bool = False) -> tuple:
+    """The top ``k`` magnitudes of each ``block`` values of ``x`` (indices of ``log2 block``
+    bits), sent as one bit at the mean magnitude of the kept values of each ``scale_block``
+    values (a float32 scale each) or, ``exact``, as float32 values. A leaf shorter than the
+    block keeps the same share of itself. Returns ``(|x - C(x)|^2, payload bytes)``, the
+    streams rounded up to whole uint32 words as :func:`jaxcomp.chunked_top_k` packs them."""
+    import numpy as np
+
+    d = x.size
+    b = min(block, d)
+    kb = k if b == block else max(1, math.ceil(k * b / block - 1e-9))
+    per = max(1, min(scale_block, d) // b)  # blocks per scale
+    rows = math.ceil(d / (b * per)) * per
+    v = np.pad(np.asarray(x, np.float64), (0, rows * b - d)).reshape(rows, b)
+    idx = np.argsort(-np.abs(v), axis=1)[:, :kb]
+    kept = np.take_along_axis(v, idx, 1)
+    if not exact:
+        groups = kept.reshape(-1, per * kb)
+        scale = np.abs(groups).mean(1, keepdims=True)
+        kept = (scale * np.sign(groups)).reshape(kept.shape)
+    out = np.zeros_like(v)
+    np.put_along_axis(out, idx, kept, 1)
+    n = rows * kb
+    index = 4 * math.ceil(n * max(1, math.ceil(math.log2(b))) / 32)
+    values = 4 * n if exact else 4 * math.ceil(n / 32) + 4 * (rows // per)
+    return float(np.sum((out.reshape(-1)[:d] - x) ** 2)), index + values
+
+
+def waterfilled(leaves: list, chunk: int, budget: int) -> tuple:
+    """Top-``k`` in chunks of ``chunk``, one bit at the mean per chunk, with ``k`` chosen per
+    leaf (the same in each of its chunks) greedily by the energy it adds per byte, within
+    ``budget`` bytes. Returns ``(|x - C(x)|^2 summed, bytes)``."""
+    import numpy as np
+
+    curves = []
+    for x in leaves:
+        c = min(chunk, x.size)
+        rows = math.ceil(x.size / c)
+        a = -np.sort(-np.abs(np.pad(x, (0, rows * c - x.size)).reshape(rows, c)), axis=1)
+        ks = np.arange(1, c + 1)
+        kept = ((np.cumsum(a, axis=1) ** 2) / ks).sum(0)  # (sum of the top k |v|)^2 / k
+        bits = max(1, math.ceil(math.log2(c)))
+        cost = np.array(
+            [4 * math.ceil(rows * k * bits / 32) + 4 * math.ceil(rows * k / 32) for k in ks]
+        )
+        curves.append((kept, cost + 4 * rows))
+    ks = [1] * len(curves)
+    spent = sum(cost[0] for _, cost in curves)
+    while True:
+        best = None
+        for j, (kept, cost) in enumerate(curves):
+            for step in (1, 2, 4, 8):  # past the plateaus of whole words
+                k = ks[j] + step
+                if k > kept.size or spent + cost[k - 1] - cost[ks[j] - 1] > budget:
+                    continue
+                gain = (kept[k - 1] - kept[ks[j] - 1]) / max(cost[k - 1] - cost[ks[j] - 1], 1)
+                if best is None or gain > best[0]:
+                    best = (gain, j, k)
+        if best is None:
+            break
+        _, j, k = best
+        spent += curves[j][1][k - 1] - curves[j][1][ks[j] - 1]
+        ks[j] = k
+    err = sum(
+        float(x @ x) - kept[k - 1] for x, (kept, _), k in zip(leaves, curves, ks, strict=True)
+    )
+    return err, int(spent)
+
+
+#: ``(name, block, k, scale_block, exact)`` of :func:`block_topk` screened against the
+#: 2-replica row (47 of each 1024 in one bit at the mean).
+INDEX_SCREEN: tuple[tuple[str, int, int, int, bool], ...] = (
+    ("top-47/1024, 1 bit at the mean (the row)", 1024, 47, 1024, False),
+    ("top-47/1024, float32 values", 1024, 47, 1024, True),
+    ("top-24/512, 1 bit at the mean", 512, 24, 512, False),
+    ("top-8 of each 128 (7-bit indices), 1 bit at the mean per 1024", 128, 8, 1024, False),
+    ("top-4 of each 64 (6-bit indices), 1 bit at the mean per 1024", 64, 4, 1024, False),
+    ("top-2 of each 32 (5-bit indices), 1 bit at the mean per 1024", 32, 2, 1024, False),
+    ("top-64/1024, 1 bit at the mean", 1024, 64, 1024, False),
+    ("top-96/1024, 1 bit at the mean", 1024, 96, 1024, False),
+    ("top-128/1024, 1 bit at the mean", 1024, 128, 1024, False),
+)
+
+
+def run_index_screen(largs: Any, start: int, h: int, tag: str) -> int:
+    """``--fidelity-index START``: one replica's pseudo-gradient of 2 (Muon inside,
+    :func:`replica_deltas`, every leaf) through :data:`INDEX_SCREEN` and
+    :func:`waterfilled` at the row's bytes: the share of ``|D|^2`` left out and the payload's
+    bytes over the row's; writes ``lm_TAG.json``."""
+    from jaxcomp.cpu import use_cpu_devices
+
+    use_cpu_devices(largs.devices)
+    import jax
+    import numpy as np
+
+    task = lm.Task(largs, jax.device_count())
+    run = lm.Run(largs.steps, largs.lr, jax.device_count())
+    leaves = replica_deltas(task, run, 2, [start], h, _muon_held, 0)[0]
+    leaves = [np.asarray(x, np.float64) for x in leaves]
+    energy = sum(float(x @ x) for x in leaves)
+    records, row = [], None
+    for name, block, k, scale_block, exact in INDEX_SCREEN:
+        err = nbytes = 0
+        for x in leaves:
+            e, b = block_topk(x, block, k, scale_block, exact)
+            err, nbytes = err + e, nbytes + b
+        row = row or nbytes
+        records.append({"codec": name, "left_out": err / energy, "bytes": nbytes})
+    err, nbytes = waterfilled(leaves, 1024, row)
+    records.append(
+        {
+            "codec": "k per leaf water-filled, 1 bit at the mean",
+            "left_out": err / energy,
+            "bytes": nbytes,
+        }
+    )
+    for r in records:
+        r.update(steps=f"{start}-{start + h}", replicas=2, bytes_over_row=r["bytes"] / row)
+        print(r, flush=True)
+    path = common.result_path("lm_" + tag, False)
+    out = {"environment": common.environment(), "config": lm.run_config(largs)}
+    common.write_json(path, {**out, "records": records})
+    return 0
+
+
 def block_energy(path: str, tag: str) -> int:
     """``--block-energy NPY``: on the pseudo-gradients that ``--fidelity-exchange`` saved with
     ``LM_SAVE_DELTAS=NPY`` (``[window, replica, value]``), the share of ``|mean_i D_i|^2`` of the
@@ -1516,6 +1645,13 @@ def main(argv: list[str] | None = None) -> int:
         help="what low-rank factors (SVD, jc.powersgd) keep of one replica's and the mean "
         "pseudo-gradient at the sync ending START + H, against the top-k at 3000x",
     )
+    ap.add_argument(
+        "--fidelity-index",
+        type=int,
+        default=None,
+        help="where the 2-replica top-k's bytes could go further (INDEX_SCREEN) on one "
+        "replica's pseudo-gradient over the H steps from START",
+    )
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
         "--zeros",
@@ -1544,6 +1680,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = ap.parse_known_args(argv)
     if args.block_energy:
         return block_energy(args.block_energy, args.tag)
+    if args.fidelity_index is not None:
+        largs = lm.parse(["--tag", args.tag, *rest])
+        return run_index_screen(largs, args.fidelity_index, args.sync_every, args.tag)
     if args.fidelity_lowrank is not None:
         largs = lm.parse(["--tag", args.tag, *rest])
         return run_lowrank_fidelity(

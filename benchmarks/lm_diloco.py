@@ -1475,7 +1475,8 @@ def block_topk(x: Any, block: int, k: int, scale_block: int, exact: bool = False
 def waterfilled(leaves: list, chunk: int, budget: int) -> tuple:
     """Top-``k`` in chunks of ``chunk``, one bit at the mean per chunk, with ``k`` chosen per
     leaf (the same in each of its chunks) greedily by the energy it adds per byte, within
-    ``budget`` bytes. Returns ``(|x - C(x)|^2 summed, bytes)``."""
+    ``budget`` bytes (a step that keeps less, as more values at one mean magnitude can, is
+    never taken). Returns ``(|x - C(x)|^2 summed, bytes)``."""
     import numpy as np
 
     curves = []
@@ -1500,7 +1501,7 @@ def waterfilled(leaves: list, chunk: int, budget: int) -> tuple:
                 if k > kept.size or spent + cost[k - 1] - cost[ks[j] - 1] > budget:
                     continue
                 gain = (kept[k - 1] - kept[ks[j] - 1]) / max(cost[k - 1] - cost[ks[j] - 1], 1)
-                if best is None or gain > best[0]:
+                if gain > 0 and (best is None or gain > best[0]):
                     best = (gain, j, k)
         if best is None:
             break

@@ -548,6 +548,44 @@ def test_lm_diloco_short_chunks_by_hand():
     assert rec["short_leaf_sizes"] == [10]
 
 
+def test_lm_diloco_lowrank_and_topk_shares_by_hand():
+    """benchmarks/lm_diloco.py: the share of ``|x|^2`` in the best rank-``r`` approximation
+    (all of a rank-1 matrix; ``r / n`` of the identity) and in the top ``k`` of each chunk."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    outer = np.outer([1.0, 2.0, 3.0], [4.0, 5.0])
+    assert lm_diloco.svd_kept(outer, (1, 2))[1] == pytest.approx(1.0)
+    assert lm_diloco.svd_kept(np.eye(4), (1, 2, 4)) == pytest.approx({1: 0.25, 2: 0.5, 4: 1.0})
+    assert lm_diloco.topk_kept(np.array([3.0, 0, 4, 0]), 1, 2) == pytest.approx(1.0)
+    assert lm_diloco.topk_kept(np.array([3.0, 4, 0, 0]), 1, 4) == pytest.approx(16 / 25)
+    assert lm_diloco.topk_kept(np.array([3.0, 4, 0]), 1, 2) == pytest.approx(16 / 25)  # padded
+
+
+def test_lm_diloco_block_topk_and_waterfilling_by_hand():
+    """benchmarks/lm_diloco.py: top-1 of each block of 4 in one bit at the mean magnitude of
+    the kept values of each 8 (4 and 3 sent as 3.5 each), its packed bytes (2 indices of 2
+    bits, 2 sign bits, a scale: a word each); and the per-leaf k, water-filled, spending the
+    bytes on the leaf whose energy sits in more coordinates."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    x = np.array([4.0, -2, 0, 0, 1, 3, 0, 0])
+    err, nbytes = lm_diloco.block_topk(x, 4, 1, 8)
+    assert err == pytest.approx(0.5**2 + 2**2 + 1**2 + 0.5**2) and nbytes == 12
+    err, nbytes = lm_diloco.block_topk(x, 4, 1, 8, exact=True)
+    assert err == pytest.approx(2**2 + 1**2) and nbytes == 4 + 8
+    spread = np.array([1.0] * 8)  # each value sent adds 1 to what is kept
+    peaked = np.array([5.0] + [0.01] * 7)  # one value holds it all
+    budget = lm_diloco.block_topk(spread, 8, 2, 8)[1] + lm_diloco.block_topk(peaked, 8, 2, 8)[1]
+    uniform = lm_diloco.block_topk(spread, 8, 2, 8)[0] + lm_diloco.block_topk(peaked, 8, 2, 8)[0]
+    err, nbytes = lm_diloco.waterfilled([spread, peaked], 8, budget)
+    assert nbytes <= budget and err < uniform
+    assert err == pytest.approx(7 * 0.01**2 + 0.0, abs=1e-3)  # spread sent whole, peaked's top 1
+
+
 def test_lm_diloco_held_and_outer_cosine_schedules():
     """benchmarks/lm_diloco.py: the inner lr held at its peak after AdamW's 5% warm-up, and
     the outer lr from 0.7 at the first of the 10 outer steps of H = 30 to 0.07 at the last."""

@@ -328,6 +328,19 @@ CHECKS = [
     ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm(0.0, "d"), ValueError),
     ("clip_by_global_norm", "max_norm", lambda: jc.clip_by_global_norm("1", "d"), TypeError),
     ("clip_by_global_norm", "bound", lambda: jc.clip_by_global_norm(1.0, "d", bound=1), TypeError),
+    ("clip_by_global_norm", "axis_name", lambda: jc.clip_by_global_norm(1.0, None), ValueError),
+    (
+        "clip_by_global_norm",
+        "shard_axis",
+        lambda: jc.clip_by_global_norm(1.0, "d", shard_axis=3),
+        TypeError,
+    ),
+    (
+        "clip_by_global_norm",
+        "shard_axis",
+        lambda: jc.clip_by_global_norm(1.0, "d", shard_axis=()),
+        ValueError,
+    ),
     (
         "onebit_adam",
         "weight_decay",
@@ -997,6 +1010,21 @@ TRACE_CHECKS = [
         "clip_by_global_norm (update)",
         "updates",
         lambda x: jc.clip_by_global_norm(1.0, "data").update(jax.lax.pmean(x, "data"), None)[0],
+        ValueError,
+    ),
+    # FSDP shards clipped by the whole gradient's norm: gradients that are not shards refused.
+    (
+        "clip_by_global_norm (update)",
+        "shard_axis",
+        lambda x: jc.clip_by_global_norm(1.0, None, shard_axis="data").update(
+            jax.lax.pmean(x, "data"), None
+        )[0],
+        ValueError,
+    ),
+    (
+        "clip_by_global_norm (update)",
+        "shard_axis",
+        lambda x: jc.clip_by_global_norm(1.0, None, shard_axis="model").update(x, None)[0],
         ValueError,
     ),
     # An integer param's gradient (float0, or an int array) in an optimizer recipe: refused.

@@ -146,3 +146,74 @@ def test_a_nonfinite_shard_skips_the_sync_of_every_shard():
     assert int(np.asarray(state.count)) == 0  # the sync is retried next step
     for a, p in zip(jax.tree.leaves(state.anchor), jax.tree.leaves(_params()), strict=True):
         np.testing.assert_array_equal(np.asarray(a).reshape(2, *p.shape)[0], p)
+
+
+# --------------------------------------------------------------------------- clipping shards
+
+
+def _clip_shards(tx, g, m, spec):
+    """``tx.update`` of the shards of ``g`` (each device its block of ``spec``)."""
+    update = lambda g: tx.update(g, None)[0]  # noqa: E731
+    fn = jax.jit(jax.shard_map(update, mesh=m, in_specs=spec, out_specs=spec))
+    put = lambda a: jax.device_put(a, NamedSharding(m, spec))  # noqa: E731
+    return jax.tree.map(np.asarray, fn(jax.tree.map(put, g)))
+
+
+def test_clipping_fsdp_shards_clips_the_whole_gradient():
+    """jc.clip_by_global_norm(c, None, shard_axis="data") of FSDP shard gradients equals
+    optax.clip_by_global_norm(c) of the whole gradient. Without shard_axis each shard was
+    clipped by its own norm (at c sqrt(8)): another direction, no error."""
+    m = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8])
+    k = jax.random.split(jax.random.PRNGKey(4), 2)
+    g = {"a": jax.random.normal(k[0], (32, 16)), "b": jax.random.normal(k[1], (8,)) * 5}
+    g["a"] = g["a"].at[:4].multiply(20.0)  # one device's shard much larger than the others
+    want = jax.tree.map(np.asarray, optax.clip_by_global_norm(3.0).update(g, None)[0])
+    got = _clip_shards(jc.clip_by_global_norm(3.0, None, shard_axis="data"), g, m, P("data"))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+    old = _clip_shards(jc.clip_by_global_norm(3.0, "data"), g, m, P("data"))
+    rel = float(np.linalg.norm(old["a"] - want["a"]) / np.linalg.norm(want["a"]))
+    assert rel > 0.5, rel
+    # Finite values whose norm overflows float32 in one shard: clipped along the direction.
+    huge = {"a": jnp.zeros((32, 16)).at[0, 0].set(3e38).at[9, 1].set(-2e38), "b": jnp.ones(8)}
+    got = _clip_shards(jc.clip_by_global_norm(1.0, None, shard_axis="data"), huge, m, P("data"))
+    norm = np.sqrt(3.0**2 + 2.0**2)
+    assert got["a"][0, 0] == pytest.approx(3 / norm, rel=1e-6)
+    assert got["a"][9, 1] == pytest.approx(-2 / norm, rel=1e-6)
+    assert np.all(got["b"] == 0) or float(np.max(np.abs(got["b"]))) < 1e-37
+    # A NaN in one shard stays NaN; an inf in one shard makes the clipped gradient non-finite.
+    tx = jc.clip_by_global_norm(1.0, None, shard_axis="data")
+    for bad in (jnp.nan, jnp.inf):
+        got = _clip_shards(tx, {"a": g["a"].at[5, 0].set(bad)}, m, P("data"))
+        assert not np.all(np.isfinite(got["a"])), bad
+
+
+def test_clipping_hsdp_shards_per_replica_at_c_sqrt_n():
+    """A replica axis averaged after the clipping (HSDP): each replica group's shards are
+    clipped by its own whole gradient's norm, at c sqrt(2) (bound=False)."""
+    m = _mesh_2x4()
+    g = jax.random.normal(jax.random.PRNGKey(5), (2, 32, 16)) * 3  # replica r: g[r], rows over data
+    tx = jc.clip_by_global_norm(1.0, "replica", shard_axis="data")
+    got = _clip_shards(tx, g, m, P("replica", "data"))
+    for r in range(2):
+        want = np.asarray(optax.clip_by_global_norm(np.sqrt(2.0)).update(g[r], None)[0])
+        np.testing.assert_allclose(got[r], want, rtol=2e-6, atol=1e-7)
+
+
+def test_clipping_shard_axis_refuses_gradients_that_are_not_shards():
+    m = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8])
+    tx = jc.clip_by_global_norm(1.0, None, shard_axis="data")
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g: tx.update(jax.lax.pmean(g, "data"), None)[0],
+            mesh=m,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )
+    with pytest.raises(ValueError, match="shard_axis"):
+        fn(jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("data"))))
+    with pytest.raises(ValueError, match="axis_name"):
+        jc.clip_by_global_norm(1.0, None)
+    with pytest.raises(TypeError, match="shard_axis"):
+        jc.clip_by_global_norm(1.0, "data", shard_axis=3)

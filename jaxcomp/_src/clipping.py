@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomp._src import collectives, skeleton
+from jaxcomp._src.axes import check_axis_name
 from jaxcomp._src.codecs.base import clip_scales, safe_divide
 from jaxcomp._src.onebit_adam import check_number
 
@@ -33,6 +34,38 @@ def global_norm_parts(tree: Any) -> tuple[jax.Array, jax.Array]:
     # safe_divide: XLA:CPU's x / safe is 0 for safe above 2^126 (docs/errors.md).
     total = sum(jnp.sum(jnp.square(safe_divide(x, safe))) for x in leaves)
     return jnp.where(jnp.isfinite(top), safe, top), jnp.sqrt(total)
+
+
+def sharded_norm_parts(tree: Any, shard_axis: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`global_norm_parts` of the whole tree whose shards the devices of ``shard_axis``
+    hold (FSDP): ``|g|^2 = sum_j |g_j|^2 = m^2 sum_j (m_j / m)^2 r_j^2`` with ``m = max_j m_j``
+    (one ``pmax``, one ``psum`` of three scalars: the sum and the shards' NaN and inf counts),
+    every term at most ``r_j^2``, so finite for finite values. A NaN in any shard makes
+    ``m`` NaN on every device, else an inf makes it inf (as one tree's parts)."""
+    top, root = global_norm_parts(tree)
+    finite = jnp.isfinite(top)
+    mine = jnp.where(finite & (root > 0), top, 0.0)  # 0 for a zero shard (its top is 1)
+    biggest = jax.lax.pmax(mine, shard_axis)
+    safe = jnp.where(biggest > 0, biggest, 1.0)
+    term = jnp.square(safe_divide(mine, safe)) * jnp.square(jnp.where(finite, root, 0.0))
+    counts = jnp.stack(
+        [term, jnp.isnan(top).astype(jnp.float32), jnp.isinf(top).astype(jnp.float32)]
+    )
+    total, nans, infs = jax.lax.psum(counts, shard_axis)
+    whole = jnp.where(nans > 0, jnp.nan, jnp.where(infs > 0, jnp.inf, safe))
+    return whole, jnp.sqrt(total)
+
+
+def check_shards(updates: Any, shard_axis: Any) -> None:
+    """Refuse ``shard_axis`` gradients typed identical on every device of it: shards differ."""
+    bad = skeleton.invariant_gradients(updates, shard_axis)
+    if bad:
+        raise ValueError(
+            f"clip_by_global_norm: `shard_axis`={shard_axis!r} but the gradients (`updates`) at "
+            f"{bad[:5]} are identical on every device of it, so they are not shards of one "
+            "gradient (FSDP's, from jc.fsdp_gather): their norm would be counted once per "
+            "device. Name the axes the gradients are sharded over, or leave `shard_axis` out."
+        )
 
 
 def safe_global_norm(tree: Any) -> jax.Array:
@@ -64,7 +97,7 @@ def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> N
 
 
 def clip_by_global_norm(
-    max_norm: float, axis_name: Any, *, bound: bool = False
+    max_norm: float, axis_name: Any, *, bound: bool = False, shard_axis: Any = None
 ) -> optax.GradientTransformation:
     r"""Clip each device's gradient so that the mean gradient's norm is about ``max_norm``.
 
@@ -96,21 +129,36 @@ def clip_by_global_norm(
     the threshold along its direction (:func:`~jaxcomp._src.codecs.base.clip_scales`), where
     ``optax.clip_by_global_norm`` returns zeros (its norm is inf).
 
+    Sharded gradients (FSDP, ``jc.fsdp_gather``): each device holds a shard ``g_j`` of one
+    gradient, and the norm to clip by is the whole gradient's, ``sqrt(sum_j |g_j|^2)`` over
+    the devices of ``shard_axis`` (one scalar ``psum``), every shard scaled by the same factor.
+    A norm of the local shard alone (what this transform without ``shard_axis``, or
+    ``optax.clip_by_global_norm``, takes of a shard) scales each shard by its own factor: a
+    gradient of another direction, with no error. With FSDP alone the shard gradients are
+    already the whole batch's (``fsdp_gather``'s reduce-scatter): pass ``axis_name=None``,
+    ``shard_axis="data"``, and the threshold is ``c``. With a replica axis averaged after it
+    (HSDP, ``jc.compressed_allreduce(codec, "replica")``): ``axis_name="replica"``,
+    ``shard_axis="data"``, the threshold ``c sqrt(n_replica)`` (or ``c`` with ``bound``).
+
     Args:
       max_norm: ``c`` > 0, the norm the mean gradient is clipped to.
-      axis_name: the data-parallel axis the recipe after it averages over.
+      axis_name: the data-parallel axis the recipe after it averages over; None only with
+        ``shard_axis`` (nothing averages after: FSDP alone).
       bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
+      shard_axis: None, or the mesh axis (or tuple) over which the gradients are shards of
+        one gradient (FSDP): the norm is taken over all of them.
 
     Returns:
       An ``optax.GradientTransformation`` (stateless) to chain before the recipe.
 
     Raises:
-      ValueError: at construction, ``max_norm`` outside its rule (the message names the argument;
-        the rules: docs/errors.md).
-      TypeError: at construction, ``max_norm`` or ``bound`` of the wrong kind.
+      ValueError: at construction, ``max_norm``, ``axis_name`` or ``shard_axis`` outside its
+        rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``max_norm``, ``bound`` or ``shard_axis`` of the wrong kind.
 
     The update refuses gradients already identical on every device (``check_vma=True``),
-    the mean of an exchange chained before it, with ValueError naming ``updates``.
+    the mean of an exchange chained before it, with ValueError naming ``updates``; and
+    gradients identical on every device of ``shard_axis`` (not shards), naming ``shard_axis``.
 
     Example::
 
@@ -126,16 +174,34 @@ def clip_by_global_norm(
         raise ValueError("`max_norm` must be > 0, got 0")
     if not isinstance(bound, bool):
         raise TypeError(f"`bound` must be a bool, got {bound!r}")
+    if shard_axis is not None:
+        check_axis_name(shard_axis, "shard_axis")
+    if axis_name is None and shard_axis is None:
+        raise ValueError(
+            "`axis_name` is required: the data-parallel axis the exchange after this averages "
+            "over (None only with `shard_axis`, for FSDP shard gradients that nothing averages)"
+        )
 
     def update_fn(updates, state, params=None):
         del params
         skeleton.check_real("clip_by_global_norm", updates)  # it would pass unclipped
-        check_per_device_gradients(updates, axis_name, max_norm)
-        n = collectives.axis_size(axis_name)
+        if axis_name is not None:
+            check_per_device_gradients(updates, axis_name, max_norm)
+        n = 1 if axis_name is None else collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
+        if shard_axis is None:
+            parts = global_norm_parts(updates)
+        else:
+            if collectives.bound_axis_size(shard_axis) is None:
+                raise ValueError(
+                    f"`shard_axis` {shard_axis!r} is not bound here: clip inside the "
+                    "jax.shard_map whose mesh shards the gradients over it"
+                )
+            check_shards(updates, shard_axis)
+            parts = sharded_norm_parts(updates, shard_axis)
         # A norm past float32's range (finite values) or above 2^126 (limit / norm flushed
         # to 0) zeroed every update: clip_scales scales such updates by 2^-64 first.
-        pre, factor = clip_scales(*global_norm_parts(updates), limit)
+        pre, factor = clip_scales(*parts, limit)
         clipped = jax.tree.map(
             lambda x: (
                 ((x * pre) * factor).astype(x.dtype)

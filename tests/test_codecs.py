@@ -280,6 +280,10 @@ def test_scaled_fp16_zero_nonfinite_and_capabilities():
     assert feedback.resolve("auto", c) is None
     assert feedback.resolve("auto", plain) == "residual"
     assert [jc.choose_strategy(c, 1 << 20, n) for n in (2, 8)] == ["two_phase"] * 2
+    # At 2 devices that is one float32 scale a leaf more than the all-gather (docs, "Scaled
+    # fp16"): 2d + 8 against 2d + 4 bytes.
+    two = jc.strategy_bytes(c, 1000, 2)
+    assert (two["two_phase"], two["allgather"]) == (2008, 2004)
     assert jc.choose_strategy(c, 3, 8) == "plain"  # a payload larger than the floats
     with pytest.raises(TypeError, match="`scaled`"):
         jc.cast("fp16", scaled="yes")

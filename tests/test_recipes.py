@@ -147,7 +147,14 @@ def assert_close(outs: list[dict], want: list[dict], rtol=2e-5, atol=1e-7) -> No
 def test_sgd_without_compression_is_optax_sgd(nesterov):
     tx = jc.sgd(LR, jc.identity(), "data", momentum=0.9, nesterov=nesterov, error_feedback=None)
     want = reference(optax.sgd(LR, momentum=0.9, nesterov=nesterov))
-    assert_close(Run(tx).outs, want)
+    outs = Run(tx).outs
+    assert_close(outs, want)
+    # The same update up to float32 rounding (docs: the mean of the devices' momenta against
+    # the momentum of the mean gradient, summed in another order): within 1e-6 of the
+    # largest value at every step (measured 2.7e-7 over 20 steps of another tree).
+    for a, b in zip(outs, want, strict=True):
+        for k in SHAPES:
+            assert np.max(np.abs(a[k] - b[k])) <= 1e-6 * np.max(np.abs(b[k])), k
 
 
 def test_ef21_sgdm_without_compression_is_optax_sgd():

@@ -64,9 +64,10 @@ def sgd(
         e_i <- p_i - C(p_i)
         x   <- x - lr / (1 - beta) * mean_i C(p_i)
 
-    Without compression this is exactly ``optax.sgd(lr, momentum=beta)`` on the mean
-    gradient (the mean of the devices' momenta is the momentum of the mean gradient;
-    ``m_i / (1 - beta)`` is the heavy-ball momentum). With compression it is EF-SGDM:
+    Without compression this is ``optax.sgd(lr, momentum=beta)`` on the mean gradient, up
+    to float32 rounding (the mean of the devices' momenta is the momentum of the mean
+    gradient, summed in another order; ``m_i / (1 - beta)`` is the heavy-ball momentum).
+    With compression it is EF-SGDM:
     momentum before the codec, error feedback after it (Zheng, Huang, Kwok, NeurIPS 2019,
     "Communication-Efficient Distributed Blockwise Momentum SGD with Error-Feedback";
     DGC's momentum correction, Lin et al. 2018, is the same placement for top-k). Applying

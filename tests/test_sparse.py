@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp._src.accounting import comm_report
 from jaxcomp._src.codecs import sparse
 from jaxcomp._src.codecs.sparse import random_k, threshold, top_k
-from jaxcomp._src.collectives import pmean, strategy_bytes
+from jaxcomp._src.collectives import choose_strategy, pmean, strategy_bytes
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 from jaxcomp._src.dgc import dgc
 from jaxcomp._src.sharding import sharded_init, state_specs
@@ -596,6 +596,13 @@ def test_allgather_bytes_grow_with_devices():
     assert [costs[n]["allgather"] for n in (2, 4, 8)] == [(n - 1) * 8 * k for n in (2, 4, 8)]
     assert all(costs[n]["two_phase"] <= 2 * 8 * k for n in (2, 4, 8))
     assert costs[8]["allgather"] / costs[8]["two_phase"] == pytest.approx(4.0, rel=0.01)
+    # jc.dgc(strategy="auto") (its docstring): two_phase from 3 devices, a tie at 2 goes to
+    # allgather; its sampled top-k, at DGC's densities, on small and large leaves.
+    for ratio in (0.001, 0.01):
+        for d in (4096, 1_000_000):
+            codec = top_k(ratio, approx="sample")
+            chosen = [choose_strategy(codec, d, n) for n in (2, 3, 4, 8)]
+            assert chosen == ["allgather"] + ["two_phase"] * 3, (ratio, d, chosen)
 
 
 @pytest.fixture(scope="module")

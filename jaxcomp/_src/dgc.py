@@ -279,7 +279,8 @@ def dgc(
     pass ``momentum_masking=False`` there (measured: docs/choosing-a-codec.md, "What each
     exchange converges to"). (So at ``ratio = 1`` masking zeroes every ``u_i`` each step and
     DGC is plain SGD on the compressed leaves; with
-    ``momentum_masking=False`` it is exactly momentum SGD on the mean gradient.)
+    ``momentum_masking=False`` it is momentum SGD on the mean gradient, up to float32
+    rounding.)
 
     Warm-up (``warmup_steps``, default 200; 0 turns it off): the density ``ratio_t`` falls
     by 4x per stage from 25% to ``ratio`` (the paper's 75%, 93.75%, 98.4375%, 99.6%, 99.9%
@@ -291,7 +292,8 @@ def dgc(
     those of ``ratio``). Momentum factor masking starts with the sparse regime, at step
     ``warmup_steps``: at a warm-up density it would zero most velocities every few steps
     (at 100%, every step: plain SGD, a tenth of momentum SGD's step at ``m = 0.9``), so the
-    warm-up keeps the velocity and a 100% stage is exactly momentum SGD on the mean gradient.
+    warm-up keeps the velocity and a 100% stage is momentum SGD on the mean gradient (up to
+    float32 rounding: each device's velocity is averaged, not the velocity of the mean).
 
     Local gradient clipping (``clip_norm``) rescales each device's gradient, over all of its
     floating leaves, to global norm at most ``clip_norm / sqrt(n)`` before it is accumulated:
@@ -351,7 +353,8 @@ def dgc(
         of their sum, keeping the rest in a per-device server residual,
         ``jc.top_k(ratio).phase_codecs(c, n)``; bytes per device do not grow with ``n``: 21 KB
         instead of 63 KB per step for 1M parameters on 8 devices) or ``"auto"`` (the fewest bytes by
-        the ring model: two_phase from 4 devices). Both train equally well, but on XLA:CPU a
+        the ring model: two_phase from 3 devices; at 2 the bytes tie and allgather is taken).
+        Both train equally well, but on XLA:CPU a
         two_phase step of a top-k payload is much slower than an allgather one, hence the default.
       seed: seeds the PRNG key kept in the state.
       param_specs: where params are sharded over other mesh axes than ``axis_name`` (a data

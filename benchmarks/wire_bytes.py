@@ -250,8 +250,17 @@ ROW_KEY = ("tree", "devices", "codec", "strategy")
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` rows with those measured again in ``new`` replaced (same :data:`ROW_KEY`),
-    sorted by tree, n, codec and strategy (``pmean`` first)."""
-    by_key = {tuple(r[k] for k in ROW_KEY): r for r in old}
+    sorted by tree, n, codec and strategy (``pmean`` first). An old row of a codec measured
+    again in ``new`` whose strategy that codec no longer carries is dropped (``"fp16"``
+    became the scaled cast, not summable: its ``allreduce`` rows are gone)."""
+    remeasured = {r["codec"] for r in new}
+    by_key = {
+        tuple(r[k] for k in ROW_KEY): r
+        for r in old
+        if r["codec"] not in remeasured
+        or r["strategy"] == "-"
+        or r["strategy"] in strategies_for(common.make_codec(r["codec"]))
+    }
     by_key.update({tuple(r[k] for k in ROW_KEY): r for r in new})
     return sorted(
         by_key.values(),

@@ -76,6 +76,19 @@ def test_wire_bytes_merge_replaces_rows_measured_again():
         (8, "int8", 3),
         (8, "sign", 1),
     ]
+    # "fp16" is the scaled cast since 2026-11-26, not summable: a row of it measured through
+    # allreduce before then goes once fp16 is measured again; bf16 keeps its allreduce row.
+    old = [row("fp16", 8, 1, "allreduce"), row("fp16", 8, 2), row("bf16", 8, 3, "allreduce")]
+    merged = wire_bytes.merge_rows(
+        [row("pmean", 8, 0, "-"), *old],
+        [row("pmean", 8, 6, "-"), row("fp16", 8, 4), row("bf16", 8, 5)],
+    )
+    assert [(r["codec"], r["strategy"], r["v"]) for r in merged] == [
+        ("pmean", "-", 6),
+        ("bf16", "allreduce", 3),
+        ("bf16", "auto", 5),
+        ("fp16", "auto", 4),
+    ]
 
 
 @pytest.mark.slow

@@ -432,6 +432,16 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-muon-innerconst-c1024-d384-b1mean-min0-outer1.5": _sparse_h30(
         2, density=384 / 4096, chunk=1024, bits=1, value_scale="mean"
     ),
+    # ... 1.34, 2.6 and 5.2 times its bytes (64, 128 and 256 of each 1024).
+    "sparseloco-H30-M2-muon-innerconst-c1024-d256-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=256 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-d512-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=512 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-d1024-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=1024 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
     # ... 1 bit at the mean magnitude, 21 of 4096 (3048x).
     "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(
         density=21 / 4096, bits=1, value_scale="mean"

@@ -1368,6 +1368,7 @@ def _lm_zeros(data: dict[str, Any], path: pathlib.Path) -> str:
 
 XFID_COMMAND = "python -m benchmarks.lm_diloco --fidelity-exchange 120 --replicas 8"
 LOWRANK_COMMAND = "python -m benchmarks.lm_diloco --fidelity-lowrank 120 --replicas 8"
+INDEX_COMMAND = "python -m benchmarks.lm_diloco --fidelity-index 120"
 
 
 def _lm_xfid(data: dict[str, Any], path: pathlib.Path) -> str:
@@ -1433,6 +1434,25 @@ def _lm_lowrank(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
+def _lm_index(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.lm_diloco --fidelity-index``: the share of one replica's ``|D|^2`` each
+    chunked top-k variant leaves out, and its payload's bytes (and over the 2-replica row's)."""
+    header = ["steps", "replicas", "codec", "left out", "bytes per sync", "bytes over the row's"]
+    rows = [
+        [
+            str(r["steps"]),
+            str(r["replicas"]),
+            r["codec"],
+            f"{100 * r['left_out']:.1f}%",
+            _fmt(r["bytes"]),
+            f"{r['bytes_over_row']:.2f}",
+        ]
+        for r in data["records"]
+    ]
+    command = data.get("environment", {}).get("command") or INDEX_COMMAND
+    return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
+
+
 def _lm_blocks(data: dict[str, Any], path: pathlib.Path) -> str:
     """``benchmarks.lm_diloco --block-energy``: the share of the mean pseudo-gradient's
     energy in the coordinates or blocks each rule keeps."""
@@ -1480,6 +1500,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "lm_S4_xfid": (_lm_xfid, XFID_COMMAND),
     "lm_S4_blocks": (_lm_blocks, "python -m benchmarks.lm_diloco --block-energy NPY"),
     "lm_S2_lowrank": (_lm_lowrank, LOWRANK_COMMAND),
+    "lm_S2_index": (_lm_index, INDEX_COMMAND),
     "convergence_recipes": (
         _convergence_recipes,
         "python -m benchmarks.convergence --label recipes",

@@ -70,12 +70,14 @@ class Block(nnx.Module):
 
 
 class CharTransformer(nnx.Module):
-    def __init__(self, *, context: int, d: int, layers: int, heads: int, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(256, d, rngs=rngs)
+    def __init__(
+        self, *, context: int, d: int, layers: int, heads: int, rngs: nnx.Rngs, vocab: int = 256
+    ):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
         self.blocks = nnx.List([Block(d, heads, rngs=rngs) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, 256, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)  # vocab > 256: rows no byte uses
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]

@@ -10,6 +10,7 @@ from jaxcomp._src.accounting import CommReport, Conditional, at_count, comm_repo
 from jaxcomp._src.accumulate import AccumulateState, accumulate
 from jaxcomp._src.adaptive import Accordion, AccordionState, accordion
 from jaxcomp._src.autotune import AutotunePlan, autotune
+from jaxcomp._src.budget import demo_ratio, demo_topk, sparseloco_density, sparseloco_ratio
 from jaxcomp._src.clipping import clip_by_global_norm
 from jaxcomp._src.codecs import (
     CODECS,
@@ -81,6 +82,8 @@ __all__ = [
     "DGCState",
     "DeMoState",
     "demo",
+    "demo_ratio",
+    "demo_topk",
     "scale_by_demo",
     "DelayedState",
     "delayed",
@@ -140,6 +143,8 @@ __all__ = [
     "SparseFeedbackState",
     "SparseLoCoState",
     "sparseloco",
+    "sparseloco_density",
+    "sparseloco_ratio",
     "state_specs",
     "strategy_bytes",
     "terngrad",

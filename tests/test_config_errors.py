@@ -40,6 +40,12 @@ _W = {"w": np.zeros(64, np.float32)}
 
 
 _WB = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+# A model of a matrix and a bias for the byte-budget helpers (shapes only: nothing runs).
+_BIG = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32), "b": np.zeros(512, np.float32)}
+_ALL_BUDGETS = "sparseloco_density, sparseloco_ratio, demo_ratio, demo_topk"
+_SPARSE_BUDGETS = "sparseloco_density, sparseloco_ratio"
+_DEMO_BUDGETS = "demo_ratio, demo_topk"
+_RATIO = "sparseloco_density, demo_topk"
 
 
 def _decay_mask_tx(recipe, mask):
@@ -715,6 +721,87 @@ CHECKS = [
     ("demo", "bits", lambda: jc.demo(0.1, "d", bits=8.0), TypeError),
     ("demo", "min_size", lambda: jc.demo(0.1, "d", min_size=-1), ValueError),
     ("demo", "min_size", lambda: jc.demo(0.1, "d", min_size=1.0), TypeError),
+    *[
+        (_ALL_BUDGETS, "params", call, ValueError)
+        for call in (
+            lambda: jc.sparseloco_density({"step": np.zeros(3, np.int32)}, 100, 30, 8),
+            lambda: jc.demo_ratio({}, 8),
+        )
+    ],
+    (_ALL_BUDGETS, "other_bytes", lambda: jc.demo_topk(_BIG, 80, 8, other_bytes=-1), ValueError),
+    (
+        _ALL_BUDGETS,
+        "other_bytes",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, other_bytes="7"),
+        TypeError,
+    ),
+    (_RATIO, "ratio", lambda: jc.sparseloco_density(_BIG, 0, 30, 8), ValueError),
+    (_RATIO, "ratio", lambda: jc.demo_topk(_BIG, "80x", 8), TypeError),
+    # Out of reach: the small leaves sent by pmean alone (the message also names min_size),
+    # or one value per chunk (it names chunk); tests/test_budget.py checks the messages.
+    ("sparseloco_density", "ratio", lambda: jc.sparseloco_density(_BIG, 1e4, 30, 8), ValueError),
+    ("demo_topk", "ratio", lambda: jc.demo_topk(_BIG, 1e4, 8), ValueError),
+    (_SPARSE_BUDGETS, "sync_every", lambda: jc.sparseloco_ratio(_BIG, 0, 8), ValueError),
+    (_SPARSE_BUDGETS, "sync_every", lambda: jc.sparseloco_ratio(_BIG, (5, 30), 8), TypeError),
+    (_SPARSE_BUDGETS, "replicas", lambda: jc.sparseloco_ratio(_BIG, 30, 1), ValueError),
+    (_SPARSE_BUDGETS, "replicas", lambda: jc.sparseloco_density(_BIG, 9, 30, 8.0), TypeError),
+    (_SPARSE_BUDGETS, "devices", lambda: jc.sparseloco_ratio(_BIG, 30, 2, devices=1), ValueError),
+    (_SPARSE_BUDGETS, "devices", lambda: jc.sparseloco_ratio(_BIG, 30, 2, devices="8"), TypeError),
+    (
+        "sparseloco_ratio",
+        "density",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, density=2),
+        ValueError,
+    ),
+    (
+        "sparseloco_ratio",
+        "density",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, density="1%"),
+        TypeError,
+    ),
+    (_SPARSE_BUDGETS, "chunk", lambda: jc.sparseloco_ratio(_BIG, 30, 8, chunk=0), ValueError),
+    (
+        _SPARSE_BUDGETS,
+        "chunk",
+        lambda: jc.sparseloco_density(_BIG, 9, 30, 8, chunk=64.0),
+        TypeError,
+    ),
+    (_SPARSE_BUDGETS, "bits", lambda: jc.sparseloco_ratio(_BIG, 30, 8, bits=9), ValueError),
+    (_SPARSE_BUDGETS, "bits", lambda: jc.sparseloco_ratio(_BIG, 30, 8, bits="1"), TypeError),
+    (
+        _SPARSE_BUDGETS,
+        "min_size",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, min_size=-1),
+        ValueError,
+    ),
+    (
+        _SPARSE_BUDGETS,
+        "min_size",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, min_size=1.0),
+        TypeError,
+    ),
+    (
+        _SPARSE_BUDGETS,
+        "small_codec",
+        lambda: jc.sparseloco_density(_BIG, 9, 30, 8, small_codec=jc.top_k(0.1)),
+        ValueError,
+    ),
+    (
+        _SPARSE_BUDGETS,
+        "small_codec",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, small_codec="sign"),
+        TypeError,
+    ),
+    (_DEMO_BUDGETS, "devices", lambda: jc.demo_ratio(_BIG, 1), ValueError),
+    (_DEMO_BUDGETS, "devices", lambda: jc.demo_topk(_BIG, 80, None), TypeError),
+    (_DEMO_BUDGETS, "chunk", lambda: jc.demo_ratio(_BIG, 8, chunk=5000), ValueError),
+    (_DEMO_BUDGETS, "chunk", lambda: jc.demo_topk(_BIG, 80, 8, chunk=64.0), TypeError),
+    ("demo_ratio", "topk", lambda: jc.demo_ratio(_BIG, 8, chunk=8, topk=65), ValueError),
+    ("demo_ratio", "topk", lambda: jc.demo_ratio(_BIG, 8, topk=20.0), TypeError),
+    (_DEMO_BUDGETS, "bits", lambda: jc.demo_topk(_BIG, 80, 8, bits=0), ValueError),
+    (_DEMO_BUDGETS, "bits", lambda: jc.demo_ratio(_BIG, 8, bits=3.0), TypeError),
+    (_DEMO_BUDGETS, "min_size", lambda: jc.demo_ratio(_BIG, 8, min_size=-1), ValueError),
+    (_DEMO_BUDGETS, "min_size", lambda: jc.demo_topk(_BIG, 80, 8, min_size=1.0), TypeError),
     ("delayed", "tx", lambda: jc.delayed("sgd"), TypeError),
     ("overlapped_step", "loss_fn", lambda: jc.overlapped_step(1, SGD, mesh(), "data"), TypeError),
     ("overlapped_step", "tx", lambda: jc.overlapped_step(len, "sgd", mesh(), "data"), TypeError),

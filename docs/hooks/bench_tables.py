@@ -1477,7 +1477,82 @@ def _lm_blocks(data: dict[str, Any], path: pathlib.Path) -> str:
     return _markdown((header, rows)) + "\n\n" + _source(path, data, command)
 
 
+#: ``benchmarks.budget_bytes``'s recipes: (column, fixed row, sized row or None).
+BUDGET_COLUMNS = (
+    (
+        "SparseLoCo, 8 replicas (3000x)",
+        "SparseLoCo 3000x, 8 replicas: 21 of 4096",
+        "SparseLoCo 3000x, 8 replicas: sized",
+    ),
+    (
+        "SparseLoCo, 2 of 4 (3000x)",
+        "SparseLoCo 3000x, 2 replicas: 47 of 1024",
+        "SparseLoCo 3000x, 2 replicas: sized",
+    ),
+    ("DeMo (80x)", "DeMo 80x: topk 20, 3 bits", "DeMo 80x: sized"),
+    ("DiLoCo / MuLoCo int4, 8 replicas (200x)", "DiLoCo / MuLoCo int4, H = 30, 8 replicas", None),
+    ("DiLoCo / MuLoCo int4, 2 of 4 (200x)", "DiLoCo / MuLoCo int4, H = 30, 2 replicas", None),
+)
+
+
+def _budget_table(records: list[dict[str, Any]], targets: dict[str, float], values: bool) -> str:
+    """One row per model, a column per recipe of :data:`BUDGET_COLUMNS` present: the ratio at
+    the documented setting (bold under ``targets[recipe]``) and at the setting sized for it."""
+
+    def ratio(r: dict[str, Any]) -> str:
+        x = f"{r['ratio']:,.0f}x" if r["ratio"] >= 1000 else f"{r['ratio']:.1f}x"
+        return f"**{x}**" if r["ratio"] < targets[r["recipe"]] else x
+
+    names = {r["recipe"] for r in records}
+    columns = [c for c in BUDGET_COLUMNS if c[1] in names]
+    header = ["model"] + (["values"] if values else [])
+    for column, _, sized in columns:
+        header += [column] + ([f"{column.split(' (')[0]}: sized"] if sized else [])
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in records):
+        of = {r["recipe"]: r for r in records if r["model"] == model}
+        cells = [model] + ([_fmt(next(iter(of.values()))["values"])] if values else [])
+        for _, fixed, sized in columns:
+            cells.append(ratio(of[fixed]))
+            if sized:
+                cells.append(f"{of[sized]['setting']}: {ratio(of[sized])}")
+        rows.append(cells)
+    return _markdown((header, rows))
+
+
+def _budget_bytes(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``benchmarks.budget_bytes``: per model, each recipe's ratio at its documented setting
+    (bold under its target) and at the setting sized for the target on that model; then the
+    same ratios from the arithmetic alone on every width at 1-4 layers."""
+    targets = {r["recipe"]: r["target"] for r in data["rows"]}
+    exact = all(
+        r["predicted_ratio"] is None or abs(r["predicted_ratio"] / r["ratio"] - 1) < 1e-9
+        for r in data["rows"]
+    )
+    note = (
+        "Bytes per step of the exchange against a float32 `pmean` of the same params every "
+        f"step on {data['devices']} devices (`H` = {data['sync_every']}), read from each lowered "
+        "step as `jc.comm_report`'s logical collectives; **bold**: under the target. "
+        + (
+            "Every SparseLoCo and DeMo ratio above equals `jc.sparseloco_ratio` / "
+            "`jc.demo_ratio`'s arithmetic to within 1e-9."
+            if exact
+            else "Some ratios differ from `jc.sparseloco_ratio` / `jc.demo_ratio`: see the file."
+        )
+    )
+    parts = [_budget_table(data["rows"], targets, True), note]
+    if data.get("arithmetic"):
+        parts += [
+            "The arithmetic alone (`jc.sparseloco_ratio`, `jc.demo_ratio`; nothing lowered) "
+            "on every width at 1 to 4 layers:",
+            _budget_table(data["arithmetic"], targets, False),
+        ]
+    command = data.get("environment", {}).get("command") or "python -m benchmarks.budget_bytes"
+    return "\n\n".join(parts) + "\n\n" + _source(path, data, command)
+
+
 RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
+    "budget_bytes": (_budget_bytes, "python -m benchmarks.budget_bytes"),
     "hot_path_xla": (_hot_path_options, "python -m benchmarks.hot_path"),
     "xla_options": (_xla_options, "python -m benchmarks.xla_options"),
     "convergence_diagnosis": (

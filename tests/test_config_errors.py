@@ -846,6 +846,16 @@ CHECKS = [
     ("gossip_bytes", "topology", lambda: jc.gossip_bytes({}, 8, topology="star"), ValueError),
     ("topology", "name", lambda: jc.topology("star", 8), ValueError),
     ("topology", "n", lambda: jc.topology("ring", 0), ValueError),
+    (
+        "strategy_bytes, choose_strategy, hierarchical_bytes",
+        "d",
+        lambda: jc.strategy_bytes(jc.sign(), -5, 8),
+        ValueError,
+    ),
+    ("strategy_bytes, choose_strategy", "n", lambda: jc.choose_strategy(S, 100, 0), ValueError),
+    ("hierarchical_bytes", "n_outer", lambda: jc.hierarchical_bytes(S, 100, 0, 2), ValueError),
+    ("hierarchical_bytes", "n_inner", lambda: jc.hierarchical_bytes(S, 100, 2, 0), ValueError),
+    ("replicate", "num_devices", lambda: jc.replicate({"w": np.zeros(3)}, 0), ValueError),
     ("apply_if_finite", "inner", lambda: jc.apply_if_finite(S, "d", 3), TypeError),
     ("apply_if_finite", "axis_name", lambda: jc.apply_if_finite(SGD, None, 3), ValueError),
     (

@@ -54,6 +54,17 @@ def check_pair(codec: Codec, strategy: str) -> None:
         )
 
 
+def check_sizes(d: Any, **axes: Any) -> None:
+    """``d`` (a vector's length) ``>= 0`` and each device count in ``axes`` ``>= 1``, else a
+    ValueError naming it: a negative size gave negative bytes and 0 devices a
+    ZeroDivisionError."""
+    if not d >= 0:
+        raise ValueError(f"`d` must be >= 0 (the length of the vector), got {d!r}")
+    for name, n in axes.items():
+        if not n >= 1:
+            raise ValueError(f"`{name}` must be >= 1 (the devices on the axis), got {n!r}")
+
+
 def majority_vote_bytes(codec: Codec, d: int, n: int) -> float:
     """Ring bytes per device of the two-phase vote: packed bits out, packed bits back, scales."""
     if not d:
@@ -87,7 +98,11 @@ def strategy_bytes(codec: Codec, d: int, n: int) -> dict[str, float]:
 
     Returns:
       ``{strategy: bytes per device}`` for the strategies ``codec`` supports, and ``"plain"``.
+
+    Raises:
+      ValueError: ``d`` below 0 or ``n`` below 1, naming it.
     """
+    check_sizes(d, n=n)
     out = {}
     if codec.summable:
         out["allreduce"] = 2 * (n - 1) / n * _summed_bytes(codec, d)
@@ -159,7 +174,11 @@ def hierarchical_bytes(
 
     Returns:
       ``{"inner": bytes, "outer": bytes}`` per device.
+
+    Raises:
+      ValueError: ``d`` below 0, ``n_outer`` or ``n_inner`` below 1, naming it.
     """
+    check_sizes(d, n_outer=n_outer, n_inner=n_inner)
     chunk = ceil_div(d, n_inner) if d else 0
     chosen = choose_strategy(codec, chunk, n_outer, strategy)
     return {
@@ -198,10 +217,11 @@ def choose_strategy(codec: Codec, d: int, n: int, strategy: str = "auto") -> str
       The strategy's name, or ``"plain"`` (above).
 
     Raises:
-      ValueError: ``strategy`` outside its rule (the message names the argument;
-        the rules: docs/errors.md).
+      ValueError: ``strategy`` outside its rule, ``d`` below 0 or ``n`` below 1 (the message
+        names the argument; the rules: docs/errors.md).
     """
     check_pair(codec, strategy)
+    check_sizes(d, n=n)
     if strategy != "auto":
         return strategy
     costs = strategy_bytes(codec, d, n)

@@ -487,7 +487,12 @@ def replicate(tree: Any, num_devices: int | None = None) -> Any:
 
     Args:
       tree: a pytree of arrays.
-      num_devices: the copies, default ``jax.local_device_count()``.
+      num_devices: the copies, an int >= 1; default ``jax.local_device_count()``.
+
+    Raises:
+      ValueError: ``num_devices`` below 1 (0 gave empty stacks, with no device's copy).
     """
+    if num_devices is not None and not num_devices >= 1:
+        raise ValueError(f"`num_devices` must be >= 1, got {num_devices!r}")
     n = jax.local_device_count() if num_devices is None else num_devices
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), tree)

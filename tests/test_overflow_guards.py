@@ -15,20 +15,21 @@ import optax
 import pytest
 
 import jaxcomp as jc
-from jaxcomp._src.clipping import safe_global_norm
 from jaxcomp._src.codecs.base import (
     F32_MAX,
+    clip_scales,
     max_abs_over,
     mean_abs,
     safe_divide,
     saturating_square,
     scaled_global_norm,
+    scaled_global_norm_parts,
     scaled_norm,
 )
 from jaxcomp._src.dgc import _clip_local
 from jaxcomp._src.onebit_adam import adam_denominator, saturate, unprecondition
 from jaxcomp._src.powersgd import _unit_columns, orthogonalize
-from jaxcomp._src.sparseloco import _norm_parts
+from jaxcomp._src.sparseloco import clip_factor
 
 
 def test_norm_and_mean_of_finite_values_stay_finite():
@@ -91,8 +92,7 @@ def test_guarded_norms_keep_a_nonfinite_value_of_a_long_vector():
         "scaled_norm": lambda x: scaled_norm(x),
         "scaled_norm_rows": lambda x: scaled_norm(x.reshape(64, -1), axis=1),
         "scaled_global_norm": lambda x: scaled_global_norm([x]),
-        "safe_global_norm": lambda x: safe_global_norm({"a": x}),
-        "sparseloco_norm_parts": lambda x: jnp.stack(_norm_parts(x)),
+        "scaled_global_norm_parts": lambda x: jnp.stack(scaled_global_norm_parts([x])),
         "powersgd_orthogonalize": lambda x: orthogonalize(x.reshape(-1, 4)),
     }
     d = 8192
@@ -176,7 +176,7 @@ def test_clip_by_global_norm_of_values_above_2_to_126_clips_to_the_norm():
     unclipped; a norm above 2^126 * limit made ``limit / norm`` 0, every update dropped."""
     g = {"a": jnp.asarray([1e38, -0.5e38], jnp.float32), "b": jnp.asarray([0.8e38], jnp.float32)}
     true = np.sqrt(1.89) * 1e38  # 1.37e38: 1 / true is subnormal
-    np.testing.assert_allclose(float(safe_global_norm(g)), true, rtol=1e-6)  # was 0
+    np.testing.assert_allclose(float(scaled_global_norm(jax.tree.leaves(g))), true, rtol=1e-6)
     tx = jc.clip_by_global_norm(1.0, "data", bound=True)
     out = jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="data")(
         jax.tree.map(lambda x: x[None], g)
@@ -239,7 +239,7 @@ def test_clipping_gives_the_same_bits_as_before_on_ordinary_gradients():
     (norms above 2^64 take the 2^-64 path), clipped and not clipped."""
 
     def old_clip(tree, limit):  # clipping.py before: norm * pre, pre = 2^-64 above 2^64
-        norm = safe_global_norm(tree)
+        norm = scaled_global_norm(jax.tree.leaves(tree))
         pre = jnp.where((norm > limit) & (norm > 2.0**64), 2.0**-64, 1.0)
         factor = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm * pre, 1.0), 1.0)
         return jnp.concatenate([jnp.ravel((x * pre) * factor) for x in jax.tree.leaves(tree)])
@@ -266,3 +266,104 @@ def test_clipping_gives_the_same_bits_as_before_on_ordinary_gradients():
                 np.testing.assert_array_equal(
                     np.asarray(got[name]).view(np.uint32), want[name].view(np.uint32), err_msg=name
                 )
+
+
+def test_the_one_global_norm_gives_each_caller_the_bits_of_its_own_norm_before():
+    """clipping.py's ``global_norm_parts`` / ``safe_global_norm``, base.py's
+    ``scaled_global_norm_parts`` and sparseloco.py's ``_norm_parts`` (as they were, written
+    out here) computed ``max |x| * |x / max |x||`` three ways; ``scaled_global_norm_parts``
+    is now the only one. What each caller computes from it is the same bits as before, on
+    scales 1e-38 .. 3e38, zeros, values whose norm overflows, bf16 and int leaves, and a NaN
+    or inf at the first, a middle or the last of 8,192 values (where a float max may drop
+    the NaN)."""
+
+    def clipping_parts(tree):  # clipping.global_norm_parts before
+        leaves = [
+            jnp.asarray(x, jnp.float32)
+            for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        ]
+        top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) for x in leaves]))
+        safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
+        total = sum(jnp.sum(jnp.square(safe_divide(x, safe))) for x in leaves)
+        return jnp.where(jnp.isfinite(top), safe, top), jnp.sqrt(total)
+
+    def base_parts(arrays):  # codecs.base.scaled_global_norm_parts before (dgc's clip_norm)
+        biggest = jnp.max(jnp.stack([max_abs_over(a).reshape(()) for a in arrays]))
+        return biggest, jnp.sqrt(sum(jnp.sum(jnp.square(safe_divide(a, biggest))) for a in arrays))
+
+    def sparseloco_parts(x):  # sparseloco._norm_parts before
+        a = jnp.max(jnp.abs(x))
+        p = jnp.where(a > 1.0, 2.0**-40, 1.0)
+        return a, jnp.linalg.norm((x * p) / jnp.where(a > 0, a * p, 1.0))
+
+    def old_clip_factor(t, d):  # sparseloco.clip_factor before, of top-k 10%
+        sent = jc.top_k(0.1).roundtrip(t)
+        (a_d, b_d), (a_s, b_s) = sparseloco_parts(d), sparseloco_parts(sent)
+        ratio = (a_d / jnp.where(a_s > 0, a_s, 1.0)) * (b_d / jnp.where(b_s > 0, b_s, 1.0))
+        bad = jnp.logical_not(jnp.all(jnp.isfinite(t)) & jnp.all(jnp.isfinite(d)))
+        return jnp.where(bad, jnp.nan, jnp.where(a_s > 0, jnp.minimum(ratio, 1.0), 1.0))
+
+    def floats(tree):
+        return [
+            jnp.asarray(x, jnp.float32)
+            for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        ]
+
+    def scaled(tree, pre, factor):
+        return [(x * pre) * factor for x in jax.tree.leaves(tree)]
+
+    @jax.jit
+    def before(tree):
+        w = floats(tree)[0].reshape(-1)
+        top, root = clipping_parts(tree)
+        return {
+            "jc.clip_by_global_norm": [  # in each leaf's dtype, as the transform returns it
+                x.astype(jnp.result_type(leaf)).astype(jnp.float32)
+                for x, leaf in zip(
+                    scaled(floats(tree), *clip_scales(top, root, 1.0)),
+                    [v for v in jax.tree.leaves(tree) if jnp.issubdtype(v.dtype, jnp.floating)],
+                    strict=True,
+                )
+            ],
+            "safe_global_norm": jnp.where(jnp.isfinite(top), top * root, top),
+            "dgc clip_norm": scaled(floats(tree), *clip_scales(*base_parts(floats(tree)), 2.0)),
+            "sparseloco clip": [old_clip_factor(w, 0.5 * w), old_clip_factor(0.0 * w, w)],
+        }
+
+    clip = jc.clip_by_global_norm(1.0, "data", bound=True)
+
+    @jax.jit
+    def after(tree):
+        w, k = floats(tree)[0].reshape(-1), jc.top_k(0.1)
+        one = jax.tree.map(lambda x: jnp.asarray(x)[None], tree)  # one device
+        out = jax.vmap(lambda u: clip.update(u, clip.init(u))[0], axis_name="data")(one)
+        return {
+            "jc.clip_by_global_norm": [x[0].astype(jnp.float32) for x in floats(out)],
+            "safe_global_norm": scaled_global_norm(floats(tree)),
+            "dgc clip_norm": _clip_local(floats(tree), [], 2.0)[0],
+            "sparseloco clip": [clip_factor(k, w, 0.5 * w), clip_factor(k, 0.0 * w, w)],
+        }
+
+    rng = np.random.default_rng(0)
+    trees = [
+        {
+            "w": np.clip(s * rng.standard_normal((37, 29)), -F32_MAX, F32_MAX).astype(np.float32),
+            "b": np.ones(13, np.float32),
+        }
+        for s in (1e-38, 1e-30, 1e-3, 1.0, 1e19, 1e30, 3e38)
+    ]
+    trees.append({"w": np.zeros((37, 29), np.float32), "b": np.zeros(13, np.float32)})
+    trees.append({"w": np.full((8, 8), 3e38, np.float32), "b": np.ones(13, np.float32)})
+    trees.append({"w": rng.standard_normal((37, 29)).astype(jnp.bfloat16), "i": np.arange(3)})
+    for value in (np.nan, np.inf, -np.inf):
+        for pos in (0, 4000, 8191):
+            x = rng.standard_normal(8192).astype(np.float32)
+            x[pos] = value
+            trees.append({"w": x.reshape(64, 128), "b": np.ones(13, np.float32)})
+    for i, tree in enumerate(trees):
+        want, got = before(tree), after(tree)
+        for name in want:
+            for g, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]), strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name}, tree {i}")

@@ -12,39 +12,25 @@ import optax
 
 from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.axes import check_axis_name
-from jaxcomp._src.codecs.base import clip_scales, safe_divide
+from jaxcomp._src.codecs.base import clip_scales, safe_divide, scaled_global_norm_parts
 from jaxcomp._src.onebit_adam import check_number
 
 
-def global_norm_parts(tree: Any) -> tuple[jax.Array, jax.Array]:
-    """``(m, r)`` with the float32 L2 norm of every floating leaf ``= m r``: ``m`` the largest
-    magnitude (1 where it is 0; itself where it is not finite) and ``r = sqrt(sum (x / m)^2)``,
-    so both parts are finite for finite inputs, even where their product overflows."""
-    leaves = [
-        jnp.asarray(x, jnp.float32)
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
-    ]
-    if not leaves:
-        return jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
-    # A float max may drop a NaN on XLA:CPU (docs/errors.md), but ``safe`` is never 0, so a
-    # NaN still reaches ``total`` (tests/test_overflow_guards.py); max_abs would cost a pass.
-    top = jnp.max(jnp.stack([jnp.max(jnp.abs(x)) if x.size else 0.0 for x in leaves]))
-    safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
-    # safe_divide: XLA:CPU's x / safe is 0 for safe above 2^126 (docs/errors.md).
-    total = sum(jnp.sum(jnp.square(safe_divide(x, safe))) for x in leaves)
-    return jnp.where(jnp.isfinite(top), safe, top), jnp.sqrt(total)
+def float_leaves(tree: Any) -> list[jax.Array]:
+    """The floating leaves of ``tree`` (what a global norm of gradients reads)."""
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
 
 def sharded_norm_parts(tree: Any, shard_axis: Any) -> tuple[jax.Array, jax.Array]:
-    """:func:`global_norm_parts` of the whole tree whose shards the devices of ``shard_axis``
-    hold (FSDP): ``|g|^2 = sum_j |g_j|^2 = m^2 sum_j (m_j / m)^2 r_j^2`` with ``m = max_j m_j``
-    (one ``pmax``, one ``psum`` of three scalars: the sum and the shards' NaN and inf counts),
-    every term at most ``r_j^2``, so finite for finite values. A NaN in any shard makes
-    ``m`` NaN on every device, else an inf makes it inf (as one tree's parts)."""
-    top, root = global_norm_parts(tree)
+    """``scaled_global_norm_parts`` (codecs.base) of the whole tree whose shards the devices
+    of ``shard_axis`` hold (FSDP): ``|g|^2 = sum_j |g_j|^2 = m^2 sum_j (m_j / m)^2 r_j^2``
+    with ``m = max_j m_j`` (one ``pmax``, one ``psum`` of three scalars: the sum and the
+    shards' NaN and inf counts), every term at most ``r_j^2``, so finite for finite values.
+    A NaN in any shard makes ``m`` NaN on every device, else an inf makes it inf (as one
+    tree's parts)."""
+    top, root = scaled_global_norm_parts(float_leaves(tree))
     finite = jnp.isfinite(top)
-    mine = jnp.where(finite & (root > 0), top, 0.0)  # 0 for a zero shard (its top is 1)
+    mine = jnp.where(finite & (root > 0), top, 0.0)  # 0 for a zero shard
     biggest = jax.lax.pmax(mine, shard_axis)
     safe = jnp.where(biggest > 0, biggest, 1.0)
     term = jnp.square(safe_divide(mine, safe)) * jnp.square(jnp.where(finite, root, 0.0))
@@ -66,14 +52,6 @@ def check_shards(updates: Any, shard_axis: Any) -> None:
             "gradient (FSDP's, from jc.fsdp_gather): their norm would be counted once per "
             "device. Name the axes the gradients are sharded over, or leave `shard_axis` out."
         )
-
-
-def safe_global_norm(tree: Any) -> jax.Array:
-    """The float32 L2 norm of every floating leaf, computed after dividing by the largest
-    magnitude, so finite inputs give a finite norm up to float32's range (inf past it: use
-    :func:`global_norm_parts` there; 0 for zeros; NaN or inf for non-finite inputs)."""
-    scale, root = global_norm_parts(tree)
-    return jnp.where(jnp.isfinite(scale), scale * root, scale)
 
 
 def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> None:
@@ -190,7 +168,7 @@ def clip_by_global_norm(
         n = 1 if axis_name is None else collectives.axis_size(axis_name)
         limit = max_norm if bound else max_norm * math.sqrt(n)
         if shard_axis is None:
-            parts = global_norm_parts(updates)
+            parts = scaled_global_norm_parts(float_leaves(updates))
         else:
             if collectives.bound_axis_size(shard_axis) is None:
                 raise ValueError(

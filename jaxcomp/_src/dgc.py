@@ -192,8 +192,11 @@ def _feedback(u: list, v: list, sent: list, masking: Any, ok: jax.Array) -> tupl
 def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
     """Local gradient clipping: every leaf scaled by ``min(1, limit / ||(g, p)||)``."""
     # A norm past float32's range (all values finite) or above 2^126 (limit / norm flushed to
-    # 0) zeroed the gradient: clip_scales scales such gradients by 2^-64 first.
-    pre, factor = clip_scales(*scaled_global_norm_parts(g + p), limit)
+    # 0) zeroed the gradient: clip_scales scales such gradients by 2^-64 first. A gradient
+    # with a NaN or inf passes unscaled (a NaN norm: factor 1), so its finite leaves reach
+    # the exchange as they are (jc.clip_by_global_norm scales them by 0 at an inf instead).
+    top, root = scaled_global_norm_parts(g + p)
+    pre, factor = clip_scales(top, jnp.where(jnp.isfinite(top), root, jnp.nan), limit)
     return [(a * pre) * factor for a in g], [(a * pre) * factor for a in p]
 
 

@@ -23,6 +23,7 @@ from jaxcomp._src.codecs.base import (
     check_int,
     check_positive_float,
     is_number,
+    scaled_global_norm_parts,
 )
 from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
 from jaxcomp._src.codecs.quantize import int_quant
@@ -126,16 +127,6 @@ def sparse_feedback(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _norm_parts(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(a, b)`` with ``|x| = a b`` (``a = max |x_j|``, ``b = |x / a|``): no float32
-    overflow where ``|x|`` itself would overflow."""
-    a = jnp.max(jnp.abs(x))  # may drop a NaN (docs/errors.md): x / a or x / 1 then keeps it
-    # x / a in two exact power-of-two steps: XLA may divide by multiplying with 1 / a, which
-    # is subnormal (flushed to 0 on CPU) for a above ~8.5e37.
-    p = jnp.where(a > 1.0, 2.0**-40, 1.0)
-    return a, jnp.linalg.norm((x * p) / jnp.where(a > 0, a * p, 1.0))
-
-
 def clip_factor(codec: Codec, target: jax.Array, delta: jax.Array) -> jax.Array:
     r"""The factor ``c = min(1, |D| / |C(e)|)`` that scales one leaf's payload so that it is
     no longer than this sync's pseudo-gradient ``D`` (``e``: the error-feedback target).
@@ -149,8 +140,8 @@ def clip_factor(codec: Codec, target: jax.Array, delta: jax.Array) -> jax.Array:
     """
     t = target.reshape(-1)
     sent = codec.decode(codec.encode(t), t.shape[0])
-    a_d, b_d = _norm_parts(delta.astype(F32).reshape(-1))
-    a_s, b_s = _norm_parts(sent)
+    a_d, b_d = scaled_global_norm_parts([delta.astype(F32).reshape(-1)])
+    a_s, b_s = scaled_global_norm_parts([sent])
     ratio = (a_d / jnp.where(a_s > 0, a_s, 1.0)) * (b_d / jnp.where(b_s > 0, b_s, 1.0))
     bad = jnp.logical_not(jnp.all(jnp.isfinite(t)) & jnp.all(jnp.isfinite(delta)))
     return jnp.where(bad, jnp.nan, jnp.where(a_s > 0, jnp.minimum(ratio, 1.0), 1.0))

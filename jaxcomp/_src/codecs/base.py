@@ -560,18 +560,26 @@ def saturating_square(x: jax.Array) -> jax.Array:
 
 
 def scaled_global_norm_parts(arrays: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(m, r)``: the global 2-norm of ``arrays`` is ``m r``, ``m = max |x|`` and ``r =
-    sqrt(sum (x / m)^2)`` in ``[1, sqrt(d)]`` (0 for zeros). Each part is finite for finite
-    input even where the norm itself overflows float32 (:func:`clip_scales` reads them)."""
+    """``(m, r)``: the global 2-norm of ``arrays`` (in float32) is ``m r``, ``m = max |x|``
+    and ``r = sqrt(sum (x / m)^2)`` in ``[1, sqrt(d)]`` (``(0, 0)`` for zeros or no values).
+    Each part is finite for finite input even where the norm itself overflows float32
+    (:func:`clip_scales` reads them), and a NaN or inf reaches ``r``: the divisor is ``m``
+    where it is finite and nonzero, else 1, so a NaN that the float max dropped on XLA:CPU
+    (docs/errors.md) still reaches the sum, even where the max came out 0. The library's one
+    overflow-safe global norm: ``jc.clip_by_global_norm``, DGC's ``clip_norm`` and
+    SparseLoCo's payload clip read it (and :func:`scaled_global_norm`)."""
+    arrays = [jnp.asarray(a, jnp.float32) for a in arrays if jnp.size(a)]
     if not arrays:
         return jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
-    biggest = jnp.max(jnp.stack([max_abs_over(a).reshape(()) for a in arrays]))
-    total = sum(jnp.sum(jnp.square(safe_divide(a, biggest))) for a in arrays)
-    return biggest, jnp.sqrt(total)
+    top = jnp.max(jnp.stack([jnp.max(jnp.abs(a)) for a in arrays]))
+    safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
+    total = sum(jnp.sum(jnp.square(safe_divide(a, safe))) for a in arrays)
+    return top, jnp.sqrt(total)
 
 
 def scaled_global_norm(arrays: list[jax.Array]) -> jax.Array:
-    """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded)."""
+    """:func:`scaled_norm` over several arrays together (optax's ``global_norm``, guarded):
+    finite up to float32's range, 0 for zeros, NaN or inf for non-finite input."""
     biggest, root = scaled_global_norm_parts(arrays)
     return biggest * root
 

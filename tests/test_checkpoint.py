@@ -13,6 +13,7 @@ for bit. This file is also the fresh process (``python tests/test_checkpoint.py 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -674,3 +675,180 @@ def test_resume_mid_cycle_continues_bit_identically(name, tmp_path):
         not np.array_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree.leaves(lost[0]), jax.tree.leaves(p), strict=True)
     ), name
+
+
+# --------------------------------------------------------------------------- another delay
+#
+# jc.diloco(delay=...) restored into another `delay` or `sync_every`: each snapshot lands once.
+# A state is carried from one transform's step into another's as orbax restores it (the same
+# arrays): what matters is what the new transform does with them.
+
+DELAY_SHAPES = {"w": (8, 16)}
+
+
+@functools.cache
+def _diloco_step(sync_every: int, delay: int, old_layout: bool = False):
+    """(tx, jitted step (replicas, state, grads) -> (replicas, state)) of a delayed DiLoCo;
+    ``old_layout``: for a state without ``taken`` (saved before the field)."""
+    import jax
+    import optax
+    from helpers import mesh
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    tx = jc.diloco(optax.sgd(0.1), "data", sync_every, delay=delay)
+    params = {k: np.zeros(s, np.float32) for k, s in DELAY_SHAPES.items()}
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state._replace(taken=None) if old_layout else state, "data")
+    rspecs = jc.replica_specs(params, "data")
+
+    def step(r, s, g):
+        p = jc.own(r)
+        u, s = tx.update(jc.own(g), s, p)
+        return jc.slot(optax.apply_updates(p, u)), s
+
+    fn = jax.shard_map(
+        step, mesh=mesh(), in_specs=(rspecs, specs, P("data")), out_specs=(rspecs, specs)
+    )
+    return tx, jax.jit(fn)
+
+
+def _saved(sync_every: int, delay: int, at: int):
+    """(replicas, state) of DiLoCo(sync_every, delay) after ``at`` steps of random gradients."""
+    import jax
+    from helpers import mesh, shard
+
+    import jaxcomp as jc
+
+    tx, step = _diloco_step(sync_every, delay)
+    rng = np.random.default_rng(0)
+    params = {k: (0.1 * rng.standard_normal(s)).astype(np.float32) for k, s in DELAY_SHAPES.items()}
+    r, s = jc.replica_params(params, mesh(), "data"), jc.sharded_init(tx, params, mesh(), "data")
+    for _ in range(at):
+        g = {k: rng.standard_normal((8, *v)).astype(np.float32) for k, v in DELAY_SHAPES.items()}
+        r, s = jax.block_until_ready(step(r, s, shard(g)))
+    return r, s
+
+
+def _anchor_moves(r, s, sync_every: int, delay: int, steps: int) -> list[int]:
+    """The counts at which the anchor moves over ``steps`` steps of zero gradients."""
+    import jax
+    from helpers import shard
+
+    _, step = _diloco_step(sync_every, delay)
+    zero = shard({k: np.zeros((8, *v), np.float32) for k, v in DELAY_SHAPES.items()})
+    moves = []
+    for _ in range(steps):
+        count, before = int(s.count), np.asarray(s.anchor["w"])
+        r, s = jax.block_until_ready(step(r, s, zero))
+        if not np.array_equal(np.asarray(s.anchor["w"]), before):
+            moves.append(count)
+    return moves
+
+
+@pytest.mark.parametrize(
+    ("saved_with", "restored_into", "lands_at"),
+    [
+        # snapshot at count 3 landed at 4; saved at 5: the old code landed it again at 5
+        ((4, 1), (4, 2), [9]),
+        # snapshot at 3 still pending at 5 (due there): the old code never landed it
+        ((4, 2), (4, 1), [5, 8]),
+        # another sync_every: count 4 is a sync step of H=5, so the old code landed the
+        # snapshot of count 3 (landed at 4) again at 5
+        ((4, 1), (5, 1), [10]),
+        # H=3 takes a snapshot at 5 while that of 3 is pending: it lands first (old: dropped)
+        ((4, 2), (3, 2), [5, 7, 10]),
+    ],
+)
+def test_diloco_restored_with_another_delay_lands_each_snapshot_once(
+    saved_with, restored_into, lands_at
+):
+    """A DiLoCo state saved at count 5 (``(sync_every, delay)``: ``saved_with``) and run on
+    by a transform built with ``restored_into``: with zero gradients its anchor moves only
+    where a snapshot lands, each once, ``delay`` steps after it was taken by the new
+    schedule or at once where that is past (``DiLoCoState.taken``)."""
+    r, s = _saved(*saved_with, at=5)
+    assert _anchor_moves(r, s, *restored_into, steps=6) == lands_at
+    if restored_into == (3, 2):  # the snapshot of count 5 is taken after the landing
+        _, step = _diloco_step(*restored_into)
+        from helpers import shard
+
+        zero = shard({k: np.zeros((8, *v), np.float32) for k, v in DELAY_SHAPES.items()})
+        r, s = step(r, s, zero)
+        own = np.asarray(s.anchor["w"]) - np.asarray(r["w"])  # anchor - theta_i, each device
+        np.testing.assert_allclose(np.asarray(s.pending[0][0]), own, atol=1e-6)
+        assert int(s.taken[0]) == 5
+
+
+def test_diloco_state_saved_without_taken_runs_as_before():
+    """A delayed DiLoCo state built the old way (6 fields, no ``taken``) runs on the
+    schedule of its count: the same bits as the state with ``taken`` on one schedule."""
+    import jax
+    from helpers import assert_trees_equal, shard
+
+    import jaxcomp as jc
+
+    r, s = _saved(4, 1, at=3)
+    old = jc.DiLoCoState(*s[:6])  # what a checkpoint of the old layout restores
+    assert old.taken is None and int(s.taken[0]) == -1
+    _, step = _diloco_step(4, 1)
+    _, step_old = _diloco_step(4, 1, old_layout=True)
+    rng = np.random.default_rng(5)
+    r_old, new = r, s
+    for _ in range(6):
+        g = shard(
+            {k: rng.standard_normal((8, *v)).astype(np.float32) for k, v in DELAY_SHAPES.items()}
+        )
+        r, new = jax.block_until_ready(step(r, new, g))
+        r_old, old = jax.block_until_ready(step_old(r_old, old, g))
+    assert old.taken is None
+    assert_trees_equal(r_old, r)
+    assert_trees_equal(old._replace(taken=new.taken), new)
+
+
+@pytest.mark.parametrize("kind", ["diloco", "gossip"])
+def test_restore_a_state_saved_without_taken_or_topology(kind, tmp_path):
+    """The docs' recipe for a delayed DiLoCo / CHOCO gossip state saved before its ``taken``
+    / ``topology`` field (the old layout written here as a dict of its fields): orbax's
+    error names the field as quoted, and the docs' block restores the saved arrays into the
+    state type with the field None (which runs as before: the ``..._runs_as_before`` tests)."""
+    import jax
+    import optax
+    import orbax.checkpoint as ocp
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    m = mesh()
+    params = {"w": np.zeros((8, 16), np.float32)}
+    if kind == "diloco":
+        tx, field = jc.diloco(optax.sgd(0.1), "data", 4, delay=1), "taken"
+    else:
+        tx, field = jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8)), "topology"
+    fresh = jc.sharded_init(tx, params, m, "data")
+    saved = {k: v for k, v in fresh._asdict().items() if k != field}
+    saved = jax.tree.map(lambda a: a + 1, saved)  # the saved values: fresh ones plus 1
+    path = tmp_path / "ckpt"
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(path, {"opt_state": saved})
+    ckpt.wait_until_finished()
+    quoted, recipe = _doc_blocks("## A DiLoCo or CHOCO gossip state saved without")
+
+    template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": fresh})
+    with pytest.raises(ValueError) as missing:
+        ckpt.restore(path, template)
+    for line in quoted.replace("taken", field).splitlines():
+        assert line.removeprefix("ValueError: ") in str(missing.value), line
+
+    scope = {"jc": jc, "jax": jax, "ocp": ocp, "tx": tx, "params": params, "mesh": m}
+    scope.update(ckpt=ckpt, path=path)
+    exec(recipe, scope)
+    got = scope["opt_state"]
+    assert type(got) is type(fresh) and getattr(got, field) is None
+    for name, value in saved.items():
+        pairs = zip(jax.tree.leaves(getattr(got, name)), jax.tree.leaves(value), strict=True)
+        for ours, before in pairs:
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(before))
+            assert ours.sharding == before.sharding
+    assert jc.state_specs(got, "data") == scope["specs"]

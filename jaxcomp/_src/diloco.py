@@ -25,6 +25,11 @@ class DiLoCoState(NamedTuple):
       exchange: with a codec: CompressedAllreduceState of each fragment; else None
       pending: per device, with delay: f32[1, *shape] pseudo-gradient snapshots; else None
       count: int32[]: number of updates applied
+      taken: identical on every device, with delay: int32[] per fragment (a tuple), the count
+        at which its pending snapshot was taken, -1 once it has landed (so that a state
+        restored into another ``delay`` lands each snapshot once); else None. A state saved
+        before this field (built without it: None) lands on the schedule of the count, as
+        it did (docs: checkpoints)
     """
 
     inner: Any
@@ -33,6 +38,7 @@ class DiLoCoState(NamedTuple):
     exchange: Any
     pending: Any
     count: jax.Array
+    taken: Any = None
 
     PER_DEVICE_FIELDS = ("inner", "pending")
 

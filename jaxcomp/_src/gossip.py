@@ -45,6 +45,10 @@ class GossipState(NamedTuple):
         public copies of itself and its neighbours; CHOCO only
       key: uint32[2], identical on every device (fold_in axis_index per device)
       count: int32[]: number of updates applied
+      topology: int32[], identical on every device, CHOCO only: the topology whose mixing
+        matrix ``mixed`` belongs to (its index in :data:`jaxcomp.TOPOLOGIES`); a state run
+        in another topology restarts its copies (:func:`restart_copies`). None without a
+        codec, and in a state saved before this field (then nothing is checked, as before)
     """
 
     inner: Any
@@ -52,6 +56,7 @@ class GossipState(NamedTuple):
     mixed: Any
     key: chex.PRNGKey
     count: jax.Array
+    topology: Any = None
 
     PER_DEVICE_FIELDS = ("inner", "public", "mixed")
     #: Fields tied to the mixing matrix of the devices they were built on
@@ -190,14 +195,16 @@ def gossip(
     every = check_int("every", every, 1)
     seed = check_int("seed", seed, 0)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    code = topologies.TOPOLOGIES.index(topology_name)  # GossipState.topology (CHOCO)
 
     def fields(params: Any) -> dict[str, Any]:
-        """The public copies: the params in float32 (the replicas start equal), per device."""
+        """The public copies: the params in float32 (the replicas start equal), per device,
+        and the topology they are mixed by."""
         layout = layouts.layout_of(params)
         if codec is None:  # exact gossip keeps no copies (None: orbax saves no empty field)
-            return {"public": None, "mixed": None}
+            return {"public": None, "mixed": None, "topology": None}
         copies = skeleton.like_state(layout, _float_leaves(params, layout))
-        return {"public": copies, "mixed": copies}
+        return {"public": copies, "mixed": copies, "topology": jnp.int32(code)}
 
     def init_fn(params):
         return GossipState(
@@ -218,6 +225,8 @@ def gossip(
         abstract = _abstract(params)
         expected = jax.eval_shape(lambda: fields(abstract))
         expected["inner"] = jax.eval_shape(lambda: _slotted(inner.init(abstract)))
+        if state.topology is None:  # saved before the field: nothing to check, as before
+            del expected["topology"]
         skeleton.check_fields("gossip", state, expected, axis_name, updates)
         topo = topologies.topology(topology_name, n)
         inner_state = jax.tree.map(lambda x: x[0], state.inner)
@@ -235,11 +244,13 @@ def gossip(
                 return _exact(xs, topo, gamma, axis_name, bucket_bytes, layout), public, mixed
             return _choco(xs, public, mixed, topo, gamma, codec, step_key, axis_name, bucket_bytes)
 
-        operands = (
-            local,
-            skeleton.vectors(state.public) if codec is not None else [],
-            skeleton.vectors(state.mixed) if codec is not None else [],
-        )
+        public, mixed = [], []
+        if codec is not None:
+            public, mixed = skeleton.vectors(state.public), skeleton.vectors(state.mixed)
+            if state.topology is not None:
+                other = _other_matrix(state.topology, topology_name, n)
+                public, mixed = restart_copies(other, public, mixed)
+        operands = (local, public, mixed)
         if every == 1 or n == 1:
             mixed_out = mix(operands) if n > 1 else operands
         else:
@@ -252,6 +263,7 @@ def gossip(
             mixed=skeleton.like_state(layout, mixed) if codec is not None else state.mixed,
             key=key,
             count=state.count + 1,
+            topology=None if state.topology is None else jnp.int32(code),
         )
         new_state = skeleton.freeze(bad, state, new_state)
         # An empty float leaf (the layout's plain group) has nothing to mix: its update is empty.
@@ -259,6 +271,33 @@ def gossip(
         return layouts.assemble(step, layout, outs, empty), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def restart_copies(other: jax.Array, public: list, mixed: list) -> tuple[list, list]:
+    r"""CHOCO's copies for a state whose ``mixed`` belongs to another mixing matrix
+    (``other``: a bool identical on every device, e.g. a checkpoint restored into another
+    ``topology``): both restart from zero, else they are kept as they are (bit for bit).
+
+    ``s_i = sum_j w_ij x_hat_j`` holds for the old matrix only, and each step adds the new
+    matrix's terms, so ``s_i - x_hat_i`` would keep a constant offset and the replicas would
+    stop contracting. ``x_hat = s = 0`` satisfies the invariant for every matrix, with no
+    exchange: it is CHOCO-SGD's own initialization (Koloskova, Stich, Jaggi, ICML 2019,
+    Algorithm 2, ``x_hat^{(0)} = 0``), so the gossip goes on from the replicas as they are,
+    sending ``C(x_i - x_hat_i)`` from ``x_hat_i = 0`` (the copies catch up in a few steps at
+    the codec's contraction), and the mean of the replicas still moves only by the mean of
+    the local steps.
+    """
+    zero = lambda xs: [jnp.where(other, jnp.zeros_like(x), x) for x in xs]  # noqa: E731
+    return zero(public), zero(mixed)
+
+
+def _other_matrix(code: jax.Array, name: str, n: int) -> jax.Array:
+    """Whether the topology of index ``code`` in :data:`jaxcomp.TOPOLOGIES` (a restored
+    state's) mixes by another matrix than ``name`` on ``n`` devices: names of one matrix
+    (any two on 2 devices; the torus of a prime ``n`` and the ring) count as the same."""
+    mine = sorted(topologies.topology(name, n).dests)
+    same = [sorted(topologies.topology(t, n).dests) == mine for t in topologies.TOPOLOGIES]
+    return jnp.logical_not(jnp.asarray(same)[code])
 
 
 def _slotted(tree: Any) -> Any:

@@ -18,8 +18,11 @@ State (a NamedTuple with ``PER_DEVICE_FIELDS``): ``inner`` (per device: the inne
 state, each leaf with a leading slot of 1), ``anchor`` (replicated: float32 like the
 params; None at non-float leaves, which keep the inner update and are never averaged),
 ``outer`` and ``exchange`` (replicated / nested: one per fragment), ``pending`` (per
-device: each fragment's pseudo-gradient snapshot waiting for its delayed exchange) and
-``count``.
+device: each fragment's pseudo-gradient snapshot waiting for its delayed exchange), ``count``
+and, with ``delay``, ``taken`` (replicated, one per fragment: the count at which the pending
+snapshot was taken, -1 once it has landed). A snapshot lands once, ``delay`` steps after it
+was taken by the transform's own ``delay`` (:func:`landing`), so a state restored into
+another ``delay`` or ``sync_every`` neither lands a snapshot twice nor drops one.
 """
 
 from __future__ import annotations
@@ -326,8 +329,18 @@ def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
 
 def _snapshot(ops: tuple, axes: tuple) -> list:
     """Delayed sync, at the fragment's sync step: keep this device's pseudo-gradient."""
-    p_f, u_f, a_f, _ = ops
+    p_f, u_f, a_f = ops
     return [_varying((a - _local(p, v))[None], axes) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
+
+
+def _snapshot_after(landed: Any, axes: tuple, ops: tuple) -> list:
+    """The snapshot of a sync step, ``ops = ((p, u, anchor) before, (p, out, anchor) after
+    this step's landing)``: taken after the landing where one lands at the same step (only
+    after a restore into another ``delay`` or ``sync_every``), so that it holds what the
+    landed one did not; else (every step of a run on one schedule) as before."""
+    before, after = ops
+    take = lambda which: lambda o: _snapshot(o[which], axes)  # noqa: E731
+    return cond(landed, take(1), take(0), (before, after))
 
 
 def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
@@ -342,18 +355,50 @@ def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
     return _restart(target, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
 
 
-def _fragment_step(ex: _Exchange, ops: tuple, pending: Any, count: Any, f: int) -> tuple:
-    """Fragment ``f``'s step: ``(outs, anchor, outer, exchange, bad, pending)``."""
+def landing(cfg: Config, count: Any, f: int, taken: Any, due: Any) -> Any:
+    """Whether fragment ``f``'s pending snapshot lands at the step of count ``count``.
+
+    With ``taken`` (the count at which the snapshot was taken, -1 once it has landed): a
+    snapshot not landed yet lands ``delay`` steps after it was taken, or at once where that is
+    past (a state restored into a smaller ``delay``), or where a new snapshot is due first (a
+    smaller ``sync_every``): ``taken >= 0 and (count - taken >= delay or due)``. A snapshot
+    landed before a save (``taken = -1``) never lands again, whatever the new ``delay``. On
+    one schedule this is :meth:`Config.lands` at every step (``delay < H``: a snapshot lands
+    before the next is due). ``taken`` None (a state saved before the field existed) or a
+    constant count (:func:`at_count`): the schedule of the count, as before.
+    """
+    if taken is None or not isinstance(count, jax.core.Tracer):
+        return cfg.lands(count, f)
+    return (taken >= 0) & ((count - taken >= cfg.delay) | due)
+
+
+def _taken_after(count: Any, taken: Any, due: Any, landed: Any) -> Any:
+    """``taken`` after the step: the count where a snapshot is taken, -1 where one landed."""
+    if taken is None:
+        return None
+    return jnp.where(due, count, jnp.where(landed, -1, taken)).astype(jnp.int32)
+
+
+def _fragment_step(ex: _Exchange, ops: tuple, delayed: tuple, count: Any, f: int) -> tuple:
+    """Fragment ``f``'s step: ``(outs, anchor, outer, exchange, bad, pending, taken)``;
+    ``delayed`` is its ``(pending, taken)`` (None, None without ``delay``)."""
     cfg, axes = ex.cfg, ex.cfg.axes
     keep = functools.partial(_keep, axes=axes)
+    due = cfg.due(count, f)
     if not cfg.delay:
         now = functools.partial(_sync_now, ex, axes=axes)
-        return (*cond(cfg.due(count, f), now, keep, ops), None)
-    hold = lambda o: [_varying(w, axes) for w in o[3]]  # noqa: E731
-    snapshot = functools.partial(_snapshot, axes=axes)
-    w_new = cond(cfg.due(count, f), snapshot, hold, (*ops[:3], pending))
+        return (*cond(due, now, keep, ops), None, None)
+    pending, taken = delayed
+    landed = landing(cfg, count, f, taken, due)
     land = functools.partial(_land, ex, axes=axes)
-    return (*cond(cfg.lands(count, f), land, keep, (*ops, pending)), w_new)
+    outs, a_f, o_f, e_f, bad = cond(landed, land, keep, (*ops, pending))
+    hold = lambda o: [_varying(w, axes) for w in o[1]]  # noqa: E731
+    # A state saved before ``taken`` existed snapshots before a landing, as it did.
+    after = False if taken is None else landed
+    snapshot = lambda o: _snapshot_after(after, axes, o[0])  # noqa: E731
+    p_f, u_f, a_old = ops[:3]
+    w_new = cond(due, snapshot, hold, (((p_f, u_f, a_old), (p_f, outs, a_f)), pending))
+    return outs, a_f, o_f, e_f, bad, w_new, _taken_after(count, taken, due, landed)
 
 
 def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: Any) -> None:
@@ -368,6 +413,8 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: A
     replicas.check_within_replica(cfg.name, updates, params, cfg.axis_name)
     expected = jax.eval_shape(init_fn, params)
     names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]
+    if getattr(state, "taken", None) is not None:  # None: saved before the field existed
+        names.append("taken")
     want = {k: getattr(expected, k) for k in names}
     skeleton.check_fields(cfg.name, state, want, cfg.axis_name, updates)
 
@@ -379,6 +426,7 @@ def _fields_of(state: Any) -> dict[str, Any]:
         "outer": None if get("outer") is None else list(state.outer),
         "exchange": None if state.exchange is None else list(state.exchange),
         "pending": list(state.pending) if get("pending") else None,
+        "taken": None if get("taken") is None else list(state.taken),
     }
 
 
@@ -396,10 +444,11 @@ def _sync_fragments(ex: _Exchange, state: Any, treedef: Any, p_leaves: list, u_l
             at("outer"),
             at("exchange"),
         )
-        outs, a_f, o_f, e_f, b, w_f = _fragment_step(ex, ops, at("pending"), state.count, f)
+        delayed = (at("pending"), at("taken"))
+        outs, a_f, o_f, e_f, b, w_f, t_f = _fragment_step(ex, ops, delayed, state.count, f)
         for i, o, a in zip(idx, outs, a_f, strict=True):
             out[i], new_anchor[i] = o, a
-        for k, v in (("outer", o_f), ("exchange", e_f), ("pending", w_f)):
+        for k, v in (("outer", o_f), ("exchange", e_f), ("pending", w_f), ("taken", t_f)):
             if parts[k] is not None:
                 parts[k][f] = v
         bad = bad | b
@@ -421,6 +470,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
             "outer": None,
             "exchange": None,
             "pending": None,
+            "taken": None,
         }
         anchor = [jnp.asarray(x, F32) if is_float(x) else None for x in leaves]
         values["anchor"] = jax.tree.unflatten(treedef, anchor)
@@ -432,6 +482,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
             warn_if_nothing_compressed(cfg, parts)
         if cfg.delay:
             values["pending"] = tuple([jnp.zeros((1, *x.shape), F32) for x in p] for p in parts)
+            values["taken"] = tuple(jnp.full([], -1, jnp.int32) for _ in parts)
         return cfg.state_type(**{k: v for k, v in values.items() if k in fields})
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -454,6 +505,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
             "outer": None if parts["outer"] is None else tuple(parts["outer"]),
             "exchange": None if parts["exchange"] is None else tuple(parts["exchange"]),
             "pending": None if parts["pending"] is None else tuple(parts["pending"]),
+            "taken": None if parts["taken"] is None else tuple(parts["taken"]),
         }
         new_state = cfg.state_type(**{k: v for k, v in values.items() if k in fields})
         # A sync whose mean is not finite (the flag is identical on every device) leaves the

@@ -137,3 +137,31 @@ def test_lm_page_recipes_build_with_the_schedules_their_prose_says():
     assert float(lr(239)) == np.float32(6e-3)
     np.testing.assert_allclose(float(lr(steps)), 6e-4, rtol=1e-6)
     assert float(muloco["lr"](15)) == np.float32(4.5e-3) and float(muloco["lr"](7)) < 4.5e-3
+
+
+def test_lm_page_sizes_the_byte_budgets_it_says():
+    """docs/lm.md, "A byte budget on any model": on the fourth pair's model (3 layers of
+    ``d_model`` 96) the block sizes 19 of 4096 (8 replicas) and 48 of 1024 (2 replicas) and
+    keeps DeMo's 20 components; on 2 layers of 48, DeMo's 16. Each transform builds."""
+    from benchmarks.budget_bytes import Model, params_of
+
+    text = (ROOT / "docs/lm.md").read_text()
+    section = text.split("\n## A byte budget on any model\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = BLOCK.findall(section)
+    for model, densities, topk in (
+        (Model(96, 3), [19 / 4096, 48 / 1024], 20),
+        (Model(48, 2), None, 16),
+    ):
+        params = params_of(model)
+        ns = _run("", params=params, inner=optax.sgd(0.1), lr=1e-3, n=8)
+        seen, txs = [], []
+        for statement in ast.parse(code).body:
+            exec(compile(ast.Module([statement], []), "<doc block>", "exec"), ns)
+            names = {getattr(t, "id", None) for t in getattr(statement, "targets", [])}
+            seen += [ns["density"]] if "density" in names else []
+            txs += [ns["tx"]] if "tx" in names else []
+        assert densities is None or seen == densities
+        assert ns["topk"] == topk and len(txs) == 3
+        small = {"w": jnp.ones((64, 48)), "b": jnp.zeros(48)}
+        for tx in txs:
+            assert jax.tree.leaves(jax.eval_shape(tx.init, small))

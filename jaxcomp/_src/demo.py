@@ -317,7 +317,8 @@ def demo(
         DeMo's paper: 32). 18 with ``bits=4`` costs the same 44 bytes per 64 x 64 block as
         16 with 8 bits, and fewer in the small blocks of vectors; 20 with ``bits=3`` about 4%
         more, and trained the held-out LM of the docs closer to AdamW (docs, "Language
-        models over slow links: the measurements", DeMo).
+        models over slow links: the measurements", DeMo). :func:`jaxcomp.demo_topk` sizes it
+        for a ratio of bytes on given params, :func:`jaxcomp.demo_ratio` gives its ratio.
       decay: the momentum's decay, in [0, 1] (DeMo: 0.999; 1: plain accumulation). The
         unsent momentum lives about ``1 / (1 - decay)`` steps: on runs of hundreds of steps
         a shorter memory (0.9-0.95) did better on the LM benchmark than DeMo's 0.999.

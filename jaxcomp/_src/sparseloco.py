@@ -450,7 +450,9 @@ def sparseloco(
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30); or a
         sequence of intervals, the last one repeated (as :func:`jaxcomp.diloco`'s).
-      density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%).
+      density: fraction of each chunk sent, in (0, 1] (default 64 / 4096 = 1.56%). Its
+        ratio of bytes depends on the model's leaves: :func:`jaxcomp.sparseloco_density`
+        sizes it for a ratio on given params, :func:`jaxcomp.sparseloco_ratio` gives it.
       chunk: values per chunk (default 4096 = 64 x 64; indices take ``ceil(log2 chunk)`` bits).
       bits: bits per sent value, in [1, 8] (default 2), or None for float32 values.
       ef_decay: ``beta`` in [0, 1], the error feedback's decay (default 0.5; 1: plain

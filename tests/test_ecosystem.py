@@ -138,6 +138,21 @@ def test_inject_hyperparams_schedules_dgc_momentum():
         same_bits(state.inner_state, reference)
 
 
+def test_inject_hyperparams_worker_momentum_with_the_docstrings_static_args():
+    """compressed_allreduce's docstring: ``worker_momentum`` as an injected array, with
+    ``static_args=("min_size", "seed", "bucket_bytes", "warmup_steps")``, runs as the plain
+    number (up to the float32 rounding of ``1 - beta`` from an array: measured 4.5e-8)."""
+    static = ("min_size", "seed", "bucket_bytes", "warmup_steps")
+    injected = optax.inject_hyperparams(jc.compressed_allreduce, static_args=static)(
+        jc.sign(), "data", worker_momentum=0.9, min_size=100
+    )
+    outs, state = run(injected, steps=2)
+    ref, _ = run(compress(worker_momentum=0.9), steps=2)
+    assert float(state.hyperparams["worker_momentum"]) == np.float32(0.9)
+    for a, b in zip(outs, ref, strict=True):
+        np.testing.assert_allclose(a["w"], b["w"], rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- apply_if_finite
 
 

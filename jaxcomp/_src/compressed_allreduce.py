@@ -368,7 +368,11 @@ def compressed_allreduce(
         rate is smaller than ``allgather``'s (docs/choosing-a-codec.md).
       worker_momentum: None (default) or ``beta`` in [0, 1): each device compresses its own
         momentum ``m_i <- beta m_i + (1 - beta) g_i`` (Signum with majority vote). A Python 0
-        is None; an array (``optax.inject_hyperparams``) keeps the momentum state.
+        is None; an array (``optax.inject_hyperparams``) keeps the momentum state. The other
+        numbers are static: ``optax.inject_hyperparams(jc.compressed_allreduce,
+        static_args=("min_size", "seed", "bucket_bytes", "warmup_steps"))(codec, axis_name,
+        worker_momentum=schedule)`` (without them ``warmup_steps`` arrives as an array and is
+        refused; :func:`jaxcomp.sgd` needs none).
       worker_nesterov: send Nesterov's look-ahead ``beta m_i + (1 - beta) g_i`` (new ``m_i``).
       adaptive: None, or ``jc.accordion(gentle_codec, ...)``: send through ``gentle_codec``
         in critical regimes of training (Accordion), through ``codec`` elsewhere; both share

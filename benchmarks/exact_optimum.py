@@ -31,6 +31,7 @@ N = 8
 SHAPES = {"W": (32, 64), "v": (2048,), "b": (16,)}
 LRS = (0.1, 0.025)
 STEPS = 800
+ADAM_STEPS = 3000  # Adam's steps are about lr each: the recipes' rows run lr / 10, longer
 
 
 def problem(seed: int = 0):
@@ -66,6 +67,16 @@ def _sgd(exchange, lr, scale: float = 1.0):
     import optax
 
     return optax.chain(exchange, optax.sgd(lr * scale))
+
+
+def _adam(recipe: Callable, codec=None) -> Callable:
+    """``recipe`` (``jc.onebit_adam`` frozen at step 50, or ``jc.zero_one_adam`` at 100, its
+    warm-up 50) at a tenth of the row's lr, its defaults but ``codec`` (None: its own)."""
+    import jaxcomp as jc
+
+    freeze = {"freeze_step": 50} if recipe is jc.onebit_adam else {"var_freeze_step": 100}
+    codec = {} if codec is None else {"codec": codec}
+    return lambda lr: recipe(lr / 10, "data", **freeze, **codec)
 
 
 def rows() -> dict[str, tuple[Callable, int]]:
@@ -123,6 +134,10 @@ def rows() -> dict[str, tuple[Callable, int]]:
         "threshold_2bit(5)": (_ca(jc.threshold_2bit(5.0), strategy="allgather"), STEPS),
         "threshold_2bit(0.5)": (_ca(jc.threshold_2bit(0.5), strategy="allgather"), STEPS),
         "majority_vote": (_ca(jc.sign(), strategy="majority_vote"), STEPS),
+        "onebit_adam(identity), lr / 10": (_adam(jc.onebit_adam, jc.identity()), ADAM_STEPS),
+        "onebit_adam, lr / 10": (_adam(jc.onebit_adam), ADAM_STEPS),
+        "zero_one_adam(identity), lr / 10": (_adam(jc.zero_one_adam, jc.identity()), ADAM_STEPS),
+        "zero_one_adam, lr / 10": (_adam(jc.zero_one_adam), ADAM_STEPS),
     }
 
 

@@ -414,9 +414,11 @@ RECIPES: dict[str, Recipe] = {
         lambda run, axis: run.adamw(run.baseline_lr), averages=False, note="baseline: pmean"
     ),
     "int8-adamw": Recipe(_chain(_q("int8")), note="int8 then AdamW"),
-    # jc.onebit_adam's defaults: exact zeros, steps clipped at Adam's bound (adam_bound=True
+    # jc.onebit_adam's defaults: exact zeros, steps within Adam's bound (adam_bound=True
     # since 2026-11-26; the rows of result files written before ran adam_bound=False, today's
-    # onebit_adam-unbounded).
+    # onebit_adam-unbounded). Until 2026-11-27 the bound clipped each device's step, since a
+    # floor on the variance and a clip of the mean step: the rows written before (lm_A_*,
+    # lm_Z_*) ran the per-device clip, lm_meanbound_* the bound of today.
     "onebit_adam": Recipe(
         _onebit,
         branches=("compressed", "warmup"),  # lax.cond(count < freeze_step, warm-up, ...)

@@ -325,9 +325,12 @@ def test_a_stale_tiny_variance_does_not_scale_up_its_chunk(make, bounded):
     # Adam's variance takes in the gradient that moves its momentum; a frozen (or sampled)
     # one does not: coordinate 0's preconditioned step is then 1e6x the others', and the
     # root mean square of the 1-bit chunk it sits in moves every coordinate by that (the LM
-    # benchmark's input embedding, 6-25x its usual step). Clipped at Adam's own bound
-    # (7.27 sqrt(1 - b2^3) = 0.40 at step 3: both recipes' default), every coordinate moves
-    # about lr (0.0104; adam_bound=False: 616).
+    # benchmark's input embedding, 6-25x its usual step). Both recipes' default bound lifts
+    # each leaf's sqrt(v_hat) to the floor at which a gradient at the leaf's level moves the
+    # preconditioned momentum by Adam's own bound (7.27 sqrt(1 - b2^3) = 0.40 at step 3) and
+    # clips the mean step at it: every coordinate moves about lr (0.0109, coordinate 0
+    # 0.0108; each device's step clipped, the bound until 2026-11-27: 0.0104 and 0.0100;
+    # adam_bound=False: 616).
     others, first = stale_variance_run(make({} if bounded else {"adam_bound": False}))
     if bounded:
         assert 0.9e-2 < others < 1.2e-2 and first < 1.2e-2, (others, first)

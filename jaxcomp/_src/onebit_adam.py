@@ -157,19 +157,29 @@ def level_ratio(level: Any, level_ref: Any, level_scale) -> Any:
 
 
 def adam_direction(
-    mu: Any, nu: Any, like: Any, mu_scale, nu_scale, eps, bad, filled: bool = False
+    mu: Any,
+    nu: Any,
+    like: Any,
+    mu_scale,
+    nu_scale,
+    eps,
+    bad,
+    filled: bool = False,
+    floor: Any = None,
 ) -> Any:
     """``mu_hat / (sqrt(nu_hat) + eps)`` per leaf in the dtype of ``like``, with ``nu`` the
-    :func:`filled_variance`; zero where that is still zero (a leaf whose gradient was always
+    :func:`filled_variance` (``sqrt(nu_hat)`` at least ``floor``, per leaf, where given:
+    :func:`variance_floor`); zero where ``nu`` is still zero (a leaf whose gradient was always
     zero: a 1-bit momentum gives it +-scale, which ``eps`` would blow up by 1e8), and NaN
     everywhere when ``bad``."""
 
-    def one(m, v, g, k):
-        d = mu_scale * (m / adam_denominator(v, k, eps))
+    def one(m, v, g, k, f=None):
+        d = mu_scale * (m / adam_denominator(v, k, eps, f))
         return collectives.poison(jnp.where(v > 0, d, 0.0), bad).astype(g.dtype)
 
     nu = nu if filled else filled_variance(nu)
-    return jax.tree.map(one, mu, nu, like, per_leaf(nu_scale, like))
+    args = (mu, nu, like, per_leaf(nu_scale, like))
+    return jax.tree.map(one, *args) if floor is None else jax.tree.map(one, *args, floor)
 
 
 def adam_step_bound(count: jax.Array, b1, b2) -> jax.Array:
@@ -191,16 +201,39 @@ def adam_step_bound(count: jax.Array, b1, b2) -> jax.Array:
     return jnp.where(room > 0, c * jnp.sqrt(1.0 - b2**t), jnp.inf)
 
 
-def bounded_step(u: jax.Array, bound) -> jax.Array:
-    """``u`` (a device's momentum step in preconditioned units) clipped to ``[-bound, bound]``
-    where finite: a non-finite value passes as it is (never hidden).
+def variance_floor(level: Any, count: jax.Array, b1, b2) -> Any:
+    r"""Per leaf, the smallest ``sqrt(v_hat)`` of the compression stage:
+    ``(1 - b1) sqrt(L_hat) / (C sqrt(1 - b2^t))``, ``t = count + 1``, ``L_hat = level /
+    (1 - b2^t)`` the devices' mean squared gradient of the leaf (:func:`tracked_levels`),
+    ``C`` :func:`adam_step_bound`'s (0 where ``b1^2 >= b2``). Computed as ``sqrt((1 - b2)
+    (1 - b1^2 / b2)) sqrt(level) / (1 - b2^t)``: finite for every finite level.
 
     A coordinate whose variance is stale and tiny (the embedding row of a rare token, its
     gradient near zero where the variance last moved) and whose gradient then comes back at
-    its usual size gets a step of thousands of Adam's: one such value sets the root mean
-    square of its whole chunk of 1-bit signs, and every coordinate of the chunk moves by it
-    (docs, "Steps within Adam's bound"). Adam, whose variance takes that gradient in, never
-    steps beyond :func:`adam_step_bound`; neither does this."""
+    its usual size gets a preconditioned step thousands of times Adam's: one such value sets
+    the root mean square of its whole chunk of 1-bit signs, and every coordinate of the chunk
+    moves by it (docs, "Steps within Adam's bound"). Under this floor a gradient at the
+    leaf's root-mean-square level moves the preconditioned momentum by at most Adam's own
+    bound (``(1 - b1) |g| / floor = C sqrt(1 - b2^t) |g| / sqrt(L_hat)``), as Adam's variance,
+    which takes that gradient in, would. The floor is identical on every device and the
+    preconditioner stays linear: the mean of the devices' steps is the preconditioned mean
+    gradient, zero where the mean loss is stationary, however much the devices' own
+    gradients differ there (a clip of each device's step is not: its mean is biased where
+    they differ beyond the bound)."""
+    b1 = jnp.asarray(b1, jnp.float32)
+    b2 = jnp.asarray(b2, jnp.float32)
+    room = jnp.maximum((1.0 - b2) * (1.0 - b1 * b1 / b2), 0.0)
+    t = (jnp.asarray(count, jnp.int32) + 1).astype(jnp.float32)
+    scale = jnp.sqrt(room) / (1.0 - b2**t)
+    return jax.tree.map(lambda a: scale * jnp.sqrt(a), level)
+
+
+def bounded_step(u: jax.Array, bound) -> jax.Array:
+    """``u`` (the devices' mean momentum step in preconditioned units, identical on every
+    device) clipped to ``[-bound, bound]`` where finite: a non-finite value passes as it is
+    (never hidden). Adam never steps beyond :func:`adam_step_bound`; neither does this. A
+    clip of the mean, not of each device's step: where the mean loss is stationary the mean
+    step is zero and passes unchanged."""
     return jnp.where(jnp.isfinite(u), jnp.clip(u, -bound, bound), u)
 
 
@@ -211,7 +244,7 @@ def per_leaf(scale: Any, like: Any) -> Any:
     return jax.tree.map(lambda _: scale, like)
 
 
-def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
+def unprecondition(u: jax.Array, v: jax.Array, k, eps, floor=None) -> jax.Array:
     """``u * (sqrt(k v) + eps)`` where ``v > 0`` (0 elsewhere): a momentum sent in Adam's
     preconditioned units back in its own (``v`` filled, ``k`` its bias correction),
     saturating at ``+-F32_MAX`` where ``u`` is finite (:func:`saturate`).
@@ -220,18 +253,21 @@ def unprecondition(u: jax.Array, v: jax.Array, k, eps) -> jax.Array:
     of a coordinate that just took an outlier) can overflow: the momentum then held inf
     while the step was finite and its flag clear, and every later step read it, non-finite,
     and was skipped: the state frozen for good."""
-    return jnp.where(v > 0, saturate(u * adam_denominator(v, k, eps), u), 0.0)
+    return jnp.where(v > 0, saturate(u * adam_denominator(v, k, eps, floor), u), 0.0)
 
 
-def adam_denominator(v: jax.Array, k, eps) -> jax.Array:
+def adam_denominator(v: jax.Array, k, eps, floor=None) -> jax.Array:
     """``sqrt(k v) + eps`` as ``min(sqrt(k) sqrt(v), F32_MAX) + eps``: finite for every
     ``v >= 0`` and ``k >= 0`` (``k v`` overflows where a saturated ``v``, ``F32_MAX``, meets
     a bias correction ``k > 1``: an inf square root makes the coordinate's step 0 and, turned
-    back by :func:`unprecondition`, its momentum NaN)."""
-    return jnp.minimum(jnp.sqrt(k) * jnp.sqrt(v), F32_MAX) + eps
+    back by :func:`unprecondition`, its momentum NaN). ``floor`` (None: none): the square
+    root at least that (:func:`variance_floor`)."""
+    root = jnp.sqrt(k) * jnp.sqrt(v)
+    root = root if floor is None else jnp.maximum(root, floor)
+    return jnp.minimum(root, F32_MAX) + eps
 
 
-def preconditioner(v: jax.Array, k, eps) -> jax.Array:
+def preconditioner(v: jax.Array, k, eps, floor=None) -> jax.Array:
     """``1 / (sqrt(k v) + eps)`` where ``v > 0``, 0 elsewhere (:func:`adam_denominator`): a
     momentum times it is in Adam's preconditioned units ``u_i = m_i / (sqrt(nu_hat) + eps)``,
     the units both recipes send it in (turned back by :func:`unprecondition`).
@@ -243,7 +279,7 @@ def preconditioner(v: jax.Array, k, eps) -> jax.Array:
     huge steps. ``v`` is the :func:`filled_variance` (a coordinate unseen during the warm-up
     takes its leaf's mean); a leaf whose variance is zero everywhere sends and keeps nothing
     (its update is zero)."""
-    return jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps), 0.0)
+    return jnp.where(v > 0, 1.0 / adam_denominator(v, k, eps, floor), 0.0)
 
 
 def momentum_step(m: jax.Array, x: jax.Array, b1) -> jax.Array:
@@ -418,24 +454,21 @@ def scale_by_onebit_adam(
         Returned in preconditioned units: turned back where mu is written (one pass)."""
         return rounds.send(y, state.exchange, params)
 
-    def branch_input(grads, state, warm, nu_scale):
+    def branch_input(grads, state, warm, nu_scale, floor):
         """What the round sends: the float32 gradient over ``n`` (warm-up: its sum is the
         mean, pre-scaled as :func:`gradient_mean`), or the momentum step
         ``b1 m + (1 - b1) g`` in preconditioned units (:func:`preconditioner`, the
-        variance filled as it froze; ``adam_bound``: clipped at :func:`adam_step_bound`).
-        Formed before the cond, it takes the gradient's buffer
+        variance filled as it froze; ``adam_bound``: its square root at least the
+        :func:`variance_floor`). Formed before the cond, it takes the gradient's buffer
         (the codec's input was a params-sized temporary of its own)."""
 
-        def one(m, x, v, k):
-            u = momentum_step(m, x, b1) * preconditioner(v, k, eps)
-            return jnp.where(warm, x / n, bounded_step(u, bound) if bounded else u)
+        def one(m, x, v, k, f=None):
+            u = momentum_step(m, x, b1) * preconditioner(v, k, eps, f)
+            return jnp.where(warm, x / n, u)
 
-        bound = adam_step_bound(state.count, b1, b2)
         n = collectives.axis_size(every_axis)
-
-        return jax.tree.map(
-            one, state.mu, as_float32(grads), state.nu, per_leaf(nu_scale, state.nu)
-        )
+        args = (state.mu, as_float32(grads), state.nu, per_leaf(nu_scale, state.nu))
+        return jax.tree.map(one, *args) if floor is None else jax.tree.map(one, *args, floor)
 
     def variance(state, warm, x, bad):
         """Warm-up: Adam's variance moved by the mean gradient ``x``; after: frozen. A
@@ -456,17 +489,21 @@ def scale_by_onebit_adam(
             lambda a, f, v: jnp.where(bad, v, jnp.where(warm, a, f)), nu, frozen, state.nu
         )
 
-    def momentum(state, warm, x, nu, nu_scale, bad):
+    def momentum(state, warm, x, nu, nu_scale, bad, floor):
         """Warm-up: Adam's momentum moved by the mean gradient ``x``; after: ``mu = x``, sent
-        in preconditioned units and turned back with the new ``nu`` (the frozen one, equal
-        to the old: the old variance has no reader once the new one is written, so it is
-        updated in place). A non-finite step keeps it."""
+        in preconditioned units (``adam_bound``: clipped at :func:`adam_step_bound`, the
+        mean, identical on every device) and turned back with the new ``nu`` (the frozen
+        one, equal to the old: the old variance has no reader once the new one is written,
+        so it is updated in place). A non-finite step keeps it."""
 
-        def one(m, u, v, k):
-            new = jnp.where(warm, momentum_step(m, u, b1), unprecondition(u, v, k, eps))
+        def one(m, u, v, k, f=None):
+            sent = bounded_step(u, bound) if bounded else u
+            new = jnp.where(warm, momentum_step(m, u, b1), unprecondition(sent, v, k, eps, f))
             return jnp.where(bad, m, new)
 
-        return jax.tree.map(one, state.mu, x, nu, per_leaf(nu_scale, x))
+        bound = adam_step_bound(state.count, b1, b2)
+        args = (state.mu, x, nu, per_leaf(nu_scale, x))
+        return jax.tree.map(one, *args) if floor is None else jax.tree.map(one, *args, floor)
 
     def frozen_scale(count):
         """Adam's bias correction of the variance, frozen at ``freeze_step``."""
@@ -476,10 +513,16 @@ def scale_by_onebit_adam(
     def levels(grads, state, warm):
         """``(level, level_ref, nu_scale)``: the per-leaf levels moved by this step's
         gradients (:func:`tracked_levels`; the reference follows while the variance moves)
-        and the variance's bias correction times ``level_hat / level_ref`` per leaf."""
+        and the variance's bias correction, times ``level_hat / level_ref`` per leaf where
+        ``rescale_variance``. Neither ``rescale_variance`` nor ``adam_bound``: the state's
+        levels as they were (nothing on the wire)."""
+        if not (rescale or bounded):
+            return state.level, state.level_ref, frozen_scale(state.count)
         level, ref, _, ratio = tracked_levels(
             as_float32(grads), state.level, state.level_ref, warm, state.count, b2, every_axis
         )
+        if not rescale:
+            return level, ref, frozen_scale(state.count)
         k = jax.tree.map(lambda r: jnp.minimum(frozen_scale(state.count) * r, F32_MAX), ratio)
         return level, ref, k
 
@@ -490,17 +533,18 @@ def scale_by_onebit_adam(
         like = jax.eval_shape(lambda: zeros_f32(updates))
         skeleton.check_fields("onebit_adam", state, {"mu": like, "nu": like}, updates=updates)
         warm = state.count < freeze_step
-        if rescale:
-            level, level_ref, nu_scale = levels(updates, state, warm)
-        else:
-            level, level_ref, nu_scale = state.level, state.level_ref, frozen_scale(state.count)
-        y = branch_input(updates, state, warm, nu_scale)
+        level, level_ref, nu_scale = levels(updates, state, warm)
+        floor = None
+        if bounded:  # no floor in the warm-up (a floor of 0): Adam's own steps
+            floor = variance_floor(level, state.count, b1, b2)
+            floor = jax.tree.map(lambda f: jnp.where(warm, 0.0, f), floor)
+        y = branch_input(updates, state, warm, nu_scale, floor)
         x, exchange_state, payloads = jax.lax.cond(warm, warmup, compressed, y, state, params)
         # The flag of what the round gave (identical on every device), read after the cond:
         # in the warm-up branch its partial sums added to the branch operand and its output.
         bad = collectives.local_nonfinite(x)
         nu = variance(state, warm, x, bad)
-        mu = momentum(state, warm, x, nu, nu_scale, bad)
+        mu = momentum(state, warm, x, nu, nu_scale, bad, floor)
         # The worker memory: kept in the warm-up and on a non-finite step.
         exchange_state = rounds.with_memory(exchange_state, y, state.exchange, warm | bad, payloads)
         t = (state.count + 1).astype(jnp.float32)
@@ -521,7 +565,15 @@ def scale_by_onebit_adam(
         # mu and nu then have one reader each, written once into the state's own buffers
         # (read before the freeze, each was a params-sized temporary).
         direction = adam_direction(
-            new_state.mu, new_state.nu, updates, mu_scale, nu_scale, eps, bad, filled=True
+            new_state.mu,
+            new_state.nu,
+            updates,
+            mu_scale,
+            nu_scale,
+            eps,
+            bad,
+            filled=True,
+            floor=floor,
         )
         return direction, new_state
 
@@ -574,19 +626,23 @@ def onebit_adam(
             v <- b2 v + (1 - b2) g^2;  L_f = L_hat  # the level when v last moved
         compression stage (t >= freeze_step), v frozen:
             m_i = b1 m + (1 - b1) g_i               # each device's momentum step
-            u_i = clip(m_i / (sqrt(v_hat) + eps), +-C sqrt(1 - b2^t))   # Adam's bound
-            m  <- mean_i C(u_i + e_i)               # worker error e_i; two_phase adds the
-                                                    # chunk owners' server error; turned
-                                                    # back by (sqrt(v_hat) + eps)
+            s   = max(sqrt(v_hat), f) + eps         # f: per leaf, Adam's bound as a floor
+            u_i = m_i / s                           # in preconditioned units
+            m  <- s clip(mean_i C(u_i + e_i), +-C sqrt(1 - b2^t))   # Adam's bound on the
+                                                    # mean; worker error e_i; two_phase
+                                                    # adds the chunk owners' server error
             v_hat = v / (1 - b2^freeze_step) * L_hat / L_f    # per leaf (rescale_variance)
-        x <- x - lr * (m_hat / (sqrt(v_hat) + eps) + wd * x)   # bias-corrected as Adam;
-                                                    # wd: AdamW's decoupled weight decay
+        x <- x - lr * (m_hat / s + wd * x)          # bias-corrected as Adam (warm-up:
+                                                    # s = sqrt(v_hat) + eps); wd: AdamW's
+                                                    # decoupled weight decay
 
-    with ``L_hat = L / (1 - b2^t)`` and ``C(x) = (||x||_2 / sqrt(d)) sign(x)`` by default
-    (``jc.sign(scale="rms", exact_zeros=True)``, DeepSpeed's compressed momentum: 1 bit per
-    coordinate, one float32 per chunk, and one bit per word of 32 that marks an all-zero
-    word, which decodes to 0: the embedding rows of tokens never seen stay still, as under
-    Adam, where a sign would move them by ``+-scale`` every round).
+    with ``L_hat = L / (1 - b2^t)``, ``f = (1 - b1) sqrt(L_hat) / (C sqrt(1 - b2^t))``
+    (``adam_bound``, below; ``f = 0`` without it) and ``C(x) = (||x||_2 / sqrt(d))
+    sign(x)`` by default (``jc.sign(scale="rms", exact_zeros=True)``, DeepSpeed's
+    compressed momentum: 1 bit per coordinate, one float32 per chunk, and one bit per word
+    of 32 that marks an all-zero word, which decodes to 0: the embedding rows of tokens
+    never seen stay still, as under Adam, where a sign would move them by ``+-scale`` every
+    round).
 
     **The variance's level follows the gradients.** A frozen ``v`` keeps the size of the
     early, large gradients: where the gradients keep shrinking after the freeze (a language
@@ -605,12 +661,22 @@ def onebit_adam(
     no such guard: a coordinate whose gradient was near zero while ``v`` moved (a rare
     token's embedding row) and then comes back at its usual size is preconditioned into a
     step thousands of times Adam's, and that one value sets the root mean square of its
-    whole chunk of 1-bit signs: every coordinate of the chunk moves by it. Each device's
-    momentum step, in preconditioned units, is therefore clipped at that bound before the
-    codec (a non-finite value passes as it is: never hidden); a step within the bound
-    passes unchanged, and the bytes sent are the same. ``adam_bound=False`` sends the step
-    as it is (the paper's, and this recipe's default before 2026-11-26; docs: "1-bit Adam
-    and 0/1 Adam for language models").
+    whole chunk of 1-bit signs: every coordinate of the chunk moves by it. Two guards, both
+    identical on every device, neither a clip of a device's own step: each leaf's
+    ``sqrt(v_hat)`` is at least ``f`` (above), so that a gradient at the leaf's level
+    (``|g_i| = sqrt(L_hat)``, ``L`` the devices' mean squared gradient) moves a device's
+    preconditioned momentum by at most Adam's bound, as Adam's own variance would; and the
+    decoded mean step is clipped at that bound (a non-finite value passes as it is: never
+    hidden). Both keep the mean exact where the mean loss is stationary: the floor is a
+    preconditioner like ``v``, linear, and the mean step there is zero, within the bound, so
+    1-bit Adam still converges to the optimum of the mean loss when the devices' own
+    gradients differ there (data that differ by device). Clipping each device's own step
+    instead (this recipe's bound from 2026-11-26 to 2026-11-27) stopped short of it, at a
+    quarter of the start's distance on docs/choosing-a-codec.md's exact-optimum problem. No
+    byte more on the wire (the levels travel with ``rescale_variance``; without it, one
+    float32 per leaf per step). ``adam_bound=False`` sends the step as it is (the paper's,
+    and this recipe's default before 2026-11-26; docs: "1-bit Adam and 0/1 Adam for
+    language models").
 
     **The scale of the signs.** ``jc.sign()``'s mean ``||x||_1 / d`` minimizes the error of
     one step but shrinks every step below the momentum's norm (far below it for a momentum
@@ -673,14 +739,14 @@ def onebit_adam(
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
         in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
         array is refused with a TypeError).
-      adam_bound: True (default): each device's momentum step, in preconditioned units, is
-        clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) / sqrt((1 - b2)(1 -
-        b1^2 / b2))``, 7.27 at the defaults; above) before the codec; False: sent as it is
-        (the paper's 1-bit Adam). A Python bool (docs: "1-bit Adam and 0/1 Adam for
-        language models"). The clip acts on each device's own step, before the mean: where
-        the devices' gradients disagree far beyond the mean's (data that differ by device)
-        it clips them unevenly and training stops short of the optimum of the mean loss
-        (docs/choosing-a-codec.md, "What each exchange converges to").
+      adam_bound: True (default): Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) /
+        sqrt((1 - b2)(1 - b1^2 / b2))``, 7.27 at the defaults; above) as a per-leaf floor on
+        the frozen ``sqrt(v_hat)`` and as a clip of the decoded mean step, both identical on
+        every device, so the optimum of the mean loss stays a fixed point when the devices'
+        data differ (docs/choosing-a-codec.md, "What each exchange converges to"); False:
+        the step sent as it is (the paper's 1-bit Adam). A Python bool (docs: "1-bit Adam
+        and 0/1 Adam for language models"). Until 2026-11-27 True clipped each device's own
+        step before the codec, which stopped short of that optimum.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

@@ -35,6 +35,7 @@ from jaxcomp._src.onebit_adam import (
     saturate,
     tracked_levels,
     unprecondition,
+    variance_floor,
     zero_levels,
     zeros_f32,
 )
@@ -274,7 +275,7 @@ def scale_by_zero_one_adam(
             kind == VARIANCE, lambda a: gradient_mean(a, every_axis), zeros_f32, grads
         )
 
-    def moved(state, kind, x, g, grads, old_scale):
+    def moved(state, kind, x, g, grads, old_scale, floor):
         """``(mu, pending)`` after a round of ``kind`` whose exchanged tree is ``x`` (and
         ``g``, a variance round's mean gradient): a skipped round keeps ``(1 - b1) g_i``
         pending for the next exchange, which empties it. The variance: :func:`new_variance`,
@@ -288,19 +289,18 @@ def scale_by_zero_one_adam(
         ratio = unfilled_ratio(state.nu, nu, new_fill(state, kind, x, g), old_scale, new, eps)
         sent = sends_momentum(kind)
         keep = lambda u, r: u * jnp.where(kind == VARIANCE, r, 1.0) if coded else u  # noqa: E731
-        mu = jax.tree.map(
-            lambda a, m0, r, u, v, k: jnp.where(
+        bound = step_bound(state.count)
+
+        def one(a, m0, r, u, v, k, f=None):
+            u = bounded_step(u, bound) if bounded else u
+            return jnp.where(
                 sent,
-                keep(unprecondition(u, v, k, eps), r),
+                keep(unprecondition(u, v, k, eps, f), r),
                 jnp.where(kind == FULL, a + b1 * m0 * (r - 1.0), a),
-            ),
-            mu,
-            state.mu,
-            ratio,
-            x,
-            filled_variance(state.nu),
-            per_leaf(old_scale, x),
-        )
+            )
+
+        args = (mu, state.mu, ratio, x, filled_variance(state.nu), per_leaf(old_scale, x))
+        mu = jax.tree.map(one, *args) if floor is None else jax.tree.map(one, *args, floor)
         pending = jax.tree.map(
             lambda p, g: jnp.where(
                 sent, 0.0, jnp.where(kind == SKIPPED, saturate(p + (1.0 - b1) * g[None], g), p)
@@ -344,7 +344,7 @@ def scale_by_zero_one_adam(
         moves = moves_variance(kind)
         before = variance_scale(state.variance_step)
         after = variance_scale(jnp.where(moves, state.count + 1, state.variance_step))
-        if not rescale:
+        if not (rescale or bounded):
             return state.level, state.level_ref, before, after
         level, ref, r0, r1 = tracked_levels(
             as_float32(grads),
@@ -355,39 +355,52 @@ def scale_by_zero_one_adam(
             b2,
             every_axis,
         )
+        if not rescale:  # the levels tracked for adam_bound's floor only
+            return level, ref, before, after
         # saturating: a level risen far above its reference never makes the scale inf
         scale = functools.partial(jax.tree.map, lambda k, r: jnp.minimum(k * r, F32_MAX))
         return level, ref, scale(per_leaf(before, r0), r0), scale(per_leaf(after, r1), r1)
 
-    def round_input(grads, state, kind, nu_scale):
+    def step_bound(count):
+        """Adam's bound (:func:`~jaxcomp._src.onebit_adam.adam_step_bound`) times the rounds
+        a synced round sends after skipped ones."""
+        since = jnp.maximum(count - freeze, 0)
+        gap = jnp.minimum(doubling_gap(since, local_scaler), clip).astype(jnp.float32)
+        return gap * adam_step_bound(count, b1, b2)
+
+    def floor_at(level, count):
+        """``adam_bound``'s :func:`~jaxcomp._src.onebit_adam.variance_floor` per leaf from
+        the end of the warm-up (before it, 0: Adam's own steps); None without the bound."""
+        if not bounded:
+            return None
+        return jax.tree.map(
+            lambda f: jnp.where(count < warmup, 0.0, f), variance_floor(level, count, b1, b2)
+        )
+
+    def round_input(grads, state, kind, nu_scale, floor):
         """The switch's operand ``y``, per leaf: in a FULL round each device's float32
         gradient over ``n`` (pre-scaled as :func:`~jaxcomp._src.onebit_adam.gradient_mean`:
         its sum is the mean, which never overflows where it fits); in a COMPRESSED or
         VARIANCE round the codec's input, this device's momentum step plus what its skipped
         rounds held, ``b1 m + (1 - b1) g_i + p_i``, in Adam's preconditioned units
-        (:func:`~jaxcomp._src.onebit_adam.preconditioner`; ``adam_bound``: clipped at
-        Adam's bound, times the rounds a synced round sends after skipped ones); in a SKIPPED
+        (:func:`~jaxcomp._src.onebit_adam.preconditioner`; ``adam_bound``: its square root
+        at least ``floor``, :func:`~jaxcomp._src.onebit_adam.variance_floor`); in a SKIPPED
         round ``g_i``. One pass that writes into the gradient's buffer: every later reader
         takes it, the worker memory formed after the switch included (formed in a branch,
         the codec's input was a params-sized temporary of its own)."""
         n = collectives.axis_size(every_axis)
-        since = jnp.maximum(state.count - freeze, 0)
-        gap = jnp.minimum(doubling_gap(since, local_scaler), clip).astype(jnp.float32)
-        bound = gap * adam_step_bound(state.count, b1, b2)
         sends = sends_momentum(kind)
 
-        def one(x, m, p, v, k):
-            u = saturate(b1 * m + (1.0 - b1) * x + p[0], x) * preconditioner(v, k, eps)
-            u = bounded_step(u, bound) if bounded else u
+        def one(x, m, p, v, k, f=None):
+            u = saturate(b1 * m + (1.0 - b1) * x + p[0], x) * preconditioner(v, k, eps, f)
             return jnp.where(kind == FULL, x / n, jnp.where(sends, u, x))
 
         # The filled variance read through `after` (the same bits): the preconditioner's
         # square root, the same expression as the momentum's after the switch, was shared
         # with it and held through the switch (a params-sized temporary).
         nu = jax.tree.map(lambda v: after(v, kind), filled_variance(state.nu))
-        return jax.tree.map(
-            one, as_float32(grads), state.mu, state.pending, nu, per_leaf(nu_scale, nu)
-        )
+        args = (as_float32(grads), state.mu, state.pending, nu, per_leaf(nu_scale, nu))
+        return jax.tree.map(one, *args) if floor is None else jax.tree.map(one, *args, floor)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -400,13 +413,14 @@ def scale_by_zero_one_adam(
             state.count, freeze, var_scaler, local_scaler, clip, warmup, compressed_before
         )
         level, level_ref, old_scale, nu_scale = levels(updates, state, kind)
+        floor = floor_at(level, state.count)
         g = variance_gradient(as_float32(updates), kind) if coded else None
-        y = round_input(updates, state, kind, old_scale)
+        y = round_input(updates, state, kind, old_scale, floor)
         branches = (full, compressed, skipped, compressed)[: 4 if coded else 3]
         x, exchange_state, payloads, bad = jax.lax.switch(kind, branches, y, state, params)
         if coded:
             bad = bad | collectives.local_nonfinite(g)
-        mu, pending = moved(state, kind, x, g, y, old_scale)
+        mu, pending = moved(state, kind, x, g, y, old_scale, floor)
         keep = ~sends_momentum(kind) | bad
         exchange_state = rounds.with_memory(exchange_state, y, state.exchange, keep, payloads)
         t = (state.count + 1).astype(jnp.float32)
@@ -435,7 +449,14 @@ def scale_by_zero_one_adam(
         new_state = new_state._replace(nu=skeleton.freeze(bad, old_nu, nu))
         # Read from the frozen state (as onebit_adam): no params-sized temporary per moment.
         direction = adam_direction(
-            new_state.mu, new_state.nu, updates, 1.0 / (1.0 - b1**t), nu_scale, eps, bad
+            new_state.mu,
+            new_state.nu,
+            updates,
+            1.0 / (1.0 - b1**t),
+            nu_scale,
+            eps,
+            bad,
+            floor=floor,
         )
         return direction, new_state
 
@@ -475,7 +496,8 @@ def zero_one_adam(
             m as a COMPRESSED round, v and L_f as a FULL round (g: a float32 all-reduce)
         COMPRESSED (the other rounds, and synced rounds after the freeze): as 1-bit Adam
             m <- mean_i C(b1 m + (1 - b1) g_i + p_i + e_i);  p_i <- 0
-            (sent in units of m / (sqrt(v_hat) + eps), as jc.onebit_adam does)
+            (sent in units of m / (max(sqrt(v_hat), f) + eps) and the mean clipped at
+            Adam's bound, as jc.onebit_adam does; f = 0 in the warm-up)
         SKIPPED (after the freeze, between synced rounds): no gradient on the wire
             m <- b1 m;  p_i <- p_i + (1 - b1) g_i        # sent at the next synced round
         v_hat = v / (1 - b2^s) * L_hat / L_f             # s: step + 1 of the last FULL round;
@@ -510,9 +532,14 @@ def zero_one_adam(
     variance last moved (a rare token's embedding row) and then comes back at its usual
     size is preconditioned into a step thousands of times Adam's, which sets the root mean
     square of its whole chunk of 1-bit signs: every coordinate of the chunk moves by it.
-    Each device's momentum step is therefore clipped at that bound before the codec (times
-    the rounds a synced round sends after skipped ones; a non-finite value passes as it
-    is). The LM benchmark's losses with and without it: docs, "Steps within Adam's bound".
+    After the warm-up, as in :func:`jaxcomp.onebit_adam`, each leaf's ``sqrt(v_hat)`` is
+    therefore at least ``f = (1 - b1) sqrt(L_hat) / (C sqrt(1 - b2^t))`` (a gradient at the
+    leaf's level moves a device's preconditioned momentum by at most Adam's bound) and the
+    decoded mean step is clipped at the bound (times the rounds a synced round sends after
+    skipped ones; a non-finite value passes as it is). Both are identical on every device:
+    the optimum of the mean loss stays a fixed point when the devices' data differ (each
+    device's own step clipped, the bound until 2026-11-27, stopped short of it). The LM
+    benchmark's losses with and without it: docs, "Steps within Adam's bound".
 
     **A full-precision warm-up: the first half of the variance phase.** The first
     ``warmup_steps`` steps (by default ``var_freeze_step // 2``) are all FULL rounds
@@ -611,12 +638,13 @@ def zero_one_adam(
         momentum by the float32 mean gradient; ``"coded"``: once a compressed round has
         run, a variance round also sends the momentum through the codec (its error
         feedback kept in step) and takes the float32 gradient for the variance only.
-      adam_bound: True (default): each device's momentum step, in preconditioned units, is
-        clipped at Adam's own bound ``C sqrt(1 - b2^t)`` (above; times the rounds a synced
-        round sends after skipped ones) before the codec; False: sent as it is. A Python
-        bool. Each device's own step is clipped, before the mean: with data that differ by
-        device it stops short of the optimum of the mean loss, as :func:`jaxcomp.onebit_adam`
-        (docs/choosing-a-codec.md, "What each exchange converges to").
+      adam_bound: True (default): Adam's own bound ``C sqrt(1 - b2^t)`` (above; times the
+        rounds a synced round sends after skipped ones) as a per-leaf floor on
+        ``sqrt(v_hat)`` and a clip of the decoded mean step, identical on every device (the
+        optimum of the mean loss stays a fixed point with data that differ by device:
+        docs/choosing-a-codec.md, "What each exchange converges to"); False: sent as it is.
+        A Python bool. Until 2026-11-27 True clipped each device's own step, which stopped
+        short of that optimum.
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:

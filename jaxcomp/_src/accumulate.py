@@ -117,8 +117,13 @@ def accumulate(
     inner = optax.with_extra_args_support(tx)
 
     def zero_acc(params):
+        # Typed like its param: an accumulator of FSDP shards (params varying over the data
+        # axis, init inside shard_map) is a lax.scan carry whose type the update keeps.
         return jax.tree.map(
-            lambda p: jnp.zeros((jnp.size(p),), jnp.float32) if _is_float(p) else None, params
+            lambda p: (
+                varying_like(jnp.zeros((jnp.size(p),), jnp.float32), p) if _is_float(p) else None
+            ),
+            params,
         )
 
     def init_fn(params):

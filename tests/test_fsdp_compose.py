@@ -554,3 +554,57 @@ def test_gradient_accumulation_of_fsdp_shards_is_the_whole_batch():
         got, _, _ = _fsdp_train(exact, tx, steps=40, data=(xs, ys))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def _bf16_compute(gather):
+    """float32 master shards, the gather and the model in bfloat16."""
+    bf16 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)  # noqa: E731
+    f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # noqa: E731
+    return lambda shards, residual: f32(gather(bf16(shards), residual))
+
+
+def test_bf16_compute_with_float32_master_shards_for_100_steps():
+    """The gather in bfloat16 from float32 master shards, 100 SGD-momentum steps: identity
+    collectives give jax.lax's (bf16) params bit for bit; int8 / int4 with error feedback
+    (bf16 cotangents: each chunk's rounding kept) ends within 1% of its loss (measured
+    0.22523 against 0.22531; float32 compute 0.22532)."""
+    sgd = optax.sgd(0.05, momentum=0.9)
+    ref, ref_loss, _ = _fsdp_train(_bf16_compute(_lax_gather), sgd)
+    got, _, _ = _fsdp_train(_bf16_compute(_jc_gather(None, None)), sgd)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q = _bf16_compute(_jc_gather(jc.int_quant(8), jc.int_quant(4)))
+    _, loss, _ = _fsdp_train(q, sgd, ef=True)
+    final = lambda v: float(np.mean(np.asarray(v)[-10:]))  # noqa: E731
+    assert abs(final(loss) / final(ref_loss) - 1) < 0.01
+
+
+def test_hpz_remat_policy_with_error_feedback_gives_the_gradients_without_remat():
+    """Two hops, error feedback, jax.checkpoint saving "fsdp_secondary" (hpZ) or nothing:
+    the gradients and the new residual of the step without remat, bit for bit."""
+    m = jax.make_mesh((2, 4), ("host", "local"), axis_types=(AxisType.Explicit,) * 2)
+    spec = P(("host", "local"))
+    w = jax.random.normal(jax.random.PRNGKey(15), (8 * 4, 32)) / 6
+    x = jax.random.normal(jax.random.PRNGKey(16), (8 * 8, 8 * 4))
+
+    def f(w, x):
+        r = jc.fsdp_residual(w, "host", "local")
+
+        def loss(w, r):
+            full = jc.fsdp_gather(w, "host", inner_axis_name="local", residual=r)
+            return jnp.sum(jnp.tanh(x @ full) ** 2)
+
+        saved = jax.checkpoint_policies.save_only_these_names("fsdp_secondary")
+        out = []
+        for fn in (loss, jax.checkpoint(loss), jax.checkpoint(loss, policy=saved)):
+            value, (g, r1) = jax.value_and_grad(fn, argnums=(0, 1))(w, r)
+            _, (g2, r2) = jax.value_and_grad(fn, argnums=(0, 1))(w, r1)
+            out.append(jax.tree.map(lambda a: a[None], (g, r1, g2, r2)))
+        return out
+
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(spec, spec), out_specs=spec))
+    put = lambda a: jax.device_put(a, NamedSharding(m, spec))  # noqa: E731
+    plain, remat, hpz = fn(put(w), put(x))
+    for other in (remat, hpz):
+        for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

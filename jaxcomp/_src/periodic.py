@@ -328,19 +328,12 @@ def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
 
 
 def _snapshot(ops: tuple, axes: tuple) -> list:
-    """Delayed sync, at the fragment's sync step: keep this device's pseudo-gradient."""
-    p_f, u_f, a_f = ops
+    """Delayed sync, at the fragment's sync step: keep this device's pseudo-gradient, from
+    ``ops = (params, this step's updates, anchor)`` after any landing of the same step (one
+    lands at a sync step only after a restore into another ``delay`` or ``sync_every``), so
+    that it holds what the landed one did not."""
+    p_f, u_f, a_f = ops[:3]
     return [_varying((a - _local(p, v))[None], axes) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
-
-
-def _snapshot_after(landed: Any, axes: tuple, ops: tuple) -> list:
-    """The snapshot of a sync step, ``ops = ((p, u, anchor) before, (p, out, anchor) after
-    this step's landing)``: taken after the landing where one lands at the same step (only
-    after a restore into another ``delay`` or ``sync_every``), so that it holds what the
-    landed one did not; else (every step of a run on one schedule) as before."""
-    before, after = ops
-    take = lambda which: lambda o: _snapshot(o[which], axes)  # noqa: E731
-    return cond(landed, take(1), take(0), (before, after))
 
 
 def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
@@ -392,12 +385,9 @@ def _fragment_step(ex: _Exchange, ops: tuple, delayed: tuple, count: Any, f: int
     landed = landing(cfg, count, f, taken, due)
     land = functools.partial(_land, ex, axes=axes)
     outs, a_f, o_f, e_f, bad = cond(landed, land, keep, (*ops, pending))
-    hold = lambda o: [_varying(w, axes) for w in o[1]]  # noqa: E731
-    # A state saved before ``taken`` existed snapshots before a landing, as it did.
-    after = False if taken is None else landed
-    snapshot = lambda o: _snapshot_after(after, axes, o[0])  # noqa: E731
-    p_f, u_f, a_old = ops[:3]
-    w_new = cond(due, snapshot, hold, (((p_f, u_f, a_old), (p_f, outs, a_f)), pending))
+    hold = lambda o: [_varying(w, axes) for w in o[3]]  # noqa: E731
+    snapshot = functools.partial(_snapshot, axes=axes)
+    w_new = cond(due, snapshot, hold, (ops[0], outs, a_f, pending))
     return outs, a_f, o_f, e_f, bad, w_new, _taken_after(count, taken, due, landed)
 
 

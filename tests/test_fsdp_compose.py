@@ -188,6 +188,23 @@ def test_clipping_fsdp_shards_clips_the_whole_gradient():
         assert not np.all(np.isfinite(got["a"])), bad
 
 
+def test_clipping_counts_a_replicated_leaf_once_beside_the_shards():
+    """A tree of FSDP shards and a replicated bias (P(), its gradient the same on every
+    device, e.g. pmean-ed): the bias's squares count once, not once per device."""
+    m = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8])
+    k = jax.random.split(jax.random.PRNGKey(8), 2)
+    g = {"w": jax.random.normal(k[0], (32, 16)), "bias": jax.random.normal(k[1], (5,)) * 20}
+    want = jax.tree.map(np.asarray, optax.clip_by_global_norm(3.0).update(g, None)[0])
+    tx = jc.clip_by_global_norm(3.0, None, shard_axis="data")
+    specs = {"w": P("data"), "bias": P()}
+    fn = jax.jit(
+        jax.shard_map(lambda g: tx.update(g, None)[0], mesh=m, in_specs=(specs,), out_specs=specs)
+    )
+    got = fn(jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(m, s)), g, specs))
+    for name in g:
+        np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=2e-6, atol=1e-7)
+
+
 def test_clipping_hsdp_shards_per_replica_at_c_sqrt_n():
     """A replica axis averaged after the clipping (HSDP): each replica group's shards are
     clipped by its own whole gradient's norm, at c sqrt(2) (bound=False)."""

@@ -21,36 +21,65 @@ def float_leaves(tree: Any) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
 
 
-def sharded_norm_parts(tree: Any, shard_axis: Any) -> tuple[jax.Array, jax.Array]:
-    """``scaled_global_norm_parts`` (codecs.base) of the whole tree whose shards the devices
-    of ``shard_axis`` hold (FSDP): ``|g|^2 = sum_j |g_j|^2 = m^2 sum_j (m_j / m)^2 r_j^2``
-    with ``m = max_j m_j`` (one ``pmax``, one ``psum`` of three scalars: the sum and the
-    shards' NaN and inf counts), every term at most ``r_j^2``, so finite for finite values.
-    A NaN in any shard makes ``m`` NaN on every device, else an inf makes it inf (as one
-    tree's parts)."""
-    top, root = scaled_global_norm_parts(float_leaves(tree))
-    finite = jnp.isfinite(top)
-    mine = jnp.where(finite & (root > 0), top, 0.0)  # 0 for a zero shard
-    biggest = jax.lax.pmax(mine, shard_axis)
+def _merge_parts(tops: jax.Array, roots: jax.Array, most: Any, total: Any) -> tuple:
+    """One ``(m, r)`` from several norms' parts ``m_k r_k`` (:func:`scaled_global_norm_parts`):
+    ``|g|^2 = sum_k m_k^2 r_k^2 = m^2 sum_k (m_k / m)^2 r_k^2`` with ``m = max_k m_k``, each
+    term at most ``r_k^2``, so finite for finite values. ``most`` and ``total`` take the max
+    and the sum over the parts (over an array's first axis, or ``pmax`` / ``psum`` over mesh
+    axes). A NaN in any part makes ``m`` NaN, else an inf makes it inf (as one tree's)."""
+    nan = jnp.isnan(tops) | jnp.isnan(roots)
+    inf = jnp.isinf(tops) & ~nan
+    ok = ~(nan | inf)
+    mine = jnp.where(ok & (roots > 0), tops, 0.0)  # 0 for a zero part
+    biggest = most(mine)
     safe = jnp.where(biggest > 0, biggest, 1.0)
-    term = jnp.square(safe_divide(mine, safe)) * jnp.square(jnp.where(finite, root, 0.0))
-    counts = jnp.stack(
-        [term, jnp.isnan(top).astype(jnp.float32), jnp.isinf(top).astype(jnp.float32)]
-    )
-    total, nans, infs = jax.lax.psum(counts, shard_axis)
-    whole = jnp.where(nans > 0, jnp.nan, jnp.where(infs > 0, jnp.inf, safe))
-    return whole, jnp.sqrt(total)
+    term = jnp.square(safe_divide(mine, safe)) * jnp.square(jnp.where(ok, roots, 0.0))
+    sums = total(jnp.stack([term, nan.astype(jnp.float32), inf.astype(jnp.float32)]))
+    whole = jnp.where(sums[1] > 0, jnp.nan, jnp.where(sums[2] > 0, jnp.inf, safe))
+    return whole, jnp.sqrt(sums[0])
+
+
+def sharded_norm_parts(tree: Any, shard_axis: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`scaled_global_norm_parts` of the whole gradient whose shards the devices of
+    ``shard_axis`` hold (FSDP): each leaf's squares are summed over the shard axes it differs
+    on (a ``pmax`` and a ``psum`` of three scalars per such set of axes), and counted once
+    where it is the same on every device (a replicated bias, typed so under
+    ``check_vma=True``). Where jax does not type it (``pmap``, ``check_vma=False``) every leaf
+    counts as a shard."""
+    names = collectives.axis_names(shard_axis)
+    typed = skeleton.tracks_variance(shard_axis)
+    groups: dict[tuple, list] = {}
+    for x in float_leaves(tree):
+        axes = tuple(a for a in names if a in skeleton.varying_axes(x)) if typed else names
+        groups.setdefault(axes, []).append(x)
+    parts = []
+    for axes, leaves in groups.items():
+        top, root = scaled_global_norm_parts(leaves)
+        if axes:
+            most = lambda v, axes=axes: jax.lax.pmax(v, axes)  # noqa: E731
+            total = lambda v, axes=axes: jax.lax.psum(v, axes)  # noqa: E731
+            top, root = _merge_parts(top, root, most, total)
+        parts.append((top, root))
+    if not parts:
+        return scaled_global_norm_parts([])
+    tops, roots = (jnp.stack(p) for p in zip(*parts, strict=True))
+    return _merge_parts(tops, roots, lambda v: jnp.max(v, 0), lambda v: jnp.sum(v, -1))
 
 
 def check_shards(updates: Any, shard_axis: Any) -> None:
-    """Refuse ``shard_axis`` gradients typed identical on every device of it: shards differ."""
-    bad = skeleton.invariant_gradients(updates, shard_axis)
-    if bad:
+    """Refuse ``shard_axis`` gradients none of which is typed as differing over it: none is
+    a shard (chained after an exchange, or the wrong axis). ``check_vma=True`` only."""
+    names = set(collectives.axis_names(shard_axis))
+    leaves = float_leaves(updates)
+    if not leaves or not skeleton.tracks_variance(shard_axis):
+        return
+    if not any(names & skeleton.varying_axes(x) for x in leaves):
+        paths = skeleton.invariant_gradients(updates, shard_axis)
         raise ValueError(
-            f"clip_by_global_norm: `shard_axis`={shard_axis!r} but the gradients (`updates`) at "
-            f"{bad[:5]} are identical on every device of it, so they are not shards of one "
-            "gradient (FSDP's, from jc.fsdp_gather): their norm would be counted once per "
-            "device. Name the axes the gradients are sharded over, or leave `shard_axis` out."
+            f"clip_by_global_norm: `shard_axis`={shard_axis!r} but every gradient (`updates`, "
+            f"{paths[:5]}) is identical on every device of it: none is a shard of one "
+            "gradient (FSDP's, from jc.fsdp_gather). Name the axes the gradients are sharded "
+            "over, or leave `shard_axis` out."
         )
 
 
@@ -124,7 +153,9 @@ def clip_by_global_norm(
         ``shard_axis`` (nothing averages after: FSDP alone).
       bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
       shard_axis: None, or the mesh axis (or tuple) over which the gradients are shards of
-        one gradient (FSDP): the norm is taken over all of them.
+        one gradient (FSDP): the norm is taken over all of them. A leaf typed identical on
+        every device of it (a replicated bias) counts once; under ``pmap`` or
+        ``check_vma=False`` jax does not type it and every leaf counts as a shard.
 
     Returns:
       An ``optax.GradientTransformation`` (stateless) to chain before the recipe.

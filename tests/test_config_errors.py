@@ -607,6 +607,7 @@ CHECKS = [
     ("diloco", "delay", lambda: jc.diloco(SGD, "d", 4, delay=0.5), TypeError),
     ("diloco", "mix", lambda: jc.diloco(SGD, "d", 4, delay=1, mix=1.5), ValueError),
     ("diloco", "mix", lambda: jc.diloco(SGD, "d", 4, delay=1, mix="half"), TypeError),
+    ("diloco", "mix", lambda: jc.diloco(SGD, "d", 4, mix=0.3), ValueError),
     ("diloco", "codec", lambda: jc.diloco(SGD, "d", 4, codec="int4"), TypeError),
     ("diloco", "error_feedback", lambda: jc.diloco(SGD, "d", 4, error_feedback=1), ValueError),
     ("chunked_top_k", "k", lambda: jc.chunked_top_k(0), ValueError),

@@ -162,8 +162,10 @@ def diloco(
       fragments: ``F``, fragments synced at staggered steps (Streaming DiLoCo); at most
         ``sync_every`` and the number of float leaves.
       delay: ``tau`` in ``[0, H)``, steps between a fragment's snapshot and its exchange.
-      mix: the weight of the new global params when a delayed exchange lands (default 0.5
-        with ``delay``, else 1: restart from them).
+      mix: the weight of the new global params when a delayed exchange lands, in [0, 1]
+        (default 0.5 with ``delay``, else 1: restart from them). Only with ``delay``:
+        without it every device restarts from the new global params, so a ``mix`` other
+        than 1 is refused.
       **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
         ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
         float32, so on a small model ``codec=jc.int_quant(4)`` compresses nothing unless
@@ -206,6 +208,12 @@ def diloco(
     outer = periodic.check_transform("outer", outer)
     sync_every, fragments, delay, _ = periodic.check_common(sync_every, fragments, delay)
     mix = periodic.check_mix(mix)
+    if mix is not None and mix != 1.0 and not delay:
+        raise ValueError(
+            f"`mix`={mix} weighs the global params where a delayed exchange lands, but "
+            "`delay`=0: every device restarts from them at the sync (mix 1) and `mix` would "
+            "be ignored. Pass `delay`=tau >= 1, or leave `mix` out"
+        )
     return periodic.build(
         "diloco",
         DiLoCoState,

@@ -2,7 +2,8 @@
 lowered step sends at least the ratio asked, and one more value per chunk would not.
 
 Each model is a tree of shapes (small, so each step lowers in about a second): the bytes are
-read from the lowered program as ``jc.comm_report``'s logical collectives (nothing compiles)
+read from the lowered program as ``jc.comm_report``'s logical collectives (nothing compiles:
+the state is abstract, ``jax.eval_shape`` of ``jc.sharded_init``)
 and compared with a float32 ``pmean`` of the same tree every step. The formulas of
 ``jc.sparseloco_ratio`` / ``jc.demo_ratio`` are checked to the byte against the same steps.
 """
@@ -39,12 +40,14 @@ def model(d: int, layers: int, vocab: int = 256) -> dict:
 #: Leaves that fill no whole chunk of 256 (or 64 x 64), short leaves, one leaf far larger
 #: than the others, a width under the chunk; the step count as an integer leaf.
 MODELS = {
-    "d24x2": model(24, 2),
+    "d24x1": model(24, 1),
     "d40x1": model(40, 1, vocab=300),
-    "d48x3": model(48, 3),
-    "d30x2": model(30, 2, vocab=97),
+    "d48x2": model(48, 2),
+    "d30x1": model(30, 1, vocab=97),
     "d64x1+step": {**model(64, 1), "step": np.zeros((), np.int32)},
 }
+#: DeMo's step lowered on three of them (its arithmetic, ``jc.demo_ratio``, on all five).
+DEMO_LOWERED = ("d24x1", "d48x2", "d64x1+step")
 
 
 def lowered_bytes(fn, *args) -> float:
@@ -77,7 +80,7 @@ def sync_bytes(tx, params, replicas: int) -> float:
     """Bytes per device across the replicas of a sync step of ``tx`` (``jc.sparseloco``)."""
     shape = (replicas, N // replicas)
     mesh = jax.make_mesh(shape, ("replica", "data"), axis_types=(AxisType.Explicit,) * 2)
-    state = jc.sharded_init(tx, params, mesh, "replica")
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh, "replica"), params)
     specs = jc.state_specs(state, "replica")
     stacked = jax.tree.map(lambda x: np.zeros((replicas, *x.shape), x.dtype), params)
 
@@ -100,7 +103,7 @@ def test_sparseloco_density_meets_the_ratio_on_the_lowered_step(name):
     gives a sync whose bytes over ``H`` are at least 300x under per-step ``pmean``'s, as
     ``jc.sparseloco_ratio`` says to the byte; ``k + 1`` per chunk would fall under 300x."""
     params = MODELS[name]
-    replicas = 2 if name in ("d40x1", "d30x2") else N
+    replicas = 2 if name in ("d40x1", "d30x1") else N
     kw = dict(chunk=256, bits=1, min_size=0)
     density = jc.sparseloco_density(params, 300, H, replicas, devices=N, **kw)
     k = round(density * 256)
@@ -122,9 +125,13 @@ def test_demo_topk_meets_the_ratio_on_the_lowered_step(name):
     more component per block would not."""
     params = {k: v for k, v in MODELS[name].items() if v.dtype == F32}
     topk = jc.demo_topk(params, 40, N, chunk=32, bits=3)
+    assert jc.demo_ratio(params, N, chunk=32, topk=topk, bits=3) >= 40
+    assert jc.demo_ratio(params, N, chunk=32, topk=topk + 1, bits=3) < 40
+    if name not in DEMO_LOWERED:
+        return
     tx = jc.demo(0.1, "data", chunk=32, topk=topk, bits=3)
     mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Explicit,))
-    state = jc.sharded_init(tx, params, mesh, "data")
+    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh, "data"), params)
     specs = jc.state_specs(state, "data")
 
     def step(p, s):
@@ -135,7 +142,6 @@ def test_demo_topk_meets_the_ratio_on_the_lowered_step(name):
     ratio = pmean_bytes(name) / lowered_bytes(fn, abstract(params, mesh, P()), state)
     assert ratio >= 40
     assert ratio == pytest.approx(jc.demo_ratio(params, N, chunk=32, topk=topk, bits=3), rel=1e-12)
-    assert jc.demo_ratio(params, N, chunk=32, topk=topk + 1, bits=3) < 40
 
 
 def test_the_documented_densities_on_the_lm_models():
@@ -156,7 +162,7 @@ def test_the_documented_densities_on_the_lm_models():
 def test_out_of_reach_names_what_to_change():
     """Small leaves sent whole already over the budget: the message names ``min_size`` and
     ``small_codec`` (and the ratio they leave); one value per chunk over it: ``chunk``."""
-    params = MODELS["d48x3"]
+    params = model(48, 3)
     with pytest.raises(ValueError, match=r"`min_size`=1024 .*alone give 2046x.*`small_codec`"):
         jc.sparseloco_density(params, 3000, H, N)
     assert jc.sparseloco_density(params, 3000, H, N, min_size=0, bits=1) > 0  # every leaf coded
@@ -170,6 +176,6 @@ def test_out_of_reach_names_what_to_change():
 
 def test_a_ratio_the_whole_chunk_meets_gives_density_one():
     """A ratio under what sending every value of every chunk reaches: the largest ``k``."""
-    params = MODELS["d24x2"]
+    params = MODELS["d24x1"]
     assert jc.sparseloco_density(params, 1.0, H, N, chunk=64, bits=1, min_size=0) == 1.0
     assert jc.demo_topk(params, 0.5, N, chunk=8) == 64

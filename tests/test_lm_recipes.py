@@ -318,8 +318,21 @@ def stale_variance_run(tx) -> tuple[float, float]:
         (lambda b: jc.onebit_adam(1e-2, "data", freeze_step=2, min_size=1, **b), False),
         (lambda b: jc.zero_one_adam(1e-2, "data", var_freeze_step=2, min_size=1, **b), True),
         (lambda b: jc.zero_one_adam(1e-2, "data", var_freeze_step=2, min_size=1, **b), False),
+        # The floor reads the levels, tracked for it where the variance is not rescaled.
+        (
+            lambda b: jc.onebit_adam(
+                1e-2, "data", freeze_step=2, min_size=1, rescale_variance=False, **b
+            ),
+            True,
+        ),
     ],
-    ids=["onebit_adam", "onebit_adam-unbounded", "zero_one_adam", "zero_one_adam-unbounded"],
+    ids=[
+        "onebit_adam",
+        "onebit_adam-unbounded",
+        "zero_one_adam",
+        "zero_one_adam-unbounded",
+        "onebit_adam-frozen",
+    ],
 )
 def test_a_stale_tiny_variance_does_not_scale_up_its_chunk(make, bounded):
     # Adam's variance takes in the gradient that moves its momentum; a frozen (or sampled)

@@ -533,6 +533,12 @@ CHECKS = [
     (
         "dgc",
         "warmup_schedule",
+        lambda: jc.dgc(0.01, "d", warmup_steps=0, warmup_schedule=(0.5,)),
+        ValueError,
+    ),
+    (
+        "dgc",
+        "warmup_schedule",
         lambda: jc.dgc(0.01, "d", warmup_steps=5, warmup_schedule=0.9),
         TypeError,
     ),
@@ -891,6 +897,12 @@ CHECKS = [
     ("accumulate", "tx", lambda: jc.accumulate(None, 4), TypeError),
     ("local_sgd, diloco", "min_size", lambda: jc.diloco(SGD, "d", 2, min_size=0), TypeError),
     ("local_sgd, diloco", "mask", lambda: jc.local_sgd(SGD, "d", 2, codec=S, mask={}), TypeError),
+    (
+        "local_sgd, diloco",
+        "error_feedback",
+        lambda: jc.diloco(SGD, "d", 2, error_feedback="residual"),
+        TypeError,
+    ),
     ("launch.run", "num_processes", lambda: launch.run(["x.py"], 0), ValueError),
     ("launch.run", "local_devices", lambda: launch.run(["x.py"], 2, local_devices=0), ValueError),
     ("launch.run", "timeout", lambda: launch.run(["x.py"], 2, timeout=0), ValueError),

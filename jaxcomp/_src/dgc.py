@@ -75,6 +75,12 @@ def _check_schedule(schedule: Any, warmup_steps: int) -> tuple[float, ...] | Non
     stages = tuple(schedule)
     if warmup_steps and not stages:
         raise ValueError("`warmup_schedule` must have at least one stage when warmup_steps > 0")
+    if not warmup_steps:
+        raise ValueError(
+            f"`warmup_schedule`={stages} sets the stages of the density warm-up, but "
+            "`warmup_steps`=0 runs none (the schedule would be ignored): pass warmup_steps > 0 "
+            "or leave `warmup_schedule` out"
+        )
     return tuple(check_fraction("warmup_schedule", s) for s in stages)
 
 
@@ -347,6 +353,7 @@ def dgc(
         steps both were level (docs: "Choosing a codec", "the density warm-up").
       warmup_schedule: None (default: the 4x ramp from 25%) or the sparsities of the warm-up
         stages, each in [0, 1) (density ``max(1 - s, ratio)``; stages at ``ratio`` dropped).
+        Only with ``warmup_steps`` > 0.
       sample_ratio: fraction of each compressed leaf sampled to estimate DGC's threshold, in
         (0, 1] (clipped to ``[32 d / k, 512 d / k]`` entries); None: exact top-k (two-stage).
       min_size: leaves with fewer elements go through plain ``pmean``.

@@ -158,7 +158,8 @@ def diloco(
         ``jc.int_quant(4)``, ``jc.cast("fp8_e4m3")``, ``jc.sign()``, ``jc.top_k(0.01)``),
         sent by :func:`jaxcomp.compressed_allreduce`.
       error_feedback: the codec's feedback on the pseudo-gradient, as for
-        :func:`jaxcomp.compressed_allreduce` (``"auto"``: residual for biased codecs).
+        :func:`jaxcomp.compressed_allreduce` (``"auto"``: residual for biased codecs);
+        ``"residual"`` / ``"ef21"`` only with ``codec``.
       fragments: ``F``, fragments synced at staggered steps (Streaming DiLoCo); at most
         ``sync_every`` and the number of float leaves.
       delay: ``tau`` in ``[0, H)``, steps between a fragment's snapshot and its exchange.
@@ -183,7 +184,8 @@ def diloco(
         ``error_feedback`` or ``axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md).
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``fragments``, ``delay``,
-        ``mix``, ``codec``, ``min_size``, ``mask`` or ``axis_name`` of the wrong kind.
+        ``mix``, ``codec``, ``min_size``, ``mask`` or ``axis_name`` of the wrong kind;
+        ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.
 
     Example::
 

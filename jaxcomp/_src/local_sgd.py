@@ -75,7 +75,8 @@ def local_sgd(
       codec: None (``pmean`` of the params) or a jaxcomp codec for the params' change.
       start_step: average every step before this step (post-local SGD); 0: local from the
         start.
-      error_feedback: the codec's feedback, as for :func:`jaxcomp.compressed_allreduce`.
+      error_feedback: the codec's feedback, as for :func:`jaxcomp.compressed_allreduce`;
+        ``"residual"`` / ``"ef21"`` only with ``codec``.
       **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
         ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
         float32; ``init`` warns when that leaves the codec nothing to compress),
@@ -91,7 +92,8 @@ def local_sgd(
       ValueError: at construction, ``sync_every``, ``start_step``, ``error_feedback`` or
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
       TypeError: at construction, ``inner``, ``sync_every``, ``start_step``, ``codec``,
-        ``min_size``, ``mask`` or ``axis_name`` of the wrong kind.
+        ``min_size``, ``mask`` or ``axis_name`` of the wrong kind; ``error_feedback``
+        ``"residual"`` / ``"ef21"`` without ``codec``.
 
     Example::
 

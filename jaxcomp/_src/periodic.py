@@ -190,6 +190,17 @@ def check_exchange(name: str, codec: Any, exchange: dict) -> tuple:
     return tuple(sorted(exchange.items()))
 
 
+def check_feedback_needs_codec(name: str, codec: Any, error_feedback: Any) -> None:
+    """``error_feedback`` ``"residual"`` / ``"ef21"`` only with a codec: without one the sync
+    is a plain float32 pmean, which has no error to feed back (it was ignored silently)."""
+    if codec is None and error_feedback in ("residual", "ef21"):
+        raise TypeError(
+            f"jc.{name}: `error_feedback`={error_feedback!r} is the codec's feedback, but "
+            "`codec` is None (the sync is a plain float32 pmean, nothing to feed back): pass "
+            "codec= or leave `error_feedback` out"
+        )
+
+
 def warn_if_nothing_compressed(cfg: Config, parts: list[list[Any]]) -> None:
     """A codec that compresses no leaf (every float leaf under ``min_size``) is a silent no-op:
     the bytes equal ``codec=None``. Say so once, at init, with the fix."""
@@ -223,6 +234,7 @@ def build(
     sync_every, early = split_sync_every(sync_every)
     feedback.check_kind(error_feedback)
     options = check_exchange(name, codec, exchange)
+    check_feedback_needs_codec(name, codec, error_feedback)
     outer = schedule.pop("outer", None)
     cfg = Config(name, state_type, inner, axis_name, sync_every, outer, codec, error_feedback)
     cfg = dataclasses.replace(cfg, options=options, early=early, **schedule)

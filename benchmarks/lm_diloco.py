@@ -1022,17 +1022,23 @@ def run_fidelity(
 
 
 def forked_deltas(
-    task: lm.Task, run: lm.Run, replicas: int, starts: list[int], h: int
+    task: lm.Task,
+    run: lm.Run,
+    replicas: int,
+    starts: list[int],
+    h: int,
+    inner: Callable[[lm.Run], Any] | None = None,
 ) -> list[list[list]]:
     """For each ``s`` in ``starts``: the pseudo-gradients ``D_i = theta_s - theta_{s+h}^i`` of
     ``replicas`` replicas forked at step ``s`` from one trajectory (Muon at the held lr,
-    :func:`_muon_held`, on every row of the global batch: data parallel) and run ``h`` steps
-    each on its own rows (``n / replicas`` devices' worth) with a copy of the trajectory's
-    optimizer state. Returns ``[start][replica][leaf]`` flat float32 arrays, every leaf."""
+    :func:`_muon_held`, or ``inner(run)``, on every row of the global batch: data parallel)
+    and run ``h`` steps each on its own rows (``n / replicas`` devices' worth) with a copy of
+    the trajectory's optimizer state. Returns ``[start][replica][leaf]`` flat float32
+    arrays, every leaf."""
     import jax
     import numpy as np
 
-    tx = _muon_held(run)
+    tx = (inner or _muon_held)(run)
     rows = task.n // replicas * task.per_device
     step = _train_step(task, tx)
 
@@ -1392,14 +1398,17 @@ def lowrank_records(
     return leaves, summary
 
 
-def run_lowrank_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str) -> int:
+def run_lowrank_fidelity(
+    largs: Any, replicas: int, start: int, h: int, tag: str, adamw: bool = False
+) -> int:
     """``--fidelity-lowrank START``: low-rank factors against the top-k at 3000x on the
-    pseudo-gradients of :func:`forked_deltas` (Muon inside; syncs ``START - H`` and
-    ``START``), the matrices of the model (:func:`lowrank_records`), with the bytes per
-    device and sync that 3000x allows, the top-k exchange's (:func:`exchange_fidelity`) and
-    rank ``r`` factors' in float32 and 16 bits (all-reduced: ``2 (M - 1) / M`` of them);
-    writes ``lm_TAG.json``. ``LM_LOAD_DELTAS=NPY``: the pseudo-gradients that
-    ``--fidelity-exchange`` saved (``LM_SAVE_DELTAS``, the same trajectory) instead."""
+    pseudo-gradients of :func:`forked_deltas` (Muon inside, or ``adamw``: AdamW at the held
+    lr, :func:`_inner_const`; syncs ``START - H`` and ``START``), the matrices of the model
+    (:func:`lowrank_records`), with the bytes per device and sync that 3000x allows, the
+    top-k exchange's (:func:`exchange_fidelity`) and rank ``r`` factors' in float32 and 16
+    bits (all-reduced: ``2 (M - 1) / M`` of them); writes ``lm_TAG.json``.
+    ``LM_LOAD_DELTAS=NPY``: the pseudo-gradients that ``--fidelity-exchange`` saved
+    (``LM_SAVE_DELTAS``, the same trajectory) instead."""
     from jaxcomp.cpu import use_cpu_devices
 
     use_cpu_devices(largs.devices)
@@ -1417,7 +1426,8 @@ def run_lowrank_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str
             [[r[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)] for r in w] for w in saved
         ]
     else:
-        deltas = forked_deltas(task, run, replicas, [start - h, start], h)
+        inner = _inner_const if adamw else None
+        deltas = forked_deltas(task, run, replicas, [start - h, start], h, inner)
     print(f"deltas: {time.perf_counter() - t0:.0f} s", flush=True)
     k, chunk = (21, 4096) if replicas == 8 else (47, 1024)
     leaves, summary = lowrank_records(deltas, shapes, replicas, (1, 2, 4, 8), k, chunk)
@@ -1453,6 +1463,7 @@ def run_lowrank_fidelity(largs: Any, replicas: int, start: int, h: int, tag: str
     out = {"environment": common.environment(), "config": lm.run_config(largs)}
     if os.environ.get("LM_LOAD_DELTAS"):
         out["deltas_from"] = os.environ["LM_LOAD_DELTAS"]
+    out["inner"] = "adamw" if adamw else "muon"
     common.write_json(path, {**out, "budget": budget, "records": summary, "leaves": leaves})
     return 0
 
@@ -1676,6 +1687,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
+        "--adamw", action="store_true", help="--fidelity-lowrank: AdamW inside (held lr)"
+    )
+    ap.add_argument(
         "--zeros",
         action="store_true",
         help="--fidelity: count the chunks holding fewer than k nonzero values (short_chunks) "
@@ -1708,7 +1722,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fidelity_lowrank is not None:
         largs = lm.parse(["--tag", args.tag, *rest])
         return run_lowrank_fidelity(
-            largs, args.replicas, args.fidelity_lowrank, args.sync_every, args.tag
+            largs, args.replicas, args.fidelity_lowrank, args.sync_every, args.tag, args.adamw
         )
     if args.fidelity_exchange is not None:
         largs = lm.parse(["--tag", args.tag, *rest])

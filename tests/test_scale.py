@@ -92,6 +92,16 @@ def test_two_phase_bytes_stay_flat_in_n_and_allgather_grows(name):
     print(name, {n: (round(a), round(b)) for n, (a, b) in rows.items()}, "payload", payload)
 
 
+def test_two_phase_flat_while_chunks_are_large_figures_of_the_docs():
+    """docs/index.md and choosing-a-codec.md: two_phase with sign sends 952 B per device at
+    8 devices and 1,240 B at 32 for a 4,079-float vector (the fixed part of each chunk),
+    218,848 B and 242,544 B for 10^6 floats (the ring's (n-1)/n); auto picks two_phase."""
+    want = {(4079, 8): 952, (4079, 32): 1240, (10**6, 8): 218_848, (10**6, 32): 242_544}
+    for (d, n), bytes_ in want.items():
+        assert jc.strategy_bytes(jc.sign(), d, n)["two_phase"] == bytes_, (d, n)
+        assert jc.choose_strategy(jc.sign(), d, n) == "two_phase"
+
+
 def test_savings_against_pmean_at_8_devices():
     base = pmean_report(None, None, N).bytes_per_device
     assert base == pytest.approx(2 * 7 / 8 * 4 * D, rel=0.01)

@@ -1089,6 +1089,12 @@ TRACE_CHECKS = [
         lambda x: jc.fsdp_gather(x, "data", residual=jax.tree.map(jnp.zeros_like, x)),
         ValueError,
     ),
+    (
+        "fsdp_gather",
+        "residual",
+        lambda x: _two_gathers_one_residual(x["w"]),
+        ValueError,
+    ),
     ("fsdp_residual", "axis_name", lambda x: jc.fsdp_residual(x, "model"), ValueError),
     ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
     ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
@@ -1205,6 +1211,12 @@ def abstract_state(tx, params):
     m = mesh()
     state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), params)
     return state, jc.state_specs(state, "data")
+
+
+def _two_gathers_one_residual(w):
+    r = jc.fsdp_residual(w, "data")
+    jc.fsdp_gather(w, "data", residual=r)
+    return jc.fsdp_gather(w, "data", residual=r)
 
 
 @pytest.mark.parametrize("row", TRACE_CHECKS, ids=[_id(r) for r in TRACE_CHECKS])

@@ -625,3 +625,31 @@ def test_hpz_remat_policy_with_error_feedback_gives_the_gradients_without_remat(
     for other in (remat, hpz):
         for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(plain), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_residual_fed_to_two_gathers_is_refused():
+    """Tied weights gathered twice with one residual: each backward would add it to its
+    cotangent (sent twice, kept twice). Refused naming `residual`; one gather used twice
+    runs."""
+    m = MESH8()
+
+    def step(twice):
+        def f(w, x):
+            r = jc.fsdp_residual(w, "data")
+
+            def loss(w, r):
+                a = jc.fsdp_gather(w, "data", residual=r)
+                b = jc.fsdp_gather(w, "data", residual=r) if twice else a
+                return jnp.sum(jnp.tanh(x @ a @ b.T) ** 2)
+
+            return jax.grad(loss, argnums=(0, 1))(w, r)
+
+        return jax.jit(
+            jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data"))
+        )
+
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    w, x = put(jnp.ones((64, 16))), put(jnp.ones((8 * 4, 64)))
+    step(twice=False).lower(w, x)
+    with pytest.raises(ValueError, match="`residual` already feeds another fsdp_gather"):
+        step(twice=True).lower(w, x)

@@ -25,6 +25,7 @@ re-gather crosses only the fast axis.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -244,6 +245,37 @@ def _check_residual(residual: Any, leaves: list, treedef: Any, n: int) -> list |
     return r_leaves
 
 
+#: The residual leaves (tracers) passed to an ``fsdp_gather`` while they live: ``id -> ref``.
+_CLAIMED: dict[int, weakref.ref] = {}
+
+
+def _release(key: int, ref: weakref.ref) -> None:
+    if _CLAIMED.get(key) is ref:
+        del _CLAIMED[key]
+
+
+def _claim(r_leaves: list) -> None:
+    """Refuse a residual that already feeds another ``fsdp_gather`` of this trace.
+
+    Each call's backward adds the residual to its own cotangent, so with two calls (tied
+    weights gathered twice) the residual would be sent twice and kept twice: error feedback
+    off by ``e`` every step, with no error. Tracked by the identity of the traced leaves,
+    forgotten when they die (the next trace holds new ones)."""
+    for r in r_leaves:
+        if not isinstance(r, jax.core.Tracer):
+            continue
+        key = id(r)
+        held = _CLAIMED.get(key)
+        if held is not None and held() is r:
+            raise ValueError(
+                "`residual` already feeds another fsdp_gather here: each call's backward adds "
+                "it to its cotangent, so it would be sent twice and the new residual would "
+                "count it twice. Gather the shards once and use the result twice (tied "
+                "weights), or give each call its own residual (jc.fsdp_residual)"
+            )
+        _CLAIMED[key] = weakref.ref(r, functools.partial(_release, key))
+
+
 def fsdp_gather(
     shards: Any,
     axis_name: Any,
@@ -322,7 +354,10 @@ def fsdp_gather(
     axis = int(axis)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shards)]
     _check_shards(leaves, paths, axis)
-    stacked = _gather(leaves, _check_residual(residual, leaves, treedef, n), cfg)
+    r_leaves = _check_residual(residual, leaves, treedef, n)
+    if r_leaves is not None:
+        _claim(r_leaves)
+    stacked = _gather(leaves, r_leaves, cfg)
     if inner_axis_name is not None:
         stacked = [two_hop_stack(checkpoint_name(s, SECONDARY), inner_axis_name) for s in stacked]
     out = [tile(s, axis % a.ndim, True) for s, a in zip(stacked, leaves, strict=True)]

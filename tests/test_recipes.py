@@ -320,7 +320,9 @@ def test_onebit_adam_momentum_exchange_conserves():
             want = np.clip(local.mean(0) + held[0][k] - held[1][k], -bound, bound)
             got = np.asarray(after.mu[k]) * unit
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=3e-4, err_msg=f"{k} {t}")
-    print(f"coordinates under the floor: {floored}")
+    # The floor binds (1,174 coordinate-steps under it); the mean's clip barely (0.5% over
+    # at one coordinate), so it is not asserted.
+    assert floored > 0
     assert max(float(np.abs(h).max()) for h in held_back(run.states[-1], p).values()) > 1e-4
 
 

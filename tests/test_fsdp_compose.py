@@ -106,14 +106,19 @@ def _train_replicas(tx, fsdp, steps=4, grads=None):
     [
         lambda: jc.diloco(optax.adamw(3e-3), "replica", sync_every=2),
         lambda: jc.local_sgd(optax.sgd(0.1), "replica", sync_every=2),
+        lambda: optax.chain(
+            jc.compressed_allreduce(jc.identity(), "replica", min_size=0), optax.sgd(0.1)
+        ),
     ],
-    ids=["diloco", "local_sgd"],
+    ids=["diloco", "local_sgd", "hsdp"],
 )
 def test_fsdp_inside_the_replicas_of_diloco_and_local_sgd_is_data_parallel_exactly(make):
     """FSDP over "data" inside each replica of jc.diloco / jc.local_sgd gives data parallel's
     params bit for bit (4 steps, 2 syncs): the outer exchange averages each shard over the
     replicas. Until 2026-11-27 it failed while tracing ("cond branches must have equal output
-    types": the sync's non-finite flag differed per shard)."""
+    types": the sync's non-finite flag differed per shard). So did HSDP through
+    jc.compressed_allreduce over "replica" without param_specs (its step count differed per
+    shard: shard_map refused the out_specs P())."""
     fsdp, _, _ = _train_replicas(make(), fsdp=True)
     dp, _, _ = _train_replicas(make(), fsdp=False)
     for a, b in zip(jax.tree.leaves(fsdp), jax.tree.leaves(dp), strict=True):

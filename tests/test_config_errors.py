@@ -863,6 +863,8 @@ CHECKS = [
     ("hierarchical_bytes", "n_outer", lambda: jc.hierarchical_bytes(S, 100, 0, 2), ValueError),
     ("hierarchical_bytes", "n_inner", lambda: jc.hierarchical_bytes(S, 100, 2, 0), ValueError),
     ("replicate", "num_devices", lambda: jc.replicate({"w": np.zeros(3)}, 0), ValueError),
+    ("at_count", "count", lambda: jc.at_count((), -1), ValueError),
+    ("at_count", "count", lambda: jc.at_count((), 2.5), TypeError),
     ("apply_if_finite", "inner", lambda: jc.apply_if_finite(S, "d", 3), TypeError),
     ("apply_if_finite", "axis_name", lambda: jc.apply_if_finite(SGD, None, 3), ValueError),
     (

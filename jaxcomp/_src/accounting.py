@@ -56,6 +56,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxcomp._src.codecs.base import check_int
+
 __all__ = [
     "KINDS",
     "Collective",
@@ -1015,10 +1017,14 @@ def at_count(state: Any, count: int) -> Any:
 
     Args:
       state: an optimizer state (any pytree holding jaxcomp states, e.g. an optax chain's).
-      count: the step count (the number of updates applied before the step).
+      count: the step count (the number of updates applied before the step), an int >= 0.
 
     Returns:
       ``state`` with each ``count`` field of a jaxcomp state a NumPy constant of its shape.
+
+    Raises:
+      ValueError: ``count`` below 0 (a negative count lowered some other step's branches).
+      TypeError: ``count`` not an int (a float was truncated to the step below it).
 
     Example::
 
@@ -1031,6 +1037,8 @@ def at_count(state: Any, count: int) -> Any:
 
         warmup = jc.comm_report(step_at(0), params, state, x, y).bytes_per_device
     """
+
+    count = check_int("count", count, 0)
 
     def is_state(node: Any) -> bool:
         fields = getattr(type(node), "_fields", ())

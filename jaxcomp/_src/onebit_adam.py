@@ -671,12 +671,11 @@ def onebit_adam(
     preconditioner like ``v``, linear, and the mean step there is zero, within the bound, so
     1-bit Adam still converges to the optimum of the mean loss when the devices' own
     gradients differ there (data that differ by device). Clipping each device's own step
-    instead (this recipe's bound from 2026-11-26 to 2026-11-27) stopped short of it, at a
-    quarter of the start's distance on docs/choosing-a-codec.md's exact-optimum problem. No
-    byte more on the wire (the levels travel with ``rescale_variance``; without it, one
-    float32 per leaf per step). ``adam_bound=False`` sends the step as it is (the paper's,
-    and this recipe's default before 2026-11-26; docs: "1-bit Adam and 0/1 Adam for
-    language models").
+    instead (this recipe's bound from 2026-11-26 to 2026-11-27) stopped short of it
+    (docs/choosing-a-codec.md, "What each exchange converges to"). No byte more on the wire
+    (the levels travel with ``rescale_variance``; without it, one float32 per leaf per
+    step). ``adam_bound=False`` sends the step as it is (the paper's, and this recipe's
+    default before 2026-11-26; docs: "1-bit Adam and 0/1 Adam for language models").
 
     **The scale of the signs.** ``jc.sign()``'s mean ``||x||_1 / d`` minimizes the error of
     one step but shrinks every step below the momentum's norm (far below it for a momentum

@@ -281,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = common.arg_parser(
         __doc__,
         writes="budget_bytes.json (--quick: budget_bytes_quick.json)",
-        takes="4 to 6 minutes a model on 2 CPU cores shared at a load of 11-17 (lowering "
-        "only; 15 models)",
+        takes="2 to 7 minutes a model on 2 CPU cores shared at a load of 8-17 (lowering "
+        "only; the 15 models: 66 minutes)",
     )
     parser.add_argument("--quick", action="store_true", help="two models")
     parser.add_argument(

@@ -102,6 +102,8 @@ def sync_bytes(
 
 
 def _sparse_setting(chunk, bits, min_size, small_codec):
+    """``chunk``, ``bits``, ``min_size`` and ``small_codec`` checked as
+    :func:`jaxcomp.sparseloco` checks them (errors naming each)."""
     chunk = check_int("chunk", chunk, 1, 2**30)
     if bits is not None:
         bits = check_int("bits", bits, 1, 8)

@@ -817,7 +817,9 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     residual: ``sent = x - L * e_{h,l}`` (placed at chunk ``l``), so residual error feedback
     adds ``L e_{h,l}`` to the device's next input and the next reduce-scatter hands exactly
     ``e_{h,l}`` back to the chunk it came from. The non-finite flag of the outer reduction
-    covers chunk ``l`` only: one scalar psum over the inner axis shares it.
+    covers chunk ``l`` only: one scalar psum over the inner axis shares it (made inside the
+    outer reduction by :func:`~jaxcomp._src.shards.any_shard` where jax types the flag as
+    varying over the inner axis, here where it does not track variance).
     """
     n_inner = axis_size(inner_axis_name)
     li = jax.lax.axis_index(inner_axis_name)
@@ -830,7 +832,9 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     parts = [p / n_inner for p in parts]
     inner_key = None if key is None else jax.random.fold_in(key, li)
     r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, extra, bb)
-    bad = jax.lax.psum(r.bad.astype(jnp.int32), inner_axis_name) > 0
+    bad = r.bad
+    if inner_axis_name in varying_axes(bad) or not tracks_variance(inner_axis_name):
+        bad = jax.lax.psum(bad.astype(jnp.int32), inner_axis_name) > 0
     gathered = buckets.exchange(
         r.mean,
         lambda b: jax.lax.all_gather(b, inner_axis_name, to=gather_to(inner_axis_name)),

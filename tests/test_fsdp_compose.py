@@ -658,3 +658,39 @@ def test_one_residual_fed_to_two_gathers_is_refused():
     step(twice=False).lower(w, x)
     with pytest.raises(ValueError, match="`residual` already feeds another fsdp_gather"):
         step(twice=True).lower(w, x)
+
+
+def test_one_residual_in_both_branches_of_a_cond_runs_as_the_branch_taken():
+    """A gather with one residual in each branch of a ``lax.cond``: one branch runs, so the
+    residual is sent once; it ran into the refusal above (both branches are traced). The
+    gradients and the new residual are the taken branch's alone, bit for bit."""
+    m = MESH8()
+
+    def grads(use_cond):
+        def f(w, x):
+            r = jc.fsdp_residual(w, "data")
+
+            def loss(w, r):
+                def branch(scale):
+                    return lambda w: (
+                        scale * jnp.sum(jnp.tanh(x @ jc.fsdp_gather(w, "data", residual=r)) ** 2)
+                    )
+
+                if not use_cond:
+                    return branch(1.0)(w)
+                return jax.lax.cond(jnp.sum(x) > 0, branch(1.0), branch(2.0), w)
+
+            return jax.grad(loss, argnums=(0, 1))(w, r)
+
+        return jax.jit(
+            jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data"))
+        )
+
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    rng = np.random.default_rng(0)
+    w = put(rng.standard_normal((64, 16)).astype(np.float32))
+    x = put(np.abs(rng.standard_normal((8 * 4, 64))).astype(np.float32))
+    got, want = grads(True)(w, x), grads(False)(w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.abs(np.asarray(b)).max() > 0
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core  # trace_ctx: the trace a call is recorded into
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
@@ -245,13 +246,20 @@ def _check_residual(residual: Any, leaves: list, treedef: Any, n: int) -> list |
     return r_leaves
 
 
-#: The residual leaves (tracers) passed to an ``fsdp_gather`` while they live: ``id -> ref``.
-_CLAIMED: dict[int, weakref.ref] = {}
+#: The residual leaves (tracers) passed to an ``fsdp_gather`` while they live: ``id ->
+#: (ref, traces)``, the traces (weakly held) those calls were recorded into.
+_CLAIMED: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
 
 
 def _release(key: int, ref: weakref.ref) -> None:
-    if _CLAIMED.get(key) is ref:
+    if _CLAIMED.get(key, (None, []))[0] is ref:
         del _CLAIMED[key]
+
+
+def _current_trace() -> Any:
+    """The innermost trace jax records into, or None where this jax does not name it (then
+    every call of a trace counts as the same: two branches of a cond are refused too)."""
+    return getattr(getattr(jax_core, "trace_ctx", None), "trace", None)
 
 
 def _claim(r_leaves: list) -> None:
@@ -260,20 +268,26 @@ def _claim(r_leaves: list) -> None:
     Each call's backward adds the residual to its own cotangent, so with two calls (tied
     weights gathered twice) the residual would be sent twice and kept twice: error feedback
     off by ``e`` every step, with no error. Tracked by the identity of the traced leaves,
-    forgotten when they die (the next trace holds new ones)."""
+    forgotten when they die (the next trace holds new ones), and by the trace each call is
+    recorded into: calls in traces of their own (the branches of a ``lax.cond`` or
+    ``lax.switch``, of which one runs) are not two uses of the residual."""
+    trace = _current_trace()
     for r in r_leaves:
         if not isinstance(r, jax.core.Tracer):
             continue
         key = id(r)
-        held = _CLAIMED.get(key)
-        if held is not None and held() is r:
+        held, traces = _CLAIMED.get(key, (None, []))
+        if held is None or held() is not r:
+            held, traces = weakref.ref(r, functools.partial(_release, key)), []
+            _CLAIMED[key] = (held, traces)
+        if any(t() is trace for t in traces):
             raise ValueError(
                 "`residual` already feeds another fsdp_gather here: each call's backward adds "
                 "it to its cotangent, so it would be sent twice and the new residual would "
                 "count it twice. Gather the shards once and use the result twice (tied "
                 "weights), or give each call its own residual (jc.fsdp_residual)"
             )
-        _CLAIMED[key] = weakref.ref(r, functools.partial(_release, key))
+        traces.append(weakref.ref(trace) if trace is not None else lambda: None)
 
 
 def fsdp_gather(

@@ -138,6 +138,18 @@ def test_fsdp_inside_diloco_with_a_codec_is_within_int8_error():
         np.testing.assert_allclose(a[0], a[1], rtol=0, atol=1e-6 * np.max(np.abs(b)))
 
 
+def test_sparseloco_over_replicas_with_fsdp_inside_syncs_the_replicas():
+    """jc.sparseloco over "replica" with FSDP inside: runs (it failed while tracing until
+    2026-11-27) and the replicas agree after the sync. Its top-k and scales are per shard,
+    so it is not data parallel's run bit for bit (docs/sharded.md)."""
+    tx = jc.sparseloco(optax.adamw(3e-3), "replica", sync_every=2)
+    reps, _, _ = _train_replicas(tx, fsdp=True)
+    for a in jax.tree.leaves(reps):
+        a = np.asarray(a)
+        np.testing.assert_allclose(a[0], a[1], rtol=0, atol=1e-6 * np.max(np.abs(a)))
+        assert np.all(np.isfinite(a))
+
+
 def test_a_nonfinite_shard_skips_the_sync_of_every_shard():
     """A NaN in one device's shard gradient (replica 0, shard 0) at a sync: every device's
     update is NaN and its whole state stays as it was, not only the devices of that shard

@@ -736,7 +736,8 @@ def onebit_adam(
         both structures.
       rescale_variance: True (default): the frozen variance follows each leaf's gradient
         level ``L_hat / L_f`` (one float32 per leaf per step on the wire); False: frozen as
-        in the paper. A Python bool: ``optax.inject_hyperparams`` keeps bools static (an
+        in the paper (with ``adam_bound`` the levels still travel: its floor reads them). A
+        Python bool: ``optax.inject_hyperparams`` keeps bools static (an
         array is refused with a TypeError).
       adam_bound: True (default): Adam's own bound ``C sqrt(1 - b2^t)`` (``C = (1 - b1) /
         sqrt((1 - b2)(1 - b1^2 / b2))``, 7.27 at the defaults; above) as a per-leaf floor on

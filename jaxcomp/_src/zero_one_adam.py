@@ -632,7 +632,8 @@ def zero_one_adam(
         ``init`` refuses one of another tree).
       rescale_variance: True (default): between variance rounds each leaf's variance follows
         the gradients' level (one float32 per leaf per step on the wire); False: it stays
-        as the last variance round left it. A Python bool (``optax.inject_hyperparams``
+        as the last variance round left it (with ``adam_bound`` the levels still travel: its
+        floor reads them). A Python bool (``optax.inject_hyperparams``
         keeps bools static).
       variance_rounds: ``"exact"`` (default, the paper's): a variance round moves the
         momentum by the float32 mean gradient; ``"coded"``: once a compressed round has

@@ -138,6 +138,13 @@ CHECKS = [
         ValueError,
     ),
     ("top_k", "sample_ratio", lambda: jc.top_k(0.01, sample_ratio="1%"), TypeError),
+    ("top_k", "sample_ratio", lambda: jc.top_k(0.01, sample_ratio=0.05), ValueError),
+    (
+        "top_k",
+        "sample_ratio",
+        lambda: jc.top_k(0.001, approx=True, sample_ratio=0.05),
+        ValueError,
+    ),
     ("random_k", "ratio", lambda: jc.random_k(0.0), ValueError),
     ("random_k", "ratio", lambda: jc.random_k("1%"), TypeError),
     ("random_k", "values", lambda: jc.random_k(0.01, values="f32"), ValueError),
@@ -255,6 +262,12 @@ CHECKS = [
         "worker_nesterov",
         lambda: jc.compressed_allreduce(S, "d", worker_momentum=0.9, worker_nesterov=1),
         TypeError,
+    ),
+    (
+        "compressed_allreduce",
+        "worker_nesterov",
+        lambda: jc.compressed_allreduce(S, "d", worker_nesterov=True),
+        ValueError,
     ),
     (
         "compressed_allreduce",
@@ -378,6 +391,12 @@ CHECKS = [
         TypeError,
     ),
     (
+        "onebit_adam",
+        "worker_nesterov",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, worker_nesterov=True),
+        TypeError,
+    ),
+    (
         "zero_one_adam",
         "var_freeze_step",
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=0),
@@ -453,6 +472,12 @@ CHECKS = [
         "zero_one_adam",
         "worker_momentum",
         lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, worker_momentum=0.9),
+        TypeError,
+    ),
+    (
+        "zero_one_adam",
+        "worker_nesterov",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, worker_nesterov=True),
         TypeError,
     ),
     (
@@ -666,6 +691,12 @@ CHECKS = [
         lambda: jc.sparseloco(SGD, "d", 4, small_codec=jc.sign(), strategy="two_phase"),
         ValueError,
     ),
+    (
+        "sparseloco",
+        "small_codec",
+        lambda: jc.sparseloco(SGD, "d", 4, small_codec=jc.sign(), min_size=0),
+        ValueError,
+    ),
     ("sparseloco", "mask", lambda: jc.sparseloco(SGD, "d", 4, mask="shared"), ValueError),
     ("sparseloco", "clip", lambda: jc.sparseloco(SGD, "d", 4, clip=1), TypeError),
     ("sparseloco", "strategy", lambda: jc.sparseloco(SGD, "d", 4, strategy="auto"), ValueError),
@@ -798,6 +829,12 @@ CHECKS = [
         "small_codec",
         lambda: jc.sparseloco_ratio(_BIG, 30, 8, small_codec="sign"),
         TypeError,
+    ),
+    (
+        _SPARSE_BUDGETS,
+        "small_codec",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, min_size=0, small_codec=jc.sign()),
+        ValueError,
     ),
     (_DEMO_BUDGETS, "devices", lambda: jc.demo_ratio(_BIG, 1), ValueError),
     (_DEMO_BUDGETS, "devices", lambda: jc.demo_topk(_BIG, 80, None), TypeError),

@@ -22,7 +22,7 @@ from jaxcomp._src import demo as demo_lib
 from jaxcomp._src import sparse_exchange
 from jaxcomp._src.codecs.base import Codec, check_int, check_positive_float, is_number
 from jaxcomp._src.codecs.chunked import chunked_top_k
-from jaxcomp._src.sparseloco import check_density, check_small_codec
+from jaxcomp._src.sparseloco import check_density, check_small_codec, check_small_for_size
 
 
 def float_sizes(params: Any) -> list[int]:
@@ -107,7 +107,8 @@ def _sparse_setting(chunk, bits, min_size, small_codec):
     chunk = check_int("chunk", chunk, 1, 2**30)
     if bits is not None:
         bits = check_int("bits", bits, 1, 8)
-    return chunk, bits, check_int("min_size", min_size, 0), check_small_codec(small_codec)
+    min_size = check_int("min_size", min_size, 0)
+    return chunk, bits, min_size, check_small_for_size(check_small_codec(small_codec), min_size)
 
 
 def sparseloco_ratio(

@@ -374,6 +374,9 @@ def compressed_allreduce(
         worker_momentum=schedule)`` (without them ``warmup_steps`` arrives as an array and is
         refused; :func:`jaxcomp.sgd` needs none).
       worker_nesterov: send Nesterov's look-ahead ``beta m_i + (1 - beta) g_i`` (new ``m_i``).
+        Only with ``worker_momentum`` given: with None there is no momentum to look ahead
+        of, and True is refused rather than ignored. (A ``worker_momentum`` of 0 is accepted:
+        the look-ahead of ``beta = 0`` is ``g_i``, the same step.)
       adaptive: None, or ``jc.accordion(gentle_codec, ...)``: send through ``gentle_codec``
         in critical regimes of training (Accordion), through ``codec`` elsewhere; both share
         the memories. With ``two_phase`` under ``strategy="auto"`` both codecs must choose
@@ -416,7 +419,8 @@ def compressed_allreduce(
       ValueError: at construction, ``strategy``, ``error_feedback``, ``granularity``, ``min_size``,
         ``bucket_bytes``, ``seed``, ``server_feedback``, ``worker_momentum``, ``memory_dtype``,
         ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` outside its rule (the message
-        names the argument; the rules: docs/errors.md).
+        names the argument; the rules: docs/errors.md), or ``worker_nesterov`` True without
+        ``worker_momentum``.
       TypeError: at construction, ``codec``, ``min_size``, ``bucket_bytes``, ``seed``,
         ``server_feedback``, ``worker_momentum``, ``worker_nesterov``, ``fuse_residuals``,
         ``adaptive``, ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
@@ -457,6 +461,12 @@ def compressed_allreduce(
     beta = check_momentum("worker_momentum", worker_momentum)
     if not isinstance(worker_nesterov, bool):
         raise TypeError(f"`worker_nesterov` must be a bool, got {worker_nesterov!r}")
+    if worker_nesterov and worker_momentum is None:
+        raise ValueError(
+            "`worker_nesterov=True` is the look-ahead of the devices' momentum and needs "
+            "`worker_momentum` (a beta in [0, 1)); without it no momentum is kept and the "
+            "flag would be ignored"
+        )
     every_axis = collectives.axis_names(axis_name, inner_axis_name)
     # With inner_axis_name each device owns its own chunk: per-device over both axes.
     per_device = axis_name if inner_axis_name is None else every_axis

@@ -299,8 +299,9 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     ``jc.sign(scale="rms", exact_zeros=True)`` by default) and the axes of its float32
     rounds."""
     options = {"error_feedback": "residual", **exchange_options(exchange)}
-    if "worker_momentum" in options:
-        raise TypeError(f"jc.{name} keeps its own momentum: drop `worker_momentum`")
+    for option in ("worker_momentum", "worker_nesterov"):
+        if option in options:
+            raise TypeError(f"jc.{name} keeps its own momentum: drop `{option}`")
     codec = sign("rms", exact_zeros=True) if codec is None else codec
     inner = compressed_allreduce(codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
@@ -761,7 +762,7 @@ def onebit_adam(
         at ``init``, a ``weight_decay_mask`` that is no prefix of the params' tree.
       TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``weight_decay_mask``,
         ``worker_momentum``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong
-        kind.
+        kind; ``worker_momentum`` or ``worker_nesterov`` given (it keeps its own momentum).
 
     Example::
 

@@ -112,7 +112,12 @@ def sgd(
       axis_name: the data-parallel mesh axis.
       momentum: ``beta`` in [0, 1); 0 or None is EF-SGD without momentum.
       nesterov: send Nesterov's look-ahead (True) or the momentum (False, heavy ball);
-        None (default): the look-ahead for biased codecs (``codec.unbiased`` False).
+        None (default): the look-ahead for biased codecs (``codec.unbiased`` False). With
+        ``momentum`` 0 or None it changes nothing and is accepted, as ``optax.sgd(lr,
+        momentum=None, nesterov=True)`` accepts it: there is no momentum to look ahead of,
+        and the default (None) must work for every momentum (unlike
+        :func:`jaxcomp.compressed_allreduce`'s ``worker_nesterov``, refused without
+        ``worker_momentum``).
       **exchange: options of :func:`jaxcomp.compressed_allreduce`.
 
     Returns:
@@ -143,7 +148,10 @@ def sgd(
         if name in options:
             raise TypeError(f"jc.sgd sets `{name}` itself: use `momentum` / `nesterov`")
     beta = check_momentum("momentum", momentum)
-    ahead = look_ahead(nesterov, codec)
+    # Without momentum there is nothing to look ahead of: as optax.sgd(lr, momentum=None,
+    # nesterov=True), the flag changes nothing here, so it is not passed on (the exchange
+    # refuses worker_nesterov without worker_momentum).
+    ahead = look_ahead(nesterov, codec) and beta is not None
     return floating_only(
         "sgd",
         optax.chain(

@@ -195,6 +195,18 @@ def check_density(density: Any, chunk: int) -> int:
     return max(1, math.ceil(density * chunk - 1e-9))
 
 
+def check_small_for_size(small_codec: Codec | None, min_size: int) -> Codec | None:
+    """``small_codec`` codes the leaves under ``min_size`` values: refused (ValueError
+    naming it) with ``min_size`` 0, where no leaf is under it and it would be ignored."""
+    if small_codec is not None and min_size == 0:
+        raise ValueError(
+            "`small_codec` codes the leaves under `min_size` values, and with `min_size`=0 no "
+            "leaf is under it (every leaf goes through the chunked top-k): pass a `min_size` "
+            "> 0 (e.g. 1024) or leave `small_codec` out"
+        )
+    return small_codec
+
+
 def check_small_codec(small_codec: Any) -> Codec | None:
     """None, or a deterministic dense codec that flags a non-finite input in its payload
     (e.g. ``jc.sign()``); an error naming ``small_codec`` otherwise."""
@@ -309,7 +321,7 @@ def topk_feedback(
     min_size = check_int("min_size", min_size, 0)
     if not isinstance(clip, bool):
         raise TypeError(f"`clip` must be True or False, got {clip!r}")
-    small_codec = check_small_codec(small_codec)
+    small_codec = check_small_for_size(check_small_codec(small_codec), min_size)
     feedback = exchange_feedback(
         codec,
         axis_name,
@@ -491,7 +503,8 @@ def sparseloco(
         for them, e.g. ``jc.sign()`` (every value's sign at their mean magnitude, ``d / 8 +
         4`` bytes for ``d`` values: little more than a top-k payload of a few values, whose
         indices and values are rounded up to whole uint32 words), with the same decayed
-        error feedback, averaged over all devices. Only with ``strategy="allgather"``.
+        error feedback, averaged over all devices. Only with ``strategy="allgather"`` and a
+        ``min_size`` > 0 (with 0 no leaf is small: refused, not ignored).
       mask: which coordinates each device sends. ``"topk"`` (the default, SparseLoCo's):
         its own chunked top-k, indices on the wire. Or a mask every device derives alone,
         the same ``ceil(density d)`` coordinates of every leaf on every device, so no index
@@ -530,7 +543,7 @@ def sparseloco(
       ValueError: at construction, ``sync_every``, ``density``, ``chunk``, ``bits``, ``ef_decay``,
         ``averaging``, ``strategy``, ``min_size``, ``value_scale``, ``small_codec``, ``clip``,
         ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
-        the argument; the rules: docs/errors.md).
+        the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``.
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
         ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore`` or ``seed`` of
         the wrong kind.

@@ -662,7 +662,8 @@ def zero_one_adam(
         params' tree.
       TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
         ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound`` or
-        ``axis_name`` of the wrong kind.
+        ``axis_name`` of the wrong kind; ``worker_momentum`` or ``worker_nesterov`` given (it
+        keeps its own momentum).
 
     Example::
 

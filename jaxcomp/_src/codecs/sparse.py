@@ -786,7 +786,7 @@ def top_k(
     ratio: float = 0.01,
     approx: bool | str = False,
     values: str | None = None,
-    sample_ratio: float = 0.01,
+    sample_ratio: float | None = None,
 ) -> TopK:
     """Top-k sparsification: the ``k = max(1, ceil(ratio * d))`` largest magnitudes.
 
@@ -808,12 +808,17 @@ def top_k(
         (:data:`APPROX_SAMPLE_FROM`).
       values: how values travel: None (float32), ``"fp16"``, ``"bf16"``, ``"int8"`` or
         ``"sign"`` (sparse ternary compression).
-      sample_ratio: with ``approx="sample"``, the fraction of entries sampled to estimate the
+      sample_ratio: where the selection samples (``approx="sample"`` or ``"auto"``, or
+        ``True`` from ``ratio`` 0.6% on), the fraction of entries sampled to estimate the
         threshold, in (0, 1] (DGC: 0.01; clipped to ``[32 d / k, 512 d / k]`` entries).
+        None: 0.01. Only with a sampling ``approx``: the other selections read no sample, and
+        a ``sample_ratio`` given with one of them is refused rather than ignored.
 
     Raises:
       ValueError: at construction, ``ratio``, ``approx``, ``values`` or ``sample_ratio`` outside its
-        rule (the message names the argument; the rules: docs/errors.md).
+        rule (the message names the argument; the rules: docs/errors.md), or ``sample_ratio``
+        given with an ``approx`` that does not sample (``False``, ``"exact"``, ``"blocked"``,
+        ``"approx_max_k"``, or ``True`` below ``ratio`` 0.6%).
       TypeError: at construction, ``ratio``, ``approx`` or ``sample_ratio`` of the wrong kind.
 
     Example::
@@ -831,12 +836,28 @@ def top_k(
       Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
       Sparsification for Low Bandwidth Networks" (gTop-k), ICDCS 2019.
     """
-    return TopK(
-        check_ratio(ratio),
-        check_approx(approx, ratio),
-        check_values(values),
-        check_positive_float("sample_ratio", sample_ratio, upper=1.0),
-    )
+    ratio = check_ratio(ratio)
+    method = check_approx(approx, ratio)
+    return TopK(ratio, method, check_values(values), check_sample_ratio(sample_ratio, method))
+
+
+#: The selections that read ``sample_ratio`` (``"auto"`` samples on CPU).
+SAMPLING_METHODS = ("sample", "auto")
+
+
+def check_sample_ratio(sample_ratio, method: str) -> float:
+    """``sample_ratio`` in (0, 1], or the default 0.01 for None; refused (ValueError naming
+    it) where the selection ``method`` does not sample, since it would be ignored there."""
+    if sample_ratio is None:
+        return 0.01
+    sample_ratio = check_positive_float("sample_ratio", sample_ratio, upper=1.0)
+    if method not in SAMPLING_METHODS:
+        raise ValueError(
+            f"`sample_ratio` is read only by a sampling selection (approx='sample' or 'auto', "
+            f"or True from ratio {APPROX_SAMPLE_FROM}); approx={method!r} does not sample and "
+            f"would ignore sample_ratio={sample_ratio!r}: drop it or pass approx='sample'"
+        )
+    return sample_ratio
 
 
 def random_k(ratio: float = 0.01, values: str | None = None) -> RandomK:

@@ -326,6 +326,29 @@ def test_onebit_adam_momentum_exchange_conserves():
     assert max(float(np.abs(h).max()) for h in held_back(run.states[-1], p).values()) > 1e-4
 
 
+def test_adam_bound_floor_at_every_allowed_beta():
+    """``adam_bound``'s floor at ``b1 = b2 = 0`` (each in its allowed [0, 1)) was
+    ``sqrt((1 - b2)(1 - 0 / 0))``: NaN, so every compressed step of 1-bit Adam was NaN and
+    skipped, its state frozen for good. Where ``b1^2 >= b2`` there is no bound (Adam's is
+    inf) and the floor is 0; elsewhere ``(1 - b1) sqrt(L_hat) / floor`` is Adam's bound."""
+    from jaxcomp._src.onebit_adam import variance_floor
+
+    level, count = {"w": jnp.float32(4.0)}, jnp.int32(5)
+    for b1, b2 in [(0.0, 0.0), (0.9, 0.0), (0.9, 0.5)]:
+        assert float(variance_floor(level, count, b1, b2)["w"]) == 0.0, (b1, b2)
+        assert float(adam_step_bound(count, b1, b2)) == np.inf
+    for b1, b2 in [(0.0, 0.5), (0.9, 0.999)]:
+        level_hat = 4.0 / (1 - b2**6)
+        bound = (1 - b1) * np.sqrt(level_hat) / float(variance_floor(level, count, b1, b2)["w"])
+        assert bound == pytest.approx(float(adam_step_bound(count, b1, b2)), rel=1e-5)
+    for tx in (
+        jc.onebit_adam(LR, "data", freeze_step=2, b1=0.0, b2=0.0),  # steps 2-4 were NaN
+        jc.zero_one_adam(LR, "data", var_freeze_step=2, b1=0.0, b2=0.0),
+    ):
+        outs = Run(tx).outs
+        assert all(np.isfinite(o[k]).all() and np.abs(o[k]).max() > 0 for o in outs for k in o)
+
+
 # --------------------------------------------------------------------------- jc.zero_one_adam
 
 

@@ -205,7 +205,8 @@ def variance_floor(level: Any, count: jax.Array, b1, b2) -> Any:
     r"""Per leaf, the smallest ``sqrt(v_hat)`` of the compression stage:
     ``(1 - b1) sqrt(L_hat) / (C sqrt(1 - b2^t))``, ``t = count + 1``, ``L_hat = level /
     (1 - b2^t)`` the devices' mean squared gradient of the leaf (:func:`tracked_levels`),
-    ``C`` :func:`adam_step_bound`'s (0 where ``b1^2 >= b2``). Computed as ``sqrt((1 - b2)
+    ``C`` :func:`adam_step_bound`'s (the floor 0 where ``b1^2 >= b2``, ``b1 = b2 = 0``
+    included: no bound there, as :func:`adam_step_bound`'s inf). Computed as ``sqrt((1 - b2)
     (1 - b1^2 / b2)) sqrt(level) / (1 - b2^t)``: finite for every finite level.
 
     A coordinate whose variance is stale and tiny (the embedding row of a rare token, its
@@ -222,7 +223,8 @@ def variance_floor(level: Any, count: jax.Array, b1, b2) -> Any:
     they differ beyond the bound)."""
     b1 = jnp.asarray(b1, jnp.float32)
     b2 = jnp.asarray(b2, jnp.float32)
-    room = jnp.maximum((1.0 - b2) * (1.0 - b1 * b1 / b2), 0.0)
+    room = (1.0 - b2) * (1.0 - b1 * b1 / b2)  # NaN at b1 = b2 = 0 (0 / 0): no floor there
+    room = jnp.where(room > 0, room, 0.0)
     t = (jnp.asarray(count, jnp.int32) + 1).astype(jnp.float32)
     scale = jnp.sqrt(room) / (1.0 - b2**t)
     return jax.tree.map(lambda a: scale * jnp.sqrt(a), level)

@@ -455,6 +455,16 @@ RECIPES: dict[str, lm.Recipe] = {
         min_size=1024,
         small_codec=_sign_mean,
     ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-d188-b1mean-smallsign-outer0.7": _sparse_h30(
+        2,
+        0.7,
+        density=188 / 4096,
+        chunk=1024,
+        bits=1,
+        value_scale="mean",
+        min_size=1024,
+        small_codec=_sign_mean,
+    ),
     # ... 1 bit at the mean magnitude, 21 of 4096 (3048x).
     "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(
         density=21 / 4096, bits=1, value_scale="mean"

@@ -21,6 +21,18 @@ D = 32
 BOTH = ("replica", "data")
 
 
+def _same_program_result(a, b):
+    """Bit for bit on the pinned jax (0.10.2); elsewhere within 1e-4 of the largest value
+    (jax 0.12's XLA:CPU fuses the scanned / branched program otherwise: gradients 3.8e-6
+    apart on values up to 9, residuals 5e-6 on values up to 0.2). A residual counted twice
+    or dropped is off by 14% or more."""
+    a, b = np.asarray(a), np.asarray(b)
+    if jax.__version__ == "0.10.2":
+        np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(b).max()))
+
+
 def _mesh_2x4():
     return jax.make_mesh(
         (2, 4), BOTH, axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8]
@@ -535,7 +547,7 @@ def test_scan_over_stacked_layers_and_remat_give_the_unrolled_gradients_and_resi
     )
     for name in ("scan", "remat"):
         for a, b in zip(o[name], o["unrolled"], strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            _same_program_result(a, b)
     assert float(np.max(np.abs(np.asarray(o["unrolled"][3])))) > 0
 
 
@@ -705,4 +717,4 @@ def test_one_residual_in_both_branches_of_a_cond_runs_as_the_branch_taken():
     got, want = grads(True)(w, x), grads(False)(w, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert np.abs(np.asarray(b)).max() > 0
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _same_program_result(a, b)

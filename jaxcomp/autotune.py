@@ -18,6 +18,8 @@ import math
 import sys
 import types
 
+_CLI_DOC = __doc__  # the module's own text, for --help (``__doc__`` becomes the function's)
+
 
 def _tree(params: float, leaves: int) -> dict:
     import numpy as np
@@ -52,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="python -m jaxcomp.autotune",
-        description=__doc__.split("\n\n")[1],
+        description=_CLI_DOC.split("\n\n")[1],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -169,6 +171,12 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+
+# ``jc.autotune`` is this module once it is imported (the package attribute is rebound): its
+# help, ``inspect.signature`` and ``inspect.getdoc`` still give the function's.
+from jaxcomp._src.autotune import autotune as __wrapped__  # noqa: E402
+
+__doc__ = __wrapped__.__doc__
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
 """jc.autotune: the byte-and-latency prediction, the plan it returns, its errors."""
 
 import dataclasses
+import inspect
 import math
 import os
 
@@ -214,6 +215,13 @@ def test_function_stays_callable_after_cli_import():
 
     assert callable(jc.autotune) and callable(cli)
     assert "--params" in cli._parser().format_help()
+    # help(jc.autotune), its signature and docstring stay the function's (test_docstrings
+    # read the module's once this import ran first on its worker: no Args, no Raises)
+    from jaxcomp._src.autotune import autotune
+
+    assert inspect.signature(jc.autotune) == inspect.signature(autotune)
+    assert inspect.getdoc(jc.autotune) == inspect.getdoc(autotune)
+    assert "Raises:" in inspect.getdoc(jc.autotune)
 
 
 def test_calibration_scales_wire_and_codec_leave_one_out():

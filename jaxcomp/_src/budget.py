@@ -22,6 +22,7 @@ from jaxcomp._src import demo as demo_lib
 from jaxcomp._src import sparse_exchange
 from jaxcomp._src.codecs.base import Codec, check_int, check_positive_float, is_number
 from jaxcomp._src.codecs.chunked import chunked_top_k
+from jaxcomp._src.cost import plain_bytes
 from jaxcomp._src.sparseloco import check_density, check_small_codec, check_small_for_size
 
 
@@ -36,12 +37,6 @@ def float_sizes(params: Any) -> list[int]:
     if not sizes or not sum(sizes):
         raise ValueError("`params` holds no floating values: there are no bytes to budget")
     return sizes
-
-
-def pmean_bytes(sizes: list[int], devices: int) -> float:
-    """Ring-model bytes per device of one float32 ``pmean`` of the leaves over ``devices``:
-    ``2 (n - 1) / n x 4 sum_l d_l``."""
-    return 2 * (devices - 1) / devices * 4 * sum(sizes)
 
 
 def ratio_of(baseline: float, exchange: float, other_bytes: float) -> float:
@@ -181,7 +176,7 @@ def sparseloco_ratio(
     chunk, bits, min_size, small_codec = _sparse_setting(chunk, bits, min_size, small_codec)
     codec = chunked_top_k(check_density(density, chunk), chunk, bits)
     coded, small = sync_bytes(sizes, m, codec, min_size, small_codec)
-    return ratio_of(pmean_bytes(sizes, n), (coded + small) / h, check_other_bytes(other_bytes))
+    return ratio_of(plain_bytes(sum(sizes), n), (coded + small) / h, check_other_bytes(other_bytes))
 
 
 def sparseloco_density(
@@ -253,7 +248,7 @@ def sparseloco_density(
     h, m, n = check_counts(sync_every, replicas, devices)
     chunk, bits, min_size, small_codec = _sparse_setting(chunk, bits, min_size, small_codec)
     other = check_other_bytes(other_bytes)
-    base = pmean_bytes(sizes, n)
+    base = plain_bytes(sum(sizes), n)
     fixed = sync_bytes(sizes, m, chunked_top_k(1, chunk, bits), min_size, small_codec)[1]
 
     def fits(k: int) -> bool:
@@ -333,7 +328,7 @@ def demo_ratio(
     sizes = float_sizes(params)
     n = check_int("devices", devices, 2)
     chunk, topk, _, bits, min_size = demo_lib.check_demo(chunk, topk, 0.0, bits, min_size)
-    base = pmean_bytes(sizes, n)
+    base = plain_bytes(sum(sizes), n)
     sent = demo_lib.wire_bytes(params, n, chunk=chunk, topk=topk, bits=bits, min_size=min_size)
     return ratio_of(base, sent, check_other_bytes(other_bytes))
 
@@ -389,7 +384,7 @@ def demo_topk(
     n = check_int("devices", devices, 2)
     chunk, _, _, bits, min_size = demo_lib.check_demo(chunk, 1, 0.0, bits, min_size)
     other = check_other_bytes(other_bytes)
-    base = pmean_bytes(sizes, n)
+    base = plain_bytes(sum(sizes), n)
 
     def sent(topk: int) -> float:
         return demo_lib.wire_bytes(params, n, chunk=chunk, topk=topk, bits=bits, min_size=min_size)
@@ -397,7 +392,7 @@ def demo_topk(
     topk = largest_fitting(lambda k: ratio_of(base, sent(k), other) >= ratio, chunk * chunk)
     if topk == 0:
         dense = sum(d for d in sizes if d < max(min_size, 1))
-        best = ratio_of(base, 2 * (n - 1) / n * 4 * dense, other)
+        best = ratio_of(base, plain_bytes(dense, n), other)
         if best < ratio:
             raise ValueError(
                 f"`ratio`={ratio:g} is out of reach: the leaves under `min_size`={min_size} "

@@ -146,7 +146,7 @@ def onebit_freeze(run: Run) -> int:
 
 
 # local_step_scaler: the library's default (skipped rounds from step 1000 on; at 100 they began
-# at step 200 of 300 and cost +0.8%: docs/lm-measurements.md, "1-bit Adam and 0/1 Adam")
+# at step 200 of 300 and cost +0.8%: docs/lm-onebit-adam.md)
 ZERO_ONE = {"var_update_scaler": 8, "local_step_scaler": 1000, "local_step_clipper": 16}
 
 

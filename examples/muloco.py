@@ -13,7 +13,7 @@ quantized to 2 bits with residual error feedback (``jc.int_quant(2)``, error fee
     )
 
 Muon runs at the same ``--lr`` in both: the inner optimizer at data parallel's own lr, the
-rule measured on the LM benchmark (docs/lm-measurements.md, MuLoCo, "The inner lr").
+rule measured on the LM benchmark (docs/lm-diloco.md, MuLoCo, "The inner lr").
 
 A small MLP on scikit-learn's digits (ships offline); the same batches for both runs. Bytes
 are read from the compiled steps (``jc.comm_report``; the sync step spread over its period).

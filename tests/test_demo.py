@@ -256,7 +256,7 @@ def test_error_feedback_on_blocks_that_divide_or_pad_a_dimension():
 
 
 def test_a_width_not_a_multiple_of_the_chunk_is_cut_without_padding():
-    """docs/lm-measurements.md, "A third pair": on ``d_model`` 96 (2 layers, 3 heads) the
+    """docs/lm-held-out.md, "A third pair": on ``d_model`` 96 (2 layers, 3 heads) the
     width rule's 20 components of 3 bits save 82.5x against pmean (65.1x when a dimension of 96 was
     zero-padded to 128: a 96 x 96 matrix then travelled as four whole 64 x 64 blocks, 54.9x;
     now as four 48 x 48 blocks of 12 components, 85.3x), over the 80x of issue 24, and the

@@ -148,7 +148,7 @@ def test_onebit_adam_unseen_rows_stay_put_with_exact_zeros():
     # (0.0030 after 8 steps, 0.0101 after 3, where the others move 0.068); with the zero
     # words marked they stay put, and the others, the rms taken over them only, move 0.081
     # (Adam: about lr per step, 0.08). The figures without the step bound (adam_bound=False,
-    # the default when they were written: docs/lm-measurements.md, "A sign has no zero").
+    # the default when they were written: docs/lm-onebit-adam.md, "A sign has no zero").
     # The default codec of both recipes is jc.sign("rms", exact_zeros=True).
     moved, seen = unseen_rows_run(jc.sign("rms"), adam_bound=False)
     still, seen_exact = unseen_rows_run(None, adam_bound=False)

@@ -56,7 +56,7 @@ FIELDS = ("memory", "previous", "key")  # SharedMaskState's fields checked again
 #: The previous merged update is zero outside the last mask, so at ``explore=0`` the mask
 #: hardly moves: it keeps its first random draw, and the other coordinates are sent only in
 #: place of kept values the codec rounded to 0 (measured: ``python -m
-#: benchmarks.mask_coverage``, docs/lm-measurements.md).
+#: benchmarks.mask_coverage``, docs/lm-byte-budgets.md).
 PREVIOUS_EXPLORE = 0.5
 
 

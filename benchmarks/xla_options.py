@@ -18,7 +18,7 @@ per program), deterministic facts against XLA's defaults, no timing:
 
 Which options help, timed, is ``python -m benchmarks.hot_path --compile-options ...`` (one
 process, calls interleaved) or ``--settings NAME:XLA_FLAGS=...`` (one process per setting);
-``docs/hot-path.md`` has both. Writes ``benchmarks/results/xla_options[_LABEL].json``::
+``docs/hot-path-xla.md`` has both. Writes ``benchmarks/results/xla_options[_LABEL].json``::
 
     python -m benchmarks.xla_options --options vw512:xla_cpu_prefer_vector_width=512 \\
         fastmath:xla_cpu_enable_fast_math=true

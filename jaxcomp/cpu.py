@@ -35,7 +35,7 @@ def use_cpu_devices(n: int = 8) -> None:
         warnings.warn(
             f"XLA_FLAGS sets {flag}: under it XLA:CPU no longer detects a non-finite step in "
             "jaxcomp's updates, and a NaN gradient corrupts the error-feedback memory. Unset "
-            'it; docs/hot-path.md, "XLA:CPU\'s compile options".',
+            'it; docs/hot-path-xla.md, "XLA:CPU\'s compile options".',
             stacklevel=2,
         )
     missing = [f for f in _FLAGS if f.split("=")[0] not in flags]
@@ -108,7 +108,7 @@ def reuse_large_buffers() -> bool:
     since bordered. ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` in the environment (glibc >=
     2.35, transparent huge pages on) works with either dispatch: glibc asks the kernel for
     huge pages on its mapped blocks, which then fault once per huge page, not per 4 KiB.
-    ``docs/hot-path.md`` ("A CPU host's allocator") has the measurements.
+    ``docs/hot-path-allocator.md`` has the measurements.
 
     Returns:
       True where glibc took both settings; False where glibc is absent.

@@ -1,4 +1,5 @@
-"""The CPU-host helpers of jaxcomp.cpu, and the allocator settings docs/hot-path.md gives."""
+"""The CPU-host helpers of jaxcomp.cpu, and the allocator settings that
+docs/hot-path-allocator.md gives."""
 
 import os
 import pathlib
@@ -73,7 +74,7 @@ def _transparent_huge_pages() -> bool:
     reason="glibc >= 2.35 (the glibc.malloc.hugetlb tunable) and transparent huge pages",
 )
 def test_hugetlb_tunable_cuts_page_faults():
-    # GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (docs/hot-path.md): glibc asks for huge pages
+    # GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (docs/hot-path-allocator.md): glibc asks for huge pages
     # on its mapped blocks, one fault per huge page, not per 4 KiB page (625 of 19,532
     # measured on every call).
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}

@@ -412,7 +412,7 @@ def compressed_allreduce(
         memories and outputs, bit for bit for ``int_quant`` of 2 bits or more and casts (a
         1-bit block scale can round a few ulp apart: ``Codec.chunk_unit``), and the same wire
         bytes. Measured on XLA:CPU
-        (docs/hot-path.md, "Chunked residuals"): fewer bytes moved, but not faster for
+        (docs/hot-path-copies.md, "Chunked residuals"): fewer bytes moved, but not faster for
         int8 or fp16 there; hence off by default.
 
     Raises:

@@ -15,7 +15,7 @@ after it (from the payloads every device received). So the old memory is kept, c
 chunk, in the gradient's buffer, and :func:`restore` copies it back on a non-finite step (a
 loop of zero or one trips: nothing on a finite step). Checking the gradient first instead
 (one reduction over it and a scalar psum) was measured: the reduction alone cost about 1.5
-copies of the gradient's time on XLA:CPU, more than the loop saved (docs/hot-path.md,
+copies of the gradient's time on XLA:CPU, more than the loop saved (docs/hot-path-copies.md,
 "Chunked residuals").
 
 This needs a codec whose payload of ``x`` is its chunks' payloads laid end to end
@@ -33,7 +33,7 @@ from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.codecs.base import Codec, after
 
 #: Values per chunk the loop aims at: 64Ki float32 values (256 KiB per array; ``g``, ``e``
-#: and the payload of a chunk fit a core's L2 cache). Measured: docs/hot-path.md.
+#: and the payload of a chunk fit a core's L2 cache). Measured: docs/hot-path-copies.md.
 CHUNK = 1 << 16
 
 #: A leaf is fused only where a chunk of at least ``CHUNK / MIN_FRACTION`` values divides it

@@ -220,7 +220,7 @@ class Codec:
         for bit where a block's scale is a maximum (``int_quant`` of 2 bits or more) or there
         is none (casts); a 1-bit block scale (``sign``'s mean or root mean square,
         ``int_quant(1)``) is a float sum, which XLA may add in another order for another
-        number of blocks: the same codes, each scale within a few ulp (docs/hot-path.md,
+        number of blocks: the same codes, each scale within a few ulp (docs/hot-path-copies.md,
         "Chunked residuals"). None (the default): the payload depends on all of ``x`` (a
         scale or a selection over the whole vector, noise drawn for the whole).
         """

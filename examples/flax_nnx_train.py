@@ -210,7 +210,12 @@ def main(argv=None) -> int:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--codec", default="sign", choices=["none", *sorted(jc.CODECS)])
+    ap.add_argument(
+        "--codec",
+        default=None,
+        choices=["none", *sorted(jc.CODECS)],
+        help="None: sign (with --demo: the demo's codecs, refused here)",
+    )
     ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES, help="the exchange")
     ap.add_argument(
         "--error-feedback",
@@ -230,10 +235,19 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--demo", action="store_true", help="compare several codecs (make demo)")
     args = ap.parse_args(argv)
+    if args.demo and args.codec is not None:
+        ap.error(f"argument --codec: --demo trains its own codecs {DEMO_CODECS}")
     ef = None if args.error_feedback == "none" else args.error_feedback
     lr = args.lr if args.lr is not None else {"sgd": 0.05, "adamw": 2e-3}[args.optimizer]
+    names = DEMO_CODECS if args.demo else list(dict.fromkeys(["none", args.codec or "sign"]))
+    recipe = (lr, 0.9) if args.optimizer == "sgd" else None
+    for name in names:  # an exchange that cannot carry the codec: refused before any training
+        try:
+            make_transform(name, args.strategy, ef, optax.identity(), recipe=recipe)
+        except ValueError as e:
+            flag = "--error-feedback" if "`error_feedback`" in str(e) else "--strategy"
+            ap.error(f"argument {flag}: {e}")
     print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; digits MLP 64-256-10")
-    names = DEMO_CODECS if args.demo else ["none", args.codec]
     results = []
     for name in names:
         r = train(

@@ -8,8 +8,8 @@ with error feedback (``--ef``). ``--replicas R`` adds a replica axis (a 2-D mesh
 HSDP): FSDP inside each replica group, the shard gradients averaged across groups by
 ``jc.compressed_allreduce``. The text is CPython's help() topics (``pydoc_data.topics``; no
 download). The baseline is the same run with float32 collectives (``--weights none --grads
-none``); same seed, same batches. Bytes per device come from the compiled step
-(``jc.comm_report``)::
+none``, and with ``--replicas`` the identity codec across groups: a float32 mean); same seed,
+same batches. Bytes per device come from the compiled step (``jc.comm_report``)::
 
     python examples/fsdp_lm.py --steps 200                   # int8 / int4 against float32
     python examples/fsdp_lm.py --weights int4 --grads int2 --ef
@@ -41,6 +41,7 @@ import jaxcomp as jc
 from jaxcomp.cpu import use_cpu_devices
 
 DATA, REPLICA = "data", "replica"
+HEADS = 4  # attention heads of every block
 
 
 def load_text() -> np.ndarray:
@@ -79,7 +80,7 @@ def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
     return scale * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def forward(params: dict, tokens: jax.Array, heads: int = 4) -> jax.Array:
+def forward(params: dict, tokens: jax.Array, heads: int = HEADS) -> jax.Array:
     """Logits ``[b, t, 256]`` of a causal decoder (RMS norms, 4x GELU MLP)."""
     b, t = tokens.shape
     x = params["embed"][tokens] + params["pos"][:t]
@@ -164,6 +165,17 @@ def setup(params, mesh, tx, error_feedback: bool):
         )
         residual = jax.jit(init)(shards)
     return shards, opt_state, residual, (shard_specs, state_specs, residual_specs)
+
+
+def shape_error(d_model: int, data: int) -> str | None:
+    """Why a ``d_model`` does not fit a data axis of ``data`` devices, or None: every leaf is
+    sharded on its first dimension (256 bytes, ``CONTEXT`` positions or ``d_model``) and the
+    attention splits ``d_model`` into ``HEADS`` heads."""
+    if 64 % data:
+        return f"the data axis ({data} devices) must divide the context length 64"
+    if d_model % HEADS or d_model % data:
+        return f"must be a multiple of {HEADS} (the heads) and of the data axis's {data} devices"
+    return None
 
 
 def make_mesh(replicas: int, devices: int | None = None):
@@ -271,6 +283,14 @@ def gather_params(shards: Any, mesh) -> Any:
     )(shards)
 
 
+def check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: int):
+    """A usage error naming the flag where ``--d-model`` or ``--devices`` cannot be sharded."""
+    why = shape_error(args.d_model, devices // args.replicas)
+    if why:
+        flag = "--d-model" if why.startswith("must") else "--devices"
+        parser.error(f"argument {flag}: {why}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=bounded(int, 1), default=200)
@@ -281,7 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--replicas", type=bounded(int, 1), default=1, help="replica axis size (HSDP)"
     )
-    parser.add_argument("--replica-codec", default="int8", choices=sorted(jc.CODECS))
+    parser.add_argument(
+        "--replica-codec",
+        default=None,
+        choices=sorted(jc.CODECS),
+        help="codec across the replica groups (with --replicas > 1; default int8)",
+    )
     parser.add_argument("--d-model", type=bounded(int, 1), default=128)
     parser.add_argument("--layers", type=bounded(int, 1), default=2, help="decoder blocks")
     parser.add_argument(
@@ -293,31 +318,43 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.multiprocess and args.devices % args.replicas:
         parser.error(f"argument --replicas: must divide --devices ({args.devices})")
+    if args.replica_codec is not None and args.replicas == 1:
+        parser.error("argument --replica-codec: needs --replicas > 1 (no replica axis to cross)")
+    if args.ef and args.grads in ("none", "identity"):
+        parser.error(f"argument --ef: --grads {args.grads} is float32, nothing to feed back")
+    if not args.multiprocess:
+        check_shapes(parser, args, args.devices)
     if args.multiprocess:
         from jaxcomp.launch import initialize
 
         initialize()
+        if jax.device_count() % args.replicas:
+            parser.error(f"argument --replicas: must divide the {jax.device_count()} devices")
+        check_shapes(parser, args, jax.device_count())
     elif __name__ == "__main__":  # run as a script: before jax creates its backends
         use_cpu_devices(args.devices)
-    runs = {"compressed": (args.weights, args.grads, args.ef)}
-    if not args.no_baseline:
-        runs["float32"] = ("none", "none", False)
+    replica_codec = args.replica_codec or "int8"
+    runs = {"compressed": (args.weights, args.grads, args.ef, replica_codec)}
+    if not args.no_baseline:  # float32 everywhere, across the replica groups too
+        runs["float32"] = ("none", "none", False, "identity")
     results = {}
-    for name, (w, g, ef) in runs.items():
+    for name, (w, g, ef, rc) in runs.items():
         r = results[name] = train(
             args.steps,
             weights=w,
             grads=g,
             error_feedback=ef,
             replicas=args.replicas,
-            replica_codec=args.replica_codec,
+            replica_codec=rc,
             d_model=args.d_model,
             layers=args.layers,
             report_bytes=not args.no_report,
         )
         tag = f"[{jax.process_index()}] " if args.multiprocess else ""
+        across = f" replicas {rc}" if args.replicas > 1 else ""
         print(
-            f"{tag}{name}: weights {w} grads {g} ef {ef}: held-out loss {r['eval_loss']:.4f}, "
+            f"{tag}{name}: weights {w} grads {g} ef {ef}{across}: "
+            f"held-out loss {r['eval_loss']:.4f}, "
             f"train loss {r['train_loss'][0]:.3f} -> {r['train_loss'][-1]:.3f}, "
             f"{r['bytes_per_device'] / 2**10:.1f} KiB/device/step, {r['params']} params"
         )

@@ -111,12 +111,13 @@ def main(argv=None) -> int:
 
     n, rank, nproc = jax.device_count(), jax.process_index(), jax.process_count()
     if args.batch % n:
-        raise ValueError(f"--batch ({args.batch}) must be divisible by the {n} devices")
+        ap.error(f"argument --batch: {args.batch} is not divisible by the {n} devices")
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,))
-    tx = optax.chain(
-        jc.compressed_allreduce(jc.get_codec(args.codec), AXIS, strategy=args.strategy),
-        optax.sgd(args.lr, momentum=0.9),
-    )
+    try:
+        exchange = jc.compressed_allreduce(jc.get_codec(args.codec), AXIS, strategy=args.strategy)
+    except ValueError as e:  # e.g. majority_vote for a codec that is not a sign
+        ap.error(f"argument --strategy: {e}")
+    tx = optax.chain(exchange, optax.sgd(args.lr, momentum=0.9))
     params = jax.device_put(init_params(0, args.hidden), NamedSharding(mesh, P()))
     opt_state = jc.sharded_init(tx, params, mesh, AXIS)
     specs = jc.state_specs(opt_state, AXIS)

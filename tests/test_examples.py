@@ -46,3 +46,37 @@ def test_adamw_path_trains_and_compresses():
     assert result.test_loss < 0.5 * result.initial_test_loss
     assert result.accuracy >= 0.8
     assert result.ratio >= 3.5  # int8 vs f32 pmean, two-phase
+
+
+def test_fsdp_baseline_is_float32_across_replicas_too(monkeypatch, capsys):
+    """examples/fsdp_lm.py --replicas 2: the float32 baseline averages across the replica
+    groups with the identity codec, not with --replica-codec. Until 2026-11-27 it used the
+    replica codec (int8 by default): at 2 x 4 devices, d_model 32, 1 layer, its step read
+    192.8 KiB per device instead of float32's 210.7 and the printed bytes ratio 0.243
+    instead of 0.222. The runs are recorded, not trained (``train`` replaced)."""
+    import fsdp_lm
+
+    calls = []
+
+    def fake(steps, **kwargs):
+        calls.append(kwargs)
+        loss = {"eval_loss": 1.0, "train_loss": [2.0, 1.0], "bytes_per_device": 1024.0}
+        return {**loss, "seconds": 0.0, "digest": "0" * 64, "params": 1}
+
+    monkeypatch.setattr(fsdp_lm, "train", fake)
+    assert fsdp_lm.main(["--replicas", "2", "--replica-codec", "int4", "--steps", "1"]) == 0
+    codecs = {(c["weights"], c["grads"]): c["replica_codec"] for c in calls}
+    assert codecs == {("int8", "int4"): "int4", ("none", "none"): "identity"}
+    assert "replicas identity" in capsys.readouterr().out
+    calls.clear()
+    assert fsdp_lm.main(["--replicas", "2", "--steps", "1", "--no-baseline"]) == 0
+    assert [c["replica_codec"] for c in calls] == ["int8"]  # the default across groups
+
+
+def test_gossip_says_which_side_sends_more():
+    """examples/gossip.py's last line: float32 gossip with 3 neighbours sends 112.6 KiB per
+    device per step against pmean's 65.7 KiB; it printed "0.6x more" for pmean."""
+    import gossip
+
+    assert gossip.compare(115320.0, 67270.0) == "gossip sends 1.7x more"
+    assert gossip.compare(9000.0, 67270.0) == "7.5x more than gossip"

@@ -103,6 +103,14 @@ BAD_FLAGS = [
     ("flax_nnx_train", ["--lr", "0"], "--lr"),
     ("flax_nnx_train", ["--lr", "-0.1"], "--lr"),
     ("flax_nnx_train", ["--codec", "int9"], "--codec"),
+    # Accepted and ignored, or failing deep inside after a baseline run, until 2026-11-27:
+    # --demo trained its own list whatever --codec said; majority_vote with a codec that is
+    # not a sign raised once the baseline had trained; fsdp_lm's --d-model not a multiple of
+    # the data axis (or --devices not dividing the context) failed in jax.device_put, its
+    # --replica-codec without --replicas and --ef with float32 gradients did nothing.
+    ("flax_nnx_train", ["--demo", "--codec", "int4"], "--codec"),
+    ("flax_nnx_train", ["--codec", "int8", "--strategy", "majority_vote"], "--strategy"),
+    ("flax_nnx_train", ["--codec", "topk1%", "--strategy", "allreduce"], "--strategy"),
     ("fsdp_lm", ["--steps", "-1"], "--steps"),
     ("fsdp_lm", ["--devices", "0"], "--devices"),
     ("fsdp_lm", ["--replicas", "0"], "--replicas"),
@@ -110,6 +118,11 @@ BAD_FLAGS = [
     ("fsdp_lm", ["--d-model", "0"], "--d-model"),
     ("fsdp_lm", ["--layers", "0"], "--layers"),
     ("fsdp_lm", ["--grads", "int9"], "--grads"),
+    ("fsdp_lm", ["--d-model", "12"], "--d-model"),
+    ("fsdp_lm", ["--d-model", "30", "--devices", "2"], "--d-model"),
+    ("fsdp_lm", ["--devices", "3"], "--devices"),
+    ("fsdp_lm", ["--replica-codec", "int4"], "--replica-codec"),
+    ("fsdp_lm", ["--ef", "--grads", "none"], "--ef"),
     ("gossip", ["--steps", "-1"], "--steps"),
     ("linen_pmap", ["--steps", "0"], "--steps"),
     ("linen_pmap", ["--lr", "-1"], "--lr"),

@@ -67,10 +67,16 @@ def loss(p, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
 
 
+def exchanges(steps: int, **when) -> list[int]:
+    """The steps of a run of ``steps`` at which an exchange lands (``when``: the schedule's
+    ``sync_every``, ``fragments``, ``delay``)."""
+    return [t for t in range(steps) if any(schedule(t, **when))]
+
+
 def train(
     method: str, steps: int, sync_every: int, codec: str, fragments: int, delay: int
 ) -> tuple[float, float]:
-    """(test accuracy, bytes per step per device averaged over the run)."""
+    """(test accuracy, bytes per step per device averaged over the run's ``steps``)."""
     (xtr, ytr), (xte, yte) = load_digits()
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Explicit,))
     params = init_params(jax.random.PRNGKey(0))
@@ -128,15 +134,17 @@ def train(
         step = make_step()
         p = jc.replica_params(params, mesh, AXIS)
         sample = (put(xtr[:256]), put(ytr[:256]))
-        # One period: the bytes of each step that exchanges (its compiled program), averaged
-        # over the period's steps (the others send nothing).
+        # The bytes of each step of the run that exchanges (the compiled program of its
+        # position in a period after the first), over the run's steps (the others send
+        # nothing; in the first period a delayed exchange has not landed yet).
         when = dict(sync_every=sync_every, fragments=fragments, delay=delay)
         sends = [c for c in range(sync_every) if any(schedule(c + sync_every, **when))]
-        total = sum(
-            jc.comm_report(make_step(c + sync_every), p, state, *sample).bytes_per_device
+        sent = {
+            c: jc.comm_report(make_step(c + sync_every), p, state, *sample).bytes_per_device
             for c in sends
-        )
-        per_step = total / sync_every
+        }
+        runs = exchanges(steps, **when)
+        per_step = sum(sent[t % sync_every] for t in runs) / steps
     step = blocking(step)
     rng = np.random.RandomState(1)
     for _ in range(steps):
@@ -165,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.fragments > args.sync_every or args.delay >= args.sync_every:
         ap.error("argument --fragments / --delay: at most / less than --sync-every")
+    when = dict(sync_every=args.sync_every, fragments=args.fragments, delay=args.delay)
+    if not exchanges(args.steps, **when):
+        ap.error(f"argument --steps: {args.steps} ends before the first exchange lands")
     rows = []
     for method in ("pmean", "diloco"):
         acc, per_step = train(

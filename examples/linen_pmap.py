@@ -210,18 +210,25 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--variant", default="ef", choices=VARIANTS, help="how jaxcomp enters")
     ap.add_argument("--parallel", default="pmap", choices=PARALLEL, help="jax.pmap or shard_map")
-    ap.add_argument("--codec", default="sign", choices=sorted(jc.CODECS))
+    ap.add_argument(
+        "--codec",
+        default=None,
+        choices=sorted(jc.CODECS),
+        help="None: sign (--variant plain sends float32: no codec)",
+    )
     ap.add_argument("--steps", type=bounded(int, 1), default=500, help="training steps")
     ap.add_argument(
         "--lr", type=bounded(float, 0, open_low=True), default=0.05, help="SGD learning rate"
     )
     args = ap.parse_args(argv)
+    if args.variant == "plain" and args.codec is not None:
+        ap.error("argument --codec: --variant plain is jax.lax.pmean in float32, no codec")
     platform = jax.devices()[0].platform
     print(f"devices: {jax.local_device_count()} x {platform}; Linen MLP, {args.parallel}")
-    for variant in ("plain", args.variant):
+    for variant in dict.fromkeys(("plain", args.variant)):  # plain once
         r = train(
             variant,
-            args.codec,
+            args.codec or "sign",
             steps=args.steps,
             lr=args.lr,
             progress=True,

@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Muon's learning rate",
     )
     args = ap.parse_args(argv)
+    if args.steps < args.sync_every:
+        ap.error(
+            f"argument --steps: {args.steps} ends before the first sync "
+            f"(--sync-every {args.sync_every})"
+        )
     rows = [(m, *train(m, args)) for m in ("muon", "muloco")]
     base = rows[0][2]
     print(f"{'method':8s} {'accuracy':>9s} {'bytes/step/device':>18s} {'x fewer':>8s}")

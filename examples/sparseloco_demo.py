@@ -36,7 +36,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxcomp._src.periodic import at_count  # noqa: E402
+from jaxcomp._src.periodic import at_count, schedule  # noqa: E402
 
 AXIS = "data"
 
@@ -86,6 +86,26 @@ def compile_step(mesh, tx, specs, pspecs, kind, count=None):
     return jax.jit(fn, donate_argnums=(0, 1))
 
 
+def syncs(steps: int, sync_every: int) -> int:
+    """How many of ``steps`` steps sync (the periodic core's schedule: counts ``H-1, 2H-1...``)."""
+    return sum(any(schedule(t, sync_every=sync_every)) for t in range(steps))
+
+
+def check_flags(ap: argparse.ArgumentParser, args) -> None:
+    """Usage errors for flags that parse but cannot run, before any training: a run that
+    ends before its first sync (no bytes to compare: its replicas never met), and a
+    ``--topk`` that ``jc.demo`` refuses (more than a 64 x 64 block's 4096 components)."""
+    if args.steps < args.sync_every:
+        ap.error(
+            f"argument --steps: {args.steps} ends before the first sync "
+            f"(--sync-every {args.sync_every})"
+        )
+    try:
+        make("demo", args)
+    except ValueError as e:
+        ap.error(f"argument --topk: {e}")
+
+
 def make(method: str, args) -> tuple[str, optax.GradientTransformation]:
     if method == "adamw":
         return "pmean", optax.adamw(args.lr)
@@ -103,7 +123,8 @@ def train(method: str, args) -> tuple[float, float]:
 
 def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
     """Train ``tx`` (``kind``: ``"pmean"``, ``"replica"`` or ``"demo"``) for ``steps``:
-    (test accuracy, bytes per step per device; a replica step syncs every ``sync_every``)."""
+    (test accuracy, bytes per step per device over the run; a replica step syncs every
+    ``sync_every``: the sync step's bytes times the run's syncs, over ``steps``)."""
     (xtr, ytr), (xte, yte) = load_digits()
     mesh = jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Explicit,))
     params = init_params(jax.random.PRNGKey(0))
@@ -115,9 +136,10 @@ def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
     else:
         p, pspecs = jax.device_put(params, NamedSharding(mesh, P())), P()
     sample = (put(xtr[:256]), put(ytr[:256]))
-    if kind == "replica":  # the sync step's bytes, once per period
+    if kind == "replica":  # the sync step's bytes, at each of the run's syncs
         sync = compile_step(mesh, tx, specs, pspecs, kind, sync_every - 1)
-        per_step = jc.comm_report(sync, p, state, *sample).bytes_per_device / sync_every
+        per_sync = jc.comm_report(sync, p, state, *sample).bytes_per_device
+        per_step = per_sync * syncs(steps, sync_every) / steps
     else:
         fn = compile_step(mesh, tx, specs, pspecs, kind)
         per_step = jc.comm_report(fn, p, state, *sample).bytes_per_device
@@ -153,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         "--topk", type=bounded(int, 1), default=16, help="DeMo: components per 64x64 block"
     )
     args = ap.parse_args(argv)
+    check_flags(ap, args)
     rows = [(m, *train(m, args)) for m in ("adamw", "sparseloco", "demo")]
     base = rows[0][2]
     print(f"{'method':10s} {'accuracy':>9s} {'bytes/step/device':>18s} {'x fewer':>8s}")

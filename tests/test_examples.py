@@ -80,3 +80,17 @@ def test_gossip_says_which_side_sends_more():
 
     assert gossip.compare(115320.0, 67270.0) == "gossip sends 1.7x more"
     assert gossip.compare(9000.0, 67270.0) == "7.5x more than gossip"
+
+
+def test_periodic_examples_count_the_bytes_of_the_run():
+    """diloco.py / muloco.py / sparseloco_demo.py: bytes per step over the run's steps, from
+    the steps at which an exchange lands. Until 2026-11-27 they printed a period's average
+    whatever --steps: at --steps 6 --sync-every 4 (one sync) diloco's float32 exchange read
+    33618 B/step (134470 / 4) where the run sent 22412 (134470 / 6)."""
+    import diloco
+    import sparseloco_demo
+
+    assert diloco.exchanges(6, sync_every=4, fragments=1, delay=0) == [3]
+    assert diloco.exchanges(8, sync_every=4, fragments=2, delay=1) == [2, 4, 6]
+    assert diloco.exchanges(3, sync_every=4, fragments=1, delay=0) == []
+    assert [sparseloco_demo.syncs(s, 10) for s in (9, 10, 300, 305)] == [0, 1, 30, 30]

@@ -8,10 +8,12 @@ The ``--help`` answers come from one process (``tests/scripts/help_all.py``): an
 jax per script would cost a second or two each.
 """
 
+import itertools
 import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -196,3 +198,62 @@ def test_docs_list_every_example_with_a_command_it_accepts(helps):
             assert f"{flag}" in usage, f"{name}: {flag} is not a flag of the script"
             choices = re.search(rf"\[{flag} {{([^}}]*)}}\]", usage)
             assert not choices or value in choices.group(1).split(","), f"{name}: {flag} {value}"
+
+
+# ------------------------------------------------------------- commands the docs quote
+
+DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+# Where a quoted command line ends: shell syntax, or the prose after it inside the quote.
+_END = re.compile(r"^(\||\|\||&&|;|#.*|>.*|2>&1|\(.*|<!--.*|\\)$")
+# Placeholders a reader fills in (NAME, S, LR, $M, ...): such a command is not checked.
+_PLACEHOLDER = re.compile(r"^([A-Z][A-Z0-9]*|\.\.\.|.*\$.*|.*<.*>.*)$")
+
+
+def _quoted_lines(text: str) -> list[str]:
+    """Code in a page: fenced blocks' lines (continuations joined, ``VAR="..."`` set earlier
+    in the block substituted), indented blocks' lines and inline code spans."""
+    lines = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+        block = re.sub(r"\\\n\s*", " ", block)
+        for name, value in re.findall(r'^(\w+)="([^"]*)"', block, re.M):
+            block = block.replace(f"${name}", value)
+        lines += block.splitlines()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"\\\n\s*", " ", text)
+    lines += re.findall(r"^(?: {4}|\t)\s*(.+)$", text, re.M)
+    lines += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", text)]
+    return lines
+
+
+def docs_benchmark_commands() -> dict[str, list[str]]:
+    """Every ``python -m benchmarks.NAME ...`` the docs and the README quote, cut where its
+    shell syntax or prose starts; those with placeholders left out."""
+    out = {}
+    for path in DOCS:
+        for line in _quoted_lines(path.read_text()):
+            for m in re.finditer(r"python3? -m benchmarks\.(\w+)((?:(?!python3? ).)*)", line):
+                try:
+                    words = shlex.split(m.group(2), comments=True)
+                except ValueError:  # an unbalanced quote: the prose of a table cell
+                    continue
+                args = list(itertools.takewhile(lambda w: not _END.match(w), words))
+                if m.group(1).isupper() or any(_PLACEHOLDER.match(w) for w in args):
+                    continue
+                cmd = [sys.executable, "-m", f"benchmarks.{m.group(1)}", *args]
+                out.setdefault(" ".join(cmd[2:]), cmd)
+    return out
+
+
+def test_docs_quote_benchmark_command_lines_that_parse():
+    """Each benchmark command line in docs/ and the README parses with today's flags (only
+    the parse: a complete one stops the script before it runs anything), and names a
+    module of benchmarks/. Checked 2026-11-27: 129 distinct lines, all parse (their
+    ``--recipes`` names are not checked here: the scripts look them up after parsing)."""
+    commands = docs_benchmark_commands()
+    assert len(commands) >= 50, sorted(commands)
+    modules = {cmd[2].removeprefix("benchmarks.") for cmd in commands.values()}
+    missing = {m for m in modules if not (ROOT / "benchmarks" / f"{m}.py").exists()}
+    assert not missing, missing
+    answers = _answers(commands, "--parse-only")
+    bad = {c: a.stderr.strip().splitlines()[-1:] for c, a in answers.items() if a.returncode}
+    assert not bad, bad

@@ -5,11 +5,14 @@ user types (``[python, examples/x.py]`` or ``[python, -m, benchmarks.x]``). Each
 as its command would run it (``runpy`` with ``__main__``, ``sys.argv`` and ``sys.path[0]``
 as Python sets them) with ``--help`` appended (``--as-given``: nothing appended, for flags
 argparse refuses; a script still running after ``AS_GIVEN_SECONDS`` got past its argument
-checks and is stopped, exit code 1); its stdout, stderr and exit code are kept.
+checks and is stopped, exit code 1; ``--parse-only``: as given, and a parse that leaves no
+argument over stops the script with exit code 0 before it runs anything, for the command
+lines the docs quote); its stdout, stderr and exit code are kept.
 One process imports jax, flax and the harness once instead of once per script: the
 scripts' ``--help`` paths never touch a device, so they do not disturb each other.
 """
 
+import argparse
 import contextlib
 import io
 import json
@@ -19,6 +22,27 @@ import sys
 
 #: ``--as-given``: seconds a script may run before it counts as having accepted its flags.
 AS_GIVEN_SECONDS = 20
+#: ``--parse-only``: a complete parse stops the script (exit code 0).
+PARSE_ONLY = "--parse-only" in sys.argv[2:]
+
+
+class _Parsed(Exception):
+    """A parse with no argument left over (``--parse-only``): the command line is valid."""
+
+
+def _parse_only() -> None:
+    """Make every complete parse stop the script: ``parse_args`` goes through
+    ``parse_known_args``; a parser that leaves arguments over (a front parser passing the
+    rest to another, as ``benchmarks.lm_diloco`` does to ``benchmarks.lm``) returns them."""
+    known = argparse.ArgumentParser.parse_known_args
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = known(self, args, namespace)
+        if not extras:
+            raise _Parsed
+        return namespace, extras
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args
 
 
 def _stop(signum, frame):
@@ -43,6 +67,11 @@ def _answer(command: list[str], extra: tuple[str, ...] = ("--help",)) -> dict:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
                 runpy.run_path(target, run_name="__main__")
+            if PARSE_ONLY:  # it ran without a complete parse (and may have written files)
+                print("ran to its end without a parse that stopped it", file=err)
+                code = 1
+        except _Parsed:
+            code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException as e:  # noqa: BLE001 - reported to the test, like a crash
@@ -56,5 +85,8 @@ def _answer(command: list[str], extra: tuple[str, ...] = ("--help",)) -> dict:
 
 if __name__ == "__main__":
     commands = json.loads(sys.argv[1])
-    extra = () if "--as-given" in sys.argv[2:] else ("--help",)
+    given = {"--as-given", "--parse-only"} & set(sys.argv[2:])
+    extra = () if given else ("--help",)
+    if PARSE_ONLY:
+        _parse_only()
     print(json.dumps({name: _answer(cmd, extra) for name, cmd in commands.items()}))

@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         choices=[s for s in STRATEGIES if s != "auto"],
         metavar="STRATEGY",
-        help="strategies to try (default: allreduce allgather two_phase)",
+        help="strategies to try (None: allreduce, allgather, two_phase where a codec can carry "
+        "them)",
     )
     p.add_argument(
         "--check",
@@ -104,8 +105,29 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error where no strategy of ``--strategies`` can carry a codec of ``--codecs``:
+    the autotuner would leave its rows out of the table without a word."""
+    from jaxcomp._src.codecs.registry import get_codec
+    from jaxcomp._src.cost import check_pair
+
+    def carries(codec, strategy: str) -> bool:
+        try:
+            check_pair(codec, strategy)
+        except ValueError:
+            return False
+        return True
+
+    for name in args.codecs if args.strategies else ():
+        codec = None if name == "none" else get_codec(name)
+        if codec is not None and not any(carries(codec, s) for s in args.strategies):
+            parser.error(f"argument --strategies: none of {args.strategies} carries {name}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_strategies(parser, args)
     if args.devices:
         from jaxcomp.cpu import use_cpu_devices
 

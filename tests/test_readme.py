@@ -61,3 +61,26 @@ def test_quickstart_runs_as_written():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "quickstart OK" in proc.stdout
+
+
+def test_codec_table_bits_are_payload_bytes():
+    """The codec table's bits per value are ``payload_bytes``' (one scale per block of 256
+    or one norm per bucket of 512 aside). Until 2026-11-27 it said "bits" for int_quant and
+    ceil(log2(2s+1)) for qsgd: codes of 3, 5, 6 or 7 bits are packed ``32 // bits`` to a
+    uint32 word, so int_quant(7) sends 8 bits a value and qsgd(16) 6.4, not 6."""
+    import jaxcomp as jc
+
+    d = 1 << 16
+    per_value = {b: 8 * jc.int_quant(b).payload_bytes(d) / d - 32 / 256 for b in (3, 4, 5, 6, 7, 8)}
+    assert {b: round(v, 2) for b, v in per_value.items()} == {
+        3: 3.2,
+        4: 4.0,
+        5: 5.33,
+        6: 6.4,
+        7: 8.0,
+        8: 8.0,
+    }
+    assert round(8 * jc.qsgd(16).payload_bytes(d) / d - 32 / 512, 2) == 6.4
+    row = next(ln for ln in README.splitlines() if ln.startswith("| `int_quant("))
+    assert "3.2 / 5.33 / 6.4 / 8" in row
+    assert "(s = 16: 6.4)" in next(ln for ln in README.splitlines() if ln.startswith("| `qsgd("))

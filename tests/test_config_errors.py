@@ -625,6 +625,24 @@ CHECKS = [
         ValueError,
     ),
     ("diloco", "inner", lambda: jc.diloco(None, "d", 4), TypeError),
+    (
+        "local_sgd, diloco, sparseloco",
+        "shard_axis",
+        lambda: jc.diloco(SGD, "d", 4, shard_axis=0),
+        TypeError,
+    ),
+    (
+        "local_sgd, diloco, sparseloco",
+        "shard_axis",
+        lambda: jc.local_sgd(SGD, "d", 4, shard_axis=["data", 1]),
+        TypeError,
+    ),
+    (
+        "local_sgd, diloco, sparseloco",
+        "shard_axis",
+        lambda: jc.sparseloco(SGD, "d", 4, shard_axis=1.0),
+        TypeError,
+    ),
     ("diloco", "outer", lambda: jc.diloco(SGD, "d", 4, outer="nesterov"), TypeError),
     ("diloco", "sync_every", lambda: jc.diloco(SGD, "d", 0), ValueError),
     ("diloco", "sync_every", lambda: jc.diloco(SGD, "d", "4"), TypeError),
@@ -1134,6 +1152,12 @@ TRACE_CHECKS = [
         lambda x: _two_gathers_one_residual(x["w"]),
         ValueError,
     ),
+    (
+        "fsdp_gather",
+        "residual",
+        lambda x: _residual_closed_over_by_a_scan(x["w"]),
+        ValueError,
+    ),
     ("fsdp_residual", "axis_name", lambda x: jc.fsdp_residual(x, "model"), ValueError),
     ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
     ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
@@ -1258,6 +1282,12 @@ def _two_gathers_one_residual(w):
     return jc.fsdp_gather(w, "data", residual=r)
 
 
+def _residual_closed_over_by_a_scan(w):
+    r = jc.fsdp_residual(w, "data")
+    gather = lambda h, _: (h + jc.fsdp_gather(w, "data", residual=r), None)  # noqa: E731
+    return jax.lax.scan(gather, jnp.zeros((8 * w.shape[0], *w.shape[1:])), None, length=2)[0]
+
+
 @pytest.mark.parametrize("row", TRACE_CHECKS, ids=[_id(r) for r in TRACE_CHECKS])
 def test_trace_time_check_raises_naming_the_argument(row):
     _, arg, fn, exc = row
@@ -1289,8 +1319,10 @@ def _overlap_reuse_test():
 
 def _elsewhere_tests():
     """Tests of other files that raise an errors.md row's check (not collected here):
-    delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes)."""
+    delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes),
+    dgc's clip_norm on HSDP shards (a 2 x 4 mesh)."""
     import test_delayed
+    import test_fsdp_compose
     import test_multihost
 
     return {
@@ -1299,6 +1331,9 @@ def _elsewhere_tests():
         ),
         ("sharded_init", "tx", ValueError): (
             test_multihost.test_a_per_process_seed_is_refused_at_sharded_init
+        ),
+        ("dgc (update)", "clip_norm", ValueError): (
+            test_fsdp_compose.test_clipping_shards_without_shard_axis_is_refused_where_the_params_say_so
         ),
     }
 

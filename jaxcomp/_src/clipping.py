@@ -83,6 +83,44 @@ def check_shards(updates: Any, shard_axis: Any) -> None:
         )
 
 
+def shard_axes_of_params(params: Any, axes: tuple) -> list:
+    """The manual mesh axes outside ``axes`` over which both a float param and its gradient
+    are typed as differing (``check_vma=True``): the param is a shard of one model there
+    (FSDP's ``P("replica", "data")`` inside a replica, a manual tensor-parallel axis). Per-device
+    replicas (``jc.replica_params``) differ over the transform's own axis only, which
+    ``axes`` holds; none where jax does not type it (``pmap``, ``check_vma=False``) or
+    ``params`` is not given."""
+    if params is None:
+        return []
+    found = set()
+    for p in float_leaves(params):
+        found |= skeleton.varying_axes(p)
+    found -= set(axes)
+    return sorted((a for a in found if skeleton.tracks_variance(a)), key=str)
+
+
+def check_whole_params(
+    name: str, arg: str, params: Any, own: tuple, shards: tuple, fix: str
+) -> None:
+    """Refuse a clipping that would take each shard's own norm: ``params`` typed as differing
+    over a manual axis outside ``own`` (the exchange's axes) and ``shards`` (a ``shard_axis``
+    given) are shards of one model there, and a norm of the local shard scales each shard by
+    its own factor (another direction, no error). ``fix`` names the way out, formatted with
+    ``shard_axis``: the axes to name (``shards`` and the ones found)."""
+    extra = shard_axes_of_params(params, (*own, *shards))
+    if extra:
+        found = extra[0] if len(extra) == 1 else tuple(extra)
+        names = (*shards, *extra)
+        suggested = names[0] if len(names) == 1 else names
+        raise ValueError(
+            f"{name}: the params (`params` of update) differ per device over the mesh axis "
+            f"{found!r} beside the exchange's, so each device holds a shard of one model there "
+            "(FSDP, e.g. params P('replica', 'data')), and `"
+            f"{arg}` would clip each shard by its own norm: every shard scaled by another "
+            f"factor, a gradient of another direction. {fix.format(shard_axis=suggested)}"
+        )
+
+
 def check_per_device_gradients(updates: Any, axis_name: Any, max_norm: Any) -> None:
     """Refuse gradients typed identical on every device (``shard_map(..., check_vma=True)``):
     chained after an exchange, :func:`clip_by_global_norm` receives the mean, and its
@@ -166,8 +204,13 @@ def clip_by_global_norm(
       TypeError: at construction, ``max_norm``, ``bound`` or ``shard_axis`` of the wrong kind.
 
     The update refuses gradients already identical on every device (``check_vma=True``),
-    the mean of an exchange chained before it, with ValueError naming ``updates``; and
-    gradients identical on every device of ``shard_axis`` (not shards), naming ``shard_axis``.
+    the mean of an exchange chained before it, with ValueError naming ``updates``;
+    gradients identical on every device of ``shard_axis`` (not shards), naming ``shard_axis``;
+    and, naming ``shard_axis``, ``params`` typed as differing over a manual axis outside
+    ``axis_name`` and ``shard_axis`` (shards of one model there, e.g. HSDP's
+    ``P("replica", "data")``: each shard would be clipped by its own norm). FSDP shards over
+    ``axis_name`` itself look like per-device replicas (``jc.replica_params``) in jax's types
+    and are not refused: pass ``shard_axis`` for them.
 
     Example::
 
@@ -192,8 +235,16 @@ def clip_by_global_norm(
         )
 
     def update_fn(updates, state, params=None):
-        del params
         skeleton.check_real("clip_by_global_norm", updates)  # it would pass unclipped
+        check_whole_params(
+            "clip_by_global_norm",
+            "shard_axis",
+            params,
+            () if axis_name is None else collectives.axis_names(axis_name),
+            () if shard_axis is None else collectives.axis_names(shard_axis),
+            "Clip by the norm of the whole gradient: "
+            f"jc.clip_by_global_norm({max_norm!r}, {axis_name!r}, shard_axis={{shard_axis!r}})",
+        )
         if axis_name is not None:
             check_per_device_gradients(updates, axis_name, max_norm)
         n = 1 if axis_name is None else collectives.axis_size(axis_name)

@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import buckets, collectives, feedback, server, shards, skeleton, warmup
+from jaxcomp._src import (
+    buckets,
+    clipping,
+    collectives,
+    feedback,
+    server,
+    shards,
+    skeleton,
+    warmup,
+)
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.codecs.base import (
     F32_MAX,
@@ -390,7 +399,9 @@ def dgc(
       ValueError: at construction, ``ratio``, ``axis_name``, ``momentum``, ``clip_norm``,
         ``warmup_steps``, ``warmup_schedule``, ``sample_ratio``, ``min_size``, ``strategy``,
         ``seed`` or ``inner_axis_name`` outside its rule (the message names the argument; the rules:
-        docs/errors.md).
+        docs/errors.md); when traced, ``clip_norm`` given while the ``params`` passed to update
+        are typed as differing over a manual axis outside ``axis_name`` (FSDP shards inside a
+        replica: the local clipping would take each shard's own norm).
       TypeError: at construction, ``ratio``, ``momentum``, ``nesterov``, ``momentum_masking``,
         ``clip_norm``, ``warmup_steps``, ``warmup_schedule``, ``sample_ratio``, ``min_size``,
         ``seed``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
@@ -476,6 +487,15 @@ def dgc(
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
         if clip_norm is not None:
+            clipping.check_whole_params(
+                "dgc",
+                "clip_norm",
+                params,
+                (*collectives.axis_names(axis_name), *collectives.axis_names(inner_axis_name)),
+                (),
+                f"Leave `clip_norm` out and chain jc.clip_by_global_norm({clip_norm!r}, "
+                f"{axis_name!r}, shard_axis={{shard_axis!r}}) before jc.dgc.",
+            )
             g, p = _clip_local(g, p, clip_norm / math.sqrt(n))
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         bad = _checked(g, plain_bad, axis_name)

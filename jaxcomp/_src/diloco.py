@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jaxcomp._src import collectives, periodic
+from jaxcomp._src import collectives, periodic, shards
 from jaxcomp._src.codecs.base import Codec
 
 #: DiLoCo's default outer step: plain averaging up to this many replicas, Nesterov above.
@@ -97,6 +97,7 @@ def diloco(
     fragments: int = 1,
     delay: int = 0,
     mix: float | None = None,
+    shard_axis: Any = None,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``H`` inner steps per device, then an outer step on the averaged
@@ -167,6 +168,14 @@ def diloco(
         (default 0.5 with ``delay``, else 1: restart from them). Only with ``delay``:
         without it every device restarts from the new global params, so a ``mix`` other
         than 1 is refused.
+      shard_axis: the mesh axis (or tuple) over which the params are FSDP shards inside each
+        replica (params ``P(axis_name, "data")``, gradients from ``jc.fsdp_gather``), as
+        :func:`jaxcomp.clip_by_global_norm`'s: the non-finite flags are or-ed over it (one
+        scalar ``psum`` per flag), so a non-finite shard skips the sync of every shard.
+        Under ``check_vma=True`` jax's types tell the shards anyway (None works); under
+        ``check_vma=False`` they do not, and with another manual axis bound beside
+        ``axis_name`` the update warns where this is None. ``()``: the params are whole
+        (data parallel inside), no warning.
       **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
         ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
         float32, so on a small model ``codec=jc.int_quant(4)`` compresses nothing unless
@@ -184,8 +193,8 @@ def diloco(
         ``error_feedback`` or ``axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md).
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``fragments``, ``delay``,
-        ``mix``, ``codec``, ``min_size``, ``mask`` or ``axis_name`` of the wrong kind;
-        ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.
+        ``mix``, ``codec``, ``min_size``, ``mask``, ``shard_axis`` or ``axis_name`` of the wrong
+        kind; ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.
 
     Example::
 
@@ -229,4 +238,5 @@ def diloco(
         fragments=fragments,
         delay=delay,
         mix=(0.5 if delay else 1.0) if mix is None else mix,
+        shard_axis=shards.check_shard_axis(shard_axis),
     )

@@ -14,8 +14,10 @@ and whose "gradient" is ``e_j'``; one ``jax.grad(loss, argnums=(0, 1))`` returns
 gradients and the new residual. A non-finite step keeps the old residual.
 
 hpZ: with ``inner_axis_name`` the gather is two hops, the codec over the slow ``axis_name``
-first, then ``jax.lax.all_gather`` over the fast inner axis (whose transpose is a float32
-reduce-scatter over the inner axis, before the compressed one). The slow hop's result is
+first, then ``jax.lax.all_gather`` over the fast inner axis (whose transpose is a
+reduce-scatter over the inner axis in the leaves' dtype, before the compressed one; with error
+feedback on bf16 / fp16 leaves the fast hop runs inside the VJP and sums in float32, so that
+its rounding is kept in the residual too). The slow hop's result is
 named ``"fsdp_secondary"`` (``jax.ad_checkpoint.checkpoint_name``): under
 ``jax.checkpoint(..., policy=jax.checkpoint_policies.save_only_these_names("fsdp_secondary"))``
 it is kept (``1/L`` of the weights per device, ZeRO++'s secondary partition) and the backward
@@ -25,6 +27,8 @@ re-gather crosses only the fast axis.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import weakref
 from typing import Any, NamedTuple
 
@@ -32,13 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_ctx: the trace a call is recorded into
+from jax._src.lax.control_flow import loops as jax_loops  # scan's frame: the loop's length
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
-from jaxcomp._src.sharded import exact, gather_outer, scatter_rows, tile, two_hop_stack
+from jaxcomp._src.sharded import (
+    exact,
+    exact_scatter,
+    gather_outer,
+    scatter_rows,
+    tile,
+    two_hop_stack,
+)
 from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
 
 #: The name of the slow hop's result (hpZ's secondary partition) for ``jax.checkpoint`` policies.
@@ -54,6 +66,19 @@ class _Config(NamedTuple):
     grads: Codec | None
     bucket_bytes: int
     varying: frozenset  # the mesh axes the shards vary over
+    fast_inside: bool = False  # the fast hop inside the VJP: its sum in float32 (narrow + EF)
+
+
+def _keeps_fast_rounding(inner_axis_name: Any, grads: Any, residual: Any, leaves: list) -> bool:
+    """Whether the fast hop's transpose runs inside the VJP in float32: two hops, error
+    feedback through a lossy ``grads`` codec, and a leaf narrower than float32 (bf16, fp16),
+    whose sum over the inner axis jax would round to its dtype, out of the residual's reach.
+    Elsewhere the fast hop stays ``jax.lax.all_gather`` and its own transpose."""
+    if inner_axis_name is None or residual is None or grads is None or exact(grads):
+        return False
+    return any(
+        jnp.issubdtype(a.dtype, jnp.floating) and jnp.finfo(a.dtype).bits < 32 for a in leaves
+    )
 
 
 def _check_codec(name: str, codec: Any, need_dense: bool) -> Codec | None:
@@ -84,28 +109,53 @@ def _stacked(shards: list, cfg: _Config) -> list:
     return out
 
 
+def _both_hops(shards: list, cfg: _Config) -> list:
+    """The slow hop, then (``cfg.fast_inside``) the fast one: ``[H * L, *shard.shape]``."""
+    stacked = _stacked(shards, cfg)
+    if not cfg.fast_inside:
+        return stacked
+    return [two_hop_stack(checkpoint_name(s, SECONDARY), cfg.inner_axis_name) for s in stacked]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gather(shards: list, residual: Any, cfg: _Config) -> list:
-    """``[n, *shard.shape]`` per leaf over ``cfg.axis_name``; the residual is not read."""
-    return _stacked(shards, cfg)
+    """``[n, *shard.shape]`` per leaf over ``cfg.axis_name`` (``[H * L, ...]`` over both axes
+    with ``cfg.fast_inside``); the residual is not read."""
+    return _both_hops(shards, cfg)
 
 
 def _gather_fwd(shards, residual, cfg):
-    return _stacked(shards, cfg), residual
+    return _both_hops(shards, cfg), residual
+
+
+def _fast_transpose(ct: jax.Array, cfg: _Config) -> jax.Array:
+    """The transpose of the fast hop (:func:`two_hop_stack`) summed in float32: ``[H * L,
+    *shape]`` -> ``f32[H, *shape]``, this device's share of the inner axis, unrounded. jax's
+    own transpose sums in the leaf's dtype, and the rounding of that sum would be lost to
+    error feedback."""
+    n = ct.shape[0] // axis_size(cfg.inner_axis_name)
+    blocks = jnp.swapaxes(ct.astype(jnp.float32).reshape(n, -1, *ct.shape[1:]), 0, 1)
+    return exact_scatter(blocks, cfg.inner_axis_name, 0, False)
 
 
 def _gather_bwd(cfg, residual, cts):
     """The transpose: reduce-scatter the cotangents through ``cfg.grads`` (plus error
     feedback); the residual's cotangent is the new residual. An empty leaf's cotangent is
     empty and takes no part in a collective (nor its residual)."""
+    dtypes = [ct.dtype for ct in cts]
+    if cfg.fast_inside:
+        cts = [_fast_transpose(ct, cfg) if ct.size else ct for ct in cts]
     full = [i for i, ct in enumerate(cts) if ct.size]
     if len(full) == len(cts):
-        return _scatter_cotangents(cfg, residual, cts)
-    grads = [varying_over(jnp.zeros(ct.shape[1:], ct.dtype), cfg.varying) for ct in cts]
+        return _scatter_cotangents(cfg, residual, cts, dtypes)
+    grads = [
+        varying_over(jnp.zeros(ct.shape[1:], d), cfg.varying)
+        for ct, d in zip(cts, dtypes, strict=True)
+    ]
     new_residual = None if residual is None else [jnp.zeros_like(r) for r in residual]
     if full:
         some = None if residual is None else [residual[i] for i in full]
-        g, r = _scatter_cotangents(cfg, some, [cts[i] for i in full])
+        g, r = _scatter_cotangents(cfg, some, [cts[i] for i in full], [dtypes[i] for i in full])
         for k, i in enumerate(full):
             grads[i] = g[k]
             if r is not None:
@@ -113,10 +163,12 @@ def _gather_bwd(cfg, residual, cts):
     return grads, new_residual
 
 
-def _scatter_cotangents(cfg, residual, cts):
-    """:func:`_gather_bwd` of leaves that are not empty. With ``grads`` None or the identity
-    the sum is ``jax.lax.psum_scatter`` in the cotangent's dtype (all_gather's own transpose,
-    bit for bit); a residual, zero under an exact reduction, is added in that dtype."""
+def _scatter_cotangents(cfg, residual, cts, dtypes):
+    """:func:`_gather_bwd` of leaves that are not empty, ``dtypes`` the leaves' (the
+    cotangents are float32 after :func:`_fast_transpose`). With ``grads`` None or the
+    identity the sum is ``jax.lax.psum_scatter`` in the cotangent's dtype (all_gather's own
+    transpose, bit for bit); a residual, zero under an exact reduction, is added in that
+    dtype."""
     if exact(cfg.grads):
         blocks = [ct.reshape(ct.shape[0], -1) for ct in cts]
         if residual is not None:
@@ -142,13 +194,13 @@ def _scatter_cotangents(cfg, residual, cts):
             None
             if residual is None
             else [
-                jnp.where(bad, r, _kept(b - t, o, ct.dtype, cfg.axis_name).reshape(r.shape)).astype(
+                jnp.where(bad, r, _kept(b - t, o, d, cfg.axis_name).reshape(r.shape)).astype(
                     r.dtype
                 )
-                for b, t, o, ct, r in zip(blocks, s.sent, own, cts, residual, strict=True)
+                for b, t, o, d, r in zip(blocks, s.sent, own, dtypes, residual, strict=True)
             ]
         )
-    grads = [o.reshape(ct.shape[1:]).astype(ct.dtype) for o, ct in zip(own, cts, strict=True)]
+    grads = [o.reshape(ct.shape[1:]).astype(d) for o, ct, d in zip(own, cts, dtypes, strict=True)]
     _check_cotangent_axes(grads, cfg.varying)
     return grads, new_residual
 
@@ -290,6 +342,69 @@ def _claim(r_leaves: list) -> None:
         traces.append(weakref.ref(trace) if trace is not None else lambda: None)
 
 
+#: What jax's traces of loop bodies are traced for (``DebugInfo.traced_for``): a body runs
+#: once per iteration, so a residual it closes over feeds every iteration's gather.
+_LOOP_BODIES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
+_SCAN_CODE = getattr(inspect.unwrap(jax_loops.scan), "__code__", None)
+
+
+def _scan_length(debug_info: Any) -> int | None:
+    """The length of the ``lax.scan`` tracing the body of ``debug_info`` (its frame, found on
+    the Python stack by that object), or None where it is not found (another jax)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is _SCAN_CODE and frame.f_locals.get("dbg_body") is debug_info:
+            length = frame.f_locals.get("length")
+            return length if isinstance(length, int) else None
+        frame = frame.f_back
+    return None
+
+
+def _enclosing_loop(r: Any) -> str | None:
+    """The loop body between the current trace and the trace ``r`` belongs to, if one runs
+    more than once: ``"lax.scan of length 3"``, ``"while_body"``; else None.
+
+    jax records a loop body into a trace of its own whose ``parent_trace`` is the trace the
+    loop is called in; a residual the body closes over belongs to an outer trace, one passed
+    as ``xs`` (or carried) to the body's own. So the traces crossed walking out from the
+    current one to the residual's are the bodies that close over it. A scan whose length is
+    1 runs the body once (no error); one whose length is not found counts as longer."""
+    owner = getattr(r, "_trace", None)
+    trace = _current_trace()
+    while trace is not None and trace is not owner:
+        info = getattr(getattr(trace, "frame", None), "debug_info", None)
+        kind = getattr(info, "traced_for", None)
+        if kind in _LOOP_BODIES:
+            length = _scan_length(info) if kind in ("scan", "fori_loop") else None
+            if length is None or length > 1:
+                return kind if length is None else f"lax.{kind} of length {length}"
+        trace = getattr(trace, "parent_trace", None)
+    return None
+
+
+def _check_not_looped(r_leaves: list) -> None:
+    """Refuse a residual closed over by a loop body (not passed to it as ``xs``).
+
+    Each iteration's backward adds the same residual to its own cotangent and hands back a
+    new residual as the residual's cotangent, which the loop's transpose sums over the
+    iterations: with stacked layers in a ``lax.scan`` (each iteration gathers one layer) every
+    layer's error feedback would read one memory and the new memory would be the sum of the
+    layers', silently. There is no right answer to give (one memory per layer is needed), so
+    the call is refused naming the fix: the residual stacked per layer and passed as ``xs``."""
+    for r in r_leaves:
+        loop = _enclosing_loop(r)
+        if loop is not None:
+            raise ValueError(
+                f"`residual` is closed over by a loop body ({loop}) that runs fsdp_gather "
+                "once per iteration: each iteration's backward would add the same residual "
+                "to its cotangent and the new residual would be the sum of every "
+                "iteration's. Give each iteration its own residual: stack them and pass "
+                "them to the loop as xs, e.g. jax.lax.scan(body, h, (stacked_shards, "
+                "jnp.moveaxis(jc.fsdp_residual(stacked_shards, axis_name), 0, 1))) with "
+                "the shards stacked on axis 0"
+            )
+
+
 def fsdp_gather(
     shards: Any,
     axis_name: Any,
@@ -360,6 +475,7 @@ def fsdp_gather(
         _check_codec("grads", grads, False),
         buckets.check_bucket_bytes(bucket_bytes),
         frozenset().union(*[varying_axes(a) for a in leaves]) if leaves else frozenset(),
+        _keeps_fast_rounding(inner_axis_name, grads, residual, leaves),
     )
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
@@ -370,9 +486,10 @@ def fsdp_gather(
     _check_shards(leaves, paths, axis)
     r_leaves = _check_residual(residual, leaves, treedef, n)
     if r_leaves is not None:
+        _check_not_looped(r_leaves)
         _claim(r_leaves)
     stacked = _gather(leaves, r_leaves, cfg)
-    if inner_axis_name is not None:
+    if inner_axis_name is not None and not cfg.fast_inside:
         stacked = [two_hop_stack(checkpoint_name(s, SECONDARY), inner_axis_name) for s in stacked]
     out = [tile(s, axis % a.ndim, True) for s, a in zip(stacked, leaves, strict=True)]
     return jax.tree.unflatten(treedef, out)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jaxcomp._src import periodic
+from jaxcomp._src import periodic, shards
 from jaxcomp._src.codecs.base import Codec
 
 
@@ -37,6 +37,7 @@ def local_sgd(
     codec: Codec | None = None,
     start_step: int = 0,
     error_feedback: str | None = "auto",
+    shard_axis: Any = None,
     **exchange: Any,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local SGD: each device runs ``inner`` on its own gradients; every ``sync_every`` steps
@@ -77,6 +78,14 @@ def local_sgd(
         start.
       error_feedback: the codec's feedback, as for :func:`jaxcomp.compressed_allreduce`;
         ``"residual"`` / ``"ef21"`` only with ``codec``.
+      shard_axis: the mesh axis (or tuple) over which the params are FSDP shards inside each
+        replica (params ``P(axis_name, "data")``, gradients from ``jc.fsdp_gather``), as
+        :func:`jaxcomp.clip_by_global_norm`'s: the non-finite flags are or-ed over it (one
+        scalar ``psum`` per flag), so a non-finite shard skips the sync of every shard.
+        Under ``check_vma=True`` jax's types tell the shards anyway (None works); under
+        ``check_vma=False`` they do not, and with another manual axis bound beside
+        ``axis_name`` the update warns where this is None. ``()``: the params are whole
+        (data parallel inside), no warning.
       **exchange: options of the codec's exchange (``jc.compressed_allreduce``):
         ``strategy``, ``min_size`` (default 1024: smaller leaves are averaged in plain
         float32; ``init`` warns when that leaves the codec nothing to compress),
@@ -92,8 +101,8 @@ def local_sgd(
       ValueError: at construction, ``sync_every``, ``start_step``, ``error_feedback`` or
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
       TypeError: at construction, ``inner``, ``sync_every``, ``start_step``, ``codec``,
-        ``min_size``, ``mask`` or ``axis_name`` of the wrong kind; ``error_feedback``
-        ``"residual"`` / ``"ef21"`` without ``codec``.
+        ``min_size``, ``mask``, ``shard_axis`` or ``axis_name`` of the wrong kind;
+        ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.
 
     Example::
 
@@ -122,4 +131,5 @@ def local_sgd(
         error_feedback=error_feedback,
         exchange=exchange,
         start_step=start_step,
+        shard_axis=shards.check_shard_axis(shard_axis),
     )

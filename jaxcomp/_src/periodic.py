@@ -120,6 +120,7 @@ class Config:
     start_step: int = 0
     options: tuple = ()  # (name, value) pairs: the codec exchange's options (EXCHANGE_OPTIONS)
     early: tuple = ()  # steps (from 1, after start_step) of the syncs before every sync_every
+    shard_axis: Any = None  # the axes the params are FSDP shards over, for untyped programs
 
     @property
     def axes(self) -> tuple:
@@ -335,7 +336,7 @@ def _sync_now(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
     delta = [a - _local(p, v) for a, p, v in zip(a_f, p_f, u_f, strict=True)]
     mean, e_f = ex.average(delta, e_f)
     a_f, o_f = ex.outer_step(mean, o_f, a_f)
-    bad = shards.any_shard(_nonfinite(mean))
+    bad = shards.any_shard(_nonfinite(mean), shard_axis=ex.cfg.shard_axis)
     return _restart(a_f, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
 
 
@@ -356,7 +357,7 @@ def _land(ex: _Exchange, ops: tuple, axes: tuple) -> tuple:
     a_f, o_f = ex.outer_step(mean, o_f, a_f)
     mix = ex.cfg.mix
     target = [(1.0 - mix) * _local(p, v) + mix * a for p, v, a in zip(p_f, u_f, a_f, strict=True)]
-    bad = shards.any_shard(_nonfinite(mean))
+    bad = shards.any_shard(_nonfinite(mean), shard_axis=ex.cfg.shard_axis)
     return _restart(target, p_f, u_f, bad, axes), a_f, o_f, e_f, bad
 
 
@@ -412,6 +413,7 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: A
             "device's own params to the synchronized ones"
         )
     skeleton.begin(cfg.name, updates, params, cfg.axis_name)
+    shards.warn_untyped_shards(cfg.name, cfg.axis_name, cfg.shard_axis)
     replicas.check_within_replica(cfg.name, updates, params, cfg.axis_name)
     expected = jax.eval_shape(init_fn, params)
     names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]
@@ -494,7 +496,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = treedef.flatten_up_to(u)
         floats = [x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)]
-        local_bad = shards.any_shard(_nonfinite(floats), keep=cfg.axes)
+        local_bad = shards.any_shard(_nonfinite(floats), keep=cfg.axes, shard_axis=cfg.shard_axis)
         out, anchor, parts, bad = _sync_fragments(ex, state, treedef, p_leaves, u_leaves)
         # A device's non-finite inner update freezes its inner state only. Its delayed
         # pseudo-gradient snapshot (``pending``) is the message the next landing exchanges:

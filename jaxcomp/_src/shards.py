@@ -39,7 +39,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import sharding
-from jaxcomp._src.axes import varying_axes
+from jaxcomp._src.axes import (
+    axis_names,
+    check_axis_name,
+    manual_axes,
+    tracks_variance,
+    varying_axes,
+)
 
 _AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxcomp_shard_axes", default=())
 
@@ -177,7 +183,7 @@ def any_block(flag: jax.Array) -> jax.Array:
     return any_shard(flag)
 
 
-def any_shard(flag: jax.Array, keep: tuple = ()) -> jax.Array:
+def any_shard(flag: jax.Array, keep: tuple = (), shard_axis: Any = None) -> jax.Array:
     """``flag`` or-ed over the manual mesh axes it still differs on, ``keep`` excepted.
 
     A step's non-finite flag, or-ed over the transform's own axis, still differs per device
@@ -185,9 +191,45 @@ def any_shard(flag: jax.Array, keep: tuple = ()) -> jax.Array:
     inside a replica of ``jc.diloco(..., "replica")``, params ``P("replica", "data")``): a
     non-finite shard must freeze every shard's state, as one model's (and ``lax.cond``'s
     branches must agree on the flag's type). One scalar ``psum``; none where the flag is the
-    same everywhere already or jax does not type it (``pmap``, ``check_vma=False``).
+    same everywhere already. Where jax does not type it (``pmap``, ``check_vma=False``) the
+    axes are those the user names as ``shard_axis`` (the transforms' argument), or none.
     """
-    extra = tuple(sorted(varying_axes(flag) - set(keep), key=str))
+    extra = set(varying_axes(flag))
+    if shard_axis and not tracks_variance(shard_axis):
+        extra |= set(axis_names(shard_axis))
+    extra = tuple(sorted(extra - set(keep), key=str))
     if not extra:
         return flag
     return jax.lax.psum(flag.astype(jnp.int32), extra) > 0
+
+
+def check_shard_axis(shard_axis: Any) -> Any:
+    """Construction-time check of a transform's ``shard_axis``: None, ``()`` (the params are
+    whole: no shard axis) or a mesh axis name (a str) or a tuple of them."""
+    if shard_axis is None or (isinstance(shard_axis, tuple) and not shard_axis):
+        return shard_axis
+    return check_axis_name(shard_axis, "shard_axis")
+
+
+def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
+    """Warn, while tracing, where FSDP shards inside the replicas cannot be told from whole
+    params and ``shard_axis`` is not given: jax types no variance (``check_vma=False``) and
+    another manual axis of size > 1 is bound beside ``axis_name``. Shards would then flag a
+    non-finite value on their own devices only: that shard's sync skipped, the others' run,
+    the model's shards apart with no error."""
+    own = set(axis_names(axis_name))
+    if shard_axis is not None or tracks_variance(axis_name):
+        return
+    shape = dict(jax.sharding.get_abstract_mesh().shape)
+    others = sorted(a for a in manual_axes() - own if shape.get(a, 1) > 1)
+    if others:
+        warnings.warn(
+            f"jaxcomp: {name} over {axis_name!r} with the manual axes {others} bound beside "
+            "it, where jax does not type which values differ per device (check_vma=False, "
+            "pmap): if the params are FSDP shards over them, pass shard_axis="
+            f"{others[0] if len(others) == 1 else tuple(others)!r} so that a non-finite shard "
+            "skips the sync of every shard (without it only that shard's devices skip it and "
+            "the model's shards go apart); if they are whole on every device there (data "
+            "parallel inside), pass shard_axis=() to say so.",
+            stacklevel=4,
+        )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import periodic, shared_mask, skeleton, sparse_exchange
+from jaxcomp._src import periodic, shards, shared_mask, skeleton, sparse_exchange
 from jaxcomp._src.codecs.base import (
     Codec,
     check_fraction,
@@ -430,6 +430,7 @@ def sparseloco(
     value_codec: Codec | None = None,
     explore: float | None = None,
     seed: int = 0,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -535,6 +536,11 @@ def sparseloco(
         ``seed=jax.process_index()``), naming the leaf ``exchange[0].key``.
         Default 0, the key of ``jax.random.PRNGKey(0)`` used before the argument existed
         (the same masks, bit for bit). Only 0 with ``mask="topk"``, which draws nothing.
+      shard_axis: the mesh axis (or tuple) over which the params are FSDP shards inside each
+        replica, as :func:`jaxcomp.diloco`'s: the non-finite flags are or-ed over it, so a
+        non-finite shard skips the sync of every shard (needed under ``check_vma=False``,
+        where the update warns without it; ``()``: the params are whole). The top-k, its
+        scales and ``clip`` stay per shard.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -545,7 +551,8 @@ def sparseloco(
         ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
         the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``.
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
-        ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore`` or ``seed`` of
+        ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore``, ``seed`` or
+        ``shard_axis`` of
         the wrong kind.
 
     Example::
@@ -596,6 +603,7 @@ def sparseloco(
         error_feedback=None,
         feedback=feedback,
         early=early,
+        shard_axis=shards.check_shard_axis(shard_axis),
         # read by init's nothing-compressed warning: with a small_codec every leaf is coded
         options=(("min_size", min_size if small_codec is None else 0),),
     )

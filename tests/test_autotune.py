@@ -178,6 +178,34 @@ def test_plan_transform_sends_the_bytes_its_table_row_names(plan):
         assert len(scalars) == {"none": 0, "int8": 1, "fp16": 0}[row.name], row.name
 
 
+def test_majority_vote_rows_are_modelled_and_send_their_table_bytes():
+    """``strategies=["majority_vote"]`` (accepted by the argument check) with a sign codec:
+    every such row failed in the model ("bytes model: KeyError: 'majority_vote'"), was never
+    timed, and the plan was made without it (plain pmean where it was the only strategy).
+    Now the vote's three phases are modelled: all_to_all and all_gather of the sign words, a
+    psum of the scales; the row's bytes are jc.strategy_bytes' and the transform's."""
+    n, sizes = 8, [64 * 256, 64]
+    rows = tuning._model_rows(
+        tuning._candidates([None, jc.sign()], ["majority_vote"], [2**25], [0]),
+        sizes,
+        n,
+        LINK,
+        {},
+        {},
+    )
+    vote = next(r for r in rows if r.strategy == "majority_vote")
+    assert not vote.error
+    assert vote.bytes_per_device == pytest.approx(
+        sum(jc.strategy_bytes(jc.sign(), d, n)["majority_vote"] for d in sizes)
+    )
+    # three phases of one call each: 3 latencies and the ring bytes at 1 GB/s
+    assert vote.model_ms == pytest.approx(1e3 * (3e-3 + vote.bytes_per_device / 1e9))
+    plan = tuning.AutotunePlan(None, "auto", 2**25, 0, (), {})
+    report = _exchange_report(plan, vote)
+    verdict = 2 * 7 / 8 * 4  # the residual's non-finite flag (docs/autotune.md)
+    assert report.bytes_per_device == pytest.approx(vote.bytes_per_device + verdict)
+
+
 def test_plan_runs_each_codec_with_its_feedback_and_skips_a_failing_one(plan):
     feedback = {r.name: r.error_feedback for r in plan.table if r.codec is not None}
     assert feedback["int8"] == "residual" and feedback["fp16"] is None
@@ -200,6 +228,38 @@ def test_a_candidate_failing_to_trace_is_skipped_with_its_reason():
     )
     ms, err = tuning._time_row(PARAMS, tree, mesh, "data", row, 1)
     assert math.isnan(ms) and err == "RuntimeError: boom"
+
+
+def test_integer_and_narrow_leaves_are_timed_in_their_own_dtype():
+    """Params with an int32 step counter, a bool mask and a bfloat16 leaf: the timed exchange
+    gets gradients of each leaf's dtype. Given float32 rows for every leaf, the int8 row
+    failed ("compressed_allreduce state field `memory` has shapes ...": the counter has no
+    memory) and so did every compressed candidate: the plan was plain pmean whatever the
+    link. Both rows now time, and the int8 row's transform sends its table bytes."""
+    import jax.numpy as jnp
+
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {**PARAMS, "step": np.zeros((), np.int32), "mask": np.zeros(100, bool)}
+    params["h"] = np.zeros((32, 64), jnp.bfloat16)
+    tree = tuning.gradient_rows(params, mesh, "data")
+    assert {k: (v.shape, v.dtype) for k, v in tree.items()} == {
+        k: ((8, *np.shape(v)), jnp.result_type(v)) for k, v in params.items()
+    }
+    rows = tuning._model_rows(
+        tuning._candidates([None, jc.int_quant(8)], ["two_phase"], [2**25], [0]),
+        tuning._check_args(params, "data", mesh, [None]),
+        8,
+        LINK,
+        {},
+        {},
+    )
+    for row in rows:
+        ms, err = tuning._time_row(params, tree, mesh, "data", row, 1)
+        assert err == "" and ms > 0, (row.name, err)
+    int8 = next(r for r in rows if r.codec is not None)
+    assert int8.bytes_per_device == pytest.approx(
+        sum(jc.strategy_bytes(jc.int_quant(8), d, 8)["two_phase"] for d in (64 * 256, 64, 2048))
+    )
 
 
 def test_every_candidate_failing_is_an_error(monkeypatch):

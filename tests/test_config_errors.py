@@ -79,6 +79,14 @@ def _nnx_optimizer(axis_name):
     return jc.nnx_optimizer(model, jc.sgd(0.1, S, "data"), mesh(), axis_name)
 
 
+def _nnx_replica_optimizer():
+    """jc.nnx_optimizer of a transform that keeps one model per device (DiLoCo)."""
+    from flax import nnx
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    return jc.nnx_optimizer(model, jc.diloco(optax.sgd(0.1), "data", 2), mesh(), "data")
+
+
 def _nnx_local(axis_name):
     """Enter ``jc.nnx_local`` (its checks run on entering the block)."""
     from flax import nnx
@@ -972,6 +980,43 @@ CHECKS = [
         ValueError,
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
+    ("autotune", "reps", lambda: jc.autotune(_W, mesh(), "data", reps=0), ValueError),
+    ("autotune", "reps", lambda: jc.autotune(_W, mesh(), "data", reps=1.5), TypeError),
+    (
+        "autotune",
+        "budget_s",
+        lambda: jc.autotune(_W, mesh(), "data", budget_s=math.nan),
+        ValueError,
+    ),
+    ("autotune", "budget_s", lambda: jc.autotune(_W, mesh(), "data", budget_s="9"), TypeError),
+    (
+        "autotune",
+        "bucket_sizes",
+        lambda: jc.autotune(_W, mesh(), "data", bucket_sizes=[]),
+        ValueError,
+    ),
+    (
+        "autotune",
+        "bucket_sizes",
+        lambda: jc.autotune(_W, mesh(), "data", bucket_sizes=1024),
+        TypeError,
+    ),
+    ("autotune", "min_sizes", lambda: jc.autotune(_W, mesh(), "data", min_sizes=[]), ValueError),
+    ("autotune", "min_sizes", lambda: jc.autotune(_W, mesh(), "data", min_sizes=[-5]), ValueError),
+    ("autotune", "min_sizes", lambda: jc.autotune(_W, mesh(), "data", min_sizes=["0"]), TypeError),
+    (
+        "autotune",
+        "link_sizes",
+        lambda: jc.autotune(_W, mesh(), "data", link_sizes=(1024,)),
+        ValueError,
+    ),
+    (
+        "autotune",
+        "link_sizes",
+        lambda: jc.autotune(_W, mesh(), "data", link_sizes=(0, 64)),
+        ValueError,
+    ),
+    ("autotune", "link_sizes", lambda: jc.autotune(_W, mesh(), "data", link_sizes=None), TypeError),
     (
         "autotune",
         "strategies",
@@ -1027,6 +1072,7 @@ CHECKS = [
         ValueError,
     ),
     ("nnx_optimizer", "axis_name", lambda: _nnx_optimizer("batch"), ValueError),
+    ("nnx_optimizer", "tx", _nnx_replica_optimizer, ValueError),
     ("nnx_state_specs", "optimizer", lambda: jc.nnx_state_specs({}, "data"), TypeError),
 ]
 

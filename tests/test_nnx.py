@@ -124,6 +124,56 @@ def test_nnx_optimizer_trains_exactly_like_the_shard_map_reference(name):
     assert diff <= 1e-6
 
 
+def test_frozen_params_and_demo_match_the_shard_map_reference():
+    """``wrt=`` a filter that freezes the hidden layer, with jc.demo (its own optimizer, a
+    DCT-chunked top-k of the momentum): the NNX step (nnx_optimizer, nnx_local, gradients
+    of ``nnx.DiffState(0, wrt)``) gives the reference's params bit for bit after 4 steps,
+    and the frozen layer does not move. Measured the same way, also 0 for jc.sgd (sign),
+    compressed_allreduce (int8), dgc, powersgd, onebit_adam and zero_one_adam (docs/flax.md)."""
+    wrt = nnx.All(nnx.Param, nnx.PathContains("out"))
+    data = batches()[:4]
+    make = lambda: jc.demo(1e-2, AXIS, chunk=8, topk=4)  # noqa: E731
+    graphdef, params, rest = nnx.split(MLP(nnx.Rngs(0)), wrt, ...)
+    p, others = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+    tx = make()
+    opt_state = jc.sharded_init(tx, p, mesh(), AXIS)
+    specs = jc.state_specs(opt_state, AXIS)
+
+    def ref_step(p, o, s, x, y):
+        local = nnx.merge(graphdef, nnx.State(jax.lax.pcast(p, AXIS, to="varying")), nnx.State(o))
+        g = nnx.grad(loss_fn, argnums=nnx.DiffState(0, wrt))(local, x, y)
+        u, s = tx.update(nnx.to_pure_dict(nnx.state(g, wrt)), s, p)
+        return optax.apply_updates(p, u), s
+
+    ref = per_device(ref_step, (P(), P(), specs, P(AXIS), P(AXIS)), (P(), specs))
+    p, others = (jax.device_put(t, NamedSharding(mesh(), P())) for t in (p, others))
+    for x, y in data:
+        p, opt_state = ref(p, others, opt_state, x, y)
+
+    model = MLP(nnx.Rngs(0))
+    frozen, start = np.asarray(model.hidden.kernel[...]), np.asarray(model.out.kernel[...])
+    optimizer = jc.nnx_optimizer(model, make(), mesh(), AXIS, wrt=wrt)
+
+    @nnx.jit
+    @nnx.shard_map(
+        mesh=mesh(),
+        in_specs=(P(), jc.nnx_state_specs(optimizer, AXIS), P(AXIS), P(AXIS)),
+        out_specs=P(),
+    )
+    def step(model, optimizer, x, y):
+        with jc.nnx_local(model, AXIS) as local:
+            grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, wrt))(local, x, y)
+        optimizer.update(model, grads)
+
+    for x, y in data:
+        jax.block_until_ready(step(model, optimizer, x, y))
+    got = nnx.to_pure_dict(nnx.state(model, wrt))
+    diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), p, got)
+    assert max(jax.tree.leaves(diffs)) == 0.0, diffs
+    assert np.max(np.abs(np.asarray(got["out"]["kernel"]) - start)) > 0.03  # 4 steps of 1e-2
+    assert np.array_equal(np.asarray(model.hidden.kernel[...]), frozen)
+
+
 def test_nnx_state_specs_shard_exactly_the_per_device_fields():
     model = MLP(nnx.Rngs(0))
     optimizer = jc.nnx_optimizer(model, TRANSFORMS["sgd_sign"](), mesh(), AXIS)

@@ -53,7 +53,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._src import buckets, feedback
-from jaxcomp._src.codecs.base import Codec, ceil_div, check_int
+from jaxcomp._src.codecs import packing
+from jaxcomp._src.codecs.base import Codec, ceil_div, check_int, is_number
 from jaxcomp._src.codecs.quantize import Cast, cast, int_quant
 from jaxcomp._src.cost import STRATEGIES, _summed_dtype, check_pair, strategy_bytes
 
@@ -208,6 +209,19 @@ def _per_device(
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     x = np.random.default_rng(seed).standard_normal((n, *shape), dtype=np.float32)
     return jax.device_put(x.astype(dtype), NamedSharding(mesh, P(axis_name)))
+
+
+def gradient_rows(params: Any, mesh: Any, axis_name: Any, seed: int = 7) -> Any:
+    """Per-device gradients shaped and typed like ``params``: each leaf ``[n, *shape]`` of its
+    own dtype, one row per device of ``axis_name`` (the timed exchange's input).
+
+    In its own dtype, as the step's gradients are: an integer leaf (a step counter) passes
+    through the exchange and has no memory in the state; given as float32 it was exchanged
+    against that state, and every compressed candidate failed to time ("state field
+    `memory` has shapes ...") so the plan was plain ``pmean`` whatever the link."""
+    return jax.tree.map(
+        lambda x: _per_device(mesh, axis_name, np.shape(x), seed, jnp.result_type(x)), params
+    )
 
 
 def _names(axis_name: Any) -> tuple:
@@ -420,11 +434,31 @@ def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int, wi
         return [(kind, ring, [r * n / (2 * (n - 1)) for r in rings])]
     if strategy == "allgather":
         return [("all_gather", ring, [r / (n - 1) for r in rings])]
+    if strategy == "majority_vote":
+        return _vote_phases(codec, sizes, n, widen)
     cs = [ceil_div(d, n) for d in sizes]
     phases = [codec.phase_codecs(c, n) for c in cs]
     rows = [n * first.payload_bytes(c) for c, (first, _) in zip(cs, phases, strict=True)]
     owned = [second.payload_bytes(c) for c, (_, second) in zip(cs, phases, strict=True)]
     return [("all_to_all", ring / 2, rows), ("all_gather", ring / 2, owned)]
+
+
+def _vote_phases(codec: Codec, sizes: Sequence[int], n: int, widen: float = 1.0) -> list:
+    """The phases of ``strategy="majority_vote"`` (signSGD with majority vote, Bernstein et
+    al., ICLR 2019), as ``jc.pmean`` runs it: each device's ``W = ceil(d / 32)`` words of
+    signs cut in ``n`` rows of ``w = ceil(W / n)`` words and ``all_to_all``-ed (``4 n w``
+    bytes in, ring ``(n-1) 4 w``), the owners' vote words ``all_gather``-ed (``4 w`` in, ring
+    ``(n-1) 4 w``), the block scales ``psum``-ed (``s`` bytes, ring ``2 (n-1)/n s``): in all
+    :func:`jaxcomp.strategy_bytes`' ``majority_vote``."""
+    words = [4 * ceil_div(packing.packed_words(d, 1), n) for d in sizes]
+    scales = [codec.payload_bytes(d) - 4 * packing.packed_words(d, 1) for d in sizes]
+    phases = [
+        ("all_to_all", widen * (n - 1) * sum(words), [n * w for w in words]),
+        ("all_gather", widen * (n - 1) * sum(words), words),
+    ]
+    if sum(scales):
+        phases.append(("all_reduce", widen * _ring_bytes("all_reduce", sum(scales), n), scales))
+    return phases
 
 
 #: Bytes per element of the element types of a compiled program's text.
@@ -520,13 +554,13 @@ def predict_seconds(
     ``t = sum_phases (calls * alpha + bytes / bandwidth) + codec passes``, with ``calls``
     the buckets of the phase: one per leaf whose payload is at least ``bucket_bytes / 16``
     (it travels alone) plus ``ceil(other bytes sent / bucket_bytes)``; codec passes:
-    ``allreduce`` one encode and one decode, ``allgather`` one encode and ``n`` decodes,
-    ``two_phase`` ``1 + 1/n`` encodes and two decodes (``codec_s`` = encode and decode
-    seconds of the whole compressed tree), each encode with its error feedback's residual
-    pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`). ``widen``: bytes the
-    backend moves per payload byte (:func:`wire_widths`), scaling the compressed phases'
-    wire time; the returned ring bytes stay the codec's own (plain ``pmean``: float32, never
-    widened).
+    ``allreduce`` and ``majority_vote`` one encode and one decode, ``allgather`` one encode
+    and ``n`` decodes, ``two_phase`` ``1 + 1/n`` encodes and two decodes (``codec_s`` =
+    encode and decode seconds of the whole compressed tree), each encode with its error
+    feedback's residual pass (``feedback_s``, 0 without feedback: :func:`feedback_seconds`).
+    ``widen``: bytes the backend moves per payload byte (:func:`wire_widths`), scaling the
+    compressed phases' wire time; the returned ring bytes stay the codec's own (plain
+    ``pmean``: float32, never widened).
     """
     widen = 1.0 if codec is None else widen
     small = [d for d in sizes if codec is not None and d < min_size]
@@ -539,7 +573,12 @@ def predict_seconds(
         for kind, r, sent in phases
     )
     enc, dec = codec_s
-    passes = {"allreduce": (1, 1), "allgather": (1, n), "two_phase": (1 + 1 / n, 2)}
+    passes = {
+        "allreduce": (1, 1),
+        "allgather": (1, n),
+        "two_phase": (1 + 1 / n, 2),
+        "majority_vote": (1, 1),
+    }
     if codec is not None and big:
         e, k = passes[strategy]
         seconds += e * (enc + feedback_s) + k * dec
@@ -750,6 +789,49 @@ def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
     return tuple(strategies)
 
 
+def _check_ints(name: str, values: Any, lo: int, distinct: int = 1) -> tuple[int, ...]:
+    """``values`` as a tuple of ints ``>= lo``, at least ``distinct`` of them different, else
+    an error naming ``name``."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
+        raise TypeError(f"`{name}` must be a sequence of ints, got {type(values).__name__}")
+    out = tuple(check_int(name, v, lo) for v in values)
+    if len(set(out)) < distinct:
+        raise ValueError(
+            f"`{name}` must hold at least {distinct} different int(s) >= {lo}, got {list(out)}"
+        )
+    return out
+
+
+def check_tuning(
+    reps: Any, budget_s: Any, bucket_sizes: Any, min_sizes: Any, link_sizes: Any
+) -> tuple[int, float, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """:func:`autotune`'s measuring arguments, checked before anything is measured.
+
+    ``reps`` an int >= 1 (0 timed nothing: every median NaN, "every timed candidate failed
+    ()"); ``budget_s`` a number >= 0, not NaN (a NaN budget was never exceeded); ``bucket_sizes``
+    at least one int >= 1 (none: IndexError); ``min_sizes`` at least one int >= 0 (none: no
+    compressed candidate at all, the plan plain ``pmean`` without a word; a negative one
+    failed every row); ``link_sizes`` at least two different ints >= 1 (the fit has two
+    unknowns, latency and bandwidth; 0 failed in jax's verifier, none gave a bandwidth of
+    1e15 bytes/s).
+
+    Returns:
+      ``(reps, budget_s, bucket_sizes, min_sizes, link_sizes)``, the sequences as tuples.
+    """
+    reps = check_int("reps", reps, 1)
+    if not is_number(budget_s):
+        raise TypeError(f"`budget_s` must be a number, got {type(budget_s).__name__}")
+    if not budget_s >= 0:
+        raise ValueError(f"`budget_s` must be a number >= 0 (seconds), got {budget_s}")
+    return (
+        reps,
+        float(budget_s),
+        _check_ints("bucket_sizes", bucket_sizes, 1),
+        _check_ints("min_sizes", min_sizes, 0),
+        _check_ints("link_sizes", link_sizes, 1, distinct=2),
+    )
+
+
 def _check_args(params: Any, axis_name: Any, mesh: Any, codecs: Any) -> list[int]:
     names = _names(axis_name)
     missing = [a for a in names if a not in mesh.shape]
@@ -860,10 +942,14 @@ def autotune(
 
     Raises:
       ValueError: before anything is measured, ``axis_name`` not an axis of ``mesh``,
-        ``params`` without floating-point leaves, ``check`` < 1, unknown ``strategies``, or
-        ``batch`` without ``loss_fn`` (or ``loss_fn`` without it).
+        ``params`` without floating-point leaves, ``check`` or ``reps`` < 1, unknown
+        ``strategies``, ``budget_s`` negative or NaN, ``bucket_sizes`` / ``min_sizes`` empty
+        or out of range, ``link_sizes`` without two different sizes >= 1 (:func:`check_tuning`),
+        or ``batch`` without ``loss_fn`` (or ``loss_fn`` without it).
       TypeError: ``codecs`` not jaxcomp codecs, ``loss_fn`` not callable, ``optimizer`` not an
-        optax transform (the message names the argument; the rules: docs/errors.md).
+        optax transform, ``reps`` not an int, ``budget_s`` not a number, ``bucket_sizes``,
+        ``min_sizes`` or ``link_sizes`` not a sequence of ints (the message names the
+        argument; the rules: docs/errors.md).
       RuntimeError: every timed candidate failed (the reasons are in the message).
 
     Example::
@@ -890,6 +976,9 @@ def autotune(
         batch = autotune_steps.place_batch(batch, mesh, axis_name)
     check = check_int("check", check, 1)
     strategies = DEFAULT_STRATEGIES if strategies is None else check_strategies(strategies)
+    reps, budget_s, bucket_sizes, min_sizes, link_sizes = check_tuning(
+        reps, budget_s, bucket_sizes, min_sizes, link_sizes
+    )
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     costs, failed = _codec_costs(codecs, mesh, axis_name, sizes, reps)
@@ -1057,7 +1146,7 @@ def _time_row(params, tree, mesh, axis_name, row, reps) -> tuple[float, str]:
 
 def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) -> AutotunePlan:
     """Time plain pmean and the rows of :func:`_to_check`; the plan is :func:`select`'s."""
-    tree = jax.tree.map(lambda x: _per_device(mesh, axis_name, np.shape(x), 7), params)
+    tree = gradient_rows(params, mesh, axis_name)
     t0, timed = time.perf_counter(), {}
     for r in _to_check(rows, check):  # every process stops at the same row: the slowest decides
         elapsed = _reduce_over_processes(np.array([time.perf_counter() - t0]))[0]

@@ -88,7 +88,9 @@ def nnx_optimizer(
       ``nnx.shard_map`` whose optimizer spec is :func:`nnx_state_specs` of it.
 
     Raises:
-      ValueError: ``axis_name`` outside its rule (the message names the argument;
+      ValueError: ``axis_name`` outside its rule, or ``tx`` a transform that keeps one
+        model per device (``jc.diloco``, ``jc.local_sgd``, ``jc.sparseloco``,
+        ``jc.gossip``: step their replicas on pure params; the message names the argument;
         the rules: docs/errors.md).
 
     Example::
@@ -115,6 +117,7 @@ def nnx_optimizer(
     sharding.check_mesh_axes(mesh, axis_name, "axis_name")
     params = nnx.as_pure(nnx.state(model, wrt))
     state = sharding.sharded_init(tx, params, mesh, axis_name, param_specs)
+    _check_one_model(state)
     nnx.update(model, _placed(params, mesh, param_specs))
     nnx.update(model, _replicated(nnx.as_pure(nnx.state(model, nnx.Not(wrt))), mesh))
     optimizer = nnx.Optimizer(model, optax.identity(), wrt=wrt)
@@ -122,6 +125,42 @@ def nnx_optimizer(
     optimizer.opt_state = nnx.data(jax.tree.map(nnx.OptArray, state))
     optimizer.step.set_value(jax.device_put(optimizer.step.get_value(), NamedSharding(mesh, P())))
     return optimizer
+
+
+def _replica_states() -> tuple[type, ...]:
+    """The states of the transforms whose params differ per device between exchanges."""
+    from jaxcomp._src.diloco import DiLoCoState
+    from jaxcomp._src.gossip import GossipState
+    from jaxcomp._src.local_sgd import LocalSGDState
+    from jaxcomp._src.sparseloco import SparseLoCoState
+
+    return (DiLoCoState, LocalSGDState, SparseLoCoState, GossipState)
+
+
+def _check_one_model(state: Any) -> None:
+    """Refuse a ``tx`` that keeps one model per device (``jc.diloco``, ``jc.local_sgd``,
+    ``jc.sparseloco``, ``jc.gossip``): an ``nnx.Optimizer`` updates one model, entered and
+    returned replicated (``P()``). Under ``check_vma=True`` ``nnx.shard_map`` refused the
+    per-device params on the way out with jax's "out_specs ... could not infer replication",
+    naming no fix; under ``check_vma=False`` the model's arrays claimed to be replicated while
+    each device held its own replica (8 devices, ``jc.diloco(optax.sgd(0.1), "data", 2)``,
+    3 steps: copies 0.0255 apart), so a read, a checkpoint or a reshard kept device 0's."""
+    kinds = _replica_states()
+    found = [
+        node
+        for node in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, kinds))
+        if isinstance(node, kinds)
+    ]
+    if found:
+        raise ValueError(
+            f"jc.nnx_optimizer: `tx` keeps one model per device ({type(found[0]).__name__}: "
+            "jc.diloco, jc.local_sgd, jc.sparseloco and jc.gossip step each device's own "
+            "params), and an nnx.Optimizer updates one model entered replicated (P()). Step "
+            "the replicas on the model's pure params: graphdef, params = nnx.split(model, "
+            "nnx.Param); replicas = jc.replica_params(nnx.to_pure_dict(params), mesh, "
+            "axis_name), then jax.shard_map with jc.own / jc.slot (docs/local-sgd-diloco.md) "
+            "and nnx.merge(graphdef, ...) in the loss."
+        )
 
 
 def _placed(params: Any, mesh: Any, param_specs: Any) -> Any:

@@ -1,0 +1,86 @@
+"""2 processes x 4 devices over gloo give the numbers of 1 process x 8 devices.
+
+One launch of ``tests/scripts/process_equal.py`` (the process start-up paid once) against the
+same script run in this process, on the same 8-device mesh and the same global inputs:
+
+* ``jc.fsdp_gather`` (int8 weights, int4 reduce-scatter, error feedback), 3 steps: the
+  shards and the residuals, bit for bit;
+* ``jc.psum_scatter`` with int8 and top-k: bit for bit;
+* ``jc.diloco`` with an int8 codec, the replica axis across the processes, 4 steps (2 syncs):
+  the weights bit for bit, the biases within 2.3e-10 (gloo sums float32 in another order:
+  docs/multihost.md);
+* a ``jc.sgd`` (int8, residual feedback) state saved by orbax on 1 process and restored on 2,
+  2 more steps, saved on 2 and restored here on 1: params and every state field as the
+  1-process run's (the params within 1e-9, the memories bit for bit);
+* ``jc.comm_report`` of the FSDP and ``jc.sgd`` steps: the same bytes on every process and
+  on one (2,079 and 343 bytes per device);
+* ``jc.autotune``: the same plan and table (timings reduced over processes) on both.
+
+About 110 s on the loaded 2-core host (load 14): the processes' start-up and compiles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxcomp as jc
+from jaxcomp import launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "process_equal.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("process_equal", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _max_diff(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_numbers_of_one(tmp_path):
+    pe = _script()
+    mesh = jax.make_mesh((8,), ("data",))
+    tx, params, _, run = pe.sgd_setup(mesh)
+    p, s = params, jc.sharded_init(tx, params, mesh, "data")
+    for t in (0, 1):
+        p, s = jax.block_until_ready(run(p, s, pe.sgd_batch(mesh, t)))
+    pe.save(tmp_path / "one_at_2", {"params": p, "opt_state": s})  # restored by 2 processes
+    for d in ("one", "two"):
+        (tmp_path / d).mkdir()
+    pe.compute(mesh, tmp_path / "one", tmp_path / "one_at_2", tmp_path / "one_at_4", plan=False)
+    out = io.StringIO()
+    argv = [str(tmp_path / d) for d in ("two", "one_at_2", "two_at_4")]
+    status = launch.run([str(SCRIPT), *argv], 2, local_devices=4, timeout=600, grace=30, out=out)
+    text = out.getvalue()
+    assert status == 0, text[-4000:]
+    assert "[1] process 1 of 2: 8 devices" in text, text[-4000:]
+    one = dict(np.load(tmp_path / "one" / "p0.npz"))
+    two = [dict(np.load(tmp_path / "two" / f"p{r}.npz")) for r in (0, 1)]
+    exact = ["fsdp_w", "fsdp_e", "scatter_int8", "scatter_topk", "diloco_w", "sgd_w"]
+    exact += ["sgd_memory_w", "bytes_fsdp", "bytes_sgd"]
+    for rank in (0, 1):
+        for key in exact:
+            assert np.array_equal(two[rank][key], one[key]), (rank, key)
+        assert _max_diff(two[rank]["diloco_b"], one["diloco_b"]) <= 1e-9
+    assert float(one["bytes_fsdp"]) == 2079.0 and float(one["bytes_sgd"]) == 343.0
+    assert np.abs(one["fsdp_w"]).max() > 1 and np.abs(one["fsdp_e"]).max() > 1e-4  # trained
+    # one plan on both processes, from the same (reduced) timings
+    assert str(two[0]["plan"]) == str(two[1]["plan"]) and "'none', 'pmean'" in str(two[0]["plan"])
+    # the state the 2 processes saved, restored here on 1 process
+    like = {"params": params, "opt_state": jc.sharded_init(tx, params, mesh, "data")}
+    theirs = pe.restore(tmp_path / "two_at_4", like)
+    mine = pe.restore(tmp_path / "one_at_4", like)
+    diffs = jax.tree.map(_max_diff, theirs, mine)
+    assert max(jax.tree.leaves(diffs["params"])) <= 1e-9, diffs
+    assert max(jax.tree.leaves(diffs["opt_state"])) == 0.0, diffs

@@ -342,17 +342,49 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     """``--help`` with every option's default and the epilog's paragraphs kept."""
 
 
+#: Options that count something (steps, repetitions, rows, sizes, processes): at least 1.
+COUNT_FLAGS = frozenset(
+    {"--steps", "--reps", "--batch", "--size", "--sizes", "--d-model", "--layers", "--heads"}
+    | {"--hidden", "--num-processes", "--processes", "--rounds", "--periods"}
+)
+
+
+def at_least(kind: type, low: float) -> Callable[[str], Any]:
+    """An argparse ``type``: a finite ``kind`` of at least ``low``, else a usage error naming
+    the option (``--steps -1`` trained nothing and wrote a result marked complete)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"must be finite and >= {low}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every ``int`` / ``float`` option is finite and ``>= 0`` (no benchmark takes a negative
+    number), one of :data:`COUNT_FLAGS` ``>= 1``: checked when the option is parsed."""
+
+    def add_argument(self, *names: str, **kwargs: Any):
+        if kwargs.get("type") in (int, float):
+            kwargs["type"] = at_least(kwargs["type"], 1 if COUNT_FLAGS & set(names) else 0)
+        return super().add_argument(*names, **kwargs)
+
+
 def arg_parser(doc: str, *, writes: str, takes: str) -> argparse.ArgumentParser:
     """The argument parser of a benchmark script. Its ``--help`` gives the first paragraph of
     the script's docstring, every option's default, which result files a run overwrites and
-    how long a run takes (``takes``: measured on the hosts named)."""
+    how long a run takes (``takes``: measured on the hosts named). Its ``int`` and ``float``
+    options refuse negative and non-finite values, and 0 for a count (:class:`_Parser`)."""
     epilog = (
         f"Writes {writes} in benchmarks/results/ (or in $JAXCOMP_BENCH_RESULTS), replacing "
         "the committed file of that name: the docs' tables are rendered from it "
         "(`python -m docs.hooks.bench_tables --write` re-renders them; `git checkout "
         f"benchmarks/results` undoes a run). Takes {takes}."
     )
-    return argparse.ArgumentParser(
+    return _Parser(
         description=" ".join(doc.strip().split("\n\n")[0].split()),
         epilog="\n".join(textwrap.wrap(epilog, 88)),
         formatter_class=HelpFormatter,

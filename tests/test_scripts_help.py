@@ -171,6 +171,35 @@ def test_examples_refuse_nonsense_flags_naming_them(refusals, row):
     assert "Traceback" not in proc.stderr
 
 
+# Nonsense numbers for the benchmarks (their parser, benchmarks.common.arg_parser, checks
+# every int / float option). Before 2026-11-27 `convergence --steps -1` trained nothing and
+# wrote convergence.json marked complete (an untrained model's accuracy) before a plotting
+# error; `codec_speed --reps 0` ran 7 repetitions.
+BENCH_BAD_FLAGS = [
+    ("convergence", ["--steps", "-1"], "--steps"),
+    ("convergence", ["--steps", "0"], "--steps"),
+    ("codec_speed", ["--reps", "0"], "--reps"),
+    ("topk_speed", ["--ratio", "nan"], "--ratio"),
+    ("gossip", ["--hidden", "0"], "--hidden"),
+    ("network", ["--num-processes", "-2"], "-n/--num-processes"),
+    ("wire_bytes", ["--devices", "-2"], "--devices"),
+    ("hot_path", ["--ops", "-1"], "--ops"),
+]
+
+
+def test_benchmarks_refuse_nonsense_numbers_naming_the_flag():
+    """Parsed only (``--parse-only``): a refusal is argparse's usage error; a value wrongly
+    accepted stops at the parse instead of running the benchmark."""
+    commands = {
+        _bad_id(row): [*COMMANDS[f"benchmarks/{row[0]}.py"], *row[1]] for row in BENCH_BAD_FLAGS
+    }
+    answers = _answers(commands, "--parse-only")
+    for row in BENCH_BAD_FLAGS:
+        proc = answers[_bad_id(row)]
+        assert proc.returncode == 2, (row, proc.stderr[-800:])
+        assert f"error: argument {row[2]}" in proc.stderr, proc.stderr[-800:]
+
+
 def test_docs_list_every_example_with_a_command_it_accepts(helps):
     """docs/index.md's Examples table has a row per file of examples/, whose command names
     only flags the script has, with a value among the flag's choices where it has some; the

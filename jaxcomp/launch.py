@@ -21,6 +21,7 @@ when the whole run timed out); 0 when all succeed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -207,17 +208,42 @@ def run(
     return status
 
 
+def _above(kind: type, low: float, open_low: bool = False):
+    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``):
+    ``-n 0`` or ``--timeout -1`` is a usage error naming the flag, not :func:`run`'s
+    traceback."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be finite and {'>' if open_low else '>='} {low}"
+            )
+        return value
+
+    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
 def main(args: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomp.launch", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("-n", "--num-processes", type=int, default=2)
-    parser.add_argument("--local-devices", type=int, default=1, help="CPU devices per process")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds after a failure")
+    parser.add_argument("-n", "--num-processes", type=_above(int, 1), default=2)
+    parser.add_argument(
+        "--local-devices", type=_above(int, 1), default=1, help="CPU devices per process"
+    )
+    parser.add_argument(
+        "--timeout", type=_above(float, 0, True), default=600.0, help="seconds for the whole run"
+    )
+    parser.add_argument(
+        "--grace", type=_above(float, 0), default=30.0, help="seconds after a failure"
+    )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(args)
+    if not os.path.isfile(ns.script):  # else every process failed with "can't open file"
+        parser.error(f"argument script: no such file: {ns.script}")
     return run(
         [ns.script, *ns.script_args],
         ns.num_processes,

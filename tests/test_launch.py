@@ -60,3 +60,26 @@ def test_launcher_cli_exits_128_plus_signal(script):
 
 def test_exit_status_convention():
     assert [launch.exit_status(c) for c in (0, 1, 124, -9, -15)] == [0, 1, 124, 137, 143]
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["-n", "0"], "-n/--num-processes"),
+        (["--local-devices", "0"], "--local-devices"),
+        (["--timeout", "-1"], "--timeout"),
+        (["--grace", "nan"], "--grace"),
+    ],
+)
+def test_cli_refuses_bad_numbers_naming_the_flag(script, argv, flag, capsys):
+    """Were run()'s ValueError tracebacks ("num_processes must be >= 1")."""
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main([*argv, script, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_script_that_does_not_exist(tmp_path, capsys):
+    """Every process used to start and fail alone with "can't open file" (status 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["-n", "2", str(tmp_path / "missing.py")])
+    assert exit_info.value.code == 2 and "argument script: no such file" in capsys.readouterr().err

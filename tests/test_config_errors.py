@@ -87,6 +87,35 @@ def _nnx_replica_optimizer():
     return jc.nnx_optimizer(model, jc.diloco(optax.sgd(0.1), "data", 2), mesh(), "data")
 
 
+def _model_mesh():
+    from jax.sharding import AxisType
+
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _partitioned_linear():
+    """An nnx.Linear whose kernel nnx.with_partitioning lays out P(None, "model")."""
+    from flax import nnx
+
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(_model_mesh()):
+        return nnx.Linear(4, 2, kernel_init=init, rngs=nnx.Rngs(0))
+
+
+def _nnx_optimizer_of_partitioned_params():
+    return jc.nnx_optimizer(_partitioned_linear(), jc.sgd(0.1, S, "data"), _model_mesh(), "data")
+
+
+def _nnx_state_specs_without_params():
+    from flax import nnx
+
+    model = _partitioned_linear()
+    specs = nnx.as_pure(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    tx = jc.sgd(0.1, S, "data")
+    optimizer = jc.nnx_optimizer(model, tx, _model_mesh(), "data", param_specs=specs)
+    return jc.nnx_state_specs(optimizer, "data", param_specs=specs)
+
+
 def _nnx_local(axis_name):
     """Enter ``jc.nnx_local`` (its checks run on entering the block)."""
     from flax import nnx
@@ -1073,6 +1102,14 @@ CHECKS = [
     ),
     ("nnx_optimizer", "axis_name", lambda: _nnx_optimizer("batch"), ValueError),
     ("nnx_optimizer", "tx", _nnx_replica_optimizer, ValueError),
+    ("nnx_optimizer", "param_specs", _nnx_optimizer_of_partitioned_params, ValueError),
+    ("nnx_state_specs", "params", _nnx_state_specs_without_params, ValueError),
+    (
+        "state_specs",
+        "params",
+        lambda: jc.state_specs(SGD.init(_W), "data", param_specs={"w": P("model")}),
+        ValueError,
+    ),
     ("nnx_state_specs", "optimizer", lambda: jc.nnx_state_specs({}, "data"), TypeError),
 ]
 

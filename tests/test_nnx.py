@@ -174,6 +174,37 @@ def test_frozen_params_and_demo_match_the_shard_map_reference():
     assert np.array_equal(np.asarray(model.hidden.kernel[...]), frozen)
 
 
+def test_partitioned_params_keep_their_layout_and_specs_match_it():
+    """nnx.with_partitioning on a 4 x 2 data x model mesh: with the model's own specs,
+    nnx_optimizer keeps the kernel's layout and lays its memory out P("data", None, "model"),
+    and nnx_state_specs (given the params' shapes) names that layout. Without the specs the
+    params were placed replicated, and without params the spec of a (16, 32) kernel's memory
+    read P("data", "model", None): both silent, now refused naming the argument."""
+    from jax.sharding import AxisType
+
+    m = jax.make_mesh((4, 2), (AXIS, "model"), axis_types=(AxisType.Auto,) * 2)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with jax.set_mesh(m):
+        model = nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0))
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    specs = nnx.as_pure(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+    with pytest.raises(ValueError, match="param_specs"):
+        jc.nnx_optimizer(model, TRANSFORMS["sgd_sign"](), m, AXIS)
+    optimizer = jc.nnx_optimizer(model, TRANSFORMS["sgd_sign"](), m, AXIS, param_specs=specs)
+    assert model.kernel[...].sharding.spec == P(None, "model")
+    with pytest.raises(ValueError, match="`params`"):
+        jc.nnx_state_specs(optimizer, AXIS, param_specs=specs)
+    opt_specs = jc.nnx_state_specs(optimizer, AXIS, param_specs=specs, params=params)
+    named = {
+        path: spec
+        for spec, filt in zip(opt_specs.shardings, opt_specs.filters, strict=True)
+        for path in filt.paths
+    }
+    memory = optimizer.opt_state[0].momentum["kernel"].get_value()
+    assert memory.shape == (4, 16, 32) and memory.sharding.spec == P(AXIS, None, "model")
+    assert named[("opt_state", 0, "momentum", "kernel")] == memory.sharding.spec
+
+
 def test_nnx_state_specs_shard_exactly_the_per_device_fields():
     model = MLP(nnx.Rngs(0))
     optimizer = jc.nnx_optimizer(model, TRANSFORMS["sgd_sign"](), mesh(), AXIS)

@@ -88,10 +88,11 @@ def nnx_optimizer(
       ``nnx.shard_map`` whose optimizer spec is :func:`nnx_state_specs` of it.
 
     Raises:
-      ValueError: ``axis_name`` outside its rule, or ``tx`` a transform that keeps one
+      ValueError: ``axis_name`` outside its rule, ``tx`` a transform that keeps one
         model per device (``jc.diloco``, ``jc.local_sgd``, ``jc.sparseloco``,
-        ``jc.gossip``: step their replicas on pure params; the message names the argument;
-        the rules: docs/errors.md).
+        ``jc.gossip``: step their replicas on pure params), or ``param_specs`` None for
+        params laid out over mesh axes (``nnx.with_partitioning``; the message names the
+        argument; the rules: docs/errors.md).
 
     Example::
 
@@ -116,6 +117,8 @@ def nnx_optimizer(
     wrt = nnx.Param if wrt is None else wrt
     sharding.check_mesh_axes(mesh, axis_name, "axis_name")
     params = nnx.as_pure(nnx.state(model, wrt))
+    if param_specs is None:
+        _check_replicated(params)
     state = sharding.sharded_init(tx, params, mesh, axis_name, param_specs)
     _check_one_model(state)
     nnx.update(model, _placed(params, mesh, param_specs))
@@ -163,6 +166,29 @@ def _check_one_model(state: Any) -> None:
         )
 
 
+def _check_replicated(params: Any) -> None:
+    """Without ``param_specs`` the params are placed replicated: refuse params the model
+    already lays out over mesh axes (``nnx.with_partitioning`` under ``jax.set_mesh``), whose
+    sharding that placement dropped with no error (a ``(16, 32)`` kernel of
+    ``P(None, "model")`` came back ``P()``: every device held the whole kernel, and its
+    memories ``P("data")`` the whole kernel per device too)."""
+    laid = [
+        x.sharding.spec
+        for x in jax.tree.leaves(params)
+        if isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and any(a is not None for a in x.sharding.spec)
+    ]
+    if laid:
+        raise ValueError(
+            f"jc.nnx_optimizer: the model's params are laid out over mesh axes ({laid[0]}) and "
+            "`param_specs` is None, which would place them replicated: pass their specs, "
+            "param_specs=nnx.as_pure(nnx.get_partition_spec(nnx.state(model, nnx.Param))), "
+            "here and to jc.nnx_state_specs (with params=nnx.as_pure(nnx.state(model, "
+            "nnx.Param))), or jax.device_put them replicated first"
+        )
+
+
 def _placed(params: Any, mesh: Any, param_specs: Any) -> Any:
     """``params`` laid out on ``mesh``: replicated, or by ``param_specs``."""
     if param_specs is None:
@@ -202,8 +228,10 @@ def nnx_state_specs(
       optimizer: an ``nnx.Optimizer`` (from :func:`nnx_optimizer`, or any whose state was
         placed the same way).
       axis_name: the data axis (a name or a tuple of names).
-      param_specs: params sharded over other mesh axes, as in :func:`jaxcomp.state_specs`.
-      params: the params' shapes where ``param_specs`` are not arrays (as there).
+      param_specs: params sharded over other mesh axes, as in :func:`jaxcomp.state_specs`
+        (``nnx.as_pure(nnx.get_partition_spec(nnx.state(model, nnx.Param)))``).
+      params: the params' shapes where ``param_specs`` are not arrays (as there; required
+        then: ``nnx.as_pure(nnx.state(model, nnx.Param))``).
       mesh: the mesh, to check ``axis_name`` and read block shapes (as there).
 
     Returns:
@@ -212,6 +240,7 @@ def nnx_state_specs(
 
     Raises:
       TypeError: ``optimizer`` of the wrong kind.
+      ValueError: ``param_specs`` of ``PartitionSpec`` without ``params`` (no shapes).
 
     Example::
 

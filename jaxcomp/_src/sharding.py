@@ -162,6 +162,27 @@ def _is_slot(x: Any) -> bool:
     return _is_none(x) or _is_spec(x)
 
 
+def _check_shapes_given(param_specs: Any) -> None:
+    """``param_specs`` without ``params`` must carry the params' shapes (the sharded params
+    themselves): a ``PartitionSpec`` or a ``NamedSharding`` has none. Until 2026-11-27 the
+    spec was read as an array, ``jnp.shape(P(None, "model"))`` = ``(2,)``, and the memory
+    of a ``(16, 32)`` leaf of ``P(None, "model")`` got ``P("data", "model", None)`` where
+    ``jc.sharded_init`` had laid it out ``P("data", None, "model")``, with no error (also
+    through ``jc.nnx_state_specs(optimizer, axis_name, param_specs)``, as docs/flax.md
+    said to call it)."""
+    bare = [
+        s
+        for s in jax.tree.leaves(param_specs, is_leaf=_is_slot)
+        if _is_spec(s) and any(a is not None for a in spec_of(s))
+    ]
+    if bare:
+        raise ValueError(
+            f"`param_specs` of PartitionSpecs (or NamedShardings: {bare[0]}) carry no shapes: "
+            "pass `params` too (the params or their jax.ShapeDtypeStruct), or the sharded "
+            "params themselves as `param_specs`"
+        )
+
+
 def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
     """(treedef, spec per param slot, (global shape, block shape) per param slot).
 
@@ -170,6 +191,8 @@ def _param_context(param_specs: Any, params: Any, mesh: Any = None) -> tuple:
     ``()``, whether ``param_specs`` holds None or a spec there."""
     if params is not None:
         check_param_specs(param_specs, params)
+    else:
+        _check_shapes_given(param_specs)
     shaped = params if params is not None else param_specs
     slots, treedef = jax.tree.flatten(shaped, is_leaf=_is_slot)
     given = treedef.flatten_up_to(param_specs)
@@ -217,8 +240,9 @@ def state_specs(
       A tree like ``state`` of ``PartitionSpec``.
 
     Raises:
-      ValueError: ``axis_name``, ``state`` or ``param_specs`` outside its rule (the message
-        names the argument; the rules: docs/errors.md).
+      ValueError: ``axis_name``, ``state`` or ``param_specs`` outside its rule, or
+        ``params`` not given where ``param_specs`` are specs that shard a leaf (they carry no
+        shapes; the message names the argument; the rules: docs/errors.md).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from benchmarks import common
 from jaxcomp._src.powersgd import plan_of, powersgd
 
 AXIS = "data"
@@ -321,7 +322,7 @@ def data_parallel(step, tx, params, workers=None, batches=1, outputs=0):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = common.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Writes no file: prints the held-out loss of each run (the convergence "
         "benchmarks call train() and write the results). 300 steps take a few minutes on "

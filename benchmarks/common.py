@@ -363,7 +363,7 @@ def at_least(kind: type, low: float) -> Callable[[str], Any]:
     return parse
 
 
-class _Parser(argparse.ArgumentParser):
+class ArgumentParser(argparse.ArgumentParser):
     """Every ``int`` / ``float`` option is finite and ``>= 0`` (no benchmark takes a negative
     number), one of :data:`COUNT_FLAGS` ``>= 1``: checked when the option is parsed."""
 
@@ -377,14 +377,14 @@ def arg_parser(doc: str, *, writes: str, takes: str) -> argparse.ArgumentParser:
     """The argument parser of a benchmark script. Its ``--help`` gives the first paragraph of
     the script's docstring, every option's default, which result files a run overwrites and
     how long a run takes (``takes``: measured on the hosts named). Its ``int`` and ``float``
-    options refuse negative and non-finite values, and 0 for a count (:class:`_Parser`)."""
+    options refuse negative and non-finite values, and 0 for a count (:class:`ArgumentParser`)."""
     epilog = (
         f"Writes {writes} in benchmarks/results/ (or in $JAXCOMP_BENCH_RESULTS), replacing "
         "the committed file of that name: the docs' tables are rendered from it "
         "(`python -m docs.hooks.bench_tables --write` re-renders them; `git checkout "
         f"benchmarks/results` undoes a run). Takes {takes}."
     )
-    return _Parser(
+    return ArgumentParser(
         description=" ".join(doc.strip().split("\n\n")[0].split()),
         epilog="\n".join(textwrap.wrap(epilog, 88)),
         formatter_class=HelpFormatter,

@@ -1667,7 +1667,7 @@ def block_energy(path: str, tag: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(
+    ap = common.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Writes benchmarks/results/lm_TAG.json (adamw is run first unless --resume "

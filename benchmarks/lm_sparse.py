@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import lm
+from benchmarks import common, lm
 
 
 def _sparseloco(sync_every: int, inner_lr: float | None = None, **kw: Any):
@@ -98,7 +98,7 @@ RECIPES: dict[str, lm.Recipe] = {
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(
+    ap = common.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog=(

@@ -184,6 +184,9 @@ BENCH_BAD_FLAGS = [
     ("network", ["--num-processes", "-2"], "-n/--num-processes"),
     ("wire_bytes", ["--devices", "-2"], "--devices"),
     ("hot_path", ["--ops", "-1"], "--ops"),
+    ("lm_diloco", ["--replicas", "-1"], "--replicas"),
+    ("lm_sparse", ["--steps", "0"], "--steps"),
+    ("char_transformer", ["--steps", "0"], "--steps"),
 ]
 
 

@@ -7,8 +7,9 @@ each (``python process_equal.py OUT CKPT_IN CKPT_OUT``). Each run writes ``OUT/p
 * ``fsdp``: 3 steps of a tanh layer through ``jc.fsdp_gather`` (int8 weights, int4 gradients,
   error feedback), the shards gathered whole, and the residual;
 * ``scatter``: ``jc.psum_scatter`` of per-device vectors with int8 (two-phase) and top-k;
-* ``diloco``: 4 steps of ``jc.diloco(optax.sgd, "data", 2, codec=int8)`` on 8 replicas (the
-  replica axis across the processes);
+* ``diloco``, ``sparseloco``: 4 steps of ``jc.diloco(optax.sgd, "data", 2, codec=int8)`` and
+  of ``jc.sparseloco`` on 8 replicas (the replica axis across the processes);
+* ``hsdp``: ``jc.fsdp_gather`` over "host" (the processes) with ``inner_axis_name="local"``;
 * ``sgd``: ``jc.sgd`` with int8 restored from ``CKPT_IN`` (orbax, saved by the other kind of
   run), 2 more steps, the params and memories; then params and state saved to ``CKPT_OUT``;
 * ``bytes_*``: ``jc.comm_report``'s bytes per device of the FSDP and ``jc.sgd`` steps;
@@ -105,7 +106,56 @@ def _scatter(mesh, results):
         results[f"scatter_{name}"] = _host(jax.block_until_ready(fn(x)))
 
 
+def _fsdp_hierarchical(results):
+    """``jc.fsdp_gather`` over a (2, 4) mesh whose rows are the processes: int8 / int4 over
+    "host" (across the processes), jax.lax over "local" (inside each), error feedback."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh((2, 4), ("host", "local"))
+    spec = P(("host", "local"))
+
+    def loss(w, e, x):
+        full = jc.fsdp_gather(w, "host", inner_axis_name="local", residual=e)
+        return jnp.mean(jnp.tanh(x @ full.T) ** 2)
+
+    def step(w, e, x):
+        g, e = jax.grad(loss, argnums=(0, 1))(w, e, x)
+        return w - LR * g, e
+
+    residual = jax.shard_map(
+        lambda w: jc.fsdp_residual(w, "host", "local"), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+    run = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec))
+    )
+    w = _global(mesh, spec, _data(70, (ROWS, D_IN)))
+    e = jax.block_until_ready(jax.jit(residual)(w))
+    for t in range(3):
+        w, e = jax.block_until_ready(run(w, e, _global(mesh, spec, _data(80 + t, (N * 4, D_IN)))))
+    results["hsdp_w"], results["hsdp_e"] = _host(w), _host(e)
+
+
 def _diloco(mesh, results):
+    import optax
+
+    import jaxcomp as jc
+
+    _replicas(
+        mesh,
+        results,
+        "diloco",
+        jc.diloco(optax.sgd(0.1), "data", 2, codec=jc.int_quant(8), min_size=0),
+    )
+    sparse = jc.sparseloco(optax.sgd(0.1), "data", 2, density=1 / 16, chunk=16, min_size=0)
+    _replicas(mesh, results, "sparseloco", sparse)
+
+
+def _replicas(mesh, results, name, tx):
+    """4 steps of ``tx`` (params per device) on 8 replicas; their weights and biases."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -113,7 +163,6 @@ def _diloco(mesh, results):
 
     import jaxcomp as jc
 
-    tx = jc.diloco(optax.sgd(0.1), "data", 2, codec=jc.int_quant(8), min_size=0)
     params = {"w": jnp.asarray(_data(30, (16, 8))), "b": jnp.zeros(8)}
     replicas = jc.replica_params(params, mesh, "data")
     state = jc.sharded_init(tx, params, mesh, "data")
@@ -132,7 +181,7 @@ def _diloco(mesh, results):
     for t in range(4):
         x = _global(mesh, P("data"), _data(40 + t, (N, 4, 16)))
         replicas, state = jax.block_until_ready(run(replicas, state, x))
-    results["diloco_w"], results["diloco_b"] = _host(replicas["w"]), _host(replicas["b"])
+    results[f"{name}_w"], results[f"{name}_b"] = _host(replicas["w"]), _host(replicas["b"])
 
 
 def sgd_setup(mesh):
@@ -232,6 +281,7 @@ def compute(mesh, out_dir, ckpt_in, ckpt_out, plan=True):
     _fsdp(mesh, results)
     _scatter(mesh, results)
     _diloco(mesh, results)
+    _fsdp_hierarchical(results)
     _sgd(mesh, results, ckpt_in, ckpt_out)
     if plan:
         _plan(mesh, results)

@@ -16,7 +16,8 @@ Muon runs at the same ``--lr`` in both: the inner optimizer at data parallel's o
 rule measured on the LM benchmark (docs/lm-diloco.md, MuLoCo, "The inner lr").
 
 A small MLP on scikit-learn's digits (ships offline); the same batches for both runs. Bytes
-are read from the compiled steps (``jc.comm_report``; the sync step spread over its period).
+are read from the compiled steps (``jc.comm_report``; the sync step's, times the run's syncs,
+over its steps).
 
     python examples/muloco.py
     python examples/muloco.py --steps 600 --sync-every 30

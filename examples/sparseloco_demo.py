@@ -9,8 +9,8 @@ A small MLP on scikit-learn's digits (ships offline), the same batches for every
 * ``demo``: params replicated; each device keeps its momentum, sends the largest DCT
   components of each 64 x 64 block, and every device applies the sign of their mean.
 
-Bytes are read from the compiled steps (``jc.comm_report``; SparseLoCo's sync step spread
-over its period).
+Bytes are read from the compiled steps (``jc.comm_report``; SparseLoCo's sync step's, times
+the run's syncs, over its steps).
 
     python examples/sparseloco_demo.py
     python examples/sparseloco_demo.py --steps 600 --sync-every 30 --averaging all

@@ -318,6 +318,12 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", fuse_residuals=1),
         TypeError,
     ),
+    (
+        "compressed_allreduce",
+        "shard_axis",
+        lambda: jc.compressed_allreduce(S, "d", shard_axis=1),
+        TypeError,
+    ),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum=1.0), ValueError),
     ("sgd", "momentum", lambda: jc.sgd(0.1, S, "d", momentum="0.9"), TypeError),
     # arrays (inject_hyperparams' 0-d hyperparameters) must be 0-d int/float: np.array(False)

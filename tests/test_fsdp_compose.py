@@ -211,6 +211,32 @@ def test_untyped_fsdp_inside_the_replicas_with_shard_axis_skips_every_shards_syn
     assert nan.sum() == 2, nan  # unflagged: the NaN shard's 2 devices only (jax cannot tell)
 
 
+def test_untyped_hsdp_with_shard_axis_poisons_and_freezes_every_shard():
+    """HSDP (jc.compressed_allreduce over "replica", FSDP over "data") under
+    shard_map(check_vma=False): a NaN in one shard poisoned only that shard's 2 devices and
+    froze only their error-feedback memory; the other 6 stepped (the model's shards apart,
+    no error). With shard_axis="data" all 8 outputs are NaN and every memory is kept (zeros
+    at the first step); without it the update warns, naming shard_axis."""
+
+    def run(**kw):
+        ex = jc.compressed_allreduce(jc.int_quant(8), "replica", min_size=0, **kw)
+        tx = optax.chain(ex, optax.sgd(0.1))
+        _, state, u = _train_replicas(tx, fsdp=True, steps=1, grads=g, check_vma=False)
+        nan = np.isnan(np.asarray(u["a"])).reshape(8, -1).all(1)
+        memory = jax.tree.leaves(state[0].memory)
+        zero = [bool(np.all(np.asarray(m)[d] == 0)) for m in memory for d in range(8)]
+        return int(nan.sum()), sum(zero)  # devices x leaves whose memory stayed zero
+
+    g = jax.tree.map(
+        lambda a: jax.random.normal(jax.random.PRNGKey(3), a.shape), _nan_in_one_shard()
+    )
+    g["a"] = g["a"].at[0, 0, 0].set(jnp.nan)
+
+    assert run(shard_axis="data") == (8, 16)  # every memory (2 leaves x 8 devices) kept
+    with pytest.warns(UserWarning, match="shard_axis='data'"):
+        assert run() == (2, 4)  # the NaN shard's 2 devices only
+
+
 # --------------------------------------------------------------------------- clipping shards
 
 

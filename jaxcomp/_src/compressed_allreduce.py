@@ -285,6 +285,7 @@ def compressed_allreduce(
     warmup_steps: int = 0,
     memory_dtype: Any = None,
     fuse_residuals: bool = False,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average gradients over ``axis_name`` through ``codec``, keeping what it drops.
 
@@ -414,6 +415,13 @@ def compressed_allreduce(
         bytes. Measured on XLA:CPU
         (docs/hot-path-copies.md, "Chunked residuals"): fewer bytes moved, but not faster for
         int8 or fp16 there; hence off by default.
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (HSDP: FSDP over ``"data"`` inside each group averaged over ``axis_name``, leaves
+        ``P("replica", "data")``): the non-finite flag is or-ed over it, so a non-finite
+        shard poisons every shard's output and freezes every shard's memory. Under
+        ``check_vma=True`` jax's types tell (None works); under ``check_vma=False`` they do
+        not, and with another manual axis bound beside ``axis_name`` / ``inner_axis_name``
+        the update warns where this is None. ``()``: the leaves are whole, no warning.
 
     Raises:
       ValueError: at construction, ``strategy``, ``error_feedback``, ``granularity``, ``min_size``,
@@ -423,7 +431,8 @@ def compressed_allreduce(
         ``worker_momentum``.
       TypeError: at construction, ``codec``, ``min_size``, ``bucket_bytes``, ``seed``,
         ``server_feedback``, ``worker_momentum``, ``worker_nesterov``, ``fuse_residuals``,
-        ``adaptive``, ``warmup_steps``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+        ``adaptive``, ``warmup_steps``, ``axis_name``, ``inner_axis_name`` or ``shard_axis`` of
+        the wrong kind.
 
     Example (Signum with majority vote; the state's per-device fields under ``shard_map``
     come from ``jc.sharded_init`` / ``jc.state_specs``)::
@@ -486,6 +495,7 @@ def compressed_allreduce(
     residual_how = (codec, strategy, axis_name, inner_axis_name, shaped_residuals)
     if not isinstance(fuse_residuals, bool):
         raise TypeError(f"`fuse_residuals` must be True or False, got {fuse_residuals!r}")
+    shard_axis = shards.check_shard_axis(shard_axis)
     # The encoding and the new memory in one loop over chunks of each leaf: the codec of
     # every step fixed at trace time, whole leaves sent from g + e, float32 memories.
     fuse_residuals = (
@@ -624,6 +634,8 @@ def compressed_allreduce(
         outs = _after_memory(outs, new_state.memory, every_axis, kind == "residual")
         return layouts.assemble(updates, layout, outs, plain_out), new_state
 
+    own_axes = (*collectives.axis_names(axis_name), *collectives.axis_names(inner_axis_name))
+    update_fn = shards.with_shard_axis(update_fn, "jc.compressed_allreduce", own_axes, shard_axis)
     return optax.GradientTransformationExtraArgs(
         init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )

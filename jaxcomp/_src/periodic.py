@@ -130,7 +130,12 @@ class Config:
         if self.codec is None:
             return None
         return compressed_allreduce(
-            self.codec, self.axis_name, error_feedback=self.error_feedback, **dict(self.options)
+            self.codec,
+            self.axis_name,
+            error_feedback=self.error_feedback,
+            # the transform warns itself where it is missing
+            shard_axis=() if self.shard_axis is None else self.shard_axis,
+            **dict(self.options),
         )
 
     def offset(self, f: int) -> int:

@@ -48,6 +48,10 @@ from jaxcomp._src.axes import (
 )
 
 _AXES: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxcomp_shard_axes", default=())
+#: The ``shard_axis`` of the transform whose update is being traced (:func:`with_shard_axis`).
+_SHARD_AXIS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxcomp_shard_axis", default=None
+)
 
 
 def _axes_of_type(kind: AxisType) -> frozenset:
@@ -192,9 +196,12 @@ def any_shard(flag: jax.Array, keep: tuple = (), shard_axis: Any = None) -> jax.
     non-finite shard must freeze every shard's state, as one model's (and ``lax.cond``'s
     branches must agree on the flag's type). One scalar ``psum``; none where the flag is the
     same everywhere already. Where jax does not type it (``pmap``, ``check_vma=False``) the
-    axes are those the user names as ``shard_axis`` (the transforms' argument), or none.
+    axes are those the user names as ``shard_axis`` (the transforms' argument: given here, or
+    that of the update being traced, :func:`with_shard_axis`), or none.
     """
     extra = set(varying_axes(flag))
+    if shard_axis is None:
+        shard_axis = _SHARD_AXIS.get()
     if shard_axis and not tracks_variance(shard_axis):
         extra |= set(axis_names(shard_axis))
     extra = tuple(sorted(extra - set(keep), key=str))
@@ -218,10 +225,13 @@ def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
     non-finite value on their own devices only: that shard's sync skipped, the others' run,
     the model's shards apart with no error."""
     own = set(axis_names(axis_name))
-    if shard_axis is not None or tracks_variance(axis_name):
-        return
+    bound = manual_axes()
+    if shard_axis is not None or not own <= bound or tracks_variance(axis_name):
+        return  # an unbound axis is the transform's own check to name
+    if isinstance(axis_name, tuple) and len(axis_name) == 1:
+        axis_name = axis_name[0]
     shape = dict(jax.sharding.get_abstract_mesh().shape)
-    others = sorted(a for a in manual_axes() - own if shape.get(a, 1) > 1)
+    others = sorted(a for a in bound - own if shape.get(a, 1) > 1)
     if others:
         warnings.warn(
             f"jaxcomp: {name} over {axis_name!r} with the manual axes {others} bound beside "
@@ -233,3 +243,20 @@ def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
             "parallel inside), pass shard_axis=() to say so.",
             stacklevel=4,
         )
+
+
+def with_shard_axis(update: Callable, name: str, own_axes: tuple, shard_axis: Any) -> Callable:
+    """``update`` traced with ``shard_axis`` in force for :func:`any_shard` (the flags of
+    every collective inside are or-ed over it where jax types no variance), after
+    :func:`warn_untyped_shards` of ``own_axes`` (the transform's axes, inner axis included)."""
+
+    @functools.wraps(update)
+    def wrapped(updates, state, params=None, **extra_args):
+        warn_untyped_shards(name, own_axes, shard_axis)
+        token = _SHARD_AXIS.set(shard_axis)
+        try:
+            return update(updates, state, params, **extra_args)
+        finally:
+            _SHARD_AXIS.reset(token)
+
+    return wrapped

@@ -1016,6 +1016,12 @@ CHECKS = [
     ),
     ("autotune", "check", lambda: jc.autotune(_W, mesh(), "data", check=0), ValueError),
     ("autotune", "reps", lambda: jc.autotune(_W, mesh(), "data", reps=0), ValueError),
+    (
+        "autotune",
+        "strategies",
+        lambda: jc.autotune(_W, mesh(), "data", codecs=[None, S], strategies=["allreduce"]),
+        ValueError,
+    ),
     ("autotune", "reps", lambda: jc.autotune(_W, mesh(), "data", reps=1.5), TypeError),
     (
         "autotune",

@@ -776,6 +776,29 @@ def _candidates(codecs, strategies, bucket_sizes, min_sizes) -> list[tuple]:
     return out
 
 
+def check_carried(codecs: Sequence[Codec | None], strategies: Sequence[str]) -> None:
+    """Every codec of ``codecs`` carried by at least one of ``strategies``, else a ValueError
+    naming ``strategies``: such a codec had no candidate at all and was left out of the table
+    without a word (``codecs=[None, jc.int_quant(8)], strategies=["allreduce"]``: the plan
+    plain ``pmean``, int8 never timed)."""
+    for codec in codecs:
+        if codec is None:
+            continue
+        carried = []
+        for strategy in strategies:
+            try:
+                check_pair(codec, strategy)
+                carried.append(strategy)
+            except ValueError:
+                continue
+        if not carried:
+            raise ValueError(
+                f"`strategies` {list(strategies)} carry none of {codec.name}'s payloads "
+                "(allreduce needs a summable codec, majority_vote a sign codec): add "
+                "'allgather' or 'two_phase', or leave the codec out of `codecs`"
+            )
+
+
 def check_strategies(strategies: Sequence[str]) -> tuple[str, ...]:
     """``strategies`` as a tuple of names a candidate can take (``auto`` picks for itself:
     not one), else a ValueError naming the argument: an unknown name was skipped like a
@@ -943,9 +966,10 @@ def autotune(
     Raises:
       ValueError: before anything is measured, ``axis_name`` not an axis of ``mesh``,
         ``params`` without floating-point leaves, ``check`` or ``reps`` < 1, unknown
-        ``strategies``, ``budget_s`` negative or NaN, ``bucket_sizes`` / ``min_sizes`` empty
-        or out of range, ``link_sizes`` without two different sizes >= 1 (:func:`check_tuning`),
-        or ``batch`` without ``loss_fn`` (or ``loss_fn`` without it).
+        ``strategies`` (or none that carries one of ``codecs``), ``budget_s`` negative or
+        NaN, ``bucket_sizes`` / ``min_sizes`` empty or out of range, ``link_sizes`` without
+        two different sizes >= 1 (:func:`check_tuning`), or ``batch`` without ``loss_fn``
+        (or ``loss_fn`` without it).
       TypeError: ``codecs`` not jaxcomp codecs, ``loss_fn`` not callable, ``optimizer`` not an
         optax transform, ``reps`` not an int, ``budget_s`` not a number, ``bucket_sizes``,
         ``min_sizes`` or ``link_sizes`` not a sequence of ints (the message names the
@@ -979,6 +1003,7 @@ def autotune(
     reps, budget_s, bucket_sizes, min_sizes, link_sizes = check_tuning(
         reps, budget_s, bucket_sizes, min_sizes, link_sizes
     )
+    check_carried(codecs, strategies)
     link = measure_link(mesh, axis_name, link_sizes, reps)
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
     costs, failed = _codec_costs(codecs, mesh, axis_name, sizes, reps)

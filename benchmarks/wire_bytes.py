@@ -322,6 +322,44 @@ def draw(rows: list[dict], path) -> None:
     common.plot(path, one, "Wire bytes per device per step, strategy auto, vs plain pmean")
 
 
+def resolve(ap, args) -> tuple[list, list, list, set, list]:
+    """``(trees, codecs, devices, compiled rows, all-strategy trees)`` of a run from its flags
+    (``--quick``'s defaults where a flag is not given). A usage error naming the flag where
+    one names what the run does not measure: a device count outside ``2..MAX_DEVICES``, an
+    unknown codec (it failed minutes in), a ``--compiled`` row or an ``--all-strategies``
+    tree outside the run (ignored without a word until 2026-11-27)."""
+    trees = args.trees or (["resnet18"] if args.quick else ["resnet18", "gpt2"])
+    codecs = args.codecs or (QUICK_CODECS if args.quick else common.codec_names())
+    devices = args.devices or ([2, 8] if args.quick else [2, 4, 8, 16])
+    if max(devices) > MAX_DEVICES or min(devices) < 2:
+        ap.error(f"argument --devices: must be in 2..{MAX_DEVICES}, got {devices}")
+    unknown = [c for c in codecs if c not in common.codec_names()]
+    if unknown:
+        ap.error(f"argument --codecs: unknown {unknown}; known: {common.codec_names()}")
+    spec = args.compiled or []
+    if args.compiled is None and not args.quick:  # the default rows this run measures
+        kept = [c for c in ("pmean", "sign", "int8", "bf16") if c in (*codecs, "pmean")]
+        spec = [f"resnet18:8:{c}" for c in kept] if "resnet18" in trees and 8 in devices else []
+    compiled = set()
+    for row in spec:
+        tree, n, codec = (row.split(":") + ["", "", ""])[:3]
+        if (
+            row.count(":") != 2
+            or tree not in trees
+            or not n.isdigit()
+            or int(n) not in devices
+            or codec not in (*codecs, "pmean", "*")
+        ):
+            ap.error(f"argument --compiled: {row!r} is not a TREE:N:CODEC row this run measures")
+        compiled.add((tree, int(n), codec))
+    every = args.all_strategies
+    if every is None:
+        every = [] if args.quick or "resnet18" not in trees else ["resnet18"]
+    if not set(every) <= set(trees):
+        ap.error(f"argument --all-strategies: {sorted(set(every) - set(trees))} not in --trees")
+    return trees, codecs, devices, compiled, every
+
+
 def main(argv=None) -> int:
     ap = common.arg_parser(
         __doc__,
@@ -368,22 +406,9 @@ def main(argv=None) -> int:
         help="rows also compiled (comm_report's compiled HLO); '*' as CODEC for all",
     )
     args = ap.parse_args(argv)
-    trees = args.trees or (["resnet18"] if args.quick else ["resnet18", "gpt2"])
-    codecs = args.codecs or (QUICK_CODECS if args.quick else common.codec_names())
-    devices = args.devices or ([2, 8] if args.quick else [2, 4, 8, 16])
-    if max(devices) > MAX_DEVICES or min(devices) < 2:
-        raise ValueError(f"`--devices` must be in 2..{MAX_DEVICES}, got {devices}")
+    trees, codecs, devices, compiled, every = resolve(ap, args)
     use_cpu_devices(MAX_DEVICES)
     start = time.perf_counter()
-    if args.compiled is None:
-        spec = [] if args.quick else ["resnet18:8:pmean", "resnet18:8:sign", "resnet18:8:int8"]
-        spec += [] if args.quick else ["resnet18:8:bf16"]
-    else:
-        spec = args.compiled
-    compiled = {(t, int(n), c) for t, n, c in (x.split(":") for x in spec)}
-    every = args.all_strategies
-    if every is None:
-        every = [] if args.quick else ["resnet18"]
     rows = measure(trees, codecs, devices, compiled, all_strategies=tuple(every))
     print_table(rows)
     path = common.result_path("wire_bytes", args.quick)

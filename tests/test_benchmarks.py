@@ -846,3 +846,39 @@ def test_exact_optimum_quick(tmp_path, monkeypatch):
         expected = eo.distance(w, best)
         assert rows["identity"][f"lr {lr:g}"] == pytest.approx(expected, rel=2e-3)
         assert rows["int8"][f"lr {lr:g}"] == pytest.approx(expected, rel=0.05)
+
+
+def test_wire_bytes_flags_name_only_rows_it_measures(capsys):
+    """benchmarks/wire_bytes.py (`make bench`): the defaults, and a usage error naming the
+    flag for a device count out of range (was a ValueError traceback), an unknown codec
+    (failed minutes in), a --compiled row or an --all-strategies tree the run does not
+    measure (ignored without a word until 2026-11-27)."""
+    import argparse
+
+    from benchmarks import wire_bytes
+
+    ap = argparse.ArgumentParser(prog="wire_bytes")
+    flags = dict(quick=True, trees=None, codecs=None, devices=None)
+
+    def resolve(**kw):
+        ns = argparse.Namespace(**{**flags, "all_strategies": None, "compiled": None, **kw})
+        return wire_bytes.resolve(ap, ns)
+
+    assert resolve() == (["resnet18"], wire_bytes.QUICK_CODECS, [2, 8], set(), [])
+    full = resolve(quick=False)
+    assert full[3] == {("resnet18", 8, c) for c in ("pmean", "sign", "int8", "bf16")}
+    assert full[4] == ["resnet18"]
+    assert resolve(quick=False, trees=["gpt2"])[3:] == (set(), [])
+    assert resolve(compiled=["resnet18:8:*"])[3] == {("resnet18", 8, "*")}
+    bad = [
+        ({"devices": [1]}, "--devices"),
+        ({"codecs": ["int9"]}, "--codecs"),
+        ({"compiled": ["resnet18:4:int8"]}, "--compiled"),
+        ({"compiled": ["gpt2:8:int8"]}, "--compiled"),
+        ({"compiled": ["resnet18"]}, "--compiled"),
+        ({"all_strategies": ["gpt2"]}, "--all-strategies"),
+    ]
+    for kw, flag in bad:
+        with pytest.raises(SystemExit):
+            resolve(**kw)
+        assert f"argument {flag}:" in capsys.readouterr().err, kw

@@ -969,6 +969,17 @@ def resumed_environment(before: dict[str, Any] | None, now: dict[str, Any]) -> d
     return {**now, "command": earlier[0], "commands": commands}
 
 
+def result_file(before: dict, environment: dict, config: dict, runs: list[dict]) -> dict:
+    """The result file a run writes: ``before`` (the file it resumes, ``{}`` for a new one)
+    keeps its ``merged`` list, the commands whose runs were joined into it (an ``adamw``
+    row added with ``--baseline-from``), so a ``--resume`` does not drop where they came
+    from."""
+    out = {"environment": environment, "config": config, "runs": runs}
+    if before.get("merged"):
+        out["merged"] = list(before["merged"])
+    return out
+
+
 def run_config(args: argparse.Namespace) -> dict:
     """The config written with the results (``baseline_lr`` only where it differs)."""
     config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
@@ -1183,9 +1194,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['slow_bytes_per_step']:.0f} B/step  {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
-        config = run_config(args)
         environment = resumed_environment(before.get("environment"), common.environment())
-        out = {"environment": environment, "config": config, "runs": runs}
+        out = result_file(before, environment, run_config(args), runs)
         common.write_json(path, out, quiet=True)
     print_table(runs)
     if out is not None:

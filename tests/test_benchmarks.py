@@ -480,6 +480,18 @@ def test_lm_resume_keeps_every_command():
     ]
 
 
+def test_lm_resume_keeps_merged_provenance():
+    """benchmarks/lm.py --resume: the ``merged`` list of the file resumed (e.g. the adamw row
+    of --baseline-from) stays in the file written; a new file has none."""
+    from benchmarks import lm
+
+    before = {"runs": [], "merged": ["lm --tag third (its adamw run)"]}
+    out = lm.result_file(before, {"command": "c"}, {"seed": 0}, [{"recipe": "adamw"}])
+    assert out["merged"] == ["lm --tag third (its adamw run)"]
+    assert out["runs"] == [{"recipe": "adamw"}] and out["config"] == {"seed": 0}
+    assert "merged" not in lm.result_file({}, {"command": "c"}, {}, [])
+
+
 def test_lm_modelled_time_to_loss_and_moment_reset():
     """benchmarks/lm.py: the modelled time to a loss (steps from the curve, bytes over the
     link, no measurement), and DiLoCo's inner moments zeroed at a sync, counts kept."""

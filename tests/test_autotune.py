@@ -262,6 +262,54 @@ def test_integer_and_narrow_leaves_are_timed_in_their_own_dtype():
     )
 
 
+def _odd_tree_report(params, row):
+    """comm_report of ``row``'s exchange (tuning._exchange_tx) on per-device gradients of
+    each leaf's dtype (tuning.gradient_rows); empty slots stay empty."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("data",))
+    tx = tuning._exchange_tx(row, "data")
+    state = jc.sharded_init(tx, params, mesh, "data")
+    specs = jc.state_specs(state, "data")
+    body = lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s)  # noqa: E731
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs), check_vma=False
+        )
+    )
+    return jc.comm_report(step, tuning.gradient_rows(params, mesh, "data"), state)
+
+
+def test_table_bytes_are_the_logical_bytes_of_the_step_on_odd_trees():
+    """Odd trees (bfloat16 leaves with one under min_size, one scalar, a None and a
+    MaskedNode slot beside an int32 counter): each row's bytes/device are the logical bytes
+    jc.comm_report reads from the row's transform, plus its non-finite verdict (7 bytes at
+    n = 8) where it keeps a residual. XLA:CPU widens a bfloat16 payload to float32 in the
+    compiled program (the bf16 cast's allreduce: twice the table's bytes there,
+    docs/autotune.md's widen)."""
+    import jax.numpy as jnp
+    import optax
+
+    trees = {
+        "bf16": {"w": np.zeros((64, 256), jnp.bfloat16), "b": np.zeros(64, jnp.bfloat16)},
+        "scalar": {"s": np.zeros((), np.float32)},
+        "slots": {"w": PARAMS["w"], "x": None, "m": optax.MaskedNode(), "n": np.int32(3)},
+    }
+    codecs = [None, jc.int_quant(8), jc.cast("bf16"), jc.sign()]
+    for name, params in trees.items():
+        sizes = tuning._check_args(params, "data", jax.make_mesh((8,), ("data",)), codecs)
+        cands = tuning._candidates(
+            codecs, ["two_phase", "allreduce", "majority_vote"], [2**25], [100]
+        )
+        for row in tuning._model_rows(cands, sizes, 8, LINK, {}, {}):
+            assert not row.error, (name, row.name, row.strategy, row.error)
+            report = _odd_tree_report(params, row)
+            verdict = 7.0 if row.error_feedback and sum(d >= 100 for d in sizes) else 0.0
+            assert report.logical_bytes_per_device == pytest.approx(
+                row.bytes_per_device + verdict
+            ), (name, row.name, row.strategy)
+
+
 def test_every_candidate_failing_is_an_error(monkeypatch):
     mesh = jax.make_mesh((8,), ("data",))
     monkeypatch.setattr(tuning, "_time_row", lambda *a: (math.nan, "XlaRuntimeError: OOM"))

@@ -283,6 +283,11 @@ def gather_params(shards: Any, mesh) -> Any:
     )(shards)
 
 
+def per_step(nbytes: float) -> str:
+    """``nbytes`` a step in KiB, or "bytes not measured" for ``--no-report``'s NaN."""
+    return "bytes not measured" if np.isnan(nbytes) else f"{nbytes / 2**10:.1f} KiB/device/step"
+
+
 def check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace, devices: int):
     """A usage error naming the flag where ``--d-model`` or ``--devices`` cannot be sharded."""
     why = shape_error(args.d_model, devices // args.replicas)
@@ -356,14 +361,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{tag}{name}: weights {w} grads {g} ef {ef}{across}: "
             f"held-out loss {r['eval_loss']:.4f}, "
             f"train loss {r['train_loss'][0]:.3f} -> {r['train_loss'][-1]:.3f}, "
-            f"{r['bytes_per_device'] / 2**10:.1f} KiB/device/step, {r['params']} params"
+            f"{per_step(r['bytes_per_device'])}, {r['params']} params"
         )
         print(f"{tag}params sha256 {r['digest']}", flush=True)
     if "float32" in results:
         c, b = results["compressed"], results["float32"]
         print(
             f"compressed / float32: held-out loss {c['eval_loss'] / b['eval_loss']:.4f}, "
-            f"bytes {c['bytes_per_device'] / b['bytes_per_device']:.3f}"
+            + (
+                f"bytes {c['bytes_per_device'] / b['bytes_per_device']:.3f}"
+                if not args.no_report
+                else "bytes not measured (--no-report)"
+            )
         )
     return 0
 

@@ -190,15 +190,23 @@ BENCH_BAD_FLAGS = [
 ]
 
 
-def test_benchmarks_refuse_nonsense_numbers_naming_the_flag():
+@pytest.fixture(scope="module")
+def parsed() -> dict[str, subprocess.CompletedProcess]:
+    """``--parse-only`` answers, from one process, to BENCH_BAD_FLAGS (keys ``bad:ID``) and
+    to the benchmark command lines the docs quote (keys ``docs:COMMAND``)."""
+    commands = {
+        f"bad:{_bad_id(row)}": [*COMMANDS[f"benchmarks/{row[0]}.py"], *row[1]]
+        for row in BENCH_BAD_FLAGS
+    }
+    commands |= {f"docs:{c}": cmd for c, cmd in docs_benchmark_commands().items()}
+    return _answers(commands, "--parse-only")
+
+
+def test_benchmarks_refuse_nonsense_numbers_naming_the_flag(parsed):
     """Parsed only (``--parse-only``): a refusal is argparse's usage error; a value wrongly
     accepted stops at the parse instead of running the benchmark."""
-    commands = {
-        _bad_id(row): [*COMMANDS[f"benchmarks/{row[0]}.py"], *row[1]] for row in BENCH_BAD_FLAGS
-    }
-    answers = _answers(commands, "--parse-only")
     for row in BENCH_BAD_FLAGS:
-        proc = answers[_bad_id(row)]
+        proc = parsed[f"bad:{_bad_id(row)}"]
         assert proc.returncode == 2, (row, proc.stderr[-800:])
         assert f"error: argument {row[2]}" in proc.stderr, proc.stderr[-800:]
 
@@ -276,7 +284,7 @@ def docs_benchmark_commands() -> dict[str, list[str]]:
     return out
 
 
-def test_docs_quote_benchmark_command_lines_that_parse():
+def test_docs_quote_benchmark_command_lines_that_parse(parsed):
     """Each benchmark command line in docs/ and the README parses with today's flags (only
     the parse: a complete one stops the script before it runs anything), and names a
     module of benchmarks/. Checked 2026-11-27: 129 distinct lines, all parse (their
@@ -286,6 +294,6 @@ def test_docs_quote_benchmark_command_lines_that_parse():
     modules = {cmd[2].removeprefix("benchmarks.") for cmd in commands.values()}
     missing = {m for m in modules if not (ROOT / "benchmarks" / f"{m}.py").exists()}
     assert not missing, missing
-    answers = _answers(commands, "--parse-only")
+    answers = {c: parsed[f"docs:{c}"] for c in commands}
     bad = {c: a.stderr.strip().splitlines()[-1:] for c, a in answers.items() if a.returncode}
     assert not bad, bad

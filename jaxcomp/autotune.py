@@ -32,23 +32,8 @@ def _tree(params: float, leaves: int) -> dict:
     return tree
 
 
-def _bounded(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: ``kind`` of the text, at least ``low`` (above it: ``open_low``),
-    so that bad input is a usage error naming the flag, not a traceback."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
+    from jaxcomp._src.cli import bounded
     from jaxcomp._src.codecs.registry import CODECS
     from jaxcomp._src.cost import STRATEGIES
 
@@ -59,16 +44,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--params",
-        type=_bounded(float, 1),
+        type=bounded(float, 1),
         default=4e6,
         help="float32 parameters of the model",
     )
     p.add_argument(
-        "--leaves", type=_bounded(int, 1), default=8, help="weight matrices (each with a bias)"
+        "--leaves", type=bounded(int, 1), default=8, help="weight matrices (each with a bias)"
     )
     p.add_argument(
         "--devices",
-        type=_bounded(int, 0),
+        type=bounded(int, 0),
         default=0,
         help="simulate this many CPU devices (0: the devices jax finds)",
     )
@@ -91,13 +76,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--check",
-        type=_bounded(int, 1),
+        type=bounded(int, 1),
         default=4,
         help="candidates timed for real (best of each codec first)",
     )
     p.add_argument(
         "--budget",
-        type=_bounded(float, 0, open_low=True),
+        type=bounded(float, 0, open_low=True),
         default=120.0,
         help="seconds for the timed checks",
     )

@@ -21,7 +21,6 @@ when the whole run timed out); 0 when all succeed.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import socket
@@ -30,6 +29,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from jaxcomp._src.cli import bounded
 
 ENV_COORDINATOR = "JAXCOMP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXCOMP_NUM_PROCESSES"
@@ -208,36 +209,19 @@ def run(
     return status
 
 
-def _above(kind: type, low: float, open_low: bool = False):
-    """An argparse ``type``: a finite ``kind`` at least ``low`` (above it with ``open_low``):
-    ``-n 0`` or ``--timeout -1`` is a usage error naming the flag, not :func:`run`'s
-    traceback."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise argparse.ArgumentTypeError(
-                f"must be finite and {'>' if open_low else '>='} {low}"
-            )
-        return value
-
-    parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
-    return parse
-
-
 def main(args: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomp.launch", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("-n", "--num-processes", type=_above(int, 1), default=2)
+    parser.add_argument("-n", "--num-processes", type=bounded(int, 1), default=2)
     parser.add_argument(
-        "--local-devices", type=_above(int, 1), default=1, help="CPU devices per process"
+        "--local-devices", type=bounded(int, 1), default=1, help="CPU devices per process"
     )
     parser.add_argument(
-        "--timeout", type=_above(float, 0, True), default=600.0, help="seconds for the whole run"
+        "--timeout", type=bounded(float, 0, True), default=600.0, help="seconds for the whole run"
     )
     parser.add_argument(
-        "--grace", type=_above(float, 0), default=30.0, help="seconds after a failure"
+        "--grace", type=bounded(float, 0), default=30.0, help="seconds after a failure"
     )
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)

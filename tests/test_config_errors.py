@@ -1311,7 +1311,22 @@ TRACE_CHECKS = [
             lambda x: _int_param_update(jc.demo(0.1, "data"), x, grad=jnp.zeros([], jnp.int32)),
         )
     ],
+    # shard_axis: a misspelt axis was jax's bare "unbound axis name" NameError from inside
+    # the update; the transform's own axis_name is no axis of shards inside a replica.
+    *[
+        ("local_sgd, diloco, sparseloco (update)", "shard_axis", fn, ValueError)
+        for fn in (
+            lambda x: _own_update(jc.diloco(SGD, "data", 4, shard_axis="model"), x),
+            lambda x: _own_update(jc.local_sgd(SGD, "data", 4, shard_axis=("data",)), x),
+            lambda x: _own_update(jc.sparseloco(SGD, "data", 4, shard_axis="data"), x),
+        )
+    ],
 ]
+
+
+def _own_update(tx, x):
+    """``tx.update`` of a device's own params ``x`` (their own gradient) from ``tx.init``."""
+    return tx.update(x, tx.init(x), x)[0]
 
 
 def _int_param_update(tx, x, grad=np.zeros([], jax.dtypes.float0)):

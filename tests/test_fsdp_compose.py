@@ -894,3 +894,46 @@ def test_one_residual_closed_over_by_a_loop_body_is_refused(loop):
         fn.lower(ws, x)
     fn, ws, x = _looped("scan1")
     fn.lower(ws, x)
+
+
+def _carried(loop):
+    """A loop over 3 training steps whose carry holds the shards and the residual: each
+    step's ``jax.grad`` runs inside the body and gets that step's residual."""
+
+    def step(carry):
+        w, r = carry
+
+        def loss(w, r):
+            return jnp.sum(
+                jnp.tanh(0.01 * jnp.ones((4, 64)) @ jc.fsdp_gather(w, "data", residual=r))
+            )
+
+        g, r = jax.grad(loss, argnums=(0, 1))(w, r)
+        return w - 0.1 * g, r
+
+    def f(w):
+        carry = (w, jc.fsdp_residual(w, "data"))
+        if loop == "scan":
+            return jax.lax.scan(lambda c, _: (step(c), None), carry, None, length=3)[0][0]
+        return jax.lax.fori_loop(0, 3, lambda i, c: step(c), carry)[0]
+
+    m = MESH8()
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=P("data"), out_specs=P("data")))
+    return fn, jax.device_put(jnp.ones((64, 64)) / 8, NamedSharding(m, P("data")))
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_a_residual_carried_by_a_loop_over_steps_is_not_refused(loop, monkeypatch):
+    """A training loop (lax.scan / fori_loop over steps) that carries the residual gives
+    each step its own: not refused (it runs, and 3 steps move the shards). Where jax's scan
+    frame is not found (another jax: ``fsdp._SCAN_CODE`` None) a residual closed over by a
+    scan of length 1 is refused: the safe side."""
+    fn, w = _carried(loop)
+    out = np.asarray(fn(w))
+    assert np.abs(out - np.asarray(w)).max() > 1e-3
+    from jaxcomp._src import fsdp
+
+    monkeypatch.setattr(fsdp, "_SCAN_CODE", None)
+    fn, ws, x = _looped("scan1")
+    with pytest.raises(ValueError, match=r"closed over by a loop body \(scan\)"):
+        fn.lower(ws, x)

@@ -215,6 +215,21 @@ def _clip_local(g: list, p: list, limit: float) -> tuple[list, list]:
     return [(a * pre) * factor for a in g], [(a * pre) * factor for a in p]
 
 
+def _check_whole_params(params: Any, clip_norm: float, axis_name: Any, inner_axis_name: Any):
+    """Refuse ``clip_norm`` where ``params`` are typed as differing over a manual axis beside
+    the exchange's (FSDP shards inside a replica): :func:`_clip_local` would take each
+    shard's own norm (:func:`jaxcomp._src.clipping.check_whole_params`)."""
+    clipping.check_whole_params(
+        "dgc",
+        "clip_norm",
+        params,
+        (*collectives.axis_names(axis_name), *collectives.axis_names(inner_axis_name)),
+        (),
+        f"Leave `clip_norm` out and chain jc.clip_by_global_norm({clip_norm!r}, "
+        f"{axis_name!r}, shard_axis={{shard_axis!r}}) before jc.dgc.",
+    )
+
+
 def _correct(momentum, nesterov: bool, velocity: list, accumulation: list, g: list, ok):
     """Momentum correction: ``u <- m u + g``, ``v <- v + u`` (Nesterov: ``u <- m (u + g)``,
     ``v <- v + u + g``), each saturating at ``+-F32_MAX`` (a finite step keeps the state
@@ -487,15 +502,7 @@ def dgc(
         p = [a.astype(jnp.float32) for a in layouts.leaves_of(updates, layout, layouts.PLAIN)]
 
         if clip_norm is not None:
-            clipping.check_whole_params(
-                "dgc",
-                "clip_norm",
-                params,
-                (*collectives.axis_names(axis_name), *collectives.axis_names(inner_axis_name)),
-                (),
-                f"Leave `clip_norm` out and chain jc.clip_by_global_norm({clip_norm!r}, "
-                f"{axis_name!r}, shard_axis={{shard_axis!r}}) before jc.dgc.",
-            )
+            _check_whole_params(params, clip_norm, axis_name, inner_axis_name)
             g, p = _clip_local(g, p, clip_norm / math.sqrt(n))
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
         bad = _checked(g, plain_bad, axis_name)

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core  # trace_ctx: the trace a call is recorded into
-from jax._src.lax.control_flow import loops as jax_loops  # scan's frame: the loop's length
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
@@ -345,7 +344,20 @@ def _claim(r_leaves: list) -> None:
 #: What jax's traces of loop bodies are traced for (``DebugInfo.traced_for``): a body runs
 #: once per iteration, so a residual it closes over feeds every iteration's gather.
 _LOOP_BODIES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
-_SCAN_CODE = getattr(inspect.unwrap(jax_loops.scan), "__code__", None)
+
+
+def _scan_code() -> Any:
+    """The code object of ``jax.lax.scan`` whose frame holds a scan's ``length``, or None
+    where this jax keeps it elsewhere (private module moved): then every scan counts as
+    longer than 1 (:func:`_scan_length`), a refusal of a length-1 scan at worst."""
+    try:
+        from jax._src.lax.control_flow import loops  # scan's frame: the loop's length
+    except ImportError:
+        return None
+    return getattr(inspect.unwrap(getattr(loops, "scan", None)), "__code__", None)
+
+
+_SCAN_CODE = _scan_code()
 
 
 def _scan_length(debug_info: Any) -> int | None:

@@ -99,7 +99,8 @@ def local_sgd(
 
     Raises:
       ValueError: at construction, ``sync_every``, ``start_step``, ``error_feedback`` or
-        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md).
+        ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md);
+        when traced, ``shard_axis`` not bound there or holding ``axis_name``.
       TypeError: at construction, ``inner``, ``sync_every``, ``start_step``, ``codec``,
         ``min_size``, ``mask``, ``shard_axis`` or ``axis_name`` of the wrong kind;
         ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.

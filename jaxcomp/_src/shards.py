@@ -218,6 +218,37 @@ def check_shard_axis(shard_axis: Any) -> Any:
     return check_axis_name(shard_axis, "shard_axis")
 
 
+def check_shard_axis_bound(name: str, axis_name: Any, shard_axis: Any) -> None:
+    """Trace-time check of a transform's ``shard_axis``: every axis bound here (a misspelt
+    one was jax's bare "unbound axis name" from inside the update) and none of them the
+    transform's own ``axis_name`` (the replicas exchange over it; they are not shards of one
+    model there), else a ValueError naming ``shard_axis``."""
+    names = axis_names(shard_axis)
+    unbound = [a for a in names if not _is_bound(a)]
+    if unbound:
+        raise ValueError(
+            f"{name}: `shard_axis` {shard_axis!r} is not bound here ({unbound[0]!r}): name "
+            "the manual mesh axis of the jax.shard_map the update runs in over which the "
+            "params are FSDP shards inside each replica (or () for whole params)"
+        )
+    shared = sorted(set(names) & set(axis_names(axis_name)), key=str)
+    if shared:
+        raise ValueError(
+            f"{name}: `shard_axis` {shard_axis!r} holds the transform's own axis_name "
+            f"{shared[0]!r}: the replicas exchange over it; name the axis the params are "
+            "FSDP shards over inside each replica (or () for whole params)"
+        )
+
+
+def _is_bound(axis: Any) -> bool:
+    """Whether the mesh axis ``axis`` is bound where this is traced."""
+    try:
+        jax.lax.axis_size(axis)
+    except NameError:
+        return False
+    return True
+
+
 def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
     """Warn, while tracing, where FSDP shards inside the replicas cannot be told from whole
     params and ``shard_axis`` is not given: jax types no variance (``check_vma=False``) and

@@ -410,6 +410,19 @@ def masked_feedback(
     return feedback, value_codec
 
 
+def exchange_of(axis_name: Any, mask: str, strategy: Any, topk: dict, common: dict) -> tuple:
+    """``(feedback, codec)`` of the pseudo-gradient's exchange: :func:`topk_feedback` (each
+    replica's own top-k, ``strategy`` default ``"allgather"``) for ``mask="topk"``, else
+    :func:`masked_feedback` (a mask every replica shares, default ``"two_phase"``), which
+    refuses the top-k codec's options (``topk``: ``chunk``, ``bits``, ``value_scale``)."""
+    if shared_mask.check_mask(mask) != "topk":
+        refuse_topk_options(**topk)
+        strategy = "two_phase" if strategy is None else strategy
+        return masked_feedback(axis_name, mask=mask, strategy=strategy, **common)
+    strategy = "allgather" if strategy is None else strategy
+    return topk_feedback(axis_name, strategy=strategy, **topk, **common)
+
+
 def sparseloco(
     inner: optax.GradientTransformation,
     axis_name: Any,
@@ -549,7 +562,8 @@ def sparseloco(
       ValueError: at construction, ``sync_every``, ``density``, ``chunk``, ``bits``, ``ef_decay``,
         ``averaging``, ``strategy``, ``min_size``, ``value_scale``, ``small_codec``, ``clip``,
         ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
-        the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``.
+        the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``;
+        when traced, ``shard_axis`` not bound there or holding ``axis_name``.
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
         ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore``, ``seed`` or
         ``shard_axis`` of
@@ -583,15 +597,8 @@ def sparseloco(
         explore=explore,
         seed=seed,
     )
-    if shared_mask.check_mask(mask) != "topk":
-        refuse_topk_options(chunk=chunk, bits=bits, value_scale=value_scale)
-        strategy = "two_phase" if strategy is None else strategy
-        feedback, codec = masked_feedback(axis_name, mask=mask, strategy=strategy, **common)
-    else:
-        strategy = "allgather" if strategy is None else strategy
-        feedback, codec = topk_feedback(
-            axis_name, strategy=strategy, chunk=chunk, bits=bits, value_scale=value_scale, **common
-        )
+    topk = dict(chunk=chunk, bits=bits, value_scale=value_scale)
+    feedback, codec = exchange_of(axis_name, mask, strategy, topk, common)
     cfg = _Config(
         name="sparseloco",
         state_type=SparseLoCoState,

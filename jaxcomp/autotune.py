@@ -91,22 +91,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A usage error where no strategy of ``--strategies`` can carry a codec of ``--codecs``:
-    the autotuner would leave its rows out of the table without a word."""
+    """A usage error where no strategy of ``--strategies`` can carry a codec of ``--codecs``
+    (:func:`jaxcomp._src.autotune.check_carried`, the function's own check): the autotuner
+    would leave its rows out of the table without a word."""
+    from jaxcomp._src.autotune import check_carried
     from jaxcomp._src.codecs.registry import get_codec
-    from jaxcomp._src.cost import check_pair
 
-    def carries(codec, strategy: str) -> bool:
-        try:
-            check_pair(codec, strategy)
-        except ValueError:
-            return False
-        return True
-
-    for name in args.codecs if args.strategies else ():
-        codec = None if name == "none" else get_codec(name)
-        if codec is not None and not any(carries(codec, s) for s in args.strategies):
-            parser.error(f"argument --strategies: none of {args.strategies} carries {name}")
+    if not args.strategies:
+        return
+    try:
+        check_carried([None if n == "none" else get_codec(n) for n in args.codecs], args.strategies)
+    except ValueError as e:
+        parser.error(f"argument --strategies: {e}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1145,6 +1145,7 @@ def _finite_update(x, axis_name):
 
 # Checks at trace time, inside shard_map over axis "data" (8 devices): pmean/psum arguments.
 X = {"w": jax.ShapeDtypeStruct((8, 100), jnp.float32)}
+SHARD_AXIS_UPDATE = "compressed_allreduce, local_sgd, diloco, sparseloco (update)"
 TRACE_CHECKS = [
     ("pmean", "codec", lambda x: jc.pmean(x, "data", "int8"), TypeError),
     ("pmean", "strategy", lambda x: jc.pmean(x, "data", S, strategy="ring"), ValueError),
@@ -1314,11 +1315,13 @@ TRACE_CHECKS = [
     # shard_axis: a misspelt axis was jax's bare "unbound axis name" NameError from inside
     # the update; the transform's own axis_name is no axis of shards inside a replica.
     *[
-        ("local_sgd, diloco, sparseloco (update)", "shard_axis", fn, ValueError)
+        (SHARD_AXIS_UPDATE, "shard_axis", fn, ValueError)
         for fn in (
             lambda x: _own_update(jc.diloco(SGD, "data", 4, shard_axis="model"), x),
             lambda x: _own_update(jc.local_sgd(SGD, "data", 4, shard_axis=("data",)), x),
             lambda x: _own_update(jc.sparseloco(SGD, "data", 4, shard_axis="data"), x),
+            lambda x: _own_update(jc.compressed_allreduce(S, "data", shard_axis="model"), x),
+            lambda x: _own_update(jc.sgd(0.1, S, "data", shard_axis="data"), x),
         )
     ],
 ]

@@ -221,22 +221,22 @@ def check_shard_axis(shard_axis: Any) -> Any:
 def check_shard_axis_bound(name: str, axis_name: Any, shard_axis: Any) -> None:
     """Trace-time check of a transform's ``shard_axis``: every axis bound here (a misspelt
     one was jax's bare "unbound axis name" from inside the update) and none of them the
-    transform's own ``axis_name`` (the replicas exchange over it; they are not shards of one
-    model there), else a ValueError naming ``shard_axis``."""
+    transform's own (``axis_name``, ``inner_axis_name``: the replicas exchange over it; they
+    are not shards of one model there), else a ValueError naming ``shard_axis``."""
     names = axis_names(shard_axis)
     unbound = [a for a in names if not _is_bound(a)]
     if unbound:
         raise ValueError(
             f"{name}: `shard_axis` {shard_axis!r} is not bound here ({unbound[0]!r}): name "
             "the manual mesh axis of the jax.shard_map the update runs in over which the "
-            "params are FSDP shards inside each replica (or () for whole params)"
+            "params are shards of one model (FSDP inside each replica), or () for whole params"
         )
     shared = sorted(set(names) & set(axis_names(axis_name)), key=str)
     if shared:
         raise ValueError(
-            f"{name}: `shard_axis` {shard_axis!r} holds the transform's own axis_name "
+            f"{name}: `shard_axis` {shard_axis!r} holds the transform's own axis "
             f"{shared[0]!r}: the replicas exchange over it; name the axis the params are "
-            "FSDP shards over inside each replica (or () for whole params)"
+            "shards of one model over (FSDP inside each replica), or () for whole params"
         )
 
 
@@ -279,10 +279,12 @@ def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
 def with_shard_axis(update: Callable, name: str, own_axes: tuple, shard_axis: Any) -> Callable:
     """``update`` traced with ``shard_axis`` in force for :func:`any_shard` (the flags of
     every collective inside are or-ed over it where jax types no variance), after
-    :func:`warn_untyped_shards` of ``own_axes`` (the transform's axes, inner axis included)."""
+    :func:`check_shard_axis_bound` and :func:`warn_untyped_shards` of ``own_axes`` (the
+    transform's axes, inner axis included)."""
 
     @functools.wraps(update)
     def wrapped(updates, state, params=None, **extra_args):
+        check_shard_axis_bound(name, own_axes, shard_axis)
         warn_untyped_shards(name, own_axes, shard_axis)
         token = _SHARD_AXIS.set(shard_axis)
         try:

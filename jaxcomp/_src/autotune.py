@@ -1045,11 +1045,10 @@ def compresses(codec: Codec | None, min_size: int, sizes: Sequence[int]) -> bool
 
     A codec's candidate whose ``min_size`` exceeds every leaf is plain ``pmean`` under
     another name: every leaf goes through the transform's plain path. Timed beside plain
-    ``pmean`` it measured faster (40 x 50 + 50 floats on 8 CPU devices, ``min_sizes``
-    (0, 4096): 0.43 to 0.61 ms against 0.75 to 0.80 ms), so the plan named int8 or sign with
-    ``min_size=4096`` in 6 runs of 6, ``plan.compressed`` True while nothing was compressed,
-    and ``jc.sgd`` built from the plan took that codec's defaults (the look-ahead momentum of
-    a biased codec) for an exchange that compressed nothing.
+    ``pmean`` it could measure faster by noise and become the plan, ``plan.compressed`` True
+    while nothing was compressed, and ``jc.sgd`` built from the plan took that codec's
+    defaults (the look-ahead momentum of a biased codec) for an exchange that compressed
+    nothing (measured: docs/autotune.md).
 
     Example::
 

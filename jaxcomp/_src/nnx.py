@@ -146,8 +146,8 @@ def _check_one_model(state: Any) -> None:
     returned replicated (``P()``). Under ``check_vma=True`` ``nnx.shard_map`` refused the
     per-device params on the way out with jax's "out_specs ... could not infer replication",
     naming no fix; under ``check_vma=False`` the model's arrays claimed to be replicated while
-    each device held its own replica (8 devices, ``jc.diloco(optax.sgd(0.1), "data", 2)``,
-    3 steps: copies 0.0255 apart), so a read, a checkpoint or a reshard kept device 0's."""
+    each device held its own replica (docs/flax.md), so a read, a checkpoint or a reshard
+    kept device 0's."""
     kinds = _replica_states()
     found = [
         node

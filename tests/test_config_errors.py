@@ -433,6 +433,20 @@ CHECKS = [
         lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, worker_momentum=0.9),
         TypeError,
     ),
+    # shard_axis reached its exchange through **exchange and silenced the HSDP warning while
+    # the step's flag stayed per device (a NaN shard: 2 of 8 devices NaN, 6 stepped).
+    (
+        "onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.onebit_adam(1e-3, "d", freeze_step=9, shard_axis="data"),
+        ValueError,
+    ),
+    (
+        "onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.zero_one_adam(1e-3, "d", var_freeze_step=9, shard_axis=("data",)),
+        ValueError,
+    ),
     (
         "onebit_adam",
         "worker_nesterov",

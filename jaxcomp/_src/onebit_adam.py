@@ -304,6 +304,14 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     for option in ("worker_momentum", "worker_nesterov"):
         if option in options:
             raise TypeError(f"jc.{name} keeps its own momentum: drop `{option}`")
+    if options.get("shard_axis"):  # () (whole leaves) passes: it only silences the warning
+        raise ValueError(
+            f"jc.{name} takes no `shard_axis` {options['shard_axis']!r}: its non-finite flag is "
+            "read on each device from its own round's output, not or-ed over shards, so a "
+            "non-finite FSDP shard (HSDP under check_vma=False) would skip the step on its own "
+            "devices only while the option silenced the warning. Average FSDP shard gradients "
+            "with jc.sgd or jc.compressed_allreduce(..., shard_axis=...)"
+        )
     codec = sign("rms", exact_zeros=True) if codec is None else codec
     inner = compressed_allreduce(codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
@@ -761,7 +769,9 @@ def onebit_adam(
     Raises:
       ValueError: at construction, ``freeze_step``, ``b1``, ``b2``, ``eps``, ``weight_decay`` or
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md);
-        at ``init``, a ``weight_decay_mask`` that is no prefix of the params' tree.
+        at ``init``, a ``weight_decay_mask`` that is no prefix of the params' tree; a
+        ``shard_axis`` other than ``()`` (its non-finite flag is each device's own: FSDP shards
+        are not supported).
       TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``weight_decay_mask``,
         ``worker_momentum``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong
         kind; ``worker_momentum`` or ``worker_nesterov`` given (it keeps its own momentum).

@@ -659,7 +659,8 @@ def zero_one_adam(
         ``local_step_scaler``, ``local_step_clipper``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
         ``variance_rounds`` or ``axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md); at ``init``, a ``weight_decay_mask`` that is no prefix of the
-        params' tree.
+        params' tree; a ``shard_axis`` other than ``()`` (its non-finite flag is each device's
+        own: FSDP shards are not supported).
       TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
         ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound`` or
         ``axis_name`` of the wrong kind; ``worker_momentum`` or ``worker_nesterov`` given (it

@@ -642,6 +642,47 @@ def _xla_options(data: dict[str, Any], path: pathlib.Path) -> str:
     )
 
 
+def _compile_size_recipes(data: dict[str, Any], path: pathlib.Path) -> str:
+    """``compile_size --recipes --against DIR``: per recipe, the step's HLO instructions,
+    lowering and compile seconds before (the jaxcomp in DIR) and after, run alternately in one
+    run (the ratio is before / after), and whether the compiled collectives are the same."""
+    cpu = all("compile_cpu_s" in r for r in data["rows"])
+    header = ["recipe", "leaves", "HLO instr. before", "after", "ratio"]
+    header += ["lower s before", "after", "compile s before", "after", "ratio", "collectives"]
+    if cpu:
+        header += ["lower CPU s before", "after", "compile CPU s before", "after", "ratio"]
+    pairs: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in data["rows"]:
+        pairs.setdefault(r["recipe"], {})[r.get("code", "after")] = r
+    body = []
+    for name, pair in pairs.items():
+        b, a = pair.get("before"), pair.get("after")
+        if a is None:
+            continue
+        if b is None:
+            body.append([f"`{name}`", _fmt(a["leaves"]), "–", _fmt(a["hlo_instructions"]), "–",
+                         "–", _fmt(a["lower_s"]), "–", _fmt(a["compile_s"]), "–",
+                         _fmt(sum(a["collectives"].values()))])  # fmt: skip
+            if cpu:
+                body[-1] += ["–", _fmt(a["lower_cpu_s"]), "–", _fmt(a["compile_cpu_s"]), "–"]
+            continue
+        same = "same" if b["collectives"] == a["collectives"] else "DIFFER"
+        body.append([f"`{name}`", _fmt(a["leaves"]), _fmt(b["hlo_instructions"]),
+                     _fmt(a["hlo_instructions"]),
+                     f"{b['hlo_instructions'] / a['hlo_instructions']:.2f}x",
+                     _fmt(b["lower_s"]), _fmt(a["lower_s"]), _fmt(b["compile_s"]),
+                     _fmt(a["compile_s"]), f"{b['compile_s'] / a['compile_s']:.2f}x",
+                     f"{sum(a['collectives'].values())} ({same})"])  # fmt: skip
+        if cpu:
+            body[-1] += [_fmt(b["lower_cpu_s"]), _fmt(a["lower_cpu_s"]),
+                         _fmt(b["compile_cpu_s"]), _fmt(a["compile_cpu_s"]),
+                         f"{b['compile_cpu_s'] / a['compile_cpu_s']:.2f}x"]  # fmt: skip
+    loads = [r["loadavg_1min"] for r in data["rows"] if "loadavg_1min" in r]
+    note = f"Load average (1 min) {min(loads):.1f}-{max(loads):.1f} on the host." if loads else ""
+    command = data.get("environment", {}).get("command") or "python -m benchmarks.compile_size"
+    return f"{_markdown((header, body))}\n\n{note} " + _source(path, data, command)
+
+
 # --------------------------------------------------------------------------- overlap
 
 
@@ -1555,6 +1596,10 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "budget_bytes": (_budget_bytes, "python -m benchmarks.budget_bytes"),
     "hot_path_xla": (_hot_path_options, "python -m benchmarks.hot_path"),
     "xla_options": (_xla_options, "python -m benchmarks.xla_options"),
+    "compile_size_recipes": (
+        _compile_size_recipes,
+        "python -m benchmarks.compile_size --recipes --against DIR",
+    ),
     "convergence_diagnosis": (
         _convergence_diagnosis,
         "python -m benchmarks.convergence --label diagnosis --diagnose 50",

@@ -131,6 +131,7 @@ from jaxcomp._src.codecs.base import (
     ceil_div,
     check_int,
     folded_sum,
+    kept_sum,
     scaled,
 )
 from jaxcomp._src.cost import (  # noqa: F401  (re-exported: the public bytes model)
@@ -213,8 +214,8 @@ def local_nonfinite(arrays: Any) -> jax.Array:
     widened to float32) and writes 1/8 of a byte per value before its reduce, not the byte
     per value of ``all(isfinite(x))``.
     """
-    # One NaN-or-zero scalar per array, summed by ONE reduction: a chain of ors would be
-    # duplicated by XLA into every fusion that reads the flag (quadratic in the leaves).
+    # One NaN-or-zero scalar per array, summed by ONE reduction (kept_sum): a chain of adds
+    # or ors is copied by XLA into every fusion that reads the flag (quadratic in the leaves).
     zeros = [
         folded_sum(a * jnp.zeros([], a.dtype))
         if a.dtype == jnp.float32
@@ -224,7 +225,7 @@ def local_nonfinite(arrays: Any) -> jax.Array:
     ]
     if not zeros:
         return jnp.bool_(False)
-    return jnp.isnan(jnp.sum(jnp.stack([z.astype(jnp.float32) for z in zeros])))
+    return jnp.isnan(kept_sum(jnp.stack([z.astype(jnp.float32) for z in zeros])))
 
 
 def poison(x: jax.Array, bad: jax.Array) -> jax.Array:

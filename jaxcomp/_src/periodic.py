@@ -41,7 +41,7 @@ import optax
 
 from jaxcomp._src import collectives, feedback, replicas, shards, skeleton
 from jaxcomp._src.axes import manual_axes
-from jaxcomp._src.codecs.base import check_int, is_number
+from jaxcomp._src.codecs.base import check_int, is_number, kept_any
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
 F32 = jnp.float32
@@ -95,7 +95,7 @@ def _varying(x: jax.Array, axes: tuple) -> jax.Array:
 
 def _nonfinite(leaves: list[jax.Array]) -> jax.Array:
     flags = [jnp.logical_not(jnp.all(jnp.isfinite(x))) for x in leaves]
-    return jnp.any(jnp.stack(flags)) if flags else jnp.zeros([], bool)
+    return kept_any(flags) if flags else jnp.zeros([], bool)
 
 
 def _where(flag: jax.Array, old: Any, new: Any) -> Any:

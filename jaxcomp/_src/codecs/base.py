@@ -437,6 +437,45 @@ def fold_rows(values: jax.Array, combine) -> jax.Array:
     return x[:, 0]
 
 
+#: From how many per-leaf scalars :func:`kept_sum` keeps one reduction. A chain of up to 8
+#: copied into each reader costs little, and XLA's own form is kept there: the one-device hot
+#: path's programs (6 leaves) stay as they were (padded, the int8 row's temporaries grew by
+#: 0.04 copies of the gradient: a changed schedule).
+KEEP_FROM = 9
+
+
+def kept_sum(values: jax.Array) -> jax.Array:
+    """``jnp.sum(values)`` (a short vector: one scalar per leaf) as one reduction that XLA
+    keeps, so that the fusions reading the result read one scalar.
+
+    XLA's simplifier turns ``reduce(concatenate(scalars))`` (``jnp.sum(jnp.stack(...))``)
+    into a chain of scalar adds, and fusion then copies the whole chain into every fusion
+    that reads the result: a flag or a norm read by each leaf's update costs ``leaves``
+    instructions per leaf, the compiled step quadratic in the leaves (a 100-leaf 1-bit Adam
+    step held half its instructions in such copies). A zero appended (``jnp.pad``) keeps the
+    reduction whole (from :data:`KEEP_FROM` values). For a flag's sum of zeros and NaN the
+    zero changes no bit; a sum of values may be added in another order than the chain's."""
+    if values.shape[0] < KEEP_FROM:
+        return jnp.sum(values)
+    return jnp.sum(jnp.pad(values, (0, 1)))
+
+
+def kept_any(flags: list[jax.Array]) -> jax.Array:
+    """``any(flags)`` (boolean scalars, one per leaf) as one reduction XLA keeps
+    (:func:`kept_sum`: ``jnp.any(jnp.stack(flags))`` became a chain of ors copied into every
+    reader)."""
+    stacked = jnp.stack(flags)
+    return jnp.any(stacked if len(flags) < KEEP_FROM else jnp.pad(stacked, (0, 1)))
+
+
+def kept_max(values: jax.Array, low: float) -> jax.Array:
+    """``jnp.max(values)`` as one reduction XLA keeps (:func:`kept_sum`), ``low`` (at most
+    every value) appended: the same maximum."""
+    if values.shape[0] < KEEP_FROM:
+        return jnp.max(values)
+    return jnp.max(jnp.pad(values, (0, 1), constant_values=low))
+
+
 def folded_sum(x: jax.Array) -> jax.Array:
     """``jnp.sum(x)``, the 8 column groups of ``x`` (read as one row) added first
     (:func:`fold_rows`): the elementwise producer of ``x`` is fused into that stage, so no
@@ -571,7 +610,10 @@ def scaled_global_norm_parts(arrays: list[jax.Array]) -> tuple[jax.Array, jax.Ar
     arrays = [jnp.asarray(a, jnp.float32) for a in arrays if jnp.size(a)]
     if not arrays:
         return jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32)
-    top = jnp.max(jnp.stack([jnp.max(jnp.abs(a)) for a in arrays]))
+    # One reduction, not a chain of maxima that fusion copies into each leaf's divide
+    # (kept_sum). The sum of squares stays a chain: kept as one reduction it changed the bits
+    # of a clipped step (XLA fused the leaves' sums apart).
+    top = kept_max(jnp.stack([jnp.max(jnp.abs(a)) for a in arrays]), 0.0)
     safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
     total = sum(jnp.sum(jnp.square(safe_divide(a, safe))) for a in arrays)
     return top, jnp.sqrt(total)

@@ -551,6 +551,7 @@ RECIPES: dict[str, Recipe] = {
     "powersgd24-adamw": _psgd(24),  # d_model / 4 on the third pair's d_model 96
     **{f"powersgd{r}-adamw-start{t}": _psgd(r, t) for r in (8, 16, 32) for t in (30, 60)},
     "powersgd32-adamw": _psgd(32),
+    "powersgd40-adamw": _psgd(40),  # d_model / 4 on the fifth pair's d_model 160
     "sign-adamw": Recipe(_chain(_q("sign")), note="known bad: sign before Adam"),
     "topk1%-adamw": Recipe(_chain(_q("topk1%")), note="known bad: top-k before Adam"),
     "nocomm": Recipe(

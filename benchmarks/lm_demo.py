@@ -252,7 +252,8 @@ RECIPES.update(
 # From there one change at a time: the tail over the last half (-wsd50), a 2% warm-up (-warm2,
 # at peaks 3e-3 to 6e-3), then from -warm2 at 5e-3: -minkK, -wsd30, -wsd20to0, decay 0.9 or 0.98,
 # 5-bit values or 21 components of 3 bits (the same bytes), weight decay 0.2; and -snr. The
-# k20-b3 rows at 1.5e-3 to 3e-3 are the third width's (d_model 192: the rule's peak is 2e-3).
+# k20-b3 rows at 1.5e-3 to 3e-3 are the third width's (d_model 192: the rule's peak is 2e-3);
+# 2.4e-3 is the rule's peak on the fifth pair's d_model 160.
 RECIPES.update(
     {
         "demo-4e-3-decay0.95-k18-b4-wsd50": _demo(4e-3, tail=0.5, **_K18),
@@ -280,7 +281,7 @@ RECIPES.update(
             f"demo-{peak}-decay0.95-k{k}-b{b}-wsd20-warm2": _demo(
                 float(peak), tail=0.2, warmup=0.02, **{**_K18, "topk": k, "bits": b}
             )
-            for peak in ("1.5e-3", "2e-3", "2.5e-3", "3e-3", "4e-3", "5e-3", "6e-3")
+            for peak in ("1.5e-3", "2e-3", "2.4e-3", "2.5e-3", "3e-3", "4e-3", "5e-3", "6e-3")
             for k, b in ((18, 5), (21, 3), (20, 3))
         },
         "demo-5e-3-decay0.95-k18-b4-wsd20-warm2-wd0.2": _demo(

@@ -236,8 +236,9 @@ def train(
     params = jax.jit(lambda: init_params(jax.random.PRNGKey(seed), d_model, layers, context))()
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps))
     tx = optax.adamw(schedule, weight_decay=0.01)
-    if replicas > 1:
-        tx = optax.chain(jc.compressed_allreduce(jc.get_codec(replica_codec), REPLICA), tx)
+    if replicas > 1:  # the leaves are shards over DATA (unseen under check_vma=False)
+        across = jc.compressed_allreduce(jc.get_codec(replica_codec), REPLICA, shard_axis=DATA)
+        tx = optax.chain(across, tx)
     shards, opt_state, residual, specs = setup(params, mesh, tx, error_feedback)
     step = make_step(mesh, tx, codec(weights), codec(grads), error_feedback, specs)
     data = batches(seed, text[:split], mesh.size * batch_per_device, context)

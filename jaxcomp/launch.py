@@ -226,7 +226,9 @@ def main(args: Sequence[str] | None = None) -> int:
     parser.add_argument("script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(args)
-    if not os.path.isfile(ns.script):  # else every process failed with "can't open file"
+    # else every process failed with "can't open file"; python also runs a directory or a
+    # zip archive holding __main__.py, as the processes do
+    if not os.path.exists(ns.script):
         parser.error(f"argument script: no such file: {ns.script}")
     return run(
         [ns.script, *ns.script_args],

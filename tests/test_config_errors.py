@@ -669,6 +669,48 @@ CHECKS = [
     ),
     ("diloco", "inner", lambda: jc.diloco(None, "d", 4), TypeError),
     (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.dgc(0.01, "d", shard_axis=1),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.powersgd(2, "d", shard_axis=[1]),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.demo(0.1, "d", shard_axis=0.5),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.gossip(SGD, "d", shard_axis=2),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.apply_if_finite(SGD, "d", 3, shard_axis=1),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.onebit_adam(0.1, "d", freeze_step=5, shard_axis=1),
+        TypeError,
+    ),
+    (
+        "dgc, powersgd, demo, gossip, apply_if_finite, onebit_adam, zero_one_adam",
+        "shard_axis",
+        lambda: jc.zero_one_adam(0.1, "d", var_freeze_step=5, shard_axis=("data", 1)),
+        TypeError,
+    ),
+    (
         "local_sgd, diloco, sparseloco",
         "shard_axis",
         lambda: jc.diloco(SGD, "d", 4, shard_axis=0),
@@ -1145,7 +1187,10 @@ def _finite_update(x, axis_name):
 
 # Checks at trace time, inside shard_map over axis "data" (8 devices): pmean/psum arguments.
 X = {"w": jax.ShapeDtypeStruct((8, 100), jnp.float32)}
-SHARD_AXIS_UPDATE = "compressed_allreduce, local_sgd, diloco, sparseloco (update)"
+SHARD_AXIS_UPDATE = (
+    "compressed_allreduce, local_sgd, diloco, sparseloco, dgc, powersgd, demo, gossip, "
+    "apply_if_finite, onebit_adam, zero_one_adam (update)"
+)
 TRACE_CHECKS = [
     ("pmean", "codec", lambda x: jc.pmean(x, "data", "int8"), TypeError),
     ("pmean", "strategy", lambda x: jc.pmean(x, "data", S, strategy="ring"), ValueError),
@@ -1322,6 +1367,15 @@ TRACE_CHECKS = [
             lambda x: _own_update(jc.sparseloco(SGD, "data", 4, shard_axis="data"), x),
             lambda x: _own_update(jc.compressed_allreduce(S, "data", shard_axis="model"), x),
             lambda x: _own_update(jc.sgd(0.1, S, "data", shard_axis="data"), x),
+            lambda x: _own_update(jc.dgc(0.1, "data", shard_axis="model"), x),
+            lambda x: _own_update(jc.powersgd(2, "data", shard_axis="data"), x),
+            lambda x: _own_update(jc.demo(0.1, "data", shard_axis="model"), x),
+            lambda x: _own_update(jc.gossip(SGD, "data", shard_axis="data"), x),
+            lambda x: _own_update(jc.apply_if_finite(SGD, "data", 3, shard_axis="model"), x),
+            lambda x: _own_update(jc.onebit_adam(0.1, "data", freeze_step=2, shard_axis="data"), x),
+            lambda x: _own_update(
+                jc.zero_one_adam(0.1, "data", var_freeze_step=2, shard_axis="model"), x
+            ),
         )
     ],
 ]

@@ -5,6 +5,7 @@ Small on purpose: tiny models, a few compiled programs, each test a few seconds.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,141 @@ def test_untyped_hsdp_with_shard_axis_poisons_and_freezes_every_shard():
     assert run(shard_axis="data") == (8, 16)  # every memory (2 leaves x 8 devices) kept
     with pytest.warns(UserWarning, match="shard_axis='data'"):
         assert run() == (2, 4)  # the NaN shard's 2 devices only
+
+
+# ------------------------------------------- a non-finite shard: the transforms beyond N6's
+
+# Every transform that skips a step (or keeps its state) on a non-finite flag, over "replica"
+# of a 2 x 4 mesh with FSDP shards over "data": (make(**shard_axis), steps before the NaN).
+SKIPPERS = {
+    "onebit_adam_warmup": (
+        lambda **kw: jc.onebit_adam(1e-3, "replica", freeze_step=9, min_size=0, **kw),
+        0,
+    ),
+    "onebit_adam_frozen": (
+        lambda **kw: jc.onebit_adam(1e-3, "replica", freeze_step=1, min_size=0, **kw),
+        1,
+    ),
+    "zero_one_adam": (
+        lambda **kw: jc.zero_one_adam(1e-3, "replica", var_freeze_step=1, min_size=0, **kw),
+        1,
+    ),
+    "dgc": (lambda **kw: jc.dgc(0.1, "replica", min_size=0, **kw), 0),
+    "powersgd": (lambda **kw: jc.powersgd(2, "replica", start_step=0, min_size=0, **kw), 0),
+    "demo": (lambda **kw: jc.demo(1e-3, "replica", chunk=8, topk=4, **kw), 0),
+    "gossip": (lambda **kw: jc.gossip(optax.sgd(0.1), "replica", codec=jc.int_quant(8), **kw), 0),
+    "apply_if_finite": (
+        lambda **kw: jc.apply_if_finite(
+            optax.chain(
+                jc.compressed_allreduce(jc.int_quant(8), "replica", min_size=0, shard_axis=()),
+                optax.sgd(0.1),
+            ),
+            "replica",
+            3,
+            **kw,
+        ),
+        0,
+    ),
+}
+
+
+def _shard_step(tx, check_vma):
+    """``tx`` over "replica" of the 2 x 4 mesh, each device's params its FSDP shard over
+    "data" (``P("replica", "data")``, the state built inside the ``shard_map``): ``(params,
+    state, fn)``, ``fn(params, state, grads)`` one step of the given per-device gradients."""
+    m = _mesh_2x4()
+    pspec = P("replica", "data")
+    reps = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(m, pspec)),
+        jc.replica_params(_params(), m, "replica"),
+    )
+    init = lambda r: tx.init(jc.own(r))  # noqa: E731
+    shape = jax.eval_shape(
+        jax.shard_map(init, mesh=m, in_specs=pspec, out_specs=P(), check_vma=False), reps
+    )
+    specs = jax.tree.map(lambda a: P(BOTH) if a.ndim else P(), shape)
+    state = jax.jit(
+        jax.shard_map(init, mesh=m, in_specs=pspec, out_specs=specs, check_vma=check_vma)
+    )(reps)
+
+    def step(r, s, g):
+        p = jc.own(r)
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return jc.slot(optax.apply_updates(p, u)), s, jax.tree.map(lambda a: a[None], u)
+
+    gspec = P(BOTH)
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=m,
+            in_specs=(pspec, specs, gspec),
+            out_specs=(pspec, specs, gspec),
+            check_vma=check_vma,
+        )
+    )
+    put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
+    return reps, state, Blocking(lambda r, s, g: fn(r, s, jax.tree.map(put, g)))
+
+
+def _finite_shards(seed):
+    return jax.tree.map(
+        lambda a: jax.random.normal(jax.random.PRNGKey(seed), a.shape) / 10, _nan_in_one_shard()
+    )
+
+
+def _skips(tx, check_vma, before):
+    """``before`` finite steps, then a NaN in replica 0's shard 0: ``(devices whose update
+    is NaN or zero, devices whose every per-device state array is as it was)``."""
+    reps, state, fn = _shard_step(tx, check_vma)
+    for t in range(before):
+        reps, state, _ = fn(reps, state, _finite_shards(10 + t))
+    g = _finite_shards(3)
+    g["a"] = g["a"].at[0, 0, 0].set(jnp.nan)
+    _, new, u = fn(reps, state, g)
+    rows = lambda a: np.asarray(a).reshape(8, -1)  # noqa: E731
+    skipped = np.all(
+        [np.isnan(rows(x)).all(1) | (rows(x) == 0).all(1) for x in jax.tree.leaves(u)], 0
+    )
+    kept = np.all(
+        [
+            [np.array_equal(o, n, equal_nan=True) for o, n in zip(rows(a), rows(b), strict=True)]
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new), strict=True)
+            if np.ndim(a)
+        ],
+        0,
+    )
+    return int(skipped.sum()), int(kept.sum())
+
+
+@pytest.mark.parametrize("name", sorted(SKIPPERS))
+def test_a_nonfinite_shard_skips_every_shards_step_with_and_without_types(name):
+    """A NaN in one FSDP shard (replica 0, shard 0 of a 2 x 4 mesh): every device's update is
+    NaN (zero for jc.apply_if_finite) and every device keeps its whole per-device state. Until
+    2026-11-27, under shard_map(check_vma=False), only that shard's 2 devices skipped and the
+    other 6 stepped (the model's shards apart, silently); under check_vma=True
+    onebit_adam / zero_one_adam failed while tracing (their idle round's zeros were typed
+    over the exchange's axes only) and demo / gossip / apply_if_finite returned a step count
+    that differed per shard (shard_map refused its P()). Now shard_axis="data" ors the flags
+    over the shards where jax types nothing, and jax's types do it where it does."""
+    make, before = SKIPPERS[name]
+    assert _skips(make(shard_axis="data"), False, before) == (8, 8)
+    assert _skips(make(), True, before) == (8, 8)
+
+
+@pytest.mark.parametrize("name", sorted(SKIPPERS))
+def test_untyped_shards_without_shard_axis_warn_naming_it(name):
+    """Under check_vma=False with "data" bound beside the transform's "replica", shard_axis
+    unset warns (while tracing), naming shard_axis='data'; shard_axis=() says the leaves are
+    whole: no warning."""
+    make, _ = SKIPPERS[name]
+    g = _finite_shards(3)
+    with pytest.warns(UserWarning, match="shard_axis='data'"):
+        reps, state, fn = _shard_step(make(), False)
+        jax.eval_shape(fn.fn, reps, state, g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reps, state, fn = _shard_step(make(shard_axis=()), False)
+        jax.eval_shape(fn.fn, reps, state, g)
 
 
 # --------------------------------------------------------------------------- clipping shards

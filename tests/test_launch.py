@@ -83,3 +83,13 @@ def test_cli_refuses_a_script_that_does_not_exist(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         launch.main(["-n", "2", str(tmp_path / "missing.py")])
     assert exit_info.value.code == 2 and "argument script: no such file" in capsys.readouterr().err
+
+
+def test_cli_starts_a_directory_python_can_run(tmp_path, monkeypatch):
+    """``python DIR`` runs ``DIR/__main__.py``, and so do the launched processes: the
+    existence check takes a directory (it took files only, refusing it as "no such file")."""
+    (tmp_path / "__main__.py").write_text("print('ran')\n")
+    started = []
+    monkeypatch.setattr(launch, "run", lambda argv, n, **kw: started.append((argv, n)) or 0)
+    assert launch.main(["-n", "2", str(tmp_path), "--steps", "3"]) == 0
+    assert started == [([str(tmp_path), "--steps", "3"], 2)]

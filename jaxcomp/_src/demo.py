@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import skeleton, sparse_exchange
+from jaxcomp._src import shards, skeleton, sparse_exchange
 from jaxcomp._src.codecs.base import ceil_div, check_fraction, check_int, is_number
 from jaxcomp._src.codecs.chunked import chunked_top_k
 
@@ -176,6 +176,7 @@ def scale_by_demo(
     bits: int | None = 8,
     min_size: int = 0,
     min_topk: int = 1,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformation:
     r"""DeMo's exchange: ``m_i <- decay m_i + g_i``; the top-``topk`` DCT components of each
     ``chunk x chunk`` block of ``m_i`` are all-gathered and subtracted from ``m_i``; the output
@@ -192,6 +193,14 @@ def scale_by_demo(
       bits: bits per sent value, in [1, 8], or None for float32 values.
       min_size: leaves with fewer values are averaged exactly, >= 0.
       min_topk: the fewest components a block smaller than ``chunk x chunk`` sends, >= 1.
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (FSDP over ``"data"`` inside each group averaged over ``axis_name``), as
+        :func:`jaxcomp.compressed_allreduce`'s: the non-finite flag is or-ed over it (one
+        scalar ``psum``), so a non-finite shard poisons every shard's update and keeps every
+        shard's momentum. Under ``check_vma=True`` jax's types tell (None works); under
+        ``check_vma=False`` they do not, and with another manual axis bound beside
+        ``axis_name`` the update warns where this is None. ``()``: the leaves are whole, no
+        warning.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`DeMoState`; its update
@@ -202,12 +211,13 @@ def scale_by_demo(
         ``min_topk`` outside its rule (the message names the argument; the rules:
         docs/errors.md).
       TypeError: at construction, ``chunk``, ``topk``, ``decay``, ``sign``, ``bits``,
-        ``min_size`` or ``min_topk`` of the wrong kind.
+        ``min_size``, ``min_topk`` or ``shard_axis`` of the wrong kind.
     """
     chunk, topk, decay, bits, min_size = check_demo(chunk, topk, decay, bits, min_size)
     if not isinstance(sign, bool):
         raise TypeError(f"`sign` must be a bool, got {sign!r}")
     min_topk = check_int("min_topk", min_topk, 1)
+    shard_axis = shards.check_shard_axis(shard_axis)
 
     def init_fn(params):
         mom = [
@@ -238,6 +248,7 @@ def scale_by_demo(
         new = DeMoState(jax.tree.unflatten(treedef, mom_out), state.count + 1)
         return jax.tree.unflatten(treedef, out), skeleton.freeze(bad, state, new)
 
+    update_fn = shards.with_shard_axis(update_fn, "jc.demo", axis_name, shard_axis)
     return optax.GradientTransformation(init_fn, update_fn)
 
 
@@ -265,6 +276,7 @@ def demo(
     sign: bool = True,
     bits: int | None = 8,
     min_size: int = 0,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformation:
     r"""DeMo (Decoupled Momentum): momentum on each device, only its fast components sent.
 
@@ -327,6 +339,14 @@ def demo(
       bits: bits per sent value, in [1, 8] (default 8), or None for float32 values.
       min_size: leaves with fewer values are averaged exactly, >= 0 (default 0: none; on the
         LM benchmark ``min_size=1024`` ends at the same loss with 1.6x the bytes).
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (FSDP over ``"data"`` inside each group averaged over ``axis_name``), as
+        :func:`jaxcomp.compressed_allreduce`'s: the non-finite flag is or-ed over it (one
+        scalar ``psum``), so a non-finite shard poisons every shard's update and keeps every
+        shard's momentum. Under ``check_vma=True`` jax's types tell (None works); under
+        ``check_vma=False`` they do not, and with another manual axis bound beside
+        ``axis_name`` the update warns where this is None. ``()``: the leaves are whole, no
+        warning.
 
     Returns:
       An optax ``GradientTransformation`` (a chain: :func:`scale_by_demo`, decoupled weight
@@ -339,7 +359,7 @@ def demo(
       ValueError: at construction, ``chunk``, ``topk``, ``decay``, ``weight_decay``, ``bits`` or
         ``min_size`` outside its rule (the message names the argument; the rules: docs/errors.md).
       TypeError: at construction, ``chunk``, ``topk``, ``decay``, ``weight_decay``, ``sign``,
-        ``bits`` or ``min_size`` of the wrong kind.
+        ``bits``, ``min_size`` or ``shard_axis`` of the wrong kind.
 
     Example (the setting measured on the LM benchmark: AdamW's peak lr 3e-3 and warm-up of
     15 steps, no decay after; momentum decay 0.95 for runs of hundreds of steps)::
@@ -364,7 +384,14 @@ def demo(
         raise ValueError(f"`weight_decay` must be >= 0 and finite, got {weight_decay}")
     return optax.chain(  # scale_by_demo checks the other arguments
         scale_by_demo(
-            axis_name, chunk=chunk, topk=topk, decay=decay, sign=sign, bits=bits, min_size=min_size
+            axis_name,
+            chunk=chunk,
+            topk=topk,
+            decay=decay,
+            sign=sign,
+            bits=bits,
+            min_size=min_size,
+            shard_axis=shard_axis,
         ),
         optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),

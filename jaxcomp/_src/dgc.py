@@ -286,6 +286,7 @@ def dgc(
     seed: int = 0,
     inner_axis_name: Any = None,
     param_specs: Any = None,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Deep Gradient Compression: top-k at ``ratio`` with momentum correction and masking.
 
@@ -405,6 +406,14 @@ def dgc(
         :func:`jaxcomp._src.collectives.inner_mean`). The devices of a host hold the same state:
         ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (HSDP: FSDP over ``"data"`` inside each group averaged over ``axis_name``), as
+        :func:`jaxcomp.compressed_allreduce`'s: the non-finite flag is or-ed over it (one
+        scalar ``psum``), so a non-finite shard poisons every shard's output and freezes every
+        shard's state. Under ``check_vma=True`` jax's types tell (None works); under
+        ``check_vma=False`` they do not, and with another manual axis bound beside
+        ``axis_name`` / ``inner_axis_name`` the update warns where this is None. ``()``: the
+        leaves are whole, no warning.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its update returns the averaged sparse
@@ -419,7 +428,7 @@ def dgc(
         replica: the local clipping would take each shard's own norm).
       TypeError: at construction, ``ratio``, ``momentum``, ``nesterov``, ``momentum_masking``,
         ``clip_norm``, ``warmup_steps``, ``warmup_schedule``, ``sample_ratio``, ``min_size``,
-        ``seed``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+        ``seed``, ``axis_name``, ``inner_axis_name`` or ``shard_axis`` of the wrong kind.
 
     Example::
 
@@ -432,6 +441,7 @@ def dgc(
     """
     ratio = check_ratio(ratio)
     collectives.check_axes(axis_name, inner_axis_name)
+    shard_axis = shards.check_shard_axis(shard_axis)
     momentum = check_fraction_array("momentum", momentum)
     if not isinstance(nesterov, bool):
         raise TypeError(f"`nesterov` must be a bool, got {nesterov!r}")
@@ -581,9 +591,8 @@ def dgc(
         )
         return layouts.assemble(updates, layout, means, plain_out), new_state
 
+    every_axis = collectives.axis_names(axis_name, inner_axis_name)
+    update_fn = shards.with_shard_axis(update_fn, "jc.dgc", every_axis, shard_axis)
     return optax.GradientTransformationExtraArgs(
-        init_fn,
-        shards.over_shards(
-            update_fn, param_specs, collectives.axis_names(axis_name, inner_axis_name)
-        ),
+        init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )

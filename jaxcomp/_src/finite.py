@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from optax.transforms import _accumulation, _conditionality
 
-from jaxcomp._src import collectives
+from jaxcomp._src import collectives, shards
 from jaxcomp._src.codecs.base import check_int
 
 _OPTAX_SKIP_FILE = inspect.getsourcefile(_conditionality)
@@ -82,7 +82,11 @@ def nonfinite_anywhere(trees: tuple, axis_name: Any) -> jax.Array:
 
 
 def apply_if_finite(
-    inner: optax.GradientTransformation, axis_name: Any, max_consecutive_errors: int
+    inner: optax.GradientTransformation,
+    axis_name: Any,
+    max_consecutive_errors: int,
+    *,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""``optax.apply_if_finite`` that skips a non-finite step on every device at once.
 
@@ -110,6 +114,14 @@ def apply_if_finite(
         the inner transform communicates over.
       max_consecutive_errors: how many non-finite steps in a row are skipped before one is
         let through (an int >= 0).
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (FSDP over ``"data"`` inside each replica of ``axis_name``), as
+        :func:`jaxcomp.compressed_allreduce`'s: the verdict is or-ed over it too (one more
+        scalar ``psum``), so a non-finite shard skips the step of every shard. Under
+        ``check_vma=True`` jax's types tell (None works); under ``check_vma=False`` they do
+        not, and with another manual axis bound beside ``axis_name`` the update warns where
+        this is None. ``()``: the leaves are whole, no warning. (Naming every axis in
+        ``axis_name`` does the same.)
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is
@@ -119,7 +131,8 @@ def apply_if_finite(
     Raises:
       ValueError: at construction, ``axis_name`` or ``max_consecutive_errors`` outside its rule (the
         message names the argument; the rules: docs/errors.md).
-      TypeError: at construction, ``inner`` or ``max_consecutive_errors`` of the wrong kind.
+      TypeError: at construction, ``inner``, ``max_consecutive_errors`` or ``shard_axis`` of
+        the wrong kind.
 
     Example::
 
@@ -135,6 +148,7 @@ def apply_if_finite(
     if axis_name is None:
         raise ValueError("`axis_name` must name the data axis the verdict is reduced over")
     limit = check_int("max_consecutive_errors", max_consecutive_errors, 0)
+    shard_axis = shards.check_shard_axis(shard_axis)
 
     def init_fn(params):
         return optax.ApplyIfFiniteState(
@@ -148,6 +162,7 @@ def apply_if_finite(
         collectives.axis_size(axis_name)  # a clear error where the axis is not bound
         new, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         bad = nonfinite_anywhere((updates, new), axis_name)
+        bad = shards.any_shard(bad, shard_axis=shard_axis)  # every shard of one model too
         count = jnp.where(bad, optax.safe_increment(state.notfinite_count), 0)
         skip = bad & (count <= limit)
         new = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new)
@@ -163,4 +178,9 @@ def apply_if_finite(
             inner_state=inner_state,
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    def checked_update(updates, state, params=None, **extra_args):
+        shards.check_shard_axis_bound("jc.apply_if_finite", axis_name, shard_axis)
+        shards.warn_untyped_shards("jc.apply_if_finite", axis_name, shard_axis)
+        return update_fn(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, checked_update)

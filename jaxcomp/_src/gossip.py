@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import buckets, collectives, skeleton
+from jaxcomp._src import buckets, collectives, shards, skeleton
 from jaxcomp._src import layout as layouts
 from jaxcomp._src import topology as topologies
 from jaxcomp._src.codecs.base import (
@@ -90,6 +90,7 @@ def gossip(
     every: int = 1,
     seed: int = 0,
     bucket_bytes: int = buckets.BUCKET_BYTES,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Decentralized SGD: step ``inner`` on this device's replica, then gossip with neighbours.
 
@@ -152,6 +153,13 @@ def gossip(
       seed: seeds the PRNG key kept in the state (stochastic codecs).
       bucket_bytes: payloads of all leaves travel in buckets of about this many bytes, one
         ``ppermute`` per bucket per neighbour.
+      shard_axis: the mesh axis (or tuple) over which the replicas are FSDP shards of one
+        model (params ``P(axis_name, "data")``), as :func:`jaxcomp.diloco`'s: the non-finite
+        flag is or-ed over it (one scalar ``psum``), so a non-finite shard skips the step of
+        every shard (NaN updates, the whole state kept). Under ``check_vma=True`` jax's
+        types tell (None works); under ``check_vma=False`` they do not, and with another
+        manual axis bound beside ``axis_name`` the update warns where this is None. ``()``:
+        the params are whole, no warning.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`GossipState`.
@@ -161,7 +169,7 @@ def gossip(
         ``bucket_bytes`` outside its rule (the message names the argument; the rules:
         docs/errors.md).
       TypeError: at construction, ``inner``, ``codec``, ``gamma``, ``every``, ``seed``,
-        ``bucket_bytes`` or ``axis_name`` of the wrong kind.
+        ``bucket_bytes``, ``shard_axis`` or ``axis_name`` of the wrong kind.
 
     Example (8 devices on a ring, int8 CHOCO)::
 
@@ -195,6 +203,7 @@ def gossip(
     every = check_int("every", every, 1)
     seed = check_int("seed", seed, 0)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    shard_axis = shards.check_shard_axis(shard_axis)
     code = topologies.TOPOLOGIES.index(topology_name)  # GossipState.topology (CHOCO)
 
     def fields(params: Any) -> dict[str, Any]:
@@ -236,6 +245,7 @@ def gossip(
         bad = collectives.local_nonfinite(local)
         if n > 1:  # one verdict for every device: the public copies must move together
             bad = jax.lax.pmax(bad.astype(jnp.int32), axis_name) > 0
+        bad = shards.any_shard(bad)  # and for every shard of one model (shard_axis)
         key, step_key = jax.random.split(state.key)
 
         def mix(operands):
@@ -270,6 +280,7 @@ def gossip(
         empty = [jnp.zeros_like(a) for a in layouts.leaves_of(step, layout, layouts.PLAIN)]
         return layouts.assemble(step, layout, outs, empty), new_state
 
+    update_fn = shards.with_shard_axis(update_fn, "jc.gossip", axis_name, shard_axis)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

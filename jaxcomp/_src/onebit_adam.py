@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import collectives, shards, skeleton
+from jaxcomp._src.axes import varying_axes
 from jaxcomp._src.codecs.base import (
     F32_MAX,
     Codec,
@@ -107,9 +108,13 @@ def local_levels(grads: Any, every_axis: Any) -> Any:
 
     Each term is saturated and pre-scaled (``min(g^2, F32_MAX) / size``, then ``/ n``
     before the sum), so a finite gradient gives a finite level; a non-finite one a
-    non-finite level. Integer leaves give 0.
+    non-finite level. Integer leaves give 0. Where the leaves are FSDP shards of one model
+    (:func:`jaxcomp._src.shards.shard_axes`: typed, or ``shard_axis``) the mean is over
+    their shards too (equal shards: the whole leaf's), the same level on every shard.
     """
     leaves, treedef = jax.tree.flatten(grads)
+    if leaves:
+        every_axis = (*collectives.axis_names(every_axis), *_shard_axes(leaves, every_axis))
     n = collectives.axis_size(every_axis)
 
     def one(g):
@@ -121,6 +126,12 @@ def local_levels(grads: Any, every_axis: Any) -> Any:
         return jax.tree.unflatten(treedef, [])
     local = jnp.stack([one(g) for g in leaves])
     return jax.tree.unflatten(treedef, list(jax.lax.psum(local, every_axis)))
+
+
+def _shard_axes(leaves: list, every_axis: Any) -> tuple:
+    """The axes beside ``every_axis`` over which the leaves are shards of one model."""
+    axes = set().union(*(shards.shard_axes(g, every_axis) for g in leaves))
+    return tuple(sorted(axes, key=str))
 
 
 def tracked_levels(
@@ -304,10 +315,20 @@ def momentum_exchange(name: str, codec: Codec | None, axis_name: Any, exchange: 
     for option in ("worker_momentum", "worker_nesterov"):
         if option in options:
             raise TypeError(f"jc.{name} keeps its own momentum: drop `{option}`")
+    if options.get("shard_axis") is None:  # the recipe warns itself (recipe_shard_axis)
+        options["shard_axis"] = ()
     codec = sign("rms", exact_zeros=True) if codec is None else codec
     inner = compressed_allreduce(codec, axis_name, **options)
     every_axis = collectives.axis_names(axis_name, options.get("inner_axis_name"))
     return inner, every_axis
+
+
+def recipe_shard_axis(update: Any, name: str, every_axis: Any, exchange: dict) -> Any:
+    """``update`` of a recipe traced with its ``shard_axis`` (an option of its exchange) in
+    force (:func:`jaxcomp._src.shards.with_shard_axis`): its own non-finite flag, formed
+    after the round, is or-ed over the shards by :func:`~jaxcomp._src.shards.any_shard`."""
+    shard_axis = shards.check_shard_axis(exchange_options(exchange).get("shard_axis"))
+    return shards.with_shard_axis(update, f"jc.{name}", every_axis, shard_axis)
 
 
 def memory_after(codec: Codec | None, axis_name: Any, exchange: dict):
@@ -362,8 +383,13 @@ class BranchExchange(NamedTuple):
         payloads: the state as it was (without its memory, as :meth:`send`'s) and zero
         payloads (varying over the axes, as the sending branch's)."""
         shapes = jax.eval_shape(lambda *a: self.send(*a)[2], y, exchange_state, params)
+        # typed as the sending branch's: varying over the exchange's axes and over those
+        # the payload varies on besides (FSDP shards under check_vma=True)
         zeros = jax.tree.map(
-            lambda a: skeleton.varying_over(jnp.zeros(a.shape, a.dtype), self.every_axis),
+            lambda a: skeleton.varying_over(
+                jnp.zeros(a.shape, a.dtype),
+                {*collectives.axis_names(self.every_axis), *varying_axes(a)},
+            ),
             shapes,
         )
         return self.without_memory(exchange_state), zeros
@@ -559,7 +585,8 @@ def scale_by_onebit_adam(
         x, exchange_state, payloads = jax.lax.cond(warm, warmup, compressed, y, state, params)
         # The flag of what the round gave (identical on every device), read after the cond:
         # in the warm-up branch its partial sums added to the branch operand and its output.
-        bad = collectives.local_nonfinite(x)
+        # Or-ed over the shards of one model (FSDP inside, shard_axis): every shard skips.
+        bad = shards.any_shard(collectives.local_nonfinite(x))
         nu = variance(state, warm, x, bad)
         mu = momentum(state, warm, x, nu, nu_scale, bad, floor)
         # The worker memory: kept in the warm-up and on a non-finite step.
@@ -594,6 +621,7 @@ def scale_by_onebit_adam(
         )
         return direction, new_state
 
+    update_fn = recipe_shard_axis(update_fn, "onebit_adam", every_axis, exchange)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -764,7 +792,15 @@ def onebit_adam(
         the step sent as it is (the paper's 1-bit Adam). A Python bool (docs: "1-bit Adam
         and 0/1 Adam for language models"). Until 2026-11-27 True clipped each device's own
         step before the codec, which stopped short of that optimum.
-      **exchange: options of :func:`jaxcomp.compressed_allreduce`.
+      **exchange: options of :func:`jaxcomp.compressed_allreduce`. Among them
+        ``shard_axis``: the mesh axis (or tuple) over which the gradients are shards of one
+        model (HSDP: FSDP over ``"data"`` inside each group averaged over ``axis_name``):
+        every non-finite flag of the step (the round's and this transform's own, after it)
+        is or-ed over it (one scalar ``psum``), so a non-finite shard poisons every shard's
+        update and keeps every shard's state. Under ``check_vma=True`` jax's types tell
+        (None works); under ``check_vma=False`` they do not, and with another manual axis
+        bound beside ``axis_name`` the update warns where it is None. ``()``: the leaves are
+        whole, no warning.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: the update to add to the params.
@@ -777,8 +813,9 @@ def onebit_adam(
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md);
         at ``init``, a ``weight_decay_mask`` that is no prefix of the params' tree.
       TypeError: at construction, ``freeze_step``, ``b1``, ``weight_decay``, ``weight_decay_mask``,
-        ``worker_momentum``, ``rescale_variance``, ``adam_bound`` or ``axis_name`` of the wrong
-        kind; ``worker_momentum`` or ``worker_nesterov`` given (it keeps its own momentum).
+        ``worker_momentum``, ``rescale_variance``, ``adam_bound``, ``shard_axis`` or ``axis_name``
+        of the wrong kind; ``worker_momentum`` or ``worker_nesterov`` given (it keeps its own
+        momentum).
 
     Example::
 

@@ -386,6 +386,7 @@ def powersgd(
     seed: int = 0,
     inner_axis_name: Any = None,
     param_specs: Any = None,
+    shard_axis: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""PowerSGD: average gradients over ``axis_name`` through rank-``r`` factors.
 
@@ -490,6 +491,14 @@ def powersgd(
         :func:`jaxcomp._src.collectives.inner_mean`). The devices of a host hold the same state:
         ``jc.sharded_init(tx, params, mesh, axis_name)`` and
         ``jc.state_specs(state, axis_name)`` (per host, replicated over the inner axis).
+      shard_axis: the mesh axis (or tuple) over which the gradients are shards of one model
+        (HSDP: FSDP over ``"data"`` inside each group averaged over ``axis_name``), as
+        :func:`jaxcomp.compressed_allreduce`'s: the non-finite flag is or-ed over it (one
+        scalar ``psum``), so a non-finite shard poisons every shard's output and freezes every
+        shard's state (error, ``Q``, key, count). Under ``check_vma=True`` jax's types tell
+        (None works); under ``check_vma=False`` they do not, and with another manual axis
+        bound beside ``axis_name`` / ``inner_axis_name`` the update warns where this is None.
+        ``()``: the leaves are whole, no warning.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose update returns the mean gradient.
@@ -501,7 +510,8 @@ def powersgd(
         docs/errors.md).
       TypeError: at construction, ``rank``, ``start_step``, ``min_size``, ``seed``,
         ``min_compression_rate``, ``orthogonalization_epsilon``, ``warm_start``, ``error_feedback``,
-        ``batch_same_shape``, ``axis_name`` or ``inner_axis_name`` of the wrong kind.
+        ``batch_same_shape``, ``axis_name``, ``inner_axis_name`` or ``shard_axis`` of the wrong
+        kind.
 
     Example::
 
@@ -526,6 +536,7 @@ def powersgd(
       for Distributed Optimization. NeurIPS. https://arxiv.org/abs/1905.13727
     """
     collectives.check_axes(axis_name, inner_axis_name)
+    shard_axis = shards.check_shard_axis(shard_axis)
     rank = check_int("rank", rank, 1)
     start_step = check_int("start_step", start_step, 0)
     min_size = check_int("min_size", min_size, 0)
@@ -626,11 +637,10 @@ def powersgd(
         plains = _split(collectives.poison(plain_mean, bad), p._plain_sizes)
         return layouts.assemble(updates, p.layout, outs, plains), new_state
 
+    every_axis = collectives.axis_names(axis_name, inner_axis_name)
+    update_fn = shards.with_shard_axis(update_fn, "jc.powersgd", every_axis, shard_axis)
     return optax.GradientTransformationExtraArgs(
-        init_fn,
-        shards.over_shards(
-            update_fn, param_specs, collectives.axis_names(axis_name, inner_axis_name)
-        ),
+        init_fn, shards.over_shards(update_fn, param_specs, every_axis)
     )
 
 

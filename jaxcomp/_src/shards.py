@@ -199,15 +199,24 @@ def any_shard(flag: jax.Array, keep: tuple = (), shard_axis: Any = None) -> jax.
     axes are those the user names as ``shard_axis`` (the transforms' argument: given here, or
     that of the update being traced, :func:`with_shard_axis`), or none.
     """
-    extra = set(varying_axes(flag))
+    extra = shard_axes(flag, keep, shard_axis)
+    if not extra:
+        return flag
+    return jax.lax.psum(flag.astype(jnp.int32), extra) > 0
+
+
+def shard_axes(x: jax.Array, keep: Any = (), shard_axis: Any = None) -> tuple:
+    """The manual mesh axes over which ``x`` still differs as a shard of one model, ``keep``
+    excepted: those jax types it as varying over, and where jax does not type it, those of
+    ``shard_axis`` (given here, or that of the update being traced). What :func:`any_shard`
+    ors a flag over; a per-leaf statistic of the whole model (a mean over its shards) is
+    reduced over them too."""
+    extra = set(varying_axes(x))
     if shard_axis is None:
         shard_axis = _SHARD_AXIS.get()
     if shard_axis and not tracks_variance(shard_axis):
         extra |= set(axis_names(shard_axis))
-    extra = tuple(sorted(extra - set(keep), key=str))
-    if not extra:
-        return flag
-    return jax.lax.psum(flag.astype(jnp.int32), extra) > 0
+    return tuple(sorted(extra - set(axis_names(keep)), key=str))
 
 
 def check_shard_axis(shard_axis: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import buckets, collectives
+from jaxcomp._src import buckets, collectives, shards
 from jaxcomp._src.axes import gather_to
 from jaxcomp._src.codecs.base import Codec
 
@@ -50,7 +50,8 @@ def exchange(
     None. A chunked top-k payload is merged as ``averaging`` says; a dense codec's (every
     coordinate sent by every device, e.g. :func:`jaxcomp.sign`) is the mean over all devices
     either way. The non-finite flag is read from what every device received (the payloads'
-    scales flag a NaN or inf), so it is the same everywhere."""
+    scales flag a NaN or inf), so it is the same everywhere: or-ed over the shards of one
+    model too (:func:`jaxcomp._src.shards.any_shard`), where the vectors are shards."""
     sparse = [i for i, c in enumerate(codecs) if c is not None]
     dense = [i for i, c in enumerate(codecs) if c is None]
     payloads = [codecs[i].encode(vectors[i]) for i in sparse]
@@ -66,6 +67,7 @@ def exchange(
     bad = collectives.local_nonfinite(
         [h for h in [*held, *held_plain] if jnp.issubdtype(h.dtype, jnp.floating)]
     )
+    bad = shards.any_shard(bad)  # over the shards of one model too (FSDP inside, shard_axis)
     fill = jnp.where(bad, jnp.nan, 0.0)
     n = collectives.axis_size(axis_name)
     means: list[Any] = [None] * len(vectors)

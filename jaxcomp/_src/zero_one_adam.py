@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, skeleton
+from jaxcomp._src import collectives, shards, skeleton
+from jaxcomp._src.axes import varying_axes
 from jaxcomp._src.codecs.base import F32_MAX, Codec, after
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
 from jaxcomp._src.onebit_adam import (
@@ -32,6 +33,7 @@ from jaxcomp._src.onebit_adam import (
     per_leaf,
     positive_mean,
     preconditioner,
+    recipe_shard_axis,
     saturate,
     tracked_levels,
     unprecondition,
@@ -262,7 +264,14 @@ def scale_by_zero_one_adam(
         # update and keeps every state as it was (nothing gradient-sized on the wire).
         flag = collectives.local_nonfinite(y).astype(jnp.float32)
         bad = jax.lax.psum(flag, every_axis) > 0
-        zeros = jax.tree.map(jnp.zeros_like, state.mu)
+        # typed as the FULL round's mean (psum over the axes): varying over the shards only
+        zeros = jax.tree.map(
+            lambda m, x: skeleton.varying_over(
+                jnp.zeros(m.shape, m.dtype), varying_axes(x) - set(every_axis)
+            ),
+            state.mu,
+            y,
+        )
         return zeros, *rounds.idle(y, state.exchange, params), bad
 
     def variance_gradient(grads, kind):
@@ -420,6 +429,8 @@ def scale_by_zero_one_adam(
         x, exchange_state, payloads, bad = jax.lax.switch(kind, branches, y, state, params)
         if coded:
             bad = bad | collectives.local_nonfinite(g)
+        # Or-ed over the shards of one model (FSDP inside, shard_axis): every shard skips.
+        bad = shards.any_shard(bad)
         mu, pending = moved(state, kind, x, g, y, old_scale, floor)
         keep = ~sends_momentum(kind) | bad
         exchange_state = rounds.with_memory(exchange_state, y, state.exchange, keep, payloads)
@@ -460,6 +471,7 @@ def scale_by_zero_one_adam(
         )
         return direction, new_state
 
+    update_fn = recipe_shard_axis(update_fn, "zero_one_adam", every_axis, exchange)
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -646,7 +658,15 @@ def zero_one_adam(
         docs/choosing-a-codec.md, "What each exchange converges to"); False: sent as it is.
         A Python bool. Until 2026-11-27 True clipped each device's own step, which stopped
         short of that optimum.
-      **exchange: options of :func:`jaxcomp.compressed_allreduce`.
+      **exchange: options of :func:`jaxcomp.compressed_allreduce`. Among them
+        ``shard_axis``: the mesh axis (or tuple) over which the gradients are shards of one
+        model (HSDP: FSDP over ``"data"`` inside each group averaged over ``axis_name``):
+        every non-finite flag of the step (the round's and this transform's own, after it)
+        is or-ed over it (one scalar ``psum``), so a non-finite shard poisons every shard's
+        update and keeps every shard's state. Under ``check_vma=True`` jax's types tell
+        (None works); under ``check_vma=False`` they do not, and with another manual axis
+        bound beside ``axis_name`` the update warns where it is None. ``()``: the leaves are
+        whole, no warning.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``: the update to add to the params.
@@ -661,9 +681,9 @@ def zero_one_adam(
         rules: docs/errors.md); at ``init``, a ``weight_decay_mask`` that is no prefix of the
         params' tree.
       TypeError: at construction, ``var_freeze_step``, ``warmup_steps``, ``worker_momentum``,
-        ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound`` or
-        ``axis_name`` of the wrong kind; ``worker_momentum`` or ``worker_nesterov`` given (it
-        keeps its own momentum).
+        ``weight_decay``, ``weight_decay_mask``, ``rescale_variance``, ``adam_bound``,
+        ``shard_axis`` or ``axis_name`` of the wrong kind; ``worker_momentum`` or
+        ``worker_nesterov`` given (it keeps its own momentum).
 
     Example::
 

@@ -5,6 +5,8 @@ gradient-sized float32 collective crosses the model axis and a device sends abou
 what it sends with the same params replicated over "model".
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,6 +97,16 @@ def test_model_sharded_step_sends_blocks_not_gradients():
     block = SIZES[0] * SIZES[1] // 2 * 4  # bytes of one model block of w0
     big_f32 = [c for c in sharded.collectives if "f32" in c.dtypes and c.array_bytes >= block // 4]
     assert not big_f32, big_f32
+
+
+def test_model_sharded_step_does_not_warn_about_shard_axis():
+    """``param_specs`` blocks over "model" run in jaxcomp's own shard_map (no varying types
+    there): their flags are or-ed over the blocks already, so no warning asks for
+    ``shard_axis`` (until 2026-11-27 every such step warned, naming shard_axis='model')."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jc.comm_report(*_step_args(_mesh(), jc.sign(), True))
+    assert not [w for w in caught if "shard_axis" in str(w.message)]
 
 
 def _step_args(mesh, codec, sharded):

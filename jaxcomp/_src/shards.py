@@ -263,9 +263,11 @@ def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
     params and ``shard_axis`` is not given: jax types no variance (``check_vma=False``) and
     another manual axis of size > 1 is bound beside ``axis_name``. Shards would then flag a
     non-finite value on their own devices only: that shard's sync skipped, the others' run,
-    the model's shards apart with no error."""
+    the model's shards apart with no error. The model axes of :func:`over_shards`'
+    ``param_specs`` blocks are not such axes (:func:`any_block` ors the flags over them)."""
     own = set(axis_names(axis_name))
-    bound = manual_axes()
+    # the model axes of over_shards' blocks are known: any_block ors the flags over them
+    bound = manual_axes() - set(_AXES.get())
     if shard_axis is not None or not own <= bound or tracks_variance(axis_name):
         return  # an unbound axis is the transform's own check to name
     if isinstance(axis_name, tuple) and len(axis_name) == 1:

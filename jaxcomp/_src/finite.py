@@ -179,8 +179,7 @@ def apply_if_finite(
         )
 
     def checked_update(updates, state, params=None, **extra_args):
-        shards.check_shard_axis_bound("jc.apply_if_finite", axis_name, shard_axis)
-        shards.warn_untyped_shards("jc.apply_if_finite", axis_name, shard_axis)
+        shards.check_traced("jc.apply_if_finite", axis_name, shard_axis)
         return update_fn(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, checked_update)

@@ -418,8 +418,7 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: A
             "device's own params to the synchronized ones"
         )
     skeleton.begin(cfg.name, updates, params, cfg.axis_name)
-    shards.check_shard_axis_bound(cfg.name, cfg.axis_name, cfg.shard_axis)
-    shards.warn_untyped_shards(cfg.name, cfg.axis_name, cfg.shard_axis)
+    shards.check_traced(cfg.name, cfg.axis_name, cfg.shard_axis)
     replicas.check_within_replica(cfg.name, updates, params, cfg.axis_name)
     expected = jax.eval_shape(init_fn, params)
     names = [k for k in ("inner", "anchor", "outer", "pending") if k in cfg.state_type._fields]

@@ -283,20 +283,25 @@ def warn_untyped_shards(name: str, axis_name: Any, shard_axis: Any) -> None:
             "skips the sync of every shard (without it only that shard's devices skip it and "
             "the model's shards go apart); if they are whole on every device there (data "
             "parallel inside), pass shard_axis=() to say so.",
-            stacklevel=4,
+            stacklevel=5,
         )
+
+
+def check_traced(name: str, own_axes: Any, shard_axis: Any) -> None:
+    """The trace-time checks of a transform's ``shard_axis``: :func:`check_shard_axis_bound`,
+    then :func:`warn_untyped_shards`, over ``own_axes`` (the transform's axes)."""
+    check_shard_axis_bound(name, own_axes, shard_axis)
+    warn_untyped_shards(name, own_axes, shard_axis)
 
 
 def with_shard_axis(update: Callable, name: str, own_axes: tuple, shard_axis: Any) -> Callable:
     """``update`` traced with ``shard_axis`` in force for :func:`any_shard` (the flags of
     every collective inside are or-ed over it where jax types no variance), after
-    :func:`check_shard_axis_bound` and :func:`warn_untyped_shards` of ``own_axes`` (the
-    transform's axes, inner axis included)."""
+    :func:`check_traced` of ``own_axes`` (the transform's axes, inner axis included)."""
 
     @functools.wraps(update)
     def wrapped(updates, state, params=None, **extra_args):
-        check_shard_axis_bound(name, own_axes, shard_axis)
-        warn_untyped_shards(name, own_axes, shard_axis)
+        check_traced(name, own_axes, shard_axis)
         token = _SHARD_AXIS.set(shard_axis)
         try:
             return update(updates, state, params, **extra_args)

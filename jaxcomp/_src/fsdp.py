@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -372,26 +373,121 @@ def _scan_length(debug_info: Any) -> int | None:
     return None
 
 
+#: How many Python frames above jax's tracing of a function's body to search for the
+#: caller's flat arguments (:func:`_caller_value`); 0 finds none (a jax that keeps them
+#: elsewhere), and then a residual reaching a function inside a loop body is warned about.
+_CALLER_FRAMES = 16
+
+#: :func:`_caller_value` of an argument whose caller's value was not found on the stack.
+_NOT_FOUND = object()
+
+
+def _same_avals(values: Any, avals: list) -> bool:
+    """Whether ``values`` is a flat list of arrays (or tracers) of the shapes and dtypes of
+    ``avals``: the caller's arguments of a traced function, not its abstract values."""
+    if not isinstance(values, list | tuple) or len(values) != len(avals):
+        return False
+    for x, a in zip(values, avals, strict=True):
+        if isinstance(x, jax_core.AbstractValue) or not hasattr(x, "shape"):
+            return False
+        if tuple(x.shape) != tuple(getattr(a, "shape", ())) or x.dtype != getattr(a, "dtype", None):
+            return False
+    return True
+
+
+def _traces(frame: Any, owner: Any) -> bool:
+    """Whether ``frame`` is jax's, tracing the body of ``owner`` (its local ``trace``)."""
+    return frame.f_globals.get("__name__", "").startswith("jax.") and (
+        frame.f_locals.get("trace") is owner
+    )
+
+
+def _caller_value(r: Any, owner: Any) -> Any:
+    """The value the caller passed for ``r``, an argument of the function that ``owner``
+    traces (``jax.checkpoint``, ``jax.jit``): ``None`` where ``r`` is no argument of it
+    (computed inside), :data:`_NOT_FOUND` where the caller's arguments are not found.
+
+    jax traces such a function on abstract values: its arguments are tracers of its own
+    trace (``owner.frame.invars``, in order), and the caller's flat arguments are a local
+    of a Python frame above the one tracing the body (``jax.checkpoint``'s ``args_flat``,
+    ``jax.jit``'s ``args`` on jax 0.10 and 0.12): the first list of arrays of the
+    arguments' shapes and dtypes there holds the caller's value at ``r``'s position."""
+    invars = getattr(getattr(owner, "frame", None), "invars", None)
+    if invars is None:
+        return _NOT_FOUND
+    var = getattr(r, "val", None)
+    index = next((i for i, v in enumerate(invars) if v is var), None)
+    if index is None:
+        return None
+    avals = [getattr(v, "aval", None) for v in invars]
+    frame = sys._getframe()
+    while frame is not None and not _traces(frame, owner):
+        frame = frame.f_back
+    for _ in range(_CALLER_FRAMES if frame is not None else 0):
+        frame = frame.f_back
+        if frame is None:
+            break
+        for values in frame.f_locals.values():
+            if _same_avals(values, avals):
+                return values[index]
+    return _NOT_FOUND
+
+
+def _loop_kind(trace: Any) -> str | None:
+    """``"lax.scan of length 3"``, ``"while_body"``, ... where ``trace`` records a loop body
+    that runs more than once (a scan whose length is not found counts as longer than 1);
+    None for any other trace."""
+    info = getattr(getattr(trace, "frame", None), "debug_info", None)
+    kind = getattr(info, "traced_for", None)
+    if kind not in _LOOP_BODIES:
+        return None
+    length = _scan_length(info) if kind in ("scan", "fori_loop") else None
+    if length is not None and length <= 1:
+        return None
+    return kind if length is None else f"lax.{kind} of length {length}"
+
+
+def _inside_loop(trace: Any) -> bool:
+    """Whether ``trace`` or a trace it is nested in records a loop body."""
+    while trace is not None:
+        if _loop_kind(trace) is not None:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 def _enclosing_loop(r: Any) -> str | None:
-    """The loop body between the current trace and the trace ``r`` belongs to, if one runs
+    """The loop body between the current trace and the trace ``r`` comes from, if one runs
     more than once: ``"lax.scan of length 3"``, ``"while_body"``; else None.
 
     jax records a loop body into a trace of its own whose ``parent_trace`` is the trace the
     loop is called in; a residual the body closes over belongs to an outer trace, one passed
     as ``xs`` (or carried) to the body's own. So the traces crossed walking out from the
-    current one to the residual's are the bodies that close over it. A scan whose length is
-    1 runs the body once (no error); one whose length is not found counts as longer."""
-    owner = getattr(r, "_trace", None)
+    current one to the residual's are the bodies that close over it. A residual that is an
+    argument of a function jax traces apart (a ``jax.checkpoint`` or ``jax.jit`` inside the
+    body, the usual remat of a layer) is a tracer of that function's trace: the walk goes on
+    from the value its caller passed (:func:`_caller_value`), in the caller's trace. Where
+    that value is not found while a loop body is further out, ``"unknown"``. A scan whose
+    length is 1 runs the body once (no error); one whose length is not found counts as
+    longer."""
     trace = _current_trace()
-    while trace is not None and trace is not owner:
-        info = getattr(getattr(trace, "frame", None), "debug_info", None)
-        kind = getattr(info, "traced_for", None)
-        if kind in _LOOP_BODIES:
-            length = _scan_length(info) if kind in ("scan", "fori_loop") else None
-            if length is None or length > 1:
-                return kind if length is None else f"lax.{kind} of length {length}"
-        trace = getattr(trace, "parent_trace", None)
-    return None
+    while True:
+        owner = getattr(r, "_trace", None)
+        while trace is not None and trace is not owner:
+            loop = _loop_kind(trace)
+            if loop is not None:
+                return loop
+            trace = getattr(trace, "parent_trace", None)
+        if trace is None or _loop_kind(owner) is not None or not _inside_loop(owner):
+            return None  # r is the loop body's own (xs, carry), or no loop is further out
+        if getattr(owner, "frame", None) is None:
+            return None  # r is differentiated there (jax.grad inside the body): its own
+        outer = _caller_value(r, owner)
+        if outer is _NOT_FOUND:
+            return "unknown"
+        if outer is None:
+            return None
+        r, trace = outer, getattr(owner, "parent_trace", None)
 
 
 def _check_not_looped(r_leaves: list) -> None:
@@ -405,7 +501,17 @@ def _check_not_looped(r_leaves: list) -> None:
     the call is refused naming the fix: the residual stacked per layer and passed as ``xs``."""
     for r in r_leaves:
         loop = _enclosing_loop(r)
-        if loop is not None:
+        if loop == "unknown":
+            warnings.warn(
+                "`residual` reaches this fsdp_gather as an argument of a function jax traces "
+                "apart (jax.checkpoint, jax.jit) inside a loop body, and this jax keeps the "
+                "caller's arguments where jaxcomp cannot read them: whether the loop body "
+                "closes over it (one memory for every iteration, refused where it can be "
+                "seen) is not checked. Pass the residuals stacked per layer as the loop's xs",
+                UserWarning,
+                stacklevel=4,
+            )
+        elif loop is not None:
             raise ValueError(
                 f"`residual` is closed over by a loop body ({loop}) that runs fsdp_gather "
                 "once per iteration: each iteration's backward would add the same residual "

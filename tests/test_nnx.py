@@ -343,6 +343,46 @@ def test_nnx_local_pcasts_only_the_params_and_writes_the_rest_back():
     assert seen["after"] == {AXIS}  # per device, as computed
 
 
+class Drop(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(x)
+
+
+def test_each_device_draws_its_own_dropout_masks():
+    """The model's RNG keys enter the step replicated: every one of 8 devices drew the same
+    dropout mask (1 distinct mask of 8) until 2026-11-27. ``jc.nnx_local`` folds the device
+    index into the local model's keys: 8 distinct masks, each keeping about half of the 512
+    values; the model keeps its own key and its count advances, so the next step draws new
+    masks. ``per_device_rngs=False`` keeps the replicated keys (1 mask)."""
+
+    def masks(per_device_rngs):
+        model = Drop(nnx.Rngs(0, dropout=1))
+        nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh(), P())))
+        key = np.asarray(jax.random.key_data(model.drop.rngs.key.get_value()))
+
+        @nnx.jit
+        @nnx.shard_map(mesh=mesh(), in_specs=(P(), P(AXIS)), out_specs=P(AXIS))
+        def step(model, x):
+            with jc.nnx_local(model, AXIS, per_device_rngs=per_device_rngs) as local:
+                return local(x) != 0
+
+        x = shard(jnp.ones((N, 512)))
+        first, second = np.asarray(step(model, x)), np.asarray(step(model, x))
+        after = np.asarray(jax.random.key_data(model.drop.rngs.key.get_value()))
+        np.testing.assert_array_equal(after, key)  # the model's own key, replicated
+        assert int(model.drop.rngs.count.get_value()) == 2
+        assert not np.array_equal(first, second)  # a new mask every step
+        return first
+
+    own = masks(True)
+    assert len({m.tobytes() for m in own}) == N
+    assert np.all(np.abs(own.mean(1) - 0.5) < 0.1), own.mean(1)
+    assert len({m.tobytes() for m in masks(False)}) == 1
+
+
 def test_nnx_local_writes_nothing_back_if_the_block_raises_and_nests():
     """``local`` holds copies of the model's variables: a block that raises leaves the
     BatchNorm statistics as they were (nnx.merge shares the Variables by default, so the

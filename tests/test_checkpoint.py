@@ -414,6 +414,120 @@ def test_orbax_checkpoint_moves_8_to_4_to_8_devices_and_trains_on(tmp_path):
     assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
 
 
+# --------------------------------------------------------------------------- an abstract target
+
+
+def _abstract_case(name):
+    """(tx, mesh, params, param_specs, step(params, state, t), per_device) for the
+    abstract-target test: ``sgd_random_k`` (replicated params), ``sgd_param_specs`` (a 4 x 2
+    data x model mesh, params sharded over ``"model"``), ``diloco`` (per-device replicas)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+    from jaxcomp.cpu import blocking
+
+    key = jax.random.PRNGKey(0)
+    host = {
+        k: 0.1 * jax.random.normal(jax.random.fold_in(key, i), s)
+        for i, (k, s) in enumerate(SHAPES.items())
+    }
+    target = jax.random.normal(jax.random.fold_in(key, 99), SHAPES["w"])
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"] + p["b"] - x @ target) ** 2)
+
+    if name == "sgd_param_specs":
+        axis_types = (AxisType.Explicit, AxisType.Auto)
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=axis_types)
+        param_specs = {"w": P(None, "model"), "b": P("model")}
+        tx = jc.sgd(0.05, jc.int_quant(8), "data", param_specs=param_specs)
+    else:
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+        param_specs = None
+        if name == "diloco":
+            tx = jc.diloco(optax.sgd(0.05), "data", 4, codec=jc.int_quant(8), min_size=0)
+        else:
+            tx = jc.sgd(0.05, jc.random_k(0.1), "data", seed=3)
+    placed = {
+        k: jax.device_put(v, NamedSharding(mesh, (param_specs or {}).get(k, P())))
+        for k, v in host.items()
+    }
+    state = jc.sharded_init(tx, placed, mesh, "data", param_specs=param_specs)
+    specs = jc.state_specs(state, "data")
+    per_device = name == "diloco"
+    pspec = P("data") if per_device else P()
+
+    def step_fn(p, s, x):
+        q = jc.own(p) if per_device else jax.lax.pcast(p, "data", to="varying")
+        u, s = tx.update(jax.grad(loss)(q, x), s, q if per_device else p)
+        new = optax.apply_updates(q if per_device else p, u)
+        return (jc.slot(new) if per_device else new), s
+
+    fn = jax.jit(
+        jax.shard_map(
+            step_fn,
+            mesh=mesh,
+            in_specs=(pspec, specs, P("data")),
+            out_specs=(pspec, specs),
+            axis_names={"data"},
+        )
+    )
+    step = blocking(fn)
+
+    def run(p, s, t):
+        x = jax.random.normal(jax.random.fold_in(key, 1000 + t), (32, SHAPES["w"][0]))
+        return step(p, s, jax.device_put(x, NamedSharding(mesh, P("data"))))
+
+    params = jc.replica_params(host, mesh, "data") if per_device else placed
+    return tx, mesh, params, placed, param_specs, state, run, fn
+
+
+@pytest.mark.parametrize("name", ["sgd_random_k", "sgd_param_specs", "diloco"])
+def test_restore_into_an_abstract_target_continues_bit_identically(name, tmp_path):
+    """docs/checkpoints.md's target built without a state (``jax.eval_shape`` of
+    ``jc.sharded_init``, placed by ``jc.state_specs``): the restore has the shardings of a
+    state of ``jc.sharded_init``, runs through the compiled step without a new compile, and
+    3 steps after it (DiLoCo: saved after 2 local steps, a sync among the 3) equal the run
+    that did not stop, bit for bit."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    tx, mesh, params, placed, param_specs, state, run, fn = _abstract_case(name)
+    for t in range(2):
+        params, state = run(params, state, t)
+    saved = state
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / name, saved)
+        ckpt.wait_until_finished()
+        (recipe,) = _doc_blocks("## A restore target without a state")
+        scope = {"jax": jax, "jc": jc, "NamedSharding": NamedSharding, "P": P, "tx": tx}
+        scope["mesh"] = mesh
+        scope.update(params=placed, param_specs=param_specs, ckpt=ckpt, path=tmp_path / name)
+        exec(recipe, scope)
+        restored = scope["opt_state"]
+    assert jax.tree.structure(restored) == jax.tree.structure(saved)
+    for ours, theirs in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), strict=True):
+        assert ours.dtype == theirs.dtype and ours.sharding.is_equivalent_to(
+            theirs.sharding, theirs.ndim
+        )
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    compiled = fn._cache_size()
+    going, back = (params, state), (params, restored)
+    for t in range(2, 5):
+        going, back = run(*going, t), run(*back, t)
+    assert fn._cache_size() == compiled
+    for ours, theirs in zip(jax.tree.leaves(back), jax.tree.leaves(going), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
 if __name__ == "__main__":
     from jaxcomp.cpu import use_cpu_devices
 

@@ -413,6 +413,24 @@ def test_clipping_fsdp_shards_clips_the_whole_gradient():
         assert not np.all(np.isfinite(got["a"])), bad
 
 
+def test_clipping_takes_shard_axis_empty_for_whole_leaves_as_the_transforms_do():
+    """``shard_axis=()`` (whole leaves, the value every transform takes) clips exactly as
+    without it, under ``shard_map`` and ``jax.pmap``. It was refused at construction
+    ("`shard_axis` is required ... got ()") until 2026-11-27, so one ``shard_axis`` could not
+    be passed to the whole chain."""
+    m = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8])
+    g = {"a": jax.random.normal(jax.random.PRNGKey(6), (8, 32, 16)) * 3}
+    plain, whole = (
+        jc.clip_by_global_norm(1.0, "data"),
+        jc.clip_by_global_norm(1.0, "data", shard_axis=()),
+    )
+    want = _clip_shards(plain, g, m, P("data"))
+    assert np.abs(want["a"]).max() > 0
+    np.testing.assert_array_equal(_clip_shards(whole, g, m, P("data"))["a"], want["a"])
+    pmapped = jax.pmap(lambda g: whole.update(g, None)[0], axis_name="data")(g)
+    np.testing.assert_array_equal(np.asarray(pmapped["a"]), want["a"])
+
+
 def test_clipping_counts_a_replicated_leaf_once_beside_the_shards():
     """A tree of FSDP shards and a replicated bias (P(), its gradient the same on every
     device, e.g. pmean-ed): the bias's squares count once, not once per device."""

@@ -190,8 +190,9 @@ def clip_by_global_norm(
       axis_name: the data-parallel axis the recipe after it averages over; None only with
         ``shard_axis`` (nothing averages after: FSDP alone).
       bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
-      shard_axis: None, or the mesh axis (or tuple) over which the gradients are shards of
-        one gradient (FSDP): the norm is taken over all of them. A leaf typed identical on
+      shard_axis: None or ``()`` (the leaves are whole, as for the transforms), or the mesh
+        axis (or tuple) over which the gradients are shards of one gradient (FSDP): the norm
+        is taken over all of them. A leaf typed identical on
         every device of it (a replicated bias) counts once; under ``pmap`` or
         ``check_vma=False`` jax does not type it and every leaf counts as a shard.
 
@@ -226,6 +227,8 @@ def clip_by_global_norm(
         raise ValueError("`max_norm` must be > 0, got 0")
     if not isinstance(bound, bool):
         raise TypeError(f"`bound` must be a bool, got {bound!r}")
+    if shard_axis == ():  # the leaves are whole, as the transforms' shard_axis=() says
+        shard_axis = None
     if shard_axis is not None:
         check_axis_name(shard_axis, "shard_axis")
     if axis_name is None and shard_axis is None:

@@ -194,6 +194,19 @@ def resize_transforms():
         "apply_if_finite_sgd": jc.apply_if_finite(
             jc.sgd(0.1, jc.sign(), "data", min_size=64), "data", 3
         ),
+        "demo": jc.demo(1e-3, "data", chunk=16, topk=4),
+        "sparseloco_random": jc.sparseloco(
+            optax.sgd(0.1), "data", 4, min_size=64, mask="random", density=0.25
+        ),
+        "local_sgd_adam": jc.local_sgd(optax.adam(0.01), "data", 4),
+        "gossip_exact_adam": jc.gossip(optax.adam(0.1), "data"),
+        "sgd_accordion": jc.sgd(
+            0.1,
+            jc.top_k(0.01),
+            "data",
+            min_size=64,
+            adaptive=jc.accordion(jc.int_quant(8), interval=2),
+        ),
     }
 
 
@@ -216,7 +229,7 @@ def _filled(tx, mesh, n, seed=0):
     target = jc.restore_target(tx, _params(), mesh, "data", n)
 
     def fill(a):
-        if np.issubdtype(a.dtype, np.floating):
+        if jax.numpy.issubdtype(a.dtype, jax.numpy.floating):  # bfloat16 too (not numpy's)
             x = rng.standard_normal(a.shape).astype(a.dtype)
         else:
             x = np.zeros(a.shape, a.dtype)
@@ -278,6 +291,33 @@ def test_resize_8_to_4_to_8_keeps_what_every_field_holds(name):
             np.testing.assert_allclose(after[k], before[k], rtol=1e-6, atol=1e-7, err_msg=k)
     if "two_phase" in name:  # the owned chunks were re-cut: 8 x 384 -> 4 x 768 -> 8 x 384
         assert any("server_residual" in k for k in before)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_resize_keeps_narrow_memories_in_their_type(dtype):
+    """Memories kept in ``memory_dtype`` (and the two-phase server residual) stay in it when
+    moved 8 -> 4 devices: each folded row is the mean rounded once to the type, so the mean
+    is kept to the type's rounding of the leaf's largest mean (2^-8 bfloat16, 2^-11
+    float16), not to float32's; the float32 worker momenta as before."""
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = jc.sgd(
+        0.05, jc.int_quant(8), "data", min_size=64, memory_dtype=dtype, strategy="two_phase"
+    )
+    state8 = _filled(tx, mesh(8), 8)
+    moved = jc.resize_state(state8, tx, _params(), mesh(4), "data")
+    before, after = held(state8, 8), held(moved, 4)
+    for field in ("memory", "server_residual"):
+        leaves = getattr(moved[0], field).values()
+        assert {str(a.dtype) for a in leaves} == {dtype}, field
+    step = {"bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    for k in before:
+        scale = np.abs(before[k]).max()
+        assert scale > 0 or "key" in k or "count" in k, k  # filled: nothing vacuous
+        tol = step * scale if ("memory" in k or "server" in k) else 1e-6 * scale
+        np.testing.assert_allclose(after[k], before[k], rtol=0, atol=tol, err_msg=k)
 
 
 def test_resize_to_a_count_that_does_not_divide_keeps_the_means():

@@ -193,6 +193,17 @@ def outer_cosine(run: lm.Run, h: int, lr: float) -> Any:
     return optax.cosine_decay_schedule(lr, max(1, run.steps // h - 1), 0.1)
 
 
+def outer_rsqrt(first: float) -> Any:
+    """An outer lr of ``first / sqrt(k)`` at the ``k``-th outer step (``k = 1, 2, ...``): the
+    decay that SparseLoCo's per-sync line search at 3000x on 8 replicas reads (the best
+    applied step shrinks from about 2.25 x the merged update at the first sync to about 0.75 x
+    from the fifth on: the merged update grows against the replicas' mean pseudo-gradient as
+    the error feedback fills and the replicas decorrelate)."""
+    import jax.numpy as jnp
+
+    return lambda count: first / jnp.sqrt(count + 1.0)
+
+
 def _inner_const(run: lm.Run) -> Any:
     """AdamW (weight decay 0.1) at :func:`held_schedule`."""
     import optax
@@ -342,12 +353,16 @@ def _int1() -> Any:
     return jc.int_quant(1)
 
 
-def _sparse_h30(m: int | None = None, outer_lr: float = 1.5, **kw: Any) -> lm.Recipe:
+def _sparse_h30(
+    m: int | None = None, outer_lr: Any = 1.5, momentum: float = 0.0, **kw: Any
+) -> lm.Recipe:
     """SparseLoCo at ``H = 30`` as tuned for 3000x: Muon inside at the held lr, outer SGD at
-    lr ``outer_lr`` without momentum, every leaf compressed (``min_size=0`` unless ``kw``
-    says otherwise); ``kw``: :func:`jaxcomp.sparseloco`'s codec and exchange arguments."""
+    lr ``outer_lr`` (a number or an optax schedule of the outer step count; Nesterov
+    ``momentum``, default none), every leaf compressed
+    (``min_size=0`` unless ``kw`` says otherwise); ``kw``: :func:`jaxcomp.sparseloco`'s codec
+    and exchange arguments."""
     kw.setdefault("min_size", 0)
-    outer = _sgd(outer_lr, 0.0)
+    outer = _sgd(outer_lr, momentum)
     return _h(30, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
 
 
@@ -479,6 +494,29 @@ RECIPES: dict[str, lm.Recipe] = {
     # applied step about as long as 1.5 x the inner lr at 3e-3 (slice L2).
     "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer1.0": _sparse_h30(
         None, 1.0, density=21 / 4096, bits=1, value_scale="mean"
+    ),
+    # ... 17 of 4096: jc.sparseloco_density(params, 3000, 30, 8, bits=1, min_size=0,
+    # other_bytes=7) on the held-out pair's model (3 layers of d_model 64: 3029x), where 21 of
+    # 4096 reach 2662x (slice L8).
+    "sparseloco-H30-muon-innerconst-d17-b1mean-min0-outer1.5": _sparse_h30(
+        density=17 / 4096, bits=1, value_scale="mean"
+    ),
+    # ... outer Nesterov momentum 0.6 at lr 0.6: the same step along a direction that persists
+    # (lr / (1 - momentum) = 1.5) with the merged update's sync-to-sync noise averaged over
+    # about 1 / (1 - momentum) = 2.5 syncs (slice L8).
+    # ... the outer lr 2.25 / sqrt(k) at the k-th sync (outer_rsqrt), from the line search of
+    # `--diagnose ... --line-search` (slice L8).
+    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-outer2.25rsqrt": _sparse_h30(
+        None, outer_rsqrt(2.25), density=21 / 4096, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-muon-innerconst-d17-b1mean-min0-outer2.25rsqrt": _sparse_h30(
+        None, outer_rsqrt(2.25), density=17 / 4096, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-muon-innerconst-d21-b1mean-min0-nesterov0.6-0.6": _sparse_h30(
+        None, 0.6, 0.6, density=21 / 4096, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-muon-innerconst-d17-b1mean-min0-nesterov0.6-0.6": _sparse_h30(
+        None, 0.6, 0.6, density=17 / 4096, bits=1, value_scale="mean"
     ),
     # ... or the two-phase exchange, whose bytes do not grow with M: 64 / 4096 (3518x; 2776x
     # on the held-out pair's model, whose small leaves weigh more).
@@ -806,6 +844,52 @@ def feedback_record(before: list, after: list, theta: list, anchor: list, beta: 
 
 NU: dict[int, Any] = {}  # adamw's second moment at the recorded steps
 
+#: ``--line-search``: the applied outer step scaled by these (``x - c (x - x_new)``; 1: the
+#: anchor the recipe made) and the replicas' exact mean pseudo-gradient by these
+#: (``x - a mean_i D_i``: an uncompressed exchange at outer lr ``a``).
+LINE_SCALES = (0.25, 0.5, 0.75, 1.0, 1.5)
+MEAN_SCALES = (1.0, 1.5)
+
+
+def _unflat(flat: Any, like: Any) -> Any:
+    """The tree ``like`` with its leaves read in order from the flat vector ``flat``."""
+    import jax
+    import numpy as np
+
+    leaves, out, at = jax.tree.leaves(like), [], 0
+    for leaf in leaves:
+        n = int(np.size(leaf))
+        out.append(np.asarray(flat[at : at + n], np.float32).reshape(np.shape(leaf)))
+        at += n
+    return jax.tree.unflatten(jax.tree.structure(like), out)
+
+
+def line_record(task: lm.Task, anchor: Any, x_old: Any, x_new: Any, theta: Any) -> dict:
+    r"""At one sync: the held-out loss along the applied outer step and along the replicas'
+    exact mean pseudo-gradient, and how the two point::
+
+        line[c]       = loss(x - c (x - x_new))          c in LINE_SCALES
+        mean_line[a]  = loss(x - a mean_i D_i)           a in MEAN_SCALES, D_i = x - theta_i
+        step_cosine   = cos(x - x_new, mean_i D_i)
+        step_nonzero  = share of the coordinates the step moves (8 replicas' disjoint top-k
+                        of k per chunk: 8 k / chunk; less where replicas sent the same ones)
+
+    ``anchor``: the old anchor's tree (the layout); ``x_old``, ``x_new``: flat anchors;
+    ``theta``: the replicas' params before the sync, ``(m, d)`` flat."""
+    import numpy as np
+
+    step = x_old - x_new
+    mean_d = x_old - theta.mean(0)
+    denom = max(np.linalg.norm(step) * np.linalg.norm(mean_d), 1e-30)
+    return {
+        "line": {str(c): task.eval_loss(_unflat(x_old - c * step, anchor)) for c in LINE_SCALES},
+        "mean_line": {
+            str(a): task.eval_loss(_unflat(x_old - a * mean_d, anchor)) for a in MEAN_SCALES
+        },
+        "step_cosine": float(step @ mean_d / denom),
+        "step_nonzero": float(np.mean(step != 0)),
+    }
+
 
 def diagnose(
     task: lm.Task,
@@ -814,11 +898,13 @@ def diagnose(
     run: lm.Run,
     steps: list[int],
     ef_decay: float = 0.5,
+    line: bool = False,
 ) -> dict:
     """Train ``recipe`` and record :func:`_sync_record` before, and the anchor's held-out loss
     after, each step index in ``steps`` (0-based; a sync step of the recipe); SparseLoCo
-    (all-gather): also :func:`feedback_record` at its error feedback's decay ``ef_decay``.
-    ``adamw``: its held-out loss and params at the same steps."""
+    (all-gather): also :func:`feedback_record` at its error feedback's decay ``ef_decay``,
+    and with ``line`` :func:`line_record`. ``adamw``: its held-out loss and params at the
+    same steps."""
     import jax
     import numpy as np
 
@@ -847,6 +933,9 @@ def diagnose(
                 theta, x = jax.tree.leaves(moved), jax.tree.leaves(anchor)
                 after = feedback_memory(state)
                 rec.update(feedback_record(memory, after, theta, x, ef_decay))
+                if line:
+                    flat = (_flat(new), _replicas_flat(moved))
+                    rec.update(line_record(task, anchor, x_old, *flat))
             rec["eval_after"] = task.eval_loss(new)
             rec["outer_step_norm"] = float(np.linalg.norm(_flat(new) - x_old))
             nu = _second_moment(state, replicas=True)
@@ -1708,6 +1797,12 @@ def main(argv: list[str] | None = None) -> int:
         help="where the 2-replica top-k's bytes could go further (INDEX_SCREEN) on one "
         "replica's pseudo-gradient over the H steps from START",
     )
+    ap.add_argument(
+        "--line-search",
+        action="store_true",
+        help="--diagnose (SparseLoCo): the held-out loss along the applied outer step and along "
+        "the exact mean pseudo-gradient at each sync (line_record)",
+    )
     ap.add_argument("--muon", action="store_true", help="--fidelity: Muon inside (held lr)")
     ap.add_argument(
         "--adamw", action="store_true", help="--fidelity-lowrank: AdamW inside (held lr)"
@@ -1786,7 +1881,9 @@ def run_diagnose(args: Any, rest: list[str]) -> int:
     out = []
     for name in args.diagnose if largs.no_baseline else ["adamw", *args.diagnose]:
         t0 = time.perf_counter()
-        out.append(diagnose(task, name, lm.RECIPES[name], run, steps, args.ef_decay))
+        out.append(
+            diagnose(task, name, lm.RECIPES[name], run, steps, args.ef_decay, args.line_search)
+        )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     config = lm.run_config(largs)
     path = common.result_path("lm_" + args.tag, False)

@@ -557,6 +557,31 @@ def test_lm_diloco_feedback_record_by_hand():
     assert rec["sent_cosine"] == pytest.approx(1.0)
 
 
+def test_lm_diloco_line_record_by_hand():
+    """benchmarks/lm_diloco.py: the held-out loss along the applied outer step and along the
+    exact mean pseudo-gradient, on a quadratic 'loss' whose minimum is known."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    class Task:  # loss = |params - (1, 2, 0)|^2 over the flat params
+        def eval_loss(self, p):
+            flat = np.concatenate([np.ravel(p["a"]), np.ravel(p["b"])])
+            return float(np.sum((flat - np.array([1.0, 2.0, 0.0])) ** 2))
+
+    like = {"a": np.zeros((1, 2), np.float32), "b": np.zeros(1, np.float32)}
+    x_old = np.zeros(3)
+    x_new = np.array([0.5, 1.0, 0.0])  # the applied step: half way to the minimum
+    theta = np.array([[1.0, 2.0, 1.0], [1.0, 2.0, -1.0]])  # mean D = -(1, 2, 0)
+    rec = lm_diloco.line_record(Task(), like, x_old, x_new, theta)
+    assert rec["line"]["1.0"] == pytest.approx(1.25)  # (0.5, 1, 0) from (1, 2, 0)
+    assert rec["line"]["0.5"] == pytest.approx(5 * 0.75**2)
+    assert rec["line"]["1.5"] == pytest.approx(5 * 0.25**2)
+    assert rec["mean_line"] == pytest.approx({"1.0": 0.0, "1.5": 1.25})
+    assert rec["step_cosine"] == pytest.approx(1.0)  # both read from x_old: x - x_new, x - theta
+    assert rec["step_nonzero"] == pytest.approx(2 / 3)
+
+
 def test_lm_diloco_short_chunks_by_hand():
     """benchmarks/lm_diloco.py: the chunks of a chunked top-k holding fewer than ``k`` nonzero
     values (the zero padding of a short last chunk counted), and the zeros kept in them."""

@@ -1320,8 +1320,40 @@ def _lm_sync(data: dict[str, Any], path: pathlib.Path) -> str:
         extra = ["AdamW denominator / DP's (median)"] if nu else []
         extra += [name for _, name in FEEDBACK_COLUMNS] if ef else []
         parts.append(f"`{r['recipe']}`:\n\n" + _markdown((header + extra, rows)))
+        if all("line" in s for s in r["syncs"]):
+            parts.append(_lm_line(r["syncs"]))
     command = data.get("environment", {}).get("command") or "python -m benchmarks.lm_diloco"
     return "\n\n".join(parts) + "\n\n" + _source(path, data, command)
+
+
+def _lm_line(syncs: list[dict[str, Any]]) -> str:
+    """``--line-search``'s table: at each sync the held-out loss of the old anchor moved by
+    ``c`` times the applied outer step (``c = 1``: the anchor the recipe made), the best ``c``,
+    and the loss after the exact mean pseudo-gradient's step (an uncompressed exchange)."""
+    scales = list(syncs[0]["line"])
+    means = list(syncs[0]["mean_line"])
+    header = [
+        "step",
+        *[f"step x {c}" for c in scales],
+        "best x",
+        *[f"exact mean D x {a}" for a in means],
+        "cosine of step, mean D",
+        "coordinates moved",
+    ]
+    rows = []
+    for s in syncs:
+        best = min(scales, key=lambda c: s["line"][c])
+        rows.append(
+            [
+                str(s["step"]),
+                *[f"{s['line'][c]:.4f}" for c in scales],
+                best,
+                *[f"{s['mean_line'][a]:.4f}" for a in means],
+                f"{s['step_cosine']:.3f}",
+                f"{100 * s['step_nonzero']:.2f}%",
+            ]
+        )
+    return "Held-out loss along the outer step:\n\n" + _markdown((header, rows))
 
 
 def _lm_time(runs: list[dict[str, Any]]) -> str:

@@ -114,7 +114,12 @@ def make_step(mesh, tx, weights, grads, error_feedback: bool, specs: Any):
         def objective(shards, residual):
             if REPLICA in every:  # per-replica gradients: no hidden all-reduce over replicas
                 shards = jax.lax.pcast(shards, REPLICA, to="varying")
-            params = jc.fsdp_gather(shards, DATA, weights=weights, grads=grads, residual=residual)
+            # HSDP: the exchange over the replicas skips a non-finite step on every device,
+            # so every replica's residual is kept with it (skip_axis).
+            skip = REPLICA if REPLICA in every else ()
+            params = jc.fsdp_gather(
+                shards, DATA, weights=weights, grads=grads, residual=residual, skip_axis=skip
+            )
             return loss_fn(params, tokens)
 
         if error_feedback:

@@ -1126,3 +1126,54 @@ def test_a_residual_passed_to_a_wrapped_layer_unchecked_on_another_jax_warns(mon
     fn = jax.jit(jax.shard_map(per_layer, mesh=MESH8(), in_specs=(spec, P("data")), out_specs=spec))
     with pytest.warns(UserWarning, match="`residual` reaches this fsdp_gather as an argument"):
         fn.lower(ws, x)
+
+
+def _hsdp_residual_step(check_vma, **kw):
+    """One error-feedback step of ``fsdp_gather`` over "data" on the 2 x 4 mesh, a NaN in
+    replica 0's batch: ``(nan, kept)`` per device, whether its gradient is NaN and whether
+    its residual is the one it entered with."""
+    m = _mesh_2x4()
+
+    def f(w, x, r):
+        if check_vma:
+            w = jax.lax.pcast(w, "replica", to="varying")
+        x = jnp.where(jax.lax.axis_index("replica") == 0, x.at[0, 0].set(jnp.nan), x)
+
+        def loss(w, r):
+            return jnp.mean(jnp.tanh(x @ jc.fsdp_gather(w, "data", residual=r, **kw)) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(w, r)
+
+    every = P(BOTH)
+    fn = jax.jit(
+        jax.shard_map(
+            f,
+            mesh=m,
+            in_specs=(P("data"), every, every),
+            out_specs=(every, every),
+            check_vma=check_vma,
+        )
+    )
+    r = jax.device_put(jnp.full((8 * 4, D // 4, D), 0.01), NamedSharding(m, every))
+    w = jax.device_put(_params()["a"], NamedSharding(m, P("data")))
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (32, D)), NamedSharding(m, every))
+    g, r2 = fn(w, x, r)
+    nan = np.isnan(np.asarray(g)).reshape(8, -1).all(1)
+    kept = (np.asarray(r2) == np.asarray(r)).reshape(8, -1).all(1)
+    return nan.tolist(), kept.tolist()
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_hsdp_skip_axis_keeps_every_replicas_residual_on_a_nonfinite_step(check_vma):
+    """HSDP with fsdp_gather's error feedback, a NaN in replica 0's batch: its reduce-scatter
+    flagged replica 0's 4 devices only, and replica 1's 4 residuals took a step that the
+    exchange over the replicas then skips on every device (written for a step that never
+    happened), with no error (both check_vma). skip_axis="replica" ors the flag over it:
+    every gradient NaN, every residual kept. Without it the call warns, naming skip_axis."""
+    assert _hsdp_residual_step(check_vma, skip_axis="replica") == ([True] * 8, [True] * 8)
+    with pytest.warns(UserWarning, match="skip_axis='replica'"):
+        nan, kept = _hsdp_residual_step(check_vma)
+    assert nan == kept == [True] * 4 + [False] * 4  # replica 0 only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _hsdp_residual_step(check_vma, skip_axis=()) == (nan, kept)  # groups apart

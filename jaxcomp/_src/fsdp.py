@@ -40,6 +40,7 @@ from jax._src import core as jax_core  # trace_ctx: the trace a call is recorded
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
+from jaxcomp._src.axes import axis_names, check_axis_name, manual_axes
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
@@ -67,6 +68,7 @@ class _Config(NamedTuple):
     bucket_bytes: int
     varying: frozenset  # the mesh axes the shards vary over
     fast_inside: bool = False  # the fast hop inside the VJP: its sum in float32 (narrow + EF)
+    skip_axes: tuple = ()  # other mesh axes the non-finite flag is or-ed over (skip_axis)
 
 
 def _keeps_fast_rounding(inner_axis_name: Any, grads: Any, residual: Any, leaves: list) -> bool:
@@ -187,8 +189,9 @@ def _scatter_cotangents(cfg, residual, cts, dtypes):
         keys = [None] * len(blocks)
         s = scatter_rows(blocks, cfg.axis_name, cfg.grads, keys, cfg.bucket_bytes)
         bad = s.bad
-        if cfg.inner_axis_name is not None:
-            bad = jax.lax.psum(bad.astype(jnp.int32), cfg.inner_axis_name) > 0
+        beside = axis_names(cfg.inner_axis_name) + cfg.skip_axes
+        if beside:
+            bad = jax.lax.psum(bad.astype(jnp.int32), beside) > 0
         own = [jnp.where(bad, jnp.nan, o) for o in s.own]
         new_residual = (
             None
@@ -523,6 +526,54 @@ def _check_not_looped(r_leaves: list) -> None:
             )
 
 
+def _check_skip_axis(skip_axis: Any, axis_name: Any, inner_axis_name: Any) -> tuple:
+    """``skip_axis`` as a tuple of bound mesh axes other than the gather's own, else a
+    ValueError / TypeError naming it."""
+    if skip_axis is None or skip_axis == ():
+        return ()
+    check_axis_name(skip_axis, "skip_axis")
+    names = axis_names(skip_axis)
+    own = set(axis_names(axis_name, inner_axis_name))
+    if own & set(names):
+        raise ValueError(
+            f"`skip_axis` {skip_axis!r} holds the gather's own axis "
+            f"{sorted(own & set(names), key=str)[0]!r} (its flag is or-ed over it already): "
+            "name the other mesh axes over which a non-finite step is skipped together "
+            "(the replica axis of HSDP), or () for none"
+        )
+    try:
+        jax.lax.axis_size(names)
+    except NameError:
+        raise ValueError(
+            f"`skip_axis` {skip_axis!r} is not bound here: name manual mesh axes of the "
+            "enclosing jax.shard_map (the replica axis of HSDP), or () for none"
+        ) from None
+    return names
+
+
+def _warn_unskipped(axis_name: Any, inner_axis_name: Any) -> None:
+    """Warn where error feedback meets another manual mesh axis of size > 1 and
+    ``skip_axis`` is not given: a non-finite cotangent on one group of that axis would keep
+    only that group's residual, while the step the others' residuals were written for may be
+    skipped everywhere (HSDP: the exchange over the replicas skips it)."""
+    own = set(axis_names(axis_name, inner_axis_name))
+    mesh = jax.sharding.get_abstract_mesh()
+    shape = dict(getattr(mesh, "shape", {}) or {})
+    others = sorted((a for a in manual_axes() - own if shape.get(a, 1) > 1), key=str)
+    if others:
+        name = others[0] if len(others) == 1 else tuple(others)
+        warnings.warn(
+            f"jaxcomp: fsdp_gather with error feedback over {axis_name!r} and the manual axes "
+            f"{others} bound beside it: a non-finite gradient flags its own group's devices "
+            "only, so where the step is skipped on every device (HSDP: the exchange over the "
+            "replicas skips it) the other groups' residuals would keep a step that never "
+            f"happened. Pass skip_axis={name!r} to or the flag over them (every residual "
+            "kept, every gradient NaN), or skip_axis=() where the groups step apart "
+            "(jc.diloco / jc.local_sgd replicas).",
+            stacklevel=3,
+        )
+
+
 def fsdp_gather(
     shards: Any,
     axis_name: Any,
@@ -533,6 +584,7 @@ def fsdp_gather(
     axis: int = 0,
     residual: Any = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
+    skip_axis: Any = None,
 ) -> Any:
     """Differentiable compressed all-gather of FSDP weight shards (ZeRO++ qwZ forward, qgZ back).
 
@@ -562,15 +614,23 @@ def fsdp_gather(
       axis: the dimension the shards are concatenated on.
       residual: error-feedback memory of the reduce-scatter, or None (no error feedback).
       bucket_bytes: payloads travel in buckets of about this many bytes.
+      skip_axis: other mesh axes (a name or a tuple) over which a non-finite step is skipped
+        together, e.g. ``"replica"`` in HSDP (the shard gradients then averaged over the
+        replicas by an exchange that skips a non-finite step on every device): the
+        reduce-scatter's non-finite flag is or-ed over them (one scalar ``psum``), so every
+        device's gradient is NaN and every residual kept. ``()``: none (the groups step
+        apart, as ``jc.diloco`` replicas). None (default): none, with a warning where error
+        feedback runs beside another manual axis of size > 1.
 
     Returns:
       The gathered weights, like ``shards`` with ``axis`` ``n`` times longer, in their dtypes.
 
     Raises:
-      ValueError: when the call is traced, ``weights``, ``grads``, ``axis_name``, ``axis`` or
-        ``residual`` outside its rule (the message names the argument; the rules: docs/errors.md).
-      TypeError: when the call is traced, ``weights``, ``grads``, ``axis`` or ``shards`` of the
-        wrong kind.
+      ValueError: when the call is traced, ``weights``, ``grads``, ``axis_name``, ``axis``,
+        ``residual`` or ``skip_axis`` outside its rule (the message names the argument; the
+        rules: docs/errors.md).
+      TypeError: when the call is traced, ``weights``, ``grads``, ``axis``, ``shards`` or
+        ``skip_axis`` of the wrong kind.
 
     Example::
 
@@ -597,6 +657,9 @@ def fsdp_gather(
     )
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
+    cfg = cfg._replace(skip_axes=_check_skip_axis(skip_axis, axis_name, inner_axis_name))
+    if skip_axis is None and residual is not None and not exact(cfg.grads):
+        _warn_unskipped(axis_name, inner_axis_name)
     if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
         raise TypeError(f"`axis` must be an int, got {type(axis).__name__} {axis!r}")
     axis = int(axis)

@@ -1177,3 +1177,39 @@ def test_hsdp_skip_axis_keeps_every_replicas_residual_on_a_nonfinite_step(check_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _hsdp_residual_step(check_vma, skip_axis=()) == (nan, kept)  # groups apart
+
+
+def _skipped_shards(grads, tx):
+    """One FSDP step of ``tx`` on 8 devices, an inf in device 3's cotangent of chunk 0 only
+    (device 0's shard): how many devices kept their shard (skipped the step)."""
+    m = MESH8()
+
+    def f(w, x):
+        def loss(w):
+            full = jc.fsdp_gather(w, "data", weights=None, grads=grads)
+            c = jnp.where(jax.lax.axis_index("data") == 3, jnp.inf, 1.0)
+            return jnp.sum(jnp.tanh(x @ full) ** 2) + c * full[0, 0]
+
+        g = jax.grad(loss)(w)
+        updates, _ = tx.update(g, tx.init(w), w)
+        return optax.apply_updates(w, updates)
+
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    w = jax.random.normal(jax.random.PRNGKey(0), (64, 16)) / 8
+    out = np.asarray(fn(put(w), put(jnp.ones((8 * 4, 64)))))
+    return int((out == np.asarray(w)).reshape(8, -1).all(1).sum())
+
+
+def test_a_nonfinite_chunk_reaches_every_device_only_through_a_lossy_grads_codec():
+    """grads=None or the identity is jax.lax.psum_scatter (bit for bit): an inf in one
+    device's cotangent of one chunk reaches that chunk's owner only, so
+    optax.apply_if_finite on the shards skips on 1 of 8 devices and the other 7 step (the
+    shards apart; sharded.md said every device saw it until 2026-11-27). A lossy codec's
+    flag makes every gradient NaN (8 of 8 skip); jc.apply_if_finite over "data" reduces its
+    verdict over the axis (8 of 8 skip) whatever the codec."""
+    sgd = optax.sgd(0.1)
+    assert _skipped_shards(None, optax.apply_if_finite(sgd, 3)) == 1
+    assert _skipped_shards(jc.identity(), optax.apply_if_finite(sgd, 3)) == 1
+    assert _skipped_shards(jc.int_quant(4), optax.apply_if_finite(sgd, 3)) == 8
+    assert _skipped_shards(None, jc.apply_if_finite(sgd, "data", 3)) == 8

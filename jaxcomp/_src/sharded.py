@@ -27,9 +27,11 @@ crosses the slow axis through the codec; ``all_gather`` first gathers through th
 the slow axis, then in the leaves' own dtype over the fast one. Only payloads cross the slow
 axis, and each host sends each value once.
 
-Non-finite values are never hidden: one scalar flag (8 bytes) is summed over the axes and a
-non-finite input anywhere makes every output non-finite (NaN). Integer leaves go through the
-uncompressed ``jax.lax`` collective.
+Non-finite values are never hidden: through a codec, one scalar flag (8 bytes) is summed over
+the axes and a non-finite input anywhere makes every output non-finite (NaN); the identity is
+``jax.lax``'s collective itself, which leaves a non-finite value where it lands (in a
+reduce-scatter, on the owner of its chunk only). Integer leaves go through the uncompressed
+``jax.lax`` collective.
 """
 
 from __future__ import annotations

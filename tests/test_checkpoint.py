@@ -961,6 +961,70 @@ def test_diloco_state_saved_without_taken_runs_as_before():
     assert_trees_equal(old._replace(taken=new.taken), new)
 
 
+def test_restore_a_onebit_adam_state_saved_without_its_levels(tmp_path):
+    """docs/checkpoints.md's recipe for a 1-bit Adam state saved before ``level`` /
+    ``level_ref`` (the old layout written here as a dict of its other fields, after the
+    freeze): orbax refuses the current template naming ``level``; the recipe restores every
+    saved array and zero levels, and 3 steps after it are finite with ``level_ref`` still
+    zero (the frozen variance's ratio 1: unscaled, as before the fields) and ``level``
+    filled by the gradients."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    tx = jc.onebit_adam(1e-3, "data", freeze_step=2, min_size=64)
+    key = jax.random.PRNGKey(0)
+    params = jax.device_put(
+        {
+            k: 0.1 * jax.random.normal(jax.random.fold_in(key, i), s)
+            for i, (k, s) in enumerate(SHAPES.items())
+        },
+        NamedSharding(mesh, P()),
+    )
+    target = jax.random.normal(jax.random.fold_in(key, 99), SHAPES["w"])
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"] + p["b"] - x @ target) ** 2)
+
+    state = jc.sharded_init(tx, params, mesh, "data")
+    step = _step(tx, loss, mesh, jc.state_specs(state, "data"))
+
+    def batch(t):
+        x = jax.random.normal(jax.random.fold_in(key, 1000 + t), (32, SHAPES["w"][0]))
+        return jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    params, state = train(step, params, state, batch, 0, 3)  # past freeze_step
+    adam = state[0]
+    saved = {k: v for k, v in adam._asdict().items() if k not in ("level", "level_ref")}
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, {"opt_state": (saved, *state[1:])})
+        ckpt.wait_until_finished()
+        template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": state})
+        with pytest.raises(ValueError, match=r"level"):
+            ckpt.restore(path, template)
+        (recipe,) = _doc_blocks("## A 1-bit Adam state saved without")
+        scope = {"jc": jc, "jax": jax, "ocp": ocp, "tx": tx, "params": params, "mesh": mesh}
+        scope.update(ckpt=ckpt, path=path)
+        exec(recipe, scope)
+    got = scope["opt_state"]
+    assert type(got[0]) is type(adam)
+    for name, value in saved.items():
+        pairs = zip(jax.tree.leaves(getattr(got[0], name)), jax.tree.leaves(value), strict=True)
+        for ours, before in pairs:
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(before))
+    assert not any(np.asarray(a).any() for a in jax.tree.leaves((got[0].level, got[0].level_ref)))
+    params, after = train(step, params, got, batch, 3, 6)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves((params, after)))
+    assert not any(np.asarray(a).any() for a in jax.tree.leaves(after[0].level_ref))
+    assert all(float(a) > 0 for a in jax.tree.leaves(after[0].level))
+
+
 @pytest.mark.parametrize("kind", ["diloco", "gossip"])
 def test_restore_a_state_saved_without_taken_or_topology(kind, tmp_path):
     """The docs' recipe for a delayed DiLoCo / CHOCO gossip state saved before its ``taken``

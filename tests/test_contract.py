@@ -713,6 +713,26 @@ def test_pmap_matches_shard_map(row, init):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6 * scale)
 
 
+def test_nonfinite_gradient_under_pmap_poisons_every_device_and_freezes_state(row):
+    """Item 2 under ``jax.pmap`` (no varying types: the flag must be reduced over the axis
+    all the same): a NaN in device 3's ``w`` after two steps makes every compressed output
+    non-finite on every device, leaves the transform's state bit-identical and the follower
+    skips. Runs the step already compiled by :func:`test_pmap_matches_shard_map`."""
+    skip_unless(row, "pmap")
+    step, replicated = pmap_step(row.id), jc.replicate(params(), N)
+    state = pmap_init(row.id)
+    for t in range(2):
+        _, _, state = step(grads(t), state, replicated)
+    g = grads(2)
+    g["w"][3, 5, 7] = np.nan
+    out, update, after = step(g, state, replicated)
+    for k in row.compressed:
+        assert not np.isfinite(np.asarray(out[k], np.float32)).any(), k
+    assert_trees_equal(after[0], state[0])
+    assert all(not np.asarray(u).any() for u in jax.tree.leaves(update))
+    assert np.all(np.asarray(after[1].notfinite_count) == 1)
+
+
 # Rows whose state built outside the mesh (jc.replicate) is run under pmap, one per transform
 # that keeps a two-phase server residual.
 OUTSIDE_STATE_RUNS = ("sign-two_phase", "topk-two_phase", "dgc-two_phase", "onebit_adam")

@@ -1025,6 +1025,49 @@ def test_restore_a_onebit_adam_state_saved_without_its_levels(tmp_path):
     assert all(float(a) > 0 for a in jax.tree.leaves(after[0].level))
 
 
+def test_shard_axis_changes_no_state_layout():
+    """A checkpoint restores into the transform built with another ``shard_axis`` (None,
+    ``()`` or an axis): for each of the 12 transforms that take it the abstract state of
+    ``jc.sharded_init`` has the same tree, shapes and dtypes."""
+    import jax
+    import optax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    makes = {
+        "compressed_allreduce": lambda **kw: jc.compressed_allreduce(jc.sign(), "data", **kw),
+        "sgd": lambda **kw: jc.sgd(0.1, jc.int_quant(8), "data", **kw),
+        "dgc": lambda **kw: jc.dgc(0.05, "data", **kw),
+        "powersgd": lambda **kw: jc.powersgd(2, "data", **kw),
+        "demo": lambda **kw: jc.demo(1e-3, "data", chunk=16, topk=4, **kw),
+        "onebit_adam": lambda **kw: jc.onebit_adam(1e-3, "data", freeze_step=2, **kw),
+        "zero_one_adam": lambda **kw: jc.zero_one_adam(1e-3, "data", var_freeze_step=2, **kw),
+        "apply_if_finite": lambda **kw: jc.apply_if_finite(
+            jc.sgd(0.1, jc.sign(), "data"), "data", 3, **kw
+        ),
+        "local_sgd": lambda **kw: jc.local_sgd(optax.sgd(0.1), "data", 2, **kw),
+        "diloco": lambda **kw: jc.diloco(optax.sgd(0.1), "data", 2, codec=jc.int_quant(8), **kw),
+        "sparseloco": lambda **kw: jc.sparseloco(optax.sgd(0.1), "data", 2, **kw),
+        "gossip": lambda **kw: jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8), **kw),
+    }
+    params = {
+        "w": jax.ShapeDtypeStruct((64, 48), np.float32),
+        "v": jax.ShapeDtypeStruct((2048,), np.float32),
+    }
+    m = mesh()
+
+    def layout(tx):
+        state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), params)
+        return jax.tree.structure(state), [(a.shape, a.dtype) for a in jax.tree.leaves(state)]
+
+    for name, make in makes.items():
+        plain = layout(make())
+        assert plain[1], name
+        for shard_axis in ((), "model"):
+            assert layout(make(shard_axis=shard_axis)) == plain, (name, shard_axis)
+
+
 @pytest.mark.parametrize("kind", ["diloco", "gossip"])
 def test_restore_a_state_saved_without_taken_or_topology(kind, tmp_path):
     """The docs' recipe for a delayed DiLoCo / CHOCO gossip state saved before its ``taken``

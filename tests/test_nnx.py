@@ -383,6 +383,40 @@ def test_each_device_draws_its_own_dropout_masks():
     assert len({m.tobytes() for m in masks(False)}) == 1
 
 
+class RematDrop(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, wrap):
+        self.inner, self.wrap = Drop(rngs), wrap
+
+    def __call__(self, x):
+        return self.wrap(lambda m, x: m(x))(self.inner, x)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("wrap", [nnx.remat, nnx.jit], ids=["remat", "jit"])
+def test_dropout_inside_nnx_remat_or_jit_draws_per_device_and_keeps_the_models_key(wrap, check_vma):
+    """``nnx.remat`` / ``nnx.jit`` inside the forward set every variable they carry again,
+    the folded RNG key among them (per device). Written back, it failed the step under
+    ``check_vma=True`` (``shard_map`` out_specs ``P()`` for a varying key) and replaced the
+    model's key under ``check_vma=False``, on 2026-11-27 (the code before per-device keys
+    ran both). Folded keys are never written back: 8 distinct masks, the model's key as it
+    was, the count advanced."""
+    model = RematDrop(nnx.Rngs(0, dropout=1), wrap)
+    nnx.update(model, jax.device_put(nnx.state(model), NamedSharding(mesh(), P())))
+    key = np.asarray(jax.random.key_data(model.inner.drop.rngs.key.get_value()))
+
+    @nnx.jit
+    @nnx.shard_map(mesh=mesh(), in_specs=(P(), P(AXIS)), out_specs=P(AXIS), check_vma=check_vma)
+    def step(model, x):
+        with jc.nnx_local(model, AXIS) as local:
+            return local(x) != 0
+
+    drawn = np.asarray(step(model, shard(jnp.ones((N, 64)))))
+    assert len({m.tobytes() for m in drawn}) == N
+    after = np.asarray(jax.random.key_data(model.inner.drop.rngs.key.get_value()))
+    np.testing.assert_array_equal(after, key)
+    assert int(model.inner.drop.rngs.count.get_value()) == 1
+
+
 def test_nnx_local_writes_nothing_back_if_the_block_raises_and_nests():
     """``local`` holds copies of the model's variables: a block that raises leaves the
     BatchNorm statistics as they were (nnx.merge shares the Variables by default, so the

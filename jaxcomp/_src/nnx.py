@@ -304,9 +304,11 @@ def nnx_local(
     the local model's keys are ``fold_in(key, axis_index(axis_name))``, so each device draws
     its own masks, as data parallelism over ``n`` devices draws one mask per example of the
     global batch (the usual ``fold_in`` of the device index, as for stochastic rounding).
-    The model keeps its own keys (not written back, the same on every device); the counts
-    advance as before, so the next step draws new masks. The params stay the same on every
-    device: only their gradients see the masks, and the exchange averages those.
+    The model keeps its own keys (the folded ones are never written back: they differ per
+    device, and a key the forward sets again, as ``nnx.remat`` or ``nnx.jit`` inside it do,
+    is derived from them); the counts advance as before, so the next step draws new masks.
+    The params stay the same on every device: only their gradients see the masks, and the
+    exchange averages those.
 
     Nothing is written back if the block raises (``local`` holds copies of the model's
     variables). Nested blocks, or an axis bound by ``jax.vmap``, pcast nothing twice.
@@ -356,29 +358,29 @@ def nnx_local(
     # copy=True: nnx.merge reuses the Variables of `rest` by default, so the forward's
     # writes (per device, unaveraged) would reach `model` even if the block raised.
     local = nnx.merge(graphdef, _per_device(params, axis_name), rest, copy=True)
-    folded = _fold_rng_keys(local, wrt, axis_name) if per_device_rngs else {}
+    folded = _fold_rng_keys(local, wrt, axis_name) if per_device_rngs else frozenset()
     yield local
     written = nnx.state(local, nnx.Not(wrt))
     if folded:
-        written = nnx.filter_state(written, nnx.Not(_unwritten(local, folded)))
+        written = nnx.filter_state(written, nnx.Not(lambda path, _: tuple(path) in folded))
     if average_batch_stats:
         stats = nnx.state(local, nnx.All(nnx.BatchStat, nnx.Not(wrt)))
         nnx.update(written, _per_device_means(stats, axis_name))
     nnx.update(model, written)
 
 
-def _fold_rng_keys(local: Any, wrt: Any, axis_name: Any) -> dict:
+def _fold_rng_keys(local: Any, wrt: Any, axis_name: Any) -> frozenset:
     """Fold this device's index over ``axis_name`` into each ``nnx.RngKey`` of ``local``
     (outside ``wrt``) that does not differ per device yet (a nested block folds nothing
-    twice); returns the folded keys by their variable paths, to leave them out of what is
-    written back (:func:`_unwritten`)."""
+    twice); returns the folded keys' variable paths, to leave them out of what is written
+    back (per device, they cannot go back into the replicated model)."""
     from flax import nnx
 
     names = set(collectives.axis_names(axis_name))
     tracked = skeleton.tracks_variance(axis_name)
     selected = nnx.filterlib.to_predicate(wrt)
     index = jax.lax.axis_index(axis_name)
-    folded = {}
+    folded = set()
     for path, variable in nnx.iter_graph(local):
         if not isinstance(variable, nnx.RngKey) or selected(path, variable):
             continue
@@ -386,22 +388,8 @@ def _fold_rng_keys(local: Any, wrt: Any, axis_name: Any) -> dict:
         if tracked and names <= skeleton.varying_axes(key):
             continue
         variable.set_value(jax.random.fold_in(key, index))
-        folded[tuple(path)] = variable.get_value()
-    return folded
-
-
-def _unwritten(local: Any, folded: dict) -> Any:
-    """The ``nnx`` filter of the RNG keys :func:`_fold_rng_keys` folded that the forward did
-    not set again: the model keeps its own (replicated) keys. A key the forward set is
-    written back as any other variable."""
-    from flax import nnx
-
-    kept = {
-        tuple(path)
-        for path, variable in nnx.iter_graph(local)
-        if tuple(path) in folded and variable.get_value() is folded[tuple(path)]
-    }
-    return lambda path, _: tuple(path) in kept
+        folded.add(tuple(path))
+    return frozenset(folded)
 
 
 def _per_device(params: Any, axis_name: Any) -> Any:

@@ -75,6 +75,8 @@ class Sign(Codec):
         bs = self._block(d)
         xb = blocks(x, bs)
         count = jnp.clip(d - jnp.arange(xb.shape[0]) * bs, 1, bs)
+        if self.scale == "mean" and self.block_size is None and not self.exact_zeros:
+            return signs_and_mean_abs(xb, count, d)  # one pass (blocks: see chunk_unit)
         signs = packing.pack((x < 0).astype(jnp.uint32), 1)
         if self.exact_zeros:
             nonzero = nonzero_words(x)
@@ -111,6 +113,40 @@ class Sign(Codec):
         words = packing.packed_words(d, 1)
         zero_words = 4 * packing.packed_words(words, 1) if self.exact_zeros else 0
         return 4 * words + 4 * ceil_div(d, self._block(d)) + zero_words
+
+
+def _add_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+def signs_and_mean_abs(xb: jax.Array, count: jax.Array, d: int) -> tuple[jax.Array, jax.Array]:
+    """The packed sign words of the ``d`` values of ``xb`` (``[blocks, block_size]``, zero
+    padded) and each block's ``sum_j |xb[b, j]| / count[b]``, in one pass over ``xb``.
+
+    Each word ``w = sum_k [x_{32w+k} < 0] << k`` and its 32 values' share of the block's mean,
+    ``p_w = sum_k |x_{32w+k}| / count``, are one variadic reduce over ``[blocks, words, 32]``:
+    a single loop with two outputs, where XLA:CPU (jaxlib 0.10.2) otherwise compiles one loop
+    per output, each reading ``xb`` (with residual feedback ``g`` and ``e``): the signs' pass
+    and the scale's pass become one. The block's scale is then ``sum_w p_w``, a reduce over
+    ``block_size / 32`` partial sums. The words are those of ``packing.pack(x < 0, 1)``; the
+    scale adds the same pre-scaled terms as :func:`~jaxcomp._src.codecs.base.mean_abs` (at
+    most ``max |x|``, never overflowing; NaN and inf propagate), 32 at a time and then the
+    partial sums, so its last bits may differ from that order's by a few ulp (a sum of
+    positive terms in another order; tests/test_hot_path_exact.py bounds it by ``1e-6``
+    relative).
+    Needs whole words per block: ``block_size % 32 == 0``, or one block (padded here to whole
+    words: the padding is zero, negative nowhere, adding nothing). :class:`Sign` uses it for
+    one scale per vector only: block scales are encoded a chunk at a time by
+    ``fuse_residuals=True``, whose chunks give the whole leaf's bits only where both compile
+    the scale's sum alike, which the two passes do for blocks of 128 (docs/hot-path-copies.md).
+    """
+    nb, bs = xb.shape
+    rows = jnp.pad(xb, ((0, 0), (0, -bs % 32))).reshape(nb, ceil_div(bs, 32), 32)
+    codes = (rows < 0).astype(jnp.uint32) << jnp.arange(32, dtype=jnp.uint32)
+    terms = jnp.abs(rows) * (1.0 / count.astype(jnp.float32))[:, None, None]
+    zero = (jnp.uint32(0), jnp.float32(0.0))
+    words, partial = jax.lax.reduce((codes, terms), zero, _add_pairs, (2,))
+    return words.reshape(-1)[: packing.packed_words(d, 1)], jnp.sum(partial, axis=1)
 
 
 def nonzero_words(x: jax.Array) -> jax.Array:

@@ -400,7 +400,7 @@ CHECKS = [
     (
         "clip_by_global_norm",
         "shard_axis",
-        lambda: jc.clip_by_global_norm(1.0, None, shard_axis=()),
+        lambda: jc.clip_by_global_norm(1.0, "d", shard_axis=[]),  # () is whole leaves
         ValueError,
     ),
     (

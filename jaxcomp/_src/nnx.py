@@ -308,7 +308,8 @@ def nnx_local(
     device, and a key the forward sets again, as ``nnx.remat`` or ``nnx.jit`` inside it do,
     is derived from them); the counts advance as before, so the next step draws new masks.
     The params stay the same on every device: only their gradients see the masks, and the
-    exchange averages those.
+    exchange averages those. Every stream the model holds is folded, not only dropout's: a
+    forward that needs the same draw on every device passes ``per_device_rngs=False``.
 
     Nothing is written back if the block raises (``local`` holds copies of the model's
     variables). Nested blocks, or an axis bound by ``jax.vmap``, pcast nothing twice.

@@ -1,9 +1,11 @@
 """An empty leaf in the params takes no part in a collective, and its update is empty.
 
-XLA:CPU (jaxlib 0.11) crashes compiling a program whose all-reduces include a zero-element
-one; jax 0.10 compiles it, so the check reads the lowered program. One program holds the
-four transforms whose own averaging sees the user's tree (jc.delayed's pmean, jc.diloco's
-and jc.local_sgd's parameter averaging, jc.gossip's mixing): one compile, two steps.
+That no collective carries a zero-element operand is read from the lowered program (what
+XLA compiles differs between jaxlib versions; docs/errors.md has XLA:CPU 0.11.2's segfault
+on a zero-element operand of a shard_map, and jc.sharded_init's way around it). One program
+holds the four transforms whose own averaging sees the user's tree (jc.delayed's pmean,
+jc.diloco's and jc.local_sgd's parameter averaging, jc.gossip's mixing): one compile, two
+steps.
 """
 
 import re
@@ -12,10 +14,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import N, mesh, per_device, shard
+from helpers import N, WithoutEmpty, jaxcomp_state, mesh, per_device, shard
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp._src.sharding import init_program
 from jaxcomp._src.skeleton import varying_like
 
 LR = 0.1
@@ -37,23 +41,23 @@ def _transforms():
     }
 
 
-# XLA:CPU in jaxlib 0.11.2 segfaults compiling ANY shard_map program that returns an empty
-# replicated leaf beside another one (bisected on a 16-core host: `tree.map(lambda a: a + 0)`
-# over these params, no collective, no jaxcomp). There the programs are lowered, not run.
-# jaxlib 0.12.0.1 compiles and runs that program (and a psum of {f32[0], f32[1031]}).
+# XLA:CPU in jaxlib 0.11.2 segfaults compiling a shard_map program that takes a zero-element
+# operand beside another one and reads it (`shard_map(lambda a, b: (a + 1, b + 1))` of f32[0]
+# and f32[1] on 2 devices; no collective, no jaxcomp). jc.sharded_init keeps the params' empty
+# leaves out of its program's operands; these tests' steps take them as a user's step would,
+# so on jax 0.11 they run as WithoutEmpty (the empty operands rebuilt inside as zeros). jaxlib
+# 0.10.2 and 0.12.0.1 compile both (and a psum of {f32[0], f32[1031]}).
 RUNS = tuple(int(v) for v in jax.__version__.split(".")[:2]) != (0, 11)
+STEP = per_device if RUNS else WithoutEmpty
 
 
 def _built():
-    """The jitted step of every transform, their sharded states (abstract where the programs
-    cannot be compiled), params and gradients."""
+    """The jitted step of every transform (and the one to run: :data:`STEP`), their sharded
+    states, params and gradients."""
     txs = _transforms()
     m = mesh()
     params = shard(PARAMS, m, P())
-    init = jc.sharded_init
-    if not RUNS:
-        init = lambda tx, p, m, a: jax.eval_shape(lambda: jc.sharded_init(tx, p, m, a))  # noqa: E731
-    states = {k: init(tx, params, m, "data") for k, tx in txs.items()}
+    states = {k: jc.sharded_init(tx, params, m, "data") for k, tx in txs.items()}
     specs = {k: jc.state_specs(s, "data") for k, s in states.items()}
 
     def step(g, s, p):
@@ -65,22 +69,20 @@ def _built():
             outs[k] = jax.tree.map(lambda a: varying_like(a, g["w"])[None], u)
         return outs, new
 
-    f = per_device(step, (P("data"), specs, P()), (P("data"), specs), m)
+    specs = (P("data"), specs, P()), (P("data"), specs)
     scale = np.arange(1, N + 1, dtype=np.float32).reshape(N, 1, 1)
     grads = shard({"w": scale * np.ones((N, 4, 6), np.float32), "e": np.zeros((N, 0, 3))}, m)
-    return f, states, params, grads
+    return per_device(step, *specs, m), STEP(step, *specs, m), states, params, grads
 
 
 def test_empty_leaf_is_left_out_of_every_collective_and_updates_empty():
-    f, states, params, grads = _built()
+    f, run, states, params, grads = _built()
     ops = re.findall(COLLECTIVE, f.lower(grads, states, params).as_text(), re.S)
     zero = [o for o in ops if re.search(r"tensor<(\d+x)*0x", o)]
     # delayed's pmean, diloco's and local_sgd's averages, gossip's two ppermutes and flag.
     assert len(ops) >= 6 and not zero, (len(ops), zero)
-    if not RUNS:
-        pytest.skip("XLA:CPU 0.11 cannot compile a program with an empty replicated output")
-    out0, states = f(grads, states, params)
-    out1, _ = f(grads, states, params)
+    out0, states = run(grads, states, params)
+    out1, _ = run(grads, states, params)
     g = np.arange(1, N + 1, dtype=np.float32)[:, None, None] * np.ones((N, 4, 6))
     for k in _transforms():
         assert out1[k]["e"].shape == (N, 0, 3), k
@@ -210,10 +212,107 @@ def test_empty_leaf_through_sparseloco_shared_masks(variant):
         u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
         return jc.slot(optax.apply_updates(p, u)), s
 
-    f = per_device(step, (rspecs, specs, P("data")), (rspecs, specs), m)
+    f = STEP(step, (rspecs, specs, P("data")), (rspecs, specs), m)
     g = {"w": np.ones((N, 4, 6), np.float32), "e": np.zeros((N, 0, 3), np.float32)}
     replicas, state = f(replicas, state, shard(g, m))
     assert replicas["e"].shape == (N, 0, 3)
     w = np.asarray(replicas["w"])
     assert np.isfinite(w).all() and (w == w[:1]).all()  # synced: the same on every device
     assert (w != PARAMS["w"]).any()  # and moved
+
+
+def _init_txs():
+    return {
+        "sparseloco": jc.sparseloco(optax.sgd(LR), "data", 1, mask="random", min_size=0),
+        "diloco": jc.diloco(optax.sgd(LR), "data", 1, codec=jc.int_quant(8), min_size=0),
+        "sign-two_phase": jc.compressed_allreduce(
+            jc.sign(), "data", strategy="two_phase", min_size=0
+        ),
+        "dgc": jc.dgc(0.1, "data", warmup_steps=0, min_size=0),
+        "demo": jc.demo(0.1, "data", chunk=4, topk=2),
+    }
+
+
+def _zero_operands(program, operands) -> list:
+    """The zero-element tensors among the lowered program's arguments."""
+    text = program.lower(operands).as_text()
+    args = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
+    return re.findall(r"tensor<(?:\d+x)*0x[^>]*>", args)
+
+
+def _bits(x):
+    return np.asarray(
+        jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    )
+
+
+@pytest.mark.parametrize("name", ["sparseloco", "diloco", "sign-two_phase", "dgc", "demo"])
+def test_sharded_init_takes_no_empty_operand_and_gives_the_same_state(name):
+    """``jc.sharded_init``'s program takes no zero-element operand: the params' empty leaves
+    are rebuilt inside it (XLA:CPU in jaxlib 0.11.2 segfaulted compiling sparseloco's init
+    with one beside another operand). Its state is bit-identical, leaf for leaf and sharding
+    for sharding, to ``jit(shard_map(tx.init))`` of the params as given, compiled where
+    XLA:CPU can (jaxlib 0.10.2, 0.12.0.1)."""
+    tx = _init_txs()[name]
+    m = mesh()
+    params = shard(PARAMS, m, P())
+    program, operands = init_program(tx, params, m, "data")
+    naive = jax.jit(
+        jax.shard_map(
+            tx.init,
+            mesh=m,
+            in_specs=P(),
+            out_specs=jc.state_specs(jax.eval_shape(lambda: program(operands)), "data"),
+        )
+    )
+    assert not _zero_operands(program, operands)
+    state = jc.sharded_init(tx, params, m, "data")
+    if name in ("sparseloco", "diloco"):  # their states hold a copy of the params
+        assert _zero_operands(naive, params), "the check sees the empty operand it rules out"
+        assert any(0 in x.shape for x in jax.tree.leaves(state)), "an empty state leaf"
+    if not RUNS and _zero_operands(naive, params):
+        pytest.skip("jaxlib 0.11.2 segfaults compiling the reference (the empty operand)")
+    reference = naive(params)
+    assert jax.tree.structure(state) == jax.tree.structure(reference)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        assert x.sharding == y.sharding and x.dtype == y.dtype
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def test_sharded_init_with_param_specs_takes_no_empty_operand():
+    """The data x model path (``param_specs``): an empty leaf sharded over "model" is rebuilt
+    in its block shape; it keeps no memory (plain pmean) and the other leaf's memory is
+    bit-identical, sharding included, to the path without it."""
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    specs = {"w": P(None, "model"), "e": P(None, "model")}
+    host = {
+        "w": np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8),
+        "e": np.zeros((0, 4), np.float32),
+    }
+    params = {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in host.items()}
+    tx = jc.compressed_allreduce(jc.sign(), "data", min_size=0, param_specs=specs)
+    program, operands = init_program(tx, params, m, "data", specs)
+    assert not _zero_operands(program, operands)
+    state = jc.sharded_init(tx, params, m, "data", param_specs=specs)
+    memory = jaxcomp_state(state).memory
+    assert isinstance(memory["e"], optax.MaskedNode)
+    alone = jc.sharded_init(
+        jc.compressed_allreduce(jc.sign(), "data", min_size=0, param_specs={"w": specs["w"]}),
+        {"w": params["w"]},
+        m,
+        "data",
+        param_specs={"w": specs["w"]},
+    )
+    np.testing.assert_array_equal(memory["w"], jaxcomp_state(alone).memory["w"])
+    assert memory["w"].sharding == jaxcomp_state(alone).memory["w"].sharding
+
+
+def test_autotune_times_no_codec_program_of_an_empty_leaf():
+    """``jc.autotune``'s leaf sizes leave an empty leaf out (the exchange sends nothing for
+    it): its codec timing compiled an encode of f32[0] beside the other leaves', which
+    XLA:CPU in jaxlib 0.11.2 segfaults on (an empty leaf in the params crashed
+    ``jc.autotune(params, mesh, "data")`` there)."""
+    from jaxcomp._src import autotune
+
+    sizes = autotune._check_args(PARAMS, "data", mesh(), [jc.sign()])
+    assert sizes == [24]

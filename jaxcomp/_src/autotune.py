@@ -865,10 +865,13 @@ def _check_args(params: Any, axis_name: Any, mesh: Any, codecs: Any) -> list[int
     for c in codecs:
         if c is not None and not isinstance(c, Codec):
             raise TypeError(f"`codecs` must hold jaxcomp codecs or None, got {c!r}")
+    # An empty leaf takes no part in any exchange (its own mean), so no size of 0: the codec
+    # timing would compile an encode of f32[0] beside the other sizes' (XLA:CPU in jaxlib
+    # 0.11.2 segfaults on such an operand: docs/errors.md).
     sizes = [
         int(np.size(x))
         for x in jax.tree.leaves(params)
-        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x)
     ]
     if not sum(sizes):
         raise ValueError("`params` has no floating-point leaves to exchange")

@@ -388,18 +388,34 @@ def init_state(
     """:func:`sharded_init` without the comparison across processes: for callers that build
     the same ``tx`` on every process themselves (``jc.autotune``, whose candidate stages must
     run no collective a failed process would not enter)."""
+    program, operands = init_program(tx, params, mesh, axis_name, param_specs)
+    return program(operands)
+
+
+def init_program(
+    tx: optax.GradientTransformation,
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: Any,
+    param_specs: Any = None,
+) -> tuple:
+    """``(program, operands)``: :func:`init_state` is ``program(operands)``, a jitted
+    ``shard_map`` of ``tx.init`` over ``mesh`` and the params placed on it, with no
+    zero-element array among the operands (:func:`_without_empty`)."""
     names = _names(axis_name)
     check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
         abstract = abstract_init(tx, params, mesh, axis_name)
         manual = state_specs(abstract, axis_name)
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+        fill, operands = _without_empty(tx.init, placed, placed)
         if set(mesh.axis_names) - set(names):
             init = jax.shard_map(
-                tx.init, mesh=mesh, in_specs=P(), out_specs=manual, axis_names=set(names)
+                fill, mesh=mesh, in_specs=P(), out_specs=manual, axis_names=set(names)
             )
         else:
-            init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=manual)
-        return jax.jit(init)(jax.device_put(params, NamedSharding(mesh, P())))
+            init = jax.shard_map(fill, mesh=mesh, in_specs=P(), out_specs=manual)
+        return jax.jit(init), operands
     treedef, specs, shapes = _param_context(param_specs, params, mesh)
     spec_tree = jax.tree.unflatten(treedef, specs)
     blocks = jax.tree.unflatten(
@@ -411,14 +427,58 @@ def init_state(
     )
     abstract = abstract_init(tx, blocks, mesh, axis_name)
     full = state_specs(abstract, axis_name, param_specs, params, mesh)
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
     placed = jax.tree.map(
         lambda p, x: x if _is_none(x) else jax.device_put(x, NamedSharding(mesh, p)),
         spec_tree,
         params,
         is_leaf=_is_spec,
     )
-    return jax.jit(init)(placed)
+    fill, operands = _without_empty(tx.init, placed, blocks)
+    init = jax.shard_map(fill, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
+    return jax.jit(init), operands
+
+
+def _is_empty(x: Any) -> bool:
+    """An array (or ``jax.ShapeDtypeStruct``) with no elements: a zero-length axis."""
+    return not _is_none(x) and 0 in tuple(getattr(x, "shape", ()))
+
+
+def _without_empty(fn: Any, tree: Any, blocks: Any) -> tuple:
+    """``(fill, operands)``: ``fill(operands)`` is ``fn(tree)`` inside a ``shard_map``, with
+    no zero-element array among the operands.
+
+    ``operands`` is ``tree`` with its empty leaves set to None; ``fill`` puts back, inside the
+    program, ``jnp.zeros`` of each one's per-device shape and dtype (from ``blocks``, a tree
+    like ``tree`` of what each device holds). An array with no elements has no values, so the
+    state is the same array for array. Why: XLA:CPU in jaxlib 0.11.2 segfaults compiling a
+    ``shard_map`` that takes a zero-element operand beside another one and reads it
+    (``shard_map(lambda a, b: (a + 1, b + 1))(zeros((0,)), zeros((1,)))`` on 2 devices);
+    a zero-element constant inside the program compiles (jaxlib 0.10.2, 0.11.2, 0.12.0.1).
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
+    shapes = jax.tree.leaves(blocks, is_leaf=_is_none)
+    empty = [
+        jax.ShapeDtypeStruct(tuple(b.shape), x.dtype) if _is_empty(x) else None
+        for x, b in zip(leaves, shapes, strict=True)
+    ]
+    if not any(e is not None for e in empty):
+        return fn, tree
+
+    def fill(operands: Any) -> Any:
+        given = treedef.flatten_up_to(operands)
+        return fn(
+            jax.tree.unflatten(
+                treedef,
+                [
+                    x if e is None else jnp.zeros(e.shape, e.dtype)
+                    for x, e in zip(given, empty, strict=True)
+                ],
+            )
+        )
+
+    return fill, jax.tree.unflatten(
+        treedef, [x if e is None else None for x, e in zip(leaves, empty, strict=True)]
+    )
 
 
 def fingerprint(x: Any) -> np.ndarray:

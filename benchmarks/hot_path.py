@@ -787,7 +787,8 @@ def run_settings(args, names) -> dict:
             command += ["--backend", args.backend] + ["--quick"] * args.quick
             command += ["--reuse-buffers"] * (setting == "reuse" or args.reuse_buffers)
             command += ["--chunk", str(args.chunk)] * bool(args.chunk)
-            command += ["--compile-options", *args.compile_options] * bool(args.compile_options)
+            if args.compile_options:  # (unpacking None raised before the multiply)
+                command += ["--compile-options", *args.compile_options]
             print(f"setting {name}:", flush=True)
             subprocess.run(command, env=env, check=True, cwd=common.ROOT)
             parts.append(json.loads(out.read_text()))

@@ -274,7 +274,7 @@ def main(argv=None) -> int:
     ap = common.arg_parser(
         __doc__,
         writes="hot_path_parts.json (`--label L`: hot_path_parts_L.json; `--quick`: *_quick)",
-        takes="about two minutes on the 2-core CPU host (compiles included)",
+        takes="3.5 minutes on the 2-core CPU host at a load of 15-20 (compiles included)",
     )
     ap.add_argument("--size", type=int, default=SIZE, help="float32 values per array")
     ap.add_argument("--reps", type=int, default=11, help="timed calls per part")

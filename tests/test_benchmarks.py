@@ -37,11 +37,14 @@ def run_bench(script: str, *args: str, out: pathlib.Path, timeout: float = 300) 
     return proc.stdout
 
 
-def run_here(script: str, *args: str, out: pathlib.Path, monkeypatch) -> None:
+def run_here(
+    script: str, *args: str, out: pathlib.Path, monkeypatch, first_devices: int = 0
+) -> None:
     """``python -m benchmarks.SCRIPT ARGS`` run in this process, its JSON into ``out``: for
-    benchmarks that run on the suite's 8 CPU devices (or on none), which saves a process's
-    start-up (jax and matplotlib imported anew, about 4 s of CPU a run). The device count it
-    asks for must be the suite's, since jax has started."""
+    benchmarks that run on the suite's 8 CPU devices (or on none, or on one), which saves a
+    process's start-up (jax and matplotlib imported anew, about 4 s of CPU a run). The device
+    count it asks for must be the suite's, since jax has started, unless it builds its meshes
+    of the first ``first_devices`` devices only (``wire_bytes`` asks for 16, meshes of n)."""
     import importlib
 
     import jax
@@ -50,11 +53,16 @@ def run_here(script: str, *args: str, out: pathlib.Path, monkeypatch) -> None:
     from benchmarks import common
 
     def use_cpu_devices(n: int = 8) -> None:
+        if first_devices:
+            assert first_devices <= jax.device_count(), f"{script}: the suite has 8 devices"
+            return
         assert n == jax.device_count(), f"{script} asks for {n} devices, the suite has 8"
 
     monkeypatch.setattr(jaxcomp.cpu, "use_cpu_devices", use_cpu_devices)
     monkeypatch.setattr(common, "RESULTS", out)
     module = importlib.import_module(f"benchmarks.{script.removesuffix('.py')}")
+    if hasattr(module, "use_cpu_devices"):  # imported by name (wire_bytes), maybe before
+        monkeypatch.setattr(module, "use_cpu_devices", use_cpu_devices)
     assert module.main(list(args)) == 0
 
 
@@ -92,15 +100,11 @@ def test_wire_bytes_merge_replaces_rows_measured_again():
 
 
 @pytest.mark.slow
-def test_wire_bytes_quick_matches_model(tmp_path):
+def test_wire_bytes_quick_matches_model(tmp_path, monkeypatch):
     # --quick narrowed to one codec at n = 4, with every strategy, inside the test budget
     # (int8's bytes per strategy and n: tests/test_scale.py's two-phase/all-gather test).
-    run_bench(
-        "wire_bytes.py",
-        "--quick",
-        *("--codecs", "sign", "--devices", "4", "--all-strategies", "resnet18"),
-        out=tmp_path,
-    )
+    args = ("--quick", "--codecs", "sign", "--devices", "4", "--all-strategies", "resnet18")
+    run_here("wire_bytes.py", *args, out=tmp_path, monkeypatch=monkeypatch, first_devices=4)
     data = load(tmp_path, "wire_bytes_quick.json")
     rows = data["rows"]
     assert {r["codec"] for r in rows} == {"pmean", "sign"}
@@ -118,7 +122,8 @@ def test_wire_bytes_quick_matches_model(tmp_path):
 
 @pytest.mark.slow
 def test_codec_speed_and_alpha_beta_quick(tmp_path, monkeypatch):
-    run_bench("codec_speed.py", "--quick", "--sizes", "1048576", "--reps", "3", out=tmp_path)
+    args = ("--quick", "--sizes", "1048576", "--reps", "3")  # on one device: the suite's first
+    run_here("codec_speed.py", *args, out=tmp_path, monkeypatch=monkeypatch)
     speed = load(tmp_path, "codec_speed_quick.json")
     assert speed["environment"]["backend"] in ("cpu", "gpu", "tpu")
     assert speed["environment"]["device"]
@@ -286,12 +291,13 @@ def test_convergence_quick(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_gpu_step_quick(tmp_path):
-    # The compressed training step against plain pmean on one device (any backend); one
-    # codec (the quick default adds sign, whose encode the hot-path smoke run covers).
+def test_gpu_step_quick(tmp_path, monkeypatch):
+    # The compressed training step against plain pmean on one device (any backend; here the
+    # suite's first); one codec (the quick default adds sign, whose encode the hot-path smoke
+    # run covers).
     out = tmp_path / "step.json"
     args = ["--quick", "--codecs", "int8", "--reps", "3", "--pipeline", "2", "--out", str(out)]
-    run_bench("gpu_step.py", *args, out=tmp_path)
+    run_here("gpu_step.py", *args, out=tmp_path, monkeypatch=monkeypatch)
     data = json.loads(out.read_text())
     assert data["complete"] and data["pipeline"] == 2
     assert data["environment"]["backend"] in ("cpu", "gpu", "tpu")

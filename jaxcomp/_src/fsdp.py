@@ -512,7 +512,7 @@ def _check_not_looped(r_leaves: list) -> None:
                 "closes over it (one memory for every iteration, refused where it can be "
                 "seen) is not checked. Pass the residuals stacked per layer as the loop's xs",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
         elif loop is not None:
             raise ValueError(

@@ -413,7 +413,7 @@ def _caller_value(r: Any, owner: Any) -> Any:
     jax traces such a function on abstract values: its arguments are tracers of its own
     trace (``owner.frame.invars``, in order), and the caller's flat arguments are a local
     of a Python frame above the one tracing the body (``jax.checkpoint``'s ``args_flat``,
-    ``jax.jit``'s ``args`` on jax 0.10 and 0.12): the first list of arrays of the
+    ``jax.jit``'s ``args`` on jax 0.10, 0.11 and 0.12): the first list of arrays of the
     arguments' shapes and dtypes there holds the caller's value at ``r``'s position."""
     invars = getattr(getattr(owner, "frame", None), "invars", None)
     if invars is None:

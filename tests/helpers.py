@@ -35,9 +35,9 @@ def per_device(fn, in_specs, out_specs, m=None):
 
 
 class WithoutEmpty:
-    """:func:`per_device`'s step with its zero-element operands kept out of the program: each
-    is passed as None and rebuilt inside as zeros of its per-device shape (varying over the
-    axes its sharding names). An array with no elements has no values, so the step sees the
+    """:func:`per_device`'s step with its zero-element operands kept out of the program
+    (``jaxcomp._src.sharding.without_empty``: each passed as None and rebuilt inside as zeros
+    of its per-device block). An array with no elements has no values, so the step sees the
     same arrays. XLA:CPU in jaxlib 0.11.2 segfaults compiling a ``shard_map`` that takes a
     zero-element operand beside another one (docs/errors.md); a user's step does this there."""
 
@@ -46,28 +46,14 @@ class WithoutEmpty:
         self.steps = {}  # one compiled step per tree and empty leaves
 
     def __call__(self, *args):
+        from jaxcomp._src.sharding import without_empty
+
         leaves, treedef = jax.tree.flatten(args)
-        empty = [x if x.size == 0 else None for x in leaves]
-        ops = [x if e is None else None for x, e in zip(leaves, empty, strict=True)]
-        key = (treedef, tuple(None if e is None else (e.shape, e.dtype, e.sharding) for e in empty))
+        key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves if x.size == 0))
+        fill, operands = without_empty(self.fn, args)
         if key not in self.steps:
-            self.steps[key] = self._step(treedef, empty)
-        return self.steps[key](*jax.tree.unflatten(treedef, ops))
-
-    def _step(self, treedef, empty):
-        def rebuilt(x):
-            zeros = jnp.zeros(x.sharding.shard_shape(x.shape), x.dtype)
-            axes = tuple(
-                a for e in x.sharding.spec if e for a in (e if isinstance(e, tuple) else (e,))
-            )
-            return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
-
-        def inner(*operands):
-            given = treedef.flatten_up_to(operands)
-            full = [x if e is None else rebuilt(e) for x, e in zip(given, empty, strict=True)]
-            return self.fn(*jax.tree.unflatten(treedef, full))
-
-        return per_device(inner, self.in_specs, self.out_specs, self.m)
+            self.steps[key] = per_device(fill, self.in_specs, self.out_specs, self.m)
+        return self.steps[key](*operands)
 
 
 def shard(x, m=None, spec=P("data")):

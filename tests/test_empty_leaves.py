@@ -233,9 +233,9 @@ def _init_txs():
     }
 
 
-def _zero_operands(program, operands) -> list:
+def _zero_operands(program, *operands) -> list:
     """The zero-element tensors among the lowered program's arguments."""
-    text = program.lower(operands).as_text()
+    text = program.lower(*operands).as_text()
     args = re.search(r"func\.func public @main\((.*?)\)\s*->", text, re.S).group(1)
     return re.findall(r"tensor<(?:\d+x)*0x[^>]*>", args)
 
@@ -262,10 +262,10 @@ def test_sharded_init_takes_no_empty_operand_and_gives_the_same_state(name):
             tx.init,
             mesh=m,
             in_specs=P(),
-            out_specs=jc.state_specs(jax.eval_shape(lambda: program(operands)), "data"),
+            out_specs=jc.state_specs(jax.eval_shape(lambda: program(*operands)), "data"),
         )
     )
-    assert not _zero_operands(program, operands)
+    assert not _zero_operands(program, *operands)
     state = jc.sharded_init(tx, params, m, "data")
     if name in ("sparseloco", "diloco"):  # their states hold a copy of the params
         assert _zero_operands(naive, params), "the check sees the empty operand it rules out"
@@ -292,7 +292,7 @@ def test_sharded_init_with_param_specs_takes_no_empty_operand():
     params = {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in host.items()}
     tx = jc.compressed_allreduce(jc.sign(), "data", min_size=0, param_specs=specs)
     program, operands = init_program(tx, params, m, "data", specs)
-    assert not _zero_operands(program, operands)
+    assert not _zero_operands(program, *operands)
     state = jc.sharded_init(tx, params, m, "data", param_specs=specs)
     memory = jaxcomp_state(state).memory
     assert isinstance(memory["e"], optax.MaskedNode)
@@ -316,3 +316,31 @@ def test_autotune_times_no_codec_program_of_an_empty_leaf():
 
     sizes = autotune._check_args(PARAMS, "data", mesh(), [jc.sign()])
     assert sizes == [24]
+
+
+def test_autotune_step_with_an_empty_leaf_takes_no_empty_operand_and_steps():
+    """``jc.autotune(..., loss_fn=...)`` times whole steps: the step program takes no
+    zero-element operand (jaxlib 0.11.2 segfaulted compiling it with an empty param) and one
+    step of its plain-pmean row is SGD on the mean gradient, the empty leaf kept empty."""
+    from jaxcomp._src import autotune, autotune_steps
+
+    m = mesh()
+    params = {"w": PARAMS["w"], "e": np.zeros((0, 3), np.float32)}
+    x = np.linspace(-1, 1, 8 * N * 4, dtype=np.float32).reshape(8 * N, 4)
+    y = np.ones((8 * N, 6), np.float32)
+
+    def loss(p, x, y):
+        return jax.numpy.mean((x @ p["w"] - y) ** 2) + jax.numpy.sum(p["e"])
+
+    batch = autotune_steps.place_batch((x, y), m, "data")
+    row = autotune.Candidate("none", None, "pmean", 1 << 20, 0, 0.0, 0.0, np.nan)
+    tx = optax.chain(autotune._exchange_tx(row, "data"), optax.sgd(LR))
+    lowered = autotune_steps.step_lowered(params, batch, m, "data", tx, loss)
+    args = re.search(r"func\.func public @main\((.*?)\)\s*->", lowered.as_text(), re.S).group(1)
+    assert "tensor<" in args and not re.findall(r"tensor<(?:\d+x)*0x[^>]*>", args)
+    program = autotune_steps.step_program(params, batch, m, "data", row, loss, optax.sgd(LR))
+    runner = autotune_steps.StepRunner(program, params, batch, m, "data")
+    runner.run(1, timed=False)
+    assert runner.params["e"].shape == (0, 3)
+    expected = params["w"] - LR * jax.grad(loss)(params, x, y)["w"]
+    np.testing.assert_allclose(runner.params["w"], expected, rtol=1e-5, atol=1e-6)

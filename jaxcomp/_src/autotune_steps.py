@@ -131,13 +131,18 @@ def step_lowered(params, batch, mesh, axis_name, tx, loss_fn) -> Any:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s
 
+    from jaxcomp._src.sharding import without_empty
+
     in_specs = (P(), specs, *[P(axis_name)] * len(batch))
-    fn = jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=_replicated(mesh)),
         params,
     )
-    return jax.jit(fn, donate_argnums=(0, 1)).lower(abstract, state, *batch)
+    # Empty leaves go in as None (StepRunner drops them likewise): jaxlib 0.11.2's XLA:CPU
+    # segfaults on a zero-element operand of a shard_map (docs/errors.md).
+    fill, operands = without_empty(step, (abstract, state, *batch))
+    fn = jax.shard_map(fill, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs))
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(*operands)
 
 
 def _replicated(mesh: Any) -> NamedSharding:
@@ -161,9 +166,12 @@ class StepRunner:
         self.cpu: list[float] = []  # this process's CPU seconds (every thread) of each
 
     def run(self, steps: int, timed: bool) -> None:
+        from jaxcomp._src.sharding import drop_empty
+
         for _ in range(steps):
+            args = drop_empty((self.params, self.state, *self.batch))
             t0, c0 = time.perf_counter(), time.process_time()
-            out = jax.block_until_ready(self.program[0](self.params, self.state, *self.batch))
+            out = jax.block_until_ready(self.program[0](*args))
             self.params, self.state = out
             if timed:
                 self.times.append(time.perf_counter() - t0)

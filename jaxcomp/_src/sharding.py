@@ -389,7 +389,7 @@ def init_state(
     the same ``tx`` on every process themselves (``jc.autotune``, whose candidate stages must
     run no collective a failed process would not enter)."""
     program, operands = init_program(tx, params, mesh, axis_name, param_specs)
-    return program(operands)
+    return program(*operands)
 
 
 def init_program(
@@ -399,16 +399,16 @@ def init_program(
     axis_name: Any,
     param_specs: Any = None,
 ) -> tuple:
-    """``(program, operands)``: :func:`init_state` is ``program(operands)``, a jitted
+    """``(program, operands)``: :func:`init_state` is ``program(*operands)``, a jitted
     ``shard_map`` of ``tx.init`` over ``mesh`` and the params placed on it, with no
-    zero-element array among the operands (:func:`_without_empty`)."""
+    zero-element array among the operands (:func:`without_empty`)."""
     names = _names(axis_name)
     check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
         abstract = abstract_init(tx, params, mesh, axis_name)
         manual = state_specs(abstract, axis_name)
         placed = jax.device_put(params, NamedSharding(mesh, P()))
-        fill, operands = _without_empty(tx.init, placed, placed)
+        fill, operands = without_empty(tx.init, (placed,))
         if set(mesh.axis_names) - set(names):
             init = jax.shard_map(
                 fill, mesh=mesh, in_specs=P(), out_specs=manual, axis_names=set(names)
@@ -433,7 +433,7 @@ def init_program(
         params,
         is_leaf=_is_spec,
     )
-    fill, operands = _without_empty(tx.init, placed, blocks)
+    fill, operands = without_empty(tx.init, (placed,))
     init = jax.shard_map(fill, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
     return jax.jit(init), operands
 
@@ -443,42 +443,47 @@ def _is_empty(x: Any) -> bool:
     return not _is_none(x) and 0 in tuple(getattr(x, "shape", ()))
 
 
-def _without_empty(fn: Any, tree: Any, blocks: Any) -> tuple:
-    """``(fill, operands)``: ``fill(operands)`` is ``fn(tree)`` inside a ``shard_map``, with
-    no zero-element array among the operands.
+def drop_empty(tree: Any) -> Any:
+    """``tree`` with its zero-element arrays set to None: the operands of a ``shard_map``
+    program built by :func:`without_empty`."""
+    return jax.tree.map(lambda x: None if _is_empty(x) else x, tree, is_leaf=_is_none)
 
-    ``operands`` is ``tree`` with its empty leaves set to None; ``fill`` puts back, inside the
-    program, ``jnp.zeros`` of each one's per-device shape and dtype (from ``blocks``, a tree
-    like ``tree`` of what each device holds). An array with no elements has no values, so the
-    state is the same array for array. Why: XLA:CPU in jaxlib 0.11.2 segfaults compiling a
-    ``shard_map`` that takes a zero-element operand beside another one and reads it
-    (``shard_map(lambda a, b: (a + 1, b + 1))(zeros((0,)), zeros((1,)))`` on 2 devices);
-    a zero-element constant inside the program compiles (jaxlib 0.10.2, 0.11.2, 0.12.0.1).
+
+def _zeros_like_block(x: Any) -> Any:
+    """Zeros of the block of ``x`` (an empty array laid out by a ``NamedSharding``) that one
+    device holds inside a ``shard_map`` manual over the axes its spec names, varying over
+    them as that operand would."""
+    # a traced array (jc.sharded_init under jax.eval_shape) carries its sharding in its type
+    sharding = jax.typeof(x).sharding if isinstance(x, jax.core.Tracer) else x.sharding
+    zeros = jnp.zeros(sharding.shard_shape(x.shape), x.dtype)
+    axes = _axes_of(sharding.spec)
+    return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
+def without_empty(fn: Any, args: tuple) -> tuple:
+    """``(fill, operands)``: inside a ``shard_map`` (manual over the axes the leaves'
+    shardings name), ``fill(*operands)`` is ``fn(*args)`` with no zero-element array among
+    the operands.
+
+    ``operands`` is :func:`drop_empty` of ``args`` (arrays or ``jax.ShapeDtypeStruct`` with a
+    ``NamedSharding``); ``fill`` puts back, inside the program, zeros of each empty leaf's
+    per-device block and dtype. An array with no elements has no values, so ``fn`` sees the
+    same arrays. Why: XLA:CPU in jaxlib 0.11.2 segfaults compiling a ``shard_map`` that takes
+    a zero-element operand beside another one and reads it
+    (``shard_map(lambda a, b: (a + 1, b + 1))(zeros((0,)), zeros((1,)))`` on 2 devices); a
+    zero-element array made inside the program compiles (docs/errors.md).
     """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
-    shapes = jax.tree.leaves(blocks, is_leaf=_is_none)
-    empty = [
-        jax.ShapeDtypeStruct(tuple(b.shape), x.dtype) if _is_empty(x) else None
-        for x, b in zip(leaves, shapes, strict=True)
-    ]
-    if not any(e is not None for e in empty):
-        return fn, tree
+    leaves, treedef = jax.tree.flatten(args, is_leaf=_is_none)
+    empty = [x if _is_empty(x) else None for x in leaves]
+    if all(e is None for e in empty):
+        return fn, args
 
-    def fill(operands: Any) -> Any:
+    def fill(*operands: Any) -> Any:
         given = treedef.flatten_up_to(operands)
-        return fn(
-            jax.tree.unflatten(
-                treedef,
-                [
-                    x if e is None else jnp.zeros(e.shape, e.dtype)
-                    for x, e in zip(given, empty, strict=True)
-                ],
-            )
-        )
+        full = [x if e is None else _zeros_like_block(e) for x, e in zip(given, empty, strict=True)]
+        return fn(*jax.tree.unflatten(treedef, full))
 
-    return fill, jax.tree.unflatten(
-        treedef, [x if e is None else None for x, e in zip(leaves, empty, strict=True)]
-    )
+    return fill, drop_empty(args)
 
 
 def fingerprint(x: Any) -> np.ndarray:

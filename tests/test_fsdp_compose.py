@@ -157,8 +157,12 @@ def test_fsdp_inside_diloco_with_a_codec_is_within_int8_error():
 def test_sparseloco_over_replicas_with_fsdp_inside_syncs_the_replicas():
     """jc.sparseloco over "replica" with FSDP inside: runs (it failed while tracing until
     2026-11-27) and the replicas agree after the sync. Its top-k and scales are per shard,
-    so it is not data parallel's run bit for bit (docs/sharded.md)."""
-    tx = jc.sparseloco(optax.adamw(3e-3), "replica", sync_every=2)
+    so it is not data parallel's run bit for bit (docs/sharded.md). Its shards are compressed:
+    a's (8 x 32) in 4 chunks of 64, b's (8 x 8) in one, 8 values kept a chunk (until
+    2026-11-27 the default min_size=1024 sent every leaf as plain float32, with a warning)."""
+    tx = jc.sparseloco(
+        optax.adamw(3e-3), "replica", sync_every=2, chunk=64, density=1 / 8, min_size=0
+    )
     reps, _, _ = _train_replicas(tx, fsdp=True)
     for a in jax.tree.leaves(reps):
         a = np.asarray(a)

@@ -344,3 +344,30 @@ def test_autotune_step_with_an_empty_leaf_takes_no_empty_operand_and_steps():
     assert runner.params["e"].shape == (0, 3)
     expected = params["w"] - LR * jax.grad(loss)(params, x, y)["w"]
     np.testing.assert_allclose(runner.params["w"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_overlapped_step_with_an_empty_leaf_is_delayed_sgd():
+    """``jc.overlapped_step`` compiles its two programs on ``sharding.drop_empty`` of their
+    inputs (jaxlib 0.11.2 segfaulted compiling them with an empty param): three steps give
+    jc.delayed's SGD on the mean gradient (step 0 applies nothing), the empty leaf kept."""
+    m = mesh()
+    params = shard({"w": PARAMS["w"], "e": np.zeros((0, 3), np.float32)}, m, P())
+    x = np.linspace(-1, 1, 2 * N * 4, dtype=np.float32).reshape(2 * N, 4)
+    y = np.ones((2 * N, 6), np.float32)
+
+    def loss(p, x, y):
+        return jax.numpy.mean((x @ p["w"] - y) ** 2) + jax.numpy.sum(p["e"])
+
+    step = jc.overlapped_step(loss, optax.sgd(LR), m, "data", pmean=True)
+    state = step.init(params)
+    batch = shard(x, m), shard(y, m)
+    p, previous = params, None
+    for _ in range(3):  # delayed: a step applies the mean gradient the step before took
+        w = np.asarray(p["w"])
+        taken = np.asarray(jax.grad(loss)({"w": w, "e": np.zeros((0, 3))}, x, y)["w"])
+        p, state = step(p, state, *batch)
+        expected = w if previous is None else w - LR * previous
+        np.testing.assert_allclose(p["w"], expected, rtol=1e-5, atol=1e-6)
+        previous = taken
+    step.close()
+    assert p["e"].shape == (0, 3)

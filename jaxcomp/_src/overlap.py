@@ -69,8 +69,6 @@ class OverlappedStep:
         self.loss_fn, self.tx, self.mesh, self.axis_name = loss_fn, tx, mesh, axis_name
         self.pmean = pmean
         self.delayed = delayed(tx, axis_name=axis_name if pmean else None)
-        self._grads: dict[int, Callable] = {}
-        self._exchange: Callable | None = None
         self._programs: dict[tuple, tuple] = {}  # _compiled's cache
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "jaxcomp-exchange")
         self._closed = False
@@ -85,24 +83,24 @@ class OverlappedStep:
         """The state of ``jc.delayed(tx)`` on every device of ``mesh`` (``jc.sharded_init``)."""
         return sharding.sharded_init(self.delayed, params, self.mesh, self.axis_name)
 
-    def _grads_fn(self, nbatch: int) -> Callable:
-        """``(params, count, *batch) -> (per-device gradients [1, ...], count + 1)``: no
-        collective."""
-        if nbatch not in self._grads:
-            axis = self.axis_name
+    def _grads_body(self, p, count, *batch):
+        """Per device: ``(gradients [1, ...], count + 1)``; no collective."""
+        g = jax.grad(self.loss_fn)(jax.lax.pcast(p, self.axis_name, to="varying"), *batch)
+        return jax.tree.map(lambda a, q: a.astype(q.dtype)[None], g, p), count + 1
 
-            def grads(p, count, *batch):
-                g = jax.grad(self.loss_fn)(jax.lax.pcast(p, axis, to="varying"), *batch)
-                return jax.tree.map(lambda a, q: a.astype(q.dtype)[None], g, p), count + 1
-
-            fn = jax.shard_map(
-                grads,
-                mesh=self.mesh,
-                in_specs=(P(), P(), *[P(axis)] * nbatch),
-                out_specs=(P(axis), P()),
-            )
-            self._grads[nbatch] = jax.jit(fn)
-        return self._grads[nbatch]
+    def _grads_fn(self, args: tuple) -> Callable:
+        """``(params, count, *batch) -> (per-device gradients [1, ...], count + 1)`` for
+        ``args`` like those, called on ``sharding.drop_empty`` of them
+        (``sharding.without_empty``: XLA:CPU in jaxlib 0.11.2 segfaults on a zero-element
+        operand of a ``shard_map``, docs/errors.md)."""
+        fill, _ = sharding.without_empty(self._grads_body, args)
+        fn = jax.shard_map(
+            fill,
+            mesh=self.mesh,
+            in_specs=(P(), P(), *[P(self.axis_name)] * (len(args) - 2)),
+            out_specs=(P(self.axis_name), P()),
+        )
+        return jax.jit(fn)
 
     def _exchange_body(self, p, inner, pending):
         """``tx`` on the mean of the previous step's gradients, applied to ``p``."""
@@ -112,19 +110,19 @@ class OverlappedStep:
         u, inner = self.tx.update(previous, inner, p)
         return optax.apply_updates(p, u), inner
 
-    def _exchange_fn(self, state: DelayedState) -> Callable:
-        """``(params, inner, pending) -> (params + tx(mean of pending), inner)``; ``inner``
-        donated."""
-        if self._exchange is None:
-            specs = sharding.state_specs(state, self.axis_name)
-            fn = jax.shard_map(
-                self._exchange_body,
-                mesh=self.mesh,
-                in_specs=(P(), specs.inner, specs.pending),
-                out_specs=(P(), specs.inner),
-            )
-            self._exchange = jax.jit(fn, donate_argnums=(1,))
-        return self._exchange
+    def _exchange_fn(self, args: tuple, state: DelayedState) -> Callable:
+        """``(params, inner, pending) -> (params + tx(mean of pending), inner)`` for ``args``
+        like those, called on ``sharding.drop_empty`` of them (as :meth:`_grads_fn`);
+        ``inner`` donated."""
+        specs = sharding.state_specs(state, self.axis_name)
+        fill, _ = sharding.without_empty(self._exchange_body, args)
+        fn = jax.shard_map(
+            fill,
+            mesh=self.mesh,
+            in_specs=(P(), specs.inner, specs.pending),
+            out_specs=(P(), specs.inner),
+        )
+        return jax.jit(fn, donate_argnums=(1,))
 
     def _compiled(self, params: Any, state: DelayedState, batch: tuple) -> tuple:
         """Both programs for these inputs, compiled on the caller's thread the first time
@@ -144,11 +142,12 @@ class OverlappedStep:
         before ``state.inner`` is donated, and the caller's thread-local jax settings
         (``jax.default_matmul_precision``, ``jax.numpy_rank_promotion``, ...) apply to both;
         the worker thread only runs the compiled exchange."""
-        grads = self._grads_fn(len(batch)).trace(params, state.count, *batch)
-        grads = grads.lower().compile()
+        args = (params, state.count, *batch)
+        grads = self._grads_fn(args).trace(*sharding.drop_empty(args)).lower().compile()
         if first:
             return grads, None
-        exchange = self._exchange_fn(state).trace(params, state.inner, state.pending)
+        args = (params, state.inner, state.pending)
+        exchange = self._exchange_fn(args, state).trace(*sharding.drop_empty(args))
         return grads, exchange.lower().compile()
 
     def __call__(self, params: Any, state: DelayedState, *batch: Any) -> tuple[Any, DelayedState]:
@@ -160,13 +159,13 @@ class OverlappedStep:
                 "step the state the previous one returned"
             )
         grads, exchange = self._compiled(params, state, batch)
+        drop = sharding.drop_empty
         future = None
         if exchange is not None:
-            future = self._pool.submit(
-                lambda: jax.block_until_ready(exchange(params, state.inner, state.pending))
-            )
+            args = drop((params, state.inner, state.pending))
+            future = self._pool.submit(lambda: jax.block_until_ready(exchange(*args)))
         try:
-            pending, count = jax.block_until_ready(grads(params, state.count, *batch))
+            pending, count = jax.block_until_ready(grads(*drop((params, state.count, *batch))))
         finally:  # never leave the exchange running: its collectives pair with the peers'
             out = None if future is None else future.result()
         params, inner = (params, state.inner) if out is None else out

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, skeleton
-from jaxcomp._src.axes import check_axis_name
+from jaxcomp._src import collectives, shards, skeleton
 from jaxcomp._src.codecs.base import clip_scales, safe_divide, scaled_global_norm_parts
 from jaxcomp._src.onebit_adam import check_number
 
@@ -227,10 +226,8 @@ def clip_by_global_norm(
         raise ValueError("`max_norm` must be > 0, got 0")
     if not isinstance(bound, bool):
         raise TypeError(f"`bound` must be a bool, got {bound!r}")
-    if shard_axis == ():  # the leaves are whole, as the transforms' shard_axis=() says
-        shard_axis = None
-    if shard_axis is not None:
-        check_axis_name(shard_axis, "shard_axis")
+    # (): the leaves are whole, as the transforms' shard_axis=() says
+    shard_axis = shards.check_shard_axis(shard_axis) or None
     if axis_name is None and shard_axis is None:
         raise ValueError(
             "`axis_name` is required: the data-parallel axis the exchange after this averages "

@@ -79,6 +79,18 @@ def _nnx_optimizer(axis_name):
     return jc.nnx_optimizer(model, jc.sgd(0.1, S, "data"), mesh(), axis_name)
 
 
+def _abstract_init(tx, params=_W):
+    """jc.sharded_init(tx, params) on 8 devices, traced only (jax.eval_shape): no compile."""
+    return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
+
+
+# optax's alias style, the learning rate after the optimizer: after jc.local_sgd it scaled the
+# sync's move onto the averaged params too (docs/errors.md, test_replica_transform_chained_...).
+_LR_AFTER_LOCAL_SGD = optax.chain(
+    jc.local_sgd(optax.scale_by_adam(), "data", 2), optax.scale_by_learning_rate(1e-3)
+)
+
+
 def _nnx_replica_optimizer():
     """jc.nnx_optimizer of a transform that keeps one model per device (DiLoCo)."""
     from flax import nnx
@@ -1135,6 +1147,7 @@ CHECKS = [
         ValueError,
     ),
     ("sharded_init", "axis_name", lambda: jc.sharded_init(SGD, _W, mesh(), "batch"), ValueError),
+    ("sharded_init", "tx", lambda: _abstract_init(_LR_AFTER_LOCAL_SGD), ValueError),
     (
         "state_specs",
         "axis_name",

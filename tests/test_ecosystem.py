@@ -201,6 +201,51 @@ def test_partition_and_masked_compress_some_leaves_and_average_the_rest():
     assert plain.bytes_per_device / report.bytes_per_device > 10
 
 
+# --------------------------------------------------------------------------- replicas last
+
+
+def _replica_transforms():
+    """One of each transform that keeps one model per device (params P('data'))."""
+    return {
+        "local_sgd": jc.local_sgd(optax.sgd(0.1), "data", 2),
+        "diloco": jc.diloco(optax.sgd(0.1), "data", 2, outer=optax.chain(optax.sgd(0.7))),
+        "sparseloco": jc.sparseloco(optax.sgd(0.1), "data", 2, density=0.25, chunk=16, min_size=0),
+        "gossip": jc.gossip(optax.sgd(0.1), "data"),
+    }
+
+
+def test_a_transform_chained_after_a_replica_transform_is_refused_at_sharded_init():
+    """At a sync jc.local_sgd / diloco / sparseloco return ``x - theta_i``, the move onto the
+    synchronized params; chained after them a transform changed each device's move (a
+    learning rate, weight decay, clipping): with ``optax.scale(0.5)`` after jc.local_sgd (H=2,
+    8 devices, 2 syncs of a per-device quadratic) the replicas ended 0.206 apart, with
+    ``optax.add_decayed_weights(0.1)`` 0.061, where they agree to 1.5e-8 alone. Until
+    2026-11-27 silent; now jc.sharded_init refuses, naming `tx` and the fix (inside `inner`,
+    or before). Chained before them, inside them, or wrapped, they are accepted."""
+    params = {"w": np.zeros(64, np.float32)}
+
+    def init(tx):
+        return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
+
+    for name, tx in _replica_transforms().items():
+        for after in (optax.scale_by_learning_rate(1e-3), optax.identity()):
+            with pytest.raises(ValueError, match=rf"`tx` chains a transform after jc\.{name}"):
+                init(optax.chain(tx, after))
+        init(optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(0.1), tx))
+        init(jc.accumulate(tx, 2))
+    # found inside what users wrap a chain in
+    lr_after = lambda learning_rate: optax.chain(  # noqa: E731
+        jc.local_sgd(optax.scale_by_adam(), "data", 2), optax.scale(-learning_rate)
+    )
+    for wrapped in (
+        optax.inject_hyperparams(lr_after)(learning_rate=1e-3),
+        jc.accumulate(lr_after(1e-3), 2),
+        optax.MultiSteps(lr_after(1e-3), 2).gradient_transformation(),
+    ):
+        with pytest.raises(ValueError, match=r"`tx` chains a transform after jc\.local_sgd"):
+            init(wrapped)
+
+
 # --------------------------------------------------------------------------- accumulation
 
 

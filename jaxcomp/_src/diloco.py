@@ -138,7 +138,9 @@ def diloco(
         it: at ``H = 30`` on a language model a cosine decay cost loss, and Muon inside
         (``optax.contrib.muon``, MuLoCo) did better still, on 8 replicas of one device and
         on 2 of several: the recommended inner optimizer at ``H = 30`` (figures in the docs,
-        "Language models over slow links: the measurements": MuLoCo).
+        "Language models over slow links: the measurements": MuLoCo). The learning rate
+        goes inside: nothing may follow this transform in an ``optax.chain``
+        (``jc.sharded_init`` refuses it, as for :func:`jaxcomp.local_sgd`).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps; or a sequence of intervals
         ``(h_1, ..., h_k)``: syncs after ``h_1``, ``h_1 + h_2``, ... steps, then every

@@ -138,7 +138,8 @@ def gossip(
 
     Args:
       inner: the optax transform each device steps with (e.g. ``optax.adam(1e-3)``); its
-        state is per device.
+        state is per device. Nothing may follow this transform in an ``optax.chain``
+        (it would change the mixing per device; ``jc.sharded_init`` refuses it).
       axis_name: the mesh axis the replicas live on (bound by ``shard_map`` or ``pmap``).
       topology: ``"ring"`` (default), ``"torus"`` or ``"exponential"``
         (:data:`jaxcomp.TOPOLOGIES`; :mod:`jaxcomp._src.topology` gives each one's shape and

@@ -68,7 +68,9 @@ def local_sgd(
 
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
-        ``optax.sgd(0.1, momentum=0.9)``).
+        ``optax.sgd(0.1, momentum=0.9)``), learning rate included: nothing may follow this
+        transform in an ``optax.chain`` (it would move the replicas apart at a sync;
+        ``jc.sharded_init`` refuses it).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, local steps between averages (1: every step); or a sequence of
         intervals ``(h_1, ..., h_k)``: averages after ``h_1``, ``h_1 + h_2``, ... steps

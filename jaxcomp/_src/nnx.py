@@ -34,7 +34,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import collectives, sharding, skeleton
+from jaxcomp._src import collectives, replicas, sharding, skeleton
 
 
 def _is_variable(x: Any) -> bool:
@@ -130,16 +130,6 @@ def nnx_optimizer(
     return optimizer
 
 
-def _replica_states() -> tuple[type, ...]:
-    """The states of the transforms whose params differ per device between exchanges."""
-    from jaxcomp._src.diloco import DiLoCoState
-    from jaxcomp._src.gossip import GossipState
-    from jaxcomp._src.local_sgd import LocalSGDState
-    from jaxcomp._src.sparseloco import SparseLoCoState
-
-    return (DiLoCoState, LocalSGDState, SparseLoCoState, GossipState)
-
-
 def _check_one_model(state: Any) -> None:
     """Refuse a ``tx`` that keeps one model per device (``jc.diloco``, ``jc.local_sgd``,
     ``jc.sparseloco``, ``jc.gossip``): an ``nnx.Optimizer`` updates one model, entered and
@@ -148,7 +138,7 @@ def _check_one_model(state: Any) -> None:
     naming no fix; under ``check_vma=False`` the model's arrays claimed to be replicated while
     each device held its own replica (docs/flax.md), so a read, a checkpoint or a reshard
     kept device 0's."""
-    kinds = _replica_states()
+    kinds = replicas.replica_states()
     found = [
         node
         for node in jax.tree.leaves(state, is_leaf=lambda n: isinstance(n, kinds))

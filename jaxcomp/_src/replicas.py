@@ -117,6 +117,62 @@ def mean_replica(replicas: Any) -> Any:
     return jax.tree.map(mean, replicas)
 
 
+def replica_states() -> tuple[type, ...]:
+    """The states of the transforms whose params differ per device between exchanges."""
+    from jaxcomp._src.diloco import DiLoCoState
+    from jaxcomp._src.gossip import GossipState
+    from jaxcomp._src.local_sgd import LocalSGDState
+    from jaxcomp._src.sparseloco import SparseLoCoState
+
+    return (DiLoCoState, LocalSGDState, SparseLoCoState, GossipState)
+
+
+def _children(node: Any) -> list:
+    """The pytree children of ``node`` (none for a leaf)."""
+    kids = jax.tree.leaves(node, is_leaf=lambda x: x is not node)
+    return [] if len(kids) == 1 and kids[0] is node else kids
+
+
+def check_replicas_last(state: Any) -> None:
+    """Refuse a ``tx`` whose ``optax.chain`` runs a transform after ``jc.local_sgd``,
+    ``jc.diloco``, ``jc.sparseloco`` or ``jc.gossip`` (``state``: the chain's state, a plain
+    tuple of its transforms' states, anywhere inside ``tx.init``'s state).
+
+    At a sync such a transform returns ``u_i = x - theta_i``, the move that lands device
+    ``i``'s params ``theta_i`` on the synchronized ``x``. A transform after it changes each
+    device's move by what differs per device (``optax.scale(s)``: ``theta_i + s (x -
+    theta_i)``; ``optax.add_decayed_weights(w)``: ``+ w theta_i``), so the replicas no longer
+    agree after a sync, with no error (docs/local-sgd-diloco.md). Chained before it, or
+    inside ``inner``, the same transform is fine.
+    """
+    kinds = replica_states()
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, kinds):
+            continue  # its own fields (DiLoCo's outer chain) hold no replica transform
+        kids = _children(node)
+        if type(node) is tuple:  # an optax.chain's state
+            early = [k for k in kids[:-1] if isinstance(k, kinds)]
+            if early:
+                _refuse_after(type(early[0]).__name__)
+        todo.extend(kids)
+
+
+def _refuse_after(kind: str) -> None:
+    """The ValueError of :func:`check_replicas_last` for a ``kind`` of state not last."""
+    name = {"DiLoCoState": "jc.diloco", "LocalSGDState": "jc.local_sgd"}.get(kind)
+    name = name or {"SparseLoCoState": "jc.sparseloco", "GossipState": "jc.gossip"}[kind]
+    raise ValueError(
+        f"jc.sharded_init: `tx` chains a transform after {name} ({kind}, not last in an "
+        "optax.chain): at a sync its update moves each device's params onto the synchronized "
+        "params, and a transform after it (a learning rate, weight decay, clipping) changes "
+        "each device's move differently, so the replicas would not agree after the sync. Put "
+        f"it inside `inner` ({name}(optax.chain(optax.scale_by_adam(), "
+        "optax.scale_by_learning_rate(lr)), ...)) or before it in the chain."
+    )
+
+
 def varying_axes(x: Any) -> frozenset:
     """The manual mesh axes over which ``x`` differs per device (empty outside shard_map)."""
     aval = jax.typeof(x)

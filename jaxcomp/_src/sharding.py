@@ -29,6 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._src import replicas
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -371,9 +372,12 @@ def sharded_init(
     Raises:
       ValueError: ``axis_name`` or ``param_specs`` outside its rule (the message names the
         argument; the rules: docs/errors.md); ``tx`` built differently on different processes (a
-        replicated state leaf that differs between them, named).
+        replicated state leaf that differs between them, named); ``tx`` an ``optax.chain``
+        with a transform after ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or
+        ``jc.gossip``, which would move the replicas apart at a sync.
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
+    replicas.check_replicas_last(state)
     check_same_on_every_process(state)
     return state
 

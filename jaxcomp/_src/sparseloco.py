@@ -472,7 +472,8 @@ def sparseloco(
     Args:
       inner: the optax transform each device runs on its own gradients (e.g.
         ``optax.adamw(1e-3)``), its lr held at the peak after a warm-up rather than decayed
-        (as for :func:`jaxcomp.diloco`).
+        (as for :func:`jaxcomp.diloco`), learning rate included: nothing may follow this
+        transform in an ``optax.chain`` (``jc.sharded_init`` refuses it).
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       sync_every: ``H``, inner steps between outer steps (Covenant-72B: 30); or a
         sequence of intervals, the last one repeated (as :func:`jaxcomp.diloco`'s).

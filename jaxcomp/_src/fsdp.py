@@ -459,9 +459,30 @@ def _inside_loop(trace: Any) -> bool:
     return False
 
 
-def _enclosing_loop(r: Any) -> str | None:
+#: The traces jax differentiates a function in (``jax.grad``, ``jax.vjp``, ``jax.jvp``): a
+#: loop body that holds one runs the forward and backward of each iteration inside it.
+_DIFFERENTIATING = frozenset({"JVPTrace", "LinearizeTrace"})
+
+
+class _Loop(NamedTuple):
+    """A loop body a residual is closed over by: ``kind`` as :func:`_loop_kind` names it, and
+    whether the body differentiates ``fsdp_gather`` itself (``jax.grad`` inside the body: a
+    loop over training steps), not a loop differentiated from outside (stacked layers)."""
+
+    kind: str
+    grad_inside: bool
+
+
+def _differentiates(trace: Any) -> bool:
+    """Whether ``trace`` records a differentiation (``jax.grad`` / ``jax.vjp`` / ``jax.jvp``);
+    False where this jax names its traces otherwise (then a loop over steps gets the stacked
+    layers' message, still a refusal)."""
+    return type(trace).__name__ in _DIFFERENTIATING
+
+
+def _enclosing_loop(r: Any) -> _Loop | str | None:
     """The loop body between the current trace and the trace ``r`` comes from, if one runs
-    more than once: ``"lax.scan of length 3"``, ``"while_body"``; else None.
+    more than once (a :class:`_Loop`); else None.
 
     jax records a loop body into a trace of its own whose ``parent_trace`` is the trace the
     loop is called in; a residual the body closes over belongs to an outer trace, one passed
@@ -470,38 +491,71 @@ def _enclosing_loop(r: Any) -> str | None:
     argument of a function jax traces apart (a ``jax.checkpoint`` or ``jax.jit`` inside the
     body, the usual remat of a layer) is a tracer of that function's trace: the walk goes on
     from the value its caller passed (:func:`_caller_value`), in the caller's trace. Where
-    that value is not found while a loop body is further out, ``"unknown"``. A scan whose
-    length is 1 runs the body once (no error); one whose length is not found counts as
-    longer."""
-    trace = _current_trace()
+    that value is not found while a loop body is further out, ``"unknown"``. A residual
+    differentiated inside the body (``jax.grad(loss, argnums=(0, 1))`` in a loop over steps)
+    is a tracer of that differentiation: the walk goes on from its primal value, which is
+    the body's own where the loop carries the residual. A trace of a differentiation crossed
+    on the way marks the loop ``grad_inside``. A scan whose length is 1 runs the body once
+    (no error); one whose length is not found counts as longer."""
+    trace, grad_inside = _current_trace(), False
     while True:
         owner = getattr(r, "_trace", None)
         while trace is not None and trace is not owner:
             loop = _loop_kind(trace)
             if loop is not None:
-                return loop
+                return _Loop(loop, grad_inside)
+            grad_inside = grad_inside or _differentiates(trace)
             trace = getattr(trace, "parent_trace", None)
         if trace is None or _loop_kind(owner) is not None or not _inside_loop(owner):
             return None  # r is the loop body's own (xs, carry), or no loop is further out
         if getattr(owner, "frame", None) is None:
-            return None  # r is differentiated there (jax.grad inside the body): its own
-        outer = _caller_value(r, owner)
+            outer = getattr(r, "primal", None) if _differentiates(owner) else None
+            grad_inside = True
+        else:
+            outer = _caller_value(r, owner)
         if outer is _NOT_FOUND:
             return "unknown"
         if outer is None:
-            return None
+            return None  # r is computed there (or differentiated by a trace not named)
         r, trace = outer, getattr(owner, "parent_trace", None)
 
 
-def _check_not_looped(r_leaves: list) -> None:
-    """Refuse a residual closed over by a loop body (not passed to it as ``xs``).
+def _looped_message(loop: _Loop) -> str:
+    """What goes wrong with a residual closed over by ``loop``, and the fix."""
+    if loop.grad_inside:
+        return (
+            f"`residual` is closed over by a loop body ({loop.kind}) that differentiates "
+            "fsdp_gather in each iteration (jax.grad inside the body, as a loop over training "
+            "steps): the residual is never carried from one iteration to the next, so every "
+            "iteration starts from the one the loop closes over and the new residual jax.grad "
+            "returns is lost (error feedback keeps nothing from step to step). Carry the "
+            "residual in the loop state, e.g. jax.lax.scan(step, (shards, "
+            "jc.fsdp_residual(shards, axis_name)), batches) with step returning the new "
+            "(shards, residual) from g, r = jax.grad(loss, argnums=(0, 1))(shards, r, batch)"
+        )
+    return (
+        f"`residual` is closed over by a loop body ({loop.kind}) that runs fsdp_gather "
+        "once per iteration: each iteration's backward would add the same residual "
+        "to its cotangent and the new residual would be the sum of every "
+        "iteration's. Give each iteration its own residual: stack them and pass "
+        "them to the loop as xs, e.g. jax.lax.scan(body, h, (stacked_shards, "
+        "jnp.moveaxis(jc.fsdp_residual(stacked_shards, axis_name), 0, 1))) with "
+        "the shards stacked on axis 0"
+    )
 
-    Each iteration's backward adds the same residual to its own cotangent and hands back a
-    new residual as the residual's cotangent, which the loop's transpose sums over the
-    iterations: with stacked layers in a ``lax.scan`` (each iteration gathers one layer) every
-    layer's error feedback would read one memory and the new memory would be the sum of the
-    layers', silently. There is no right answer to give (one memory per layer is needed), so
-    the call is refused naming the fix: the residual stacked per layer and passed as ``xs``."""
+
+def _check_not_looped(r_leaves: list) -> None:
+    """Refuse a residual closed over by a loop body (not passed to it as ``xs``, nor carried).
+
+    Stacked layers in a ``lax.scan`` differentiated from outside (each iteration gathers one
+    layer): each iteration's backward adds the same residual to its own cotangent and hands
+    back a new residual as the residual's cotangent, which the loop's transpose sums over
+    the iterations: every layer's error feedback would read one memory and the new memory
+    would be the sum of the layers', silently. The fix: the residual stacked per layer and
+    passed as ``xs``. A loop over training steps whose body calls ``jax.grad`` (the gather
+    differentiated inside the body): the residual is never carried, every step reads the
+    one the loop closes over and the new one is lost. The fix: carry it in the loop state.
+    There is no right answer to give either way, so the call is refused naming the fix."""
     for r in r_leaves:
         loop = _enclosing_loop(r)
         if loop == "unknown":
@@ -515,15 +569,7 @@ def _check_not_looped(r_leaves: list) -> None:
                 stacklevel=3,
             )
         elif loop is not None:
-            raise ValueError(
-                f"`residual` is closed over by a loop body ({loop}) that runs fsdp_gather "
-                "once per iteration: each iteration's backward would add the same residual "
-                "to its cotangent and the new residual would be the sum of every "
-                "iteration's. Give each iteration its own residual: stack them and pass "
-                "them to the loop as xs, e.g. jax.lax.scan(body, h, (stacked_shards, "
-                "jnp.moveaxis(jc.fsdp_residual(stacked_shards, axis_name), 0, 1))) with "
-                "the shards stacked on axis 0"
-            )
+            raise ValueError(_looped_message(loop))
 
 
 def _check_skip_axis(skip_axis: Any, axis_name: Any, inner_axis_name: Any) -> tuple:

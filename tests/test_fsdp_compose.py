@@ -1195,6 +1195,43 @@ def test_a_residual_passed_to_a_wrapped_layer_unchecked_on_another_jax_warns(mon
         fn.lower(ws, x)
 
 
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
+def test_the_loop_check_reads_no_private_abstract_value(wrap, monkeypatch):
+    """The walk to a wrapped layer's caller values told arrays from abstract values by
+    ``jax._src.core.AbstractValue``: a jax without it raised AttributeError while tracing
+    fsdp_gather. With the private module holding only ``trace_ctx`` the closed-over
+    residual is still refused (jax.Array, public, tells them apart)."""
+    import types
+
+    from jaxcomp._src import fsdp
+
+    monkeypatch.setattr(fsdp, "jax_core", types.SimpleNamespace(trace_ctx=fsdp.jax_core.trace_ctx))
+    fn, ws, x = _looped("scan", wrap=WRAPS[wrap])
+    with pytest.raises(ValueError, match="`residual` is closed over by a loop body"):
+        fn.lower(ws, x)
+
+
+def test_without_jax_private_trace_state_the_loop_check_warns(monkeypatch):
+    """A jax without ``jax._src.core`` (``fsdp.jax_core`` None) names no trace: the loop
+    check cannot run, and says so in a warning naming `residual` (it ran silently; a
+    residual closed over by a scan body lowers, unchecked). A Python without
+    ``sys._getframe`` finds no caller values: a residual passed to a jax.checkpoint-wrapped
+    layer inside the body is warned about, not a crash."""
+    import types
+
+    from jaxcomp._src import fsdp
+
+    monkeypatch.setattr(fsdp, "jax_core", None)
+    fn, ws, x = _looped("scan")
+    with pytest.warns(UserWarning, match="whether a loop body closes over `residual`"):
+        fn.lower(ws, x)
+    monkeypatch.undo()
+    monkeypatch.setattr(fsdp, "sys", types.SimpleNamespace())
+    fn, ws, x = _looped("scan", wrap=jax.checkpoint)
+    with pytest.warns(UserWarning, match="`residual` reaches this fsdp_gather as an argument"):
+        fn.lower(ws, x)
+
+
 def _hsdp_residual_step(check_vma, **kw):
     """One error-feedback step of ``fsdp_gather`` over "data" on the 2 x 4 mesh, a NaN in
     replica 0's batch: ``(nan, kept)`` per device, whether its gradient is NaN and whether

@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core  # trace_ctx: the trace a call is recorded into
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
@@ -53,6 +52,11 @@ from jaxcomp._src.sharded import (
     two_hop_stack,
 )
 from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
+
+try:  # trace_ctx: the trace a call is recorded into (private; without it: a warning)
+    from jax._src import core as jax_core
+except ImportError:  # a jax that moved it
+    jax_core = None
 
 #: The name of the slow hop's result (hpZ's secondary partition) for ``jax.checkpoint`` policies.
 SECONDARY = "fsdp_secondary"
@@ -312,8 +316,9 @@ def _release(key: int, ref: weakref.ref) -> None:
 
 
 def _current_trace() -> Any:
-    """The innermost trace jax records into, or None where this jax does not name it (then
-    every call of a trace counts as the same: two branches of a cond are refused too)."""
+    """The innermost trace jax records into, or None where this jax does not name it
+    (``jax._src.core.trace_ctx`` moved: then every call of a trace counts as the same, two
+    branches of a cond are refused too, and the loop check warns that it cannot run)."""
     return getattr(getattr(jax_core, "trace_ctx", None), "trace", None)
 
 
@@ -364,15 +369,26 @@ def _scan_code() -> Any:
 _SCAN_CODE = _scan_code()
 
 
+def _stack() -> Any:
+    """The Python frame of the caller, the top of the stack the checks walk, or None where
+    this Python has no ``sys._getframe`` (then nothing is found on the stack)."""
+    getframe = getattr(sys, "_getframe", None)
+    return getframe(1) if getframe is not None else None
+
+
 def _scan_length(debug_info: Any) -> int | None:
     """The length of the ``lax.scan`` tracing the body of ``debug_info`` (its frame, found on
-    the Python stack by that object), or None where it is not found (another jax)."""
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code is _SCAN_CODE and frame.f_locals.get("dbg_body") is debug_info:
-            length = frame.f_locals.get("length")
-            return length if isinstance(length, int) else None
-        frame = frame.f_back
+    the Python stack by that object), or None where it is not found (another jax or Python:
+    a walk that fails counts as not found, never as an error)."""
+    try:
+        frame = _stack()
+        while frame is not None:
+            if frame.f_code is _SCAN_CODE and frame.f_locals.get("dbg_body") is debug_info:
+                length = frame.f_locals.get("length")
+                return length if isinstance(length, int) else None
+            frame = frame.f_back
+    except Exception:  # frames laid out otherwise: not found
+        return None
     return None
 
 
@@ -387,11 +403,12 @@ _NOT_FOUND = object()
 
 def _same_avals(values: Any, avals: list) -> bool:
     """Whether ``values`` is a flat list of arrays (or tracers) of the shapes and dtypes of
-    ``avals``: the caller's arguments of a traced function, not its abstract values."""
+    ``avals``: the caller's arguments of a traced function, not its abstract values (which
+    are no ``jax.Array``; a tracer is one, public API on jax 0.10 to 0.12)."""
     if not isinstance(values, list | tuple) or len(values) != len(avals):
         return False
     for x, a in zip(values, avals, strict=True):
-        if isinstance(x, jax_core.AbstractValue) or not hasattr(x, "shape"):
+        if not isinstance(x, jax.Array | np.ndarray):
             return False
         if tuple(x.shape) != tuple(getattr(a, "shape", ())) or x.dtype != getattr(a, "dtype", None):
             return False
@@ -423,7 +440,17 @@ def _caller_value(r: Any, owner: Any) -> Any:
     if index is None:
         return None
     avals = [getattr(v, "aval", None) for v in invars]
-    frame = sys._getframe()
+    try:
+        return _caller_args(owner, avals, index)
+    except Exception:  # frames laid out otherwise: not found (a warning)
+        return _NOT_FOUND
+
+
+def _caller_args(owner: Any, avals: list, index: int) -> Any:
+    """:func:`_caller_value`'s walk of the Python stack: the caller's value at ``index`` of
+    the first list of arrays shaped as ``avals`` within :data:`_CALLER_FRAMES` frames above
+    jax's frame tracing ``owner``'s body, else :data:`_NOT_FOUND`."""
+    frame = _stack()
     while frame is not None and not _traces(frame, owner):
         frame = frame.f_back
     for _ in range(_CALLER_FRAMES if frame is not None else 0):
@@ -555,7 +582,19 @@ def _check_not_looped(r_leaves: list) -> None:
     passed as ``xs``. A loop over training steps whose body calls ``jax.grad`` (the gather
     differentiated inside the body): the residual is never carried, every step reads the
     one the loop closes over and the new one is lost. The fix: carry it in the loop state.
-    There is no right answer to give either way, so the call is refused naming the fix."""
+    There is no right answer to give either way, so the call is refused naming the fix.
+    Where this jax does not name its traces (private state moved), a warning says the check
+    did not run."""
+    if r_leaves and _current_trace() is None:
+        warnings.warn(
+            "jaxcomp: this jax does not say which trace a call is recorded into "
+            "(jax._src.core.trace_ctx moved), so whether a loop body closes over `residual` "
+            "is not checked. Pass the residuals of stacked layers to the scan as xs, one per "
+            "layer, and carry the residual in the state of a loop over training steps",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
     for r in r_leaves:
         loop = _enclosing_loop(r)
         if loop == "unknown":

@@ -43,15 +43,19 @@ def _loss(params, x, y):
     return jnp.mean((h @ params["w1"] + params["b1"] - y) ** 2)
 
 
-def _step(mesh, codec, sharded, loss=_loss, param_specs=True, auto_axes=False, **exchange):
+def _step(
+    mesh, codec, sharded, loss=_loss, param_specs=True, auto_axes=False, inner=None, **exchange
+):
     """``(jitted step, (params, state, x, y))``; ``param_specs=False``: the transform gets
     none. ``auto_axes``: an Explicit model axis made Auto for the step
-    (``jax.sharding.auto_axes``; lower it under ``jax.set_mesh(mesh)``). ``exchange``: more
-    arguments of ``jc.compressed_allreduce``."""
+    (``jax.sharding.auto_axes``; lower it under ``jax.set_mesh(mesh)``). ``inner``: the
+    optax transform after the exchange (``optax.sgd(0.1)``). ``exchange``: more arguments
+    of ``jc.compressed_allreduce``."""
     params, specs = _params(mesh, sharded)
     # replicated params: P() specs say so (no warning about an unseen model axis)
     extra = {"param_specs": specs, **exchange} if param_specs else dict(exchange)
-    tx = optax.chain(jc.compressed_allreduce(codec, "data", min_size=512, **extra), optax.sgd(0.1))
+    inner = optax.sgd(0.1) if inner is None else inner
+    tx = optax.chain(jc.compressed_allreduce(codec, "data", min_size=512, **extra), inner)
     state = jc.sharded_init(tx, params, mesh, "data", **({"param_specs": specs} if sharded else {}))
     sspecs = jc.state_specs(state, "data")
 
@@ -128,6 +132,21 @@ def test_model_sharded_memories_keep_the_params_sharding_and_train():
     after = float(jax.jit(_loss)(params, x, y))
     assert after < 0.9 * before
     assert state[0].memory["w0"].sharding.spec == P("data", None, "model")
+
+
+def test_model_sharded_optax_moments_keep_the_params_sharding_and_train():
+    """``optax.adam`` after the exchange: its moments of a model-sharded param are laid out
+    like it (each device inits its block). Until 2026-11-27 ``jc.sharded_init`` gave every
+    optax array ``P()`` and failed in jax's "out_specs ... mu['w0'] is P()"."""
+    mesh = _mesh()
+    fn, (params, state, x, y) = _step(mesh, jc.int_quant(8), True, inner=optax.adam(1e-2))
+    for name in ("mu", "nu"):
+        moments = getattr(state[1][0], name)
+        for k, a in moments.items():
+            assert a.sharding.is_equivalent_to(NamedSharding(mesh, SPECS[k]), a.ndim), k
+    params, state = jax.block_until_ready(fn(params, state, x, y))  # the step takes them
+    assert state[1][0].mu["w0"].sharding.spec == P(None, "model")
+    assert float(jnp.abs(state[1][0].mu["w0"]).max()) > 0
 
 
 def _elementwise_loss(params, x, y):

@@ -222,7 +222,8 @@ def state_specs(
     ``NamedSharding``, or the sharded params themselves) and ``params`` (for the shapes, if
     ``param_specs`` are not arrays). A per-leaf field shaped like its param then carries the
     param's own spec behind the data axis, ``P("data", *param_spec)`` (replicated fields:
-    ``param_spec``), so each device holds only its model shard of every memory.
+    ``param_spec``), so each device holds only its model shard of every memory; so does an
+    optax state's array shaped like its param (momentum, Adam's moments): ``param_spec``.
 
     Flax NNX: an ``nnx.Optimizer`` gives :func:`jaxcomp.nnx_state_specs` of it (the
     ``nnx.StateSharding`` for ``nnx.shard_map``), and ``optimizer.opt_state`` its spec tree;
@@ -291,8 +292,44 @@ def _unwrap_nnx(state: Any, axis_name: Any) -> Any:
     )
 
 
+def _like_params(node: Any, context: tuple | None) -> bool:
+    """Whether ``node``, not a jaxcomp state, is a per-param field of another optax state
+    (``optax.sgd``'s momentum ``trace``, Adam's ``mu`` / ``nu``): a tree like the params."""
+    return (
+        context is not None
+        and not is_sharded_state(node)
+        and jax.tree.structure(node, is_leaf=_is_none) == context[0]
+    )
+
+
+def _optax_field_specs(value: Any, context: tuple) -> Any:
+    """Specs of a per-param field of an optax state: each array shaped like its param (the
+    global or the block shape) takes the param's spec, any other array ``P()``.
+
+    Until 2026-11-27 every optax array got ``P()``: with ``param_specs`` that shard a leaf
+    (a model axis, or FSDP's data axis in a step manual over it) ``jc.sharded_init`` of
+    ``optax.chain(jc.compressed_allreduce(...), optax.adam(...))`` failed in jax's
+    "out_specs ... mu['a'] is P()" (each device's moment is its block), and
+    ``jc.state_specs`` gave the step's ``shard_map`` those ``P()``."""
+    treedef, specs, shapes = context
+    slots = treedef.flatten_up_to(value)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            v
+            if _is_none(v)
+            else ps
+            if any(tuple(getattr(v, "shape", ())) == tuple(s) for s in sh)
+            else P()
+            for v, ps, sh in zip(slots, specs, shapes, strict=True)
+        ],
+    )
+
+
 def _specs(state: Any, lead: tuple, context: tuple | None) -> Any:
     def spec(node):
+        if _like_params(node, context):
+            return _optax_field_specs(node, context)
         if not is_sharded_state(node):
             return jax.tree.map(lambda _: P(), node)
         per_device = type(node).PER_DEVICE_FIELDS
@@ -308,7 +345,9 @@ def _specs(state: Any, lead: tuple, context: tuple | None) -> Any:
             )
         )
 
-    return jax.tree.map(spec, state, is_leaf=is_sharded_state)
+    return jax.tree.map(
+        spec, state, is_leaf=lambda x: is_sharded_state(x) or _like_params(x, context)
+    )
 
 
 def block_specs(state: Any, param_specs: Any, like: Any) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -133,6 +134,18 @@ def _children(node: Any) -> list:
     return [] if len(kids) == 1 and kids[0] is node else kids
 
 
+def _nodes(state: Any):
+    """Every pytree node of ``state``, not looking inside a replica transform's own state
+    (DiLoCo's outer chain, its exchange: no replica transform there)."""
+    kinds = replica_states()
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, kinds):
+            todo.extend(_children(node))
+
+
 def check_replicas_last(state: Any) -> None:
     """Refuse a ``tx`` whose ``optax.chain`` runs a transform after ``jc.local_sgd``,
     ``jc.diloco``, ``jc.sparseloco`` or ``jc.gossip`` (``state``: the chain's state, a plain
@@ -146,17 +159,73 @@ def check_replicas_last(state: Any) -> None:
     inside ``inner``, the same transform is fine.
     """
     kinds = replica_states()
-    todo = [state]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, kinds):
-            continue  # its own fields (DiLoCo's outer chain) hold no replica transform
-        kids = _children(node)
+    for node in _nodes(state):
         if type(node) is tuple:  # an optax.chain's state
-            early = [k for k in kids[:-1] if isinstance(k, kinds)]
+            early = [k for k in node[:-1] if isinstance(k, kinds)]
             if early:
                 _refuse_after(type(early[0]).__name__)
-        todo.extend(kids)
+
+
+def _empty(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _float_paths(tree: Any) -> list:
+    """The key paths of the floating, non-empty leaves of ``tree``."""
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_empty)[0]
+    dtype = lambda x: x.dtype if hasattr(x, "dtype") else jnp.result_type(x)  # noqa: E731
+    return [k for k, x in pairs if not _empty(x) and jnp.issubdtype(dtype(x), jnp.floating)]
+
+
+def check_replicas_cover(state: Any, params: Any) -> None:
+    """Refuse a ``tx`` that runs ``jc.local_sgd``, ``jc.diloco`` or ``jc.sparseloco`` on
+    some of the params only (inside ``optax.masked``, ``optax.multi_transform`` or
+    ``optax.partition``) and nothing that averages the others: the params are per-device
+    replicas, and a float leaf no transform syncs drifts apart on each device for ever, with
+    no error. A leaf counts as synced where a replica transform's ``anchor`` holds it; with
+    ``jc.gossip`` (no per-leaf record) or another jaxcomp exchange in ``tx`` (it may average
+    the rest every step) nothing is refused."""
+    kinds, others = replica_states(), _exchange_states()
+    nodes = list(_nodes(state))
+    found = [n for n in nodes if isinstance(n, kinds)]
+    if not found or not all(hasattr(n, "anchor") for n in found):
+        return
+    if any(isinstance(n, others) and not isinstance(n, kinds) for n in nodes):
+        return
+    synced = {k for n in found for k in _float_paths(n.anchor)}
+    left = [k for k in _float_paths(params) if k not in synced]
+    if left:
+        name = {"DiLoCoState": "jc.diloco", "LocalSGDState": "jc.local_sgd"}
+        name = name.get(type(found[0]).__name__, "jc.sparseloco")
+        raise ValueError(
+            f"jc.sharded_init: `tx` runs {name} on some of the params only (optax.masked, "
+            f"optax.multi_transform or optax.partition): the float leaves "
+            f"{', '.join(map(jax.tree_util.keystr, left[:5]))} are synced by no transform, and "
+            "each device's copy of them would drift from the others' for ever. Put the "
+            f"per-group optimizers inside `inner` ({name}(optax.multi_transform(..., "
+            "labels), ...)), or give every group its own replica transform."
+        )
+
+
+def _exchange_states() -> tuple[type, ...]:
+    """The jaxcomp states of transforms that average what they are given (every step)."""
+    from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
+    from jaxcomp._src.delayed import DelayedState
+    from jaxcomp._src.demo import DeMoState
+    from jaxcomp._src.dgc import DGCState
+    from jaxcomp._src.onebit_adam import OneBitAdamState
+    from jaxcomp._src.powersgd import PowerSGDState
+    from jaxcomp._src.zero_one_adam import ZeroOneAdamState
+
+    return (
+        CompressedAllreduceState,
+        DelayedState,
+        DeMoState,
+        DGCState,
+        OneBitAdamState,
+        PowerSGDState,
+        ZeroOneAdamState,
+    )
 
 
 def _refuse_after(kind: str) -> None:

@@ -413,10 +413,13 @@ def sharded_init(
         argument; the rules: docs/errors.md); ``tx`` built differently on different processes (a
         replicated state leaf that differs between them, named); ``tx`` an ``optax.chain``
         with a transform after ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or
-        ``jc.gossip``, which would move the replicas apart at a sync.
+        ``jc.gossip``, which would move the replicas apart at a sync, or with
+        ``jc.local_sgd`` / ``jc.diloco`` / ``jc.sparseloco`` on some float params only
+        (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others.
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
     replicas.check_replicas_last(state)
+    replicas.check_replicas_cover(state, params)
     check_same_on_every_process(state)
     return state
 

@@ -594,6 +594,33 @@ def test_error_feedback_over_two_hops_keeps_each_device_its_own_memory(dtype):
     assert _conservation(dtype, two_hops=True) < 1e-6
 
 
+def test_an_fp16_chunk_sum_past_its_range_keeps_every_residual():
+    """fp16 shards with error feedback, a step whose chunk sums (8 x 1e4, finite in float32)
+    overflow fp16: until 2026-11-27 the kept rounding was ``8e4 - inf``, every residual
+    became inf and every later gradient non-finite (the memory poisoned for good). Now the
+    step is non-finite on all 8 devices and every residual kept; the next step is finite."""
+    m = MESH8()
+
+    def f(w, x):
+        r = jc.fsdp_residual(w, "data")
+        flags = []
+        for scale in (1e4, 1.0):
+
+            def loss(w, r, scale=scale):
+                return jnp.sum(jc.fsdp_gather(w, "data", residual=r).astype(F32) * x * scale)
+
+            g, r = jax.grad(loss, argnums=(0, 1))(w, r)
+            kept = (r == 0).all() if scale > 1 else jnp.isfinite(r).all()  # step 2: finite
+            flags += [jnp.isfinite(g.astype(F32)).all(), kept]
+        return jnp.stack(flags)[None]
+
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("data"), P("data")), out_specs=P("data")))
+    put = lambda a: jax.device_put(a, NamedSharding(m, P("data")))  # noqa: E731
+    flags = np.asarray(fn(put(jnp.ones((32, 16), jnp.float16)), put(jnp.ones((8 * 32, 16)))))
+    # per device: step 1 gradient finite, residual kept (zeros); step 2 gradient, residual finite
+    assert flags.tolist() == [[False, True, True, True]] * 8
+
+
 # --------------------------------------------------------------------------- many steps
 
 MESH8 = functools.cache(

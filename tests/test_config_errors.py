@@ -1294,6 +1294,13 @@ TRACE_CHECKS = [
         lambda x: jc.fsdp_gather({"i": jnp.zeros(4, jnp.int32)}, "data"),
         TypeError,
     ),
+    # a replicated leaf (typed the same on every device) would be gathered as 8 copies
+    (
+        "fsdp_gather",
+        "shards",
+        lambda x: jc.fsdp_gather(jax.lax.psum(x, "data"), "data"),
+        ValueError,
+    ),
     (
         "fsdp_gather",
         "residual",

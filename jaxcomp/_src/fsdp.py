@@ -40,7 +40,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxcomp._src import buckets
-from jaxcomp._src.axes import axis_names, check_axis_name, manual_axes
+from jaxcomp._src.axes import axis_names, check_axis_name, manual_axes, tracks_variance
 from jaxcomp._src.codecs.base import Codec
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.collectives import axis_size, check_inner_axis
@@ -52,7 +52,7 @@ from jaxcomp._src.sharded import (
     tile,
     two_hop_stack,
 )
-from jaxcomp._src.skeleton import varying_axes, varying_like, varying_over
+from jaxcomp._src.skeleton import invariant_leaves, varying_axes, varying_like, varying_over
 
 try:  # trace_ctx: the trace a call is recorded into (private; without it: a warning)
     from jax._src import core as jax_core
@@ -285,6 +285,25 @@ def _check_shards(leaves: list, paths: list, axis: int) -> None:
                 f"`axis`={axis} is out of range for `shards` leaf {p} of shape {a.shape}: "
                 "shard a dimension the leaf has (scalars cannot be sharded)"
             )
+
+
+def _check_sharded(shards: Any, axis_name: Any, inner_axis_name: Any) -> None:
+    """Refuse leaves typed as the same on every device of the gather's axes
+    (``check_vma=True``): a replicated leaf (``P()``, a bias or a norm scale) would be
+    gathered as ``n`` copies of itself. Until 2026-11-27 jax refused it in the backward with
+    "Custom VJP bwd rule must produce an output with the same type", naming neither the
+    leaf nor the fix (under ``check_vma=False`` nothing types it: not checked)."""
+    names = axis_names(axis_name, inner_axis_name)
+    if not tracks_variance(names):
+        return
+    same = invariant_leaves(shards, names)
+    if same:
+        raise ValueError(
+            f"`shards` leaves {same[:5]} are the same on every device of {names} (passed "
+            "replicated, e.g. in_specs P()): fsdp_gather would concatenate one copy per "
+            "device. Pass fsdp_gather only the leaves sharded over `axis_name` (e.g. "
+            "P('data') on one dimension) and use replicated leaves as they are"
+        )
 
 
 def fsdp_residual(shards: Any, axis_name: Any, inner_axis_name: Any = None) -> Any:
@@ -741,8 +760,8 @@ def fsdp_gather(
 
     Raises:
       ValueError: when the call is traced, ``weights``, ``grads``, ``axis_name``, ``axis``,
-        ``residual`` or ``skip_axis`` outside its rule (the message names the argument; the
-        rules: docs/errors.md).
+        ``shards`` (a leaf replicated over the axis), ``residual`` or ``skip_axis`` outside
+        its rule (the message names the argument; the rules: docs/errors.md).
       TypeError: when the call is traced, ``weights``, ``grads``, ``axis``, ``shards`` or
         ``skip_axis`` of the wrong kind.
 
@@ -779,6 +798,7 @@ def fsdp_gather(
     axis = int(axis)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(shards)]
     _check_shards(leaves, paths, axis)
+    _check_sharded(shards, axis_name, inner_axis_name)
     r_leaves = _check_residual(residual, leaves, treedef, n)
     if r_leaves is not None:
         _check_not_looped(r_leaves)

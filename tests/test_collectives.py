@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import N, mesh, per_device, rel_err, shard, stacked_normal
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -447,3 +448,42 @@ def test_grad_through_pmean_and_psum_is_that_of_jax_lax():
         jvp(lambda v: jc.psum(v, "i", jc.sign()))(x, tangent),
         jvp(lambda v: jax.lax.psum(v, "i"))(x, tangent),
     )
+
+
+def test_random_k_key_replicated_but_different_per_process_is_made_one(monkeypatch):
+    """With several processes a key passed in replicated (``P()``) is only typed the same
+    everywhere: each process puts its own buffers there (a per-process seed). Under
+    ``check_vma=True`` the key was used as typed, so the devices of each process drew their own
+    coordinates and each process got a different wrong mean (2 processes x 4 devices over gloo:
+    up to 11.2 from the one-process mean). Emulated in one process: devices 0-3 hold one key,
+    4-7 another, and :func:`jaxcomp._src.collectives.process_count` says 2; every device must
+    now get ``(d/k) P_S(mean)`` for one draw ``S`` (``jc.psum_scatter`` the same)."""
+    from jaxcomp._src import collectives
+
+    monkeypatch.setattr(collectives, "process_count", lambda: 2)
+    m = mesh()
+    x = stacked_normal(12, (64,))
+    words = [jax.random.PRNGKey(0), jax.random.PRNGKey(1)]
+    devices = list(m.devices.flat)
+    key = jax.make_array_from_single_device_arrays(
+        (2,),
+        NamedSharding(m, P()),
+        [jax.device_put(words[i // 4], d) for i, d in enumerate(devices)],
+    )
+    codec = jc.random_k(0.5)
+
+    def run(fn, out_specs=P("data")):
+        step = jax.shard_map(fn, mesh=m, in_specs=(P("data"), P()), out_specs=out_specs)
+        return np.asarray(jax.block_until_ready(jax.jit(step)(shard(x, m), key)))
+
+    mean = run(lambda v, k: jc.pmean(v[0], "data", codec, key=k)[None])
+    exact = np.asarray(x).mean(0)
+    for row in mean:
+        np.testing.assert_array_equal(row, mean[0])
+    kept = mean[0] != 0
+    assert kept.sum() == 32
+    np.testing.assert_allclose(mean[0][kept], 2 * exact[kept], rtol=1e-5, atol=1e-6)
+    total = run(lambda v, k: jc.psum_scatter(v[0], "data", codec, key=k)).reshape(-1)
+    kept = total != 0
+    assert kept.sum() == 32
+    np.testing.assert_allclose(total[kept], 2 * np.asarray(x).sum(0)[kept], rtol=1e-5, atol=1e-5)

@@ -276,13 +276,33 @@ def shared_key(key: jax.Array | None, codec: Codec, axis_name: Any) -> jax.Array
     wrong mean on each. There the key's words are replaced by their maximum over the devices
     (one ``pmax`` of 8 bytes for a threefry key): one key, so one draw of ``k`` coordinates
     ``S`` and the mean ``(d/k) P_S(mean_i x_i)`` on every device, as with a shared key.
+
+    With several processes (``jax.distributed``) an invariant type is only a promise: a key
+    passed in replicated (``P()``) holds whatever each process put on its own devices, and
+    a per-process seed (``PRNGKey(seed + jax.process_index())``) gave the devices of each
+    process their own indices, a different wrong mean on each process (docs/multihost.md).
+    There the words are made one the same way, whatever their type (:func:`process_count`
+    > 1 only: within one process a replicated array is one value).
     """
-    if key is None or not codec.shared_randomness or tracks_variance(axis_name):
+    if key is None or not codec.shared_randomness:
         return key
+    tracked = tracks_variance(axis_name)
+    if tracked:
+        check_shared_key(key, codec, axis_name)  # typed varying: refused, with the fix
+        if process_count() == 1:
+            return key
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     words = jax.random.key_data(key) if typed else key
-    words = jax.lax.pmax(words, axis_names(axis_name))
+    names = axis_names(axis_name)
+    if tracked:  # jax reduces an invariant value without moving it: make it varying first
+        words = jax.lax.pcast(words, names, to="varying")
+    words = jax.lax.pmax(words, names)
     return jax.random.wrap_key_data(words, impl=jax.random.key_impl(key)) if typed else words
+
+
+def process_count() -> int:
+    """``jax.process_count()``: the processes whose devices a replicated array spans."""
+    return jax.process_count()
 
 
 # --------------------------------------------------------------------------- strategies

@@ -187,7 +187,9 @@ def clip_by_global_norm(
     Args:
       max_norm: ``c`` > 0, the norm the mean gradient is clipped to.
       axis_name: the data-parallel axis the recipe after it averages over; None only with
-        ``shard_axis`` (nothing averages after: FSDP alone).
+        ``shard_axis`` (nothing averages after: FSDP alone). Not before (or inside)
+        ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or ``jc.gossip``, which average no
+        gradient: their replicas are clipped with ``optax.clip_by_global_norm(c)``.
       bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
       shard_axis: None or ``()`` (the leaves are whole, as for the transforms), or the mesh
         axis (or tuple) over which the gradients are shards of one gradient (FSDP): the norm

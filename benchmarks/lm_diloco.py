@@ -354,16 +354,31 @@ def _int1() -> Any:
 
 
 def _sparse_h30(
-    m: int | None = None, outer_lr: Any = 1.5, momentum: float = 0.0, **kw: Any
+    m: int | None = None,
+    outer_lr: Any = 1.5,
+    momentum: float = 0.0,
+    h: int | tuple[int, ...] = 30,
+    **kw: Any,
 ) -> lm.Recipe:
-    """SparseLoCo at ``H = 30`` as tuned for 3000x: Muon inside at the held lr, outer SGD at
-    lr ``outer_lr`` (a number or an optax schedule of the outer step count; Nesterov
-    ``momentum``, default none), every leaf compressed
-    (``min_size=0`` unless ``kw`` says otherwise); ``kw``: :func:`jaxcomp.sparseloco`'s codec
-    and exchange arguments."""
+    """SparseLoCo at ``H = 30`` (or the intervals ``h``) as tuned for 3000x: Muon inside at
+    the held lr, outer SGD at lr ``outer_lr`` (a number or an optax schedule of the outer step
+    count; Nesterov ``momentum``, default none), every leaf compressed (``min_size=0`` unless
+    ``kw`` says otherwise); ``kw``: :func:`jaxcomp.sparseloco`'s codec and exchange
+    arguments."""
     kw.setdefault("min_size", 0)
     outer = _sgd(outer_lr, momentum)
-    return _h(30, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
+    return _h(h, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
+
+
+def shrinking(h: int, steps: int) -> tuple[int, ...]:
+    """``steps / h`` sync intervals that shrink linearly from ``1.5 h`` to ``0.5 h`` (their
+    mean ``h``: the same syncs, so the same bytes, as a constant ``h``), rounded so that they
+    add up to ``steps``: long intervals while the replicas' pseudo-gradients agree, short
+    ones late, when they decorrelate within a window (the per-sync records of the 8-replica
+    rows: the cosine between replicas falls from 0.35-0.49 to 0.10-0.19 over the run)."""
+    n = steps // h
+    ends = [round(h * (1.5 * (k + 1) - (k + 1) * k / (2 * (n - 1)))) for k in range(n)]
+    return tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
 
 
 #: The intervals of ``-H5to30`` (``sync_every``): short syncs while the loss falls fast
@@ -500,6 +515,14 @@ RECIPES: dict[str, lm.Recipe] = {
     # 4096 reach 2662x (slice L8).
     "sparseloco-H30-muon-innerconst-d17-b1mean-min0-outer1.5": _sparse_h30(
         density=17 / 4096, bits=1, value_scale="mean"
+    ),
+    # ... the same 10 syncs at intervals shrinking from 45 to 15 steps (shrinking(30, 300):
+    # the same bytes; slice L9).
+    "sparseloco-H45to15-muon-innerconst-d21-b1mean-min0-outer1.5": _sparse_h30(
+        h=shrinking(30, 300), density=21 / 4096, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H45to15-muon-innerconst-d17-b1mean-min0-outer1.5": _sparse_h30(
+        h=shrinking(30, 300), density=17 / 4096, bits=1, value_scale="mean"
     ),
     # ... outer Nesterov momentum 0.6 at lr 0.6: the same step along a direction that persists
     # (lr / (1 - momentum) = 1.5) with the merged update's sync-to-sync noise averaged over
@@ -752,6 +775,18 @@ def _second_moment(state: Any, replicas: bool = False) -> Any:
     return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in leaves])
 
 
+def denominator_ratio(nu: Any, base: Any) -> float | None:
+    """The median over the coordinates of ``sqrt(nu) / sqrt(base)``: the replicas' Adam
+    denominator over data parallel's. None where data parallel's was not recorded, or where
+    the two hold other coordinates (Muon inside keeps an Adam ``nu`` only for the leaves that
+    are not matrices, data parallel's AdamW for every leaf: nothing to compare)."""
+    import numpy as np
+
+    if base is None or np.shape(nu) != np.shape(base):
+        return None
+    return float(np.median(np.sqrt(nu) / np.maximum(np.sqrt(base), 1e-30)))
+
+
 def pseudo_gradients(theta: Any, x: Any) -> dict:
     """The pseudo-gradients ``D_i = x - theta_i`` of replicas ``theta`` ``(m, d)`` from the
     anchor ``x`` ``(d,)``: their mean norm, the norm of their mean, and the mean cosine over
@@ -938,11 +973,9 @@ def diagnose(
                     rec.update(line_record(task, anchor, x_old, *flat))
             rec["eval_after"] = task.eval_loss(new)
             rec["outer_step_norm"] = float(np.linalg.norm(_flat(new) - x_old))
-            nu = _second_moment(state, replicas=True)
-            base = NU.get(t)
-            if base is not None:
-                ratio = np.sqrt(nu) / np.maximum(np.sqrt(base), 1e-30)
-                rec["adam_denominator_ratio_median"] = float(np.median(ratio))
+            ratio = denominator_ratio(_second_moment(state, replicas=True), NU.get(t))
+            if ratio is not None:
+                rec["adam_denominator_ratio_median"] = ratio
         else:
             NU[t] = _second_moment(state)
             host = jax.device_get(params)

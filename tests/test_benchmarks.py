@@ -925,3 +925,46 @@ def test_wire_bytes_flags_name_only_rows_it_measures(capsys):
         with pytest.raises(SystemExit):
             resolve(**kw)
         assert f"argument {flag}:" in capsys.readouterr().err, kw
+
+
+def test_lm_diloco_denominator_ratio_skips_what_it_cannot_compare():
+    """benchmarks/lm_diloco.py: the replicas' Adam denominator over data parallel's, and None
+    where Muon inside holds an Adam ``nu`` for fewer leaves than AdamW data parallel (until
+    2026-11-27 ``--diagnose`` of a Muon-inside row with the baseline raised a broadcast error
+    after training the baseline)."""
+    import numpy as np
+
+    from benchmarks import lm_diloco
+
+    nu, base = np.array([4.0, 9.0, 16.0]), np.array([1.0, 1.0, 4.0])
+    assert lm_diloco.denominator_ratio(nu, base) == pytest.approx(2.0)  # median of 2, 3, 2
+    assert lm_diloco.denominator_ratio(nu, None) is None  # --no-baseline
+    assert lm_diloco.denominator_ratio(nu[:2], base) is None  # Muon inside: fewer leaves
+
+
+def test_lm_gap_windows_by_hand():
+    """benchmarks/lm_gap_windows.py: the training-loss gap per window of the same steps, the
+    held-out gaps at steps 150 and 300, the late rise after the first third."""
+    from benchmarks import lm_gap_windows
+
+    base = [2.0] * 6
+    curve = [2.2, 2.2, 2.1, 2.1, 2.4, 2.4]  # windows of 2: +10%, +5%, +20%
+    assert lm_gap_windows.window_gaps(curve, base, 2) == pytest.approx([10.0, 5.0, 20.0])
+    run = {"recipe": "r", "curve": curve, "evals": [[150, 2.2], [300, 2.4]]}
+    adamw = {"recipe": "adamw", "curve": base, "evals": [[150, 2.0], [300, 2.0]]}
+    rec = lm_gap_windows.row("pair", run, adamw, 0.5, 2)
+    assert rec["w1"] == 10.0 and rec["w3"] == 20.0
+    assert rec["late rise"] == 15.0  # the last window (+20%) over the smallest after w1 (+5%)
+    assert rec["held-out 150"] == 10.0 and rec["held-out 300"] == 20.0
+    assert lm_gap_windows.held_out_gap(run, adamw, 200) is None
+
+
+def test_lm_diloco_shrinking_intervals_keep_the_syncs():
+    """benchmarks/lm_diloco.py: ``shrinking(h, steps)`` makes ``steps // h`` intervals from
+    ``1.5 h`` down to ``0.5 h`` that end on ``steps``: the syncs (so the bytes) of ``h``."""
+    from benchmarks import lm_diloco
+
+    assert lm_diloco.shrinking(30, 300) == (45, 42, 38, 35, 32, 28, 25, 22, 18, 15)
+    eight = lm_diloco.shrinking(8, 300)
+    assert len(eight) == 37 and sum(eight) == 296  # H = 8's 37 syncs, the last at step 296
+    assert eight[0] == 12 and eight[-1] == 4

@@ -1647,6 +1647,7 @@ RENDERERS: dict[str, tuple[Callable[[Any, pathlib.Path], str], str]] = {
     "narrow_sum": (_narrow_sum, "python -m benchmarks.narrow_sum"),
     "lm": (_lm, "python -m benchmarks.lm"),
     "lm_sync": (_lm_sync, "python -m benchmarks.lm_diloco --diagnose"),
+    "lm_gap_windows": (_generic, "python -m benchmarks.lm_gap_windows"),
     "lm_fidelity": (_lm_fidelity, FIDELITY_COMMAND),
     "lm_zeros": (_lm_zeros, FIDELITY_COMMAND + " --zeros"),
     "lm_S4_xfid": (_lm_xfid, XFID_COMMAND),

@@ -1,0 +1,169 @@
+"""Where a replica recipe loses ground against AdamW data parallel, read from runs already
+recorded (no training): the gap of each row, window by window, on the same tokens.
+
+Every run of ``benchmarks.lm`` records the training loss of every step (``curve``: for a
+replica recipe the mean of the replicas' own losses, at their own params, on the same global
+batch AdamW data parallel saw at that step) and the held-out loss every 50 steps
+(``evals``: for a replica recipe the mean replica, which is the anchor only at a sync). For
+each row named in :data:`ROWS` this module writes, against the ``adamw`` row of the same
+file (AdamW at its tuned peak, cosine to 10%):
+
+* ``wK``: the training-loss gap over the ``K``-th window of ``--window`` steps (30: one
+  sync interval at ``H = 30``), ``100 (mean(curve) / mean(adamw curve) - 1)`` over the
+  window, the same batches on both sides, so the batches' noise cancels;
+* ``held-out 150`` and ``held-out 300``: the held-out gap at the two evaluations that fall on
+  a sync of ``H = 30`` (and of ``H = 3``), in percent;
+* ``late rise``: the last window's gap minus the smallest gap after the run's first third
+  (in points): how much ground the row gives up once its start-up is over;
+* ``inner / DP peak``: the inner lr held (the file's ``--lr``) over AdamW's tuned peak on
+  that pair.
+
+::
+
+    python -m benchmarks.lm_gap_windows             # benchmarks/results/lm_gap_windows.json
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from benchmarks import common
+
+#: ``(pair, file, AdamW's tuned peak on the pair, the rows read)``: the 8-replica rows of
+#: issue 24 (SparseLoCo at 3000x, DiLoCo with AdamW inside at ``H = 8`` and ``H = 30``,
+#: MuLoCo, SparseLoCo at ``H = 3``) on each pair where they ran at seed 0 (and 1), and the
+#: fifth pair's two misses with the inner lr held at half of AdamW's tuned peak.
+SL3000 = "sparseloco-H30-muon-innerconst-d{}-b1mean-min0-outer1.5"
+ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
+    (
+        "benchmark s0",
+        "lm_S_sparseloco_m2.json",
+        4.5e-3,
+        (SL3000.format(21), SL3000.format(21) + "@inner4.5e-3"),
+    ),
+    (
+        "benchmark s0",
+        "lm_h30_adamw_inside.json",
+        4.5e-3,
+        ("diloco-int4-H8-innerconst", "diloco-int4-H30-innerconst"),
+    ),
+    ("benchmark s0", "lm_L2_sparseloco.json", 4.5e-3, ("sparseloco-H3-innerconst",)),
+    ("held-out s0", "lm_S_sparseloco_m2_ho.json", 6e-3, (SL3000.format(17),)),
+    (
+        "held-out s0",
+        "lm_h30_adamw_inside_heldout.json",
+        6e-3,
+        ("diloco-int4-H8-innerconst", "diloco-int4-H30-innerconst"),
+    ),
+    ("held-out s0", "lm_L2_sparseloco_ho.json", 6e-3, ("sparseloco-H3-innerconst",)),
+    (
+        "fourth s0",
+        "lm_L16P4_loco.json",
+        6e-3,
+        (
+            SL3000.format(19),
+            "diloco-int4-H8-innerconst",
+            "diloco-int4-H30-innerconst",
+            "sparseloco-H3-innerconst",
+        ),
+    ),
+    (
+        "fourth s1",
+        "lm_L16P4_s1_loco.json",
+        6e-3,
+        (SL3000.format(21), "diloco-int4-H8-innerconst", "diloco-int4-H30-innerconst"),
+    ),
+    (
+        "fifth s0",
+        "lm_fifth_loco.json",
+        3e-3,
+        (
+            SL3000.format(21),
+            "diloco-int4-H8-innerconst",
+            "diloco-int4-H30-innerconst",
+            "diloco-int4-H30-muon-innerconst",
+            "sparseloco-H3-innerconst",
+        ),
+    ),
+    ("fifth s1", "lm_fifth_s1_loco.json", 3e-3, ("diloco-int4-H8-innerconst",)),
+    (
+        "fifth s0",
+        "lm_L9_fifth.json",
+        3e-3,
+        (SL3000.format(21) + "@inner1.5e-3", "diloco-int4-H8-innerconst@inner1.5e-3"),
+    ),
+)
+
+
+def window_gaps(curve: list[float], base: list[float], window: int) -> list[float]:
+    """``100 (mean(curve[w]) / mean(base[w]) - 1)`` over consecutive windows of ``window``
+    steps (the same steps, so the same batches, on both sides)."""
+    out = []
+    for start in range(0, len(base) - window + 1, window):
+        mine = sum(curve[start : start + window]) / window
+        theirs = sum(base[start : start + window]) / window
+        out.append(100.0 * (mine / theirs - 1.0))
+    return out
+
+
+def held_out_gap(run: dict[str, Any], base: dict[str, Any], step: int) -> float | None:
+    """The held-out gap in percent at evaluation ``step`` (None: not evaluated there)."""
+    mine, theirs = dict(map(tuple, run["evals"])), dict(map(tuple, base["evals"]))
+    if step not in mine or step not in theirs:
+        return None
+    return 100.0 * (mine[step] / theirs[step] - 1.0)
+
+
+def row(pair: str, run: dict, base: dict, ratio: float, window: int) -> dict[str, Any]:
+    """One record: the row's window gaps, its held-out gaps at steps 150 and 300, its late
+    rise (the last window's gap over the smallest after the first third) and its inner lr
+    over AdamW's tuned peak."""
+    gaps = window_gaps(run["curve"], base["curve"], window)
+    late = gaps[len(gaps) // 3 :]
+    record: dict[str, Any] = {
+        "pair": pair,
+        "recipe": run["recipe"],
+        "inner / DP peak": round(ratio, 2),
+    }
+    record.update({f"w{k + 1}": round(g, 1) for k, g in enumerate(gaps)})
+    record["late rise"] = round(late[-1] - min(late), 1)
+    for step in (150, 300):
+        gap = held_out_gap(run, base, step)
+        record[f"held-out {step}"] = None if gap is None else round(gap, 2)
+    return record
+
+
+def records(window: int) -> list[dict[str, Any]]:
+    """Every row of :data:`ROWS`, read from ``benchmarks/results``."""
+    out = []
+    for pair, name, peak, recipes in ROWS:
+        data = json.loads((common.RESULTS / name).read_text())
+        runs = {r["recipe"]: r for r in data["runs"]}
+        for recipe in recipes:
+            ratio = inner_lr(recipe, data["config"]["lr"]) / peak
+            out.append(row(pair, runs[recipe], runs["adamw"], ratio, window))
+    return out
+
+
+def inner_lr(recipe: str, lr: float) -> float:
+    """The inner lr a row held: its ``@innerX`` label's ``X`` (a run merged from another
+    ``--lr``), else the file's ``lr``."""
+    return float(recipe.rsplit("@inner", 1)[1]) if "@inner" in recipe else lr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common.arg_parser(__doc__, writes="lm_TAG.json", takes="about a second (no training)")
+    ap.add_argument("--window", type=int, default=30, help="steps per window (H = 30's sync)")
+    ap.add_argument("--tag", default="gap_windows", help="write benchmarks/results/lm_TAG.json")
+    args = ap.parse_args(argv)
+    if args.window < 1:
+        ap.error(f"--window must be at least 1, got {args.window}")
+    out = {"environment": common.environment(), "window": args.window}
+    out["rows"] = records(args.window)
+    common.write_json(common.result_path("lm_" + args.tag, False), out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

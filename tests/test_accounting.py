@@ -168,7 +168,38 @@ def test_loop_collective_flagged(mesh):
     c = only(r.collectives)
     assert c.in_loop
     assert r.bytes_per_device == 7168  # counted once
-    assert "(loop)" in str(r)
+    assert (c.runs, r.loop_bytes_per_device) == (3, 3 * 7168)  # as often as it runs
+    assert "(loop x3)" in str(r) and "with the loops: 21.00 KiB" in str(r)
+
+
+def test_loop_bytes_multiply_nested_trip_counts_and_are_nan_for_unknown_ones(mesh):
+    """``bytes_per_device`` counts a collective in a loop once: a psum inside a ``lax.scan``
+    of 3 inside one of 4 read 7 KiB where each call sends 84 KiB. ``Collective.runs`` is the
+    product of XLA's known trip counts (12); a loop bound computed at run time has none."""
+    x = put(jnp.ones((8 * 1024,), jnp.float32), mesh)
+
+    def inner(c, _):
+        return c + jax.lax.psum(c, "data"), None
+
+    def nested(a):
+        return jax.lax.scan(
+            lambda c, _: (jax.lax.scan(inner, c, None, length=3)[0], None), a, None, length=4
+        )[0]
+
+    def dynamic(a):
+        bound = jnp.int32(a[0] > 0) + 2
+        return jax.lax.fori_loop(0, bound, lambda i, c: jax.lax.psum(c, "data") * 0.5, a)
+
+    r = comm_report(smap(nested, mesh, DATA, DATA), x)
+    c = only(r.collectives)
+    assert (c.in_loop, c.runs, r.bytes_per_device) == (True, 12, 7168)
+    assert r.loop_bytes_per_device == 12 * 7168
+    r = comm_report(
+        jax.jit(jax.shard_map(dynamic, mesh=mesh, in_specs=DATA, out_specs=DATA, check_vma=False)),
+        x,
+    )
+    assert only(r.collectives).runs is None and math.isnan(r.loop_bytes_per_device)
+    assert "(loop x?)" in str(r)
 
 
 def test_plain_callable_and_kwargs():

@@ -24,9 +24,11 @@ all-to-all          ``(n - 1) / n * S``          the operands (= the results)
 collective-permute  ``S``                        the permuted arrays
 ==================  ===========================  =======================================
 
-A group of one device sends nothing. The model ignores latency, topology and the
-trip count of loops: a collective inside a ``while`` body is counted once and flagged
-``in_loop=True``.
+A group of one device sends nothing. The model ignores latency and topology. A collective
+inside a ``while`` body (``lax.scan``, ``fori_loop``) is flagged ``in_loop=True`` and counted
+once in ``bytes_per_device``; :attr:`CommReport.loop_bytes_per_device` counts it as many
+times as it runs per call (:attr:`Collective.runs`: the loops' trip counts, as XLA knows
+them at compile time).
 
 Why logical and compiled numbers differ
 ---------------------------------------
@@ -100,14 +102,19 @@ class Collective:
         reduce-scatter, result bytes otherwise.
       group_size: ``n``, the number of devices in each replica group (for
         collective-permute: the number of distinct devices named in the pairs).
-      bytes_per_device: ring-model bytes each device sends per call.
+      bytes_per_device: ring-model bytes each device sends each time the op runs.
       name: instruction name in the program (``"psum_invariant.7"``, ``"%5"``).
       in_loop: whether the op sits in a ``while`` body/condition (or a computation
-        called from one), so its true cost is ``bytes_per_device`` times the trip count.
+        called from one), so its true cost is ``bytes_per_device`` times ``runs``.
         Only detected in compiled HLO.
       branch: where the op sits in ``lax.cond`` / ``lax.switch`` branches, outermost first:
         ``((k, i), ...)`` is branch ``i`` of conditional ``k`` (see :class:`Conditional`);
         ``()`` for an op that runs on every call.
+      runs: how many times the op runs per call: 1 outside loops; inside ``while`` loops
+        (``lax.scan``, ``fori_loop``) the product of their trip counts as XLA knows them at
+        compile time (``known_trip_count``; a loop's condition runs once more than its
+        body), None where a loop around it has none (a bound computed at run time). Read
+        from compiled HLO only: 1 in the logical program.
     """
 
     kind: str
@@ -119,6 +126,7 @@ class Collective:
     name: str = ""
     in_loop: bool = False
     branch: tuple[tuple[int, int], ...] = ()
+    runs: int | None = 1
 
     @property
     def dtype(self) -> str:
@@ -195,6 +203,17 @@ class CommReport:
     def bytes_per_device(self) -> float:
         """Ring-model bytes each device sends per call, summed over compiled collectives."""
         return float(sum(c.bytes_per_device for c in self.collectives))
+
+    @property
+    def loop_bytes_per_device(self) -> float:
+        """:attr:`bytes_per_device` with each compiled collective counted as often as it runs
+        per call (:attr:`Collective.runs`): ``sum_c runs(c) bytes(c)``, so a ``psum`` inside
+        a ``lax.scan`` of length 5 counts 5 times (``bytes_per_device`` counts it once).
+        NaN where a collective that sends bytes sits in a loop whose trip count XLA does not
+        know at compile time."""
+        if any(c.runs is None and c.bytes_per_device for c in self.collectives):
+            return math.nan
+        return float(sum(c.bytes_per_device * (c.runs or 0) for c in self.collectives))
 
     @property
     def logical_bytes_per_device(self) -> float:
@@ -877,20 +896,62 @@ def _hlo_branch_map(lines: list[str]) -> tuple[dict[str, Path], list[RawConditio
     return paths, found
 
 
+_HLO_BODY_RE = re.compile(r"\bbody=%?([\w.\-]+)")
+_HLO_CONDITION_RE = re.compile(r"\bcondition=%?([\w.\-]+)")
+_HLO_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+
+
+def _hlo_callees(line: str) -> list[tuple[str, int | None]]:
+    """``(computation, runs per execution of the instruction)`` for each computation one HLO
+    instruction calls: a ``while``'s body its trip count ``t`` (``known_trip_count``, None
+    when XLA does not know it), its condition ``t + 1``; any other callee once."""
+    if " while(" not in line:
+        names = set(_HLO_CALLEE_RE.findall(line)) | set(_hlo_branch_names(line))
+        return [(name, 1) for name in sorted(names)]
+    m = _HLO_TRIP_RE.search(line)
+    t = int(m.group(1)) if m else None
+    calls = [(body, t) for body in _HLO_BODY_RE.findall(line)]
+    return calls + [(c, None if t is None else t + 1) for c in _HLO_CONDITION_RE.findall(line)]
+
+
+def _hlo_runs(lines: list[str]) -> dict[str, int | None]:
+    """How many times each computation reached from the entry runs per call (summed over
+    the instructions that call it; None below a loop whose trip count is unknown)."""
+    comps, entry = _hlo_computations(lines)
+    runs: dict[str, int | None] = {}
+
+    def add(comp: str, times: int | None) -> None:
+        before = runs.get(comp, 0)
+        runs[comp] = None if before is None or times is None else before + times
+        for line in comps.get(comp, ()):
+            for callee, factor in _hlo_callees(line):
+                add(callee, None if times is None or factor is None else times * factor)
+
+    add(entry, 1)
+    return runs
+
+
 def _hlo_program(
     text: str, num_devices: int | None
 ) -> tuple[list[Collective], tuple[Conditional, ...]]:
-    """The collectives of an HLO text with their branches, and its numbered conditionals."""
+    """The collectives of an HLO text with their branches and how often each runs per call
+    (:attr:`Collective.runs`), and its numbered conditionals."""
     lines = _COMMENT_RE.sub("", text).splitlines()
     comp_paths, raw = _hlo_branch_map(lines)
-    paths, current = [], ""
+    comp_runs = _hlo_runs(lines)
+    paths, runs, current = [], [], ""
     for line in lines:
         head = _HLO_COMPUTATION_RE.match(line)
         if head and not line[:1].isspace():
             current = head.group("name")
         elif _HLO_OP_RE.match(line):
             paths.append(comp_paths.get(current, ()))
-    return _number_branches(_hlo_collectives(text, num_devices), paths, raw)
+            runs.append(comp_runs.get(current, 1))
+    collectives = [
+        dataclasses.replace(c, runs=r)
+        for c, r in zip(_hlo_collectives(text, num_devices), runs, strict=True)
+    ]
+    return _number_branches(collectives, paths, raw)
 
 
 def _regions(text: str, start: int) -> list[tuple[int, int]]:
@@ -1072,9 +1133,11 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
     Each collective of the compiled HLO (and of the logical StableHLO) is costed as the
     bytes one device sends per call in the ring model (see :class:`CommReport`): e.g. an
     all-reduce of ``S`` bytes over ``n`` devices sends ``2(n-1)/n S`` (the bandwidth-optimal
-    ring of Patarasuk and Yuan, JPDC 2009). Latency, topology and loop trip counts are not
-    modelled. Collectives inside ``lax.cond`` / ``lax.switch`` branches are all counted in
-    ``bytes_per_device``; :meth:`CommReport.branch_bytes` gives each branch's and
+    ring of Patarasuk and Yuan, JPDC 2009). Latency and topology are not modelled; a
+    collective inside a loop counts once in ``bytes_per_device`` and as often as it runs in
+    :attr:`CommReport.loop_bytes_per_device`. Collectives inside ``lax.cond`` /
+    ``lax.switch`` branches are all counted in ``bytes_per_device``;
+    :meth:`CommReport.branch_bytes` gives each branch's and
     :meth:`CommReport.mean_bytes_per_device` the mean over how often each branch runs.
 
     Args:
@@ -1122,7 +1185,7 @@ def _table(title: str, cs: Sequence[Collective]) -> list[str]:
     rows = [
         (
             c.kind
-            + (" (loop)" if c.in_loop else "")
+            + (f" (loop x{'?' if c.runs is None else c.runs})" if c.in_loop else "")
             + "".join(f" [cond {k} branch {i}]" for k, i in c.branch[-1:]),
             c.dtype,
             c.shape_str(),
@@ -1150,7 +1213,10 @@ def _format_report(r: CommReport) -> str:
     lines += _table("logical", r.logical)
     lines.append(f"  total: {format_bytes(r.logical_bytes_per_device)} per device per call")
     if any(c.in_loop for c in r.collectives):
-        lines.append("  (loop): inside a while loop, counted once; multiply by the trip count")
+        lines.append(
+            "  (loop xk): inside a while loop, runs k times per call (? unknown); the totals "
+            f"count it once, with the loops: {format_bytes(r.loop_bytes_per_device)} per device"
+        )
     if r.conditionals:
         lines.append(
             "  [cond k branch i]: runs only when conditional k takes branch i; the totals count "

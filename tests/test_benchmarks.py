@@ -804,7 +804,8 @@ def test_lm_demo_mean_of_signs():
     g = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 8, 70))}
     same = {"w": jnp.broadcast_to(g["w"][:1], g["w"].shape)}
 
-    def run(tx, grads):
+    def runner(tx):
+        """One compiled step of ``tx`` from its initial state, for both gradients."""
         s0 = jc.sharded_init(tx, params, mesh, "d")
         spec = jc.state_specs(s0, "d")
         f = jax.shard_map(
@@ -814,13 +815,18 @@ def test_lm_demo_mean_of_signs():
             out_specs=(P(), spec),
             check_vma=False,
         )
-        grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
-        return jax.tree.map(np.asarray, jax.jit(f)(grads, s0))
+        step = jax.jit(f)
 
-    mine = lm_demo.mean_of_signs("d", decay=0.95)
-    base = demo.scale_by_demo("d", decay=0.95, topk=18, bits=4)
+        def run(grads):
+            grads = jax.device_put(grads, NamedSharding(mesh, P("d")))
+            return jax.tree.map(np.asarray, step(grads, s0))
+
+        return run
+
+    mine = runner(lm_demo.mean_of_signs("d", decay=0.95))
+    base = runner(demo.scale_by_demo("d", decay=0.95, topk=18, bits=4))
     for grads in (same, g):
-        (u, s), (ub, sb) = run(mine, grads), run(base, grads)
+        (u, s), (ub, sb) = mine(grads), base(grads)
         np.testing.assert_allclose(s.momentum["w"], sb.momentum["w"], rtol=1e-6, atol=1e-6)
         if grads is same:
             np.testing.assert_array_equal(u["w"], ub["w"])

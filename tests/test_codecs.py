@@ -298,24 +298,32 @@ def test_encode_sum_of_the_scaled_cast_bounds_from_the_row_scales():
     x = rng.standard_normal((4, 512)).astype(np.float32) * 1e-3
     x[1] = -x[0] + 1e-9 * rng.standard_normal(512)  # rows that cancel to tiny values
     c = jc.cast("fp16")
-    rows = jax.vmap(c.encode)(jnp.asarray(x))
-    decoded = np.stack(
-        [np.asarray(c.decode(jax.tree.map(lambda a, i=i: a[i], rows), 512)) for i in range(4)]
-    )
+    others = (jc.cast("fp16", scaled=False), jc.int_quant(8))
+
+    @jax.jit  # one program (op by op, each primitive compiled on its own: 2.9 s of CPU)
+    def run(x):
+        rows = jax.vmap(c.encode)(x)
+        decoded = [c.decode(jax.tree.map(lambda a, i=i: a[i], rows), 512) for i in range(4)]
+        payload = c.encode_sum(rows, 512, 0.25)
+        bad = (rows[0], rows[1].at[2, 0].set(jnp.nan))
+        theirs = []
+        for other in others:
+            enc = jax.vmap(other.encode)(x)
+            want = other.encode(other.decode_sum(enc, 512, 0.25))
+            theirs.append((other.encode_sum(enc, 512, 0.25), want))
+        return rows, decoded, payload, c.decode(payload, 512), c.encode_sum(bad, 512, 0.25), theirs
+
+    rows, decoded, payload, got, bad, theirs = run(jnp.asarray(x))
+    decoded = np.stack([np.asarray(d) for d in decoded])
     mean = decoded.mean(0, dtype=np.float64)
-    payload = c.encode_sum(rows, 512, 0.25)
     assert float(payload[1][0]) == float(jnp.max(rows[1]))
-    got = np.asarray(c.decode(payload, 512), np.float64)
+    got = np.asarray(got, np.float64)
     float32_sum = 2.0**-22 * np.abs(decoded).sum(0)  # the owner adds in float32
     bound = 2.0**-11 * np.abs(mean) + 2.0**-28 * np.abs(x).max() + float32_sum
     assert np.all(np.abs(got - mean) <= bound)
-    bad = (rows[0], rows[1].at[2, 0].set(jnp.nan))
-    assert np.isnan(float(c.encode_sum(bad, 512, 0.25)[1][0]))
-    for other in (jc.cast("fp16", scaled=False), jc.int_quant(8)):
-        enc = jax.vmap(other.encode)(jnp.asarray(x))
-        want = other.encode(other.decode_sum(enc, 512, 0.25))
-        got_leaves = jax.tree.leaves(other.encode_sum(enc, 512, 0.25))
-        for a, b in zip(got_leaves, jax.tree.leaves(want), strict=True):
+    assert np.isnan(float(bad[1][0]))
+    for got_payload, want in theirs:
+        for a, b in zip(jax.tree.leaves(got_payload), jax.tree.leaves(want), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 

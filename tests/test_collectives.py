@@ -487,3 +487,27 @@ def test_random_k_key_replicated_but_different_per_process_is_made_one(monkeypat
     kept = total != 0
     assert kept.sum() == 32
     np.testing.assert_allclose(total[kept], 2 * np.asarray(x).sum(0)[kept], rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_and_shard_map_axes_in_one_tuple_under_check_vma_are_refused_naming_it():
+    """``jax.vmap(..., axis_name="v")`` inside ``jax.shard_map(..., check_vma=True)`` over
+    "data", reducing over ``("v", "data")``: jax reduces over no such tuple there, and
+    jaxcomp's all-gather strategies failed with jax's bare AssertionError (no message). Now a
+    ValueError names ``axis_name`` and the fix; with ``check_vma=False`` the numbers are
+    ``jax.lax.pmean``'s within int8's rounding."""
+    m = mesh(2)
+    x = stacked_normal(13, (37,))  # 2 devices x 4 vmapped rows
+
+    def run(reduce, check_vma):
+        body = jax.vmap(reduce, axis_name="v")
+        step = jax.shard_map(
+            body, mesh=m, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma
+        )
+        return np.asarray(jax.block_until_ready(jax.jit(step)(shard(x, m))))
+
+    codec = jc.int_quant(8)
+    with pytest.raises(ValueError, match=r"`axis_name` \('v', 'data'\) mixes .*check_vma=False"):
+        run(lambda r: jc.pmean(r, ("v", "data"), codec, strategy="allgather"), True)
+    got = run(lambda r: jc.pmean(r, ("v", "data"), codec, strategy="allgather"), False)
+    want = run(lambda r: jax.lax.pmean(r, ("v", "data")), False)
+    assert rel_err(got, want) < 0.01

@@ -40,6 +40,27 @@ def manual_axes() -> frozenset:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
+def check_not_mixed(axis_name: Any, name: str = "axis_name") -> None:
+    """Refuse a tuple ``axis_name`` that mixes axes bound by ``jax.vmap(..., axis_name=...)``
+    with manual ``jax.shard_map`` axes under ``check_vma=True`` (trace time).
+
+    jax reduces over no such tuple there: ``jax.lax.psum`` raises its own ValueError about
+    varying types, and ``jax.lax.all_gather`` (jaxcomp's ``allgather`` and ``two_phase``)
+    failed with a bare AssertionError and no message. With ``check_vma=False`` (or ``pmap``
+    inside ``vmap``) the same tuple works, and jaxcomp gives the numbers of a 2-D mesh.
+    """
+    names = axis_names(axis_name)
+    manual = [a for a in names if a in manual_axes()]
+    batched = [a for a in names if a not in manual_axes()]
+    if manual and batched and tracks_variance(tuple(manual)):
+        raise ValueError(
+            f"`{name}` {axis_name!r} mixes axes bound by jax.vmap ({batched}) with manual axes "
+            f"of jax.shard_map ({manual}) under check_vma=True, where jax cannot reduce over "
+            "both at once (jax.lax.psum refuses it too): pass check_vma=False to "
+            "jax.shard_map, or reduce over each kind of axis in its own call"
+        )
+
+
 def gather_to(axis_name: Any) -> str:
     """``to=`` of an ``all_gather`` over ``axis_name`` whose result every device holds the
     same: ``"invarying"`` over manual mesh axes, ``"varying"`` (jax's default, the same

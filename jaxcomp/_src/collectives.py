@@ -118,6 +118,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (re-exported)
     check_axes,
     check_axis_name,
     check_mesh_axis,
+    check_not_mixed,
     gather_to,
     manual_axes,
     tracks_variance,
@@ -164,12 +165,14 @@ def axis_size(axis_name: Any) -> int:
     check_axis_name(axis_name)
     names = axis_names(axis_name)
     try:
-        return int(jax.lax.axis_size(names if len(names) != 1 else names[0]))
+        size = int(jax.lax.axis_size(names if len(names) != 1 else names[0]))
     except NameError as e:
         raise ValueError(
             f"`axis_name` {axis_name!r} is not bound here: call jaxcomp collectives inside "
             f"jax.shard_map (or jax.pmap) over a mesh that has axis {axis_name!r} ({e})"
         ) from None
+    check_not_mixed(axis_name)
+    return size
 
 
 def bound_axis_size(axis_name: Any) -> int | None:

@@ -31,6 +31,20 @@ def test_prediction_is_the_alpha_beta_model():
     assert sec == pytest.approx(3e-3 + (big + small) / 1e9 + (1 + 1 / n) * 0.01 + 2 * 0.02)
 
 
+def test_prediction_on_one_device_is_no_bytes_and_one_call_per_phase():
+    """``jc.autotune`` on a mesh axis of one device listed every ``allreduce`` and
+    ``allgather`` row as "failed: bytes model: ZeroDivisionError" (the bytes put into each
+    collective were its ring bytes divided by ``n - 1``): they send nothing, and each phase
+    costs its latency."""
+    for codec, strategy, calls in [
+        (jc.cast("bf16"), "allreduce", 1),
+        (jc.int_quant(8), "allgather", 1),
+        (jc.int_quant(8), "two_phase", 2),
+    ]:
+        sec, ring = tuning.predict_seconds(codec, strategy, [1000, 7], 1, LINK, 2**25, 0)
+        assert (ring, sec) == (0.0, pytest.approx(calls * 1e-3)), strategy
+
+
 def test_prediction_counts_the_buckets_that_travel_alone():
     """A leaf's payload of at least bucket_bytes / 16 is a bucket of its own
     (buckets._plan): three 2.4 MB float32 leaves and a small one are 4 all-reduces, not 1."""

@@ -431,9 +431,11 @@ def _phases(codec: Codec | None, strategy: str, sizes: Sequence[int], n: int, wi
     if strategy == "allreduce":
         narrow = _summed_dtype(codec) in ("float16", "bfloat16") and widen == 1.0
         kind = "all_reduce_16" if narrow else "all_reduce"
-        return [(kind, ring, [r * n / (2 * (n - 1)) for r in rings])]
+        # one device: no ring bytes and nothing sent (every compressed row of a one-device
+        # table read "failed: bytes model: ZeroDivisionError", dividing by n - 1)
+        return [(kind, ring, [r * n / (2 * (n - 1)) if n > 1 else 0.0 for r in rings])]
     if strategy == "allgather":
-        return [("all_gather", ring, [r / (n - 1) for r in rings])]
+        return [("all_gather", ring, [r / (n - 1) if n > 1 else 0.0 for r in rings])]
     if strategy == "majority_vote":
         return _vote_phases(codec, sizes, n, widen)
     cs = [ceil_div(d, n) for d in sizes]

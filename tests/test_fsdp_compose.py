@@ -621,6 +621,29 @@ def test_an_fp16_chunk_sum_past_its_range_keeps_every_residual():
     assert flags.tolist() == [[False, True, True, True]] * 8
 
 
+def test_the_overflow_check_adds_no_collective():
+    """The fp16 overflow flag rides the non-finite flag's one ``psum`` over ``axis_name``:
+    fp16 and bf16 shards with error feedback compile to as many all-reduces as float32
+    (1 each; the first fix of 2026-11-27 added a second scalar ``psum`` over the slow axis
+    per gather, 2 for fp16 and bf16)."""
+    m = MESH8()
+
+    def all_reduces(dtype):
+        def f(w, x):
+            def loss(w, r):
+                return jnp.sum(jc.fsdp_gather(w, "data", residual=r).astype(F32) * x)
+
+            return jax.grad(loss, argnums=(0, 1))(w, jc.fsdp_residual(w, "data"))
+
+        spec = NamedSharding(m, P("data"))
+        fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P("data"),) * 2, out_specs=P("data")))
+        w = jax.ShapeDtypeStruct((32, 16), dtype, sharding=spec)
+        x = jax.ShapeDtypeStruct((8 * 32, 16), F32, sharding=spec)
+        return fn.lower(w, x).compile().as_text().count(" all-reduce(")
+
+    assert [all_reduces(d) for d in (jnp.float16, jnp.bfloat16, F32)] == [1, 1, 1]
+
+
 # --------------------------------------------------------------------------- many steps
 
 MESH8 = functools.cache(

@@ -192,8 +192,9 @@ def _scatter_cotangents(cfg, residual, cts, dtypes):
         if residual is not None:
             blocks = [b + r.reshape(b.shape) for b, r in zip(blocks, residual, strict=True)]
         keys = [None] * len(blocks)
-        s = scatter_rows(blocks, cfg.axis_name, cfg.grads, keys, cfg.bucket_bytes)
-        bad = _step_flag(cfg, s, dtypes, residual is not None)
+        narrow = None if residual is None else dtypes  # EF: an overflow would poison it
+        s = scatter_rows(blocks, cfg.axis_name, cfg.grads, keys, cfg.bucket_bytes, narrow)
+        bad = _step_flag(cfg, s)
         own = [jnp.where(bad, jnp.nan, o) for o in s.own]
         new_residual = (
             None
@@ -210,35 +211,21 @@ def _scatter_cotangents(cfg, residual, cts, dtypes):
     return grads, new_residual
 
 
-def _overflows(own: list, dtypes: list) -> jax.Array:
-    """Whether a chunk's float32 sum leaves the range of its leaf's narrower dtype (an fp16
-    sum past 65504, a bf16 one past float32's): rounded, it is inf."""
-    flags = [
-        jnp.any(~jnp.isfinite(o.astype(d)))
-        for o, d in zip(own, dtypes, strict=True)
-        if jnp.finfo(d).bits < 32
-    ]
-    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
-
-
-def _step_flag(cfg: _Config, s: Any, dtypes: list, feedback: bool) -> jax.Array:
+def _step_flag(cfg: _Config, s: Any) -> jax.Array:
     """The step's non-finite flag, the same on every device of the gather (and of
-    ``skip_axis``): a non-finite input anywhere (``s.bad``, or-ed over ``axis_name``
-    already), or-ed over the inner and skip axes. With error feedback, also a chunk whose
-    finite float32 sum overflows its leaf's narrower dtype: its rounding (:func:`_kept`)
-    would be ``sum - inf``, an infinite residual that poisons every later step (until
-    2026-11-27: fp16 shards, a chunk's sum 8e4, every later gradient non-finite). Flagged,
-    the step is non-finite on every device and every residual is kept, as for a non-finite
-    input (one scalar ``psum`` over ``axis_name``; without error feedback the overflow is
-    the owner's ``inf``, as ``jax.lax.psum_scatter`` in the leaf's dtype gives)."""
-    bad = s.bad
+    ``skip_axis``): ``s.bad`` (or-ed over ``axis_name`` already) or-ed over the inner and
+    skip axes. With error feedback ``s.bad`` also holds a chunk whose finite float32 sum
+    overflows its leaf's narrower dtype (:func:`jaxcomp._src.sharded.overflows`, in
+    :func:`scatter_rows`' one ``psum``): its rounding (:func:`_kept`) would be ``sum - inf``,
+    an infinite residual that poisons every later step (until 2026-11-27: fp16 shards, a
+    chunk's sum 8e4, every later gradient non-finite). Flagged, the step is non-finite on
+    every device and every residual is kept, as for a non-finite input (without error
+    feedback the overflow is the owner's ``inf``, as ``jax.lax.psum_scatter`` in the leaf's
+    dtype gives)."""
     beside = axis_names(cfg.inner_axis_name) + cfg.skip_axes
-    if feedback and any(jnp.finfo(d).bits < 32 for d in dtypes):
-        bad = bad | _overflows(s.own, dtypes)
-        beside = axis_names(cfg.axis_name) + beside
     if beside:
-        bad = jax.lax.psum(bad.astype(jnp.int32), beside) > 0
-    return bad
+        return jax.lax.psum(s.bad.astype(jnp.int32), beside) > 0
+    return s.bad
 
 
 def _kept(error: jax.Array, own: jax.Array, dtype: Any, axis_name: Any) -> jax.Array:

@@ -298,11 +298,18 @@ def all_gather(
 
 
 def scatter_rows(
-    blocks: list[jax.Array], axis_name: Any, codec: Codec, keys: list, bucket_bytes: int
+    blocks: list[jax.Array],
+    axis_name: Any,
+    codec: Codec,
+    keys: list,
+    bucket_bytes: int,
+    narrow: list | None = None,
 ) -> Scattered:
     """Sum over devices of row ``i`` of each ``f32[n, c]`` block, on device ``i``: the rows go
     through ``codec`` (one ``all_to_all`` per bucket), the receiver decodes its ``n`` encodings
-    and sums them in float32. The flag is summed over ``axis_name`` only."""
+    and sums them in float32. The flag is summed over ``axis_name`` only. ``narrow``: the
+    blocks' leaf dtypes, where a chunk sum that overflows a narrower one counts as non-finite
+    (:func:`overflows`), in the same one ``psum`` as a non-finite input."""
     n = axis_size(axis_name)
     payloads = []
     for b, k in zip(blocks, keys, strict=True):
@@ -320,12 +327,26 @@ def scatter_rows(
         local = local_nonfinite([h for h in held if jnp.issubdtype(h.dtype, jnp.floating)])
     else:
         local = local_nonfinite(blocks)
+    if narrow is not None:
+        local = local | overflows(own, narrow)
     bad = jax.lax.psum(local.astype(jnp.int32), axis_name) > 0
     sent = [
         codec.decode_rows(p, b.shape[1]).reshape(b.shape)
         for p, b in zip(payloads, blocks, strict=True)
     ]
     return Scattered([_poison(o, bad) for o in own], sent, bad)
+
+
+def overflows(own: list, dtypes: list) -> jax.Array:
+    """Whether a chunk's float32 sum ``own`` leaves the range of its leaf's narrower dtype
+    (an fp16 sum past 65504; a bf16 one past about 3.39e38, or an inf): rounded, it is inf.
+    False where every dtype is float32 or wider (nothing computed)."""
+    flags = [
+        jnp.any(~jnp.isfinite(o.astype(d)))
+        for o, d in zip(own, dtypes, strict=True)
+        if jnp.finfo(d).bits < 32
+    ]
+    return jnp.any(jnp.stack(flags)) if flags else jnp.bool_(False)
 
 
 def scatter_blocks(a: jax.Array, dim: int, n: int) -> jax.Array:

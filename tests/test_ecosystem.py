@@ -246,6 +246,32 @@ def test_a_transform_chained_after_a_replica_transform_is_refused_at_sharded_ini
             init(wrapped)
 
 
+def test_a_replica_transform_nested_or_wrapped_then_chained_on_is_refused():
+    """A replica transform inside a nested ``optax.chain`` or ``optax.inject_hyperparams``,
+    followed by a transform: the same updates as the flat chain refused above, accepted
+    until 2026-11-27. Under ``optax.masked`` it is accepted (what follows may be masked to
+    the other leaves: two replica transforms on complementary masks)."""
+    params = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
+
+    def init(tx):
+        return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
+
+    local = lambda lr=0.1: jc.local_sgd(optax.sgd(lr), "data", 2)  # noqa: E731
+    for tx in (
+        optax.chain(optax.chain(optax.clip(1.0), local()), optax.scale(0.5)),
+        optax.chain(optax.inject_hyperparams(local)(lr=0.1), optax.scale(0.5)),
+    ):
+        with pytest.raises(ValueError, match=r"`tx` chains a transform after jc\.local_sgd"):
+            init(tx)
+    mask = {"w": True, "b": False}
+    other = {"w": False, "b": True}
+    init(
+        optax.chain(
+            optax.masked(local(), mask), optax.masked(jc.diloco(optax.sgd(0.1), "data", 2), other)
+        )
+    )
+
+
 def test_a_replica_transform_on_some_params_only_is_refused_at_sharded_init():
     """``optax.multi_transform({"loc": jc.local_sgd(...), "other": optax.sgd(0.1)}, labels)``
     (or ``optax.masked``): the "other" leaves are per-device replicas that no transform syncs.

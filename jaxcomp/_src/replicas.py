@@ -156,14 +156,33 @@ def check_replicas_last(state: Any) -> None:
     device's move by what differs per device (``optax.scale(s)``: ``theta_i + s (x -
     theta_i)``; ``optax.add_decayed_weights(w)``: ``+ w theta_i``), so the replicas no longer
     agree after a sync, with no error (docs/local-sgd-diloco.md). Chained before it, or
-    inside ``inner``, the same transform is fine.
+    inside ``inner``, the same transform is fine. A replica transform inside a nested chain
+    or a wrapper (``optax.inject_hyperparams``, ``jc.accumulate``) counts as where that
+    chain or wrapper is (until 2026-11-27 ``optax.chain(optax.chain(jc.local_sgd(...)),
+    optax.scale(0.5))`` was accepted, the same updates as the flat chain refused); one under
+    ``optax.masked`` / ``multi_transform`` / ``partition`` does not (what follows may be
+    masked to the other leaves).
     """
-    kinds = replica_states()
     for node in _nodes(state):
         if type(node) is tuple:  # an optax.chain's state
-            early = [k for k in node[:-1] if isinstance(k, kinds)]
+            early = [k for k in map(_replicas_run, node[:-1]) if k is not None]
             if early:
-                _refuse_after(type(early[0]).__name__)
+                _refuse_after(early[0])
+
+
+def _replicas_run(node: Any) -> str | None:
+    """The state class name of a replica transform that ``node``'s transform runs on every
+    leaf it is given: ``node`` itself, or one inside it through chains and wrappers that do
+    not mask leaves; else None."""
+    kinds, masks = replica_states(), (optax.MaskedState, optax.PartitionState)
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, kinds):
+            return type(n).__name__
+        if not isinstance(n, masks):
+            todo.extend(_children(n))
+    return None
 
 
 def _empty(x: Any) -> bool:

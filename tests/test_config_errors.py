@@ -1510,12 +1510,17 @@ def _overlap_reuse_test():
 def _elsewhere_tests():
     """Tests of other files that raise an errors.md row's check (not collected here):
     delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes),
-    dgc's clip_norm on HSDP shards (a 2 x 4 mesh)."""
+    dgc's clip_norm on HSDP shards (a 2 x 4 mesh), a tuple of vmap and shard_map axes."""
+    import test_collectives
     import test_delayed
     import test_fsdp_compose
     import test_multihost
 
+    mixed = "pmean, psum, all_gather, psum_scatter, the transforms"
     return {
+        (mixed, "axis_name", ValueError): (
+            test_collectives.test_vmap_and_shard_map_axes_in_one_tuple_under_check_vma_are_refused_naming_it
+        ),
         ("delayed (update)", "axis_name", ValueError): (
             test_delayed.test_axis_name_with_an_exchanging_tx_is_refused_naming_axis_name
         ),

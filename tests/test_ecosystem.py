@@ -306,6 +306,11 @@ def test_a_replica_transform_on_some_params_only_is_refused_at_sharded_init():
         ),
     ):
         init(tx)
+    # a frozen group outside is refused too (its EmptyState is optax.scale's): the message
+    # says where it goes (inside `inner`, where each sync averages equal values)
+    frozen = optax.multi_transform({"loc": local, "other": optax.set_to_zero()}, labels)
+    with pytest.raises(ValueError, match=r"frozen leaves too \(optax\.set_to_zero\(\)"):
+        init(frozen)
 
 
 # --------------------------------------------------------------------------- accumulation

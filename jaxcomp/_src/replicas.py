@@ -222,9 +222,10 @@ def check_replicas_cover(state: Any, params: Any) -> None:
             f"{', '.join(map(jax.tree_util.keystr, left[:5]))} are synced by no transform, and "
             "each device's copy of them would drift from the others' for ever. Put the "
             f"per-group optimizers inside `inner` ({name}(optax.multi_transform(..., "
-            "labels), ...)), or give every group its own replica transform (or an exchange "
-            "that averages it every step: jc.compressed_allreduce(jc.identity(), axis_name) "
-            "is jax.lax.pmean)."
+            "labels), ...)), frozen leaves too (optax.set_to_zero() in that multi_transform: "
+            "its state cannot be told from a trained group's), or give every group its own "
+            "replica transform (or an exchange that averages it every step: "
+            "jc.compressed_allreduce(jc.identity(), axis_name) is jax.lax.pmean)."
         )
 
 

@@ -367,3 +367,24 @@ def test_the_one_global_norm_gives_each_caller_the_bits_of_its_own_norm_before()
         for name in want:
             for g, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(want[name]), strict=True):
                 np.testing.assert_array_equal(g, w, err_msg=f"{name}, tree {i}")
+
+
+def test_a_float16_memory_plus_its_outputs_rounding_saturates_instead_of_inf():
+    # A float16 memory near 65504 and a float16 leaf whose float32 mean (1.2e5) saturates on
+    # output: the rounding added to the memory (mean - 65504) took it past 65504, and a plain
+    # cast made it inf, so every later g + e was inf and the frozen memory stayed inf for good
+    # (jc.compressed_allreduce(jc.sign(), memory_dtype=float16) on 8 devices: every update
+    # non-finite from the second step on). Stored saturating, as every memory is.
+    from jaxcomp._src.feedback import with_rounding
+
+    memory = jnp.asarray([6e4, -6e4, 1.0, 0.0], jnp.float16)
+    mean = jnp.asarray([1.2e5, -1e5, 3.0, 0.0], jnp.float32)
+    (out,) = with_rounding([memory], [mean], [jnp.float16])
+    assert out.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), [65504.0, -65504.0, 1.0, 0.0])
+    (kept,) = with_rounding([memory], [mean], [jnp.float16], ok=False)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(memory))
+    (bf,) = with_rounding(
+        [jnp.asarray([3e38], jnp.bfloat16)], [jnp.asarray([3.3e38])], [jnp.bfloat16]
+    )
+    assert np.isfinite(np.asarray(bf, np.float32)).all()

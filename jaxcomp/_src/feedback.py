@@ -178,6 +178,11 @@ def with_rounding(memories: list, means: list, dtypes: list, ok: Any = True) -> 
 
         e_i' <- e_i' + (mean - cast(mean))      # sum_i e_i' + n cast(mean) = sum_i (g_i + e_i)
 
+    The sum is stored as every memory is (:func:`to_memory`: saturating), so a finite memory
+    never becomes inf here either. Until 2026-11-27 it was a plain cast: a float16 memory
+    near 65504 plus the rounding of a saturated float16 output rounded to inf, and every
+    later step was non-finite for good (the next ``g + e`` inf, the frozen memory inf).
+
     Args:
       memories: the new memories, one array per compressed leaf (any shape, its dtype kept).
       means: the float32 means (the outputs before the cast), one per memory.
@@ -194,7 +199,7 @@ def with_rounding(memories: list, means: list, dtypes: list, ok: Any = True) -> 
             out.append(e)
             continue
         r = jnp.where(ok, r, 0.0).reshape(e.shape)
-        out.append((e.astype(jnp.float32) + r).astype(e.dtype))
+        out.append(to_memory(e.astype(jnp.float32) + r, e.dtype))
     return out
 
 

@@ -22,6 +22,7 @@ arithmetic as 8 devices).
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -132,6 +133,28 @@ def make_tx(
     return optax.chain(compression(AXIS), opt), True
 
 
+@functools.cache
+def model_programs(context: int, d_model: int, layers: int, heads: int, seed: int) -> tuple:
+    """``(graphdef, init, loss_fn, eval_loss)`` of one model configuration: ``init()`` its
+    params in one compiled call (eager NNX init compiles every small op on its own),
+    ``loss_fn(params, tokens)`` the next-byte cross-entropy and ``eval_loss`` it jitted. Built
+    once per configuration, so runs of the same model (a baseline and a compressed run)
+    compile the initialization and the held-out loss once."""
+
+    def make_model():
+        return CharTransformer(
+            context=context, d=d_model, layers=layers, heads=heads, rngs=nnx.Rngs(seed)
+        )
+
+    graphdef = nnx.graphdef(nnx.eval_shape(make_model))
+
+    def loss_fn(p, tokens):
+        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    return graphdef, jax.jit(lambda: nnx.state(make_model())), loss_fn, jax.jit(loss_fn)
+
+
 def train(
     compression: str | Callable[[str], Any] = "powersgd",
     steps: int = 200,
@@ -194,14 +217,8 @@ def train(
     split_at = int(0.9 * len(text))
     train_text, eval_text = text[:split_at], text[split_at:]
 
-    def make_model():
-        return CharTransformer(
-            context=context, d=d_model, layers=layers, heads=heads, rngs=nnx.Rngs(seed)
-        )
-
-    # Initialize in one compiled call (eager NNX init compiles every small op on its own).
-    graphdef = nnx.graphdef(nnx.eval_shape(make_model))
-    params = jax.jit(lambda: nnx.state(make_model()))()
+    _, init, loss_fn, eval_loss = model_programs(context, d_model, layers, heads, seed)
+    params = init()
     if lr is None:
         lr = 3e-3 if optimizer == "adam" else 0.2
     tx, averages = make_tx(
@@ -213,10 +230,6 @@ def train(
         schedule=schedule,
         powersgd_options=powersgd_options,
     )
-
-    def loss_fn(p, tokens):
-        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(p, opt_state, tokens):
         # pcast: per-device gradients, no implicit all-reduce by grad (vmap needs none).
@@ -265,7 +278,7 @@ def train(
     eval_tokens = jnp.asarray(batch(np.random.default_rng(12345), eval_text, eval_sequences))
     if workers is not None:  # every worker holds the same params
         params = jax.tree.map(lambda x: x[0], params)
-    held_out = float(jax.jit(loss_fn)(jax.device_get(params), eval_tokens))
+    held_out = float(eval_loss(jax.device_get(params), eval_tokens))
     if not return_details:
         return held_out
     details = {"eval_loss": held_out, "train_loss": curve, "seconds": seconds}

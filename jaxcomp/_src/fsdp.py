@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from jaxcomp._src import buckets
 from jaxcomp._src.axes import axis_names, check_axis_name, manual_axes, tracks_variance
@@ -132,7 +133,44 @@ def _gather(shards: list, residual: Any, cfg: _Config) -> list:
 
 
 def _gather_fwd(shards, residual, cfg):
-    return _both_hops(shards, cfg), residual
+    """The forward rule. With ``symbolic_zeros`` each leaf comes as jax's
+    ``CustomVJPPrimal``: its ``value`` and whether jax differentiates it (``perturbed``)."""
+    _check_fed_back(shards, residual)
+    values = None if residual is None else [r.value for r in residual]
+    return _both_hops([s.value for s in shards], cfg), values
+
+
+def _check_fed_back(shards: list, residual: list | None) -> None:
+    """Refuse a residual that jax does not differentiate where it differentiates the shards.
+
+    The new residual ``e_j' = G_j + e_j - C(G_j + e_j)`` is the residual's cotangent: left
+    out of ``jax.grad``'s ``argnums`` (or closed over by the loss, or behind a
+    ``stop_gradient``) it is computed and dropped, so error feedback is off with no error:
+    what the codec drops is lost, not delayed (Seide et al., 2014), and a nonzero residual
+    carried that way would be sent again every step. Leaves whose shard is not
+    differentiated (their gradient is not asked for) are not checked, nor is a forward with
+    no differentiation at all (evaluation): jax does not run this rule there."""
+    if residual is None:
+        return
+    if any(s.perturbed and not r.perturbed for s, r in zip(shards, residual, strict=True)):
+        raise ValueError(
+            "`residual` is passed to fsdp_gather but not differentiated while the shards are "
+            "(left out of jax.grad's argnums, closed over by the loss, or behind "
+            "jax.lax.stop_gradient): the new residual is its gradient, so it would never be "
+            "produced and error feedback would be silently off (what the codec drops lost, "
+            "not delayed). Differentiate it with the shards and carry the new one, e.g. "
+            "g, residual = jax.grad(loss, argnums=(0, 1))(shards, residual, batch); or pass "
+            "residual=None for no error feedback"
+        )
+
+
+def _instantiated(ct: Any) -> Any:
+    """A cotangent jax passes as a symbolic zero (a gathered leaf the loss does not use) as
+    the zeros jax builds without ``symbolic_zeros``: typed varying as its abstract value."""
+    if not isinstance(ct, SymbolicZero):
+        return ct
+    zeros = jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    return varying_over(zeros, getattr(ct.aval, "vma", frozenset()))
 
 
 def _fast_transpose(ct: jax.Array, cfg: _Config) -> jax.Array:
@@ -149,6 +187,7 @@ def _gather_bwd(cfg, residual, cts):
     """The transpose: reduce-scatter the cotangents through ``cfg.grads`` (plus error
     feedback); the residual's cotangent is the new residual. An empty leaf's cotangent is
     empty and takes no part in a collective (nor its residual)."""
+    cts = [_instantiated(ct) for ct in cts]
     dtypes = [ct.dtype for ct in cts]
     if cfg.fast_inside:
         cts = [_fast_transpose(ct, cfg) if ct.size else ct for ct in cts]
@@ -257,7 +296,7 @@ def _check_cotangent_axes(grads: list, varying: frozenset) -> None:
         )
 
 
-_gather.defvjp(_gather_fwd, _gather_bwd)
+_gather.defvjp(_gather_fwd, _gather_bwd, symbolic_zeros=True)
 
 
 def _check_shards(leaves: list, paths: list, axis: int) -> None:
@@ -721,6 +760,8 @@ def fsdp_gather(
     step); ``jax.grad`` with respect to it returns the new residual
     ``e_j' = G_j + e_j - C(G_j + e_j)`` (the old one on a non-finite step), e.g.
     ``g, e = jax.grad(loss, argnums=(0, 1))(shards, e, batch)``. Its value is not read forward.
+    A residual that ``jax.grad`` does not differentiate where it differentiates the shards is
+    refused: its new value would be dropped, error feedback silently off.
 
     Args:
       shards: this device's weight shards (a pytree of floating arrays), inside ``shard_map``.

@@ -247,10 +247,10 @@ def test_a_transform_chained_after_a_replica_transform_is_refused_at_sharded_ini
 
 
 def test_a_replica_transform_nested_or_wrapped_then_chained_on_is_refused():
-    """A replica transform inside a nested ``optax.chain`` or ``optax.inject_hyperparams``,
-    followed by a transform: the same updates as the flat chain refused above, accepted
-    until 2026-11-27. Under ``optax.masked`` it is accepted (what follows may be masked to
-    the other leaves: two replica transforms on complementary masks)."""
+    """A replica transform inside a nested ``optax.chain``, ``optax.inject_hyperparams`` or
+    ``optax.masked``, followed by a transform on every leaf: the same updates as the flat
+    chain refused above, accepted until 2026-11-27. Under ``optax.masked`` followed by masked
+    transforms only it is accepted (two replica transforms on complementary masks)."""
     params = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
 
     def init(tx):
@@ -260,6 +260,7 @@ def test_a_replica_transform_nested_or_wrapped_then_chained_on_is_refused():
     for tx in (
         optax.chain(optax.chain(optax.clip(1.0), local()), optax.scale(0.5)),
         optax.chain(optax.inject_hyperparams(local)(lr=0.1), optax.scale(0.5)),
+        optax.chain(optax.masked(local(), {"w": True, "b": True}), optax.scale(0.5)),
     ):
         with pytest.raises(ValueError, match=r"`tx` chains a transform after jc\.local_sgd"):
             init(tx)

@@ -159,28 +159,32 @@ def check_replicas_last(state: Any) -> None:
     inside ``inner``, the same transform is fine. A replica transform inside a nested chain
     or a wrapper (``optax.inject_hyperparams``, ``jc.accumulate``) counts as where that
     chain or wrapper is (until 2026-11-27 ``optax.chain(optax.chain(jc.local_sgd(...)),
-    optax.scale(0.5))`` was accepted, the same updates as the flat chain refused); one under
-    ``optax.masked`` / ``multi_transform`` / ``partition`` does not (what follows may be
-    masked to the other leaves).
+    optax.scale(0.5))`` was accepted, the same updates as the flat chain refused); so does
+    one under ``optax.masked`` / ``multi_transform`` / ``partition`` where a transform on
+    every leaf follows. Followed by masked transforms only it is accepted (they may leave
+    its leaves alone: ``jc.local_sgd`` and ``jc.diloco`` on complementary masks).
     """
+    masks = (optax.MaskedState, optax.PartitionState)
     for node in _nodes(state):
         if type(node) is tuple:  # an optax.chain's state
-            early = [k for k in map(_replicas_run, node[:-1]) if k is not None]
-            if early:
-                _refuse_after(early[0])
+            for i, k in enumerate(node[:-1]):
+                masked_after = all(isinstance(a, masks) for a in node[i + 1 :])
+                kind = _replicas_run(k, through_masks=not masked_after)
+                if kind is not None:
+                    _refuse_after(kind)
 
 
-def _replicas_run(node: Any) -> str | None:
-    """The state class name of a replica transform that ``node``'s transform runs on every
-    leaf it is given: ``node`` itself, or one inside it through chains and wrappers that do
-    not mask leaves; else None."""
+def _replicas_run(node: Any, through_masks: bool) -> str | None:
+    """The state class name of a replica transform that ``node``'s transform runs: ``node``
+    itself, or one inside it through chains and wrappers (through ``optax.masked`` /
+    ``multi_transform`` / ``partition`` too where ``through_masks``); else None."""
     kinds, masks = replica_states(), (optax.MaskedState, optax.PartitionState)
     todo = [node]
     while todo:
         n = todo.pop()
         if isinstance(n, kinds):
             return type(n).__name__
-        if not isinstance(n, masks):
+        if through_masks or not isinstance(n, masks):
             todo.extend(_children(n))
     return None
 

@@ -294,13 +294,14 @@ def _outer_cos(h: int, lr: float = 0.7, momentum: float = 0.6) -> Callable[[lm.R
     return make
 
 
-def _muon(run: lm.Run, held: bool = False) -> Any:
+def _muon(run: lm.Run, held: bool = False, wsd: bool = False) -> Any:
     """MuLoCo's inner step: Muon on the matrices, AdamW on the rest, both at the run's
-    schedule (``held``: :func:`held_schedule`; ``consistent_rms=0.2``: Muon's update RMS
-    matched to AdamW's, so one lr)."""
+    schedule (``held``: :func:`held_schedule`; ``wsd``: :func:`wsd_schedule`;
+    ``consistent_rms=0.2``: Muon's update RMS matched to AdamW's, so one lr)."""
     import optax
 
     sched = held_schedule(run) if held else run.schedule()
+    sched = wsd_schedule(run) if wsd else sched
     return optax.contrib.muon(
         sched,
         consistent_rms=0.2,
@@ -312,6 +313,10 @@ def _muon(run: lm.Run, held: bool = False) -> Any:
 
 def _muon_held(run: lm.Run) -> Any:
     return _muon(run, held=True)
+
+
+def _muon_wsd(run: lm.Run) -> Any:
+    return _muon(run, wsd=True)
 
 
 def _h(
@@ -368,6 +373,22 @@ def _sparse_h30(
     kw.setdefault("min_size", 0)
     outer = _sgd(outer_lr, momentum)
     return _h(h, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
+
+
+def _sparse_wsd(density: float) -> lm.Recipe:
+    """The 8-replica 1-bit row at 3000x (``density`` of each 4096, every leaf, outer SGD 1.5)
+    with Muon and its AdamW at :func:`wsd_schedule` instead of the held lr."""
+    outer = _sgd(1.5, 0.0)
+    return _h(
+        30,
+        inner=_muon_wsd,
+        outer=lambda run: outer(),
+        sparse=True,
+        min_size=0,
+        density=density,
+        bits=1,
+        value_scale="mean",
+    )
 
 
 def shrinking(h: int, steps: int) -> tuple[int, ...]:
@@ -524,6 +545,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H45to15-muon-innerconst-d17-b1mean-min0-outer1.5": _sparse_h30(
         h=shrinking(30, 300), density=17 / 4096, bits=1, value_scale="mean"
     ),
+    # ... the inner lr (Muon and its AdamW) decayed over the last 20% of the steps to 10%
+    # (wsd_schedule): data parallel's annealing at the end, where the 8-replica rows lose
+    # ground (slice L9).
+    "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5": _sparse_wsd(21 / 4096),
+    "sparseloco-H30-muon-innerwsd-d17-b1mean-min0-outer1.5": _sparse_wsd(17 / 4096),
     # ... outer Nesterov momentum 0.6 at lr 0.6: the same step along a direction that persists
     # (lr / (1 - momentum) = 1.5) with the merged update's sync-to-sync noise averaged over
     # about 1 / (1 - momentum) = 2.5 syncs (slice L8).
@@ -646,6 +672,7 @@ RECIPES: dict[str, lm.Recipe] = {
     "diloco-int4-H10-innerconst": _h(10, inner=_inner_const),
     "diloco-int4-H5-innerconst": _h(5, inner=_inner_const),
     "diloco-int4-H8-innerconst": _h(8, inner=_inner_const),
+    "diloco-int4-H8-innerwsd": _h(8, inner=_inner_wsd),
     # H = 16: the shortest H that keeps 2 replicas at 200x fewer bytes in 300 steps (18 syncs).
     "diloco-int4-H16-M2-innerconst": _h(16, 2, inner=_inner_const),
     "diloco-int4-H30-innerconst-outer0.5-0.6": _h(

@@ -33,7 +33,8 @@ from benchmarks import common
 #: ``(pair, file, AdamW's tuned peak on the pair, the rows read)``: the 8-replica rows of
 #: issue 24 (SparseLoCo at 3000x, DiLoCo with AdamW inside at ``H = 8`` and ``H = 30``,
 #: MuLoCo, SparseLoCo at ``H = 3``) on each pair where they ran at seed 0 (and 1), and the
-#: fifth pair's two misses with the inner lr held at half of AdamW's tuned peak.
+#: changes tried on the fifth pair's two misses (slice L9): the inner lr held at half of
+#: AdamW's tuned peak, shrinking sync intervals, the inner lr decayed at the end (WSD).
 SL3000 = "sparseloco-H30-muon-innerconst-d{}-b1mean-min0-outer1.5"
 ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
     (
@@ -91,8 +92,15 @@ ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
         "fifth s0",
         "lm_L9_fifth.json",
         3e-3,
-        (SL3000.format(21) + "@inner1.5e-3", "diloco-int4-H8-innerconst@inner1.5e-3"),
+        (
+            SL3000.format(21) + "@inner1.5e-3",
+            "diloco-int4-H8-innerconst@inner1.5e-3",
+            "sparseloco-H45to15-muon-innerconst-d21-b1mean-min0-outer1.5",
+            "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5",
+            "diloco-int4-H8-innerwsd",
+        ),
     ),
+    ("benchmark s0", "lm_h30_adamw_inside.json", 4.5e-3, ("diloco-int4-H8-innerwsd",)),
 )
 
 

@@ -268,6 +268,14 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     )
 
 
+def merged_runs(old: dict, command: str) -> list[str]:
+    """The commands of a sweep run in parts, ``command`` last: those ``old`` lists under
+    ``merged_runs``, or, where one run wrote ``old`` (the first part), that run's command
+    (its ``environment``), which was lost until 2026-11-27."""
+    first = old.get("environment", {}).get("command")
+    return [*old.get("merged_runs", [first] if first else []), command]
+
+
 def _resolved(name: str, shapes: dict, n: int, strategy: str) -> str:
     """What ``auto`` chose for the largest leaf (leaves can differ; the table says the main one)."""
     import jaxcomp as jc
@@ -423,7 +431,7 @@ def main(argv=None) -> int:
         old = json.loads(path.read_text())
         out["rows"] = merge_rows(old["rows"], rows)
         out["seconds"] += old.get("seconds", 0.0)
-        out["merged_runs"] = [*old.get("merged_runs", []), command]
+        out["merged_runs"] = merged_runs(old, command)
     common.write_json(path, out)
     draw(out["rows"], common.result_path("wire_bytes", args.quick, "png"))
     return 0

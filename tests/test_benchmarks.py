@@ -99,6 +99,20 @@ def test_wire_bytes_merge_replaces_rows_measured_again():
     ]
 
 
+def test_wire_bytes_merge_lists_the_first_part_too():
+    """The first part of a sweep wrote the file alone (no ``merged_runs``): merging the
+    second lists both commands, not the second alone."""
+    from benchmarks import wire_bytes
+
+    first = {"environment": {"command": "python -m benchmarks.wire_bytes --devices 8"}}
+    assert wire_bytes.merged_runs(first, "second") == [
+        "python -m benchmarks.wire_bytes --devices 8",
+        "second",
+    ]
+    assert wire_bytes.merged_runs({"merged_runs": ["a", "b"], **first}, "c") == ["a", "b", "c"]
+    assert wire_bytes.merged_runs({}, "only") == ["only"]
+
+
 @pytest.mark.slow
 def test_wire_bytes_quick_matches_model(tmp_path, monkeypatch):
     # --quick narrowed to one codec at n = 4, with every strategy, inside the test budget

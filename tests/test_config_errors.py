@@ -324,6 +324,18 @@ CHECKS = [
         lambda: jc.compressed_allreduce(S, "d", memory_dtype="int8"),
         ValueError,
     ),
+    (  # EF21's device estimates rounded while the global one is not (fails before 2026-11-27)
+        "compressed_allreduce",
+        "memory_dtype",
+        lambda: jc.compressed_allreduce(S, "d", error_feedback="ef21", memory_dtype="bfloat16"),
+        ValueError,
+    ),
+    (  # the same check through jc.sgd (errors.md's row: "also through sgd")
+        "compressed_allreduce",
+        "memory_dtype",
+        lambda: jc.sgd(0.1, S, "d", error_feedback="ef21", memory_dtype="float16"),
+        ValueError,
+    ),
     (
         "compressed_allreduce",
         "fuse_residuals",

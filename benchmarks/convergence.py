@@ -78,6 +78,18 @@ TRANSFORMS: dict[str, tuple[Callable[[str], Any], bool]] = {
         for c in ("fp16", "bf16")
         for tag, ef in (("", "residual"), ("-nofeedback", None))
     },
+    # Scaled fp8 casts (the default since 2026-11-27) with and without a residual memory:
+    # the measurement behind error_feedback="auto" for them (docs/choosing-a-codec.md).
+    **{
+        f"{c}-scaled{tag}": (
+            lambda axis, c=c, ef=ef: jc.compressed_allreduce(
+                jc.cast(c, scaled=True), axis, min_size=1024, error_feedback=ef
+            ),
+            False,
+        )
+        for c in ("fp8_e4m3", "fp8_e5m2")
+        for tag, ef in (("", "residual"), ("-nofeedback", None))
+    },
     # Error-feedback memories kept in bfloat16 (against the codec rows "sign", "int8").
     "sign-bf16memory": (
         lambda axis: jc.compressed_allreduce(

@@ -39,7 +39,9 @@ running estimate ``h``, which tracks ``mean_i g_i``.
 
 ``"auto"``: ``"residual"`` for biased codecs, ``None`` for unbiased ones and for codecs that
 drop only a rounding of every value (``rounding_only``: the scaled fp16 cast, relative error
-``2^-11``, as torch's fp16 hook sends without feedback).
+``2^-11``, as torch's fp16 hook sends without feedback). The scaled fp8 casts (the default
+``jc.cast("fp8_e4m3")``, relative error ``2^-4``) are not ``rounding_only``: they keep a
+residual (:func:`jaxcomp.cast`).
 
 Memories may be kept in bfloat16 (``memory_dtype=jnp.bfloat16``, as optax's ``mu_dtype``):
 read widened to float32, updated in float32, stored rounded to nearest (saturating at the

@@ -150,7 +150,8 @@ class Cast(Codec):
 
     @property
     def rounding_only(self):
-        """A scaled 16-bit cast drops only a rounding of each value (see :func:`cast`)."""
+        """A scaled 16-bit cast drops only a rounding of each value (see :func:`cast`); a
+        scaled fp8 cast (``2^-4`` / ``2^-3`` of each value) is not: it keeps its memory."""
         return self.scaled and self.dtype.itemsize >= 2
 
     def encode(self, x, key=None):
@@ -248,17 +249,18 @@ class Cast(Codec):
         return d * self.dtype.itemsize + (4 if self.scaled else 0)
 
 
-#: The cast types that are scaled unless ``scaled=`` says otherwise: fp16, whose normal range
-#: (6.1e-5 to 65504) is narrower than a gradient's.
-SCALED_BY_DEFAULT = ("float16",)
+#: The cast types that are scaled unless ``scaled=`` says otherwise: fp16 and both fp8 types,
+#: whose ranges (fp16: 6.1e-5 to 65504; e4m3: 0.016 to 448; e5m2: 6.1e-5 to 57344, normal)
+#: are narrower than a gradient's. bfloat16 has float32's exponent range.
+SCALED_BY_DEFAULT = ("float16", "float8_e4m3fn", "float8_e5m2")
 
 
 def cast(dtype="bfloat16", scaled: bool | None = None) -> Cast:
-    """Cast to ``dtype`` on the wire: bf16/fp16 or fp8 e4m3/e5m2; fp16 scaled by default.
+    """Cast to ``dtype`` on the wire: bf16/fp16 or fp8 e4m3/e5m2; fp16 and fp8 scaled by default.
 
     Halves (16-bit) or quarters (8-bit) the traffic. As torch's ``fp16_compress_hook`` and
-    Horovod's ``Compression.fp16``, but saturating instead of overflowing to inf, and (fp16)
-    scaled into the type's range.
+    Horovod's ``Compression.fp16``, but saturating instead of overflowing to inf, and (fp16,
+    fp8) scaled into the type's range.
 
     Unscaled, ``C(x)_i = round_t(clip(x_i, -M, M))`` with ``M`` the largest finite value of the
     type and round-to-nearest-even, so the relative error is ``<= 2^-(m+1)`` for ``m``
@@ -267,29 +269,44 @@ def cast(dtype="bfloat16", scaled: bool | None = None) -> Cast:
     zero below its smallest subnormal (6e-8). Unscaled 16-bit payloads are ``summable``: one
     ``psum``, added in the narrow type.
 
-    Scaled (``scaled=True``; the default for fp16), as a loss scale per vector (Micikevicius
-    et al. 2018) chosen from the vector itself: with ``s = 2^(k - t)`` for
-    ``max |x| = f 2^k`` (``f`` in ``[0.5, 1)``; ``t = floor(log2 M)``, fp16: 15),
-    ``C(x)_i = s round_t(x_i / s)``, and the payload is the ``d`` narrow values and ``s`` as
-    one float32 (``2d + 4`` bytes for fp16). Dividing by a power of two is exact, so the
-    only error is the type's rounding; for fp16, whose normal range spans ``2^29`` below
-    ``2^15``::
+    Scaled (``scaled=True``; the default for fp16 and both fp8 types), as a loss scale per
+    vector (Micikevicius et al. 2018) chosen from the vector itself: with ``s = 2^(k - t)``
+    for ``max |x| = f 2^k`` (``f`` in ``[0.5, 1)``; ``t = floor(log2 M)``, fp16 and e5m2:
+    15, e4m3: 8), ``C(x)_i = s round_t(x_i / s)``, and the payload is the ``d`` narrow
+    values and ``s`` as one float32 (``2d + 4`` bytes for fp16, ``d + 4`` for fp8). Dividing
+    by a power of two is exact, so the only error is the type's rounding; with ``max |x| / s``
+    in ``[2^(t-1), 2^t)`` and the type's smallest normal ``2^-e`` (fp16 and e5m2: ``2^-14``,
+    e4m3: ``2^-6``)::
 
-        |C(x)_i - x_i| <= 2^-11 |x_i| + 2^-28 max_j |x_j|
+        |C(x)_i - x_i| <= 2^-(m+1) |x_i| + 2^-(e+t-1) max_j |x_j|
 
-    (the second term bounds the values below the normal range, flushed to zero or not) for
-    any ``x`` in float32's normal range, tiny or huge: no value saturates and no gradient
-    small against fp16's range is lost. The error is a rounding of every value, so error
-    feedback has nothing worth carrying: ``error_feedback="auto"`` keeps no memory for a
-    scaled 16-bit cast (``rounding_only``). Each device has its own scale, so the payloads
-    are not summable: strategy ``auto`` sends them ``two_phase`` (``jc.choose_strategy``),
-    whose sums are in float32. A non-finite ``x`` gives a non-finite scale (the flag a
-    transform reads).
+    fp16: ``2^-11 |x_i| + 2^-28 max|x|``; e4m3: ``2^-4 |x_i| + 2^-13 max|x|``; e5m2:
+    ``2^-3 |x_i| + 2^-28 max|x|`` (the second term bounds the values below the normal
+    range, flushed to zero or not) for any ``x`` in float32's normal range, tiny or huge: no
+    value saturates and no gradient small against the type's range is lost. Unscaled
+    (``scaled=False``), e4m3 saturates at 448 and rounds values under ``2^-10`` to zero: a
+    gradient of size 1e-4 is sent as zeros.
+
+    Error feedback: a scaled 16-bit cast drops only a rounding of ``2^-11`` (fp16) of every
+    value, nothing a memory need carry: ``error_feedback="auto"`` keeps none for it
+    (``rounding_only``). A scaled fp8 cast rounds ``2^7`` (e4m3) / ``2^8`` (e5m2) times
+    more coarsely, to nearest and so with the same sign step after step for a slowly
+    moving gradient, and flushes values under ``2^-13 max|x|`` (e4m3): ``"auto"`` keeps a
+    residual memory ``e <- g + e - C(g + e)`` (``|e_i| <= 2^-4 |g_i + e_i| + 2^-13 max``),
+    which re-sends that rounding (measured: docs/choosing-a-codec.md, "fp8 casts are
+    scaled by default").
+    Stateless collectives (``jc.pmean``, ``jc.psum``, ...) have no memory either way. Each
+    device has its own scale, so the payloads are not summable: strategy ``auto`` sends a
+    scaled 16-bit cast ``two_phase`` (``jc.choose_strategy``), whose sums are in float32,
+    and fp8 by the bytes (``allgather`` or ``two_phase``). A non-finite ``x`` gives a
+    non-finite scale (the flag a transform reads).
 
     Args:
       dtype: ``"bf16"``, ``"fp16"``, ``"fp8_e4m3"``, ``"fp8_e5m2"`` (or their jnp dtypes).
       scaled: divide by a power-of-two scale of the vector first (above); None (default):
-        True for fp16, False for the others (bf16 has float32's exponent range).
+        True for fp16, fp8_e4m3 and fp8_e5m2, False for bf16 (float32's exponent range).
+        ``scaled=False`` is the plain cast (fp16: summable, one ``psum``; ``d`` bytes for fp8),
+        right only where the values are known to sit in the type's range.
 
     Raises:
       ValueError: at construction, ``dtype`` outside its rule (the message names the argument; the

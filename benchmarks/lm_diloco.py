@@ -550,6 +550,7 @@ RECIPES: dict[str, lm.Recipe] = {
     # ground (slice L9).
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5": _sparse_wsd(21 / 4096),
     "sparseloco-H30-muon-innerwsd-d17-b1mean-min0-outer1.5": _sparse_wsd(17 / 4096),
+    "sparseloco-H30-muon-innerwsd-d19-b1mean-min0-outer1.5": _sparse_wsd(19 / 4096),
     # ... outer Nesterov momentum 0.6 at lr 0.6: the same step along a direction that persists
     # (lr / (1 - momentum) = 1.5) with the merged update's sync-to-sync noise averaged over
     # about 1 / (1 - momentum) = 2.5 syncs (slice L8).

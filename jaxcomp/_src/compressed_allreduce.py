@@ -88,9 +88,8 @@ def _check_ef21_memory(error_feedback, memory_dtype) -> Any:
     EF21 keeps ``h = mean_i h_i`` only if every device adds to its ``h_i`` exactly the
     ``c_i`` the global ``h`` adds (Richtarik et al., 2021). Stored in bfloat16 / float16,
     ``h_i + c_i`` is rounded (and float16 saturates at 65504) while ``h`` is not: the two
-    part for good, and the output no longer tracks the mean gradient (8 devices, int8: bf16
-    1.3e-2 relative off after 30 steps and growing; fp16 after 3 steps of gradients of 1e5,
-    the output stuck at 1.6e5 for gradients of 1)."""
+    part for good, and the output no longer tracks the mean gradient (measured: the
+    ``memory_dtype`` row of docs/errors.md)."""
     memory_dtype = feedback.check_memory_dtype(memory_dtype)
     if error_feedback == "ef21" and memory_dtype != jnp.float32:
         raise ValueError(

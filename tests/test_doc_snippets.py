@@ -167,20 +167,17 @@ def test_lm_page_sizes_the_byte_budgets_it_says():
             assert jax.tree.leaves(jax.eval_shape(tx.init, small))
 
 
-def test_flax_page_rescales_memories_under_a_changing_loss_scale():
-    # Scaled gradients exchanged, the mean unscaled after: memories left in the old scale's
-    # units are 1.9 of the params' largest value off after 3 steps here (the page's 64 x 32
-    # probe: 2.6; jc.sgd sign, scales 1024, 512, 256); rescaled by the recipe, the run at
-    # scale 1 bit for bit.
+def _loss_scale_runs(tx, leaf, steps, divide):
+    """The params after `steps` steps of `tx` through the flax page's scaled_update, for
+    per-step scales and last-step scales."""
     mesh = _mesh()
     ns = _run(_block("docs/flax.md", "def rescale_memories("))
-    tx = jc.sgd(0.1, jc.sign(), "data", min_size=64)  # memory, server residual, momentum
-    params = jax.device_put({"w": jnp.zeros((16, 8))}, NamedSharding(mesh, P()))
+    params = jax.device_put({"w": jnp.zeros(leaf)}, NamedSharding(mesh, P()))
     state0 = jc.sharded_init(tx, params, mesh, "data")
     specs = jc.state_specs(state0, "data")
 
     def step(p, s, g, scale, old):
-        u, s = ns["scaled_update"](tx, {"w": g[0] * scale}, s, p, scale, old)
+        u, s = ns["scaled_update"](tx, {"w": g[0] * scale}, s, p, scale, old, divide)
         return optax.apply_updates(p, u), s
 
     data = NamedSharding(mesh, P("data"))
@@ -189,7 +186,7 @@ def test_flax_page_rescales_memories_under_a_changing_loss_scale():
             step, mesh=mesh, in_specs=(P(), specs, P("data"), P(), P()), out_specs=(P(), specs)
         )
     )
-    grads = np.random.default_rng(0).standard_normal((3, 8, 16, 8)).astype(np.float32)
+    grads = np.random.default_rng(0).standard_normal((steps, 8, *leaf)).astype(np.float32)
 
     def run(scales, olds):
         p, s = params, state0
@@ -199,8 +196,34 @@ def test_flax_page_rescales_memories_under_a_changing_loss_scale():
             )
         return np.asarray(p["w"])
 
+    return run
+
+
+def test_flax_page_rescales_memories_under_a_changing_loss_scale():
+    # Scaled gradients exchanged, the mean unscaled after: memories left in the old scale's
+    # units are 1.9 of the params' largest value off after 3 steps here (the page's 64 x 32
+    # probe: 2.6; jc.sgd sign, scales 1024, 512, 256); rescaled by the recipe, the run at
+    # scale 1 bit for bit.
+    tx = jc.sgd(0.1, jc.sign(), "data", min_size=64)  # memory, server residual, momentum
+    run = _loss_scale_runs(tx, (16, 8), 3, divide=True)
     ref = run([1, 1, 1], [1, 1, 1])
     rescaled = run([1024, 512, 256], [1024, 1024, 512])
     np.testing.assert_array_equal(rescaled, ref)
     stale = run([1024, 512, 256], [1024, 512, 256])  # factor 1: memories not rescaled
     assert np.abs(stale - ref).max() > 0.5 * np.abs(ref).max()
+
+
+def test_flax_page_rescales_onebit_adams_frozen_variance():
+    # 1-bit Adam's updates are in the params' units (not divided); after the freeze its
+    # momentum (new / old), variance and levels ((new / old)^2) rescaled, its exchange's
+    # memory not: bit for bit the run at a scale held at 1024, which is 4.7e-6 of the params'
+    # largest value off the run at scale 1 (Adam's eps against scaled gradients); nothing
+    # rescaled: 0.23 off here (the page's 64 x 32 probe: 0.89).
+    tx = jc.onebit_adam(1e-2, "data", freeze_step=2)
+    run = _loss_scale_runs(tx, (16, 8), 6, divide=False)
+    scales, olds = [1024, 1024, 512, 512, 256, 256], [1024, 1024, 1024, 512, 512, 256]
+    ref, held = run([1] * 6, [1] * 6), run([1024] * 6, [1024] * 6)
+    np.testing.assert_array_equal(run(scales, olds), held)
+    big = np.abs(ref).max()
+    assert np.abs(held - ref).max() < 1e-4 * big
+    assert np.abs(run(scales, scales) - ref).max() > 0.1 * big  # factor 1: not rescaled

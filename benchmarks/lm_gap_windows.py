@@ -36,6 +36,7 @@ from benchmarks import common
 #: changes tried on the fifth pair's two misses (slice L9): the inner lr held at half of
 #: AdamW's tuned peak, shrinking sync intervals, the inner lr decayed at the end (WSD).
 SL3000 = "sparseloco-H30-muon-innerconst-d{}-b1mean-min0-outer1.5"
+SL3000_WSD = SL3000.replace("innerconst", "innerwsd")
 ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
     (
         "benchmark s0",
@@ -101,6 +102,11 @@ ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
         ),
     ),
     ("benchmark s0", "lm_h30_adamw_inside.json", 4.5e-3, ("diloco-int4-H8-innerwsd",)),
+    # the 3000x row held and decayed (WSD) on the held-out and fourth pairs (slice L10)
+    ("held-out s0", "lm_S_sparseloco_m2_ho.json", 6e-3, (SL3000_WSD.format(17),)),
+    ("held-out s1", "lm_L10_ho_s1_loco.json", 6e-3, (SL3000.format(17), SL3000_WSD.format(17))),
+    ("fourth s0", "lm_L16P4_loco.json", 6e-3, (SL3000_WSD.format(19),)),
+    ("fourth s1", "lm_L16P4_s1_loco.json", 6e-3, (SL3000.format(19), SL3000_WSD.format(19))),
 )
 
 

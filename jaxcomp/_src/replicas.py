@@ -118,6 +118,18 @@ def mean_replica(replicas: Any) -> Any:
     return jax.tree.map(mean, replicas)
 
 
+#: The public transform behind each replica state class, for the messages.
+_TRANSFORM = {
+    "DiLoCoState": "jc.diloco",
+    "LocalSGDState": "jc.local_sgd",
+    "SparseLoCoState": "jc.sparseloco",
+    "GossipState": "jc.gossip",
+}
+
+#: The states of optax's masking wrappers (``optax.masked``; ``multi_transform`` / ``partition``).
+_MASKS = (optax.MaskedState, optax.PartitionState)
+
+
 def replica_states() -> tuple[type, ...]:
     """The states of the transforms whose params differ per device between exchanges."""
     from jaxcomp._src.diloco import DiLoCoState
@@ -164,11 +176,10 @@ def check_replicas_last(state: Any) -> None:
     every leaf follows. Followed by masked transforms only it is accepted (they may leave
     its leaves alone: ``jc.local_sgd`` and ``jc.diloco`` on complementary masks).
     """
-    masks = (optax.MaskedState, optax.PartitionState)
     for node in _nodes(state):
         if type(node) is tuple:  # an optax.chain's state
             for i, k in enumerate(node[:-1]):
-                masked_after = all(isinstance(a, masks) for a in node[i + 1 :])
+                masked_after = all(isinstance(a, _MASKS) for a in node[i + 1 :])
                 kind = _replicas_run(k, through_masks=not masked_after)
                 if kind is not None:
                     _refuse_after(kind)
@@ -178,13 +189,13 @@ def _replicas_run(node: Any, through_masks: bool) -> str | None:
     """The state class name of a replica transform that ``node``'s transform runs: ``node``
     itself, or one inside it through chains and wrappers (through ``optax.masked`` /
     ``multi_transform`` / ``partition`` too where ``through_masks``); else None."""
-    kinds, masks = replica_states(), (optax.MaskedState, optax.PartitionState)
+    kinds = replica_states()
     todo = [node]
     while todo:
         n = todo.pop()
         if isinstance(n, kinds):
             return type(n).__name__
-        if through_masks or not isinstance(n, masks):
+        if through_masks or not isinstance(n, _MASKS):
             todo.extend(_children(n))
     return None
 
@@ -218,8 +229,7 @@ def check_replicas_cover(state: Any, params: Any) -> None:
     synced = {k for n in found for k in _float_paths(n.anchor)}
     left = [k for k in _float_paths(params) if k not in synced]
     if left:
-        name = {"DiLoCoState": "jc.diloco", "LocalSGDState": "jc.local_sgd"}
-        name = name.get(type(found[0]).__name__, "jc.sparseloco")
+        name = _TRANSFORM[type(found[0]).__name__]
         raise ValueError(
             f"jc.sharded_init: `tx` runs {name} on some of the params only (optax.masked, "
             f"optax.multi_transform or optax.partition): the float leaves "
@@ -256,8 +266,7 @@ def _exchange_states() -> tuple[type, ...]:
 
 def _refuse_after(kind: str) -> None:
     """The ValueError of :func:`check_replicas_last` for a ``kind`` of state not last."""
-    name = {"DiLoCoState": "jc.diloco", "LocalSGDState": "jc.local_sgd"}.get(kind)
-    name = name or {"SparseLoCoState": "jc.sparseloco", "GossipState": "jc.gossip"}[kind]
+    name = _TRANSFORM[kind]
     raise ValueError(
         f"jc.sharded_init: `tx` chains a transform after {name} ({kind}, not last in an "
         "optax.chain): at a sync its update moves each device's params onto the synchronized "

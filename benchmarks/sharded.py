@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from typing import Any
 
 from benchmarks import common
 
@@ -38,13 +39,24 @@ QUALITY = [  # (name, weights, grads, error feedback, d_model)
 QUICK_QUALITY = [QUALITY[0], QUALITY[1], QUALITY[4]]
 
 
-def example():
-    """``examples/fsdp_lm.py`` as a module (examples are scripts, not a package)."""
-    path = common.ROOT / "examples" / "fsdp_lm.py"
-    spec = importlib.util.spec_from_file_location("fsdp_lm", path)
+def _load(name: str, path) -> Any:
+    """The file ``path`` executed as a module named ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def example():
+    """``examples/fsdp_lm.py`` as a module (examples are scripts, not a package). Its
+    ``from _flags import bounded`` finds ``examples/_flags.py`` only where ``examples/`` is
+    on ``sys.path`` (a script run from there): loaded here first, as ``_flags``, so
+    ``python -m benchmarks.sharded`` from the root runs (it failed with
+    ModuleNotFoundError)."""
+    examples = common.ROOT / "examples"
+    if "_flags" not in sys.modules:
+        sys.modules["_flags"] = _load("_flags", examples / "_flags.py")
+    return _load("fsdp_lm", examples / "fsdp_lm.py")
 
 
 def measure_bytes(lm, quality: list[dict], devices=(4,)) -> list[dict]:

@@ -988,3 +988,16 @@ def test_lm_diloco_shrinking_intervals_keep_the_syncs():
     eight = lm_diloco.shrinking(8, 300)
     assert len(eight) == 37 and sum(eight) == 296  # H = 8's 37 syncs, the last at step 296
     assert eight[0] == 12 and eight[-1] == 4
+
+
+def test_sharded_benchmark_loads_its_example_without_examples_on_the_path(monkeypatch):
+    """``python -m benchmarks.sharded`` from the root: ``examples/fsdp_lm.py`` imports
+    ``_flags``, which is not importable there (it failed with ModuleNotFoundError)."""
+    from benchmarks import sharded
+
+    monkeypatch.setattr(
+        sys, "path", [p for p in sys.path if not p.rstrip("/").endswith("examples")]
+    )
+    monkeypatch.delitem(sys.modules, "_flags", raising=False)
+    lm = sharded.example()
+    assert callable(lm.bounded) and hasattr(lm, "main")

@@ -60,3 +60,22 @@ def test_render_fills_a_lone_marker_and_finds_an_edited_number():
     edited = re.sub(r"\| (\d+\.\d)x", lambda m: f"| {float(m.group(1)) + 1:.1f}x", out, count=1)
     assert edited != out and bench_tables.render_page(edited) == out
     assert bench_tables.on_page_markdown(edited) == edited  # the build hook never rewrites
+
+
+def test_generic_table_puts_a_column_no_shown_row_carries_beside_it():
+    """A key that only rows past the first ``MAX_GENERIC_ROWS`` carry (``convergence.json``'s
+    ``seed``, ``program_bytes`` and ``mean_bytes_per_step`` on its re-run fp8 rows) was a
+    column of dashes whose figures were never shown: it is a second table of the rows that
+    carry it, named by the text columns; a key some shown row carries stays a column."""
+    n = bench_tables.MAX_GENERIC_ROWS
+    rows = [{"task": "t", "method": f"m{i}", "value": 0.5, "note": None} for i in range(n)]
+    rows[1]["shown"] = 7
+    rows += [{"task": "t", "method": "late", "value": 0.25, "seed": 3, "program_bytes": 99.0}]
+    text = bench_tables._records_table(rows)
+    first, second = text.split("Columns that only 1 of the 41 rows carry:")
+    assert first.splitlines()[0] == "| task | method | value | note | shown |"
+    assert "seed" not in first and f"(first {n} of {n + 1} rows)" in first
+    assert second.split("\n\n")[1] == (
+        "| task | method | seed | program_bytes |\n|---|---|---|---|\n| t | late | 3 | 99 |"
+    )
+    assert "Columns that" not in bench_tables._records_table(rows[:n])

@@ -274,8 +274,31 @@ def _codec_speed(data: dict[str, Any], path: pathlib.Path) -> str:
         f"median of {data.get('reps', '?')}), on {on}, and the codec's compression of float32."
     )
     header = ["codec", "compression", *(f"d = {_fmt(s)}" for s in sizes)]
-    return f"{head}\n\n{_markdown((header, body))}\n\n" + _source(
+    return f"{head}\n\n{_markdown((header, body))}\n\n{_codec_speed_runs(data)}" + _source(
         path, data, "python -m benchmarks.codec_speed"
+    )
+
+
+def _codec_speed_runs(data: dict[str, Any]) -> str:
+    """Which run timed which codecs' rows, where ``--merge`` joined several (the source line
+    names the last run's environment only); empty for a file one run wrote."""
+    runs = data.get("runs", [])
+    if len(runs) < 2:
+        return ""
+    later: set[str] = set()
+    said: list[str] = []
+    for run in reversed(runs[1:]):
+        mine = [c for c in run["codecs"] if c not in later]
+        later |= set(mine)
+        if mine:
+            codecs = ", ".join(f"`{c}`" for c in mine)
+            said.insert(0, f"{codecs} from `{run['command']}` ({run['date_utc']})")
+    first = runs[0]
+    others = len([c for c in first["codecs"] if c not in later])
+    return (
+        f"Rows timed in {len(runs)} runs joined by `--merge`, each against the copy of its own "
+        f"run: {'; '.join(said)}; the other {others} codecs from `{first['command']}` "
+        f"({first['date_utc']}).\n\n"
     )
 
 
@@ -889,11 +912,32 @@ def _record_lists(data: Any, path: str = "") -> list[tuple[str, list[dict[str, A
 
 
 def _records_table(records: list[dict[str, Any]]) -> str:
+    """One row per record (the first :data:`MAX_GENERIC_ROWS`), one column per plain key. A
+    key that none of the rows shown carries (a field a later run added to the rows it
+    re-ran, e.g. ``convergence.json``'s ``seed`` on its last rows) would be a column of
+    dashes: it goes to a second table of just the records that carry it, named by the text
+    columns of the first."""
     keys = [
         k
         for k in dict.fromkeys(k for r in records for k in r)
         if all(not isinstance(r.get(k), dict | list) for r in records)
     ]
+    shown = records[:MAX_GENERIC_ROWS]
+    late = [k for k in keys if not any(k in r for r in shown)]
+    first = [k for k in keys if k not in late]
+    text = _rows_table(records, first)
+    if late:
+        names = [k for k in first if all(isinstance(r.get(k), str) for r in records)]
+        some = [r for r in records if any(k in r for k in late)]
+        text += (
+            f"\n\nColumns that only {len(some)} of the {len(records)} rows carry:\n\n"
+            + _rows_table(some, names + late)
+        )
+    return text
+
+
+def _rows_table(records: list[dict[str, Any]], keys: list[str]) -> str:
+    """The first :data:`MAX_GENERIC_ROWS` records as a table of ``keys``, and how many more."""
     body = [[_fmt(r.get(k)) for k in keys] for r in records[:MAX_GENERIC_ROWS]]
     more = ""
     if len(records) > MAX_GENERIC_ROWS:

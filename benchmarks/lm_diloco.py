@@ -375,20 +375,28 @@ def _sparse_h30(
     return _h(h, m, inner=_muon_held, outer=lambda run: outer(), sparse=True, **kw)
 
 
-def _sparse_wsd(density: float) -> lm.Recipe:
+def _sparse_wsd(
+    density: float,
+    h: int | tuple[int, ...] = 30,
+    outer_lr: Any = 1.5,
+    momentum: float = 0.0,
+    **kw: Any,
+) -> lm.Recipe:
     """The 8-replica 1-bit row at 3000x (``density`` of each 4096, every leaf, outer SGD 1.5)
-    with Muon and its AdamW at :func:`wsd_schedule` instead of the held lr."""
-    outer = _sgd(1.5, 0.0)
-    return _h(
-        30,
-        inner=_muon_wsd,
-        outer=lambda run: outer(),
-        sparse=True,
-        min_size=0,
-        density=density,
-        bits=1,
-        value_scale="mean",
-    )
+    with Muon and its AdamW at :func:`wsd_schedule` instead of the held lr; ``h``,
+    ``outer_lr``, ``momentum`` (outer Nesterov) and ``kw`` (:func:`jaxcomp.sparseloco`'s
+    arguments) as :func:`_sparse_h30`'s, for the screens of slice L11."""
+    outer = _sgd(outer_lr, momentum)
+    kw = {"min_size": 0, "bits": 1, "value_scale": "mean", **kw}
+    return _h(h, inner=_muon_wsd, outer=lambda run: outer(), sparse=True, density=density, **kw)
+
+
+def growing(h: int, steps: int) -> tuple[int, ...]:
+    """:func:`shrinking`'s intervals in reverse, from ``0.5 h`` to ``1.5 h`` (the same syncs,
+    so the same bytes, as a constant ``h``): short windows while the loss falls fast and the
+    8-replica rows' gap is made (their first 60 steps), long ones once the inner lr
+    decays."""
+    return shrinking(h, steps)[::-1]
 
 
 def shrinking(h: int, steps: int) -> tuple[int, ...]:
@@ -483,6 +491,11 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-M2-muon-innerconst-c1024-d384-b1mean-min0-outer1.5": _sparse_h30(
         2, density=384 / 4096, chunk=1024, bits=1, value_scale="mean"
     ),
+    # ... H = 60 at the same bytes (slice L11): 98 of each 1024, what jc.sparseloco_density
+    # gives at H = 60 on the held-out pair's model (100 on the benchmark's), half the syncs.
+    "sparseloco-H60-M2-muon-innerconst-c1024-d392-b1mean-min0-outer1.5": _sparse_h30(
+        2, h=60, density=392 / 4096, chunk=1024, bits=1, value_scale="mean"
+    ),
     # ... 1.34, 2.6 and 5.2 times its bytes (64, 128 and 256 of each 1024).
     "sparseloco-H30-M2-muon-innerconst-c1024-d256-b1mean-min0-outer1.5": _sparse_h30(
         2, density=256 / 4096, chunk=1024, bits=1, value_scale="mean"
@@ -551,6 +564,41 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5": _sparse_wsd(21 / 4096),
     "sparseloco-H30-muon-innerwsd-d17-b1mean-min0-outer1.5": _sparse_wsd(17 / 4096),
     "sparseloco-H30-muon-innerwsd-d19-b1mean-min0-outer1.5": _sparse_wsd(19 / 4096),
+    # Slice L11's screens of the WSD row at the same bytes (3000x), one change each: H = 60
+    # with the density jc.sparseloco_density gives there (46 of 4096 on the benchmark's
+    # model, 42 on the held-out pair's, 43 on the fourth's: more than twice 30's, the chunks'
+    # scales paid half as often); the 10 syncs at intervals growing from 15 to 45 steps;
+    # outer Nesterov 0.6 at lr 0.6; the error feedback's decay at 0.3.
+    "sparseloco-H60-muon-innerwsd-d46-b1mean-min0-outer1.5": _sparse_wsd(46 / 4096, 60),
+    "sparseloco-H60-muon-innerwsd-d42-b1mean-min0-outer1.5": _sparse_wsd(42 / 4096, 60),
+    "sparseloco-H60-muon-innerwsd-d43-b1mean-min0-outer1.5": _sparse_wsd(43 / 4096, 60),
+    "sparseloco-H15to45-muon-innerwsd-d21-b1mean-min0-outer1.5": _sparse_wsd(
+        21 / 4096, growing(30, 300)
+    ),
+    "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-nesterov0.6-0.6": _sparse_wsd(
+        21 / 4096, 30, 0.6, 0.6
+    ),
+    "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5-ef0.3": _sparse_wsd(
+        21 / 4096, ef_decay=0.3
+    ),
+    **{
+        f"sparseloco-H15to45-muon-innerwsd-d{k}-b1mean-min0-outer1.5": _sparse_wsd(
+            k / 4096, growing(30, 300)
+        )
+        for k in (17, 19)
+    },
+    **{
+        f"sparseloco-H30-muon-innerwsd-d{k}-b1mean-min0-nesterov0.6-0.6": _sparse_wsd(
+            k / 4096, 30, 0.6, 0.6
+        )
+        for k in (17, 19)
+    },
+    **{
+        f"sparseloco-H30-muon-innerwsd-d{k}-b1mean-min0-outer1.5-ef0.3": _sparse_wsd(
+            k / 4096, ef_decay=0.3
+        )
+        for k in (17, 19)
+    },
     # ... outer Nesterov momentum 0.6 at lr 0.6: the same step along a direction that persists
     # (lr / (1 - momentum) = 1.5) with the merged update's sync-to-sync noise averaged over
     # about 1 / (1 - momentum) = 2.5 syncs (slice L8).

@@ -990,6 +990,16 @@ def test_lm_diloco_shrinking_intervals_keep_the_syncs():
     assert eight[0] == 12 and eight[-1] == 4
 
 
+def test_lm_diloco_growing_intervals_keep_the_syncs():
+    """benchmarks/lm_diloco.py: ``growing(h, steps)``, the same intervals as ``shrinking``
+    from ``0.5 h`` up to ``1.5 h``: the syncs (so the bytes) of ``h``, ending on ``steps``."""
+    from benchmarks import lm_diloco
+
+    grow = lm_diloco.growing(30, 300)
+    assert grow == (15, 18, 22, 25, 28, 32, 35, 38, 42, 45)
+    assert len(grow) == 300 // 30 and sum(grow) == 300
+
+
 def test_sharded_benchmark_loads_its_example_without_examples_on_the_path(monkeypatch):
     """``python -m benchmarks.sharded`` from the root: ``examples/fsdp_lm.py`` imports
     ``_flags``, which is not importable there (it failed with ModuleNotFoundError)."""

@@ -17,7 +17,10 @@ same script run in this process, on the same 8-device mesh and the same global i
   1-process run's (the params within 1e-9, the memories bit for bit);
 * ``jc.comm_report`` of the FSDP and ``jc.sgd`` steps: the same bytes on every process and
   on one (2,079 and 343 bytes per device);
-* ``jc.autotune``: the same plan and table (timings reduced over processes) on both.
+* ``jc.autotune``: the same plan and table (timings reduced over processes) on both, also
+  where process 1's clock reads 1000 s more (the timing budget spent is the max over the
+  processes: until 2026-11-27 process 1 alone stopped timing, and the two processes' next
+  collectives mismatched in gloo: "Received data size doesn't match expected size").
 
 46 to 112 s on the loaded 2-core host (load 10 to 14): the processes' start-up and compiles.
 """
@@ -86,6 +89,9 @@ def test_two_processes_give_the_numbers_of_one(tmp_path):
     assert np.abs(one["hsdp_e"]).max() > 1e-3
     # one plan on both processes, from the same (reduced) timings
     assert str(two[0]["plan"]) == str(two[1]["plan"]) and "'none', 'pmean'" in str(two[0]["plan"])
+    # process 1's clock 1000 s ahead: the budget spent is the max over processes, so both stop
+    # after plain pmean (before 2026-11-27 process 0 alone timed int8: a gloo size mismatch)
+    assert str(two[0]["skewed_plan"]) == str(two[1]["skewed_plan"]) == "(None, ['none'])"
     # the state the 2 processes saved, restored here on 1 process
     like = {"params": params, "opt_state": jc.sharded_init(tx, params, mesh, "data")}
     theirs = pe.restore(tmp_path / "two_at_4", like)

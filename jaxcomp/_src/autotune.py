@@ -303,6 +303,18 @@ def _reduce_over_processes(values: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(values)).max(axis=0)
 
 
+def elapsed_over_processes(t0: float) -> float:
+    """Seconds since ``t0`` (this process's ``time.perf_counter()``), the max over processes:
+    one number on every process, so a budget spent or compared with it stops every process
+    at the same candidate.
+
+    Each process's own clock is not: a process that entered :func:`autotune` earlier and
+    waited in its first collective for a slower peer has spent more, and a remaining budget
+    of its own made it stop timing a candidate earlier than its peers, which then entered
+    that candidate's collectives alone (docs/multihost.md)."""
+    return float(_reduce_over_processes(np.array([time.perf_counter() - t0]))[0])
+
+
 def _abstract_rows(mesh: Any, axis_name: Any, shape: tuple[int, ...], dtype: Any = jnp.float32):
     """The abstract ``[n, *shape]`` array laid out one row per device (no data, no traffic)."""
     n = math.prod(mesh.shape[a] for a in _names(axis_name))
@@ -1015,7 +1027,7 @@ def autotune(
     widths = wire_widths(codecs, mesh, axis_name)
     cands = _candidates(codecs, strategies, bucket_sizes, min_sizes)
     rows = _model_rows(cands, sizes, n, link, costs, failed, widths)
-    budget_s -= time.perf_counter() - t0
+    budget_s -= elapsed_over_processes(t0)  # the same remaining budget on every process
     if loss_fn is None:  # the exchange path alone
         plan = _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link)
     else:  # whole steps
@@ -1200,8 +1212,7 @@ def _checked_plan(params, mesh, axis_name, rows, check, budget_s, reps, link) ->
     tree = gradient_rows(params, mesh, axis_name)
     t0, timed = time.perf_counter(), {}
     for r in _to_check(rows, check):  # every process stops at the same row: the slowest decides
-        elapsed = _reduce_over_processes(np.array([time.perf_counter() - t0]))[0]
-        if r.codec is not None and elapsed > budget_s:
+        if r.codec is not None and elapsed_over_processes(t0) > budget_s:
             break
         timed[id(r)] = _time_row(params, tree, mesh, axis_name, r, reps)
     rows = [

@@ -564,7 +564,7 @@ def _next_row(rows: list[Candidate], timed: set) -> Candidate | None:
 
 
 def _elapsed(t0: float) -> float:
-    return float(tuning._reduce_over_processes(np.array([time.perf_counter() - t0]))[0])
+    return tuning.elapsed_over_processes(t0)
 
 
 def stepped_plan(rows, check, budget_s, timer: _Timer, link) -> tuning.AutotunePlan:

@@ -13,7 +13,8 @@ each (``python process_equal.py OUT CKPT_IN CKPT_OUT``). Each run writes ``OUT/p
 * ``sgd``: ``jc.sgd`` with int8 restored from ``CKPT_IN`` (orbax, saved by the other kind of
   run), 2 more steps, the params and memories; then params and state saved to ``CKPT_OUT``;
 * ``bytes_*``: ``jc.comm_report``'s bytes per device of the FSDP and ``jc.sgd`` steps;
-* ``plan``: ``jc.autotune``'s choice and table (codec, strategy, min_size, measured ms).
+* ``plan``: ``jc.autotune``'s choice and table (codec, strategy, min_size, measured ms);
+* ``skewed_plan``: its choice and timed rows where process 1's clock is 1000 s ahead.
 """
 
 from __future__ import annotations
@@ -270,6 +271,44 @@ def _plan(mesh, results):
     results["plan"] = np.array(repr((plan.codec, plan.strategy, plan.min_size, rows)))
 
 
+def _skewed_plan(mesh, results):
+    """``jc.autotune`` where process 1's clock reads 1000 s more after autotune's first
+    reading: as if it had entered autotune 1000 s before process 0 and waited for it in the
+    first collective. Both must spend the same budget (the max over processes): before
+    2026-11-27 process 1 alone found its 60 s spent and stopped after plain ``pmean`` while
+    process 0 went on to time the next candidate, alone in its collectives."""
+    import itertools
+    import time
+    import types
+
+    import jax
+    import numpy as np
+
+    import jaxcomp as jc
+    from jaxcomp._src import autotune as tuning
+
+    reads, skew = itertools.count(), 1000.0 * (jax.process_index() == 1)
+    tuning.time = types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + (skew if next(reads) else 0.0)
+    )
+    try:
+        plan = jc.autotune(
+            {"w": np.zeros((64, 256), np.float32)},
+            mesh,
+            "data",
+            codecs=[None, jc.int_quant(8)],
+            strategies=["allgather"],
+            min_sizes=[0],
+            check=2,
+            reps=1,
+            link_sizes=(1024, 8192),
+        )
+    finally:
+        tuning.time = time
+    timed = [r.name for r in plan.table if r.measured_ms == r.measured_ms]  # not NaN
+    results["skewed_plan"] = np.array(repr((plan.codec, timed)))
+
+
 def compute(mesh, out_dir, ckpt_in, ckpt_out, plan=True):
     """Every probe above on ``mesh`` (8 devices over axis "data"); ``OUT/p<rank>.npz``
     (``plan``: run jc.autotune too; its timings differ from run to run, so the test compares
@@ -285,6 +324,7 @@ def compute(mesh, out_dir, ckpt_in, ckpt_out, plan=True):
     _sgd(mesh, results, ckpt_in, ckpt_out)
     if plan:
         _plan(mesh, results)
+        _skewed_plan(mesh, results)
     np.savez(f"{out_dir}/p{jax.process_index()}.npz", **results)
 
 

@@ -1522,7 +1522,9 @@ def _overlap_reuse_test():
 def _elsewhere_tests():
     """Tests of other files that raise an errors.md row's check (not collected here):
     delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes),
-    dgc's clip_norm on HSDP shards (a 2 x 4 mesh), a tuple of vmap and shard_map axes."""
+    dgc's clip_norm on HSDP shards (a 2 x 4 mesh), a tuple of vmap and shard_map axes, a
+    hierarchical state on another grid (an orbax checkpoint)."""
+    import test_checkpoint
     import test_collectives
     import test_delayed
     import test_fsdp_compose
@@ -1542,6 +1544,11 @@ def _elsewhere_tests():
         ("dgc (update)", "clip_norm", ValueError): (
             test_fsdp_compose.test_clipping_shards_without_shard_axis_is_refused_where_the_params_say_so
         ),
+        (
+            "compressed_allreduce / sgd with inner_axis_name, two-phase (update)",
+            "state",
+            ValueError,
+        ): test_checkpoint.test_a_hierarchical_state_is_refused_on_another_grid,
     }
 
 

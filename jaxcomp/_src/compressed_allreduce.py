@@ -41,6 +41,11 @@ class CompressedAllreduceState(NamedTuple):
       count: int32[]: number of updates applied
       momentum: per device, f32[1, *leaf.shape] per float leaf: worker momentum
       adaptive: replicated AccordionState (adaptive=jc.accordion(...)), else None
+      server_grid: identical on every device, int8 zeros of shape (H, L), the sizes of
+        ``axis_name`` and ``inner_axis_name``, where a hierarchical exchange keeps
+        ``server_residual`` (else None): device ``(h, l)`` owns part ``h`` of inner chunk
+        ``l``, so a row of ``server_residual`` means another chunk on a mesh of other
+        sizes; the shape makes orbax (and the update) refuse such a restore
     """
 
     memory: Any
@@ -50,6 +55,7 @@ class CompressedAllreduceState(NamedTuple):
     count: jax.Array
     momentum: Any = None
     adaptive: Any = None
+    server_grid: Any = None
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
 
@@ -553,6 +559,10 @@ def compressed_allreduce(
             if some and error_feedback == "ef21"
             else None,
             "momentum": skeleton.zeros_like_floats(layout) if beta is not None else None,
+            "server_grid": server.grid(
+                server.bound_sizes(axis_name, inner_axis_name),
+                use_server and some and inner_axis_name is not None,
+            ),
         }
 
     def init_fn(params):
@@ -568,6 +578,7 @@ def compressed_allreduce(
         del extra_args
         skeleton.begin("compressed_allreduce", updates, params, axis_name, inner_axis_name)
         layout = layouts.layout_of(updates, min_size, mask)
+        server.check_grid(state, layout, flat, axis_name, inner_axis_name)
         skeleton.check_state(
             "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device, updates
         )
@@ -650,6 +661,7 @@ def compressed_allreduce(
             adaptive=state.adaptive
             if adaptive is None
             else adaptive.update(state.adaptive, state.count, outs),
+            server_grid=state.server_grid,
         )
         new_state = _freeze(reduced.bad, state, new_state, layout, restored)
         new_state = _with_rounding(kind, new_state, outs, layout, reduced.bad)

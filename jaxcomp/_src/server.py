@@ -93,7 +93,9 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
 
 
 def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
-    """Whether ``field`` was built outside the mesh: room for each whole vector."""
+    """Whether ``field`` was built outside the mesh: room for each whole vector. A None
+    slot where a leaf is compressed (orbax restores a saved empty slot as None: a state of a
+    larger ``min_size``) is not: :func:`~jaxcomp._src.skeleton.check_fields` names it."""
     sizes = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
     try:
         wholes = _wholes(field, layout, flat)
@@ -101,8 +103,56 @@ def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
         return False
     return (
         field is not None
-        and all(layouts.is_empty(w) or w.shape[-1] == d for w, d in zip(wholes, sizes, strict=True))
+        and all(
+            layouts.is_empty(w) or (w is not None and w.shape[-1] == d)
+            for w, d in zip(wholes, sizes, strict=True)
+        )
         and any(not layouts.is_empty(w) for w in wholes)
+    )
+
+
+def grid(sizes: tuple[int, int] | None, used: bool) -> jax.Array | None:
+    """The ``server_grid`` field of a hierarchical exchange: int8 zeros of shape ``sizes``,
+    ``(H, L)``, where it keeps a server residual on a bound mesh; else None.
+
+    Device ``(h, l)`` owns part ``h`` of inner chunk ``l`` (:class:`Owner`), chunk
+    ``l H + h`` of the whole, but its row of the field's global array is ``h L + l``: the
+    rows are the chunks in an order that depends on ``(H, L)``, not on ``H L`` alone. The
+    shape records them, so that a restore onto another grid of as many devices (2 x 4 saved,
+    4 x 2 or 8 x 1 restored: the same shapes) fails instead of adding each row's residual to
+    another chunk's values."""
+    if not used or sizes is None:
+        return None
+    return jnp.zeros(sizes, jnp.int8)
+
+
+def check_grid(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, inner: Any) -> None:
+    """Refuse a hierarchical state whose owned chunks belong to another ``(H, L)``
+    (:func:`grid`), or to an unknown one (no ``server_grid``: saved before the field), at
+    trace time. A server residual built outside the mesh (room for whole vectors) is not
+    checked."""
+    field = getattr(state, "server_residual", None)
+    if inner is None or field is None or is_whole(field, layout, flat):
+        return
+    want = bound_sizes(axis_name, inner)
+    got = getattr(state, "server_grid", None)
+    got = None if got is None else tuple(jnp.shape(got))
+    if want is None or got == tuple(want):
+        return
+    held = (
+        "holds no `server_grid` (a state saved before 2026-11-27, or built by hand), so the "
+        "grid its `server_residual` chunks were laid out for is unknown"
+        if got is None
+        else f"has `server_grid` of shape {got}: its `server_residual` rows are the chunks "
+        f"of a {got[0]} x {got[1]} mesh"
+    )
+    raise ValueError(
+        f"jc.compressed_allreduce: the state {held}, but this step runs on `axis_name`="
+        f"{axis_name!r} x `inner_axis_name`={inner!r} of {want[0]} x {want[1]} devices, where "
+        "each device owns another chunk: every row would be added to another chunk's values. "
+        "Restore the state onto a mesh of the sizes it was saved on, or take `server_residual` "
+        "and `server_grid` from a fresh jc.sharded_init on this mesh (what the server held "
+        "back is then dropped; docs/checkpoints.md)."
     )
 
 

@@ -1304,3 +1304,26 @@ def test_restore_a_hierarchical_state_saved_without_its_grid(tmp_path):
         assert_equal(np.asarray(ours), np.asarray(before))
     out, _ = step(got, g)
     assert_equal(np.asarray(out["w"]), np.asarray(step(state, g)[0]["w"]))
+
+
+def test_hierarchical_axes_in_the_other_order_are_refused_naming_axis_name():
+    """``jc.sharded_init`` / ``jc.state_specs(..., mesh=)`` of a 2 x 4 hierarchical state
+    given ``("local", "data")``: each device would read another's row of the server residual
+    (a restore target built so, stepped with specs of that order, runs with no error), so
+    the order is refused where the sizes tell it; ``("data", "local")`` is taken."""
+    import jax
+    from jax.sharding import AxisType
+
+    import jaxcomp as jc
+
+    m = jax.make_mesh((2, 4), ("data", "local"), axis_types=(AxisType.Explicit,) * 2)
+    tx = jc.sgd(0.1, jc.sign(), "data", inner_axis_name="local", strategy="two_phase", min_size=1)
+    params = {"w": np.zeros((16, 32), np.float32)}
+    with pytest.raises(ValueError, match=r"`axis_name`=\('local', 'data'\) has sizes \(4, 2\)"):
+        jc.sharded_init(tx, params, m, ("local", "data"))
+    state = jc.sharded_init(tx, params, m, ("data", "local"))
+    with pytest.raises(ValueError, match=r"laid out for 2 x 4 devices"):
+        jc.state_specs(state, ("local", "data"), mesh=m)
+    assert jc.state_specs(state, ("data", "local"), mesh=m) == jc.state_specs(
+        state, ("data", "local")
+    )

@@ -255,10 +255,46 @@ def state_specs(
 
         return nnx_state_specs(state, axis_name, param_specs, params, mesh)
     state = _unwrap_nnx(state, axis_name)
+    if mesh is not None:
+        check_grid_order(state, mesh, axis_name)
     lead = tuple(_names(axis_name))
     lead = (lead if len(lead) > 1 else lead[0],)
     context = None if param_specs is None else _param_context(param_specs, params, mesh)
     return _specs(state, lead, context)
+
+
+def _grids(state: Any) -> list[tuple]:
+    """The shapes of the ``server_grid`` fields of every jaxcomp state in ``state``
+    (hierarchical exchanges, nested ones included)."""
+    found = []
+    for node in jax.tree.leaves(state, is_leaf=is_sharded_state):
+        if is_sharded_state(node):
+            grid = getattr(node, "server_grid", None)
+            found += [] if grid is None else [tuple(jnp.shape(grid))]
+            found += _grids(
+                [v for f, v in zip(node._fields, node, strict=True) if f != "server_grid"]
+            )
+    return found
+
+
+def check_grid_order(state: Any, mesh: Any, axis_name: Any) -> None:
+    """Refuse an ``axis_name`` whose sizes on ``mesh``, in its order, are not the grid a
+    hierarchical exchange's server residual was laid out for (its ``server_grid``, ``(H, L)``
+    of ``(axis_name, inner_axis_name)``): the axes in the other order (``("local", "data")``
+    for ``("data", "local")``) hand each device another device's row, and nothing inside the
+    ``shard_map`` can see the order. Seen only where the sizes differ (``H != L``)."""
+    names = _names(axis_name)
+    sizes = tuple(mesh.shape[a] for a in names)
+    bad = [g for g in _grids(state) if g != sizes]
+    if len(names) != 2 or not bad:
+        return
+    raise ValueError(
+        f"`axis_name`={axis_name!r} has sizes {sizes} on this mesh, but the state holds a "
+        f"hierarchical exchange's server residual laid out for {bad[0][0]} x {bad[0][1]} "
+        "devices (its `server_grid`): list the axes as the exchange names them, "
+        "(axis_name, inner_axis_name), e.g. ('data', 'local'); a state of another mesh "
+        "restores only onto a mesh of its sizes (docs/checkpoints.md)."
+    )
 
 
 def _from_nnx(x: Any) -> bool:
@@ -418,6 +454,7 @@ def sharded_init(
         (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others.
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
+    check_grid_order(state, mesh, axis_name)
     replicas.check_replicas_last(state)
     replicas.check_replicas_cover(state, params)
     check_same_on_every_process(state)

@@ -15,6 +15,12 @@ Writes ``benchmarks/results/codec_speed.json`` and ``codec_speed.png``::
     python -m benchmarks.codec_speed --quick
     python -m benchmarks.codec_speed --codecs sign int8 --sizes 16777216 --reps 9
     python -m benchmarks.codec_speed --pipeline 20 --out /tmp/codec_speed_gpu.json
+    python -m benchmarks.codec_speed --codecs fp8 fp8_e5m2 --reps 5 --merge   # re-time rows
+
+``--merge`` keeps the rows already in the JSON file and replaces those timed again (same
+codec and size), each row against the copy of its own run; the runs merged are listed under
+``runs`` (command, date, codecs). It refuses a file of another backend, device, ``--reps``
+or ``--pipeline``: one table, one way of timing.
 """
 
 from __future__ import annotations
@@ -76,6 +82,41 @@ def run(codecs: list[str], sizes: list[int], reps: int, save=None, pipeline: int
     return rows
 
 
+MERGE_SAME = ("backend", "device", "reps", "pipeline")
+
+
+def run_record(data: dict) -> dict:
+    """Command, date and codecs of the run that wrote ``data`` (a file not merged yet)."""
+    env = data.get("environment", {})
+    codecs = list(dict.fromkeys(r["codec"] for r in data["rows"]))
+    return {"command": env.get("command"), "date_utc": env.get("date_utc"), "codecs": codecs}
+
+
+def merge_mismatch(old: dict, new: dict) -> str | None:
+    """What of :data:`MERGE_SAME` differs between the file ``old`` and the run ``new``, if any."""
+    get = lambda d, k: d["environment"].get(k) if k in ("backend", "device") else d.get(k)  # noqa: E731
+    wrong = [
+        f"{k} {get(old, k)!r} != {get(new, k)!r}" for k in MERGE_SAME if get(old, k) != get(new, k)
+    ]
+    return ", ".join(wrong) or None
+
+
+def merge(old: dict, new: dict) -> dict:
+    """The run ``new`` written over the file ``old``: ``old``'s rows in ``old``'s order, those
+    timed again (same codec and size) replaced by ``new``'s, new ones last; ``runs`` lists
+    ``old``'s runs (or the one that wrote it) and then ``new``'s; seconds add up."""
+    key = lambda r: (r["codec"], r["size"])  # noqa: E731
+    fresh = {key(r): r for r in new["rows"]}
+    rows = [fresh.pop(key(r), r) for r in old["rows"]] + list(fresh.values())
+    runs = old.get("runs") or [run_record(old)]
+    return {
+        **new,
+        "seconds": round(old.get("seconds", 0.0) + new["seconds"], 1),
+        "rows": rows,
+        "runs": [*runs, run_record(new)],
+    }
+
+
 def print_table(rows: list[dict]) -> None:
     print(
         f"\n{'codec':10s}{'size':>10s}{'ratio':>7s}{'encode ms':>11s}{'decode ms':>11s}"
@@ -130,6 +171,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--pipeline", type=int, default=1, help="calls per sample, blocked once (GPU: 20)"
     )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows already in the JSON file, replace those timed again",
+    )
     args = ap.parse_args(argv)
     import jax
 
@@ -140,6 +186,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     path = args.out or common.result_path("codec_speed", args.quick)
     path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(path.read_text()) if args.merge and path.exists() else None
+    if old is not None:
+        mismatch = merge_mismatch(
+            old, {"environment": common.environment(), "reps": reps, "pipeline": args.pipeline}
+        )
+        if mismatch:
+            ap.error(f"argument --merge: {common.show_path(path)} was timed otherwise: {mismatch}")
 
     def save(rows, complete=False):
         out = {
@@ -150,13 +203,16 @@ def main(argv=None) -> int:
             "seconds": round(time.perf_counter() - start, 1),
             "rows": rows,
         }
+        if old is not None:
+            out = merge(old, out)
         path.write_text(json.dumps(out, indent=2) + "\n")
+        return out
 
     rows = run(codecs, sizes, reps, save, args.pipeline)
     print_table(rows)
-    save(rows, complete=True)
+    written = save(rows, complete=True)
     print(f"wrote {common.show_path(path)}")
-    draw(rows, path.with_suffix(".png"))
+    draw(written["rows"], path.with_suffix(".png"))  # with --merge: every row of the file
     return 0
 
 

@@ -113,6 +113,72 @@ def test_wire_bytes_merge_lists_the_first_part_too():
     assert wire_bytes.merged_runs({}, "only") == ["only"]
 
 
+def test_codec_speed_merge_replaces_rows_timed_again_and_names_the_runs():
+    """``codec_speed --merge``: the old file's rows in its order, those timed again (same
+    codec and size) replaced, new ones last; ``runs`` names the run that wrote the old file
+    and the new one, and the rendered table says which codecs each timed."""
+    from benchmarks import codec_speed
+    from docs.hooks import bench_tables
+
+    def row(codec, size, ratio):
+        return {"codec": codec, "size": size, "in_copies": ratio, "compression": 4.0}
+
+    def env(command, date):
+        return {"backend": "cpu", "device": "cpu", "command": command, "date_utc": date}
+
+    old = {
+        "environment": env("python benchmarks/codec_speed.py --reps 5", "2026-11-22"),
+        "reps": 5,
+        "pipeline": 1,
+        "seconds": 500.0,
+        "rows": [row("identity", 8, 2.0), row("fp8", 8, 1.3), row("int8", 8, 1.4)],
+    }
+    new = {
+        "environment": env("codec_speed --codecs fp8 new --merge", "2026-11-27"),
+        "reps": 5,
+        "pipeline": 1,
+        "seconds": 30.0,
+        "rows": [row("fp8", 8, 2.5), row("new", 8, 3.0)],
+    }
+    merged = codec_speed.merge(old, new)
+    assert [(r["codec"], r["in_copies"]) for r in merged["rows"]] == [
+        ("identity", 2.0),
+        ("fp8", 2.5),
+        ("int8", 1.4),
+        ("new", 3.0),
+    ]
+    assert merged["seconds"] == 530.0 and merged["environment"] == new["environment"]
+    assert [(r["command"], r["codecs"]) for r in merged["runs"]] == [
+        ("python benchmarks/codec_speed.py --reps 5", ["identity", "fp8", "int8"]),
+        ("codec_speed --codecs fp8 new --merge", ["fp8", "new"]),
+    ]
+    again = codec_speed.merge(merged, {**new, "rows": [row("int8", 8, 1.5)]})
+    assert len(again["runs"]) == 3 and again["runs"][0] == merged["runs"][0]
+    text = bench_tables._codec_speed(merged, bench_tables.RESULTS / "codec_speed.json")
+    assert "`fp8`, `new` from `codec_speed --codecs fp8 new --merge` (2026-11-27)" in text
+    assert "the other 2 codecs from `python benchmarks/codec_speed.py --reps 5`" in text
+    assert "| `fp8` | 4.0x | 2.5 |" in text
+    assert "joined by" not in bench_tables._codec_speed(old, bench_tables.RESULTS / "x.json")
+    assert codec_speed.merge_mismatch(old, new) is None
+    assert codec_speed.merge_mismatch(old, {**new, "reps": 7}) == "reps 5 != 7"
+
+
+def test_codec_speed_merge_refuses_a_file_timed_otherwise(tmp_path, capsys):
+    """One table, one way of timing: ``--merge`` onto a file of another ``--reps`` is a usage
+    error naming the flag, before anything is timed."""
+    from benchmarks import codec_speed
+
+    path = tmp_path / "speed.json"
+    before = {"environment": {"backend": "cpu", "device": "cpu"}, "reps": 7, "pipeline": 1}
+    path.write_text(json.dumps({**before, "rows": []}))
+    with pytest.raises(SystemExit) as exit_:
+        codec_speed.main(["--codecs", "sign", "--reps", "5", "--merge", "--out", str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --merge" in err and "reps 7 != 5" in err
+    assert json.loads(path.read_text())["rows"] == []
+
+
 @pytest.mark.slow
 def test_wire_bytes_quick_matches_model(tmp_path, monkeypatch):
     # --quick narrowed to one codec at n = 4, with every strategy, inside the test budget

@@ -204,6 +204,22 @@ def outer_rsqrt(first: float) -> Any:
     return lambda count: first / jnp.sqrt(count + 1.0)
 
 
+def outer_wsd(lr: float, syncs: int, tail: int = 2, final: float = 0.5) -> Any:
+    """An outer lr held at ``lr`` and over the last ``tail`` of the ``syncs`` outer steps
+    decayed linearly to ``final x lr`` (at ``syncs = 10``, ``tail = 2``: 1.125 and 0.75 for
+    ``lr`` 1.5): the last syncs' best applied step of the 8-replica 3000x rows' line search
+    (0.5-0.75 of the merged update on the benchmark, the held-out and the fifth pairs) with
+    the earlier steps left at ``lr`` (:func:`outer_rsqrt` shortened those too and lost on the
+    held-out pair)."""
+    import jax.numpy as jnp
+
+    def schedule(count):
+        into = jnp.clip((count - (syncs - tail) + 1.0) / tail, 0.0, 1.0)
+        return lr * (1.0 - (1.0 - final) * into)
+
+    return schedule
+
+
 def _inner_const(run: lm.Run) -> Any:
     """AdamW (weight decay 0.1) at :func:`held_schedule`."""
     import optax
@@ -581,6 +597,14 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5-ef0.3": _sparse_wsd(
         21 / 4096, ef_decay=0.3
     ),
+    # ... the outer lr decayed over the last two syncs to half (outer_wsd: 1.5, ..., 1.125,
+    # 0.75), every density of the WSD row.
+    **{
+        f"sparseloco-H30-muon-innerwsd-d{k}-b1mean-min0-outer1.5wsd": _sparse_wsd(
+            k / 4096, 30, outer_wsd(1.5, 10)
+        )
+        for k in (17, 19, 21)
+    },
     **{
         f"sparseloco-H15to45-muon-innerwsd-d{k}-b1mean-min0-outer1.5": _sparse_wsd(
             k / 4096, growing(30, 300)

@@ -1066,6 +1066,16 @@ def test_lm_diloco_growing_intervals_keep_the_syncs():
     assert len(grow) == 300 // 30 and sum(grow) == 300
 
 
+def test_lm_diloco_outer_wsd_holds_then_decays_over_the_last_syncs():
+    """benchmarks/lm_diloco.py: ``outer_wsd(lr, syncs)`` is ``lr`` at every outer step but
+    the last ``tail`` (count 0-based), decayed linearly to ``final x lr`` at the last."""
+    from benchmarks import lm_diloco
+
+    lrs = [float(lm_diloco.outer_wsd(1.5, 10)(k)) for k in range(10)]
+    assert lrs == pytest.approx([1.5] * 8 + [1.125, 0.75])
+    assert float(lm_diloco.outer_wsd(2.0, 4, tail=1, final=0.25)(3)) == pytest.approx(0.5)
+
+
 def test_sharded_benchmark_loads_its_example_without_examples_on_the_path(monkeypatch):
     """``python -m benchmarks.sharded`` from the root: ``examples/fsdp_lm.py`` imports
     ``_flags``, which is not importable there (it failed with ModuleNotFoundError)."""

@@ -525,15 +525,23 @@ def test_error_feedback_conserves_the_gradient(row):
 # --------------------------------------------------------------------------- 2. poison and freeze
 
 
-@pytest.mark.parametrize("where", ["nan-v", "inf-b"])
+def nan_at(row: Row) -> tuple[str, tuple[int, ...]]:
+    """Where the nan items put their NaN: device 3 of a leaf the row compresses, ``v``
+    (2,048 values, under the 4,096 of XLA:CPU's NaN-dropping reduce), else ``w`` (DGC and
+    PowerSGD compress matrices only: their ``v`` goes by plain ``pmean``, as ``b`` does)."""
+    return ("v", (3, 1031)) if "v" in row.compressed else ("w", (3, 5, 7))
+
+
+@pytest.mark.parametrize("where", ["nan-compressed", "inf-b"])
 def test_nonfinite_gradient_poisons_output_and_freezes_state(row, where):
     b = built(row.id)
     _, states = trajectory(row.id)
     # After one step (a warm-up step of powersgd-start2) and after two.
-    t = 1 if where == "nan-v" else 2
+    t = 1 if where == "nan-compressed" else 2
     before, g = states[t], grads(t)
-    if where == "nan-v":
-        g["v"][3, 1031] = np.nan  # one device, a compressed leaf under 4,096 values
+    if where == "nan-compressed":
+        leaf, at = nan_at(row)
+        g[leaf][at] = np.nan  # one device, a compressed leaf
     else:
         g["b"][5, 0] = np.inf  # another device, a small leaf sent by plain pmean
     out, update, after = b.step(g, before)
@@ -730,16 +738,18 @@ def test_pmap_matches_shard_map(row, init):
 
 def test_nonfinite_gradient_under_pmap_poisons_every_device_and_freezes_state(row):
     """Item 2 under ``jax.pmap`` (no varying types: the flag must be reduced over the axis
-    all the same): a NaN in device 3's ``v`` after two steps makes every compressed output
-    non-finite on every device, leaves the transform's state bit-identical and the follower
-    skips. Runs the step already compiled by :func:`test_pmap_matches_shard_map`."""
+    all the same): a NaN in device 3's compressed leaf (:func:`nan_at`) after two steps
+    makes every compressed output non-finite on every device, leaves the transform's state
+    bit-identical and the follower skips. Runs the step already compiled by
+    :func:`test_pmap_matches_shard_map`."""
     skip_unless(row, "pmap")
     step, replicated = pmap_step(row.id), jc.replicate(params(), N)
     state = pmap_init(row.id)
     for t in range(2):
         _, _, state = step(grads(t), state, replicated)
     g = grads(2)
-    g["v"][3, 1031] = np.nan  # a compressed leaf under 4,096 values
+    leaf, at = nan_at(row)
+    g[leaf][at] = np.nan
     out, update, after = step(g, state, replicated)
     for k in row.compressed:
         assert not np.isfinite(np.asarray(out[k], np.float32)).any(), k

@@ -667,9 +667,9 @@ def _vote_exchange(payloads, ctx, servers):
     chunks and ``all_to_all``s them; the owner of a chunk counts the negative votes ``m`` per
     coordinate in int32 and keeps the sign of the vote ``sum_i sign(x_i) = n - 2m`` (a tie,
     possible for even ``n``, goes to the owner's own sign), packs it, and ``all_gather``s the
-    words. The result is scaled by the mean over devices of the codec's scale (one ``psum`` of
-    the scales: ``scale="mean"``, mean ``|x|``; ``scale=None``, 1, or 0 when every device has
-    a zero block, so a zero gradient gives zero).
+    words. The result is scaled by the mean over devices of the codec's scale (one ``psum``
+    of the scales over ``n``: ``scale="mean"``, mean ``|x|``; ``scale=None``, 1, or 0 when
+    every device has a zero block, so a zero gradient gives zero).
     """
     n, axis = ctx.n, ctx.axis_name
     received = buckets.exchange(
@@ -686,8 +686,8 @@ def _vote_exchange(payloads, ctx, servers):
         negative = (2 * negatives > n) | ((2 * negatives == n) & (own == 1))
         results.append(packing.pack(negative.reshape(-1), 1))
     voted, _ = _gather(results, axis, ctx.bucket_bytes)
-    scales, held = buckets.exchange(
-        [s for _, s in payloads],
+    scales, held = buckets.exchange(  # the mean scale, divided before the sum (no overflow)
+        [s / n for _, s in payloads],
         lambda b: jax.lax.psum(b, axis),
         bucket_bytes=ctx.bucket_bytes,
         with_buckets=True,
@@ -698,7 +698,7 @@ def _vote_exchange(payloads, ctx, servers):
 def _vote_decode(xs, payloads, exchanged, ctx, fill):
     voted, scales = exchanged
     mean = [
-        scaled(ctx.codec.decode((v.reshape(-1)[: w.shape[0]], s / ctx.n), x.shape[0]), 1.0, fill)
+        scaled(ctx.codec.decode((v.reshape(-1)[: w.shape[0]], s), x.shape[0]), 1.0, fill)
         for v, (w, _), s, x in zip(voted, payloads, scales, xs, strict=True)
     ]
     return mean, _sent(payloads, xs, ctx.codec), [None] * len(xs)
@@ -847,13 +847,14 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     """
     n_inner = axis_size(inner_axis_name)
     li = jax.lax.axis_index(inner_axis_name)
+    # Pre-scaled by 1/L before the float32 sum (a host's mean that fits float32 never
+    # overflows; summed first, L rows near float32's largest value made it inf).
     parts = buckets.exchange(
-        [_rows(x, n_inner) for x in segments],
+        [_rows(x * (1.0 / n_inner), n_inner) for x in segments],
         lambda b: jax.lax.psum_scatter(b, inner_axis_name, scatter_dimension=0, tiled=False),
         lead=1,
         bucket_bytes=bb,
     )
-    parts = [p / n_inner for p in parts]
     inner_key = None if key is None else jax.random.fold_in(key, li)
     r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, extra, bb)
     bad = r.bad
@@ -971,7 +972,8 @@ def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
     def mean(a):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             return a
-        return jax.lax.pmean(a.astype(jnp.float32), inner_axis_name).astype(a.dtype)
+        n = axis_size(inner_axis_name)  # divided before the sum: see plain_mean
+        return jax.lax.psum(a.astype(jnp.float32) / n, inner_axis_name).astype(a.dtype)
 
     return jax.tree.map(mean, tree)
 
@@ -985,9 +987,12 @@ def plain_mean(
     An empty leaf is its own mean and takes no part in a collective: XLA:CPU (jaxlib 0.11)
     crashes compiling a program whose all-reduces include a zero-element one."""
     full = [a for a in leaves if a.size]
+    n = axis_size(every_axis) if full else 1
+    # Divided before the sum (jax.lax.pmean sums first): a mean that fits float32 never
+    # overflows; for n a power of two the same bits as jax.lax.pmean.
     means, held = buckets.exchange(
         [a.astype(jnp.float32) for a in full],
-        lambda b: jax.lax.pmean(b, every_axis),
+        lambda b: jax.lax.psum(b / n, every_axis),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )

@@ -151,7 +151,11 @@ def tracked_levels(
         level,
         local_levels(grads, every_axis),
     )
-    new_ref = jax.tree.map(lambda a, r: jnp.where(moves, scale * a, r), level, level_ref)
+    # Saturated: ``level`` near F32_MAX times the bias correction (1000 at the first step,
+    # b2 = 0.999) was inf, and a frozen variance kept the inf reference for good.
+    new_ref = jax.tree.map(
+        lambda a, r: jnp.where(moves, jnp.minimum(scale * a, F32_MAX), r), level, level_ref
+    )
     return level, new_ref, level_ratio(level, level_ref, scale), level_ratio(level, new_ref, scale)
 
 

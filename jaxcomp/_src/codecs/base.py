@@ -93,20 +93,27 @@ def after(x: jax.Array, dep: jax.Array | None) -> jax.Array:
 
 
 def sum_of_decodes(codec: Codec, payloads, d: int, scale=1.0, fill=0.0) -> jax.Array:
-    """``fill + scale * sum_j decode(payloads[j])``, one fused decode-and-add pass per device.
+    """``fill + sum_j scale * decode(payloads[j])``, one fused decode-and-add pass per device.
+
+    Each decode is scaled before it is added (``scale = 1/n``: the mean), so a mean that fits
+    float32 never overflows in the sum: ``n`` rows near float32's largest value, each finite,
+    summed first and scaled after, made an inf (then NaN) mean where the mean itself is
+    finite (sign, int, QSGD, natural, identity through ``allgather`` / ``two_phase``, until
+    2026-11-27). Scaling by a power of two (``n`` = 2, 4, 8, ...) is exact, but XLA:CPU
+    contracts the decode's multiply into the add differently, so the bits may move by the
+    rounding of the adds (docs/strategies.md).
 
     Decoding the whole ``[n, d]`` stack and reducing it over the device axis was 6x slower
     than two decodes for d = 25M on XLA:CPU (1.6 s vs 0.25 s each; float16 casts 7-10x).
     """
     n = jax.tree.leaves(payloads)[0].shape[0]
 
-    def add(j, total):
-        return total + codec.decode(jax.tree.map(lambda a: a[j], payloads), d)
+    def term(j):
+        return scaled(codec.decode(jax.tree.map(lambda a: a[j], payloads), d), scale)
 
     # Start from the first decode (not zeros): under shard_map the carry must have the same
     # varying axes as the payloads (two_phase decodes an all_to_all result).
-    first = codec.decode(jax.tree.map(lambda a: a[0], payloads), d)
-    return scaled(jax.lax.fori_loop(1, n, add, first), scale, fill)
+    return scaled(jax.lax.fori_loop(1, n, lambda j, total: total + term(j), term(0)), 1.0, fill)
 
 
 @dataclasses.dataclass(frozen=True)

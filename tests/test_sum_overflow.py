@@ -1,0 +1,140 @@
+"""Means of finite gradients whose float32 SUM overflows: each device near 2^126, 8 devices.
+
+The mean fits float32 (it is at most the largest of the values), so it must come out finite
+and right. A reduction that sums first and divides after (``jax.lax.pmean``, and until
+2026-11-27 the decode-and-add of ``allgather`` / ``two_phase``, the plain mean of small
+leaves, the hierarchical reduce-scatter) made it inf, then NaN in every leaf of the step.
+Dividing by ``n`` before the sum is exact for ``n`` a power of two, so the mean of
+``x * 2^100`` is the mean of ``x`` times ``2^100`` bit for bit (deterministic codecs scale
+with their input), which is what these tests assert.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import N, mesh, per_device, shard
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+BIG = 2.0**100  # x ~ 2^26 times this: 8.5e37 a value, 6.8e38 (inf) as a float32 sum of 8
+
+
+def gradients(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "w": (2.0**26 * (1 + 0.1 * rng.random((N, 512)))).astype(np.float32),
+        "b": (2.0**26 * (1 - 2 * rng.random((N, 16)))).astype(np.float32),
+    }
+
+
+def pmean_step(codec, strategy, **kw):
+    def step(g):
+        key = jax.random.PRNGKey(0) if codec.stochastic else None
+        tree = jax.tree.map(lambda x: x[0], g)
+        out = jc.pmean(tree, "data", codec, key=key, strategy=strategy, **kw)
+        return jax.tree.map(lambda x: x[None], out)
+
+    return per_device(step, (P("data"),), P("data"))
+
+
+@pytest.mark.parametrize(
+    ("codec", "strategy", "tol"),
+    [
+        (jc.identity(), "allgather", 1e-6),
+        (jc.identity(), "two_phase", 1e-6),
+        (jc.int_quant(8), "allgather", 0.01),
+        (jc.int_quant(8), "two_phase", 0.01),
+        (jc.sign(), "allgather", 0.06),
+        (jc.sign(), "two_phase", 0.06),
+        (jc.sign(), "majority_vote", 0.06),  # the psum of the scales
+        (jc.natural(), "allgather", 0.3),  # each value a power of two, stochastically
+    ],
+)
+def test_a_mean_that_fits_float32_does_not_overflow_in_the_sum(codec, strategy, tol):
+    """Until 2026-11-27 every row here gave NaN in the big leaf (``two_phase``: in both)."""
+    g = gradients()
+    step = pmean_step(codec, strategy, min_size=0)
+    big = step(shard(jax.tree.map(lambda x: x * np.float32(BIG), g)))
+    small = step(shard(g))
+    for k in g:
+        out = np.asarray(big[k])
+        assert np.isfinite(out).all(), (k, np.isfinite(out).mean())
+        np.testing.assert_array_equal(out, np.asarray(small[k]) * np.float32(BIG))
+    truth = g["w"].astype(np.float64).mean(0) * BIG
+    assert np.abs(np.asarray(big["w"])[0] - truth).max() <= tol * truth.max()
+
+
+def test_plain_and_hierarchical_means_do_not_overflow_in_the_sum():
+    """Small leaves' plain mean (``min_size``) and the hierarchical reduce-scatter over the
+    fast axis (``inner_axis_name``) summed first too: inf / NaN until 2026-11-27."""
+    g = gradients(1)
+    plain = pmean_step(jc.int_quant(8), "auto", min_size=10**6)
+    out = plain(shard(jax.tree.map(lambda x: x * np.float32(BIG), g)))
+    ref = plain(shard(g))
+    for k in g:
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(ref[k]) * np.float32(BIG))
+    m = jax.make_mesh((2, 4), ("host", "local"), devices=jax.devices()[:N])
+
+    def step(x):
+        y = jc.pmean(x[0, 0], "host", jc.int_quant(8), inner_axis_name="local", min_size=0)
+        return y[None, None]
+
+    both = P("host", "local")
+    fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=both, out_specs=both))
+    x = g["w"].reshape(2, 4, 512)
+    put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(m, both))  # noqa: E731
+    hier = np.asarray(jax.block_until_ready(fn(put(x * np.float32(BIG)))))
+    assert np.isfinite(hier).all()
+    np.testing.assert_array_equal(hier, np.asarray(jax.block_until_ready(fn(put(x)))) * BIG)
+
+
+def test_error_feedback_step_of_overflowing_sum_is_finite_and_keeps_exact_memory():
+    """``compressed_allreduce(sign, residual)`` through ``allgather``: the update was NaN on
+    every device while each device's memory still moved as if the step were applied, so
+    ``apply_if_finite`` skipped a step whose compression error was already booked. Now the
+    update is finite and update and memory are the small run's times ``2^100``."""
+    tx = jc.compressed_allreduce(jc.sign(), "data", strategy="allgather", min_size=0)
+    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, params)
+        return jax.tree.map(lambda x: x[None], u), s
+
+    fn = per_device(step, (specs, P("data")), (P("data"), specs))
+    g = gradients(2)
+    u_big, s_big = fn(state, shard(jax.tree.map(lambda x: x * np.float32(BIG), g)))
+    u_small, s_small = fn(state, shard(g))
+    for k in g:
+        assert np.isfinite(np.asarray(u_big[k])).all()
+        np.testing.assert_array_equal(np.asarray(u_big[k]), np.asarray(u_small[k]) * BIG)
+        np.testing.assert_array_equal(
+            np.asarray(s_big.memory[k]), np.asarray(s_small.memory[k]) * np.float32(BIG)
+        )
+
+
+def test_onebit_adam_level_reference_saturates_instead_of_inf():
+    """1-bit Adam's per-leaf ``level_ref`` (the bias-corrected second moment when the
+    variance last moved, 1000x the level at step 1) was inf after one step of gradients
+    near 1e38, and the frozen variance kept it inf for good; now it saturates at F32_MAX."""
+    tx = jc.onebit_adam(0.1, "data", freeze_step=1)
+    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, params)
+        return jax.tree.map(lambda x: x[None], u), s
+
+    fn = per_device(step, (specs, P("data")), (P("data"), specs))
+    big = jax.tree.map(lambda x: x * np.float32(BIG), gradients(3))
+    u, state = fn(state, shard(big))
+    u, state = fn(state, shard(gradients(4)))
+    for leaf in jax.tree.leaves(state):
+        assert np.isfinite(np.asarray(leaf)).all()
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))

@@ -273,6 +273,94 @@ def test_a_replica_transform_nested_or_wrapped_then_chained_on_is_refused():
     )
 
 
+def test_a_masked_replica_transform_then_a_masked_transform_on_its_leaves_is_refused():
+    """``optax.chain(optax.masked(jc.local_sgd(...), m), optax.masked(after, m))`` is the
+    refused ``chain(local_sgd, after)`` on the leaves of ``m``. Measured (8 devices, H = 2,
+    a per-device quadratic, 2 syncs): ``optax.scale(0.5)`` on every leaf 0.168 apart (3e-8
+    alone; jc.diloco and jc.sparseloco the same), ``add_decayed_weights(0.1)`` on jc.local_sgd's
+    leaf beside a jc.diloco group 0.050, ``optax.scale(0.5)`` after a ``multi_transform`` of
+    the two 0.168; accepted with no error until 2026-11-27. A stateless masked transform
+    records no leaves, so it is refused after a masked replica transform; one whose state
+    shows its leaves is refused where they meet and accepted where they do not."""
+    params = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
+    m, o, every = {"w": True, "b": False}, {"w": False, "b": True}, {"w": True, "b": True}
+
+    def init(tx):
+        return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
+
+    local = lambda: jc.local_sgd(optax.sgd(0.1), "data", 2)  # noqa: E731
+    dil = lambda: jc.diloco(optax.sgd(0.1), "data", 2)  # noqa: E731
+    unread = r"the leaves of a masked transform after it cannot be read"
+    for tx in (
+        optax.chain(optax.masked(local(), every), optax.masked(optax.scale(0.5), every)),
+        optax.chain(
+            optax.masked(local(), m),
+            optax.masked(dil(), o),
+            optax.masked(optax.add_decayed_weights(0.1), m),
+        ),
+        optax.chain(
+            optax.multi_transform({"l": local(), "d": dil()}, {"w": "l", "b": "d"}),
+            optax.masked(optax.scale(0.5), m),
+        ),
+    ):
+        with pytest.raises(ValueError, match=unread):
+            init(tx)
+    overlap = optax.chain(
+        optax.masked(local(), m), optax.masked(dil(), o), optax.masked(optax.adam(0.1), o)
+    )
+    with pytest.raises(
+        ValueError, match=r"masked transform after jc\.diloco on its leaves \['b'\]"
+    ):
+        init(overlap)
+    exchange = jc.compressed_allreduce(jc.identity(), "data")
+    init(optax.chain(optax.masked(local(), m), optax.masked(dil(), o)))
+    init(
+        optax.chain(
+            optax.masked(local(), m),
+            optax.masked(optax.chain(exchange, optax.sgd(0.1, momentum=0.9)), o),
+        )
+    )
+
+
+def test_gossip_on_some_params_only_is_refused_where_nothing_syncs_the_rest():
+    """``jc.gossip`` has no anchor: until 2026-11-27 any mask around it was accepted.
+    Measured (8 devices, ring, a per-device quadratic): ``optax.masked(jc.gossip(sgd), {"w":
+    True, "b": False})`` left ``b`` 67.7 apart after 4 steps (8.7e11 after 30: the raw
+    gradient applied per device), ``multi_transform`` with ``optax.sgd(0.1)`` for ``b`` 4.34
+    after 30, where gossip on both leaves keeps ``b`` 0.55 apart. Now the leaves a masked
+    gossip averages are read from its per-leaf fields (CHOCO's copies, its inner optimizer's
+    state); with none to read it is refused, naming the fix."""
+    params = {"w": np.zeros(64, np.float32), "b": np.zeros(8, np.float32)}
+    m, labels = {"w": True, "b": False}, {"w": "g", "b": "o"}
+
+    def init(tx):
+        return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
+
+    plain = lambda: jc.gossip(optax.sgd(0.1), "data")  # noqa: E731
+    heavy = lambda: jc.gossip(optax.sgd(0.1, momentum=0.9), "data")  # noqa: E731
+    for tx in (
+        optax.masked(plain(), m),
+        optax.multi_transform({"g": plain(), "o": optax.sgd(0.1)}, labels),
+    ):
+        with pytest.raises(ValueError, match=r"runs jc\.gossip under optax\.masked.*records none"):
+            init(tx)
+    choco = jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8))
+    for tx in (
+        optax.multi_transform({"g": heavy(), "o": optax.sgd(0.1)}, labels),
+        optax.masked(choco, m),
+    ):
+        with pytest.raises(ValueError, match=r"runs jc\.gossip on some of the params.*\['b'\]"):
+            init(tx)
+    init(plain())
+    init(optax.multi_transform({"g": heavy(), "o": heavy()}, labels))
+    init(
+        jc.gossip(
+            optax.multi_transform({"g": optax.sgd(0.1), "o": optax.adam(0.1)}, labels), "data"
+        )
+    )
+    init(optax.multi_transform({"g": plain(), "o": jc.sgd(0.1, jc.identity(), "data")}, labels))
+
+
 def test_a_replica_transform_on_some_params_only_is_refused_at_sharded_init():
     """``optax.multi_transform({"loc": jc.local_sgd(...), "other": optax.sgd(0.1)}, labels)``
     (or ``optax.masked``): the "other" leaves are per-device replicas that no transform syncs.

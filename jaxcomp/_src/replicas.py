@@ -158,10 +158,11 @@ def _nodes(state: Any):
             todo.extend(_children(node))
 
 
-def check_replicas_last(state: Any) -> None:
+def check_replicas_last(state: Any, params: Any = None) -> None:
     """Refuse a ``tx`` whose ``optax.chain`` runs a transform after ``jc.local_sgd``,
     ``jc.diloco``, ``jc.sparseloco`` or ``jc.gossip`` (``state``: the chain's state, a plain
-    tuple of its transforms' states, anywhere inside ``tx.init``'s state).
+    tuple of its transforms' states, anywhere inside ``tx.init``'s state; ``params``: the
+    params it was built for, whose leaves name the masked ones).
 
     At a sync such a transform returns ``u_i = x - theta_i``, the move that lands device
     ``i``'s params ``theta_i`` on the synchronized ``x``. A transform after it changes each
@@ -173,8 +174,8 @@ def check_replicas_last(state: Any) -> None:
     chain or wrapper is (until 2026-11-27 ``optax.chain(optax.chain(jc.local_sgd(...)),
     optax.scale(0.5))`` was accepted, the same updates as the flat chain refused); so does
     one under ``optax.masked`` / ``multi_transform`` / ``partition`` where a transform on
-    every leaf follows. Followed by masked transforms only it is accepted (they may leave
-    its leaves alone: ``jc.local_sgd`` and ``jc.diloco`` on complementary masks).
+    every leaf follows. Followed by masked transforms only, it is accepted where each of
+    them provably leaves its leaves alone (:func:`_check_masked_after`).
     """
     for node in _nodes(state):
         if type(node) is tuple:  # an optax.chain's state
@@ -183,6 +184,108 @@ def check_replicas_last(state: Any) -> None:
                 kind = _replicas_run(k, through_masks=not masked_after)
                 if kind is not None:
                     _refuse_after(kind)
+                if masked_after and params is not None:
+                    _check_masked_after(k, node[i + 1 :], params)
+
+
+def _check_masked_after(node: Any, after: tuple, params: Any) -> None:
+    """Refuse masked transforms ``after`` a masked replica transform in ``node`` that touch
+    its leaves, or whose leaves cannot be read.
+
+    ``optax.chain(optax.masked(jc.local_sgd(...), m), optax.masked(optax.scale(0.5), m))``
+    is the refused ``chain(local_sgd, scale)`` on the leaves of ``m`` (accepted until
+    2026-11-27; measured: docs/errors.md, the ``optax.chain(jc.local_sgd(...), after)`` row).
+    Which leaves a masked transform touches is read from its per-leaf state
+    (``optax.masked`` gives its inner transform the params with ``optax.MaskedNode`` where
+    the mask is False); a stateless one (``optax.scale``, ``add_decayed_weights``) records
+    none, so it is refused too.
+    """
+    kinds = replica_states()
+    found = [n for n in _all_nodes(node) if isinstance(n, kinds)]
+    if not found:
+        return
+    name = _TRANSFORM[type(found[0]).__name__]
+    ours = set()
+    for n in found:
+        leaves = _synced_paths(n, params)
+        if leaves is None:
+            _refuse_unreadable(name, "its own leaves", "jc.gossip records no leaves of its own")
+        ours |= leaves
+    for a in after:
+        theirs = _masked_paths(a, params)
+        if theirs is None:
+            _refuse_unreadable(name, "the leaves of a masked transform after it", "")
+        shared = sorted(ours & theirs, key=jax.tree_util.keystr)
+        if shared:
+            raise ValueError(
+                f"jc.sharded_init: `tx` chains a masked transform after {name} on its leaves "
+                f"{', '.join(map(jax.tree_util.keystr, shared[:5]))}: at a sync it changes "
+                "each device's move onto the synchronized params differently, so the replicas "
+                f"would not agree after the sync. Put it inside `inner` ({name}(optax.chain("
+                "..., optax.scale_by_learning_rate(lr)), ...)) or before it in the chain."
+            )
+
+
+def _refuse_unreadable(name: str, what: str, why: str) -> None:
+    raise ValueError(
+        f"jc.sharded_init: `tx` chains masked transforms after {name} under optax.masked / "
+        f"multi_transform / partition, and {what} cannot be read from the state "
+        f"({why or 'a stateless transform records none'}): a transform after {name} on its "
+        "leaves would move the replicas apart at every sync. Put the per-group transforms "
+        f"inside `inner` ({name}(optax.multi_transform(..., labels), ...)), or before "
+        f"{name} in the chain."
+    )
+
+
+def _all_nodes(state: Any):
+    """Every pytree node of ``state``, replica states' insides included."""
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        yield node
+        todo.extend(_children(node))
+
+
+def _params_like(node: Any, params: Any) -> set | None:
+    """The float leaves of ``params`` that ``node`` holds a value for, where ``node`` is
+    shaped like ``params`` (a per-leaf state field: ``optax.MaskedNode`` or None at the
+    leaves masked out, whole masked subtrees too); else None."""
+    kids = _children(node)
+    if not kids:
+        return None
+    try:
+        jax.tree_util.tree_structure(node, is_leaf=_empty).flatten_up_to(params)
+    except (ValueError, TypeError):
+        return None
+    pairs = jax.tree_util.tree_flatten_with_path(node, is_leaf=_empty)[0]
+    held = {k for k, x in pairs if not _empty(x)}
+    if not held <= {k for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]}:
+        return None
+    return held & set(_float_paths(params))
+
+
+def _mirror_paths(node: Any, params: Any) -> set | None:
+    """The float leaves of ``params`` held by some per-leaf field anywhere in ``node``
+    (None where no field is shaped like the params: a stateless transform)."""
+    found = [p for n in _all_nodes(node) if (p := _params_like(n, params)) is not None]
+    return set().union(*found) if found else None
+
+
+def _synced_paths(node: Any, params: Any) -> set | None:
+    """The float leaves a replica state syncs: its ``anchor``'s (DiLoCo, local SGD,
+    SparseLoCo), else (gossip) those of its per-leaf fields, None where it has none."""
+    if hasattr(node, "anchor"):
+        return set(_float_paths(node.anchor))
+    return _mirror_paths(node, params)  # gossip: CHOCO's copies, its inner's fields
+
+
+def _masked_paths(node: Any, params: Any) -> set | None:
+    """The float leaves a masked transform's state ``node`` touches; a partition's groups
+    one by one (None where any group's cannot be read)."""
+    if isinstance(node, optax.PartitionState):
+        groups = [_masked_paths(g, params) for g in node.inner_states.values()]
+        return None if any(g is None for g in groups) else set().union(*groups)
+    return _mirror_paths(node, params)
 
 
 def _replicas_run(node: Any, through_masks: bool) -> str | None:
@@ -212,24 +315,30 @@ def _float_paths(tree: Any) -> list:
 
 
 def check_replicas_cover(state: Any, params: Any) -> None:
-    """Refuse a ``tx`` that runs ``jc.local_sgd``, ``jc.diloco`` or ``jc.sparseloco`` on
-    some of the params only (inside ``optax.masked``, ``optax.multi_transform`` or
-    ``optax.partition``) and nothing that averages the others: the params are per-device
-    replicas, and a float leaf no transform syncs drifts apart on each device for ever, with
-    no error. A leaf counts as synced where a replica transform's ``anchor`` holds it; with
-    ``jc.gossip`` (no per-leaf record) or another jaxcomp exchange in ``tx`` (it may average
-    the rest every step) nothing is refused."""
-    kinds, others = replica_states(), _exchange_states()
-    nodes = list(_nodes(state))
-    found = [n for n in nodes if isinstance(n, kinds)]
-    if not found or not all(hasattr(n, "anchor") for n in found):
+    """Refuse a ``tx`` that runs ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or
+    ``jc.gossip`` on some of the params only (inside ``optax.masked``,
+    ``optax.multi_transform`` or ``optax.partition``) and nothing that averages the others:
+    the params are per-device replicas, and a float leaf no transform syncs drifts apart on
+    each device for ever, with no error. A leaf counts as synced where a replica transform's
+    ``anchor`` holds it; under a mask, ``jc.gossip`` (no anchor) syncs the leaves its
+    per-leaf fields hold (its inner optimizer's, CHOCO's copies), and one with none to read
+    is refused (until 2026-11-27 it was accepted, and the leaves outside its mask drifted:
+    docs/errors.md, the ``optax.multi_transform`` row). With another jaxcomp exchange in
+    ``tx`` (it may average the rest every step) nothing is refused."""
+    found = list(_replica_nodes(state))
+    if not found or any(isinstance(n, _exchange_states()) for n in _nodes(state)):
         return
-    if any(isinstance(n, others) and not isinstance(n, kinds) for n in nodes):
-        return
-    synced = {k for n in found for k in _float_paths(n.anchor)}
+    name = _TRANSFORM[type(found[0][0]).__name__]
+    synced = set()
+    for node, masked in found:
+        if not masked:
+            return  # a replica transform on every leaf
+        leaves = _synced_paths(node, params)
+        if leaves is None:
+            _refuse_gossip_unread()
+        synced |= leaves
     left = [k for k in _float_paths(params) if k not in synced]
     if left:
-        name = _TRANSFORM[type(found[0]).__name__]
         raise ValueError(
             f"jc.sharded_init: `tx` runs {name} on some of the params only (optax.masked, "
             f"optax.multi_transform or optax.partition): the float leaves "
@@ -241,6 +350,32 @@ def check_replicas_cover(state: Any, params: Any) -> None:
             "replica transform (or an exchange that averages it every step: "
             "jc.compressed_allreduce(jc.identity(), axis_name) is jax.lax.pmean)."
         )
+
+
+def _refuse_gossip_unread() -> None:
+    raise ValueError(
+        "jc.sharded_init: `tx` runs jc.gossip under optax.masked / multi_transform / "
+        "partition, and its state records none of the leaves it averages (no anchor; an "
+        "inner optimizer without per-leaf state, no codec), so the leaves outside its mask "
+        "cannot be checked: they would drift apart on each device for ever if nothing syncs "
+        "them. Put the per-group optimizers inside `inner` (jc.gossip(optax.multi_transform("
+        "..., labels), axis_name)), or give the gossiped group an inner optimizer with "
+        "per-leaf state (optax.sgd(lr, momentum=0.9))."
+    )
+
+
+def _replica_nodes(state: Any):
+    """``(state, masked)`` for every replica transform's state in ``state``: ``masked``
+    where it sits under ``optax.masked`` / ``multi_transform`` / ``partition``."""
+    kinds = replica_states()
+    todo = [(state, False)]
+    while todo:
+        node, masked = todo.pop()
+        if isinstance(node, kinds):
+            yield node, masked
+            continue
+        masked = masked or isinstance(node, _MASKS)
+        todo.extend((k, masked) for k in _children(node))
 
 
 def _exchange_states() -> tuple[type, ...]:

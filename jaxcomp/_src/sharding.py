@@ -455,7 +455,7 @@ def sharded_init(
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
     check_grid_order(state, mesh, axis_name)
-    replicas.check_replicas_last(state)
+    replicas.check_replicas_last(state, params)
     replicas.check_replicas_cover(state, params)
     check_same_on_every_process(state)
     return state

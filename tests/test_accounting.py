@@ -622,6 +622,26 @@ def test_branches_each_counted_and_weighted(mesh):
     assert "[cond 1 branch 2]" in str(r)
 
 
+def test_nested_jit_collectives_count_in_the_branch_that_calls_them(mesh):
+    """A nested ``jax.jit`` lowers to a ``func.call`` of a private function: its collectives
+    count in the branch that calls it, once per call. Until 2026-11-27 the logical program
+    counted them once, as unconditional (1-bit Adam's round, a nested jit since 0ee6a18:
+    every step weighed as a compressed round)."""
+    inner = jax.jit(lambda x: jax.lax.psum(x, "data"))
+
+    def step(x, c):
+        y = jax.lax.cond(c > 0, inner, lambda x: 2.0 * x, x)
+        return inner(inner(y))  # called twice outside the cond: runs twice
+
+    fn = smap(step, mesh, in_specs=(P(), P()), out_specs=P())
+    r = comm_report(fn, put(jnp.ones(1024), mesh, P()), jnp.int32(1))
+    ring = 2 * 7 / 8 * 4096
+    assert [(c.index, c.num_branches) for c in r.logical_conditionals] == [(0, 2)]
+    assert r.branch_bytes(logical=True) == {None: 2 * ring, (0, 0): 0.0, (0, 1): ring}
+    assert r.mean_bytes_per_device({0: [3, 1]}, logical=True) == pytest.approx(2.25 * ring)
+    assert r.branch_bytes(logical=True) == r.branch_bytes()  # as the compiled program
+
+
 @pytest.mark.parametrize(
     ("weights", "match"),
     [
@@ -666,6 +686,8 @@ def test_onebit_adam_warmup_branch_and_at_count(mesh):
     full = 2 * 7 / 8 * 4096 * 4
     level = 2 * 7 / 8 * 4  # every step, outside the cond: one float32 per leaf (the rescale)
     assert r.branch_bytes() == {None: level, (0, 0): sign, (0, 1): full}
+    # the logical program too: the round is a nested jit, counted in its branch
+    assert r.branch_bytes(logical=True) == {None: level, (0, 0): sign, (0, 1): full}
     assert warmup.bytes_per_device == full + level and warmup.conditionals == ()
     # 1000 steps: 10 warm-up (the cond's true branch), 990 compressed.
     want = (990 * sign + 10 * full) / 1000 + level

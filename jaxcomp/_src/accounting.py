@@ -777,8 +777,10 @@ def parse_stablehlo_collectives(text: str, num_devices: int | None = None) -> li
     unquoted spelling, multi-line ops whose type signature follows a region
     (``}) : (tensor<8xf16>) -> tensor<8xf16>``), several operands per op,
     ``replica_groups`` / ``source_target_pairs`` given as ``dense<...>`` attributes, and ops
-    in the regions of ``stablehlo.case`` / ``stablehlo.if`` (:attr:`Collective.branch`; ops
-    in a function that a branch calls count as unconditional).
+    in the regions of ``stablehlo.case`` / ``stablehlo.if`` (:attr:`Collective.branch`); ops
+    in a private function (a nested ``jax.jit``) count where it is called, once per call and
+    in the caller's branch (until 2026-11-27 they counted once, as unconditional: a nested
+    jit's collectives in one branch of a ``lax.cond`` weighed as if every step ran them).
 
     Args:
       text: MLIR text, e.g. ``jax.jit(f).lower(x).as_text()``.
@@ -975,11 +977,57 @@ def _regions(text: str, start: int) -> list[tuple[int, int]]:
     return spans
 
 
+_SHLO_FUNC_RE = re.compile(r'^(?P<indent>\s*)func\.func\s+private\s+@(?P<name>"[^"]*"|[\w.$\-]+)\(')
+_SHLO_CALL_RE = re.compile(r'=\s*(?:func\.)?call\s+@(?P<name>"[^"]*"|[\w.$\-]+)\(')
+
+
+def _private_functions(lines: list[str]) -> dict[str, tuple[int, int]]:
+    """``{name: (header line, closing line)}`` of the module's private functions (JAX
+    prints each header on one line ending in ``{`` and its ``}`` alone at the same indent)."""
+    out = {}
+    for i, line in enumerate(lines):
+        m = _SHLO_FUNC_RE.match(line)
+        if m and line.rstrip().endswith("{"):
+            close = m.group("indent") + "}"
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == close), None)
+            if end is not None:
+                out[m.group("name")] = (i, end)
+    return out
+
+
+def _inline_calls(text: str) -> str:
+    """``text`` with every ``func.call`` of a private function replaced by that function's
+    body (recursively) and the called functions' definitions dropped: a collective inside a
+    nested ``jax.jit`` then sits where it runs, in the branch of the ``stablehlo.case`` that
+    calls it, once per call (JAX lowers a nested jit to such a call)."""
+    lines = text.splitlines()
+    funcs = _private_functions(lines)
+    called = {m.group("name") for line in lines if (m := _SHLO_CALL_RE.search(line))}
+    if not funcs or not called & funcs.keys():
+        return text
+
+    def expand(body: list[str], depth: int) -> list[str]:
+        out: list[str] = []
+        for line in body:
+            m = _SHLO_CALL_RE.search(line)
+            if m and m.group("name") in funcs and depth < 64:
+                a, b = funcs[m.group("name")]
+                out += expand(lines[a + 1 : b], depth + 1)
+            else:
+                out.append(line)
+        return out
+
+    drop = {k for name, (a, b) in funcs.items() if name in called for k in range(a, b + 1)}
+    return "\n".join(expand([x for k, x in enumerate(lines) if k not in drop], 0))
+
+
 def _stablehlo_program(
     text: str, num_devices: int | None
 ) -> tuple[list[Collective], tuple[Conditional, ...]]:
     """The collectives of a StableHLO text with their branches, and its numbered conditionals
-    (``stablehlo.if``'s first region is the true branch: index 1, as in ``lax.cond``)."""
+    (``stablehlo.if``'s first region is the true branch: index 1, as in ``lax.cond``); a
+    private function's collectives count where it is called (:func:`_inline_calls`)."""
+    text = _inline_calls(text)
     conds = []
     for m in _SHLO_CONDITIONAL_RE.finditer(text):
         spans = _regions(text, text.find("({", m.end()))

@@ -140,8 +140,9 @@ def check_grid(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, i
     if want is None or got == tuple(want):
         return
     held = (
-        "holds no `server_grid` (a state saved before 2026-11-27, or built by hand), so the "
-        "grid its `server_residual` chunks were laid out for is unknown"
+        "holds no `server_grid` (a flat exchange's state, without `inner_axis_name`; one saved "
+        "before 2026-11-27; or one built by hand), so the grid its `server_residual` chunks "
+        "were laid out for is unknown"
         if got is None
         else f"has `server_grid` of shape {got}: its `server_residual` rows are the chunks "
         f"of a {got[0]} x {got[1]} mesh"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import N, mesh, per_device, shard
 from jax.sharding import PartitionSpec as P
@@ -138,3 +139,27 @@ def test_onebit_adam_level_reference_saturates_instead_of_inf():
     for leaf in jax.tree.leaves(state):
         assert np.isfinite(np.asarray(leaf)).all()
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+
+
+def test_local_sgd_plain_sync_of_replicas_near_float32s_largest_is_finite():
+    """``jc.local_sgd`` (and ``jc.diloco`` without a codec) syncs by a plain ``pmean`` of the
+    params' change, which summed first: replicas near ``2^126`` all became NaN at the sync,
+    for good, until 2026-11-27. Now the synced replicas are the small run's times ``2^100``."""
+    tx = jc.local_sgd(optax.sgd(1.0), "data", 1)
+    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs, rspecs = jc.state_specs(state, "data"), jc.replica_specs(params, "data")
+
+    def step(r, s, g):
+        p = jc.own(r)
+        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, p)
+        return jc.slot(optax.apply_updates(p, u)), s
+
+    fn = per_device(step, (rspecs, specs, P("data")), (rspecs, specs))
+    replicas = jc.replica_params(params, mesh(), "data")
+    g = gradients(5)
+    big, _ = fn(replicas, state, shard(jax.tree.map(lambda x: x * np.float32(BIG), g)))
+    small, _ = fn(replicas, state, shard(g))
+    for k in g:
+        assert np.isfinite(np.asarray(big[k])).all()
+        np.testing.assert_array_equal(np.asarray(big[k]), np.asarray(small[k]) * np.float32(BIG))

@@ -213,9 +213,10 @@ def state_specs(
 
     Per-device fields of jaxcomp states get ``P(axis_name)`` on their leading device axis;
     every other leaf ``P()``. Works on concrete states and on ``jax.eval_shape`` results
-    alike. For a hierarchical transform (``inner_axis_name=``) pass both axes,
-    ``("host", "local")``: every device of the 2-D mesh keeps its own memory,
-    ``P(("host", "local"))``.
+    alike. For a hierarchical transform (``inner_axis_name=``) pass both axes in its order,
+    ``(axis_name, inner_axis_name)``, e.g. ``("host", "local")``: every device of the 2-D
+    mesh keeps its own memory, ``P(("host", "local"))``. Given ``mesh``, the other order is
+    refused where the sizes tell it (a two-phase server residual's ``server_grid``).
 
     Params sharded over other mesh axes (a data x model mesh, ``shard_map`` manual over the
     data axis only): pass ``param_specs`` (a tree like the params of ``PartitionSpec`` or
@@ -235,8 +236,8 @@ def state_specs(
       axis_name: the data axis (a name, or a tuple of names).
       param_specs: None, or the params' specs over the other mesh axes (above).
       params: the params, for the shapes where ``param_specs`` are not arrays.
-      mesh: the mesh, checked to have ``axis_name``; with ``param_specs``, it gives each
-        device's block shape of the params.
+      mesh: the mesh, checked to have ``axis_name`` (in a hierarchical state's order);
+        with ``param_specs``, it gives each device's block shape of the params.
 
     Returns:
       A tree like ``state`` of ``PartitionSpec``.
@@ -433,7 +434,9 @@ def sharded_init(
       tx: the optax transform (a jaxcomp transform, or a chain that holds them).
       params: the params (arrays or ``jax.ShapeDtypeStruct``).
       mesh: the mesh of the step.
-      axis_name: the data axis (a name, or a tuple of names for a hierarchical transform).
+      axis_name: the data axis (a name, or a tuple of names for a hierarchical transform:
+        ``(axis_name, inner_axis_name)`` in that order, refused in the other where a
+        two-phase server residual's ``server_grid`` tells it).
       param_specs: None (params replicated over the other axes) or a tree like the params of
         ``PartitionSpec`` / ``NamedSharding`` (above).
 

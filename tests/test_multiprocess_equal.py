@@ -15,6 +15,10 @@ same script run in this process, on the same 8-device mesh and the same global i
 * a ``jc.sgd`` (int8, residual feedback) state saved by orbax on 1 process and restored on 2,
   2 more steps, saved on 2 and restored here on 1: params and every state field as the
   1-process run's (the params within 1e-9, the memories bit for bit);
+* a live ``jc.sgd`` int8 state of the 8 devices (2 steps) moved by ``jc.resize_state`` to 4
+  devices, 2 of each process's, and stepped once: memories and params bit for bit (until
+  2026-11-27 the 2 processes refused it with jax's "Fetching value for `jax.Array` that spans
+  non-addressable ... devices", naming no argument; on one process it moved);
 * ``jc.comm_report`` of the FSDP and ``jc.sgd`` steps: the same bytes on every process and
   on one (2,079 and 343 bytes per device);
 * ``jc.autotune``: the same plan and table (timings reduced over processes) on both, also
@@ -75,6 +79,7 @@ def test_two_processes_give_the_numbers_of_one(tmp_path):
     two = [dict(np.load(tmp_path / "two" / f"p{r}.npz")) for r in (0, 1)]
     exact = ["fsdp_w", "fsdp_e", "scatter_int8", "scatter_topk", "diloco_w", "sgd_w"]
     exact += ["sgd_memory_w", "bytes_fsdp", "bytes_sgd", "sparseloco_w", "sparseloco_b"]
+    exact += ["resize_memory_w0", "resize_memory_w", "resize_w"]
     for rank in (0, 1):  # every array's largest difference, for the log (pytest -s)
         print({k: _max_diff(two[rank][k], one[k]) for k in one if one[k].dtype.kind == "f"})
     for rank in (0, 1):

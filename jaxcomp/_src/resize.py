@@ -185,10 +185,23 @@ def _rechunk(rows: np.ndarray, width: int, m: int, where: str) -> np.ndarray:
     return np.pad(whole, (0, m * width - whole.size)).reshape(m, width)
 
 
+def _whole(x: Any) -> np.ndarray:
+    """All of ``x`` as numpy on this process. A per-device field of a live state of several
+    processes (``P(axis_name)`` over devices this process cannot address) is gathered from
+    the others: ``jax.device_get`` refused it with jax's "Fetching value for `jax.Array`
+    that spans non-addressable ... devices is not possible", naming no argument, although
+    the same call on one process moves it (docs/multihost.md)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def _move_leaf(old: Any, saved: Any, new: Any, per_device: bool, where: str) -> np.ndarray:
     """One leaf: as saved on ``n`` devices (``saved``: its expected global shape) to its
     global shape ``new`` on ``m`` devices."""
-    old = np.asarray(jax.device_get(old))
+    old = _whole(old)
     if old.shape != tuple(saved.shape):
         raise ValueError(
             f"`state` field `{where}` has shape {old.shape}, but `tx` keeps "
@@ -230,8 +243,9 @@ def resize_state(
     of two old ones; ``4 -> 8``: each old row is copied to two devices). The two-phase
     server residual is re-cut into ``m`` owned chunks; replicated fields (keys, counts,
     PowerSGD's ``Q``, EF21's estimate) are kept.
-    The work runs on the host (numpy): the process must see the whole state, as
-    :func:`restore_target` lays it out.
+    The work runs on the host (numpy), on the whole state: a state :func:`restore_target`
+    laid out is whole on every process already; a live state laid out over the devices of
+    several processes is gathered first (every process calls this with the same state).
 
     Args:
       state: the state with global arrays as saved (per-device fields ``(n, ...)``), e.g.

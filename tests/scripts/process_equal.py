@@ -12,6 +12,8 @@ each (``python process_equal.py OUT CKPT_IN CKPT_OUT``). Each run writes ``OUT/p
 * ``hsdp``: ``jc.fsdp_gather`` over "host" (the processes) with ``inner_axis_name="local"``;
 * ``sgd``: ``jc.sgd`` with int8 restored from ``CKPT_IN`` (orbax, saved by the other kind of
   run), 2 more steps, the params and memories; then params and state saved to ``CKPT_OUT``;
+* ``resize``: a live ``jc.sgd`` int8 state on the 8 devices moved by ``jc.resize_state`` to
+  4 devices (2 of each process), one more step;
 * ``bytes_*``: ``jc.comm_report``'s bytes per device of the FSDP and ``jc.sgd`` steps;
 * ``plan``: ``jc.autotune``'s choice and table (codec, strategy, min_size, measured ms);
 * ``skewed_plan``: its choice and timed rows where process 1's clock is 1000 s ahead.
@@ -251,6 +253,31 @@ def _sgd(mesh, results, ckpt_in, ckpt_out):
     save(ckpt_out, {"params": p, "opt_state": s})
 
 
+def _resize(mesh, results):
+    """A live ``jc.sgd`` int8 state of 2 steps on the 8 devices (over both processes when
+    there are two) moved by ``jc.resize_state`` to 4 devices, 2 of each process's, and
+    stepped once there: its params and memories."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    tx, params, _, run = sgd_setup(mesh)
+    p, s = params, jc.sharded_init(tx, params, mesh, "data")
+    for t in (0, 1):
+        p, s = jax.block_until_ready(run(p, s, sgd_batch(mesh, t)))
+    devices = np.array(sorted(jax.devices(), key=lambda d: d.id))
+    mesh4 = Mesh(devices[[0, 1, 4, 5]], ("data",))
+    tx, params, _, run4 = sgd_setup(mesh4)
+    p = jax.device_put(jax.tree.map(_host, p), NamedSharding(mesh4, P()))
+    s = jc.resize_state(s, tx, p, mesh4, "data")
+    results["resize_memory_w0"] = _host(s[0].memory["w"])
+    p, s = jax.block_until_ready(run4(p, s, sgd_batch(mesh4, 2)))
+    results["resize_w"], results["resize_memory_w"] = _host(p["w"]), _host(s[0].memory["w"])
+
+
 def _plan(mesh, results):
     import numpy as np
 
@@ -322,6 +349,7 @@ def compute(mesh, out_dir, ckpt_in, ckpt_out, plan=True):
     _diloco(mesh, results)
     _fsdp_hierarchical(results)
     _sgd(mesh, results, ckpt_in, ckpt_out)
+    _resize(mesh, results)
     if plan:
         _plan(mesh, results)
         _skewed_plan(mesh, results)

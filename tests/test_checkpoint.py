@@ -1218,6 +1218,29 @@ def test_a_flat_state_restored_into_a_hierarchical_target_is_refused(tmp_path):
         step(got, put({"w": np.ones((8, 16, 32), np.float32)}))
 
 
+def test_a_hierarchical_update_given_another_tree_names_updates():
+    """A bare array for a one-leaf state's ``{"w": ...}``: the update names ``updates`` (the
+    tree check). 9f2ab0b's grid check, which runs first, failed in ``server.is_whole`` with
+    "AttributeError: 'dict' object has no attribute 'shape'" until 2026-11-27."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    state, _, _, scope = _hierarchical((2, 4))
+    tx, m, axes = scope["tx"], scope["mesh"], ("data", "local")
+    specs = jc.state_specs(state, axes)
+
+    def step(s, g):
+        return tx.update(g[0], s)
+
+    fn = jax.shard_map(step, mesh=m, in_specs=(specs, P(axes)), out_specs=(P(), specs))
+    bare = jax.ShapeDtypeStruct((8, 16, 32), np.float32, sharding=NamedSharding(m, P(axes)))
+    with pytest.raises(ValueError, match=r"the gradients \(`updates`\) have the tree structure"):
+        jax.eval_shape(fn, state, bare)
+
+
 # orbax's refused read leaves its pending reads' coroutines unawaited ("Exception ignored")
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_hierarchical_state_is_refused_on_another_grid(tmp_path):

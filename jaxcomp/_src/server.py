@@ -95,7 +95,9 @@ def _wholes(field: Any, layout: layouts.Layout, flat: bool) -> list:
 def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
     """Whether ``field`` was built outside the mesh: room for each whole vector. A None
     slot where a leaf is compressed (orbax restores a saved empty slot as None: a state of a
-    larger ``min_size``) is not: :func:`~jaxcomp._src.skeleton.check_fields` names it."""
+    larger ``min_size``) is not, nor a slot that is no array (gradients of another tree:
+    the whole dict of a one-leaf state against a bare array): :func:`check_grid` asks
+    before :func:`~jaxcomp._src.skeleton.check_state`, which names them."""
     sizes = [sum(layout.compressed_sizes)] if flat else list(layout.compressed_sizes)
     try:
         wholes = _wholes(field, layout, flat)
@@ -104,7 +106,7 @@ def is_whole(field: Any, layout: layouts.Layout, flat: bool) -> bool:
     return (
         field is not None
         and all(
-            layouts.is_empty(w) or (w is not None and w.shape[-1] == d)
+            layouts.is_empty(w) or getattr(w, "shape", ())[-1:] == (d,)
             for w, d in zip(wholes, sizes, strict=True)
         )
         and any(not layouts.is_empty(w) for w in wholes)

@@ -526,6 +526,19 @@ RECIPES: dict[str, Recipe] = {
         warmup_steps=50,
         note="diagnosis: frozen at 50, 50 warm-up steps: no variance round after a 1-bit one",
     ),
+    # The third pair's seed-2 miss (L12): the signs' root mean square per block of 256 values
+    # (one float32 each, 1/8 bit per value more) in place of one per chunk.
+    "onebit_adam-rms256": _ob(
+        codec=_codec("sign", scale="rms", block_size=256, exact_zeros=True),
+        note="jc.sign(scale='rms', block_size=256, exact_zeros=True)",
+    ),
+    "onebit_adam-freeze60": _ob(5, note="freeze at a fifth of the steps (60 of 300)"),
+    "zero_one_adam-var16-warmup50-rms256": _zo(
+        var_update_scaler=16,
+        warmup_steps=50,
+        codec=_codec("sign", scale="rms", block_size=256, exact_zeros=True),
+        note="the defaults' rounds; jc.sign(scale='rms', block_size=256, exact_zeros=True)",
+    ),
     "zero_one_adam-scaler100": _zo(
         local_step_scaler=100, note="skipped rounds from step 200 (every other step)"
     ),
@@ -614,7 +627,9 @@ class Task:
         cut = int(0.9 * len(text))
         self.train_text, self.eval_text = text[:cut], text[cut:]
         self.context, self.per_device, self.n = args.context, args.batch_per_device, devices
-        self.seed = args.seed
+        # The batches' seed: --batch-seed where given (another order of the same text for
+        # the same initialization), else --seed.
+        self.seed = args.seed if getattr(args, "batch_seed", None) is None else args.batch_seed
 
         def make_model():
             return ct.CharTransformer(
@@ -984,6 +999,8 @@ def result_file(before: dict, environment: dict, config: dict, runs: list[dict])
 def run_config(args: argparse.Namespace) -> dict:
     """The config written with the results (``baseline_lr`` only where it differs)."""
     config = {k: getattr(args, k) for k in (*CONFIGS["cpu"], "data", "seed")}
+    if getattr(args, "batch_seed", None) is not None:
+        config["batch_seed"] = args.batch_seed
     if args.baseline_lr is not None and args.baseline_lr != args.lr:
         config["baseline_lr"] = args.baseline_lr
     return config
@@ -1107,6 +1124,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the adamw baseline's peak lr (None: --lr; the recipes keep --lr)",
     )
     parser.add_argument("--seed", type=int, default=0, help="initialization and batches")
+    parser.add_argument(
+        "--batch-seed",
+        type=int,
+        default=None,
+        help="the batches' seed where it differs from --seed (None: --seed)",
+    )
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
     parser.add_argument("--devices", type=int, default=8, help="CPU devices when no accelerator")
     parser.add_argument("--tag", default=None, help="write lm_TAG.json instead")

@@ -284,6 +284,14 @@ RECIPES.update(
             for peak in ("1.5e-3", "2e-3", "2.4e-3", "2.5e-3", "3e-3", "4e-3", "5e-3", "6e-3")
             for k, b in ((18, 5), (21, 3), (20, 3))
         },
+        # The rule's recipe with AdamW's 5% warm-up in place of 2% (slice L12: the third
+        # pair's seed-2 gap forms over steps 25-50, after the 2% warm-up).
+        **{
+            f"demo-{peak}-decay0.95-k20-b3-wsd20": _demo(
+                float(peak), tail=0.2, warmup=0.05, **{**_K18, "topk": 20, "bits": 3}
+            )
+            for peak in ("3e-3", "4e-3", "6e-3")
+        },
         "demo-5e-3-decay0.95-k18-b4-wsd20-warm2-wd0.2": _demo(
             5e-3, tail=0.2, warmup=0.02, weight_decay=0.2, **_K18
         ),

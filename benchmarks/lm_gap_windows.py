@@ -21,6 +21,7 @@ file (AdamW at its tuned peak, cosine to 10%):
 ::
 
     python -m benchmarks.lm_gap_windows             # benchmarks/results/lm_gap_windows.json
+    python -m benchmarks.lm_gap_windows --per-step --window 25 --tag gap_windows_per_step
 """
 
 from __future__ import annotations
@@ -109,6 +110,28 @@ ROWS: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
     ("fourth s1", "lm_L16P4_s1_loco.json", 6e-3, (SL3000.format(19), SL3000_WSD.format(19))),
 )
 
+#: ``--per-step``: the per-step rows on the third pair (numpy's docstrings, 2 x ``d_model``
+#: 96, AdamW's tuned 6e-3) at seeds 0-2 and at seed 2's initialization with another order of
+#: batches (``--batch-seed 12``), where 1-bit Adam, 0/1 Adam and DeMo miss at seed 2 (slice
+#: L12), without the ``inner / DP peak`` column.
+OB, ZO, DEMO = (
+    "onebit_adam",
+    "zero_one_adam-var16-warmup50",
+    "demo-4e-3-decay0.95-k20-b3-wsd20-warm2",
+)
+PER_STEP: tuple[tuple[str, str, float, tuple[str, ...]], ...] = (
+    ("third s0", "lm_meanbound_third_s0.json", 6e-3, (OB, ZO)),
+    ("third s0", "lm_third.json", 6e-3, ("int8-adamw", "powersgd24-adamw")),
+    ("third s0", "lm_third_demo_blocks.json", 6e-3, (DEMO,)),
+    ("third s1", "lm_meanbound_third_s1.json", 6e-3, (OB, ZO)),
+    ("third s1", "lm_third_s1_perstep.json", 6e-3, ("int8-adamw", "powersgd24-adamw")),
+    ("third s1", "lm_third_s1.json", 6e-3, (DEMO,)),
+    ("third s2", "lm_meanbound_third_s2.json", 6e-3, (OB, ZO)),
+    ("third s2", "lm_third_s2_perstep.json", 6e-3, ("int8-adamw", "powersgd24-adamw")),
+    ("third s2", "lm_third_s2.json", 6e-3, (DEMO,)),
+    ("third s2, batches 12", "lm_L12_third_s2_b12.json", 6e-3, (OB, ZO, DEMO)),
+)
+
 
 def window_gaps(curve: list[float], base: list[float], window: int) -> list[float]:
     """``100 (mean(curve[w]) / mean(base[w]) - 1)`` over consecutive windows of ``window``
@@ -129,17 +152,15 @@ def held_out_gap(run: dict[str, Any], base: dict[str, Any], step: int) -> float 
     return 100.0 * (mine[step] / theirs[step] - 1.0)
 
 
-def row(pair: str, run: dict, base: dict, ratio: float, window: int) -> dict[str, Any]:
+def row(pair: str, run: dict, base: dict, ratio: float | None, window: int) -> dict[str, Any]:
     """One record: the row's window gaps, its held-out gaps at steps 150 and 300, its late
     rise (the last window's gap over the smallest after the first third) and its inner lr
-    over AdamW's tuned peak."""
+    over AdamW's tuned peak (``ratio``; None: no such column, a per-step row)."""
     gaps = window_gaps(run["curve"], base["curve"], window)
     late = gaps[len(gaps) // 3 :]
-    record: dict[str, Any] = {
-        "pair": pair,
-        "recipe": run["recipe"],
-        "inner / DP peak": round(ratio, 2),
-    }
+    record: dict[str, Any] = {"pair": pair, "recipe": run["recipe"]}
+    if ratio is not None:
+        record["inner / DP peak"] = round(ratio, 2)
     record.update({f"w{k + 1}": round(g, 1) for k, g in enumerate(gaps)})
     record["late rise"] = round(late[-1] - min(late), 1)
     for step in (150, 300):
@@ -148,14 +169,15 @@ def row(pair: str, run: dict, base: dict, ratio: float, window: int) -> dict[str
     return record
 
 
-def records(window: int) -> list[dict[str, Any]]:
-    """Every row of :data:`ROWS`, read from ``benchmarks/results``."""
+def records(window: int, rows: tuple = ROWS) -> list[dict[str, Any]]:
+    """Every row of ``rows`` (:data:`ROWS` or :data:`PER_STEP`), read from
+    ``benchmarks/results``."""
     out = []
-    for pair, name, peak, recipes in ROWS:
+    for pair, name, peak, recipes in rows:
         data = json.loads((common.RESULTS / name).read_text())
         runs = {r["recipe"]: r for r in data["runs"]}
         for recipe in recipes:
-            ratio = inner_lr(recipe, data["config"]["lr"]) / peak
+            ratio = inner_lr(recipe, data["config"]["lr"]) / peak if rows is ROWS else None
             out.append(row(pair, runs[recipe], runs["adamw"], ratio, window))
     return out
 
@@ -170,11 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = common.arg_parser(__doc__, writes="lm_TAG.json", takes="about a second (no training)")
     ap.add_argument("--window", type=int, default=30, help="steps per window (H = 30's sync)")
     ap.add_argument("--tag", default="gap_windows", help="write benchmarks/results/lm_TAG.json")
+    ap.add_argument(
+        "--per-step", action="store_true", help="the rows of PER_STEP (the third pair's seeds)"
+    )
     args = ap.parse_args(argv)
     if args.window < 1:
         ap.error(f"--window must be at least 1, got {args.window}")
     out = {"environment": common.environment(), "window": args.window}
-    out["rows"] = records(args.window)
+    out["rows"] = records(args.window, PER_STEP if args.per_step else ROWS)
     common.write_json(common.result_path("lm_" + args.tag, False), out)
     return 0
 

@@ -1028,6 +1028,35 @@ def test_lm_diloco_denominator_ratio_skips_what_it_cannot_compare():
     assert lm_diloco.denominator_ratio(nu[:2], base) is None  # Muon inside: fewer leaves
 
 
+def test_lm_batch_seed_changes_the_batches_not_the_initialization():
+    """benchmarks/lm.py ``--batch-seed``: another order of batches for the same
+    initialization (the batches of ``--seed`` equal to it, the params of ``--seed``),
+    recorded in the config only where given."""
+    import argparse
+
+    import jax
+    import numpy as np
+
+    from benchmarks import lm
+
+    small = dict(d_model=16, layers=1, heads=2, context=8, batch_per_device=2, steps=4, lr=3e-3)
+
+    def task(seed, batch_seed=None):
+        args = argparse.Namespace(
+            **small, data="pydoc", seed=seed, batch_seed=batch_seed, baseline_lr=None
+        )
+        return lm.Task(args, 2), lm.run_config(args)
+
+    (a, config_a), (b, config_b), (c, _) = task(2), task(2, 12), task(12)
+    assert "batch_seed" not in config_a and config_b["batch_seed"] == 12
+    same = jax.tree.map(np.array_equal, a.params, b.params)
+    assert all(jax.tree.leaves(same))
+    assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, b.params, c.params)))
+    first_a, first_b, first_c = a.batch(), b.batch(), c.batch()
+    assert not np.array_equal(first_a, first_b)
+    np.testing.assert_array_equal(first_b, first_c)
+
+
 def test_lm_gap_windows_by_hand():
     """benchmarks/lm_gap_windows.py: the training-loss gap per window of the same steps, the
     held-out gaps at steps 150 and 300, the late rise after the first third."""

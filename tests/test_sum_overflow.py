@@ -93,12 +93,9 @@ def test_plain_and_hierarchical_means_do_not_overflow_in_the_sum():
     np.testing.assert_array_equal(hier, np.asarray(jax.block_until_ready(fn(put(x)))) * BIG)
 
 
-def test_error_feedback_step_of_overflowing_sum_is_finite_and_keeps_exact_memory():
-    """``compressed_allreduce(sign, residual)`` through ``allgather``: the update was NaN on
-    every device while each device's memory still moved as if the step were applied, so
-    ``apply_if_finite`` skipped a step whose compression error was already booked. Now the
-    update is finite and update and memory are the small run's times ``2^100``."""
-    tx = jc.compressed_allreduce(jc.sign(), "data", strategy="allgather", min_size=0)
+def exchange_step(tx):
+    """``tx``'s sharded state on the 8 devices and its step ``(state, grads) -> (update,
+    state)`` for params ``w`` (512 values) and ``b`` (16)."""
     params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
     state = jc.sharded_init(tx, params, mesh(), "data")
     specs = jc.state_specs(state, "data")
@@ -107,7 +104,16 @@ def test_error_feedback_step_of_overflowing_sum_is_finite_and_keeps_exact_memory
         u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, params)
         return jax.tree.map(lambda x: x[None], u), s
 
-    fn = per_device(step, (specs, P("data")), (P("data"), specs))
+    return state, per_device(step, (specs, P("data")), (P("data"), specs))
+
+
+def test_error_feedback_step_of_overflowing_sum_is_finite_and_keeps_exact_memory():
+    """``compressed_allreduce(sign, residual)`` through ``allgather``: the update was NaN on
+    every device while each device's memory still moved as if the step were applied, so
+    ``apply_if_finite`` skipped a step whose compression error was already booked. Now the
+    update is finite and update and memory are the small run's times ``2^100``."""
+    tx = jc.compressed_allreduce(jc.sign(), "data", strategy="allgather", min_size=0)
+    state, fn = exchange_step(tx)
     g = gradients(2)
     u_big, s_big = fn(state, shard(jax.tree.map(lambda x: x * np.float32(BIG), g)))
     u_small, s_small = fn(state, shard(g))
@@ -124,15 +130,7 @@ def test_onebit_adam_level_reference_saturates_instead_of_inf():
     variance last moved, 1000x the level at step 1) was inf after one step of gradients
     near 1e38, and the frozen variance kept it inf for good; now it saturates at F32_MAX."""
     tx = jc.onebit_adam(0.1, "data", freeze_step=1)
-    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
-    state = jc.sharded_init(tx, params, mesh(), "data")
-    specs = jc.state_specs(state, "data")
-
-    def step(s, g):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), s, params)
-        return jax.tree.map(lambda x: x[None], u), s
-
-    fn = per_device(step, (specs, P("data")), (P("data"), specs))
+    state, fn = exchange_step(tx)
     big = jax.tree.map(lambda x: x * np.float32(BIG), gradients(3))
     u, state = fn(state, shard(big))
     u, state = fn(state, shard(gradients(4)))

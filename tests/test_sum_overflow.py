@@ -93,10 +93,10 @@ def test_plain_and_hierarchical_means_do_not_overflow_in_the_sum():
     np.testing.assert_array_equal(hier, np.asarray(jax.block_until_ready(fn(put(x)))) * BIG)
 
 
-def exchange_step(tx):
+def exchange_step(tx, params=None):
     """``tx``'s sharded state on the 8 devices and its step ``(state, grads) -> (update,
-    state)`` for params ``w`` (512 values) and ``b`` (16)."""
-    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)}
+    state)`` for ``params`` (default: ``w`` of 512 values and ``b`` of 16)."""
+    params = {"w": jnp.zeros(512), "b": jnp.zeros(16)} if params is None else params
     state = jc.sharded_init(tx, params, mesh(), "data")
     specs = jc.state_specs(state, "data")
 
@@ -161,3 +161,35 @@ def test_local_sgd_plain_sync_of_replicas_near_float32s_largest_is_finite():
     for k in g:
         assert np.isfinite(np.asarray(big[k])).all()
         np.testing.assert_array_equal(np.asarray(big[k]), np.asarray(small[k]) * np.float32(BIG))
+
+
+def test_powersgd_factor_sums_near_float32s_largest_are_finite():
+    """PowerSGD's all-reduces of ``P_i = M_i Q`` and ``M_i^T P`` summed first: with values
+    near ``2^123`` (1.1e37) on 8 devices the step was NaN (flagged, memories kept) where every
+    factor and the mean fit float32, until 2026-11-27. Divided by ``n`` first (``P``'s
+    scale cancels in the orthogonalization), the step is the small run's times ``2^97``."""
+    tx = jc.powersgd(2, "data", start_step=0, min_size=0)
+    state, fn = exchange_step(tx, {"w": jnp.zeros((64, 32)), "b": jnp.zeros(16)})
+    rng = np.random.default_rng(6)
+    g = {
+        "w": (2.0**26 * (1 + 0.1 * rng.random((N, 64, 32)))).astype(np.float32),
+        "b": (2.0**26 * (1 - 2 * rng.random((N, 16)))).astype(np.float32),
+    }
+    scale = np.float32(2.0**97)
+    u_big, _ = fn(state, shard(jax.tree.map(lambda x: x * scale, g)))
+    u_small, _ = fn(state, shard(g))
+    for k in g:
+        assert np.isfinite(np.asarray(u_big[k])).all(), k
+        np.testing.assert_array_equal(np.asarray(u_big[k]), np.asarray(u_small[k]) * scale)
+
+
+def test_powersgd_orthogonalize_of_entries_above_2_to_126_keeps_its_columns():
+    """``orthogonalize`` divided each column by its largest entry with a plain divide: above
+    ``2^126`` XLA:CPU multiplies by a flushed (zero) reciprocal, and the step above came out
+    15.6% off the small run's at ``2^97`` once its sums no longer overflowed."""
+    from jaxcomp._src.powersgd import orthogonalize
+
+    p = jnp.asarray(np.random.default_rng(7).normal(size=(1, 64, 2)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(orthogonalize(p * np.float32(2.0**125))), np.asarray(orthogonalize(p))
+    )

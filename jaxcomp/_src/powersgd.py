@@ -191,7 +191,9 @@ def orthogonalize(p: jax.Array, epsilon: float = 1e-3) -> jax.Array:
 
     p = jnp.swapaxes(p, -1, -2)  # (..., r, n)
     biggest = jnp.max(jnp.abs(p), axis=-1, keepdims=True)
-    p = normalize(p / jnp.where(biggest > 0, biggest, 1.0), 0.0)  # unit (or zero) rows
+    # safe_divide: a plain divide by a largest entry above 2^126 multiplies by a subnormal
+    # reciprocal, which XLA:CPU flushes to 0 (a column of such entries became zeros)
+    p = normalize(safe_divide(p, biggest), 0.0)  # unit (or zero) rows
     if p.shape[-2] == 1:
         return jnp.swapaxes(p, -1, -2)
 
@@ -289,9 +291,11 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     the caller (:func:`_errors`).
     """
     # Round 1: P_i = M_i Q for every matrix, and the plain leaves, in one all-reduce.
+    # Each device's part divided by n before the sums (exact for n a power of two): a mean
+    # that fits float32 never overflows in them, and P's scale cancels in orthogonalize.
     ps = [jnp.einsum("bnm,bmr->bnr", a, b, precision=_HIGHEST) for a, b in zip(ms, q, strict=True)]
-    round1 = jax.lax.psum(jnp.concatenate([plain, _flat(ps)]), axis_name)
-    plain_mean, p_sum = round1[: plain.shape[0]] / n_dev, round1[plain.shape[0] :]
+    round1 = jax.lax.psum(jnp.concatenate([plain, _flat(ps)]) / n_dev, axis_name)
+    plain_mean, p_sum = round1[: plain.shape[0]], round1[plain.shape[0] :]
     ps = _split(p_sum, [g.p_size for g in plan.groups])
     ps = [a.reshape(g.batch, g.n, g.rank) for g, a in zip(plan.groups, ps, strict=True)]
     ps = _orthogonalize_groups(plan, ps, epsilon)
@@ -300,11 +304,11 @@ def _two_rounds(plan, ms, plain, q, axis_name, n_dev, warm_start, epsilon):
     local = [
         jnp.einsum("bnm,bnr->bmr", a, b, precision=_HIGHEST) for a, b in zip(ms, ps, strict=True)
     ]
-    q_sum = jax.lax.psum(_flat(local), axis_name)
+    q_sum = jax.lax.psum(_flat(local) / n_dev, axis_name)  # the mean Q, divided first
     qn = _split(q_sum, [g.q_size for g in plan.groups])
     qn = [a.reshape(g.batch, g.m, g.rank) for g, a in zip(plan.groups, qn, strict=True)]
 
-    means = [_outer(a, b / n_dev) for a, b in zip(ps, qn, strict=True)]
+    means = [_outer(a, b) for a, b in zip(ps, qn, strict=True)]
     bad = collectives.local_nonfinite((round1, q_sum))
     next_q = tuple(map(_unit_columns, qn, q)) if warm_start else ()
     return means, (ps, local), plain_mean, next_q, bad
@@ -354,7 +358,7 @@ def _exchange(plan, ms, plain, q_old, warm, key, axis_name, n_dev, warm_start, e
     cond's output.
     """
     if not plan.groups:
-        plain_mean = jax.lax.psum(plain, axis_name) / n_dev
+        plain_mean = jax.lax.psum(plain / n_dev, axis_name)  # divided first: no overflow
         return [], [], plain_mean, q_old, collectives.local_nonfinite(plain_mean)
 
     def compress(_):

@@ -1190,7 +1190,17 @@ CHECKS = [
         ValueError,
     ),
     ("nnx_state_specs", "optimizer", lambda: jc.nnx_state_specs({}, "data"), TypeError),
+    ("state_specs", "mesh", lambda: _fragments_without_mesh(), ValueError),
 ]
+
+
+def _fragments_without_mesh():
+    """``jc.state_specs`` of a two-fragment DiLoCo state with a leaf sharded over "model"
+    and no ``mesh``: the fragments' cut (by block sizes) is unknown."""
+    params = {"w": jnp.zeros((8, 4)), "b": jnp.zeros((4,))}
+    tx = jc.diloco(SGD, "data", 2, fragments=2, outer=optax.sgd(0.7, momentum=0.9))
+    specs = {"w": P("model"), "b": P()}
+    return jc.state_specs(tx.init(params), "data", param_specs=specs, params=params)
 
 
 def _gossip_update(x, axis_name, params):

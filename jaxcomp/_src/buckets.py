@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomp._src.axes import varying_axes
+
 #: Default bucket size: 32 MiB, about torch DDP's 25 MB; large enough that a bucket's
 #: transfer time dwarfs a collective's latency on a 1-10 Gbit/s link.
 BUCKET_BYTES = 2**25
@@ -37,17 +39,29 @@ BUCKET_BYTES = 2**25
 ALONE = 16
 
 
+def _kinds(arrays: list[jax.Array]) -> list[frozenset]:
+    """Each array's manual axes it varies over beyond those every array varies over (jax's
+    types; empty where jax does not track them). Arrays of different kinds never share a
+    bucket: concatenated, a leaf identical on every device of an axis (a param replicated
+    beside FSDP shards over ``"data"``, exchanged over ``"replica"``) came back typed as
+    varying over ``"data"``, and the exchange's output no longer matched its input's type
+    (``lax.cond`` refused the sync, ``shard_map`` its ``out_specs``)."""
+    kinds = [varying_axes(a) for a in arrays]
+    common = frozenset.intersection(*kinds) if kinds else frozenset()
+    return [k - common for k in kinds]
+
+
 def _plan(arrays: list[jax.Array], lead: int, bucket_bytes: int) -> list[list[int]]:
-    """Indices of ``arrays`` per bucket: same dtype, in order, at most ``bucket_bytes`` each
-    (a bucket holds at least one array); an array of at least ``bucket_bytes // ALONE``
-    bytes is a bucket of its own (no concatenation copies it)."""
+    """Indices of ``arrays`` per bucket: same dtype and kind (:func:`_kinds`), in order, at
+    most ``bucket_bytes`` each (a bucket holds at least one array); an array of at least
+    ``bucket_bytes // ALONE`` bytes is a bucket of its own (no concatenation copies it)."""
     by_dtype: dict[Any, list[int]] = {}
     plan: list[list[int]] = []
-    for i, a in enumerate(arrays):
+    for i, (a, kind) in enumerate(zip(arrays, _kinds(arrays), strict=True)):
         if a.size * a.dtype.itemsize >= max(bucket_bytes // ALONE, 1):
             plan.append([i])
         else:
-            by_dtype.setdefault(jnp.dtype(a.dtype), []).append(i)
+            by_dtype.setdefault((jnp.dtype(a.dtype), kind), []).append(i)
     for members in by_dtype.values():
         current: list[int] = []
         size = 0

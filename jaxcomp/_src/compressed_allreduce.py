@@ -224,12 +224,28 @@ def _residuals_again(grads: list, memory: Any, sent: list, fused: list) -> list:
     stay out of the barrier (which would keep them alive past the encoding's loop).
     """
     idx = [i for i, f in enumerate(fused) if f is None]
-    held = iter(jax.lax.optimization_barrier([grads[i] for i in idx]))
+    held = dict(zip(idx, _barrier([grads[i] for i in idx]), strict=True))
     memories = layouts.field_leaves(memory)
     return [
-        None if f is not None else _residual(next(held), m, s)
-        for f, m, s in zip(fused, memories, sent, strict=True)
+        None if f is not None else _residual(held[i], m, s)
+        for i, (f, m, s) in enumerate(zip(fused, memories, sent, strict=True))
     ]
+
+
+def _barrier(arrays: list) -> list:
+    """``jax.lax.optimization_barrier`` of ``arrays``, one barrier per varying type: one
+    barrier types every output as varying over the union of its operands' axes, so a
+    gradient whole over ``"data"`` beside FSDP shards came out varying over ``"data"``
+    (and so did its memory). One barrier where the types agree (or are not tracked)."""
+    kinds: dict = {}
+    for i, a in enumerate(arrays):
+        kinds.setdefault(skeleton.varying_axes(a), []).append(i)
+    out: list = [None] * len(arrays)
+    for members in kinds.values():
+        held = jax.lax.optimization_barrier([arrays[i] for i in members])
+        for i, b in zip(members, held, strict=True):
+            out[i] = b
+    return out
 
 
 def _residual(g: jax.Array, e: jax.Array, sent: jax.Array) -> jax.Array:
@@ -254,8 +270,17 @@ def _after_memory(outs: list, memory: Any, axes: Any, residual: bool = True) -> 
     firsts = [m.reshape(-1)[0].astype(jnp.float32) for m in layouts.field_leaves(memory) if m.size]
     if not firsts or not outs:
         return outs
-    dep = jax.lax.psum(sum(firsts[1:], firsts[0]), axes)
+    total = sum(firsts[1:], firsts[0])
+    # Summed over every axis it varies over too (FSDP shards beside a leaf whole there): a
+    # dependence typed as varying over them made every mean so (docs/sharded.md).
+    dep = jax.lax.psum(total, (*collectives.axis_names(axes), *_beyond(total, axes)))
     return [after(o, dep) for o in outs]
+
+
+def _beyond(x: jax.Array, axes: Any) -> tuple:
+    """The manual axes ``x`` is typed as varying over besides ``axes`` (none where jax does
+    not track them)."""
+    return tuple(sorted(skeleton.varying_axes(x) - set(collectives.axis_names(axes)), key=str))
 
 
 def _outputs(kind: Any, means: list, estimate: Any) -> list:

@@ -41,6 +41,7 @@ class DiLoCoState(NamedTuple):
     taken: Any = None
 
     PER_DEVICE_FIELDS = ("inner", "pending")
+    FRAGMENT_FIELDS = ("outer", "exchange", "pending")  # one entry per fragment (a tuple)
 
 
 def default_outer(axis_name: Any) -> optax.GradientTransformation:

@@ -27,6 +27,7 @@ class LocalSGDState(NamedTuple):
     count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner",)
+    FRAGMENT_FIELDS = ("exchange",)  # one entry per fragment (a tuple)
 
 
 def local_sgd(

@@ -43,6 +43,7 @@ from jaxcomp._src import collectives, feedback, replicas, shards, skeleton
 from jaxcomp._src.axes import manual_axes
 from jaxcomp._src.codecs.base import check_int, is_number, kept_any
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
+from jaxcomp._src.fragments import partition
 
 F32 = jnp.float32
 
@@ -68,19 +69,6 @@ def check_mix(mix: Any) -> float | None:
 
 def is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def partition(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Leaf indices in ``fragments`` groups, in order, balanced by size (none empty)."""
-    total, groups, acc, g = float(sum(sizes)), [[] for _ in range(fragments)], 0.0, 0
-    for j, s in enumerate(sizes):
-        left = len(sizes) - j  # leaves still to place, this one included
-        if groups[g] and g < fragments - 1:
-            if acc + s / 2 > (g + 1) * total / fragments or left <= fragments - 1 - g:
-                g += 1
-        groups[g].append(j)
-        acc += s
-    return groups
 
 
 def _varying(x: jax.Array, axes: tuple) -> jax.Array:

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import replicas
+from jaxcomp._src import fragments, replicas
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -85,7 +85,8 @@ def _leaf_spec(value: Any, param_spec: P, shapes: tuple, lead: tuple) -> P:
     replicated; ``shapes``: the param's global and per-block shapes): the param's own spec
     behind ``lead``. Other shapes (a server residual's owned chunk, PowerSGD's ``Q``) hold
     one block's values per shard of the param: their first axis after ``lead`` is laid out
-    over every axis that shards the param.
+    over every axis that shards the param; a per-device one of one axis, raveled without a
+    slot, over ``lead`` and those axes together.
     """
     got = tuple(getattr(value, "shape", ()))
     body = got[1:] if lead else got
@@ -94,6 +95,11 @@ def _leaf_spec(value: Any, param_spec: P, shapes: tuple, lead: tuple) -> P:
     if any(body == tuple(s) for s in shapes):
         return P(*lead, *param_spec, *([None] * (len(body) - len(param_spec))))
     axes = _axes_of(param_spec)
+    if axes and lead and not body:
+        # a per-device leaf raveled, without a device slot (``jc.accumulate``'s ``acc``):
+        # its one axis holds the devices of ``lead``, each its own block of the param
+        names = tuple(a for a in (*lead, *axes) if a is not None)
+        return P(names if len(names) > 1 else names[0])
     if not axes or not body:
         return P(*lead)
     return P(*lead, axes if len(axes) > 1 else axes[0], *([None] * (len(body) - 1)))
@@ -101,19 +107,25 @@ def _leaf_spec(value: Any, param_spec: P, shapes: tuple, lead: tuple) -> P:
 
 def _field_specs(value: Any, lead: tuple, params: tuple | None) -> Any:
     """Specs of one state field; per-leaf fields (the params' structure, None allowed) get
-    each param's spec composed in."""
-    if params is not None:
-        treedef, specs, shapes = params
-        slots, field_def = jax.tree.flatten(value, is_leaf=_is_none)
-        if field_def == treedef:
-            return jax.tree.unflatten(
-                field_def,
-                [
-                    v if _is_none(v) else _leaf_spec(v, ps, sh, lead)
-                    for v, ps, sh in zip(slots, specs, shapes, strict=True)
-                ],
-            )
-    return jax.tree.map(lambda _: P(*lead), value)
+    each param's spec composed in, and so does each per-leaf tree inside another structure
+    (a nested optax state: the inner optimizer's ``mu`` / ``nu`` / ``trace`` of
+    ``jc.diloco``'s per-device ``inner``); the rest ``P(*lead)``."""
+    if params is None:
+        return jax.tree.map(lambda _: P(*lead), value)
+    treedef, specs, shapes = params
+    slots, field_def = jax.tree.flatten(value, is_leaf=_is_none)
+    if field_def == treedef:
+        return jax.tree.unflatten(
+            field_def,
+            [
+                v if _is_none(v) else _leaf_spec(v, ps, sh, lead)
+                for v, ps, sh in zip(slots, specs, shapes, strict=True)
+            ],
+        )
+    like = lambda x: _like_params(x, params)  # noqa: E731
+    return jax.tree.map(
+        lambda x: _field_specs(x, lead, params) if like(x) else P(*lead), value, is_leaf=like
+    )
 
 
 def _block_shape(shape: tuple, spec: P, mesh: Any) -> tuple:
@@ -245,7 +257,9 @@ def state_specs(
     Raises:
       ValueError: ``axis_name``, ``state`` or ``param_specs`` outside its rule, or
         ``params`` not given where ``param_specs`` are specs that shard a leaf (they carry no
-        shapes; the message names the argument; the rules: docs/errors.md).
+        shapes), or ``mesh`` not given where ``state`` holds a Streaming DiLoCo state of
+        several fragments and ``param_specs`` shard a leaf (its fragments were cut by each
+        device's block sizes; the message names the argument; the rules: docs/errors.md).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
@@ -363,24 +377,73 @@ def _optax_field_specs(value: Any, context: tuple) -> Any:
     )
 
 
+def _one_field(name: str, value: Any, node: Any, lead: tuple, context: tuple | None) -> Any:
+    """Specs of the field ``name`` of the jaxcomp state ``node``: per device (``lead``
+    first), replicated like the params, or a nested state (``jc.accumulate``'s wrapped one)."""
+    if name in type(node).PER_DEVICE_FIELDS:
+        return _field_specs(value, lead, context)
+    if context is not None and jax.tree.structure(value, is_leaf=_is_none) == context[0]:
+        return _field_specs(value, (), context)
+    return _specs(value, lead, context)
+
+
+def _fragment_contexts(node: Any, context: tuple) -> list | None:
+    """One param context per fragment of a periodic state (``FRAGMENT_FIELDS``: tuples of one
+    entry per fragment, each holding lists of that fragment's float leaves, in order), or
+    None where it has no such field set. The fragments are those the transform's init cut
+    (:func:`jaxcomp._src.fragments.partition` of the float leaves' block sizes); float
+    leaves are the slots where the anchor is not None."""
+    values = [getattr(node, f) for f in type(node).FRAGMENT_FIELDS]
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    treedef, specs, shapes = context
+    anchor = treedef.flatten_up_to(node.anchor)
+    floats = [i for i, a in enumerate(anchor) if not _is_none(a)]
+    count = len(values[0])
+    sharded = any(_axes_of(specs[i]) for i in floats)
+    if count > 1 and sharded and len(shapes[floats[0]]) < 2:
+        raise ValueError(
+            f"`mesh` is needed: a periodic state of {count} fragments with `param_specs` "
+            "that shard a leaf; its fragments were cut by each device's block sizes. Pass "
+            "mesh= (the mesh of the step) to jc.state_specs."
+        )
+    sizes = [int(np.prod(shapes[i][-1])) for i in floats]
+    out = []
+    for group in fragments.partition(sizes, count):
+        slots = [floats[j] for j in group]
+        out.append(
+            (
+                jax.tree.structure([0] * len(slots)),
+                [specs[i] for i in slots],
+                [shapes[i] for i in slots],
+            )
+        )
+    return out
+
+
+def _state_specs(node: Any, lead: tuple, context: tuple | None) -> Any:
+    """Specs of a jaxcomp state NamedTuple, field by field; with ``param_specs``, each entry
+    of a per-fragment field against its fragment's params (:func:`_fragment_contexts`)."""
+    frag = getattr(type(node), "FRAGMENT_FIELDS", ())
+    subs = _fragment_contexts(node, context) if context is not None and frag else None
+    return type(node)(
+        *(
+            tuple(_one_field(f, v, node, lead, c) for v, c in zip(value, subs, strict=True))
+            if subs is not None and f in frag and value is not None
+            else _one_field(f, value, node, lead, context)
+            for f, value in zip(node._fields, node, strict=True)
+        )
+    )
+
+
 def _specs(state: Any, lead: tuple, context: tuple | None) -> Any:
     def spec(node):
         if _like_params(node, context):
             return _optax_field_specs(node, context)
         if not is_sharded_state(node):
             return jax.tree.map(lambda _: P(), node)
-        per_device = type(node).PER_DEVICE_FIELDS
-        # Other fields may hold a wrapped transform's state (jc.accumulate): recurse.
-        return type(node)(
-            *(
-                _field_specs(value, lead, context)
-                if f in per_device
-                else _field_specs(value, (), context)
-                if context is not None and jax.tree.structure(value, is_leaf=_is_none) == context[0]
-                else _specs(value, lead, context)
-                for f, value in zip(node._fields, node, strict=True)
-            )
-        )
+        return _state_specs(node, lead, context)
 
     return jax.tree.map(
         spec, state, is_leaf=lambda x: is_sharded_state(x) or _like_params(x, context)

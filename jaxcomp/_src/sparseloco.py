@@ -64,6 +64,7 @@ class SparseLoCoState(NamedTuple):
     count: jax.Array
 
     PER_DEVICE_FIELDS = ("inner",)
+    FRAGMENT_FIELDS = ("outer", "exchange")  # one entry per fragment (a tuple)
 
 
 def sparse_feedback(

@@ -1,0 +1,213 @@
+"""``jc.sharded_init`` / ``jc.state_specs`` with ``param_specs`` for the replica transforms.
+
+A ``("replica", "data")`` mesh of 2 x 4: ``jc.diloco`` / ``jc.local_sgd`` / ``jc.sparseloco``
+(and ``jc.accumulate`` around them) over ``"replica"``, FSDP over ``"data"`` inside each
+replica for one leaf (``P("data")``, through ``jc.fsdp_gather``) beside a leaf whole on the
+replica's devices (``P()``). Their states nest an optimizer state per device, per-fragment
+outer and exchange states and raveled accumulators: each laid out from the param specs.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Blocking
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+from jaxcomp._src.axes import varying_axes
+
+BOTH = ("replica", "data")
+D, OUT = 32, 6  # a: (32, 32) sharded over "data" (blocks of 8 x 32 = 256); b: (32, 6) whole
+SPECS = {"a": P("data"), "b": P()}
+STEPS = 4
+NESTEROV = optax.sgd(0.7, momentum=0.6, nesterov=True)
+
+
+def _mesh():
+    return jax.make_mesh(
+        (2, 4), BOTH, axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8]
+    )
+
+
+def _params():
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    return {"a": jax.random.normal(k[0], (D, D)) / 6, "b": jax.random.normal(k[1], (D, OUT)) / 6}
+
+
+def _step(tx):
+    """One step on this device's replica: ``a`` gathered through ``jc.fsdp_gather`` (its
+    gradient summed over the replica's devices), ``b`` whole (under ``check_vma`` its
+    gradient is summed over them too); both divided by 4, the replica's mean gradient."""
+
+    def step(reps, state, x, y):
+        p = jc.own(reps)
+        gather = functools.partial(jc.fsdp_gather, axis_name="data", weights=None, grads=None)
+
+        def loss(q):
+            return jnp.mean((jnp.tanh(x @ gather(q["a"])) @ q["b"] - y) ** 2)
+
+        g = jax.tree.map(lambda v: v / 4, jax.grad(loss)(p))
+        u, state = tx.update(g, state, p)
+        return jc.slot(optax.apply_updates(p, u)), state
+
+    return step
+
+
+def _typed_like_carried(state):
+    """``state`` of ``tx.init`` inside the step, each per-device array typed as a carried
+    state is: varying over ``"replica"``, and over ``"data"`` where it belongs to ``a`` (its
+    size a multiple of a's block of 256; b's arrays hold 192 values, counts 1)."""
+    per_device = jc.state_specs(state, "replica")
+
+    def cast(spec, x):
+        if "replica" not in tuple(spec):
+            return x
+        axes = BOTH if x.size % 256 == 0 else ("replica",)
+        axes = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    return jax.tree.map(cast, per_device, state)
+
+
+def _data(m):
+    k = jax.random.split(jax.random.PRNGKey(1), 2)
+    xs = jax.random.normal(k[0], (STEPS, 64, D))
+    ys = jax.random.normal(k[1], (STEPS, 64, OUT))
+    return xs, ys
+
+
+def _train(make, inside):
+    """The replicas after ``STEPS`` steps: the state from ``jc.sharded_init(...,
+    param_specs=SPECS)`` fed to each step with ``jc.state_specs(..., SPECS, params, mesh)``,
+    or (``inside``) built by ``tx.init`` inside one program that runs every step."""
+    m, tx = _mesh(), make()
+    pspec = {k: P("replica", *s) for k, s in SPECS.items()}
+    reps = jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(m, s)),
+        jc.replica_params(_params(), m, "replica"),
+        pspec,
+    )
+    xs, ys = _data(m)
+    step = _step(tx)
+    if inside:
+
+        def run(reps, xs, ys):
+            state = _typed_like_carried(tx.init(jc.own(reps)))
+            for t in range(STEPS):
+                reps, state = step(reps, state, xs[t], ys[t])
+            return reps
+
+        batch = P(None, BOTH)
+        fn = jax.jit(jax.shard_map(run, mesh=m, in_specs=(pspec, batch, batch), out_specs=pspec))
+        put = lambda a: jax.device_put(a, NamedSharding(m, batch))  # noqa: E731
+        return jax.block_until_ready(fn(reps, put(xs), put(ys)))
+    state = jc.sharded_init(tx, _params(), m, "replica", param_specs=SPECS)
+    specs = jc.state_specs(state, "replica", SPECS, _params(), m)
+    gspec = P(BOTH)
+    fn = Blocking(
+        jax.jit(
+            jax.shard_map(
+                step, mesh=m, in_specs=(pspec, specs, gspec, gspec), out_specs=(pspec, specs)
+            )
+        )
+    )
+    put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
+    for t in range(STEPS):
+        reps, state = fn(reps, state, put(xs[t]), put(ys[t]))
+    return reps
+
+
+CASES = {
+    # inner AdamW state per device, the anchor, Nesterov's momentum, int8 error feedback
+    "diloco": (
+        lambda: jc.diloco(
+            optax.adamw(3e-3), "replica", 2, outer=NESTEROV, codec=jc.int_quant(8), min_size=0
+        ),
+        True,
+    ),
+    # two fragments (their outer and exchange states, pending snapshots), int4, delay 1
+    "diloco-fragments-delay": (
+        lambda: jc.diloco(
+            optax.adamw(3e-3),
+            "replica",
+            2,
+            fragments=2,
+            delay=1,
+            codec=jc.int_quant(4),
+            min_size=0,
+        ),
+        False,
+    ),
+    "local_sgd": (
+        lambda: jc.local_sgd(
+            optax.sgd(0.1, momentum=0.9), "replica", 2, codec=jc.int_quant(8), min_size=0
+        ),
+        True,
+    ),
+    # decayed error feedback per device, outer momentum
+    "sparseloco": (
+        lambda: jc.sparseloco(
+            optax.adamw(3e-3),
+            "replica",
+            2,
+            chunk=64,
+            density=1 / 8,
+            min_size=0,
+            outer=NESTEROV,
+        ),
+        True,
+    ),
+    # the raveled per-device accumulator around DiLoCo (syncing at every applied update)
+    "accumulate-diloco": (
+        lambda: jc.accumulate(jc.diloco(optax.adamw(3e-3), "replica", 1), 2),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_init_with_param_specs_trains_as_the_state_built_inside_the_step(name):
+    """4 steps (2 syncs; ``accumulate``: 2 applied updates, each a sync) from the state of
+    ``jc.sharded_init(tx, params, mesh, "replica", param_specs=...)`` end where the state
+    built by ``tx.init`` inside the step ends, to float32 rounding: the reference is one
+    program of the 4 steps, which XLA fuses otherwise (measured on params up to 0.51: 0 for
+    diloco and local_sgd, bit for bit; 1.5e-8 for sparseloco and accumulate-diloco; 3.0e-8
+    with fragments and delay). After a sync without ``delay`` the two replicas agree to the
+    rounding of ``p + u`` (docs/lm.md; measured at most 9.3e-10 apart); with ``delay`` they
+    are 0.014 apart. Until
+    2026-11-27 ``jc.sharded_init`` failed in jax's out_specs check (the inner optimizer's
+    arrays, the per-fragment states and the accumulator were laid out ``P("replica")``), and
+    with a codec (or ``delay``, or SparseLoCo) the sync of ``b`` failed while tracing
+    ("cond branches must have equal output types"): ``b``'s payload shared a bucket with
+    ``a``'s shards and came back typed as varying over ``"data"``."""
+    make, synced = CASES[name]
+    got = _train(make, inside=False)
+    want = _train(make, inside=True)
+    for k in got:
+        a, b = np.asarray(got[k]), np.asarray(want[k])
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-7)
+        if synced:
+            np.testing.assert_allclose(a[0], a[1], rtol=0, atol=1e-6 * np.abs(a).max())
+        else:  # delay mixes the anchor in over the next steps: the replicas stay apart
+            assert np.abs(a[0] - a[1]).max() > 1e-4
+
+
+def test_state_specs_of_streaming_fragments_of_sharded_params_need_the_mesh():
+    """Streaming DiLoCo cuts its fragments by each device's block sizes: with ``param_specs``
+    that shard a leaf and no ``mesh`` those are unknown, and a wrong cut would lay a leaf's
+    state out by another leaf's spec. Refused naming ``mesh``."""
+    m = _mesh()
+    tx = jc.diloco(optax.adamw(3e-3), "replica", 2, fragments=2)
+    state = jc.sharded_init(tx, _params(), m, "replica", param_specs=SPECS)
+    with pytest.raises(ValueError, match="`mesh`"):
+        jc.state_specs(state, "replica", SPECS, _params())
+    specs = jc.state_specs(state, "replica", SPECS, _params(), m)
+    assert specs.inner[0].mu["a"] == P("replica", "data", None)
+    assert specs.inner[0].mu["b"] == P("replica", None, None)
+    assert specs.anchor == {"a": P("data", None), "b": P(None, None)}
+    assert [len(o[0].trace) for o in specs.outer] == [1, 1]

@@ -502,6 +502,32 @@ def test_naive_nnx_optimizer_is_refused_with_the_fix_named():
         nnx_step(P())(model, optimizer, x, y)
 
 
+NAIVE = {
+    "demo": (lambda: jc.demo(1e-2, AXIS, chunk=8, topk=4), "momentum"),
+    "sparseloco": (
+        lambda: jc.sparseloco(optax.sgd(0.1), AXIS, 1, density=1 / 16, chunk=16, min_size=0),
+        "memory",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NAIVE))
+def test_naive_nnx_optimizer_of_demo_or_sparseloco_names_the_replicated_field(name):
+    """``nnx.Optimizer(model, tx, wrt=nnx.Param)`` passed as P() with jc.demo (its momentum)
+    or jc.sparseloco (its memory): refused by jaxcomp, naming the field and the fix. Until
+    2026-11-27 their updates checked the fields' shapes but not their types: jax refused the
+    step later, DeMo's with "out_specs ... which require replication which can't be
+    statically inferred", SparseLoCo's with "cond branches must have equal output types",
+    naming neither the field nor jc.nnx_optimizer. Traced only, not compiled."""
+    make, field = NAIVE[name]
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make(), wrt=nnx.Param)
+    x, y = batches()[0]
+    match = rf"`{field}` \(one value per device\) entered the step replicated.*jc\.nnx_optimizer"
+    with pytest.raises(ValueError, match=match):
+        nnx_step(P())(model, optimizer, x, y)
+
+
 # --------------------------------------------------------------------------- every transform
 
 

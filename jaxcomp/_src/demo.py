@@ -231,9 +231,8 @@ def scale_by_demo(
     def update_fn(updates, state, params=None):
         skeleton.begin("demo", updates, params, axis_name)
         skeleton.check_floating("demo", updates)
-        skeleton.check_fields(
-            "demo", state, {"momentum": jax.eval_shape(init_fn, updates).momentum}, updates=updates
-        )
+        want = {"momentum": jax.eval_shape(init_fn, updates).momentum}
+        skeleton.check_fields("demo", state, want, axis_name, updates=updates)
         leaves, treedef = jax.tree.flatten(updates)
         mom_in = treedef.flatten_up_to(state.momentum)
         floats = [i for i, x in enumerate(leaves) if _is_float(x)]

@@ -159,7 +159,7 @@ def shared_mask_feedback(
     def update_fn(deltas, state, params=None):
         del params  # a state of other params or devices: refused (memory[0] reads one row)
         want = jax.eval_shape(init_fn, deltas)
-        skeleton.check_fields("sparseloco", state, {k: getattr(want, k) for k in FIELDS})
+        skeleton.check_fields("sparseloco", state, {k: getattr(want, k) for k in FIELDS}, axis_name)
         key = jax.random.fold_in(state.key, state.count)
         coded = [i for i, m in enumerate(state.memory) if m is not None]
         plain = [i for i, m in enumerate(state.memory) if m is None]

@@ -100,7 +100,8 @@ def sparse_feedback(
 
     def update_fn(deltas, state, params=None):
         del params  # a state of other params or devices: refused (m[0] would read one row)
-        skeleton.check_fields("sparseloco", state, jax.eval_shape(init_fn, deltas)._asdict())
+        want = jax.eval_shape(init_fn, deltas)._asdict()
+        skeleton.check_fields("sparseloco", state, want, axis_name)
         targets = [
             d.astype(F32) if m is None else ef_decay * m[0] + d.astype(F32)
             for d, m in zip(deltas, state.memory, strict=True)

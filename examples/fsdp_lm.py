@@ -6,7 +6,10 @@ way), and each step gathers the weights with ``jc.fsdp_gather``: int8 blocks on 
 (ZeRO++ qwZ), the gradients reduce-scattered as int4 blocks on the way back (qgZ), optionally
 with error feedback (``--ef``). ``--replicas R`` adds a replica axis (a 2-D mesh ``R x D``,
 HSDP): FSDP inside each replica group, the shard gradients averaged across groups by
-``jc.compressed_allreduce``. The text is CPython's help() topics (``pydoc_data.topics``; no
+``jc.compressed_allreduce``; ``--replica-transform diloco`` (or ``sparseloco``) lets each
+replica group step on its own and syncs the groups every ``--sync-every`` steps instead
+(params per group, its state from ``jc.sharded_init(..., param_specs=...)``). The text is
+CPython's help() topics (``pydoc_data.topics``; no
 download). The baseline is the same run with float32 collectives (``--weights none --grads
 none``, and with ``--replicas`` the identity codec across groups: a float32 mean); same seed,
 same batches. Bytes per device come from the compiled step (``jc.comm_report``)::
@@ -14,6 +17,7 @@ same batches. Bytes per device come from the compiled step (``jc.comm_report``):
     python examples/fsdp_lm.py --steps 200                   # int8 / int4 against float32
     python examples/fsdp_lm.py --weights int4 --grads int2 --ef
     python examples/fsdp_lm.py --replicas 2 --replica-codec int8
+    python examples/fsdp_lm.py --replicas 2 --replica-transform diloco --sync-every 10
     python -m jaxcomp.launch -n 2 --local-devices 2 examples/fsdp_lm.py --multiprocess
 
 With ``--multiprocess`` (under ``jaxcomp.launch`` or a cluster) the mesh spans the devices
@@ -105,18 +109,26 @@ def codec(name: str | None):
     return None if name in (None, "none") else jc.get_codec(name)
 
 
-def make_step(mesh, tx, weights, grads, error_feedback: bool, specs: Any):
-    """The jitted FSDP step ``(shards, opt_state, residual, tokens) -> (..., loss)``."""
+def make_step(mesh, tx, weights, grads, error_feedback: bool, specs: Any, apart=False, count=None):
+    """The jitted FSDP step ``(shards, opt_state, residual, tokens) -> (..., loss)``.
+    ``apart``: the replica groups hold their own params (``jc.diloco`` / ``jc.sparseloco``
+    over ``REPLICA``: stacked replicas, each device its slot). ``count``: the replica
+    transform's step count fixed to this constant (``jc.at_count``: the bytes of that step)."""
     fsdp = mesh.shape[DATA]
     every = tuple(mesh.axis_names)
 
-    def step(shards, opt_state, residual, tokens):
+    def step(reps, opt_state, residual, tokens):
+        shards = jc.own(reps) if apart else reps
+        if count is not None:
+            opt_state = jc.at_count(opt_state, count)
+
         def objective(shards, residual):
-            if REPLICA in every:  # per-replica gradients: no hidden all-reduce over replicas
+            if REPLICA in every and not apart:  # per-replica gradients: no hidden all-reduce
                 shards = jax.lax.pcast(shards, REPLICA, to="varying")
             # HSDP: the exchange over the replicas skips a non-finite step on every device,
-            # so every replica's residual is kept with it (skip_axis).
-            skip = REPLICA if REPLICA in every else ()
+            # so every replica's residual is kept with it (skip_axis); apart, the replicas
+            # step apart and a non-finite step keeps only its own replica's residuals.
+            skip = REPLICA if REPLICA in every and not apart else ()
             params = jc.fsdp_gather(
                 shards, DATA, weights=weights, grads=grads, residual=residual, skip_axis=skip
             )
@@ -128,7 +140,8 @@ def make_step(mesh, tx, weights, grads, error_feedback: bool, specs: Any):
             loss, g = jax.value_and_grad(objective)(shards, None)
         g = jax.tree.map(lambda x: x / fsdp, g)  # the sum over the data axis -> the mean
         updates, opt_state = tx.update(g, opt_state, shards)
-        return optax.apply_updates(shards, updates), opt_state, residual, jax.lax.pmean(loss, every)
+        shards = optax.apply_updates(shards, updates)
+        return jc.slot(shards) if apart else shards, opt_state, residual, jax.lax.pmean(loss, every)
 
     shard_specs, state_specs, residual_specs = specs
     in_specs = (shard_specs, state_specs, residual_specs, P(every))
@@ -143,8 +156,10 @@ def make_step(mesh, tx, weights, grads, error_feedback: bool, specs: Any):
     )
 
 
-def setup(params, mesh, tx, error_feedback: bool):
+def setup(params, mesh, tx, error_feedback: bool, apart: bool = False):
     """Shards on the mesh, the optimizer state and the residual, and their specs."""
+    if apart:
+        return setup_apart(params, mesh, tx, error_feedback)
     shard_specs = jax.tree.map(lambda _: P(DATA), params)
     shards = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(DATA))), params)
     abstract = jax.eval_shape(tx.init, params)
@@ -170,6 +185,44 @@ def setup(params, mesh, tx, error_feedback: bool):
         )
         residual = jax.jit(init)(shards)
     return shards, opt_state, residual, (shard_specs, state_specs, residual_specs)
+
+
+def setup_apart(params, mesh, tx, error_feedback: bool):
+    """:func:`setup` for replica groups that hold their own params (``jc.diloco`` /
+    ``jc.sparseloco`` over ``REPLICA``): stacked replicas ``P(REPLICA, DATA)``, the state of
+    ``jc.sharded_init`` with the shards' ``param_specs`` (each array laid out like its shard:
+    the inner AdamW moments, the anchor, memories), ``jc.state_specs`` of it."""
+    data_specs = jax.tree.map(lambda _: P(DATA), params)
+    shard_specs = jax.tree.map(lambda _: P(REPLICA, DATA), params)
+    reps = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P(REPLICA, DATA))),
+        jc.replica_params(params, mesh, REPLICA),
+    )
+    opt_state = jc.sharded_init(tx, params, mesh, REPLICA, param_specs=data_specs)
+    state_specs = jc.state_specs(opt_state, REPLICA, data_specs, params, mesh)
+    residual, residual_specs = None, None
+    if error_feedback:
+        residual_specs = jax.tree.map(lambda _: P(tuple(mesh.axis_names)), params)
+        init = jax.shard_map(
+            lambda r: jc.fsdp_residual(jc.own(r), DATA),
+            mesh=mesh,
+            in_specs=(shard_specs,),
+            out_specs=residual_specs,
+        )
+        residual = jax.jit(init)(reps)
+    return reps, opt_state, residual, (shard_specs, state_specs, residual_specs)
+
+
+def replica_tx(inner, transform: str, replica_codec: str, sync_every: int):
+    """The transform across the replica groups, ``inner`` (AdamW) after or inside it. The
+    leaves are shards over DATA, which ``check_vma=False`` does not type: ``shard_axis``."""
+    if transform == "allreduce":
+        across = jc.compressed_allreduce(jc.get_codec(replica_codec), REPLICA, shard_axis=DATA)
+        return optax.chain(across, inner)
+    if transform == "diloco":
+        codec = None if replica_codec == "identity" else jc.get_codec(replica_codec)
+        return jc.diloco(inner, REPLICA, sync_every, codec=codec, shard_axis=DATA)
+    return jc.sparseloco(inner, REPLICA, sync_every, shard_axis=DATA)
 
 
 def shape_error(d_model: int, data: int) -> str | None:
@@ -220,6 +273,8 @@ def train(
     error_feedback: bool = False,
     replicas: int = 1,
     replica_codec: str = "int8",
+    replica_transform: str = "allreduce",
+    sync_every: int = 10,
     lr: float = 3e-3,
     batch_per_device: int = 4,
     d_model: int = 128,
@@ -234,21 +289,27 @@ def train(
     """Train for ``steps`` and return ``eval_loss`` (held-out nats per byte), the train loss
     curve, ``bytes_per_device`` of one step (``jc.comm_report``), ``seconds`` and ``digest``
     (SHA-256 of the final params). ``devices``: use the first that many devices (default
-    all); ``report_bytes=False`` skips ``comm_report`` (one compile less; bytes NaN)."""
+    all); ``report_bytes=False`` skips ``comm_report`` (one compile less; bytes NaN).
+    ``replica_transform``: across the replica groups, ``"allreduce"`` (HSDP: every step) or
+    ``"diloco"`` / ``"sparseloco"`` (every ``sync_every`` steps; the bytes are the mean
+    over a period, and the model evaluated is the mean of the groups')."""
     mesh = make_mesh(replicas, devices)
     text = load_text()
     split = int(0.9 * len(text))
     params = jax.jit(lambda: init_params(jax.random.PRNGKey(seed), d_model, layers, context))()
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), max(2, steps))
     tx = optax.adamw(schedule, weight_decay=0.01)
-    if replicas > 1:  # the leaves are shards over DATA (unseen under check_vma=False)
-        across = jc.compressed_allreduce(jc.get_codec(replica_codec), REPLICA, shard_axis=DATA)
-        tx = optax.chain(across, tx)
-    shards, opt_state, residual, specs = setup(params, mesh, tx, error_feedback)
-    step = make_step(mesh, tx, codec(weights), codec(grads), error_feedback, specs)
+    apart = replicas > 1 and replica_transform != "allreduce"
+    if replicas > 1:
+        tx = replica_tx(tx, replica_transform, replica_codec, sync_every)
+    shards, opt_state, residual, specs = setup(params, mesh, tx, error_feedback, apart)
+    step_args = (mesh, tx, codec(weights), codec(grads), error_feedback, specs, apart)
+    step = make_step(*step_args)
     data = batches(seed, text[:split], mesh.size * batch_per_device, context)
     tokens = put_batch(next(data), mesh)
-    report = jc.comm_report(step, shards, opt_state, residual, tokens) if report_bytes else None
+    nbytes = float("nan")
+    if report_bytes:
+        nbytes = step_bytes(step_args, sync_every, (shards, opt_state, residual, tokens))
     curve, start = [], time.perf_counter()
     for i in range(steps):
         if i:
@@ -262,21 +323,39 @@ def train(
             print(f"  step {i:4d}  loss {curve[-1]:.4f}  {time.perf_counter() - start:.1f} s")
     seconds = time.perf_counter() - start
     # Replicated on every device: each process reads its own copy.
-    full = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), gather_params(shards, mesh))
+    full = gather_params(shards, mesh, apart)
+    full = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), full)
     held_out = next(batches(12345, text[split:], eval_sequences, context))
     digest = hashlib.sha256(b"".join(a.tobytes() for a in jax.tree.leaves(full))).hexdigest()
     return {
         "eval_loss": float(jax.jit(loss_fn)(full, held_out)),
         "train_loss": curve,
-        "bytes_per_device": report.bytes_per_device if report else float("nan"),
+        "bytes_per_device": nbytes,
         "seconds": seconds,
         "digest": digest,
         "params": sum(a.size for a in jax.tree.leaves(full)),
     }
 
 
-def gather_params(shards: Any, mesh) -> Any:
-    """The full params on every process (uncompressed), to evaluate and compare."""
+def step_bytes(step_args: tuple, sync_every: int, operands: tuple) -> float:
+    """Bytes per device per step of the compiled step (``jc.comm_report``); apart, the mean
+    over a period of ``sync_every`` steps, its sync step and a local step each compiled with
+    the count fixed (``jc.at_count``)."""
+    if not step_args[-1]:
+        return jc.comm_report(make_step(*step_args), *operands).bytes_per_device
+    local, sync = (
+        jc.comm_report(make_step(*step_args, count=c), *operands).bytes_per_device
+        for c in (0, sync_every - 1)
+    )
+    return (sync + (sync_every - 1) * local) / sync_every
+
+
+def gather_params(shards: Any, mesh, apart: bool = False) -> Any:
+    """The full params on every process (uncompressed), to evaluate and compare; apart, the
+    mean of the replica groups' params (``jc.mean_replica``)."""
+    if apart:
+        replicated = NamedSharding(mesh, P())
+        return jax.jit(jc.mean_replica, out_shardings=replicated)(shards)
     return jax.jit(
         jax.shard_map(
             lambda s: jax.tree.map(
@@ -318,6 +397,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(jc.CODECS),
         help="codec across the replica groups (with --replicas > 1; default int8)",
     )
+    parser.add_argument(
+        "--replica-transform",
+        default="allreduce",
+        choices=["allreduce", "diloco", "sparseloco"],
+        help="across the replica groups: every step (HSDP) or every --sync-every steps",
+    )
+    parser.add_argument(
+        "--sync-every", type=bounded(int, 1), default=10, help="steps between syncs (diloco)"
+    )
     parser.add_argument("--d-model", type=bounded(int, 1), default=128)
     parser.add_argument("--layers", type=bounded(int, 1), default=2, help="decoder blocks")
     parser.add_argument(
@@ -331,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --replicas: must divide --devices ({args.devices})")
     if args.replica_codec is not None and args.replicas == 1:
         parser.error("argument --replica-codec: needs --replicas > 1 (no replica axis to cross)")
+    if args.replica_transform != "allreduce" and args.replicas == 1:
+        parser.error("argument --replica-transform: needs --replicas > 1 (no replica axis)")
+    if args.replica_codec is not None and args.replica_transform == "sparseloco":
+        parser.error("argument --replica-codec: sparseloco sends its own top-k payloads")
     if args.ef and args.grads in ("none", "identity"):
         parser.error(f"argument --ef: --grads {args.grads} is float32, nothing to feed back")
     if not args.multiprocess:
@@ -357,12 +449,18 @@ def main(argv: list[str] | None = None) -> int:
             error_feedback=ef,
             replicas=args.replicas,
             replica_codec=rc,
+            replica_transform=args.replica_transform if name == "compressed" else "allreduce",
+            sync_every=args.sync_every,
             d_model=args.d_model,
             layers=args.layers,
             report_bytes=not args.no_report,
         )
         tag = f"[{jax.process_index()}] " if args.multiprocess else ""
+        how = args.replica_transform if name == "compressed" else "allreduce"
         across = f" replicas {rc}" if args.replicas > 1 else ""
+        if how != "allreduce":
+            codec_name = "" if how == "sparseloco" else f" {rc}"
+            across = f" replicas {how}{codec_name} every {args.sync_every} steps"
         print(
             f"{tag}{name}: weights {w} grads {g} ef {ef}{across}: "
             f"held-out loss {r['eval_loss']:.4f}, "

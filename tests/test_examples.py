@@ -94,6 +94,51 @@ def test_fsdp_replica_exchange_names_the_shard_axis(monkeypatch):
     assert info.value.args == ("replica", {"shard_axis": "data"})
 
 
+@pytest.mark.parametrize("transform", ["diloco", "sparseloco"])
+def test_fsdp_replica_groups_step_apart_from_sharded_init(monkeypatch, transform):
+    """examples/fsdp_lm.py --replicas 2 --replica-transform diloco / sparseloco: each replica
+    group steps on its own params (FSDP inside, int8 weights / int4 gradients), the state
+    from ``jc.sharded_init(tx, params, mesh, "replica", param_specs=...)`` with every leaf
+    ``P("data")``, the groups synced every 2 steps. 4 steps at 2 x 4 devices, d_model 32,
+    1 layer: the train loss falls (measured 5.909 -> 5.032 with DiLoCo, -> 5.173 with
+    SparseLoCo) and the evaluated mean of the groups is finite and below the first loss
+    (held-out 5.108 and 5.414). Until 2026-11-27 the example had the
+    compressed all-reduce across groups only (HSDP), and ``jc.sharded_init`` with
+    ``param_specs`` failed for these transforms."""
+    import fsdp_lm
+
+    given = []
+    real = fsdp_lm.jc.sharded_init
+
+    def record(tx, params, mesh, axis_name, param_specs=None):
+        given.append((axis_name, param_specs))
+        return real(tx, params, mesh, axis_name, param_specs=param_specs)
+
+    monkeypatch.setattr(fsdp_lm.jc, "sharded_init", record)
+    r = fsdp_lm.train(
+        4,
+        replicas=2,
+        replica_transform=transform,
+        sync_every=2,
+        d_model=32,
+        layers=1,
+        report_bytes=False,
+    )
+    (axis_name, specs), *_ = given
+    assert axis_name == "replica"
+    assert set(_spec_strings(specs)) == {"P('data',)"}
+    assert r["train_loss"][-1] < r["train_loss"][0] - 0.5
+    assert np.isfinite(r["eval_loss"]) and r["eval_loss"] < r["train_loss"][0] - 0.3
+
+
+def _spec_strings(specs):
+    """The PartitionSpecs of a spec tree, as strings."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return [str(s) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))]
+
+
 def test_gossip_says_which_side_sends_more():
     """examples/gossip.py's last line: float32 gossip with 3 neighbours sends 112.6 KiB per
     device per step against pmean's 65.7 KiB; it printed "0.6x more" for pmean."""

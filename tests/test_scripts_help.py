@@ -132,6 +132,13 @@ BAD_FLAGS = [
     ("fsdp_lm", ["--devices", "3"], "--devices"),
     ("fsdp_lm", ["--replica-codec", "int4"], "--replica-codec"),
     ("fsdp_lm", ["--ef", "--grads", "none"], "--ef"),
+    ("fsdp_lm", ["--replica-transform", "diloco"], "--replica-transform"),
+    ("fsdp_lm", ["--sync-every", "0"], "--sync-every"),
+    (
+        "fsdp_lm",
+        ["--replicas", "2", "--replica-transform", "sparseloco", "--replica-codec", "int4"],
+        "--replica-codec",
+    ),
     ("gossip", ["--steps", "-1"], "--steps"),
     ("linen_pmap", ["--steps", "0"], "--steps"),
     ("linen_pmap", ["--lr", "-1"], "--lr"),

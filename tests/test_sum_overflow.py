@@ -193,3 +193,26 @@ def test_powersgd_orthogonalize_of_entries_above_2_to_126_keeps_its_columns():
     np.testing.assert_array_equal(
         np.asarray(orthogonalize(p * np.float32(2.0**125))), np.asarray(orthogonalize(p))
     )
+
+
+def test_random_k_allreduce_step_past_float32_keeps_the_residual_memory():
+    """``jc.random_k`` through ``allreduce`` sends ``n decode(C(x / n)) = s_j x_i``, past
+    float32 for a finite ``x_i`` near ``2^126`` (``s_j`` = 10 in ``w``, 8 in ``b``). Until
+    2026-11-27 that step was not flagged: residual feedback stored inf where drawn and every
+    later update was non-finite. Now it is NaN on every device with every memory kept, and
+    the next step is the one it would have been."""
+    tx = jc.compressed_allreduce(
+        jc.random_k(0.1), "data", strategy="allreduce", error_feedback="residual", min_size=0
+    )
+    state, fn = exchange_step(tx)
+    _, state = fn(state, shard(gradients(8)))  # a nonzero memory to keep
+    big = shard(jax.tree.map(lambda x: x * np.float32(BIG), gradients(9)))
+    u_big, s_big = fn(state, big)
+    u_next, s_next = fn(s_big, shard(gradients(10)))
+    u_ref, s_ref = fn(state, shard(gradients(10)))
+    for k in ("w", "b"):
+        assert np.isnan(np.asarray(u_big[k])).all(), k
+        np.testing.assert_array_equal(np.asarray(s_big.memory[k]), np.asarray(state.memory[k]))
+        assert np.isfinite(np.asarray(u_next[k])).all(), k
+        np.testing.assert_array_equal(np.asarray(u_next[k]), np.asarray(u_ref[k]))
+        np.testing.assert_array_equal(np.asarray(s_next.memory[k]), np.asarray(s_ref.memory[k]))

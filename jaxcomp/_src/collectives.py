@@ -729,22 +729,47 @@ _ORDER = tuple(_STRATEGIES)
 
 def _step_flag(segments, groups, codec, extra_bad, axis_name) -> jax.Array:
     """The step's non-finite flag, identical on every device: from the payloads every device
-    received (``flags_nonfinite`` codecs) or from the segments (:func:`inputs_nonfinite`),
-    or-ed with ``extra_bad`` and over the blocks of :func:`~jaxcomp._src.shards.over_shards`."""
+    received (``flags_nonfinite`` codecs) or from the segments (:func:`inputs_nonfinite`) and
+    the values a sparse ``allreduce`` payload sent (:func:`_rescaled_overflow`), or-ed with
+    ``extra_bad`` and over the blocks of :func:`~jaxcomp._src.shards.over_shards`."""
     if not codec.flags_nonfinite:
-        return inputs_nonfinite(segments, extra_bad, axis_name)
+        return inputs_nonfinite(segments, extra_bad, axis_name, _rescaled_overflow(groups))
     local = local_nonfinite([g[6] for g in groups])
     return shards.any_block(local if extra_bad is None else local | extra_bad)
 
 
-def inputs_nonfinite(arrays: list, extra_bad: Any, axis_name: Any) -> jax.Array:
-    """True on every device when some device's ``arrays`` hold a NaN or inf (one scalar
-    ``psum`` of :func:`local_nonfinite`; no collective when ``arrays`` is empty) or
-    ``extra_bad`` (a flag already identical on every device) is set, or-ed over the blocks
-    of :func:`~jaxcomp._src.shards.over_shards`."""
+def _rescaled_overflow(groups) -> jax.Array | None:
+    """Whether a sparse payload sent by ``allreduce`` holds a value that times ``n`` passes
+    float32's range (None where no such payload is sent). Its values times ``n`` are the
+    nonzeros of what this device sent in units of ``x``, ``n decode(C(x / n))`` (a summable
+    payload's floating leaves are its values): random-k sends ``s_j x_i``, inf for a finite
+    ``|x_i| > F32_MAX / s_j``, so an inf residual memory, and an inf sum wherever the mean
+    ``s_j mean(x_i)`` passes the range too. Or-ed into the one scalar ``psum`` that flags a
+    non-finite input (``k`` values a segment read), such a step is NaN on every device with
+    every memory kept. Dense payloads (casts of ``x / n``) are not read: their ``n decode``
+    fits wherever ``x`` does, but for the rounding of values within ``2^-8`` of ``F32_MAX``."""
+    over = None
+    for decode, _, ctx, _, payloads, *_ in groups:
+        if decode is _allreduce_decode and not ctx.codec.dense:
+            for v in _floats(jax.tree.leaves(payloads)):
+                o = ~all_finite(_times(v.astype(jnp.float32), ctx.n))
+                over = o if over is None else over | o
+    return over
+
+
+def inputs_nonfinite(
+    arrays: list, extra_bad: Any, axis_name: Any, local_bad: jax.Array | None = None
+) -> jax.Array:
+    """True on every device when some device's ``arrays`` hold a NaN or inf, or its
+    ``local_bad`` (a flag of this device alone) is set (one scalar ``psum`` of
+    :func:`local_nonfinite`; no collective when ``arrays`` is empty), or ``extra_bad`` (a
+    flag already identical on every device) is set, or-ed over the blocks of
+    :func:`~jaxcomp._src.shards.over_shards`."""
     bad = jnp.bool_(False) if extra_bad is None else extra_bad
     if arrays:
-        bad = bad | (jax.lax.psum(local_nonfinite(arrays).astype(jnp.int32), axis_name) > 0)
+        local = local_nonfinite(arrays)
+        local = local if local_bad is None else local | local_bad
+        bad = bad | (jax.lax.psum(local.astype(jnp.int32), axis_name) > 0)
     return shards.any_block(bad)
 
 

@@ -220,6 +220,13 @@ def outer_wsd(lr: float, syncs: int, tail: int = 2, final: float = 0.5) -> Any:
     return schedule
 
 
+def jnp_where(cond: Any, a: float, b: float) -> Any:
+    """``jnp.where(cond, a, b)``, imported when called (the recipes' schedules run traced)."""
+    import jax.numpy as jnp
+
+    return jnp.where(cond, a, b)
+
+
 def _inner_const(run: lm.Run) -> Any:
     """AdamW (weight decay 0.1) at :func:`held_schedule`."""
     import optax
@@ -596,6 +603,12 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5-ef0.3": _sparse_wsd(
         21 / 4096, ef_decay=0.3
+    ),
+    # ... the outer lr at 2.25 for the first two syncs, then 1.5 (the line searches' best
+    # first steps: 1.5 x the merged update at the first sync on the benchmark, the first two
+    # on the held-out and fifth pairs).
+    "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer2.25first2": _sparse_wsd(
+        21 / 4096, 30, lambda count: jnp_where(count < 2, 2.25, 1.5)
     ),
     # ... the outer lr decayed over the last two syncs to half (outer_wsd: 1.5, ..., 1.125,
     # 0.75), every density of the WSD row.

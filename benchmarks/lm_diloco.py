@@ -610,6 +610,12 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer2.25first2": _sparse_wsd(
         21 / 4096, 30, lambda count: jnp_where(count < 2, 2.25, 1.5)
     ),
+    # ... the mean over all 8 replicas (averaging="all") at an outer lr 8 x 1.5: a
+    # coordinate one replica sent moves as with Templar's mean over its senders, one that k
+    # replicas sent k times as far (the sum of the payloads x 1.5).
+    "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-all-outer12": _sparse_wsd(
+        21 / 4096, 30, 12.0, averaging="all"
+    ),
     # ... the outer lr decayed over the last two syncs to half (outer_wsd: 1.5, ..., 1.125,
     # 0.75), every density of the WSD row.
     **{

@@ -8,6 +8,7 @@ outer and exchange states and raveled accumulators: each laid out from the param
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +212,90 @@ def test_state_specs_of_streaming_fragments_of_sharded_params_need_the_mesh():
     assert specs.inner[0].mu["b"] == P("replica", None, None)
     assert specs.anchor == {"a": P("data", None), "b": P(None, None)}
     assert [len(o[0].trace) for o in specs.outer] == [1, 1]
+
+
+MUON = lambda: jc.diloco(optax.contrib.muon(0.02), "replica", 2)  # noqa: E731  MuLoCo
+
+
+def _init_warnings(tx, specs, m):
+    """``jc.sharded_init``'s state and the messages of the warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jc.sharded_init(tx, _params(), m, "replica", param_specs=specs)
+    return state, [str(w.message) for w in caught]
+
+
+def _gather_where_sharded(specs):
+    """``a`` as the loss uses it: gathered over ``"data"`` where ``specs`` shard it."""
+    if specs["a"] == P():
+        return lambda q: q
+    axis = len(tuple(specs["a"])) - 1  # P("data"): rows; P(None, "data"): columns
+    return functools.partial(jc.fsdp_gather, axis_name="data", weights=None, grads=None, axis=axis)
+
+
+def _muon_run(specs):
+    """``a`` after ``STEPS`` MuLoCo steps on the 2 x 4 mesh (``a`` sharded or whole as
+    ``specs`` give it, ``b`` whole), and ``jc.sharded_init``'s warnings."""
+    m, tx = _mesh(), MUON()
+    pspec = {k: P("replica", *s) for k, s in specs.items()}
+    reps = jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(m, s)),
+        jc.replica_params(_params(), m, "replica"),
+        pspec,
+    )
+    use = _gather_where_sharded(specs)
+
+    def step(reps, state, x, y):
+        p = jc.own(reps)
+
+        def loss(q):
+            return jnp.mean((jnp.tanh(x @ use(q["a"])) @ q["b"] - y) ** 2)
+
+        g = jax.tree.map(lambda v: v / 4, jax.grad(loss)(p))
+        u, state = tx.update(g, state, p)
+        return jc.slot(optax.apply_updates(p, u)), state
+
+    state, caught = _init_warnings(tx, specs, m)
+    sspec, gspec = jc.state_specs(state, "replica", specs, _params(), m), P(BOTH)
+    fn = Blocking(
+        jax.jit(
+            jax.shard_map(
+                step, mesh=m, in_specs=(pspec, sspec, gspec, gspec), out_specs=(pspec, sspec)
+            )
+        )
+    )
+    xs, ys = _data(m)
+    put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
+    for t in range(STEPS):
+        reps, state = fn(reps, state, put(xs[t]), put(ys[t]))
+    return np.asarray(reps["a"]), caught
+
+
+@pytest.mark.parametrize(("spec", "least"), [(P("data"), 1.0), (P(None, "data"), 0.5)])
+def test_muon_on_fsdp_shards_orthogonalizes_blocks_and_sharded_init_warns(spec, least):
+    """MuLoCo with ``a`` (32 x 32) sharded inside each replica: Muon inside the ``shard_map``
+    orthogonalizes each device's block (8 x 32 rows, or 32 x 8 columns), not the matrix.
+    After 4 steps (2 syncs) ``a`` is 1.59 (rows) and 0.74 (columns) away from the run with
+    ``a`` whole on the replica's devices (``P()``), in Frobenius norm relative to how far that
+    run moved it (largest value 0.041 and 0.016 off, against a move of 0.024; AdamW inside:
+    0 apart). Until 2026-11-27 ``jc.sharded_init`` said nothing; it now warns, naming
+    ``param_specs`` and the leaf, and stays silent where ``a`` is whole."""
+    whole, quiet = _muon_run({"a": P(), "b": P()})
+    blocks, caught = _muon_run({"a": spec, "b": P()})
+    assert not [w for w in quiet if "param_specs" in w]
+    assert [w for w in caught if "param_specs" in w and "['a']" in w and "muon" in w]
+    start = np.asarray(_params()["a"])[None]
+    off = np.linalg.norm(blocks - whole) / np.linalg.norm(whole - start)
+    assert off > least, off
+
+
+def test_muon_split_over_an_auto_axis_or_left_out_of_muon_gives_no_warning():
+    """No warning where Muon sees whole matrices: ``a`` split over an ``AxisType.Auto`` axis
+    (the step manual over the other axis only), or AdamW inside."""
+    auto = jax.make_mesh(
+        (2, 4), BOTH, axis_types=(AxisType.Explicit, AxisType.Auto), devices=jax.devices()[:8]
+    )
+    _, caught = _init_warnings(MUON(), SPECS, auto)
+    assert not [w for w in caught if "param_specs" in w]
+    _, caught = _init_warnings(jc.diloco(optax.adamw(3e-3), "replica", 2), SPECS, _mesh())
+    assert not [w for w in caught if "param_specs" in w]

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import fragments, replicas
+from jaxcomp._src import fragments, replicas, whole_matrix
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -506,6 +506,11 @@ def sharded_init(
     Returns:
       The state, its per-device fields ``(n, ...)`` sharded ``P(axis_name)`` on ``mesh``.
 
+    ``param_specs`` that split a 2-D leaf which ``optax.contrib.muon`` in ``tx``
+    orthogonalizes, over a mesh axis that is not ``AxisType.Auto``, warn (naming
+    ``param_specs`` and the leaves): the step orthogonalizes each device's block
+    (``jaxcomp._src.whole_matrix``).
+
     Several processes: the state's replicated keys and counts are compared across
     them (:func:`check_same_on_every_process`), so a ``tx`` built with a per-process ``seed``
     is refused rather than left to desynchronise the replicas.
@@ -520,6 +525,10 @@ def sharded_init(
         (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others.
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
+    if param_specs is not None:
+        specs = _param_context(param_specs, params, mesh)[1]
+        split = whole_matrix.split_muon_leaves(state, params, specs, mesh, _is_slot)
+        whole_matrix.warn_split_muon_leaves(split)
     check_grid_order(state, mesh, axis_name)
     replicas.check_replicas_last(state, params)
     replicas.check_replicas_cover(state, params)

@@ -106,7 +106,8 @@ def bytes_part(size: int) -> dict:
             )
             by_group: dict[int, float] = {}
             dtypes: dict[int, set] = {}
-            for c in r.collectives:
+            # Outside the lax.cond: its branch redoes a flagged step pre-scaled (overflow only).
+            for c in (c for c in r.collectives if not c.branch):
                 by_group[c.group_size] = by_group.get(c.group_size, 0.0) + c.bytes_per_device
                 dtypes.setdefault(c.group_size, set()).update(c.dtypes)
             model = jc.hierarchical_bytes(codec, size, outer, inner, strategy)

@@ -93,6 +93,45 @@ def test_plain_and_hierarchical_means_do_not_overflow_in_the_sum():
     np.testing.assert_array_equal(hier, np.asarray(jax.block_until_ready(fn(put(x)))) * BIG)
 
 
+def hierarchical_pmean(codec):
+    """Stateless ``jc.pmean`` of a vector per device over ``host`` x ``local`` (2 x 4), and
+    the sharding of its input ``[2, 4, d]``."""
+    m = jax.make_mesh((2, 4), ("host", "local"), devices=jax.devices()[:N])
+    both = P("host", "local")
+
+    def step(x):
+        return jc.pmean(x[0, 0], "host", codec, inner_axis_name="local", min_size=0)[None, None]
+
+    fn = jax.jit(jax.shard_map(step, mesh=m, in_specs=both, out_specs=both))
+    return fn, jax.sharding.NamedSharding(m, both)
+
+
+@pytest.mark.parametrize("codec", [jc.int_quant(8), jc.sign()])
+def test_stateless_hierarchical_pmean_scatters_the_gradient_as_given(codec):
+    """The common path reduce-scatters the input itself (a bitcast of the parameter), not a
+    copy scaled by ``1/L`` (one more read and write of the whole gradient, for part of
+    2026-11-27); the pre-scaled redo sits in the ``lax.cond`` branch taken on a flagged step."""
+    fn, sharding = hierarchical_pmean(codec)
+    x = jax.ShapeDtypeStruct((2, 4, 4096), jnp.float32, sharding=sharding)
+    text = fn.lower(x).compile().as_text()
+    entry = text[text.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    lines = {ln.split(" = ")[0].strip().lstrip("%"): ln for ln in entry.splitlines()[1:]}
+    (scatter,) = [ln for ln in lines.values() if " reduce-scatter(" in ln]
+    operand = scatter.split(" reduce-scatter(")[1].split(")")[0].lstrip("%")
+    assert " bitcast(%param" in lines[operand] or " parameter(" in lines[operand], lines[operand]
+    assert entry.count(" conditional(") == 1
+
+
+def test_stateless_hierarchical_pmean_keeps_a_non_finite_input_flagged():
+    """A NaN on one device takes the redo too, and the step stays NaN in every value."""
+    fn, sharding = hierarchical_pmean(jc.int_quant(8))
+    x = gradients(5)["w"].reshape(2, 4, 512) * np.float32(BIG)
+    x[1, 2, 7] = np.nan
+    out = np.asarray(jax.block_until_ready(fn(jax.device_put(x, sharding))))
+    assert np.isnan(out).all()
+
+
 def exchange_step(tx, params=None):
     """``tx``'s sharded state on the 8 devices and its step ``(state, grads) -> (update,
     state)`` for ``params`` (default: ``w`` of 512 values and ``b`` of 16)."""

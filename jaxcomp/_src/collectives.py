@@ -857,7 +857,31 @@ def own_sent(sizes: list[int], payloads: list, axis_name: Any, codec: Codec, str
     return sent
 
 
-def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb):
+def _hierarchical(
+    segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb, scale_after
+):
+    """:func:`_hierarchical_pass` with the input pre-scaled by ``1/L`` before the sum (a
+    host's mean that fits float32 never overflows), or, with ``scale_after``, summed first.
+
+    Pre-scaling costs nothing where ``x`` comes out of a pass of the caller's
+    (``compressed_allreduce``'s ``g + e``: ``x / L`` fuses into it) but one more read and
+    write of the whole gradient where ``x`` is the gradient as given (stateless
+    ``jc.pmean``). ``scale_after`` divides the reduce-scatter's ``1/L`` chunk after the sum
+    instead; a host's sum that overflows float32 is then inf in the chunk, the outer
+    reduction sets the step's flag (identical on every device), and only then a
+    ``lax.cond`` redoes the step pre-scaled, whose mean fits float32 and comes out finite (a
+    non-finite input stays flagged). The common path gets no collective and no pass more.
+    """
+    args = (segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb)
+    if not scale_after:
+        return _hierarchical_pass(*args, prescale=True)
+    fast = _hierarchical_pass(*args, prescale=False)
+    return jax.lax.cond(fast.bad, lambda: _hierarchical_pass(*args, prescale=True), lambda: fast)
+
+
+def _hierarchical_pass(
+    segments, axis_name, inner_axis_name, codec, strategy, key, servers, extra, bb, *, prescale
+):
     """Reduce-scatter over the fast axis (f32), compress over the slow one, all-gather back.
 
     Device ``(h, l)`` holds, after the reduce-scatter, chunk ``l`` of its host's mean
@@ -872,14 +896,16 @@ def _hierarchical(segments, axis_name, inner_axis_name, codec, strategy, key, se
     """
     n_inner = axis_size(inner_axis_name)
     li = jax.lax.axis_index(inner_axis_name)
-    # Pre-scaled by 1/L before the float32 sum (a host's mean that fits float32 never
-    # overflows; summed first, L rows near float32's largest value made it inf).
+    # ``prescale``: by 1/L before the float32 sum (a host's mean that fits float32 never
+    # overflows; summed first, L rows near float32's largest value make it inf); else the
+    # 1/L chunk is divided after the sum, with no pass over the whole of x.
     parts = buckets.exchange(
-        [_rows(x * (1.0 / n_inner), n_inner) for x in segments],
+        [_rows(x * (1.0 / n_inner) if prescale else x, n_inner) for x in segments],
         lambda b: jax.lax.psum_scatter(b, inner_axis_name, scatter_dimension=0, tiled=False),
         lead=1,
         bucket_bytes=bb,
     )
+    parts = parts if prescale else [p / n_inner for p in parts]
     inner_key = None if key is None else jax.random.fold_in(key, li)
     r = _reduce_flat(parts, axis_name, codec, strategy, inner_key, servers, extra, bb)
     bad = r.bad
@@ -919,6 +945,7 @@ def reduce_segments(
     with_payload: bool = False,
     checked: bool = False,
     encoded: list | None = None,
+    scale_after: bool = False,
 ) -> Reduced:
     """Mean over ``axis_name`` (and ``inner_axis_name``) of each float32 vector of ``segments``.
 
@@ -946,6 +973,9 @@ def reduce_segments(
     segment's strategy would, e.g. :func:`jaxcomp._src.fused_residual.encode_in_place`), or
     None to encode it here; a segment's ``Reduced.error`` and ``sent`` then do not describe
     the given payload (flat reduce only).
+    ``scale_after`` (hierarchical reduce only): the reduce-scatter sums first and divides
+    after, redoing the step pre-scaled only when its flag is set, for segments that are the
+    caller's input as given (see :func:`_hierarchical`); else they are pre-scaled by ``1/L``.
     """
     if not segments:
         bad = jnp.bool_(False) if extra_bad is None else extra_bad
@@ -977,6 +1007,7 @@ def reduce_segments(
         servers,
         extra_bad,
         bucket_bytes,
+        scale_after,
     )
 
 
@@ -1226,6 +1257,7 @@ def _mean_of_floats(
         inner_axis_name,
         local_nonfinite(held) if plain else None,  # means: the same on every device
         bucket_bytes,
+        scale_after=True,  # the gradient as given: no pass of ours to fuse x / L into
     )
     means = plan.join(reduced.mean) if xs else []
     return layouts.assemble(tree, layout, means, plain)

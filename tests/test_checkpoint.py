@@ -1276,6 +1276,50 @@ def test_a_hierarchical_state_is_refused_on_another_grid(tmp_path):
     assert after.server_grid.shape == (2, 4) and after.server_grid.dtype == np.int8
 
 
+def test_a_hierarchical_server_residual_built_outside_the_mesh_is_refused(tmp_path):
+    """``tx.init`` outside the mesh gives the server residual room for each whole vector and
+    no ``server_grid``: rows of a 2 x 4 state restore onto 4 x 2 with no error from orbax
+    (same shapes), and until 2026-11-27 the update ran them, each device reading its new
+    chunk and never again the values of its old one (sign, 3 steps saved, 6 zero-gradient
+    steps: 0.57 of what was held back dropped; int8 0.58). The update refuses such a state,
+    naming ``inner_axis_name``, on either grid."""
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    state, step, put, scope = _hierarchical((2, 4))
+    outside = scope["tx"].init(scope["params"])
+    assert outside.server_grid is None and outside.server_residual["w"].shape == (1, 512)
+    rows = np.broadcast_to(np.asarray(outside.server_residual["w"]), (8, 512))
+    sharding = state.server_residual["w"].sharding
+    whole = state._replace(server_residual={"w": jax.device_put(rows, sharding)}, server_grid=None)
+    other, _, other_put, other_scope = _hierarchical((4, 2))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"opt_state": whole})
+        ckpt.wait_until_finished()
+        moved = {
+            "opt_state": jax.tree.map(
+                lambda a, t: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=t.sharding),
+                whole,
+                other._replace(server_residual=whole.server_residual, server_grid=None),
+            )
+        }
+        got = ckpt.restore(tmp_path / "ckpt", moved)["opt_state"]
+    tx, m, axes = other_scope["tx"], other_scope["mesh"], ("data", "local")
+    specs = jc.state_specs(got, axes)
+
+    def other_step(s, g):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)
+
+    fn = jax.shard_map(other_step, mesh=m, in_specs=(specs, P(axes)), out_specs=(P(), specs))
+    g = {"w": np.ones((8, 16, 32), np.float32)}
+    for run, placed, s in ((fn, other_put, got), (step, put, whole)):
+        with pytest.raises(ValueError, match=r"`server_residual` was built outside the mesh"):
+            run(s, placed(g))
+
+
 def test_a_state_that_compressed_fewer_leaves_is_refused_naming_the_field(tmp_path):
     """Saved by ``min_size=1024`` (``b`` of 48 values not compressed: an empty slot, which
     orbax restores as None) and restored into ``min_size=0``, which compresses ``b``: the

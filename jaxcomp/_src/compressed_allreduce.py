@@ -607,6 +607,7 @@ def compressed_allreduce(
         skeleton.check_state(
             "compressed_allreduce", state, lambda: fields(layout), layout, flat, per_device, updates
         )
+        server.check_whole(state, layout, flat, axis_name, inner_axis_name)
         grads = layouts.compressed_vectors(updates, layout)
         plain = layouts.leaves_of(updates, layout, layouts.PLAIN)
         momentum, grads, plain = _worker_momentum(

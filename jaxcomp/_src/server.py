@@ -8,7 +8,8 @@ chunks: per compressed leaf (or, with ``granularity="flat"``, for the one flat v
 the segment: the field's leaves do not depend on ``n``). Its size does: built where the axis
 is bound (``jc.sharded_init``, ``jax.pmap(tx.init, axis_name=...)``) it holds the owned
 chunks only; built outside (``tx.init``) it has room for each whole vector, ``f32[1, d]``,
-of which each device reads and writes its own chunk.
+of which each device reads and writes its own chunk (flat exchanges only: a hierarchical
+one refuses it, :func:`check_whole`).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def zeros(
     Built outside the mesh (``chunks`` None, the number of devices unknown: ``tx.init``
     called directly, then ``jc.replicate`` for ``pmap``), every compressed leaf gets room
     for its whole vector, ``(1, d)``, of which each device reads and writes its own chunk:
-    the same algorithm, ``n`` times the memory. ``jc.sharded_init`` and
-    ``jax.pmap(tx.init, axis_name=...)`` build the compact field.
+    the same algorithm, ``n`` times the memory (a hierarchical exchange's update refuses
+    it: it records no grid). ``jc.sharded_init`` and ``jax.pmap(tx.init, axis_name=...)``
+    build the compact field.
     """
     if not used:
         return None
@@ -131,8 +133,8 @@ def grid(sizes: tuple[int, int] | None, used: bool) -> jax.Array | None:
 def check_grid(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, inner: Any) -> None:
     """Refuse a hierarchical state whose owned chunks belong to another ``(H, L)``
     (:func:`grid`), or to an unknown one (no ``server_grid``: saved before the field), at
-    trace time. A server residual built outside the mesh (room for whole vectors) is not
-    checked."""
+    trace time. A server residual built outside the mesh (room for whole vectors) is
+    :func:`check_whole`'s, after the state's shapes and axes are checked."""
     field = getattr(state, "server_residual", None)
     if inner is None or field is None or is_whole(field, layout, flat):
         return
@@ -156,6 +158,28 @@ def check_grid(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, i
         "Restore the state onto a mesh of the sizes it was saved on, or take `server_residual` "
         "and `server_grid` from a fresh jc.sharded_init on this mesh (what the server held "
         "back is then dropped; docs/checkpoints.md)."
+    )
+
+
+def check_whole(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, inner: Any) -> None:
+    """Refuse a hierarchical exchange's server residual built outside the mesh (``tx.init``:
+    room for whole vectors, no ``server_grid``). Row ``h L + l`` holds device ``(h, l)``'s
+    chunk ``l H + h`` at its place in the whole vector, a set of values that depends on
+    ``(H, L)``; restored onto another grid of as many devices (same shapes), each device
+    reads its new chunk from its row and the values of its old chunk outside it are never
+    read again: what the server held back is dropped, with no grid to tell it."""
+    field = getattr(state, "server_residual", None)
+    if inner is None or field is None or not is_whole(field, layout, flat):
+        return
+    raise ValueError(
+        "jc.compressed_allreduce: the state's `server_residual` was built outside the mesh "
+        "(`tx.init`: room for each whole vector, and no `server_grid`), but this exchange "
+        f"has `inner_axis_name`={inner!r} (`axis_name`={axis_name!r}): the chunk each row "
+        "holds depends on the grid of both axes, which such a state does not record, so a "
+        "restore onto another grid of as many devices would silently drop what the server "
+        "held back. Build the state where the axes are bound: jc.sharded_init(tx, params, "
+        "mesh, (axis_name, inner_axis_name)), or tx.init inside the shard_map "
+        "(docs/checkpoints.md)."
     )
 
 

@@ -1241,8 +1241,21 @@ def test_a_hierarchical_update_given_another_tree_names_updates():
         jax.eval_shape(fn, state, bare)
 
 
-# orbax's refused read leaves its pending reads' coroutines unawaited ("Exception ignored")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# orbax's refused read abandons its other reads, which warn when collected ("Exception
+# ignored in: <coroutine object _read_array_index_and_device_put>"): orbax-checkpoint
+# 0.12.8's, not jaxcomp's. It reads every shard in asyncio.gather on a fresh event loop
+# (asyncio_utils._run_sync_via_new_loop: run_until_complete, then loop.close() without
+# cancelling what is pending); the refused shape raises in one shard's coroutine and the
+# others are left pending, held by TensorStore reads in flight. Closed when collected, each
+# turns the GeneratorExit into Exception("Encountered error while reading array index ...")
+# in its `except BaseException` around _read_shard (serialization.py). On an idle host the
+# gc.collect() below collects them here; under -n 2 the reads can still be in flight and
+# they warn in a later test or at the session's end, so pyproject.toml ignores this one
+# coroutine's warning for the whole session (the same filter as here).
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
+    ":pytest.PytestUnraisableExceptionWarning"
+)
 def test_a_hierarchical_state_is_refused_on_another_grid(tmp_path):
     """Saved on 2 x 4, the state's ``server_grid`` (int8 zeros of shape (2, 4)) makes orbax
     refuse the target of a 4 x 2 mesh, and the update refuse the arrays moved there by hand
@@ -1264,7 +1277,7 @@ def test_a_hierarchical_state_is_refused_on_another_grid(tmp_path):
             ValueError, match=r"Requested shape: \(4, 2\) .* stored shape: \(2, 4\)"
         ):
             ckpt.restore(tmp_path / "ckpt", target)
-        gc.collect()  # the unawaited reads warn here, not in the next test
+        gc.collect()  # the abandoned reads warn here where they are done (see above)
         same = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": state})
         restored = ckpt.restore(tmp_path / "ckpt", same)["opt_state"]
     moved = jax.tree.map(lambda a, t: jax.device_put(np.asarray(a), t.sharding), state, other)

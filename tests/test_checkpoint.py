@@ -1256,6 +1256,11 @@ def test_a_hierarchical_update_given_another_tree_names_updates():
     "ignore:Exception ignored in. <coroutine object _read_array_index_and_device_put"
     ":pytest.PytestUnraisableExceptionWarning"
 )
+# The same abandoned reads' TensorStore callbacks into orbax's closed loop ("Exception ignored
+# in: None ... RuntimeError: Event loop is closed"; once in the fresh-clone CI of 7c09f5a).
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. None:pytest.PytestUnraisableExceptionWarning"
+)
 def test_a_hierarchical_state_is_refused_on_another_grid(tmp_path):
     """Saved on 2 x 4, the state's ``server_grid`` (int8 zeros of shape (2, 4)) makes orbax
     refuse the target of a 4 x 2 mesh, and the update refuse the arrays moved there by hand

@@ -1011,6 +1011,15 @@ def reduce_segments(
     )
 
 
+def mean_divided_first(x: Any, axis_name: Any) -> Any:
+    """``jax.lax.pmean`` of the array (or list of arrays) ``x``, each divided by ``n`` before
+    the sum: ``jax.lax.pmean`` sums first, so ``n`` finite values near float32's largest
+    gave an inf mean where the mean fits (until 2026-11-27). For ``n`` a power of two the
+    division is exact and the bits are ``jax.lax.pmean``'s (docs/strategies.md)."""
+    n = axis_size(axis_name)
+    return jax.lax.psum(jax.tree.map(lambda a: a / n, x), axis_name)
+
+
 def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
     """Floating leaves averaged in float32 over the fast inner axis (``None``: ``tree`` as is).
 
@@ -1028,8 +1037,7 @@ def inner_mean(tree: Any, inner_axis_name: Any) -> Any:
     def mean(a):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             return a
-        n = axis_size(inner_axis_name)  # divided before the sum: see plain_mean
-        return jax.lax.psum(a.astype(jnp.float32) / n, inner_axis_name).astype(a.dtype)
+        return mean_divided_first(a.astype(jnp.float32), inner_axis_name).astype(a.dtype)
 
     return jax.tree.map(mean, tree)
 
@@ -1043,12 +1051,9 @@ def plain_mean(
     An empty leaf is its own mean and takes no part in a collective: XLA:CPU (jaxlib 0.11)
     crashes compiling a program whose all-reduces include a zero-element one."""
     full = [a for a in leaves if a.size]
-    n = axis_size(every_axis) if full else 1
-    # Divided before the sum (jax.lax.pmean sums first): a mean that fits float32 never
-    # overflows; for n a power of two the same bits as jax.lax.pmean.
     means, held = buckets.exchange(
         [a.astype(jnp.float32) for a in full],
-        lambda b: jax.lax.psum(b / n, every_axis),
+        lambda b: mean_divided_first(b, every_axis),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )

@@ -145,12 +145,10 @@ def _pmean_divided_first(leaves: list, axis_name: Any) -> list:
     exact, the adds the same). Integer leaves keep ``jax.lax.pmean``'s own division."""
     if not leaves:
         return []
-    n = collectives.axis_size(axis_name)
     inexact = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
-    divided = [
-        a / jnp.asarray(n, a.dtype) if f else a for a, f in zip(leaves, inexact, strict=True)
-    ]
-    sums = jax.lax.psum([a for a, f in zip(divided, inexact, strict=True) if f], axis_name)
+    sums = collectives.mean_divided_first(
+        [a for a, f in zip(leaves, inexact, strict=True) if f], axis_name
+    )
     means = jax.lax.pmean([a for a, f in zip(leaves, inexact, strict=True) if not f], axis_name)
     sums, means = iter(sums), iter(means)
     return [next(sums) if f else next(means) for f in inexact]

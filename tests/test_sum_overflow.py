@@ -132,6 +132,47 @@ def test_stateless_hierarchical_pmean_keeps_a_non_finite_input_flagged():
     assert np.isnan(out).all()
 
 
+def test_stateless_hierarchical_pmean_under_vmap_is_the_loop_bit_for_bit():
+    """A vmapped step over a batch of 3 models (one finite, one whose host sums overflow
+    float32, one with a NaN on one device): jax batches the redo's ``lax.cond`` on the
+    models' flags into a select of both branches (no ``conditional`` left: the pre-scaled
+    pass runs on every vmapped step), and each model's mean is the one the model alone
+    gives, bit for bit: finite where the mean fits, NaN where an input is."""
+    m = jax.make_mesh((2, 4), ("host", "local"), devices=jax.devices()[:N])
+    both = P("host", "local")
+    x = np.stack([gradients(s)["w"].reshape(2, 4, 512) for s in (6, 7, 8)], axis=2)
+    x[:, :, 1] *= np.float32(BIG)
+    x[1, 2, 2, 7] = np.nan
+    sharding = jax.sharding.NamedSharding(m, both)
+    for codec in (jc.int_quant(8), jc.sign()):
+
+        def mean(v, codec=codec):
+            return jc.pmean(v, "host", codec, inner_axis_name="local", min_size=0)
+
+        def vmapped(v):
+            return jax.vmap(mean)(v[0, 0])[None, None]
+
+        def looped(v):
+            return jnp.stack([mean(v[0, 0, b]) for b in range(3)])[None, None]
+
+        runs = [
+            jax.jit(jax.shard_map(f, mesh=m, in_specs=both, out_specs=both))
+            for f in (vmapped, looped)
+        ]
+        text = runs[0].lower(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding))
+        assert " conditional(" not in text.compile().as_text()
+        got, want = (
+            np.asarray(jax.block_until_ready(f(jax.device_put(x, sharding)))) for f in runs
+        )
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(got[:, :, :2]).all() and np.isnan(got[:, :, 2]).all()
+        small = x[:, :, 1] / np.float32(BIG)
+        alone = np.asarray(
+            jax.block_until_ready(runs[1](jax.device_put(np.stack([small] * 3, 2), sharding)))
+        )
+        np.testing.assert_array_equal(got[:, :, 1], alone[:, :, 1] * np.float32(BIG))
+
+
 def exchange_step(tx, params=None):
     """``tx``'s sharded state on the 8 devices and its step ``(state, grads) -> (update,
     state)`` for ``params`` (default: ``w`` of 512 values and ``b`` of 16)."""

@@ -5,6 +5,7 @@ grace period, while its peer would sleep for minutes), a hung run is killed at t
 and bad arguments are a ValueError naming them.
 """
 
+import concurrent.futures
 import io
 import re
 import sys
@@ -37,6 +38,42 @@ def test_two_processes_end_with_identical_params():
     assert re.search(r"^\[1\] process 1/2: 2 of 4 devices", text, re.M), text[-3000:]
     accuracies = [float(a) for a in re.findall(r"test accuracy ([\d.]+)%", text)]
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1] > 50.0
+
+
+@pytest.mark.slow
+def test_fsdp_inside_diloco_replicas_across_processes_is_the_one_process_run():
+    """examples/fsdp_lm.py --replicas 2 --replica-transform diloco --ef: FSDP (int8 weights,
+    int4 gradients with error feedback) inside each replica group, the groups synced by
+    ``jc.diloco`` (int8) every 2 steps. 2 processes x 4 CPU devices over gloo, one group a
+    process (the replica axis crosses gloo, the data axis does not): both processes print the
+    params SHA-256 of the same 4 steps on 1 process x 8 devices, bit for bit (the groups'
+    mean, ``jc.mean_replica``, gathered on every process)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import fsdp_lm
+
+    flags = ["--replicas", "2", "--replica-transform", "diloco", "--sync-every", "2", "--ef"]
+    flags += ["--steps", "4", "--d-model", "32", "--layers", "1", "--no-baseline", "--no-report"]
+    out, script = io.StringIO(), [str(ROOT / "examples" / "fsdp_lm.py"), "--multiprocess"]
+    # the 2 processes' start-up and compiles overlap the one-process run's: 2 cores busy
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        two = pool.submit(launch.run, script + flags, 2, local_devices=4, timeout=300, out=out)
+        one = fsdp_lm.train(
+            4,
+            error_feedback=True,
+            replicas=2,
+            replica_transform="diloco",
+            sync_every=2,
+            d_model=32,
+            layers=1,
+            report_bytes=False,
+        )
+        status = two.result()
+    text = out.getvalue()
+    assert status == 0, text[-3000:]
+    digests = dict(re.findall(r"^\[(\d)\] \[\d\] params sha256 ([0-9a-f]{64})$", text, re.M))
+    assert sorted(digests) == ["0", "1"], text[-3000:]
+    assert digests["0"] == digests["1"] == one["digest"]
+    assert one["train_loss"][-1] < one["train_loss"][0] - 0.5  # it trained
 
 
 def write(tmp_path, body):

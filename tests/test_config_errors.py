@@ -1274,6 +1274,7 @@ TRACE_CHECKS = [
     ("all_gather", "axis", lambda x: jc.all_gather(x, "data", S, axis=1), ValueError),
     ("all_gather", "axis", lambda x: jc.all_gather(x, "data", S, axis=0.0), TypeError),
     ("all_gather", "tiled", lambda x: jc.all_gather(x, "data", S, tiled=1), TypeError),
+    ("all_gather", "to", lambda x: jc.all_gather(x, "data", S, to="replicated"), ValueError),
     (
         "all_gather",
         "bucket_bytes",

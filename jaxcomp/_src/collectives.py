@@ -1148,7 +1148,8 @@ def pmean(
     ones go through plain ``pmean``; each keeps its dtype, the work is in float32. Integer
     and bool leaves pass through untouched (a step counter riding along with the gradients;
     for a count's mean over the devices call ``jax.lax.pmean`` on it); complex leaves are
-    reduced exactly by ``jax.lax.pmean``, uncompressed.
+    reduced exactly by ``jax.lax.pmean``, uncompressed. Over axes of one device in all, every
+    leaf comes back as it is (the mean of one value: no codec runs).
 
     ``pmean(x) = (1/n) sum_i decode(encode(x_i))`` over the ``n`` devices of ``axis_name``
     (``two_phase`` encodes each averaged chunk once more before the all-gather). The bytes of
@@ -1246,6 +1247,8 @@ def _mean_of_floats(
     axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
     every_axis = axis_names(axis_name, inner_axis_name)
+    if axis_size(every_axis) == 1:
+        return _over_one_device(tree, every_axis)
     layout = layouts.layout_of(tree, min_size)
     xs = layouts.compressed_vectors(tree, layout)
     plan = segments_for([x.shape[0] for x in xs], granularity)
@@ -1266,6 +1269,22 @@ def _mean_of_floats(
     )
     means = plan.join(reduced.mean) if xs else []
     return layouts.assemble(tree, layout, means, plain)
+
+
+def _over_one_device(tree: Any, every_axis: Any) -> Any:
+    """The mean (and the sum) over axes of one device in all: each floating leaf as it is,
+    typed as ``jax.lax.psum`` types it (one device: no data moves). A codec there only added
+    its error where ``jax.lax.pmean`` gives the value exactly (figures: docs/index.md), and
+    a float64 leaf kept float32's digits. Other leaves as :func:`pmean` leaves them."""
+
+    def one(x):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        if not jnp.size(x):  # no zero-element collective (XLA:CPU, jaxlib 0.11)
+            return jnp.zeros(jnp.shape(x), jnp.result_type(x))
+        return jax.lax.psum(x, every_axis)
+
+    return jax.tree.map(one, tree)
 
 
 def _reduce_complex(tree: Any, reduce: Callable, every_axis: Any) -> Any:
@@ -1348,7 +1367,7 @@ def psum(
         n = axis_size(axis_name) * (1 if inner_axis_name is None else axis_size(inner_axis_name))
         scale = lambda m: (  # noqa: E731
             (m.astype(jnp.float32) * n).astype(m.dtype)
-            if jnp.issubdtype(m.dtype, jnp.floating)
+            if jnp.issubdtype(m.dtype, jnp.floating) and n > 1
             else m
         )
         total = jax.tree.map(scale, mean)

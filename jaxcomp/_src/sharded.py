@@ -50,6 +50,7 @@ from jaxcomp._src.collectives import (
     axis_size,
     check_inner_axis,
     device_key,
+    gather_to,
     local_nonfinite,
     shared_key,
 )
@@ -105,6 +106,15 @@ def _check_collective(axis_name: Any, codec: Codec, inner_axis_name: Any, key: A
     return axis_size(axis_names(axis_name, inner_axis_name))
 
 
+def check_to(to: Any) -> str:
+    """``to`` of :func:`all_gather`: ``"varying"`` or ``"invarying"``, as jax.lax's."""
+    if not isinstance(to, str) or to not in ("varying", "invarying"):
+        raise ValueError(
+            f"`to` must be 'varying' or 'invarying' (as jax.lax.all_gather), got {to!r}"
+        )
+    return to
+
+
 def _paths(tree: Any) -> list[str]:
     return [
         jax.tree_util.keystr(p) or "<root>" for p, _ in jax.tree_util.tree_leaves_with_path(tree)
@@ -135,19 +145,25 @@ def _poison(x: jax.Array, bad: jax.Array) -> jax.Array:
 
 
 def gather_vectors(
-    vectors: list[jax.Array], axis_name: Any, codec: Codec, keys: list, bucket_bytes: int
+    vectors: list[jax.Array],
+    axis_name: Any,
+    codec: Codec,
+    keys: list,
+    bucket_bytes: int,
+    to: str = "varying",
 ) -> tuple[list, jax.Array]:
     """Every device's ``f32[m]`` vectors through ``codec``: ``f32[n, m]`` each, and whether
     some device's input was non-finite (the same on every device).
 
-    One payload per vector, gathered in buckets over ``axis_name``, decoded row by row.
-    ``flags_nonfinite`` codecs read the flag from the gathered payloads' floats (their scales);
-    the others from their input, summed over the axis (one scalar).
+    One payload per vector, gathered in buckets over ``axis_name`` (``to``: the type of the
+    result, as :func:`jax.lax.all_gather`'s), decoded row by row. ``flags_nonfinite`` codecs
+    read the flag from the gathered payloads' floats (their scales); the others from their
+    input, summed over the axis (one scalar).
     """
     payloads = [codec.encode(v, k) for v, k in zip(vectors, keys, strict=True)]
     gathered, held = buckets.exchange(
         payloads,
-        lambda b: jax.lax.all_gather(b, axis_name),
+        lambda b: jax.lax.all_gather(b, axis_name, to=to),
         bucket_bytes=bucket_bytes,
         with_buckets=True,
     )
@@ -174,34 +190,43 @@ def tile(stacked: jax.Array, axis: int, tiled: bool) -> jax.Array:
 
 
 def gather_outer(
-    leaves: list, axis_name: Any, codec: Codec | None, key: Any, bucket_bytes: int
+    leaves: list,
+    axis_name: Any,
+    codec: Codec | None,
+    key: Any,
+    bucket_bytes: int,
+    to: str = "varying",
 ) -> tuple[list, jax.Array]:
     """The compressed hop: each leaf ``x`` -> ``[n, *x.shape]`` over ``axis_name`` in its own
-    dtype (``codec=None``: ``jax.lax.all_gather``, exact), and the step's non-finite flag."""
-    flags = [_compressed(a) and codec is not None for a in leaves]
+    dtype (``codec`` None or the identity: ``jax.lax.all_gather``, exact: a float64 leaf
+    through float32 lost its low digits, a bf16 one went as float32), and the step's
+    non-finite flag. ``to``: the result's type, as :func:`jax.lax.all_gather`'s."""
+    flags = [_compressed(a) and not exact(codec) for a in leaves]
     vectors = [a.reshape(-1).astype(jnp.float32) for a, f in zip(leaves, flags, strict=True) if f]
+    keys = _keys(key, len(vectors), codec, axis_name)
     rows, bad = (
-        gather_vectors(
-            vectors, axis_name, codec, _keys(key, len(vectors), codec, axis_name), bucket_bytes
-        )
+        gather_vectors(vectors, axis_name, codec, keys, bucket_bytes, to)
         if vectors
         else ([], jnp.bool_(False))
     )
     it = iter(rows)
     out = [
-        next(it).reshape(-1, *a.shape).astype(a.dtype) if f else exact_gather(a, axis_name)
+        next(it).reshape(-1, *a.shape).astype(a.dtype) if f else exact_gather(a, axis_name, to)
         for a, f in zip(leaves, flags, strict=True)
     ]
     return out, bad
 
 
-def exact_gather(a: jax.Array, axis_name: Any) -> jax.Array:
-    """``jax.lax.all_gather(a, axis_name)``: ``[n, *a.shape]``, row ``i`` device ``i``'s ``a``.
-    An empty ``a`` gathers to an empty array without a collective: XLA:CPU (jaxlib 0.11)
-    crashes compiling programs with zero-element collectives."""
+def exact_gather(a: jax.Array, axis_name: Any, to: str = "varying") -> jax.Array:
+    """``jax.lax.all_gather(a, axis_name, to=to)``: ``[n, *a.shape]``, row ``i`` device
+    ``i``'s ``a``. An empty ``a`` gathers to an empty array without a collective: XLA:CPU
+    (jaxlib 0.11) crashes compiling programs with zero-element collectives."""
     if a.size:
-        return jax.lax.all_gather(a, axis_name)
-    return varying_like(jnp.zeros((axis_size(axis_name), *a.shape), a.dtype), a)
+        return jax.lax.all_gather(a, axis_name, to=to)
+    zeros = jnp.zeros((axis_size(axis_name), *a.shape), a.dtype)
+    if to == "varying":
+        return varying_like(zeros, a)
+    return varying_over(zeros, varying_axes(a) - set(axis_names(axis_name)))
 
 
 def exact_scatter(a: jax.Array, axis_name: Any, dim: int, tiled: bool) -> jax.Array:
@@ -218,12 +243,12 @@ def exact_scatter(a: jax.Array, axis_name: Any, dim: int, tiled: bool) -> jax.Ar
     return varying_over(jnp.zeros(shape, a.dtype), varying_axes(a) | set(axis_names(axis_name)))
 
 
-def two_hop_stack(stacked: jax.Array, inner_axis_name: Any) -> jax.Array:
+def two_hop_stack(stacked: jax.Array, inner_axis_name: Any, to: str = "varying") -> jax.Array:
     """``[H, *shape]`` gathered over the slow axis -> ``[H * L, *shape]`` over both axes,
     slow axis major: an uncompressed all-gather over the fast inner axis, then a transpose."""
     if inner_axis_name is None:
         return stacked
-    inner = exact_gather(stacked, inner_axis_name)  # [L, H, *shape]
+    inner = exact_gather(stacked, inner_axis_name, to)  # [L, H, *shape]
     return jnp.swapaxes(inner, 0, 1).reshape(-1, *stacked.shape[1:])
 
 
@@ -237,6 +262,7 @@ def all_gather(
     inner_axis_name: Any = None,
     key: jax.Array | None = None,
     bucket_bytes: int = buckets.BUCKET_BYTES,
+    to: str = "varying",
 ) -> Any:
     """Compressed ``jax.lax.all_gather``: every device's leaves, through ``codec`` (ZeRO++ qwZ).
 
@@ -255,14 +281,22 @@ def all_gather(
         first, then uncompressed over this one (``axis_name`` major).
       key: PRNG key, the same on every device (stochastic codecs need one).
       bucket_bytes: payloads travel in buckets of about this many bytes.
+      to: ``"varying"`` (jax's default) or ``"invarying"``, as in :func:`jax.lax.all_gather`:
+        the result typed as the same on every device of the axes, so that under
+        ``jax.shard_map(..., check_vma=True)`` it may leave with ``out_specs`` ``P()`` or
+        feed what needs a replicated value (the values are the same either way; where
+        ``jax.vmap`` binds an axis, jax has no such type and it is gathered as varying).
 
     Returns:
       The gathered tree, each leaf in its own dtype; NaN everywhere when some device's input
-      was non-finite. Integer leaves go through ``jax.lax.all_gather``.
+      was non-finite. Integer leaves go through ``jax.lax.all_gather``; so does every leaf
+      where ``codec`` is the identity (exact, in the leaf's dtype: a float64 leaf went
+      through float32 until 2026-11-27) or ``axis_name`` has one device (no codec runs
+      where nothing crosses a link: it only added its error).
 
     Raises:
-      ValueError: when the call is traced, ``axis_name``, ``inner_axis_name``, ``key``, ``axis`` or
-        ``bucket_bytes`` outside its rule (the message names the argument; the rules:
+      ValueError: when the call is traced, ``axis_name``, ``inner_axis_name``, ``key``, ``axis``,
+        ``bucket_bytes`` or ``to`` outside its rule (the message names the argument; the rules:
         docs/errors.md).
       TypeError: when the call is traced, ``codec``, ``axis`` or ``tiled`` of the wrong kind.
 
@@ -276,15 +310,23 @@ def all_gather(
     """
     _check_collective(axis_name, codec, inner_axis_name, key)
     tiled = _check_bool("tiled", tiled)
+    to = check_to(to)
     leaves, treedef = jax.tree.flatten(tree)
     axes = [
         _check_dim("axis", axis, a.ndim, 0 if tiled else 1, p)
         for a, p in zip(leaves, _paths(tree), strict=True)
     ]
+    outer_to = to if to == "varying" else gather_to(axis_name)
     stacked, bad = gather_outer(
-        leaves, axis_name, codec, key, buckets.check_bucket_bytes(bucket_bytes)
+        leaves,
+        axis_name,
+        None if axis_size(axis_name) == 1 else codec,
+        key,
+        buckets.check_bucket_bytes(bucket_bytes),
+        outer_to,
     )
-    stacked = [two_hop_stack(s, inner_axis_name) for s in stacked]
+    inner_to = to if to == "varying" or inner_axis_name is None else gather_to(inner_axis_name)
+    stacked = [two_hop_stack(s, inner_axis_name, inner_to) for s in stacked]
     if inner_axis_name is not None:
         bad = jax.lax.psum(bad.astype(jnp.int32), inner_axis_name) > 0
     out = [
@@ -455,7 +497,7 @@ def psum_scatter(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     leaves, treedef = jax.tree.flatten(tree)
     dims = _check_scatter_dims(leaves, _paths(tree), scatter_dimension, tiled, n)
-    idx = [] if exact(codec) else [i for i, a in enumerate(leaves) if _compressed(a)]
+    idx = [] if exact(codec) or n == 1 else [i for i, a in enumerate(leaves) if _compressed(a)]
     blocks = [inner_scatter(scatter_blocks(leaves[i], dims[i], n), inner_axis_name) for i in idx]
     # random-k's indices must be the same on every device for its payloads to add (pmap and
     # check_vma=False cannot type a per-device key: shared_key makes it one there)

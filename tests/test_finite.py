@@ -138,7 +138,7 @@ def test_gossip_skips_the_step_on_every_device():
     assert_trees_equal(with_bad[1].inner_state, without[1].inner_state)
 
 
-def _eval_step(tx, under):
+def _eval_step(tx, under, check_vma=True):
     """Trace (never run) one step of ``tx`` under shard_map or pmap."""
     m = mesh()
 
@@ -149,18 +149,35 @@ def _eval_step(tx, under):
         params = jc.replicate(PARAMS, N)
         state = jax.eval_shape(jax.pmap(tx.init, axis_name="data"), params)
         return jax.eval_shape(jax.pmap(step, axis_name="data"), params, state, params)
-    state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), PARAMS)
-    specs = jc.state_specs(state, "data")
+    placed = lambda tree, spec: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec)), tree
+    )
+    if isinstance(jax.eval_shape(tx.init, PARAMS), optax.MultiStepsState):
+        specs = _multi_steps_specs(tx)  # jc.state_specs refuses it: by hand
+        init = jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=specs, check_vma=check_vma)
+        state = jax.eval_shape(init, placed(PARAMS, P()))
+    else:
+        state = jax.eval_shape(lambda p: jc.sharded_init(tx, p, m, "data"), PARAMS)
+        specs = jc.state_specs(state, "data")
     fn = jax.shard_map(
         lambda p, s, g: step(p, s, jax.tree.map(lambda a: a[0], g)),
         mesh=m,
         in_specs=(P(), specs, P("data")),
         out_specs=(P(), specs),
-    )
-    placed = lambda tree, spec: jax.tree.map(  # noqa: E731
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec)), tree
+        check_vma=check_vma,
     )
     return jax.eval_shape(fn, placed(PARAMS, P()), state, placed(grads(0), P("data")))
+
+
+def _multi_steps_specs(tx):
+    """Specs of an ``optax.MultiSteps`` state around a jaxcomp transform: ``acc_grads`` (each
+    device's own sum, concatenated on the leading axis) and the inner per-device fields
+    ``P("data")``, the rest ``P()``."""
+    abstract = jax.eval_shape(tx.init, PARAMS)
+    return jax.tree.map(lambda _: P(), abstract)._replace(
+        inner_opt_state=jc.state_specs(abstract.inner_opt_state, "data"),
+        acc_grads=jax.tree.map(lambda _: P("data"), PARAMS),
+    )
 
 
 @pytest.mark.parametrize("under", ["shard_map", "pmap"])
@@ -177,3 +194,31 @@ def test_optax_apply_if_finite_around_a_jaxcomp_transform_is_refused_with_the_fi
         optax.apply_if_finite(optax.sgd(0.1), 3),
     )
     _eval_step(tx, under)
+
+
+def _multi_steps(rule):
+    return optax.MultiSteps(sgd(), 2, should_skip_update_fn=rule).gradient_transformation()
+
+
+def test_a_multisteps_skip_rule_of_ones_own_is_refused_unless_typed_the_same_everywhere():
+    """``optax.MultiSteps(jc.sgd(...), 2, should_skip_update_fn=rule)`` with a rule of the
+    user's own: only optax's ``skip_not_finite`` / ``skip_large_updates`` were refused until
+    2026-11-27, so ``lambda u, step, p: optax.skip_not_finite(u, step, p)`` traced, and a NaN
+    on one of the 8 devices hung the step (killed after 120 s, 3 s of CPU; shard_map with
+    ``check_vma`` True or False). Refused now unless jax's types show the verdict the same on
+    every device (``check_vma=True``, a rule of the step count): untyped (``pmap``,
+    ``check_vma=False``) every rule of the user's own is refused."""
+    own = lambda u, step, p: optax.skip_not_finite(u, step, p)  # noqa: E731
+    by_count = lambda u, step, p: (step > 100, ())  # noqa: E731
+    refused = r"MultiSteps\(should_skip_update_fn=<lambda>\).*jc\.apply_if_finite"
+    for rule, under, vma in [
+        (own, "shard_map", True),
+        (own, "shard_map", False),
+        (own, "pmap", True),
+        (by_count, "shard_map", False),
+        (by_count, "pmap", True),
+    ]:
+        with pytest.raises(ValueError, match=refused):
+            _eval_step(_multi_steps(rule), under, check_vma=vma)
+    _eval_step(_multi_steps(by_count), "shard_map")  # typed: the same verdict everywhere
+    _eval_step(_multi_steps(None), "shard_map")  # optax's default rule: never skips

@@ -22,6 +22,7 @@ import optax
 from optax.transforms import _accumulation, _conditionality
 
 from jaxcomp._src import collectives, shards
+from jaxcomp._src.axes import axis_names, tracks_variance, varying_axes
 from jaxcomp._src.codecs.base import check_int
 
 _OPTAX_SKIP_FILE = inspect.getsourcefile(_conditionality)
@@ -30,30 +31,75 @@ _MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
 _PER_DEVICE_SKIPS = (optax.skip_not_finite, optax.skip_large_updates)
 
 
-def _skips_per_device(frame: Any) -> str | None:
+def _rule_name(rule: Any) -> str:
+    base = getattr(rule, "func", rule)  # a functools.partial names its function
+    return getattr(base, "__name__", type(base).__name__)
+
+
+def _is_optax_default(rule: Any) -> bool:
+    """``optax.MultiSteps``' own rule when none is given: never skip (no ``lax.cond`` branch
+    is ever taken on one device only)."""
+    code = getattr(rule, "__code__", None)
+    return (
+        code is not None
+        and code.co_filename == _MULTI_STEPS_FILE
+        and code.co_name == "should_skip_update_fn"
+    )
+
+
+def _same_on_every_device(verdict: Any, axis_name: Any) -> bool:
+    """Whether jax's types show ``verdict`` identical on every device of ``axis_name``: only
+    under ``shard_map(..., check_vma=True)``; ``pmap`` and ``check_vma=False`` type nothing."""
+    if verdict is None or axis_name is None:
+        return False
+    try:
+        if not tracks_variance(axis_name):
+            return False
+    except NameError:  # an unbound axis: its own check names it
+        return False
+    return not set(axis_names(axis_name)) & varying_axes(verdict)
+
+
+def _multi_steps_skips(frame: Any, axis_name: Any) -> str | None:
+    """``optax.MultiSteps(should_skip_update_fn=...)`` whose verdict may differ per device:
+    optax's per-device rules always; another rule unless typed identical on every device."""
+    rule = getattr(frame.f_locals.get("self"), "_should_skip_update_fn", None)
+    if rule is None or _is_optax_default(rule):
+        return None
+    verdict = frame.f_locals.get("should_skip_update")  # MultiSteps.update's local
+    per_device = getattr(rule, "func", rule) in _PER_DEVICE_SKIPS
+    if not per_device and _same_on_every_device(verdict, axis_name):
+        return None
+    return f"optax.MultiSteps(should_skip_update_fn={_rule_name(rule)})"
+
+
+def _skips_per_device(frame: Any, axis_name: Any = None) -> str | None:
     """The optax wrapper this frame runs, where it decides per device whether to run its
     inner update: ``optax.apply_if_finite``, or ``optax.MultiSteps`` with a skip rule."""
     code = frame.f_code
     if code.co_name == "do_update" and code.co_filename == _OPTAX_SKIP_FILE:
         return "optax.apply_if_finite"
     if code.co_name == "update" and code.co_filename == _MULTI_STEPS_FILE:
-        rule = getattr(frame.f_locals.get("self"), "_should_skip_update_fn", None)
-        if getattr(rule, "func", rule) in _PER_DEVICE_SKIPS:
-            return f"optax.MultiSteps(should_skip_update_fn={getattr(rule, 'func', rule).__name__})"
+        return _multi_steps_skips(frame, axis_name)
     return None
 
 
-def refuse_optax_skip(name: str) -> None:
+def refuse_optax_skip(name: str, axis_name: Any = None) -> None:
     """Raise if this update is traced inside ``optax.apply_if_finite``'s per-device branch
-    (or ``optax.MultiSteps``' with ``skip_not_finite`` / ``skip_large_updates``).
+    (or ``optax.MultiSteps``' with a ``should_skip_update_fn``).
 
     Their ``lax.cond`` is decided by each device's own gradients, so a jaxcomp exchange inside
-    it runs on some devices only and hangs (see the module docstring). Called at trace time
-    by every jaxcomp transform; nothing of it reaches the compiled step.
+    it runs on some devices only and hangs (see the module docstring). ``optax.MultiSteps``
+    with a rule of the user's own (``lambda u, s, p: optax.skip_not_finite(u, s, p)``) hung
+    the same way until 2026-11-27: only optax's two rules were recognised. A rule is let
+    through only where jax's types show its verdict the same on every device of
+    ``axis_name`` (``shard_map(..., check_vma=True)``: a verdict from the step count, or
+    reduced over the axis). Called at trace time by every jaxcomp transform; nothing of it
+    reaches the compiled step.
     """
     frame = sys._getframe(1)
     while frame is not None:
-        wrapper = _skips_per_device(frame)
+        wrapper = _skips_per_device(frame, axis_name)
         if wrapper is not None:
             raise ValueError(
                 f"jc.{name} is the `inner` transform of {wrapper}, which decides per device "
@@ -61,7 +107,9 @@ def refuse_optax_skip(name: str) -> None:
                 "and the others wait in its collective for ever. Wrap it in "
                 "jc.apply_if_finite(tx, axis_name, max_consecutive_errors) instead (one "
                 "verdict, reduced over the axis), or put the optax wrapper around the "
-                f"optimizer chained after jc.{name}."
+                f"optimizer chained after jc.{name}. (A MultiSteps rule whose verdict is the "
+                "same on every device passes under shard_map(..., check_vma=True), where "
+                "jax's types show it; gradient accumulation: jc.accumulate(tx, every_k).)"
             )
         frame = frame.f_back
 

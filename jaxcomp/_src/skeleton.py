@@ -35,7 +35,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (tracks_variance, varying_axes: r
 
 def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name: Any = None) -> int:
     """Trace-time checks every update does first; returns the size of ``axis_name``."""
-    finite.refuse_optax_skip(name)
+    finite.refuse_optax_skip(name, axis_name)
     layouts.check_like_params(updates, params, name)
     n = collectives.axis_size(axis_name)
     collectives.check_inner_axis(axis_name, inner_axis_name)

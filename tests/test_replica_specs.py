@@ -214,7 +214,12 @@ def test_state_specs_of_streaming_fragments_of_sharded_params_need_the_mesh():
     assert [len(o[0].trace) for o in specs.outer] == [1, 1]
 
 
-MUON = lambda: jc.diloco(optax.contrib.muon(0.02), "replica", 2)  # noqa: E731  MuLoCo
+# inner optimizers that read a whole leaf, told by their optax state types (MuLoCo: Muon)
+WHOLE_LEAF = {
+    "optax.contrib.muon": lambda: optax.contrib.muon(0.02),
+    "optax.adafactor": lambda: optax.adafactor(0.02),
+    "optax.novograd": lambda: optax.novograd(0.02),
+}
 
 
 def _init_warnings(tx, specs, m):
@@ -233,10 +238,13 @@ def _gather_where_sharded(specs):
     return functools.partial(jc.fsdp_gather, axis_name="data", weights=None, grads=None, axis=axis)
 
 
-def _muon_run(specs):
-    """``a`` after ``STEPS`` MuLoCo steps on the 2 x 4 mesh (``a`` sharded or whole as
-    ``specs`` give it, ``b`` whole), and ``jc.sharded_init``'s warnings."""
-    m, tx = _mesh(), MUON()
+@functools.cache
+def _inner_run(name, specs_items):
+    """``a`` after ``STEPS`` DiLoCo steps (``WHOLE_LEAF[name]`` inside, sync every 2) on the
+    2 x 4 mesh (``a`` sharded or whole as ``specs`` give it, ``b`` whole), and the warnings
+    of ``jc.sharded_init`` and the steps."""
+    specs = dict(specs_items)
+    m, tx = _mesh(), jc.diloco(WHOLE_LEAF[name](), "replica", 2)
     pspec = {k: P("replica", *s) for k, s in specs.items()}
     reps = jax.tree.map(
         lambda a, s: jax.device_put(a, NamedSharding(m, s)),
@@ -255,47 +263,125 @@ def _muon_run(specs):
         u, state = tx.update(g, state, p)
         return jc.slot(optax.apply_updates(p, u)), state
 
-    state, caught = _init_warnings(tx, specs, m)
-    sspec, gspec = jc.state_specs(state, "replica", specs, _params(), m), P(BOTH)
-    fn = Blocking(
-        jax.jit(
-            jax.shard_map(
-                step, mesh=m, in_specs=(pspec, sspec, gspec, gspec), out_specs=(pspec, sspec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jc.sharded_init(tx, _params(), m, "replica", param_specs=specs)
+        sspec, gspec = jc.state_specs(state, "replica", specs, _params(), m), P(BOTH)
+        fn = Blocking(
+            jax.jit(
+                jax.shard_map(
+                    step, mesh=m, in_specs=(pspec, sspec, gspec, gspec), out_specs=(pspec, sspec)
+                )
             )
         )
+        xs, ys = _data(m)
+        put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
+        for t in range(STEPS):
+            reps, state = fn(reps, state, put(xs[t]), put(ys[t]))
+    return np.asarray(reps["a"]), [str(w.message) for w in caught if "whole" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "least"),
+    [
+        ("optax.contrib.muon", P("data"), 1.0),  # measured 1.59
+        ("optax.contrib.muon", P(None, "data"), 0.5),  # 0.74
+        ("optax.adafactor", P("data"), 0.03),  # 0.054
+        ("optax.adafactor", P(None, "data"), 0.05),  # 0.087
+        ("optax.novograd", P("data"), 0.5),  # 0.99
+        ("optax.novograd", P(None, "data"), 0.5),  # 1.00
+    ],
+)
+def test_whole_leaf_inner_optimizers_on_fsdp_shards_step_blocks_and_sharded_init_warns(
+    name, spec, least
+):
+    """DiLoCo with ``a`` (32 x 32) sharded inside each replica: an inner optimizer that reads
+    the whole leaf steps each device's block (8 x 32 rows, or 32 x 8 columns) as the leaf.
+    After 4 steps (2 syncs) ``a`` is away from the run with ``a`` whole on the replica's
+    devices (``P()``), in Frobenius norm relative to how far that run moved it: Muon 1.59
+    (rows) and 0.74 (columns), ``optax.adafactor`` (its defaults: a 32 x 32 leaf is not
+    factored, its block-RMS clipping and parameter scale read the leaf) 0.054 and 0.087,
+    ``optax.novograd`` 0.99 and 1.00 (AdamW inside: 0 apart). Until 2026-11-27
+    ``jc.sharded_init`` said nothing (for Muon: until 09b0f36); it now warns once, naming
+    ``param_specs``, the leaf and the transform, and stays silent where ``a`` is whole; the
+    steps' traces add no warning of their own (the inner state's check runs in ``init``)."""
+    whole, quiet = _inner_run(name, (("a", P()), ("b", P())))
+    blocks, caught = _inner_run(name, (("a", spec), ("b", P())))
+    assert not quiet
+    assert len(caught) == 1, caught
+    assert (
+        caught[0].startswith("jc.sharded_init: param_specs")
+        and f"['a'] over ('data',) by {name}" in caught[0]
     )
-    xs, ys = _data(m)
-    put = lambda a: jax.device_put(a, NamedSharding(m, gspec))  # noqa: E731
-    for t in range(STEPS):
-        reps, state = fn(reps, state, put(xs[t]), put(ys[t]))
-    return np.asarray(reps["a"]), caught
-
-
-@pytest.mark.parametrize(("spec", "least"), [(P("data"), 1.0), (P(None, "data"), 0.5)])
-def test_muon_on_fsdp_shards_orthogonalizes_blocks_and_sharded_init_warns(spec, least):
-    """MuLoCo with ``a`` (32 x 32) sharded inside each replica: Muon inside the ``shard_map``
-    orthogonalizes each device's block (8 x 32 rows, or 32 x 8 columns), not the matrix.
-    After 4 steps (2 syncs) ``a`` is 1.59 (rows) and 0.74 (columns) away from the run with
-    ``a`` whole on the replica's devices (``P()``), in Frobenius norm relative to how far that
-    run moved it (largest value 0.041 and 0.016 off, against a move of 0.024; AdamW inside:
-    0 apart). Until 2026-11-27 ``jc.sharded_init`` said nothing; it now warns, naming
-    ``param_specs`` and the leaf, and stays silent where ``a`` is whole."""
-    whole, quiet = _muon_run({"a": P(), "b": P()})
-    blocks, caught = _muon_run({"a": spec, "b": P()})
-    assert not [w for w in quiet if "param_specs" in w]
-    assert [w for w in caught if "param_specs" in w and "['a']" in w and "muon" in w]
     start = np.asarray(_params()["a"])[None]
     off = np.linalg.norm(blocks - whole) / np.linalg.norm(whole - start)
     assert off > least, off
 
 
-def test_muon_split_over_an_auto_axis_or_left_out_of_muon_gives_no_warning():
-    """No warning where Muon sees whole matrices: ``a`` split over an ``AxisType.Auto`` axis
-    (the step manual over the other axis only), or AdamW inside."""
+@pytest.mark.parametrize("name", list(WHOLE_LEAF))
+def test_whole_leaf_split_over_an_auto_axis_or_elementwise_gives_no_warning(name):
+    """No warning where the inner optimizer sees whole leaves: ``a`` split over an
+    ``AxisType.Auto`` axis (the step manual over the other axis only), or AdamW inside."""
     auto = jax.make_mesh(
         (2, 4), BOTH, axis_types=(AxisType.Explicit, AxisType.Auto), devices=jax.devices()[:8]
     )
-    _, caught = _init_warnings(MUON(), SPECS, auto)
+    _, caught = _init_warnings(jc.diloco(WHOLE_LEAF[name](), "replica", 2), SPECS, auto)
     assert not [w for w in caught if "param_specs" in w]
     _, caught = _init_warnings(jc.diloco(optax.adamw(3e-3), "replica", 2), SPECS, _mesh())
     assert not [w for w in caught if "param_specs" in w]
+
+
+RECIPES = {
+    "jc.diloco": lambda inner: jc.diloco(inner, "replica", 2),
+    "jc.local_sgd": lambda inner: jc.local_sgd(inner, "replica", 2),
+    "jc.sparseloco": lambda inner: jc.sparseloco(inner, "replica", 2, chunk=64, min_size=0),
+}
+
+
+def _init_in_step_warnings(tx, specs, m, manual=BOTH):
+    """The warnings of ``tx.init`` traced inside a ``shard_map`` manual over ``manual``, of
+    the replicas' params (``a`` laid out by ``specs``; over an Auto axis not in ``manual``
+    each device sees the whole leaf)."""
+    global_specs = {k: P("replica", *s) for k, s in specs.items()}
+    in_specs = {
+        k: P("replica", *s) if set(manual) == set(BOTH) else P("replica") for k, s in specs.items()
+    }
+    reps = jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(m, s)),
+        jc.replica_params(_params(), m, "replica"),
+        global_specs,
+    )
+
+    def init_only(reps):
+        tx.init(jc.own(reps))
+        return reps
+
+    fn = jax.shard_map(
+        init_only, mesh=m, in_specs=(in_specs,), out_specs=in_specs, axis_names=set(manual)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(fn, reps)
+    return [str(w.message) for w in caught if "whole" in str(w.message)]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("name", list(WHOLE_LEAF))
+def test_inner_state_built_inside_the_step_on_fsdp_shards_warns(recipe, name):
+    """The state built by ``tx.init`` inside the step (``jc.sharded_init`` not called): the
+    recipe's init sees the inner state's types and the params' types, ``a`` differing per
+    device over ``"data"`` beside ``"replica"`` (a block of one leaf), and warns naming the
+    recipe, ``inner``, the leaf and the transform. Silent with ``a`` whole (``P()``), over an
+    ``AxisType.Auto`` data axis (the step manual over ``"replica"`` only: each device sees
+    the whole leaf), and with AdamW inside. Until 2026-11-27 silent."""
+    tx = RECIPES[recipe](WHOLE_LEAF[name]())
+    caught = _init_in_step_warnings(tx, SPECS, _mesh())
+    assert len(caught) == 1, caught
+    assert caught[0].startswith(f"{recipe}: the inner optimizer (`inner`)")
+    assert f"['a'] over ('data',) by {name}" in caught[0]
+    assert not _init_in_step_warnings(tx, {"a": P(), "b": P()}, _mesh())
+    auto = jax.make_mesh(
+        (2, 4), BOTH, axis_types=(AxisType.Explicit, AxisType.Auto), devices=jax.devices()[:8]
+    )
+    assert not _init_in_step_warnings(tx, SPECS, auto, manual=("replica",))
+    assert not _init_in_step_warnings(RECIPES[recipe](optax.adamw(3e-3)), SPECS, _mesh())

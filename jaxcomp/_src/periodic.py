@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, feedback, replicas, shards, skeleton
+from jaxcomp._src import collectives, feedback, replicas, shards, skeleton, whole_leaf_in_step
 from jaxcomp._src.axes import manual_axes
 from jaxcomp._src.codecs.base import check_int, is_number, kept_any
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
@@ -458,7 +458,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
     inner, ex = cfg.inner, _Exchange(cfg, cfg.exchange())
     fields = cfg.state_type._fields
 
-    def init_fn(params):
+    def build(params):
         leaves, treedef, _ = float_leaves(params)
         groups = groups_of(cfg, params)
         values: dict[str, Any] = {
@@ -482,8 +482,13 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
             values["taken"] = tuple(jnp.full([], -1, jnp.int32) for _ in parts)
         return cfg.state_type(**{k: v for k, v in values.items() if k in fields})
 
+    def init_fn(params):
+        state = build(params)
+        whole_leaf_in_step.warn_inner_blocks(f"jc.{cfg.name}", state.inner, params, cfg.axes)
+        return state
+
     def update_fn(updates, state, params=None, **extra_args):
-        _check_update(cfg, updates, state, params, init_fn)
+        _check_update(cfg, updates, state, params, build)
         inner_old = jax.tree.map(lambda a: a[0], state.inner)
         u, inner_new = inner.update(updates, inner_old, params, **extra_args)
         p_leaves, treedef = jax.tree.flatten(params)

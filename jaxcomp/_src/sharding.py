@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import fragments, replicas, whole_matrix
+from jaxcomp._src import fragments, replicas, whole_leaf, whole_leaf_in_step
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -506,10 +506,11 @@ def sharded_init(
     Returns:
       The state, its per-device fields ``(n, ...)`` sharded ``P(axis_name)`` on ``mesh``.
 
-    ``param_specs`` that split a 2-D leaf which ``optax.contrib.muon`` in ``tx``
-    orthogonalizes, over a mesh axis that is not ``AxisType.Auto``, warn (naming
-    ``param_specs`` and the leaves): the step orthogonalizes each device's block
-    (``jaxcomp._src.whole_matrix``).
+    ``param_specs`` that split a leaf which an optax transform in ``tx`` reads whole
+    (``optax.contrib.muon``'s 2-D leaves, ``optax.adafactor``, ``optax.novograd``,
+    ``optax.sm3``: told by their state types), over a mesh axis that is not
+    ``AxisType.Auto``, warn (naming ``param_specs``, the leaves and the transforms): the step
+    steps each device's block as the leaf (``jaxcomp._src.whole_leaf``).
 
     Several processes: the state's replicated keys and counts are compared across
     them (:func:`check_same_on_every_process`), so a ``tx`` built with a per-process ``seed``
@@ -527,8 +528,8 @@ def sharded_init(
     state = init_state(tx, params, mesh, axis_name, param_specs)
     if param_specs is not None:
         specs = _param_context(param_specs, params, mesh)[1]
-        split = whole_matrix.split_muon_leaves(state, params, specs, mesh, _is_slot)
-        whole_matrix.warn_split_muon_leaves(split)
+        split = whole_leaf.split_leaves(state, params, specs, mesh, _is_slot)
+        whole_leaf.warn_split_leaves(split)
     check_grid_order(state, mesh, axis_name)
     replicas.check_replicas_last(state, params)
     replicas.check_replicas_cover(state, params)
@@ -547,7 +548,8 @@ def init_state(
     the same ``tx`` on every process themselves (``jc.autotune``, whose candidate stages must
     run no collective a failed process would not enter)."""
     program, operands = init_program(tx, params, mesh, axis_name, param_specs)
-    return program(*operands)
+    with whole_leaf_in_step.quiet():  # manual over Auto axes too: read from the specs
+        return program(*operands)
 
 
 def init_program(

@@ -105,6 +105,7 @@ with neither the number of leaves nor the number of devices.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -1249,6 +1250,8 @@ def _mean_of_floats(
     every_axis = axis_names(axis_name, inner_axis_name)
     if axis_size(every_axis) == 1:
         return _over_one_device(tree, every_axis)
+    if axis_size(axis_name) == 1:  # a slow axis of one host: the fast axis's float32 mean
+        min_size = sys.maxsize  # every float leaf plain: no codec where nothing crosses it
     layout = layouts.layout_of(tree, min_size)
     xs = layouts.compressed_vectors(tree, layout)
     plan = segments_for([x.shape[0] for x in xs], granularity)

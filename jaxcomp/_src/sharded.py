@@ -497,7 +497,8 @@ def psum_scatter(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     leaves, treedef = jax.tree.flatten(tree)
     dims = _check_scatter_dims(leaves, _paths(tree), scatter_dimension, tiled, n)
-    idx = [] if exact(codec) or n == 1 else [i for i, a in enumerate(leaves) if _compressed(a)]
+    one_host = axis_size(axis_name) == 1  # nothing crosses axis_name: no codec
+    idx = [] if exact(codec) or one_host else [i for i, a in enumerate(leaves) if _compressed(a)]
     blocks = [inner_scatter(scatter_blocks(leaves[i], dims[i], n), inner_axis_name) for i in idx]
     # random-k's indices must be the same on every device for its payloads to add (pmap and
     # check_vma=False cannot type a per-device key: shared_key makes it one there)

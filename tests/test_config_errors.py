@@ -79,6 +79,10 @@ def _nnx_optimizer(axis_name):
     return jc.nnx_optimizer(model, jc.sgd(0.1, S, "data"), mesh(), axis_name)
 
 
+# optax.MultiSteps around an exchange: its acc_grads differ per device
+_MULTI_STEPS = optax.MultiSteps(jc.sgd(0.1, S, "data"), 2)
+
+
 def _abstract_init(tx, params=_W):
     """jc.sharded_init(tx, params) on 8 devices, traced only (jax.eval_shape): no compile."""
     return jax.eval_shape(lambda p: jc.sharded_init(tx, p, mesh(), "data"), params)
@@ -1160,6 +1164,18 @@ CHECKS = [
     ),
     ("sharded_init", "axis_name", lambda: jc.sharded_init(SGD, _W, mesh(), "batch"), ValueError),
     ("sharded_init", "tx", lambda: _abstract_init(_LR_AFTER_LOCAL_SGD), ValueError),
+    (
+        "sharded_init",
+        "tx",
+        lambda: _abstract_init(_MULTI_STEPS.gradient_transformation()),
+        ValueError,
+    ),
+    (
+        "state_specs",
+        "state",
+        lambda: jc.state_specs(jax.eval_shape(_MULTI_STEPS.init, _W), "data"),
+        ValueError,
+    ),
     (
         "state_specs",
         "axis_name",

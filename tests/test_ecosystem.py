@@ -427,19 +427,55 @@ def test_accumulate_communicates_only_on_the_applying_step():
 
     # optax.MultiSteps runs the inner update (and so its collectives) on every mini-step.
     multi = optax.MultiSteps(counted(optax.chain(compress(), optax.sgd(0.1)), theirs), k)
-    specs = jc.state_specs(jax.eval_shape(multi.init, PARAMS), "data")
-    specs = specs._replace(acc_grads=jax.tree.map(lambda _: P("data"), specs.acc_grads))
-    run(multi.gradient_transformation(), steps=steps, specs=specs)
+    run(multi.gradient_transformation(), steps=steps, specs=multi_steps_specs(multi, P("data")))
     assert theirs == {i: steps for i in range(N)}
 
 
+def multi_steps_specs(multi, acc_spec):
+    """Specs of an ``optax.MultiSteps`` state around a jaxcomp transform, by hand
+    (``jc.state_specs`` refuses it): the inner per-device fields ``P("data")``, ``acc_grads``
+    ``acc_spec`` (``P("data")``: each device's own sum, concatenated on the leading axis)."""
+    abstract = jax.eval_shape(multi.init, PARAMS)
+    return jax.tree.map(lambda _: P(), abstract)._replace(
+        inner_opt_state=jc.state_specs(abstract.inner_opt_state, "data"),
+        acc_grads=jax.tree.map(lambda _: acc_spec, PARAMS),
+    )
+
+
 def test_multisteps_with_its_accumulator_replicated_names_jc_accumulate():
-    """``optax.MultiSteps(jc.sgd(...))`` set up as every jaxcomp state (``jc.sharded_init``,
-    ``jc.state_specs``: ``acc_grads`` replicated) is refused at trace time; the message named
-    only a missing ``pcast`` of the params, which was not the mistake, until 2026-11-27."""
+    """``optax.MultiSteps(jc.sgd(...))`` with ``acc_grads`` passed replicated (``P()``) is
+    refused at trace time; the message named only a missing ``pcast`` of the params, which
+    was not the mistake, until 2026-11-27."""
     multi = optax.MultiSteps(jc.sgd(0.1, jc.sign(), "data"), 2)
+    tx = optax.GradientTransformation(multi.init, multi.update)
     with pytest.raises(ValueError, match=r"optax.MultiSteps' `acc_grads`.*jc.accumulate"):
-        run(optax.GradientTransformation(multi.init, multi.update), steps=1)
+        run(tx, steps=1, specs=multi_steps_specs(multi, P()))
+
+
+def test_multisteps_around_an_exchange_is_refused_at_sharded_init_and_state_specs():
+    """``jc.sharded_init`` / ``jc.state_specs`` of ``optax.MultiSteps`` around a jaxcomp
+    exchange laid its ``acc_grads`` (each device's own sum) out ``P()`` until 2026-11-27. Under
+    ``check_vma=False`` the step ran, each device keeping its buffer, but a read or a
+    checkpoint between the two micro-steps kept device 0's sum (8 devices, ``k = 2``,
+    identity codec and ``optax.sgd(0.1)`` on a small MLP: the state through
+    ``jax.device_get`` / ``jax.device_put`` between the two micro-steps, 0.0117 off the
+    uncompressed MultiSteps, whose move is 0.0225; 1.5e-8 without it). Accepted: the exchange
+    before MultiSteps (it accumulates the mean, the same on every device), ``jc.accumulate``,
+    and MultiSteps around plain optax."""
+    multi = optax.MultiSteps(optax.chain(compress(), optax.sgd(0.1)), 2)
+    named = r"holds optax.MultiSteps around a jaxcomp transform \(CompressedAllreduceState"
+    with pytest.raises(ValueError, match=rf"`tx` {named}.*jc\.accumulate\(tx, every_k\)"):
+        jax.eval_shape(
+            lambda p: jc.sharded_init(multi.gradient_transformation(), p, mesh(), "data"), PARAMS
+        )
+    with pytest.raises(ValueError, match=rf"`state` {named}"):
+        jc.state_specs(jax.eval_shape(multi.init, PARAMS), "data")
+    for tx in (
+        optax.chain(compress(), optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()),
+        jc.accumulate(optax.chain(compress(), optax.sgd(0.1)), 2),
+        optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation(),
+    ):
+        jax.eval_shape(lambda p, tx=tx: jc.sharded_init(tx, p, mesh(), "data"), PARAMS)
 
 
 def test_accumulate_applies_inner_transform_to_the_mean_of_k_gradients():

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import fragments, replicas, whole_leaf, whole_leaf_in_step
+from jaxcomp._src import fragments, multisteps, replicas, whole_leaf, whole_leaf_in_step
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -259,7 +259,9 @@ def state_specs(
         ``params`` not given where ``param_specs`` are specs that shard a leaf (they carry no
         shapes), or ``mesh`` not given where ``state`` holds a Streaming DiLoCo state of
         several fragments and ``param_specs`` shard a leaf (its fragments were cut by each
-        device's block sizes; the message names the argument; the rules: docs/errors.md).
+        device's block sizes; the message names the argument; the rules: docs/errors.md);
+        ``state`` holding ``optax.MultiSteps`` around a jaxcomp transform, whose
+        ``acc_grads`` differ per device (``jaxcomp._src.multisteps``; ``jc.accumulate``).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
@@ -270,6 +272,15 @@ def state_specs(
 
         return nnx_state_specs(state, axis_name, param_specs, params, mesh)
     state = _unwrap_nnx(state, axis_name)
+    multisteps.check_not_around_exchange(state, "state")
+    return specs_of_state(state, axis_name, param_specs, params, mesh)
+
+
+def specs_of_state(
+    state: Any, axis_name: Any, param_specs: Any = None, params: Any = None, mesh: Any = None
+) -> Any:
+    """:func:`state_specs` of a state that is not an NNX one, with no check of what wraps
+    the jaxcomp states (:func:`sharded_init` checks its ``tx`` after its own checks)."""
     if mesh is not None:
         check_grid_order(state, mesh, axis_name)
     lead = tuple(_names(axis_name))
@@ -523,7 +534,9 @@ def sharded_init(
         with a transform after ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or
         ``jc.gossip``, which would move the replicas apart at a sync, or with
         ``jc.local_sgd`` / ``jc.diloco`` / ``jc.sparseloco`` on some float params only
-        (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others.
+        (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others, or
+        ``optax.MultiSteps`` around a jaxcomp transform (its ``acc_grads`` differ per device:
+        ``jc.accumulate(tx, every_k)``).
     """
     state = init_state(tx, params, mesh, axis_name, param_specs)
     if param_specs is not None:
@@ -533,6 +546,7 @@ def sharded_init(
     check_grid_order(state, mesh, axis_name)
     replicas.check_replicas_last(state, params)
     replicas.check_replicas_cover(state, params)
+    multisteps.check_not_around_exchange(state, "tx")
     check_same_on_every_process(state)
     return state
 
@@ -566,7 +580,7 @@ def init_program(
     check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
         abstract = abstract_init(tx, params, mesh, axis_name)
-        manual = state_specs(abstract, axis_name)
+        manual = specs_of_state(abstract, axis_name)
         placed = jax.device_put(params, NamedSharding(mesh, P()))
         fill, operands = without_empty(tx.init, (placed,))
         if set(mesh.axis_names) - set(names):
@@ -586,7 +600,7 @@ def init_program(
         ],
     )
     abstract = abstract_init(tx, blocks, mesh, axis_name)
-    full = state_specs(abstract, axis_name, param_specs, params, mesh)
+    full = specs_of_state(abstract, axis_name, param_specs, params, mesh)
     placed = jax.tree.map(
         lambda p, x: x if _is_none(x) else jax.device_put(x, NamedSharding(mesh, p)),
         spec_tree,

@@ -785,6 +785,9 @@ def fsdp_gather(
 
     Returns:
       The gathered weights, like ``shards`` with ``axis`` ``n`` times longer, in their dtypes.
+      Over an ``axis_name`` of one device both hops are ``jax.lax``'s, exact (no codec
+      runs where nothing crosses the axis; a residual is added to the gradient and the new
+      one is zero).
 
     Raises:
       ValueError: when the call is traced, ``weights``, ``grads``, ``axis_name``, ``axis``,
@@ -819,6 +822,8 @@ def fsdp_gather(
     n = axis_size(axis_name)
     check_inner_axis(axis_name, inner_axis_name)
     cfg = cfg._replace(skip_axes=_check_skip_axis(skip_axis, axis_name, inner_axis_name))
+    if n == 1:  # nothing crosses axis_name: jax.lax's exact hops, no codec error added
+        cfg = cfg._replace(weights=None, grads=None, fast_inside=False)
     if skip_axis is None and residual is not None and not exact(cfg.grads):
         _warn_unskipped(axis_name, inner_axis_name)
     if isinstance(axis, bool) or not isinstance(axis, int | np.integer):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp._src import collectives, shards, skeleton
+from jaxcomp._src import collectives, inner_replicas, shards, skeleton
 from jaxcomp._src.codecs.base import clip_scales, safe_divide, scaled_global_norm_parts
 from jaxcomp._src.onebit_adam import check_number
 
@@ -102,11 +102,13 @@ def check_whole_params(
     name: str, arg: str, params: Any, own: tuple, shards: tuple, fix: str
 ) -> None:
     """Refuse a clipping that would take each shard's own norm: ``params`` typed as differing
-    over a manual axis outside ``own`` (the exchange's axes) and ``shards`` (a ``shard_axis``
-    given) are shards of one model there, and a norm of the local shard scales each shard by
+    over a manual axis outside ``own`` (the exchange's axes; inside the inner optimizer of
+    ``jc.diloco`` / ``jc.local_sgd`` / ``jc.sparseloco`` their axes too, over which each device
+    holds its own replica: :mod:`inner_replicas`) and ``shards`` (a ``shard_axis`` given) are
+    shards of one model there, and a norm of the local shard scales each shard by
     its own factor (another direction, no error). ``fix`` names the way out, formatted with
     ``shard_axis``: the axes to name (``shards`` and the ones found)."""
-    extra = shard_axes_of_params(params, (*own, *shards))
+    extra = shard_axes_of_params(params, (*inner_replicas.own_axes(own), *shards))
     if extra:
         found = extra[0] if len(extra) == 1 else tuple(extra)
         names = (*shards, *extra)
@@ -189,7 +191,10 @@ def clip_by_global_norm(
       axis_name: the data-parallel axis the recipe after it averages over; None only with
         ``shard_axis`` (nothing averages after: FSDP alone). Not before (or inside)
         ``jc.local_sgd``, ``jc.diloco``, ``jc.sparseloco`` or ``jc.gossip``, which average no
-        gradient: their replicas are clipped with ``optax.clip_by_global_norm(c)``.
+        gradient: their replicas are clipped with ``optax.clip_by_global_norm(c)``, or with
+        FSDP shards inside each replica by ``jc.clip_by_global_norm(c, None,
+        shard_axis="data")`` in the inner optimizer (the replica axis is not a shard axis
+        there: :mod:`jaxcomp._src.inner_replicas`).
       bound: clip each device at ``c`` (a bound on the mean) instead of ``c sqrt(n)``.
       shard_axis: None or ``()`` (the leaves are whole, as for the transforms), or the mesh
         axis (or tuple) over which the gradients are shards of one gradient (FSDP): the norm

@@ -39,7 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomp._src import collectives, feedback, replicas, shards, skeleton, whole_leaf_in_step
+from jaxcomp._src import (
+    collectives,
+    feedback,
+    inner_replicas,
+    replicas,
+    shards,
+    skeleton,
+    whole_leaf_in_step,
+)
 from jaxcomp._src.axes import manual_axes
 from jaxcomp._src.codecs.base import check_int, is_number, kept_any
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
@@ -490,7 +498,8 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
     def update_fn(updates, state, params=None, **extra_args):
         _check_update(cfg, updates, state, params, build)
         inner_old = jax.tree.map(lambda a: a[0], state.inner)
-        u, inner_new = inner.update(updates, inner_old, params, **extra_args)
+        with inner_replicas.stepping_inner(cfg.axes):  # each device's params: its replica
+            u, inner_new = inner.update(updates, inner_old, params, **extra_args)
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = treedef.flatten_up_to(u)
         floats = [x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)]

@@ -30,8 +30,8 @@ axis, and each host sends each value once.
 Non-finite values are never hidden: through a codec, one scalar flag (8 bytes) is summed over
 the axes and a non-finite input anywhere makes every output non-finite (NaN); the identity is
 ``jax.lax``'s collective itself, which leaves a non-finite value where it lands (in a
-reduce-scatter, on the owner of its chunk only). Integer leaves go through the uncompressed
-``jax.lax`` collective.
+reduce-scatter, on the owner of its chunk only). Integer, bool and complex leaves go through
+the uncompressed ``jax.lax`` collective.
 """
 
 from __future__ import annotations
@@ -289,10 +289,10 @@ def all_gather(
 
     Returns:
       The gathered tree, each leaf in its own dtype; NaN everywhere when some device's input
-      was non-finite. Integer leaves go through ``jax.lax.all_gather``; so does every leaf
-      where ``codec`` is the identity (exact, in the leaf's dtype: a float64 leaf went
-      through float32 until 2026-11-27) or ``axis_name`` has one device (no codec runs
-      where nothing crosses a link: it only added its error).
+      was non-finite. Integer, bool and complex leaves go through ``jax.lax.all_gather``; so
+      does every leaf where ``codec`` is the identity (exact, in the leaf's dtype: a float64
+      leaf went through float32 until 2026-11-27) or ``axis_name`` has one device (no codec
+      runs where nothing crosses a link: it only added its error).
 
     Raises:
       ValueError: when the call is traced, ``axis_name``, ``inner_axis_name``, ``key``, ``axis``,
@@ -474,7 +474,7 @@ def psum_scatter(
     Returns:
       This device's chunk of the sum, each leaf in its own dtype; NaN everywhere when some
       device's input was non-finite (the identity: where ``jax.lax.psum_scatter`` puts it).
-      Integer leaves go through ``jax.lax.psum_scatter``.
+      Integer and complex leaves go through ``jax.lax.psum_scatter``.
 
     Raises:
       ValueError: when the call is traced, ``axis_name``, ``key``, ``scatter_dimension`` or

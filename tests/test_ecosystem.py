@@ -478,6 +478,40 @@ def test_multisteps_around_an_exchange_is_refused_at_sharded_init_and_state_spec
         jax.eval_shape(lambda p, tx=tx: jc.sharded_init(tx, p, mesh(), "data"), PARAMS)
 
 
+@pytest.mark.parametrize("recipe", ["local_sgd", "diloco"])
+def test_accumulate_around_an_interval_recipe_syncs_every_h_applied_steps(recipe):
+    """``jc.accumulate(jc.local_sgd(inner, "data", H), k)`` (and ``jc.diloco``) counts the
+    updates it applies, as DiLoCo's ``H`` counts inner optimizer steps: with ``H = k = 2``
+    the replicas agree after micro-steps 4 and 8 only (every ``H * k`` micro-batches), and
+    a micro-step that only accumulates leaves them as they were (docs/when-not-to-compress.md).
+    A per-device quadratic, so each replica moves its own way between syncs."""
+    inner = optax.sgd(0.1)
+    if recipe == "local_sgd":
+        tx = jc.accumulate(jc.local_sgd(inner, "data", 2), 2)
+    else:
+        tx = jc.accumulate(jc.diloco(inner, "data", 2, outer=optax.sgd(1.0)), 2)
+    params = {"w": jnp.zeros((16,))}
+    state = jc.sharded_init(tx, params, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+
+    def step(replicas, state, targets):
+        p = jc.own(replicas)
+        g = jax.tree.map(lambda w: w - targets[0], p)  # the gradient of 0.5 |w - target_i|^2
+        u, state = tx.update(g, state, p)
+        return jc.slot(optax.apply_updates(p, u)), state
+
+    fn = per_device(step, (P("data"), specs, P("data")), (P("data"), specs))
+    replicas = jc.replica_params(params, mesh(), "data")
+    targets = shard(stacked_normal(0, (16,)))
+    spreads = []
+    for _ in range(8):
+        replicas, state = fn(replicas, state, targets)
+        w = np.asarray(replicas["w"])
+        spreads.append(float((w.max(0) - w.min(0)).max()))
+    synced = [s < 1e-6 for s in spreads]
+    assert synced == [True, False, False, True, True, False, False, True], spreads
+
+
 def test_accumulate_applies_inner_transform_to_the_mean_of_k_gradients():
     k = 3
     inner = optax.chain(compress(), optax.sgd(0.1, momentum=0.9))

@@ -270,19 +270,22 @@ def _filled(tx, mesh, n, seed=0):
     rng = np.random.default_rng(seed)
     target = jc.restore_target(tx, _params(), mesh, "data", n)
 
-    def fill(a):
+    def fill(path, a):
         if jax.numpy.issubdtype(a.dtype, jax.numpy.floating):  # bfloat16 too (not numpy's)
             x = rng.standard_normal(a.shape).astype(a.dtype)
+        elif "server_chunk" in jax.tree_util.keystr(path):  # row i holds chunk i
+            x = np.arange(a.shape[0], dtype=a.dtype)
         else:
             x = np.zeros(a.shape, a.dtype)
         return jax.device_put(x, a.sharding)
 
-    return jax.tree.map(fill, target)
+    return jax.tree_util.tree_map_with_path(fill, target)
 
 
 def held(state, n):
     """{path: what the leaf stands for}: per-device float leaves their mean over devices,
-    two-phase server residuals their whole-leaf values, every other leaf itself."""
+    two-phase server residuals their whole-leaf values, their ``server_chunk`` stamps 1
+    where row i holds chunk i, every other leaf itself."""
     import jax
 
     import jaxcomp as jc
@@ -300,6 +303,8 @@ def held(state, n):
             name = getattr(path[-1], "key", None) or sorted(RESIZE_PARAMS)[path[-1].idx]
             size = int(np.prod(RESIZE_PARAMS[name]))
             out[where] = x.reshape(-1)[:size]
+        elif "server_chunk" in where:  # the stamps of rows 0 .. n - 1 in order: 1
+            out[where] = np.float64(np.array_equal(x, np.arange(n)))
         elif len(spec) and spec[0] == "data" and x.dtype.kind == "f":
             assert x.shape[0] == n, where
             out[where] = x.mean(0)
@@ -1394,7 +1399,8 @@ def test_restore_a_hierarchical_state_saved_without_its_grid(tmp_path):
     state, step, put, scope = _hierarchical((2, 4))
     g = put({"w": np.random.default_rng(1).standard_normal((8, 16, 32)).astype(np.float32)})
     _, state = jax.block_until_ready(step(state, g))
-    saved = {k: v for k, v in state._asdict().items() if k != "server_grid"}
+    added = ("server_grid", "server_chunk")
+    saved = {k: v for k, v in state._asdict().items() if k not in added}
     path = tmp_path / "ckpt"
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path, {"opt_state": saved})
@@ -1406,7 +1412,7 @@ def test_restore_a_hierarchical_state_saved_without_its_grid(tmp_path):
         for line in quoted.splitlines():
             if "..." not in line:
                 assert line.removeprefix("ValueError: ") in str(missing.value), line
-        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path)
+        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path, axes=("data", "local"))
         exec(recipe, scope)
     got = scope["opt_state"]
     assert got.server_grid.shape == (2, 4)
@@ -1438,3 +1444,144 @@ def test_hierarchical_axes_in_the_other_order_are_refused_naming_axis_name():
     assert jc.state_specs(state, ("data", "local"), mesh=m) == jc.state_specs(
         state, ("data", "local")
     )
+
+
+# --------------------------------------------------------------------------- rows elsewhere
+#
+# A per-device field's rows say nothing of whose they are. Restored onto as many devices in
+# another layout (a 2 x 4 hierarchical state into a flat exchange of 8; a flat exchange over
+# ("a", "b") stepped with P(("b", "a")); a hierarchical one with its axes swapped where
+# H = L), each device added another chunk's server residual to its own: 6 zero-gradient
+# steps left 0.82 (sign) / 0.86 (int8), 0.83 / 0.83 and 0.63 / 0.78 of what was held back
+# misplaced (against 8e-8 in place), with no error. Each device's `server_chunk` stamp (the
+# chunk its row holds) now flags the step as a non-finite gradient does.
+
+
+def _layout(shape, exchange_axes, inner, spec_axes):
+    """``(state, jitted step (state, grads) -> (mean, state), grads placer, scope: the tx,
+    params and mesh)``: a sign two-phase exchange over ``exchange_axes`` (and ``inner``) on
+    a ``shape`` mesh of axes ("host", "local"), its state built and stepped with
+    ``spec_axes``."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    devices = jax.devices()[: int(np.prod(shape))]
+    m = jax.make_mesh(
+        shape, ("host", "local"), axis_types=(AxisType.Explicit,) * 2, devices=devices
+    )
+    tx = jc.compressed_allreduce(
+        jc.sign(), exchange_axes, strategy="two_phase", inner_axis_name=inner, min_size=1
+    )
+    params = {"w": np.zeros((16, 32), np.float32)}
+    state = jc.sharded_init(tx, params, m, spec_axes)
+    specs = jc.state_specs(state, spec_axes)
+
+    def step(s, g):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)
+
+    fn = jax.shard_map(step, mesh=m, in_specs=(specs, P(spec_axes)), out_specs=(P(), specs))
+    put = lambda g: jax.device_put(g, NamedSharding(m, P(spec_axes)))  # noqa: E731
+    return state, jax.jit(fn), put, {"tx": tx, "params": params, "mesh": m}
+
+
+ROWS_ELSEWHERE = {
+    # saved layout, restored layout (shape, exchange axes, inner axis, spec axes)
+    "hierarchical_2x4_into_flat_8": (
+        ((2, 4), "host", "local", ("host", "local")),
+        ((2, 4), ("host", "local"), None, ("host", "local")),
+    ),
+    "flat_two_axes_swapped": (
+        ((2, 4), ("host", "local"), None, ("host", "local")),
+        ((2, 4), ("host", "local"), None, ("local", "host")),
+    ),
+    "hierarchical_2x2_swapped": (
+        ((2, 2), "host", "local", ("host", "local")),
+        ((2, 2), "host", "local", ("local", "host")),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROWS_ELSEWHERE))
+def test_a_state_restored_with_its_rows_on_other_devices_flags_the_step(case, tmp_path):
+    """Saved after one step, restored by orbax into the other layout's target (no error:
+    the same shapes) and stepped there: every output NaN and the state returned as it came
+    (what was held back kept, for a restore into the right layout), where until 2026-11-27
+    the step ran on with each row added to another chunk's values. A fresh state of the
+    other layout steps finite."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    saved_layout, other_layout = ROWS_ELSEWHERE[case]
+    state, step, put, _ = _layout(*saved_layout)
+    n = int(np.prod(saved_layout[0]))
+    g = {"w": np.random.default_rng(2).standard_normal((n, 16, 32)).astype(np.float32)}
+    _, state = jax.block_until_ready(step(state, put(g)))
+    fresh, other_step, other_put, _ = _layout(*other_layout)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"opt_state": state})
+        ckpt.wait_until_finished()
+        like = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": fresh})
+        got = ckpt.restore(tmp_path / "ckpt", like)["opt_state"]
+    out, after = jax.block_until_ready(other_step(got, other_put(g)))
+    assert np.isnan(np.asarray(out["w"])).all()
+    for kept, came in zip(jax.tree.leaves(after), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(kept), np.asarray(came))
+    out, _ = jax.block_until_ready(other_step(fresh, other_put(g)))
+    assert np.isfinite(np.asarray(out["w"])).all()
+
+
+def test_resize_refuses_a_server_residual_whose_rows_hold_other_chunks():
+    """``jc.resize_state`` re-cuts a flat exchange's server residual as row i = chunk i; rows
+    stamped otherwise (a state laid out for another exchange) are refused, naming the field."""
+    import jax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = resize_transforms()["sgd_sign_two_phase"]
+    state = _filled(tx, mesh(8), 8)
+    stamps = [x for p, x in jax.tree_util.tree_leaves_with_path(state) if "server_chunk" in str(p)]
+    assert [np.asarray(s).tolist() for s in stamps] == [list(range(8))]
+    swapped = jax.device_put(np.array([0, 2, 4, 6, 1, 3, 5, 7], np.int32), stamps[0].sharding)
+    state = jax.tree.map(lambda x: swapped if x is stamps[0] else x, state)
+    with pytest.raises(ValueError, match=r"`state` field `.*server_chunk.*` stamps its rows"):
+        jc.resize_state(state, tx, _params(), mesh(4), "data")
+
+
+def test_restore_a_flat_state_saved_without_its_server_chunk(tmp_path):
+    """A flat two-phase state saved before ``server_chunk`` (written here as a dict of its
+    other fields): orbax's error names the field as docs/checkpoints.md quotes it, and the
+    recipe of the section before restores the saved arrays with fresh stamps: the same
+    arrays, and the next output of the saved state bit for bit."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    import jaxcomp as jc
+
+    axes = ("host", "local")
+    state, step, put, scope = _layout((2, 4), axes, None, axes)
+    g = put({"w": np.random.default_rng(3).standard_normal((8, 16, 32)).astype(np.float32)})
+    _, state = jax.block_until_ready(step(state, g))
+    saved = {k: v for k, v in state._asdict().items() if k != "server_chunk"}
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, {"opt_state": saved})
+        ckpt.wait_until_finished()
+        (quoted,) = _doc_blocks("## Rows stepped on other devices")
+        template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": state})
+        with pytest.raises(ValueError) as missing:
+            ckpt.restore(path, template)
+        for line in quoted.splitlines():
+            if "..." not in line:
+                assert line.removeprefix("ValueError: ") in str(missing.value), line
+        recipe = _doc_blocks("## On a mesh of other sizes")[2]
+        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path, axes=axes)
+        exec(recipe, scope)
+    got = scope["opt_state"]
+    for ours, before in zip(jax.tree.leaves(got), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(before))
+    out, _ = step(got, g)
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(step(state, g)[0]["w"]))

@@ -46,6 +46,12 @@ class CompressedAllreduceState(NamedTuple):
         ``server_residual`` (else None): device ``(h, l)`` owns part ``h`` of inner chunk
         ``l``, so a row of ``server_residual`` means another chunk on a mesh of other
         sizes; the shape makes orbax (and the update) refuse such a restore
+      server_chunk: per device, int32[1]: the index of the chunk whose residual this
+        device's row of ``server_residual`` holds (``l H + h`` on ``(h, l)``; flat: the
+        device's index along ``axis_name``; -1 built outside the mesh, not checked), where
+        ``server_residual`` is kept (else None); a row stepped on another device (a state
+        restored into another layout of as many devices, or stepped with its axes in
+        another order) flags the step as a non-finite gradient does, whole state kept
     """
 
     memory: Any
@@ -56,8 +62,9 @@ class CompressedAllreduceState(NamedTuple):
     momentum: Any = None
     adaptive: Any = None
     server_grid: Any = None
+    server_chunk: Any = None
 
-    PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum")
+    PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum", "server_chunk")
 
 
 def _may_run_two_phase(codec: Codec, strategy: str) -> bool:
@@ -588,6 +595,7 @@ def compressed_allreduce(
                 server.bound_sizes(axis_name, inner_axis_name),
                 use_server and some and inner_axis_name is not None,
             ),
+            "server_chunk": server.stamp(axis_name, inner_axis_name, use_server and some),
         }
 
     def init_fn(params):
@@ -619,13 +627,14 @@ def compressed_allreduce(
 
         memory = feedback.widened(skeleton.vectors(state.memory) if kind else [None] * len(grads))
         targets = [feedback.to_send(g, m, kind) for g, m in zip(grads, memory, strict=True)]
+        owner = server.Owner(axis_name, inner_axis_name)
+        targets = server.poison_misplaced(targets, state, owner)
 
         plan = collectives.segments_for([t.shape[0] for t in targets], granularity)
         fused = [None] * len(grads)
         if fuse_residuals and kind == "residual" and _PAYLOADS.get() is None:
             fused, targets = _fused_encodings(codec, strategy, axis_name, grads, state, targets)
         owned = chunks(layout) if grads and use_server else None
-        owner = server.Owner(axis_name, inner_axis_name)
         servers = _owned_servers(state, layout, owned, flat, owner)
 
         def reduce(through: Codec) -> collectives.Reduced:
@@ -673,7 +682,7 @@ def compressed_allreduce(
         new_memory, restored = _new_memories(
             kind, memory_dtype, (memory, targets, sent, errors), fused, reduced.bad
         )
-        new_state = CompressedAllreduceState(
+        new_state = state._replace(  # server_grid and server_chunk as they came
             memory=skeleton.like_state(layout, new_memory) if kind else state.memory,
             server_residual=state.server_residual
             if owned is None
@@ -687,7 +696,6 @@ def compressed_allreduce(
             adaptive=state.adaptive
             if adaptive is None
             else adaptive.update(state.adaptive, state.count, outs),
-            server_grid=state.server_grid,
         )
         new_state = _freeze(reduced.bad, state, new_state, layout, restored)
         new_state = _with_rounding(kind, new_state, outs, layout, reduced.bad)

@@ -18,7 +18,8 @@ what error feedback holds back. :func:`resize_state` moves each field by what it
 * The two-phase server residual (each device owns the chunk ``ceil(d / n)`` of a leaf's
   re-encoding error, already in units of the mean): the chunks are joined into the leaf's
   whole residual and cut again into ``m`` chunks, a copy (padding past the leaf's ``d``
-  values belongs to no parameter and is dropped).
+  values belongs to no parameter and is dropped). Its ``server_chunk`` stamps (row ``i``
+  holds chunk ``i``) are checked and stamped again ``0 .. m - 1``.
 * CHOCO gossip's public copies and their mixes (``jc.gossip`` with a codec) are tied to
   the topology of the ``n`` devices: refused (start the gossip again from the mean model).
 * Integer per-device leaves (an inner optimizer's step count): new device ``j`` takes the
@@ -185,6 +186,23 @@ def _rechunk(rows: np.ndarray, width: int, m: int, where: str) -> np.ndarray:
     return np.pad(whole, (0, m * width - whole.size)).reshape(m, width)
 
 
+def _restamp(rows: np.ndarray, m: int, where: str) -> np.ndarray:
+    """A flat exchange's ``server_chunk`` stamps on ``m`` devices: new device ``j`` owns
+    chunk ``j`` of the re-cut residual (:func:`_rechunk`). Rows saved for other chunks than
+    their own (row ``i`` stamped ``j != i``: a state stepped or saved in another layout,
+    a hierarchical exchange's) would be re-cut into other chunks' values: refused."""
+    n = rows.shape[0]
+    if not np.array_equal(rows.reshape(n, -1)[:, 0], np.arange(n)):
+        raise ValueError(
+            f"`state` field `{where}` stamps its rows {rows.reshape(n, -1)[:, 0].tolist()}, "
+            f"not 0 to {n - 1}: the rows of its server residual are not the chunks of a flat "
+            "exchange in the order of `axis_name` (a hierarchical exchange's state, or one "
+            "laid out for another order of the axes), and re-cut they would land on other "
+            "chunks' values (docs/checkpoints.md)"
+        )
+    return np.arange(m, dtype=rows.dtype).reshape(m, *rows.shape[1:])
+
+
 def _whole(x: Any) -> np.ndarray:
     """All of ``x`` as numpy on this process. A per-device field of a live state of several
     processes (``P(axis_name)`` over devices this process cannot address) is gathered from
@@ -210,6 +228,8 @@ def _move_leaf(old: Any, saved: Any, new: Any, per_device: bool, where: str) -> 
         )
     if not per_device:
         return old
+    if "server_chunk" in where:
+        return _restamp(old, new.shape[0], where)
     if old.shape[1:] == tuple(new.shape[1:]):
         return _fold(old, new.shape[0])
     if "server_residual" in where and old.ndim == 2:

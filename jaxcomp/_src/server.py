@@ -130,6 +130,52 @@ def grid(sizes: tuple[int, int] | None, used: bool) -> jax.Array | None:
     return jnp.zeros(sizes, jnp.int8)
 
 
+def stamp(axis_name: Any, inner_axis_name: Any, used: bool) -> jax.Array | None:
+    """The ``server_chunk`` field where a server residual is kept (``used``; else None):
+    int32 ``[1]`` per device, the index of the chunk whose residual its row of
+    ``server_residual`` holds (:meth:`Owner.index`), or -1 outside the mesh (``tx.init``:
+    each row has room for the whole vector; nothing is checked), so that the state has the
+    same leaves built in the mesh and out of it (``jax.eval_shape(tx.init, params)`` gives
+    the specs of the state ``tx.init`` builds inside a ``shard_map``).
+
+    Each row of a per-device field is one device's, and nothing in the field's shape says
+    whose: a state stepped with its rows on other devices than it was saved from (2 x 4
+    hierarchical restored into a flat exchange of 8, where device ``(h, l)`` owns chunk
+    ``h L + l`` instead of ``l H + h``; a flat exchange over ``("a", "b")`` stepped with
+    ``P(("b", "a"))``; a hierarchical one with its axes swapped where ``H = L``) adds each
+    row's residual to another chunk's values. The update compares the stamp with this
+    device's chunk (:func:`misplaced`)."""
+    if not used:
+        return None
+    if bound_sizes(axis_name, inner_axis_name) is None:
+        return jnp.full((1,), -1, jnp.int32)
+    return Owner(axis_name, inner_axis_name).index()[None]
+
+
+def misplaced(state: Any, owner: Owner) -> jax.Array | None:
+    """Whether this device's row of the state was laid out for another chunk than the one
+    it owns here (its ``server_chunk`` stamp, :func:`stamp`), a bool scalar of this device;
+    None where the state holds no stamp (by hand); never where it is -1 (built outside the
+    mesh)."""
+    got = getattr(state, "server_chunk", None)
+    if got is None:
+        return None
+    got = jnp.ravel(got)
+    return jnp.any((got != owner.index()) & (got >= 0))
+
+
+def poison_misplaced(targets: list, state: Any, owner: Owner) -> list:
+    """``targets`` (what this device sends), NaN where its row of ``state`` is another
+    device's (:func:`misplaced`): the exchange flags the step as it flags a non-finite
+    gradient, on every device (outputs NaN, the whole state kept, ``apply_if_finite``
+    skips it), instead of adding the rows to other chunks' values. A select fused into the
+    pass that forms ``g + e``; nothing where the state holds no stamp."""
+    bad = misplaced(state, owner)
+    if bad is None:
+        return targets
+    return [jnp.where(bad, jnp.nan, t) for t in targets]
+
+
 def check_grid(state: Any, layout: layouts.Layout, flat: bool, axis_name: Any, inner: Any) -> None:
     """Refuse a hierarchical state whose owned chunks belong to another ``(H, L)``
     (:func:`grid`), or to an unknown one (no ``server_grid``: saved before the field), at
@@ -194,6 +240,11 @@ class Owner:
         else:
             self.n_inner = collectives.axis_size(inner_axis_name)
             self.inner = jax.lax.axis_index(inner_axis_name)
+
+    def index(self) -> jax.Array:
+        """The index of the chunk this device owns, ``inner n + outer`` (``l H + h``; flat:
+        the device's index along ``axis_name``), int32."""
+        return (self.inner * self.n + self.outer).astype(jnp.int32)
 
     def _grid(self, d: int) -> tuple[int, int]:
         c1 = ceil_div(d, self.n_inner)

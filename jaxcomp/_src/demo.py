@@ -320,7 +320,10 @@ def demo(
         measurements"). The peak follows the model's width, as a sign step moves every coordinate
         by it: ``3e-3 x 128 / d_model`` on the LM benchmark's models (found on widths 64 and
         128, confirmed on 192), with a warm-up over 2% of the steps (docs, "Training
-        language models over slow links").
+        language models over slow links"). Under ``optax.inject_hyperparams`` (a schedule
+        held in the state) the other numbers stay static configuration (an array of one is
+        refused, naming it): ``optax.inject_hyperparams(jc.demo, static_args=("chunk",
+        "topk", "decay", "weight_decay", "bits", "min_size"))``.
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       chunk: the target block side, in [1, 4096] (DeMo: 64): a dimension that is not a
         multiple of it is cut by a divisor near it (:func:`block_side`).

@@ -198,6 +198,29 @@ def test_an_axis_of_one_device_passes_every_leaf_through_exactly(check_vma):
     np.testing.assert_array_equal(np.asarray(own["scatter"])[:, 0], want["w"])
 
 
+def test_float64_over_one_device_is_exact():
+    """Over an axis of one device a float64 leaf comes back bit for bit through any codec,
+    ``jc.psum`` too (its ``n * mean`` is formed in float32 where ``n > 1``, which would round
+    ``1 + 1e-9`` to 1: not for one device)."""
+    m = _mesh_8x1()
+    with jax.enable_x64(True):
+        x = _x64((N, 1, 512))
+
+        def step(a):
+            a = a[0, 0]
+            return jc.pmean(a, "data", jc.int_quant(8))[None], jc.psum(a, "data", jc.sign())[None]
+
+        f = jax.jit(
+            jax.shard_map(
+                step, mesh=m, in_specs=P("model", "data"), out_specs=(P("model"), P("model"))
+            )
+        )
+        mean, total = f(jax.device_put(x, NamedSharding(m, P("model", "data"))))
+        assert mean.dtype == total.dtype == jnp.float64
+        np.testing.assert_array_equal(mean, np.asarray(x)[:, 0])
+        np.testing.assert_array_equal(total, np.asarray(x)[:, 0])
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_a_slow_axis_of_one_host_is_the_fast_axiss_float32_mean(check_vma):
     """Two hops on one host (a 1 x 8 mesh, ``axis_name`` "host" of 1, ``inner_axis_name``

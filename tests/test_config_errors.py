@@ -1549,13 +1549,15 @@ def _overlap_reuse_test():
 def _elsewhere_tests():
     """Tests of other files that raise an errors.md row's check (not collected here):
     delayed's axis_name with an exchanging tx, sharded_init's per-process seed (2 processes),
-    dgc's clip_norm on HSDP shards (a 2 x 4 mesh), a tuple of vmap and shard_map axes, a
+    dgc's clip_norm on HSDP shards (a 2 x 4 mesh), a replica transform's inner update that
+    differs per shard where its param does not (a 2 x 4 mesh), a tuple of vmap and shard_map axes, a
     hierarchical state on another grid (an orbax checkpoint)."""
     import test_checkpoint
     import test_collectives
     import test_delayed
     import test_fsdp_compose
     import test_multihost
+    import test_replica_specs
 
     mixed = "pmean, psum, all_gather, psum_scatter, the transforms"
     return {
@@ -1570,6 +1572,9 @@ def _elsewhere_tests():
         ),
         ("dgc (update)", "clip_norm", ValueError): (
             test_fsdp_compose.test_clipping_shards_without_shard_axis_is_refused_where_the_params_say_so
+        ),
+        ("local_sgd, diloco, sparseloco (update)", "inner", ValueError): (
+            test_replica_specs.test_global_norm_of_the_local_shards_inside_diloco_is_refused_naming_inner
         ),
         (
             "compressed_allreduce / sgd with inner_axis_name, two-phase (update)",

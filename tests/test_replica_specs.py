@@ -347,6 +347,18 @@ def test_global_norm_clipping_of_fsdp_shards_inside_diloco_is_the_whole_leaves(s
     assert np.abs(whole - start).max() > 1e-3
 
 
+def test_global_norm_of_the_local_shards_inside_diloco_is_refused_naming_inner():
+    """``optax.clip_by_global_norm(c)`` in DiLoCo's inner chain with ``a`` sharded: each
+    device clips by the norm of its own shard of ``a`` and of ``b``, so ``b`` (whole on the
+    replica's devices) gets a factor that differs per device, and its copies would go apart
+    within the replica. Until 2026-11-27 jax refused it at the sync, "cond branches must have
+    equal output types" (TypeError); now a ValueError naming ``inner``, the leaf, the axis
+    and ``jc.clip_by_global_norm(c, None, shard_axis="data")``."""
+    with pytest.raises(ValueError, match=r"`inner`.*\['b'\].*\('data',\)") as info:
+        _inner_run("optax-clip", (("a", P("data")), ("b", P())))
+    assert "jc.clip_by_global_norm(c, None, shard_axis='data')" in str(info.value)
+
+
 @pytest.mark.parametrize("name", list(WHOLE_LEAF))
 def test_whole_leaf_split_over_an_auto_axis_or_elementwise_gives_no_warning(name):
     """No warning where the inner optimizer sees whole leaves: ``a`` split over an

@@ -195,7 +195,8 @@ def diloco(
       ValueError: at construction, ``sync_every``, ``fragments``, ``delay``, ``mix``,
         ``error_feedback`` or ``axis_name`` outside its rule (the message names the argument; the
         rules: docs/errors.md); when traced, ``shard_axis`` not bound there or holding
-        ``axis_name``.
+        ``axis_name``, or ``inner`` returning an update that differs per device where its
+        param is typed the same (a whole leaf beside FSDP shards).
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``fragments``, ``delay``,
         ``mix``, ``codec``, ``min_size``, ``mask``, ``shard_axis`` or ``axis_name`` of the wrong
         kind; ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.

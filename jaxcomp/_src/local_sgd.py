@@ -103,7 +103,8 @@ def local_sgd(
     Raises:
       ValueError: at construction, ``sync_every``, ``start_step``, ``error_feedback`` or
         ``axis_name`` outside its rule (the message names the argument; the rules: docs/errors.md);
-        when traced, ``shard_axis`` not bound there or holding ``axis_name``.
+        when traced, ``shard_axis`` not bound there or holding ``axis_name``, or ``inner``
+        returning an update that differs per device where its param is typed the same.
       TypeError: at construction, ``inner``, ``sync_every``, ``start_step``, ``codec``,
         ``min_size``, ``mask``, ``shard_axis`` or ``axis_name`` of the wrong kind;
         ``error_feedback`` ``"residual"`` / ``"ef21"`` without ``codec``.

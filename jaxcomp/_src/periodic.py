@@ -43,6 +43,7 @@ from jaxcomp._src import (
     collectives,
     feedback,
     inner_replicas,
+    inner_update_types,
     replicas,
     shards,
     skeleton,
@@ -500,6 +501,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         inner_old = jax.tree.map(lambda a: a[0], state.inner)
         with inner_replicas.stepping_inner(cfg.axes):  # each device's params: its replica
             u, inner_new = inner.update(updates, inner_old, params, **extra_args)
+        inner_update_types.check_inner_update(f"jc.{cfg.name}", u, params, cfg.axes)
         p_leaves, treedef = jax.tree.flatten(params)
         u_leaves = treedef.flatten_up_to(u)
         floats = [x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)]

@@ -566,7 +566,8 @@ def sparseloco(
         ``averaging``, ``strategy``, ``min_size``, ``value_scale``, ``small_codec``, ``clip``,
         ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
         the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``;
-        when traced, ``shard_axis`` not bound there or holding ``axis_name``.
+        when traced, ``shard_axis`` not bound there or holding ``axis_name``, or ``inner``
+        returning an update that differs per device where its param is typed the same.
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
         ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore``, ``seed`` or
         ``shard_axis`` of

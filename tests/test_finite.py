@@ -222,3 +222,45 @@ def test_a_multisteps_skip_rule_of_ones_own_is_refused_unless_typed_the_same_eve
             _eval_step(_multi_steps(rule), under, check_vma=vma)
     _eval_step(_multi_steps(by_count), "shard_map")  # typed: the same verdict everywhere
     _eval_step(_multi_steps(None), "shard_map")  # optax's default rule: never skips
+
+
+def test_a_multisteps_skip_rule_reduced_over_the_data_axis_only_is_refused_beside_shards():
+    """On a 4 x 2 mesh of ``"data"`` and FSDP shards over ``"model"`` (``shard_axis``: the
+    exchange sums its non-finite flag over ``"model"`` too), a rule whose verdict is the mean
+    over ``"data"`` only still differs between the shards, whose devices would split
+    between the branches at that sum: refused. Reduced over both axes it passes."""
+    m = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:N])
+    axes = ("data", "model")
+    inner = jc.sgd(0.1, jc.int_quant(8), "data", min_size=64, shard_axis="model")
+
+    def rule(over):
+        return lambda u, step, p: (jax.lax.pmean(optax.tree.norm(u), over) > 1e6, ())
+
+    def trace(over):
+        tx = optax.MultiSteps(inner, 2, should_skip_update_fn=rule(over))
+        specs = optax.MultiStepsState(  # the rule's psum: no init outside the mesh
+            mini_step=P(),
+            gradient_step=P(),
+            inner_opt_state=jc.state_specs(jax.eval_shape(inner.init, PARAMS), axes),
+            acc_grads=jax.tree.map(lambda _: P(axes), PARAMS),
+            skip_state=(),
+        )
+        placed = lambda tree, spec: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, spec)),
+            tree,
+        )
+        params = placed(PARAMS, P())
+        state = jax.eval_shape(
+            jax.shard_map(tx.init, mesh=m, in_specs=P(), out_specs=specs), params
+        )
+        fn = jax.shard_map(
+            lambda p, s, g: tx.update(jax.tree.map(lambda a: a[0], g), s, p),
+            mesh=m,
+            in_specs=(P(), specs, P(axes)),
+            out_specs=(P("model"), specs),  # each shard's own update, averaged over "data"
+        )
+        return jax.eval_shape(fn, params, state, placed(grads(0), P(axes)))
+
+    with pytest.raises(ValueError, match=r"MultiSteps\(should_skip_update_fn=<lambda>"):
+        trace("data")
+    trace(axes)

@@ -22,7 +22,7 @@ import optax
 from optax.transforms import _accumulation, _conditionality
 
 from jaxcomp._src import collectives, shards
-from jaxcomp._src.axes import axis_names, tracks_variance, varying_axes
+from jaxcomp._src.axes import tracks_variance, varying_axes
 from jaxcomp._src.codecs.base import check_int
 
 _OPTAX_SKIP_FILE = inspect.getsourcefile(_conditionality)
@@ -48,8 +48,10 @@ def _is_optax_default(rule: Any) -> bool:
 
 
 def _same_on_every_device(verdict: Any, axis_name: Any) -> bool:
-    """Whether jax's types show ``verdict`` identical on every device of ``axis_name``: only
-    under ``shard_map(..., check_vma=True)``; ``pmap`` and ``check_vma=False`` type nothing."""
+    """Whether jax's types show ``verdict`` identical on every device of the mesh (over
+    ``axis_name`` and every other manual axis: a ``shard_axis`` flag is summed over its own):
+    only under ``shard_map(..., check_vma=True)``; ``pmap`` and ``check_vma=False`` type
+    nothing."""
     if verdict is None or axis_name is None:
         return False
     try:
@@ -57,7 +59,7 @@ def _same_on_every_device(verdict: Any, axis_name: Any) -> bool:
             return False
     except NameError:  # an unbound axis: its own check names it
         return False
-    return not set(axis_names(axis_name)) & varying_axes(verdict)
+    return not varying_axes(verdict)
 
 
 def _multi_steps_skips(frame: Any, axis_name: Any) -> str | None:
@@ -92,10 +94,10 @@ def refuse_optax_skip(name: str, axis_name: Any = None) -> None:
     it runs on some devices only and hangs (see the module docstring). ``optax.MultiSteps``
     with a rule of the user's own (``lambda u, s, p: optax.skip_not_finite(u, s, p)``) hung
     the same way until 2026-11-27: only optax's two rules were recognised. A rule is let
-    through only where jax's types show its verdict the same on every device of
-    ``axis_name`` (``shard_map(..., check_vma=True)``: a verdict from the step count, or
-    reduced over the axis). Called at trace time by every jaxcomp transform; nothing of it
-    reaches the compiled step.
+    through only where jax's types show its verdict the same on every device, over
+    ``axis_name`` and every other manual axis (``shard_map(..., check_vma=True)``: a verdict
+    from the step count, or reduced over every axis; FSDP shards sum a flag of their own).
+    Called at trace time by every jaxcomp transform; nothing of it reaches the compiled step.
     """
     frame = sys._getframe(1)
     while frame is not None:

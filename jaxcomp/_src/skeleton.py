@@ -231,7 +231,8 @@ def check_varying_gradients(name: str, updates: Any, axis_name: Any) -> None:
             "a second jaxcomp exchange chained after a first (optax.chain(jc.sgd(...), "
             "jc.compressed_allreduce(...))) receives the first one's mean: exchange once. "
             "A wrapper whose accumulator entered the step replicated does the same: "
-            "optax.MultiSteps' `acc_grads` (jc.state_specs gives a state it does not know P()); "
+            "optax.MultiSteps' `acc_grads` passed P() (jc.sharded_init and jc.state_specs "
+            "refuse MultiSteps around a jaxcomp transform); "
             "use jc.accumulate(tx, every_k), whose accumulator is per device and which "
             "exchanges once per update (MultiSteps runs the exchange on every mini-step)."
         )

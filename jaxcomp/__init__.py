@@ -45,6 +45,7 @@ from jaxcomp._src.fsdp import fsdp_gather, fsdp_residual
 from jaxcomp._src.gossip import GossipState, consensus_distance, gossip, gossip_bytes
 from jaxcomp._src.local_sgd import LocalSGDState, local_sgd
 from jaxcomp._src.nnx import nnx_local, nnx_optimizer, nnx_state_specs
+from jaxcomp._src.older_states import complete_state, restore_template
 from jaxcomp._src.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomp._src.overlap import OverlappedStep, overlapped_step
 from jaxcomp._src.powersgd import PowerSGDState, powersgd
@@ -132,6 +133,8 @@ __all__ = [
     "replicate",
     "resize_state",
     "restore_target",
+    "restore_template",
+    "complete_state",
     "mean_replica",
     "own",
     "replica_params",

@@ -24,6 +24,7 @@ from jaxcomp._src import (
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.adaptive import check_adaptive
 from jaxcomp._src.codecs.base import Codec, after, check_fraction_array, check_int
+from jaxcomp._src.older_states import FRESH
 
 
 class CompressedAllreduceState(NamedTuple):
@@ -65,6 +66,10 @@ class CompressedAllreduceState(NamedTuple):
     server_chunk: Any = None
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum", "server_chunk")
+    #: Fields added since the first release, and what a state saved without them gets
+    #: (:func:`jaxcomp.complete_state`): the grid and the stamps of a fresh state, which say
+    #: that each row is where it was saved (restore only into the layout it was saved from).
+    ADDED_FIELDS = {"server_grid": FRESH, "server_chunk": FRESH}
 
 
 def _may_run_two_phase(codec: Codec, strategy: str) -> bool:

@@ -10,6 +10,7 @@ import optax
 
 from jaxcomp._src import collectives, periodic, shards
 from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.older_states import NONE
 
 #: DiLoCo's default outer step: plain averaging up to this many replicas, Nesterov above.
 FEW_REPLICAS = 2
@@ -41,6 +42,9 @@ class DiLoCoState(NamedTuple):
     taken: Any = None
 
     PER_DEVICE_FIELDS = ("inner", "pending")
+    #: Added since the first release (:func:`jaxcomp.complete_state`): a state saved without
+    #: ``taken`` gets None and lands on the schedule of the count, as it did.
+    ADDED_FIELDS = {"taken": NONE}
     FRAGMENT_FIELDS = ("outer", "exchange", "pending")  # one entry per fragment (a tuple)
 
 

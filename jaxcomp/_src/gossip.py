@@ -28,6 +28,7 @@ from jaxcomp._src.codecs.base import (
     max_abs_over,
     scaled_norm,
 )
+from jaxcomp._src.older_states import NONE
 
 
 class GossipState(NamedTuple):
@@ -59,6 +60,9 @@ class GossipState(NamedTuple):
     topology: Any = None
 
     PER_DEVICE_FIELDS = ("inner", "public", "mixed")
+    #: Added since the first release (:func:`jaxcomp.complete_state`): a state saved without
+    #: ``topology`` gets None, its copies run as they are (nothing checked, as before).
+    ADDED_FIELDS = {"topology": NONE}
     #: Fields tied to the mixing matrix of the devices they were built on
     #: (``mixed = sum_j w_ij public_j``): no fold over another device count keeps that.
     TOPOLOGY_FIELDS = ("public", "mixed")

@@ -26,6 +26,7 @@ from jaxcomp._src.compressed_allreduce import (
     compressed_allreduce,
     late_residual_memory,
 )
+from jaxcomp._src.older_states import FRESH
 from jaxcomp._src.sgd import exchange_options
 
 
@@ -49,6 +50,9 @@ class OneBitAdamState(NamedTuple):
     exchange: CompressedAllreduceState
 
     PER_DEVICE_FIELDS = ()  # the per-device memories are the exchange's own fields
+    #: Added since the first release (:func:`jaxcomp.complete_state`): a fresh state's zero
+    #: levels; a zero ``level_ref`` is "no reference yet" (ratio 1: the variance unscaled).
+    ADDED_FIELDS = {"level": FRESH, "level_ref": FRESH}
 
 
 def check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False) -> Any:

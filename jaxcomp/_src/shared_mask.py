@@ -30,6 +30,7 @@ import optax
 from jaxcomp._src import collectives, skeleton
 from jaxcomp._src.buckets import BUCKET_BYTES
 from jaxcomp._src.codecs.base import Codec
+from jaxcomp._src.older_states import FRESH
 
 F32 = jnp.float32
 
@@ -48,6 +49,9 @@ class SharedMaskState(NamedTuple):
     key: jax.Array  # uint32[2], identical on every device: jax.random.PRNGKey(seed), kept as is
 
     PER_DEVICE_FIELDS = ("memory",)
+    #: Added since the first release (:func:`jaxcomp.complete_state`): a fresh state's key,
+    #: PRNGKey(seed), the key the old program used as a constant (built with the same seed).
+    ADDED_FIELDS = {"key": FRESH}
 
 
 FIELDS = ("memory", "previous", "key")  # SharedMaskState's fields checked against the init's

@@ -15,6 +15,7 @@ from jaxcomp._src import collectives, shards, skeleton
 from jaxcomp._src.axes import varying_axes
 from jaxcomp._src.codecs.base import F32_MAX, Codec, after
 from jaxcomp._src.compressed_allreduce import CompressedAllreduceState
+from jaxcomp._src.older_states import FRESH, NoDefault
 from jaxcomp._src.onebit_adam import (
     BranchExchange,
     adam_direction,
@@ -72,6 +73,17 @@ class ZeroOneAdamState(NamedTuple):
     exchange: CompressedAllreduceState
 
     PER_DEVICE_FIELDS = ("pending",)
+    #: Added since the first release (:func:`jaxcomp.complete_state`). ``variance_step`` has
+    #: no safe default: the variance was an average over variance rounds before it.
+    ADDED_FIELDS = {
+        "level": FRESH,
+        "level_ref": FRESH,
+        "variance_step": NoDefault(
+            "the state was saved when the variance was an average over variance rounds, "
+            "not over steps: no value of `variance_step` makes it run as it did; restart "
+            "its variance from a fresh state, or finish the run on the version that wrote it"
+        ),
+    }
 
 
 def doubling_gap(t: jax.Array, scaler: Any) -> jax.Array:

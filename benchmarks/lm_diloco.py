@@ -511,6 +511,16 @@ RECIPES: dict[str, lm.Recipe] = {
     ),
     # ... twice its bytes (96 of each 1024, about 1550x): what the 3% bar on the held-out
     # pair needs, where the row (3000x) misses by 3.9 points (slice S2).
+    # ... the top-k inside sub-chunks of 128 (sub_chunk=128: 7-bit indices, one scale per
+    # 1024 still): 8 of each 128, 64 of each 1024 (256 / 4096) for about the row's bytes, what
+    # jc.sparseloco_density(..., sub_chunk=128) gives (3128x; 3057x on the held-out pair's
+    # model); sub-chunks of 256: 14 of each 256 (224 / 4096, 3173x; 3104x) (slice L13).
+    "sparseloco-H30-M2-muon-innerconst-c1024-s128-d256-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=256 / 4096, chunk=1024, sub_chunk=128, bits=1, value_scale="mean"
+    ),
+    "sparseloco-H30-M2-muon-innerconst-c1024-s256-d224-b1mean-min0-outer1.5": _sparse_h30(
+        2, density=224 / 4096, chunk=1024, sub_chunk=256, bits=1, value_scale="mean"
+    ),
     "sparseloco-H30-M2-muon-innerconst-c1024-d384-b1mean-min0-outer1.5": _sparse_h30(
         2, density=384 / 4096, chunk=1024, bits=1, value_scale="mean"
     ),
@@ -1142,11 +1152,27 @@ FIDELITY_3000X: tuple[tuple[str, Callable[[], Any]], ...] = (
     ("top-22/4096, 1 bit at the mean", lambda: _chunked(22, 1, scale="mean")),
 )
 
+#: ``--fidelity-codecs subchunk``: the 2-replica 1-bit row's top-47 of each 1024 against the
+#: top-k inside sub-chunks (one scale per 1024 still) at about its bytes (slice L13), and the
+#: top-64 of each 1024 (the sub-chunks' count, more bytes).
+FIDELITY_SUBCHUNK: tuple[tuple[str, Callable[[], Any]], ...] = (
+    ("top-47/1024, 1 bit at the mean", lambda: _chunked(47, 1, 1024, "mean")),
+    ("top-64/1024, 1 bit at the mean", lambda: _chunked(64, 1, 1024, "mean")),
+    ("top-26/512 of each 1024, 1 bit at the mean", lambda: _chunked(52, 1, 1024, "mean", 512)),
+    ("top-14/256 of each 1024, 1 bit at the mean", lambda: _chunked(56, 1, 1024, "mean", 256)),
+    ("top-8/128 of each 1024, 1 bit at the mean", lambda: _chunked(64, 1, 1024, "mean", 128)),
+    ("top-4/64 of each 1024, 1 bit at the mean", lambda: _chunked(64, 1, 1024, "mean", 64)),
+    ("top-8/128 of each 1024, float32 values", lambda: _chunked(64, None, 1024, sub=128)),
+    ("top-64/1024, float32 values", lambda: _chunked(64, None, 1024)),
+)
 
-def _chunked(k: int, bits: int | None, chunk: int = 4096, scale: str = "max") -> Any:
+
+def _chunked(
+    k: int, bits: int | None, chunk: int = 4096, scale: str = "max", sub: int | None = None
+) -> Any:
     import jaxcomp as jc
 
-    return jc.chunked_top_k(k, chunk, bits, scale)
+    return jc.chunked_top_k(k, chunk, bits, scale, sub_chunk=sub)
 
 
 def _train_step(task: lm.Task, tx: Any) -> Callable:
@@ -1970,9 +1996,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--fidelity-codecs",
-        choices=("default", "3000x"),
+        choices=("default", "3000x", "subchunk"),
         default="default",
-        help="--fidelity: FIDELITY_CODECS, or FIDELITY_3000X",
+        help="--fidelity: FIDELITY_CODECS, FIDELITY_3000X or FIDELITY_SUBCHUNK",
     )
     ap.add_argument(
         "--ef-decay",
@@ -2004,7 +2030,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.fidelity:
         largs = lm.parse(["--tag", args.tag, *rest])
-        codecs = FIDELITY_3000X if args.fidelity_codecs == "3000x" else FIDELITY_CODECS
+        codecs = {"3000x": FIDELITY_3000X, "subchunk": FIDELITY_SUBCHUNK}.get(
+            args.fidelity_codecs, FIDELITY_CODECS
+        )
         return run_fidelity(
             largs,
             args.replicas,

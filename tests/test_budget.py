@@ -179,3 +179,45 @@ def test_a_ratio_the_whole_chunk_meets_gives_density_one():
     params = MODELS["d24x1"]
     assert jc.sparseloco_density(params, 1.0, H, N, chunk=64, bits=1, min_size=0) == 1.0
     assert jc.demo_topk(params, 0.5, N, chunk=8) == 64
+
+
+@pytest.mark.parametrize("name", ["d40x1", "d48x2"])
+def test_sub_chunk_density_meets_the_ratio_on_the_lowered_step(name):
+    """With ``sub_chunk=64`` in chunks of 256 the density is ``k / 64`` per sub-chunk and the
+    lowered sync (6-bit indices, one scale per 256) sends at least 300x fewer bytes at ``H =
+    30``, as ``jc.sparseloco_ratio`` says to the byte; ``k + 1`` per sub-chunk falls under it.
+    The same bytes keep more values than the top-k over whole chunks of 256."""
+    params = MODELS[name]
+    replicas = 2 if name == "d40x1" else N
+    kw = dict(chunk=256, bits=1, min_size=0)
+    density = jc.sparseloco_density(params, 300, H, replicas, devices=N, sub_chunk=64, **kw)
+    k = round(density * 64)
+    assert density == k / 64 and 1 <= k < 64
+    tx = jc.sparseloco(
+        optax.sgd(0.1), "replica", H, density=density, value_scale="mean", sub_chunk=64, **kw
+    )
+    ratio = pmean_bytes(name) / (sync_bytes(tx, params, replicas) / H)
+    sized = jc.sparseloco_ratio(params, H, replicas, devices=N, density=density, sub_chunk=64, **kw)
+    assert ratio >= 300 and ratio == pytest.approx(sized, rel=1e-12)
+    more = (k + 1) / 64
+    assert (
+        jc.sparseloco_ratio(params, H, replicas, devices=N, density=more, sub_chunk=64, **kw) < 300
+    )
+    whole = jc.sparseloco_density(params, 300, H, replicas, devices=N, **kw)
+    assert density > whole
+
+
+def test_sub_chunk_density_on_the_lm_models():
+    """docs/lm-byte-budgets.md's sub-chunk rows: at 3000x, ``H = 30``, 2 replicas of 4 (every
+    leaf, 1-bit values) chunks of 1024 keep 47 of each 1024 on the held-out pair's model (3
+    layers of 64; 3029x) and sub-chunks of 128 keep 8 of each 128, 64 of each 1024 (3057x;
+    3128x on the benchmark's model, 2 layers of 128)."""
+    from benchmarks.budget_bytes import Model, params_of
+
+    held_out, bench = params_of(Model(64, 3)), params_of(Model(128, 2))
+    kw = dict(devices=N, chunk=1024, bits=1, min_size=0, other_bytes=7)
+    assert jc.sparseloco_density(held_out, 3000, H, 2, **kw) == 47 / 1024
+    assert jc.sparseloco_density(held_out, 3000, H, 2, sub_chunk=128, **kw) == 8 / 128
+    sub = dict(density=8 / 128, sub_chunk=128, **kw)
+    assert jc.sparseloco_ratio(held_out, H, 2, **sub) == pytest.approx(3057, abs=1)
+    assert jc.sparseloco_ratio(bench, H, 2, **sub) == pytest.approx(3128, abs=1)

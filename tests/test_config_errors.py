@@ -781,6 +781,18 @@ CHECKS = [
     ("chunked_top_k", "bits", lambda: jc.chunked_top_k(1, bits=2.0), TypeError),
     ("chunked_top_k", "scale", lambda: jc.chunked_top_k(1, scale="rms"), ValueError),
     ("chunked_top_k", "scale", lambda: jc.chunked_top_k(1, bits=2, scale="mean"), ValueError),
+    ("chunked_top_k", "sub_chunk", lambda: jc.chunked_top_k(8, 256, sub_chunk=48), ValueError),
+    ("chunked_top_k", "sub_chunk", lambda: jc.chunked_top_k(8, 256, sub_chunk=512), ValueError),
+    ("chunked_top_k", "sub_chunk", lambda: jc.chunked_top_k(6, 256, sub_chunk=64), ValueError),
+    ("chunked_top_k", "sub_chunk", lambda: jc.chunked_top_k(8, 256, sub_chunk=64.0), TypeError),
+    ("sparseloco", "sub_chunk", lambda: jc.sparseloco(SGD, "d", 4, sub_chunk=1000), ValueError),
+    ("sparseloco", "sub_chunk", lambda: jc.sparseloco(SGD, "d", 4, sub_chunk="64"), TypeError),
+    (
+        "sparseloco",
+        "sub_chunk",
+        lambda: jc.sparseloco(SGD, "d", 4, mask="random", sub_chunk=64),
+        ValueError,
+    ),
     (
         "sparseloco",
         "value_scale",
@@ -936,6 +948,18 @@ CHECKS = [
         TypeError,
     ),
     (_SPARSE_BUDGETS, "bits", lambda: jc.sparseloco_ratio(_BIG, 30, 8, bits=9), ValueError),
+    (
+        _SPARSE_BUDGETS,
+        "sub_chunk",
+        lambda: jc.sparseloco_ratio(_BIG, 30, 8, sub_chunk=100),
+        ValueError,
+    ),
+    (
+        _SPARSE_BUDGETS,
+        "sub_chunk",
+        lambda: jc.sparseloco_density(_BIG, 9, 30, 8, sub_chunk=64.0),
+        TypeError,
+    ),
     (_SPARSE_BUDGETS, "bits", lambda: jc.sparseloco_ratio(_BIG, 30, 8, bits="1"), TypeError),
     (
         _SPARSE_BUDGETS,

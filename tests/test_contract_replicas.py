@@ -317,6 +317,28 @@ ROWS += [
         wire=lambda shapes: sparse_wire(jc.chunked_top_k(32, 2048, 2), shapes, small=jc.sign()),
     ),
     Row(
+        # The top-k inside sub-chunks of 256 (4 kept in each, 8-bit indices) under one 1-bit
+        # scale at the mean per 4096: plain residual feedback loses nothing (DiLoCo's law),
+        # and the all-gather sends the sub-chunk codec's payloads.
+        "sparseloco-subchunk-ef1",
+        functools.partial(
+            jc.sparseloco,
+            inner(),
+            sync_every=2,
+            ef_decay=1.0,
+            averaging="all",
+            bits=1,
+            value_scale="mean",
+            sub_chunk=256,
+        ),
+        law=law_pseudo_gradient,
+        shapes=dict(STREAM_SHAPES),
+        compressed=("w", "v"),
+        bad=SPARSELOCO_ERRORS + (("sub_chunk", 100), ("sub_chunk", 256.0)),
+        skip=(("pmap", PMAP_SHARED),),
+        wire=lambda shapes: sparse_wire(jc.chunked_top_k(64, 4096, 1, "mean", 256), shapes),
+    ),
+    Row(
         # Through jc.compressed_allreduce's two-phase exchange: its server residual holds
         # the owners' second error, and the law counts it.
         "sparseloco-two_phase-ef1",

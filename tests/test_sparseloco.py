@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import N, per_device, shard
 from jax.sharding import PartitionSpec as P
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomp as jc
 from jaxcomp._src import sparse_exchange
 from jaxcomp._src.codecs.chunked import pack_stream, unpack_stream
-from jaxcomp._src.sparseloco import sparse_feedback
+from jaxcomp._src.sparseloco import density_codec, sparse_feedback
 
 
 def test_index_and_value_bits_are_packed_end_to_end():
@@ -337,3 +338,126 @@ def test_kept_zeros_stay_zero_through_pmean_and_its_two_phase_owners():
             lambda v, s=strategy: jc.pmean(v[0], "data", codec, strategy=s)[None], P("data"), P()
         )
         np.testing.assert_array_equal(np.asarray(f(shard(d)))[0], d.mean(0), err_msg=strategy)
+
+
+def sub_chunk_reference(x: np.ndarray, k_s: int, sub: int, group: int) -> np.ndarray:
+    """The top ``k_s`` of every ``sub`` values of ``x`` in one bit at the mean magnitude of
+    the kept values of its ``group`` sub-chunks (one scale per chunk), in NumPy."""
+    rows = -(-x.size // sub)
+    blocks = np.pad(x, (0, rows * sub - x.size)).reshape(rows, sub)
+    kept = np.zeros_like(blocks)
+    for r in range(rows):
+        top = np.argsort(-np.abs(blocks[r]), kind="stable")[:k_s]
+        kept[r, top] = blocks[r, top]
+    for g in range(0, rows, group):
+        part = kept[g : g + group]
+        part[:] = np.abs(part[part != 0]).mean() * np.sign(part)
+    return kept.reshape(-1)[: x.size]
+
+
+def test_sub_chunks_keep_their_own_top_k_under_the_chunks_scale():
+    """``sub_chunk=64`` in chunks of 256, ``k=8``: the top 2 of every 64 values (not the top
+    8 of the 256), indices in 6 bits instead of 8, one 1-bit scale per 256 values (the mean
+    magnitude of the chunk's 8 kept values); bytes to the word, the arrays as counted; a last
+    chunk of one short sub-chunk and a leaf shorter than a sub-chunk."""
+    x = np.random.default_rng(7).standard_normal(300).astype(np.float32)
+    codec = jc.chunked_top_k(8, chunk=256, bits=1, scale="mean", sub_chunk=64)
+    whole = jc.chunked_top_k(8, chunk=256, bits=1, scale="mean")
+    assert codec.layout(300) == (64, 2, 5) and codec.scales(300) == 2
+    assert codec.index_bits(300) == 6 and whole.index_bits(300) == 8
+    # 5 sub-chunks x 2 kept: 10 indices of 6 bits (2 words), 10 signs (1 word), 2 scales;
+    # the whole-chunk top-8 keeps 8 in each chunk (the last one padded): 16 in 8 bits.
+    assert codec.payload_bytes(300) == 4 * 2 + 4 * 1 + 4 * 2 == 20
+    assert whole.payload_bytes(300) == 4 * 4 + 4 * 1 + 4 * 2 == 28
+    payload = codec.encode(jnp.asarray(x))
+    assert sum(4 * p.size for p in payload) == 20
+    got = np.asarray(codec.decode(payload, 300))
+    np.testing.assert_allclose(got, sub_chunk_reference(x, 2, 64, 4), rtol=1e-6)
+    assert all(np.count_nonzero(got[i : i + 64]) == 2 for i in range(0, 256, 64))
+    short = x[:40]  # one sub-chunk of 40 values: ceil(2 * 40 / 64) = 2 kept, 6-bit indices
+    assert codec.layout(40) == (40, 2, 1) and codec.payload_bytes(40) == 4 + 4 + 4
+    np.testing.assert_allclose(
+        np.asarray(codec.roundtrip(jnp.asarray(short))), sub_chunk_reference(short, 2, 64, 4)
+    )
+    bad = x.copy()
+    bad[270] = np.inf  # the last chunk's scale flags it; the first chunk's stays finite
+    scale = np.asarray(codec.encode(jnp.asarray(bad))[2])
+    assert np.isfinite(scale[0]) and np.isnan(scale[1])
+    assert not np.any(np.asarray(codec.roundtrip(jnp.zeros(300))))
+
+
+def test_sub_chunks_without_value_bits_and_at_two_bits():
+    """Float32 values: exactly each sub-chunk's top ``k_s`` (no scale on the wire); 2 bits:
+    the levels of the largest kept magnitude of the whole chunk."""
+    x = np.random.default_rng(8).standard_normal(512).astype(np.float32)
+    exact = jc.chunked_top_k(8, chunk=256, bits=None, sub_chunk=32)
+    got = np.asarray(exact.roundtrip(jnp.asarray(x)))
+    for i in range(0, 512, 32):
+        part = x[i : i + 32]
+        want = np.where(np.abs(part) >= np.sort(np.abs(part))[-1], part, 0.0)
+        np.testing.assert_array_equal(got[i : i + 32], want)  # k_s = 8 / 8 = 1
+    assert exact.payload_bytes(512) == 4 * 3 + 4 * 16  # 16 indices of 5 bits, 16 float32
+    two = np.asarray(jc.chunked_top_k(8, chunk=256, bits=2, sub_chunk=32).roundtrip(x))
+    np.testing.assert_array_equal(two != 0, got != 0)
+    for c in (0, 256):
+        s = np.abs(got[c : c + 256]).max()
+        sent = np.abs(two[c : c + 256][two[c : c + 256] != 0]) / s
+        assert np.abs(sent[:, None] - np.array([1 / 3, 1.0])).min(1).max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(k=8, chunk=256, sub_chunk=48), "`sub_chunk` must divide `chunk`=256"),
+        (dict(k=6, chunk=256, sub_chunk=64), "`k`=6 must be a multiple of"),
+        (dict(k=8, chunk=256, sub_chunk=512), "`sub_chunk` must be in [1, 256]"),
+    ],
+)
+def test_sub_chunk_out_of_rule_is_named(kw, name):
+    with pytest.raises(ValueError) as err:
+        jc.chunked_top_k(**kw)
+    assert name in str(err.value)
+    with pytest.raises(TypeError, match="`sub_chunk` must be an int"):
+        jc.chunked_top_k(8, 256, sub_chunk=64.0)
+
+
+def test_sparseloco_sub_chunk_keeps_ceil_density_per_sub_chunk_and_is_refused_with_a_mask():
+    """``jc.sparseloco(density=d, chunk=c, sub_chunk=s)``: ``ceil(d s)`` per sub-chunk (8 of
+    128 at 64 / 1024); with a shared mask ``sub_chunk`` is refused, naming it."""
+    jc.sparseloco(optax.sgd(0.1), "data", 30, density=64 / 1024, chunk=1024, sub_chunk=128)
+    made = density_codec(64 / 1024, 1024, 1, "mean", 128)
+    assert (made.k, made.sub_chunk, made.layout(4096)) == (64, 128, (128, 8, 32))
+    assert density_codec(60 / 1024, 1024, 1, "mean", 128).k == 64  # ceil(7.5) = 8 per 128
+    with pytest.raises(ValueError, match="`sub_chunk` applies to `mask`='topk'"):
+        jc.sparseloco(optax.sgd(0.1), "data", 30, mask="random", sub_chunk=128)
+    with pytest.raises(ValueError, match="`sub_chunk` must divide `chunk`=1024"):
+        jc.sparseloco(optax.sgd(0.1), "data", 30, chunk=1024, sub_chunk=100)
+
+
+@functools.cache
+def sub_chunk_step():
+    """One exchange of SparseLoCo's feedback over 8 devices of a 512-vector, top 2 of every
+    64 values under one 1-bit mean scale per 256, Templar's mean over senders."""
+    codec = jc.chunked_top_k(8, chunk=256, bits=1, scale="mean", sub_chunk=64)
+    tx = sparse_feedback(codec, "data", ef_decay=0.5, min_size=0, averaging="senders")
+
+    def step(d, e):
+        out, state = tx.update([d[0]], jc.SparseFeedbackState([e[0]]))
+        return out[0][None], state.memory[0]
+
+    return codec, per_device(step, (P("data"), P("data")), (P(), P("data")))
+
+
+def test_sub_chunk_exchange_keeps_what_it_did_not_send():
+    """Through the all-gather: each device's memory is ``e - C(e)`` with ``C`` the sub-chunk
+    codec, and the mean over senders of every coordinate is the mean of the values sent."""
+    d = np.random.default_rng(9).standard_normal((N, 512)).astype(np.float32)
+    memory = np.random.default_rng(10).standard_normal((N, 1, 512)).astype(np.float32)
+    codec, step = sub_chunk_step()
+    out, mem = step(shard(d), shard(memory))
+    target = 0.5 * memory[:, 0] + d
+    sent = np.stack([sub_chunk_reference(t, 2, 64, 4) for t in target])
+    np.testing.assert_allclose(np.asarray(mem), target - sent, atol=1e-5)
+    count = np.maximum((sent != 0).sum(0), 1)
+    np.testing.assert_allclose(np.asarray(out)[0], sent.sum(0) / count, rtol=1e-5, atol=1e-6)
+    assert codec.payload_bytes(512) == 4 * 3 + 4 * 1 + 4 * 2

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jaxcomp._src import demo as demo_lib
 from jaxcomp._src import sparse_exchange
 from jaxcomp._src.codecs.base import Codec, check_int, check_positive_float, is_number
-from jaxcomp._src.codecs.chunked import chunked_top_k
+from jaxcomp._src.codecs.chunked import check_sub_chunk, chunked_top_k
 from jaxcomp._src.cost import plain_bytes
-from jaxcomp._src.sparseloco import check_density, check_small_codec, check_small_for_size
+from jaxcomp._src.sparseloco import check_small_codec, check_small_for_size, density_codec
 
 
 def float_sizes(params: Any) -> list[int]:
@@ -106,6 +106,14 @@ def _sparse_setting(chunk, bits, min_size, small_codec):
     return chunk, bits, min_size, check_small_for_size(check_small_codec(small_codec), min_size)
 
 
+def unit_codec(chunk: int, bits: int | None, sub_chunk: int | None) -> Callable[[int], Codec]:
+    """``k -> `` the chunked top-k keeping ``k`` per chunk, or with ``sub_chunk`` ``k`` per
+    sub-chunk (``chunk / sub_chunk`` times that per chunk): the codec of a density ``k /
+    unit``, ``unit`` = ``sub_chunk`` or ``chunk``."""
+    group = 1 if sub_chunk is None else chunk // sub_chunk
+    return lambda k: chunked_top_k(k * group, chunk, bits, sub_chunk=sub_chunk)
+
+
 def sparseloco_ratio(
     params: Any,
     sync_every: int,
@@ -118,6 +126,7 @@ def sparseloco_ratio(
     min_size: int = 1024,
     small_codec: Codec | None = None,
     other_bytes: float = 0.0,
+    sub_chunk: int | None = None,
 ) -> float:
     r"""How many times fewer bytes :func:`jaxcomp.sparseloco` sends on ``params`` than a
     float32 ``pmean`` of the gradients every step, as :func:`jaxcomp.comm_report` reads the
@@ -135,7 +144,9 @@ def sparseloco_ratio(
     indices in ``b_i = ceil(log2 c)`` bits, ``bits`` per value and a float32 scale per chunk;
     ``s(d)`` a small leaf's float32 ``pmean``, ``2 (M - 1) / M x 4 d``, or with
     ``small_codec`` ``(M - 1)`` times its payload. This is the all-gather exchange of
-    ``mask="topk"`` (the default).
+    ``mask="topk"`` (the default). With ``sub_chunk`` the top-k runs in sub-chunks
+    (``ceil(density sub_chunk)`` kept in each, indices in ``ceil(log2 min(sub_chunk, d))``
+    bits) and the float32 scales stay one per chunk (:func:`jaxcomp.chunked_top_k`).
 
     Args:
       params: the params (a pytree of arrays or ``jax.ShapeDtypeStruct``; floating leaves
@@ -151,17 +162,19 @@ def sparseloco_ratio(
       small_codec: as :func:`jaxcomp.sparseloco`'s.
       other_bytes: bytes per step the step sends besides the exchange, counted on both sides
         (e.g. 7 for a float32 loss ``pmean``'d over 8 devices for logging), >= 0.
+      sub_chunk: as :func:`jaxcomp.sparseloco`'s.
 
     Returns:
       The ratio, a float (``inf`` where nothing is sent).
 
     Raises:
       ValueError: ``params`` without floating values; ``sync_every``, ``replicas``,
-        ``devices``, ``density``, ``chunk``, ``bits``, ``min_size``, ``small_codec`` or
-        ``other_bytes`` outside its rule (the message names it; the rules: docs/errors.md).
+        ``devices``, ``density``, ``chunk``, ``bits``, ``min_size``, ``small_codec``,
+        ``other_bytes`` or ``sub_chunk`` outside its rule (the message names it; the rules:
+        docs/errors.md).
       TypeError: ``sync_every`` (a sequence of intervals), ``replicas``, ``devices``,
-        ``density``, ``chunk``, ``bits``, ``min_size``, ``small_codec`` or ``other_bytes``
-        of the wrong kind.
+        ``density``, ``chunk``, ``bits``, ``min_size``, ``small_codec``, ``other_bytes`` or
+        ``sub_chunk`` of the wrong kind.
 
     Example::
 
@@ -174,7 +187,7 @@ def sparseloco_ratio(
     sizes = float_sizes(params)
     h, m, n = check_counts(sync_every, replicas, devices)
     chunk, bits, min_size, small_codec = _sparse_setting(chunk, bits, min_size, small_codec)
-    codec = chunked_top_k(check_density(density, chunk), chunk, bits)
+    codec = density_codec(density, chunk, bits, sub_chunk=sub_chunk)
     coded, small = sync_bytes(sizes, m, codec, min_size, small_codec)
     return ratio_of(plain_bytes(sum(sizes), n), (coded + small) / h, check_other_bytes(other_bytes))
 
@@ -191,6 +204,7 @@ def sparseloco_density(
     min_size: int = 1024,
     small_codec: Codec | None = None,
     other_bytes: float = 0.0,
+    sub_chunk: int | None = None,
 ) -> float:
     r"""The ``density`` of :func:`jaxcomp.sparseloco` that sends at least ``ratio`` times
     fewer bytes than a float32 ``pmean`` every step, on these ``params``, as close to
@@ -205,7 +219,8 @@ def sparseloco_density(
     chunk)``. One more ``k`` adds about ``1 / k`` of the payload, so the ratio lands within
     that of the one asked (at ``k`` = 20, 5%). The same ``density``, ``chunk``, ``bits``,
     ``min_size`` and ``small_codec`` passed to :func:`jaxcomp.sparseloco` give that ratio
-    (``value_scale`` costs nothing).
+    (``value_scale`` costs nothing). With ``sub_chunk`` it is ``k / sub_chunk`` for the
+    largest ``k`` per sub-chunk, to pass with the same ``sub_chunk``.
 
     Args:
       params: as :func:`sparseloco_ratio`'s.
@@ -218,20 +233,21 @@ def sparseloco_density(
       min_size: as :func:`jaxcomp.sparseloco`'s.
       small_codec: as :func:`jaxcomp.sparseloco`'s.
       other_bytes: as :func:`sparseloco_ratio`'s.
+      sub_chunk: as :func:`jaxcomp.sparseloco`'s.
 
     Returns:
-      The density ``k / chunk``, a float in ``(0, 1]``.
+      The density ``k / chunk`` (``k / sub_chunk``), a float in ``(0, 1]``.
 
     Raises:
       ValueError: where no ``k`` reaches ``ratio``: the small leaves alone (or
         ``other_bytes``) exceed the budget (the message names ``min_size`` and
         ``small_codec``), or one value per chunk does (it names ``chunk``, ``bits`` and
         ``sync_every``); ``params`` without floating values; ``ratio``, ``sync_every``,
-        ``replicas``, ``devices``, ``chunk``, ``bits``, ``min_size``, ``small_codec`` or
-        ``other_bytes`` outside its rule (the rules: docs/errors.md).
+        ``replicas``, ``devices``, ``chunk``, ``bits``, ``min_size``, ``small_codec``,
+        ``other_bytes`` or ``sub_chunk`` outside its rule (the rules: docs/errors.md).
       TypeError: ``ratio``, ``sync_every`` (a sequence of intervals), ``replicas``,
-        ``devices``, ``chunk``, ``bits``, ``min_size``, ``small_codec`` or ``other_bytes`` of
-        the wrong kind.
+        ``devices``, ``chunk``, ``bits``, ``min_size``, ``small_codec``, ``other_bytes`` or
+        ``sub_chunk`` of the wrong kind.
 
     Example::
 
@@ -248,14 +264,16 @@ def sparseloco_density(
     h, m, n = check_counts(sync_every, replicas, devices)
     chunk, bits, min_size, small_codec = _sparse_setting(chunk, bits, min_size, small_codec)
     other = check_other_bytes(other_bytes)
+    sub_chunk = check_sub_chunk(sub_chunk, chunk)
+    unit, codec = sub_chunk or chunk, unit_codec(chunk, bits, sub_chunk)
     base = plain_bytes(sum(sizes), n)
-    fixed = sync_bytes(sizes, m, chunked_top_k(1, chunk, bits), min_size, small_codec)[1]
+    fixed = sync_bytes(sizes, m, codec(1), min_size, small_codec)[1]
 
     def fits(k: int) -> bool:
-        coded = sync_bytes(sizes, m, chunked_top_k(k, chunk, bits), min_size, small_codec)[0]
+        coded = sync_bytes(sizes, m, codec(k), min_size, small_codec)[0]
         return ratio_of(base, (coded + fixed) / h, other) >= ratio
 
-    k = largest_fitting(fits, chunk)
+    k = largest_fitting(fits, unit)
     if k == 0:
         best = ratio_of(base, fixed / h, other)
         if best < ratio:
@@ -267,13 +285,13 @@ def sparseloco_density(
                 f"{best:.4g}x; pass `min_size`=0 (compress every leaf) or "
                 "`small_codec`=jc.sign(), or a larger `sync_every`"
             )
-        one = sync_bytes(sizes, m, chunked_top_k(1, chunk, bits), min_size, small_codec)[0]
+        one = sync_bytes(sizes, m, codec(1), min_size, small_codec)[0]
         top = ratio_of(base, (one + fixed) / h, other)
         raise ValueError(
             f"`ratio`={ratio:g} is out of reach: one value per chunk (k=1) gives {top:.4g}x; "
             "pass a larger `chunk`, fewer `bits` or a larger `sync_every`"
         )
-    return k / chunk
+    return k / unit
 
 
 def demo_ratio(

@@ -25,7 +25,7 @@ from jaxcomp._src.codecs.base import (
     is_number,
     scaled_global_norm_parts,
 )
-from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, chunked_top_k
+from jaxcomp._src.codecs.chunked import SCALES, ChunkedTopK, check_sub_chunk, chunked_top_k
 from jaxcomp._src.codecs.quantize import int_quant
 from jaxcomp._src.compressed_allreduce import compressed_allreduce
 
@@ -197,6 +197,19 @@ def check_density(density: Any, chunk: int) -> int:
     return max(1, math.ceil(density * chunk - 1e-9))
 
 
+def density_codec(
+    density: Any, chunk: int, bits: int | None, scale: str = "max", sub_chunk: Any = None
+) -> ChunkedTopK:
+    """The chunked top-k codec of ``density``: ``k = ceil(density * chunk)`` per chunk, or with
+    ``sub_chunk`` ``ceil(density * sub_chunk)`` per sub-chunk (``chunk / sub_chunk`` times
+    that per chunk); errors name ``density`` and ``sub_chunk``."""
+    if sub_chunk is None:
+        return chunked_top_k(check_density(density, chunk), chunk, bits, scale)
+    sub_chunk = check_sub_chunk(sub_chunk, chunk)
+    k = check_density(density, sub_chunk) * (chunk // sub_chunk)
+    return chunked_top_k(k, chunk, bits, scale, sub_chunk)
+
+
 def check_small_for_size(small_codec: Codec | None, min_size: int) -> Codec | None:
     """``small_codec`` codes the leaves under ``min_size`` values: refused (ValueError
     naming it) with ``min_size`` 0, where no leaf is under it and it would be ignored."""
@@ -296,6 +309,7 @@ def topk_feedback(
     value_codec: Any,
     explore: Any,
     seed: Any,
+    sub_chunk: Any = None,
 ) -> tuple[optax.GradientTransformation, Codec]:
     """:func:`sparseloco`'s exchange of each device's own chunked top-k
     (:func:`exchange_feedback`) and its codec, after checking the arguments (errors naming
@@ -317,7 +331,7 @@ def topk_feedback(
         raise ValueError(f"`value_scale` must be one of {SCALES}, got {value_scale!r}")
     if value_scale == "mean" and bits != 1:
         raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
-    codec = chunked_top_k(check_density(density, chunk), chunk, bits, value_scale)
+    codec = density_codec(density, chunk, bits, value_scale, sub_chunk)
     ef_decay = check_decay(ef_decay)
     averaging = resolve_averaging(averaging, strategy)
     min_size = check_int("min_size", min_size, 0)
@@ -338,7 +352,7 @@ def topk_feedback(
 
 
 #: :func:`sparseloco`'s arguments of the per-device chunked top-k codec, at their defaults.
-TOPK_DEFAULTS = (("chunk", 4096), ("bits", 2), ("value_scale", "max"))
+TOPK_DEFAULTS = (("chunk", 4096), ("bits", 2), ("value_scale", "max"), ("sub_chunk", None))
 
 
 def refuse_topk_options(**given: Any) -> None:
@@ -416,7 +430,8 @@ def exchange_of(axis_name: Any, mask: str, strategy: Any, topk: dict, common: di
     """``(feedback, codec)`` of the pseudo-gradient's exchange: :func:`topk_feedback` (each
     replica's own top-k, ``strategy`` default ``"allgather"``) for ``mask="topk"``, else
     :func:`masked_feedback` (a mask every replica shares, default ``"two_phase"``), which
-    refuses the top-k codec's options (``topk``: ``chunk``, ``bits``, ``value_scale``)."""
+    refuses the top-k codec's options (``topk``: ``chunk``, ``bits``, ``value_scale``,
+    ``sub_chunk``)."""
     if shared_mask.check_mask(mask) != "topk":
         refuse_topk_options(**topk)
         strategy = "two_phase" if strategy is None else strategy
@@ -446,6 +461,7 @@ def sparseloco(
     explore: float | None = None,
     seed: int = 0,
     shard_axis: Any = None,
+    sub_chunk: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SparseLoCo: ``H`` inner steps per device, then the pseudo-gradient with decayed error
     feedback, top-k inside fixed chunks and 2-bit values, averaged and applied to the anchor.
@@ -535,7 +551,7 @@ def sparseloco(
         rarely sent, decay in the memory: ``explore`` defaults to 0.5 there). With a shared
         mask the mean is over all devices
         (``averaging`` None or ``"all"``), and ``clip``, ``small_codec`` and ``chunk``,
-        ``bits``, ``value_scale`` away from their defaults are refused (module
+        ``bits``, ``value_scale``, ``sub_chunk`` away from their defaults are refused (module
         :mod:`jaxcomp._src.shared_mask`).
       value_codec: with a shared mask, the dense codec of the kept values (default
         ``jc.int_quant(4)``: 4 bits and a float32 scale per 256 values).
@@ -557,6 +573,13 @@ def sparseloco(
         non-finite shard skips the sync of every shard (needed under ``check_vma=False``,
         where the update warns without it; ``()``: the params are whole). The top-k, its
         scales and ``clip`` stay per shard.
+      sub_chunk: None (the default: the top-k over each chunk) or the values of each
+        sub-chunk the top-k runs in, a divisor of ``chunk``: ``ceil(density * sub_chunk)``
+        kept in each, indices in ``ceil(log2 sub_chunk)`` bits, one scale per chunk still
+        (:func:`jaxcomp.chunked_top_k`'s ``sub_chunk``). At ``chunk=1024`` and 1-bit values
+        a sent value costs 8 bits and ``32 / k`` of a scale with ``sub_chunk=128`` where it
+        costs 11 without: more values for the same bytes (size ``density`` with
+        :func:`jaxcomp.sparseloco_density` given the same ``sub_chunk``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.
@@ -564,14 +587,14 @@ def sparseloco(
     Raises:
       ValueError: at construction, ``sync_every``, ``density``, ``chunk``, ``bits``, ``ef_decay``,
         ``averaging``, ``strategy``, ``min_size``, ``value_scale``, ``small_codec``, ``clip``,
-        ``mask``, ``value_codec``, ``explore`` or ``seed`` outside its rule (the message names
-        the argument; the rules: docs/errors.md), e.g. ``small_codec`` with ``min_size=0``;
-        when traced, ``shard_axis`` not bound there or holding ``axis_name``, or ``inner``
-        returning an update that differs per device where its param is typed the same.
+        ``mask``, ``value_codec``, ``explore``, ``seed`` or ``sub_chunk`` outside its rule (the
+        message names the argument; the rules: docs/errors.md), e.g. ``small_codec`` with
+        ``min_size=0``; when traced, ``shard_axis`` not bound there or holding ``axis_name``,
+        or ``inner`` returning an update that differs per device where its param is typed the
+        same.
       TypeError: at construction, ``inner``, ``outer``, ``sync_every``, ``density``, ``chunk``,
-        ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore``, ``seed`` or
-        ``shard_axis`` of
-        the wrong kind.
+        ``bits``, ``ef_decay``, ``min_size``, ``clip``, ``small_codec``, ``explore``, ``seed``,
+        ``shard_axis`` or ``sub_chunk`` of the wrong kind.
 
     Example::
 
@@ -601,7 +624,7 @@ def sparseloco(
         explore=explore,
         seed=seed,
     )
-    topk = dict(chunk=chunk, bits=bits, value_scale=value_scale)
+    topk = dict(chunk=chunk, bits=bits, value_scale=value_scale, sub_chunk=sub_chunk)
     feedback, codec = exchange_of(axis_name, mask, strategy, topk, common)
     cfg = _Config(
         name="sparseloco",

@@ -130,6 +130,24 @@ def dequantize(codes: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
     return scale[:, None] * (codes.astype(jnp.float32) * (2.0 / top) - 1.0)
 
 
+def quantize_groups(v: jax.Array, bits: int, scale: str, group: int) -> tuple[jax.Array, jax.Array]:
+    """:func:`quantize` with one scale per ``group`` consecutive rows of ``v`` ``[rows, k]``
+    (the last group short): the rows of a group quantized as one row of ``group k`` values.
+    The padding rows are zeros, which neither the max nor the mean of the nonzero values
+    reads. ``group=1``: :func:`quantize` itself. Returns ``(codes uint32[rows, k],
+    scale f32[ceil(rows / group)])``."""
+    rows, k = v.shape
+    n = ceil_div(rows, group)
+    padded = jnp.pad(v, ((0, n * group - rows), (0, 0))).reshape(n, group * k)
+    codes, s = quantize(padded, bits, scale)
+    return codes.reshape(n * group, k)[:rows], s
+
+
+def dequantize_groups(codes: jax.Array, scale: jax.Array, bits: int, group: int) -> jax.Array:
+    """Inverse of :func:`quantize_groups`: each row decoded with its group's scale."""
+    return dequantize(codes, jnp.repeat(scale, group)[: codes.shape[0]], bits)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkedTopK(Codec):
     r"""Top-``k`` in every chunk of ``chunk`` values: indices in ``ceil(log2 c)`` bits, values
@@ -138,28 +156,42 @@ class ChunkedTopK(Codec):
 
     Attributes:
       k: values kept per chunk.
-      chunk: values per chunk.
+      chunk: values per chunk (one scale each).
       bits: bits per kept value, or None for float32 values.
       scale: the chunk's value scale, ``"max"`` or ``"mean"`` (as :func:`chunked_top_k`).
+      sub_chunk: None, or the values of each sub-chunk the top-k runs in: ``k / (chunk /
+        sub_chunk)`` kept in each, indices in ``ceil(log2 sub_chunk)`` bits.
     """
 
     k: int = 64
     chunk: int = 4096
     bits: int | None = 2
     scale: str = "max"
+    sub_chunk: int | None = None
 
     flags_nonfinite = True
     dense = False  # only the k selected coordinates of each chunk travel
 
+    @property
+    def group(self) -> int:
+        """Top-k rows (sub-chunks) per float32 scale: ``chunk / sub_chunk``, 1 without."""
+        return 1 if self.sub_chunk is None else self.chunk // self.sub_chunk
+
     def layout(self, d: int) -> tuple[int, int, int]:
-        """``(c, kc, rows)``: the chunk size used for ``d`` values (``min(chunk, d)``), the
-        values kept per chunk (``k``, scaled down with the chunk: the same density) and
-        the number of chunks (the last one zero-padded)."""
+        """``(c, kc, rows)`` of the top-k: the values of a row for ``d`` values (``min(chunk,
+        d)``, or ``min(sub_chunk, d)``), the values kept per row (``k``, or ``k / group`` per
+        sub-chunk; scaled down with a shorter row: the same density) and the number of rows
+        (the last one zero-padded)."""
         if d == 0:
             return 1, 0, 0
-        c = min(self.chunk, d)
-        kc = self.k if c == self.chunk else max(1, math.ceil(self.k * c / self.chunk - 1e-9))
+        size, k = self.chunk // self.group, self.k // self.group
+        c = min(size, d)
+        kc = k if c == size else max(1, math.ceil(k * c / size - 1e-9))
         return c, min(kc, c), ceil_div(d, c)
+
+    def scales(self, d: int) -> int:
+        """Float32 scales of ``d`` values: one per ``group`` rows of :meth:`layout`."""
+        return ceil_div(self.layout(d)[2], self.group)
 
     def index_bits(self, d: int) -> int:
         c = self.layout(d)[0]
@@ -179,7 +211,7 @@ class ChunkedTopK(Codec):
         index = 4 * stream_words(n, self.index_bits(d))
         if self.bits is None:
             return index + 4 * n
-        return index + 4 * stream_words(n, self.bits) + 4 * rows
+        return index + 4 * stream_words(n, self.bits) + 4 * self.scales(d)
 
     def encode(self, x, key=None):
         x = check_vector(x, self)
@@ -195,7 +227,7 @@ class ChunkedTopK(Codec):
         index = pack_stream(mark_zeros(idx, v).reshape(-1), self.index_bits(d))
         if self.bits is None:
             return index, v.reshape(-1)
-        codes, scale = quantize(v, self.bits, self.scale)
+        codes, scale = quantize_groups(v, self.bits, self.scale, self.group)
         return index, pack_stream(codes.reshape(-1), self.bits), scale
 
     def _slots(self, payload, d):
@@ -209,7 +241,7 @@ class ChunkedTopK(Codec):
             values = payload[1].reshape(rows, kc)
         else:
             codes = unpack_stream(payload[1], self.bits, rows * kc).reshape(rows, kc)
-            values = dequantize(codes, payload[2], self.bits)
+            values = dequantize_groups(codes, payload[2], self.bits, self.group)
         base = (jnp.arange(rows, dtype=jnp.int32) * c)[:, None]
         keep = jnp.logical_not(repeats_first(local)) & (values != 0)
         return jnp.where(keep, base + local, d).reshape(-1), values.reshape(-1)
@@ -242,7 +274,11 @@ class ChunkedTopK(Codec):
 
 
 def chunked_top_k(
-    k: int = 64, chunk: int = 4096, bits: int | None = 2, scale: str = "max"
+    k: int = 64,
+    chunk: int = 4096,
+    bits: int | None = 2,
+    scale: str = "max",
+    sub_chunk: int | None = None,
 ) -> ChunkedTopK:
     r"""Top-k inside fixed chunks: the ``k`` largest ``|x_i|`` of every ``chunk`` values.
 
@@ -270,6 +306,19 @@ def chunked_top_k(
     ``s/3`` with 2: no level is 0) nor counted as a sender by Templar's merge. It costs no
     bits: the payload and ``payload_bytes`` are unchanged.
 
+    With ``sub_chunk`` the top-k runs inside each sub-chunk of ``sub_chunk`` values, ``k_s =
+    k / (chunk / sub_chunk)`` kept in each, and the chunk's ``chunk / sub_chunk`` sub-chunks
+    share its one scale (over all their kept values). An index then takes ``ceil(log2
+    sub_chunk)`` bits: at ``chunk=1024`` a sent value costs ``10 + bits + 32 / k`` bits
+    without, ``7 + bits + 32 / k`` with ``sub_chunk=128``, so the same bytes carry more
+    values; the top ``k_s`` of every sub-chunk keep less of ``|x|^2`` than the top ``k`` of
+    the chunk, whose largest values may bunch in one sub-chunk (docs, "LM measurements:
+    3000x", the sub-chunk screen). A leaf shorter than ``sub_chunk`` is one sub-chunk keeping
+    ``ceil(k_s d / sub_chunk)``::
+
+        payload_bytes(d) = 4 ceil(K b_s / 32) + 4 ceil(K bits / 32) + 4 ceil(R_s / g)
+        (b_s = ceil(log2 min(sub_chunk, d)), R_s sub-chunks, K = k_s R_s, g = chunk / sub_chunk)
+
     Args:
       k: values kept per chunk, in ``[1, chunk]``.
       chunk: values per chunk, ``>= 1`` (Templar: 4096, i.e. 64 x 64).
@@ -278,18 +327,23 @@ def chunked_top_k(
         only, ``"mean"`` (``s`` = the mean ``|v|`` of the nonzero kept values: each sent as
         ``s sign(v)``, the least-squares scale of a sign, where ``"max"`` sends every kept
         value at the largest one's magnitude). The same bytes.
+      sub_chunk: None (the top-k over the whole chunk) or the values of each sub-chunk the
+        top-k runs in, a divisor of ``chunk``; ``k`` must then be a multiple of ``chunk /
+        sub_chunk`` (``k_s`` kept per sub-chunk). One scale per chunk either way.
 
     Returns:
       A :class:`ChunkedTopK` codec.
 
     Raises:
-      ValueError: at construction, ``k``, ``chunk``, ``bits`` or ``scale`` outside its rule (the
-        message names the argument; the rules: docs/errors.md).
-      TypeError: at construction, ``k``, ``chunk`` or ``bits`` of the wrong kind.
+      ValueError: at construction, ``k``, ``chunk``, ``bits``, ``scale`` or ``sub_chunk``
+        outside its rule (the message names the argument; the rules: docs/errors.md).
+      TypeError: at construction, ``k``, ``chunk``, ``bits`` or ``sub_chunk`` of the wrong
+        kind.
 
     Example::
 
         codec = jc.chunked_top_k(64, chunk=4096, bits=2)   # 1.56% density, 2-bit values
+        codec = jc.chunked_top_k(64, chunk=1024, bits=1, scale="mean", sub_chunk=128)
         tx = optax.chain(jc.compressed_allreduce(codec, "data"), optax.sgd(0.1))
 
     References:
@@ -305,7 +359,23 @@ def chunked_top_k(
         raise ValueError(f"`scale` must be one of {SCALES}, got {scale!r}")
     if scale == "mean" and bits != 1:
         raise ValueError(f"`scale`='mean' needs `bits`=1 (a sign and its scale), got {bits!r}")
-    return ChunkedTopK(k, chunk, bits, scale)
+    sub_chunk = check_sub_chunk(sub_chunk, chunk)
+    if sub_chunk is not None and k % (chunk // sub_chunk):
+        raise ValueError(
+            f"`k`={k} must be a multiple of `chunk` / `sub_chunk` = {chunk // sub_chunk} "
+            f"(the same number kept in every sub-chunk of {sub_chunk} values)"
+        )
+    return ChunkedTopK(k, chunk, bits, scale, sub_chunk)
+
+
+def check_sub_chunk(sub_chunk: object, chunk: int) -> int | None:
+    """``sub_chunk`` None, or an int dividing ``chunk``, else an error naming it."""
+    if sub_chunk is None:
+        return None
+    sub_chunk = check_int("sub_chunk", sub_chunk, 1, chunk)
+    if chunk % sub_chunk:
+        raise ValueError(f"`sub_chunk` must divide `chunk`={chunk}, got {sub_chunk}")
+    return sub_chunk
 
 
 __all__ = ["ChunkedTopK", "chunked_top_k", "pack_stream", "stream_words", "unpack_stream"]

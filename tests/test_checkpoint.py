@@ -1173,28 +1173,10 @@ def test_restore_a_state_saved_without_taken_or_topology(kind, tmp_path):
 
 def _hierarchical(shape):
     """(state, jitted step (state, grads) -> (mean, state), grads placer, scope: the tx,
-    params and mesh) on a ``shape`` = (hosts, local) mesh of 8 devices."""
-    import jax
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import jaxcomp as jc
-
-    m = jax.make_mesh(shape, ("data", "local"), axis_types=(AxisType.Explicit,) * 2)
+    params and mesh) on a ``shape`` = (hosts, local) mesh of 8 devices, axes ("data",
+    "local"): :func:`_layout` of a hierarchical exchange."""
     axes = ("data", "local")
-    tx = jc.compressed_allreduce(
-        jc.sign(), "data", strategy="two_phase", inner_axis_name="local", min_size=1
-    )
-    params = {"w": np.zeros((16, 32), np.float32)}
-    state = jc.sharded_init(tx, params, m, axes)
-    specs = jc.state_specs(state, axes)
-
-    def step(s, g):
-        return tx.update(jax.tree.map(lambda a: a[0], g), s)
-
-    fn = jax.shard_map(step, mesh=m, in_specs=(specs, P(axes)), out_specs=(P(), specs))
-    put = lambda g: jax.device_put(g, NamedSharding(m, P(axes)))  # noqa: E731
-    return state, jax.jit(fn), put, {"tx": tx, "params": params, "mesh": m}
+    return _layout(shape, "data", "local", axes, names=axes)
 
 
 def test_a_flat_state_restored_into_a_hierarchical_target_is_refused(tmp_path):
@@ -1457,11 +1439,10 @@ def test_hierarchical_axes_in_the_other_order_are_refused_naming_axis_name():
 # chunk its row holds) now flags the step as a non-finite gradient does.
 
 
-def _layout(shape, exchange_axes, inner, spec_axes):
+def _layout(shape, exchange_axes, inner, spec_axes, names=("host", "local")):
     """``(state, jitted step (state, grads) -> (mean, state), grads placer, scope: the tx,
     params and mesh)``: a sign two-phase exchange over ``exchange_axes`` (and ``inner``) on
-    a ``shape`` mesh of axes ("host", "local"), its state built and stepped with
-    ``spec_axes``."""
+    a ``shape`` mesh of axes ``names``, its state built and stepped with ``spec_axes``."""
     import jax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -1469,9 +1450,7 @@ def _layout(shape, exchange_axes, inner, spec_axes):
     import jaxcomp as jc
 
     devices = jax.devices()[: int(np.prod(shape))]
-    m = jax.make_mesh(
-        shape, ("host", "local"), axis_types=(AxisType.Explicit,) * 2, devices=devices
-    )
+    m = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2, devices=devices)
     tx = jc.compressed_allreduce(
         jc.sign(), exchange_axes, strategy="two_phase", inner_axis_name=inner, min_size=1
     )

@@ -7,7 +7,7 @@ average, so device ``i`` holds
 
 .. math::
 
-    a_i = \frac{1}{m} \\sum_{j=1}^{m} g_{i,j},
+    a_i = \frac{1}{m} \sum_{j=1}^{m} g_{i,j},
 
 one value per device. :func:`jaxcomp.state_specs` knows the per-device fields of jaxcomp's
 states only: it lays ``acc_grads`` out replicated, ``P()``. Under

@@ -1662,7 +1662,7 @@ def test_complete_state_restores_a_onebit_adam_chain_saved_without_its_levels(tm
     import jaxcomp as jc
 
     tx = jc.onebit_adam(1e-3, "data", freeze_step=2, min_size=64)
-    params = {"w": np.zeros((48, 64), np.float32), "b": np.zeros((64,), np.float32)}
+    params = {"w": np.zeros((16, 32), np.float32), "b": np.zeros((32,), np.float32)}
     fresh = jc.sharded_init(tx, params, mesh(), "data")
     moved = jax.tree.map(lambda a: a + 1, fresh[0])
     state = (moved._replace(level=fresh[0].level, level_ref=fresh[0].level_ref), *fresh[1:])

@@ -155,6 +155,10 @@ _AXIS_FACTORIES = (
 _INNER_FACTORIES = "compressed_allreduce, dgc, powersgd"
 
 # (function, argument, call with a bad value, exception). One row per rule.
+#: A state of today's type for jc.restore_template / jc.complete_state: a saved tree that
+#: lacks its ``memory`` (a field no older jaxcomp saved without) is refused naming it.
+_OLD_STATE = jc.CompressedAllreduceState(None, None, None, np.zeros(2, np.uint32), np.int32(0))
+
 CHECKS = [
     ("cast", "dtype", lambda: jc.cast("int8"), ValueError),
     ("cast", "scaled", lambda: jc.cast("fp16", scaled="yes"), TypeError),
@@ -1079,6 +1083,10 @@ CHECKS = [
         lambda: jc.restore_target(SGD, {"w": np.zeros(3)}, mesh(), "data", 0),
         ValueError,
     ),
+    ("restore_template", "saved", lambda: jc.restore_template(_OLD_STATE, {}), ValueError),
+    ("restore_template", "saved", lambda: jc.restore_template(_OLD_STATE, 3), TypeError),
+    ("complete_state", "restored", lambda: jc.complete_state(_OLD_STATE, {}), ValueError),
+    ("complete_state", "restored", lambda: jc.complete_state(_OLD_STATE, None), TypeError),
     (_AXIS_FACTORIES, "axis_name", lambda: jc.sgd(0.1, S, None), ValueError),
     (_AXIS_FACTORIES, "axis_name", lambda: jc.local_sgd(SGD, 3, 2), TypeError),
     (_INNER_FACTORIES, "inner_axis_name", lambda: jc.dgc(0.1, "d", inner_axis_name=()), ValueError),

@@ -42,19 +42,19 @@ def _fields_of(node: Any) -> Any:
     return node if isinstance(node, Mapping) else None
 
 
-def _default(fresh: Any, field: str, path: str) -> Any:
+def _default(fresh: Any, field: str, path: str, name: str) -> Any:
     """The value a state saved without ``field`` gets: declared in ``ADDED_FIELDS`` of the
     state's type, or refused naming the field (not declared, or declared :class:`NoDefault`)."""
     kind = getattr(type(fresh), "ADDED_FIELDS", {}).get(field)
     where = f"`{type(fresh).__name__}.{field}` (at `{path}.{field}`)"
     if kind is None:
         raise ValueError(
-            f"`saved` lacks the field {where}, which no older jaxcomp saved without: the "
+            f"`{name}` lacks the field {where}, which no older jaxcomp saved without: the "
             "checkpoint holds the state of another transform or other arguments; build "
             "`fresh_state` with the transform and arguments that saved it"
         )
     if isinstance(kind, NoDefault):
-        raise ValueError(f"`saved` lacks the field {where}, which has no safe default: {kind.why}")
+        raise ValueError(f"`{name}` lacks the field {where}, which has no safe default: {kind.why}")
     return getattr(fresh, field) if kind == FRESH else None
 
 
@@ -62,7 +62,7 @@ def _missing(fresh: Any, saved: Mapping, path: str) -> list[str]:
     """The fields of the state ``fresh`` that ``saved`` lacks, each checked to have a default."""
     missing = [f for f in fresh._fields if f not in saved]
     for field in missing:
-        _default(fresh, field, path)
+        _default(fresh, field, path, "saved")
     return missing
 
 
@@ -99,7 +99,7 @@ def _completed(fresh: Any, restored: Any, path: str) -> Any:
             **{
                 f: _completed(getattr(fresh, f), fields[f], f"{path}.{f}")
                 if f in fields
-                else _default(fresh, f, path)
+                else _default(fresh, f, path, "restored")
                 for f in fresh._fields
             }
         )
@@ -124,9 +124,9 @@ def _tree(saved: Any) -> Any:
 def _check_tree(name: str, tree: Any) -> None:
     if not isinstance(tree, (Mapping, list, tuple)):
         raise TypeError(
-            f"`{name}` must be the saved state's tree (a dict of its fields, as orbax's "
-            "`ckpt.metadata(path).item_metadata['opt_state']` lists them, or a list of "
-            f"such for a chain), got {type(tree).__name__}"
+            f"`{name}` must be a tree of the state's fields (a dict per state, as orbax's "
+            "`ckpt.metadata(path).item_metadata['opt_state']` and its restore give them; a "
+            f"list or tuple for a chain), got {type(tree).__name__}"
         )
 
 
@@ -179,7 +179,9 @@ def complete_state(fresh_state: Any, restored: Any) -> Any:
       The state of today's types, every saved array as restored.
 
     Raises:
-      ValueError: a field lacking has no default (named), or is not declared as added.
+      TypeError: ``restored`` is not a tree of fields.
+      ValueError: ``restored`` lacks a field that has no default (named), or one its type
+        does not declare as added.
     """
     _check_tree("restored", restored)
     return _completed(fresh_state, restored, "state")

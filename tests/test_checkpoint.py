@@ -1368,41 +1368,52 @@ def test_a_state_that_compressed_fewer_leaves_is_refused_naming_the_field(tmp_pa
         jax.eval_shape(fn, state, grads)
 
 
-def test_restore_a_hierarchical_state_saved_without_its_grid(tmp_path):
-    """The docs' recipe for a hierarchical state saved before ``server_grid`` (the old layout
-    written here as a dict of its fields): orbax's error names the field as quoted, and the
-    docs' block restores the saved arrays with the fresh state's grid, which then steps as
-    the saved state does."""
+def _restored_by_the_recipe(run, dropped, quoted, seed, tmp_path):
+    """``run`` (:func:`_layout`'s four) stepped once on gradients of ``seed`` and saved
+    without the fields ``dropped`` (a state of an older jaxcomp): orbax refuses today's
+    template with the error docs/checkpoints.md ``quoted``, and the docs' recipe ("On a mesh
+    of other sizes") restores the saved arrays, whose next output is the saved state's, bit
+    for bit. Returns the restored state."""
     import jax
     import orbax.checkpoint as ocp
 
     import jaxcomp as jc
 
-    state, step, put, scope = _hierarchical((2, 4))
-    g = put({"w": np.random.default_rng(1).standard_normal((8, 16, 32)).astype(np.float32)})
+    state, step, put, scope = run
+    mesh_axes = scope["mesh"].axis_names
+    g = put({"w": np.random.default_rng(seed).standard_normal((8, 16, 32)).astype(np.float32)})
     _, state = jax.block_until_ready(step(state, g))
-    added = ("server_grid", "server_chunk")
-    saved = {k: v for k, v in state._asdict().items() if k not in added}
+    saved = {k: v for k, v in state._asdict().items() if k not in dropped}
     path = tmp_path / "ckpt"
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path, {"opt_state": saved})
         ckpt.wait_until_finished()
-        _, quoted, recipe = _doc_blocks("## On a mesh of other sizes")
         template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": state})
         with pytest.raises(ValueError) as missing:
             ckpt.restore(path, template)
         for line in quoted.splitlines():
             if "..." not in line:
                 assert line.removeprefix("ValueError: ") in str(missing.value), line
-        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path, axes=("data", "local"))
+        recipe = _doc_blocks("## On a mesh of other sizes")[2]
+        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path, axes=tuple(mesh_axes))
         exec(recipe, scope)
     got = scope["opt_state"]
-    assert got.server_grid.shape == (2, 4)
-    assert_equal = np.testing.assert_array_equal
     for ours, before in zip(jax.tree.leaves(got), jax.tree.leaves(state), strict=True):
-        assert_equal(np.asarray(ours), np.asarray(before))
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(before))
     out, _ = step(got, g)
-    assert_equal(np.asarray(out["w"]), np.asarray(step(state, g)[0]["w"]))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(step(state, g)[0]["w"]))
+    return got
+
+
+def test_restore_a_hierarchical_state_saved_without_its_grid(tmp_path):
+    """The docs' recipe for a hierarchical state saved before ``server_grid`` (the old layout
+    written here as a dict of its fields): orbax's error names the field as quoted, and the
+    docs' block restores the saved arrays with the fresh state's grid, which then steps as
+    the saved state does."""
+    run = _hierarchical((2, 4))
+    quoted = _doc_blocks("## On a mesh of other sizes")[1]
+    got = _restored_by_the_recipe(run, ("server_grid", "server_chunk"), quoted, 1, tmp_path)
+    assert got.server_grid.shape == (2, 4)
 
 
 def test_hierarchical_axes_in_the_other_order_are_refused_naming_axis_name():
@@ -1535,35 +1546,11 @@ def test_restore_a_flat_state_saved_without_its_server_chunk(tmp_path):
     other fields): orbax's error names the field as docs/checkpoints.md quotes it, and the
     recipe of the section before restores the saved arrays with fresh stamps: the same
     arrays, and the next output of the saved state bit for bit."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    import jaxcomp as jc
-
     axes = ("host", "local")
-    state, step, put, scope = _layout((2, 4), axes, None, axes)
-    g = put({"w": np.random.default_rng(3).standard_normal((8, 16, 32)).astype(np.float32)})
-    _, state = jax.block_until_ready(step(state, g))
-    saved = {k: v for k, v in state._asdict().items() if k != "server_chunk"}
-    path = tmp_path / "ckpt"
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path, {"opt_state": saved})
-        ckpt.wait_until_finished()
-        (quoted,) = _doc_blocks("## Rows stepped on other devices")
-        template = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": state})
-        with pytest.raises(ValueError) as missing:
-            ckpt.restore(path, template)
-        for line in quoted.splitlines():
-            if "..." not in line:
-                assert line.removeprefix("ValueError: ") in str(missing.value), line
-        recipe = _doc_blocks("## On a mesh of other sizes")[2]
-        scope.update(jc=jc, jax=jax, ocp=ocp, ckpt=ckpt, path=path, axes=axes)
-        exec(recipe, scope)
-    got = scope["opt_state"]
-    for ours, before in zip(jax.tree.leaves(got), jax.tree.leaves(state), strict=True):
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(before))
-    out, _ = step(got, g)
-    np.testing.assert_array_equal(np.asarray(out["w"]), np.asarray(step(state, g)[0]["w"]))
+    (quoted,) = _doc_blocks("## Rows stepped on other devices")
+    _restored_by_the_recipe(
+        _layout((2, 4), axes, None, axes), ("server_chunk",), quoted, 3, tmp_path
+    )
 
 
 # ------------------------------------------------------------ saved by an older jaxcomp

@@ -93,6 +93,23 @@ def test_collectives_over_an_axis_the_mesh_lacks_say_so(call):
         jax.eval_shape(f, x)
 
 
+def test_an_unbound_axis_says_which_axes_are_bound():
+    """A misspelt axis names the axes bound there; an update outside any shard_map says so.
+    Until 2026-11-27 both said only "call jaxcomp collectives inside jax.shard_map (or
+    jax.pmap) over a mesh that has axis 'batch'", naming neither the axis to use nor that
+    the update ran under jax.jit with no shard_map at all."""
+    m = mesh()
+    f = jax.shard_map(lambda x: jc.pmean(x, "batch", S), mesh=m, in_specs=P("data"), out_specs=P())
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(m, P("data")))
+    with pytest.raises(ValueError, match=r"the axes bound here are \('data',\): build the"):
+        jax.eval_shape(f, x)
+    tx = jc.sgd(0.1, S, "data")
+    grads = {"w": jnp.ones(16)}
+    for update in (tx.update, jax.jit(tx.update)):  # eagerly, and under jax.jit alone
+        with pytest.raises(ValueError, match=r"no axis is bound here at all: this runs outside"):
+            update(grads, tx.init(grads), grads)
+
+
 @pytest.mark.parametrize("bad, exc", BAD, ids=["None", "empty", "int", "tuple-with-float"])
 def test_pmean_refuses_a_bad_axis_name(bad, exc):
     m = mesh()

@@ -1195,6 +1195,8 @@ CHECKS = [
         ValueError,
     ),
     ("sharded_init", "axis_name", lambda: jc.sharded_init(SGD, _W, mesh(), "batch"), ValueError),
+    ("sharded_init", "tx", lambda: jc.sharded_init(_W, SGD, mesh(), "data"), TypeError),
+    ("sharded_init", "mesh", lambda: jc.sharded_init(SGD, _W, "data", mesh()), TypeError),
     ("sharded_init", "tx", lambda: _abstract_init(_LR_AFTER_LOCAL_SGD), ValueError),
     (
         "sharded_init",
@@ -1494,6 +1496,34 @@ def _device_key():
 def _update(grads):
     tx = jc.compressed_allreduce(S, "data", min_size=16)
     return tx.update(grads, tx.init(grads), grads)[0]
+
+
+def test_a_codec_name_or_an_uncalled_factory_is_refused_saying_what_to_pass():
+    """Until 2026-11-27 ``jc.sgd(0.05, "sign", "data")`` and ``jc.sgd(0.05, jc.sign,
+    "data")`` said only "got str" / "got function"; now the message says what to pass."""
+    with pytest.raises(
+        TypeError,
+        match=re.escape("got str 'sign': pass a codec object, not its name (jc.CODECS['sign']())"),
+    ):
+        jc.sgd(0.05, "sign", "data")
+    with pytest.raises(TypeError, match=r"got str 'int9': .*\(jc.CODECS: the named presets\)"):
+        jc.compressed_allreduce("int9", "data")
+    with pytest.raises(
+        TypeError, match=re.escape("got function sign: a codec factory, call it (jc.sign(...))")
+    ):
+        jc.compressed_allreduce(jc.sign, "data")
+    assert jc.CODECS["sign"]() == jc.sign()  # what the message suggests is a codec
+
+
+def test_sharded_init_with_its_arguments_swapped_names_the_argument_and_the_order():
+    """Until 2026-11-27 ``jc.sharded_init(params, tx, mesh, axis)`` raised AttributeError
+    "'dict' object has no attribute 'init'" and a mesh axis's name in the mesh's place
+    "'str' object has no attribute 'axis_names'", from inside jaxcomp."""
+    order = re.escape("the arguments are (tx, params, mesh, axis_name)")
+    with pytest.raises(TypeError, match=r"`tx` must be an optax .* got dict: " + order):
+        jc.sharded_init(_W, SGD, mesh(), "data")
+    with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got str 'data'"):
+        jc.sharded_init(SGD, _W, "data", mesh())
 
 
 def _id(row):

@@ -103,6 +103,40 @@ def test_index_page_step_trains_at_one_bit():
     assert mom.sharding.spec[0] == "data" and np.abs(np.diff(np.asarray(mom), axis=0)).max() > 0
 
 
+def test_flax_page_nnx_step_runs_as_pasted():
+    """docs/flax.md's NNX block, given only the model and loss it leaves to the reader:
+    it imports what it uses (until 2026-11-27 it used ``jax`` and ``AxisType`` without
+    importing them: a NameError in a fresh script) and trains, its memories per device."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(16, 32, rngs=rngs)
+            self.out = nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(jnp.tanh(self.hidden(x)))
+
+    def loss_fn(model, x, y):
+        return jnp.mean((model(x) - y) ** 2)
+
+    code = _block("docs/flax.md", "def train_step(model, optimizer, x, y)")
+    ns = {"MLP": MLP, "loss_fn": loss_fn}  # nothing else: the block's own imports
+    exec(compile(code, "<doc block>", "exec"), ns)
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(kx, (64, 16))
+    y = jnp.tanh(x @ jax.random.normal(kw, (16, 4)))
+    x, y = jax.device_put((x, y), NamedSharding(ns["mesh"], P("data")))
+    losses = [float(jax.block_until_ready(ns["train_step"](ns["model"], ns["optimizer"], x, y)))]
+    for _ in range(4):
+        losses.append(
+            float(jax.block_until_ready(ns["train_step"](ns["model"], ns["optimizer"], x, y)))
+        )
+    assert losses[-1] < losses[0], losses
+    kernels = [a for a in jax.tree.leaves(nnx.state(ns["optimizer"])) if a.shape == (8, 16, 32)]
+    assert kernels and all(a.sharding.spec[0] == "data" for a in kernels)  # one per device
+
+
 def _lm_code_blocks() -> list:
     """The ```python blocks of docs/lm.md's "The code" section, in order."""
     text = (ROOT / "docs/lm.md").read_text()

@@ -171,9 +171,28 @@ def axis_size(axis_name: Any) -> int:
         raise ValueError(
             f"`axis_name` {axis_name!r} is not bound here: call jaxcomp collectives inside "
             f"jax.shard_map (or jax.pmap) over a mesh that has axis {axis_name!r} ({e})"
+            f"{_bound_hint()}"
         ) from None
     check_not_mixed(axis_name)
     return size
+
+
+def _bound_hint() -> str:
+    """What is bound where an axis name was not: no axis at all (``tx.update`` called
+    eagerly or under ``jax.jit`` alone), or the names that are (a misspelt axis)."""
+    try:  # private: the named axes of the trace (shard_map's manual axes, pmap's, vmap's)
+        from jax._src import core as jax_core
+
+        bound = tuple(jax_core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):  # a jax that moved it: the message without a hint
+        return ""
+    if not bound:
+        return (
+            "; no axis is bound here at all: this runs outside jax.shard_map / jax.pmap "
+            "(called eagerly, or under jax.jit without a shard_map): put it inside the "
+            "shard_map'ed step, as the README's quickstart does"
+        )
+    return f"; the axes bound here are {bound}: build the transform with one of them"
 
 
 def bound_axis_size(axis_name: Any) -> int | None:

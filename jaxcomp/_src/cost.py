@@ -34,9 +34,24 @@ def check_strategy(strategy: str) -> str:
 def check_codec(codec: Any) -> Codec:
     if not isinstance(codec, Codec):
         raise TypeError(
-            f"`codec` must be a jaxcomp codec (e.g. jc.int_quant(8)), got {type(codec).__name__}"
+            f"`codec` must be a jaxcomp codec (e.g. jc.int_quant(8)), got "
+            f"{type(codec).__name__}{_codec_hint(codec)}"
         )
     return codec
+
+
+def _codec_hint(codec: Any) -> str:
+    """What a user who passed ``codec`` most likely meant: a codec's name from
+    ``jc.CODECS`` (``"sign"``), or a codec factory not called (``jc.sign``)."""
+    from jaxcomp._src.codecs.registry import CODECS  # the registry imports the codecs
+
+    if isinstance(codec, str):
+        known = f"jc.CODECS[{codec!r}]()" if codec in CODECS else "jc.CODECS: the named presets"
+        return f" {codec!r}: pass a codec object, not its name ({known})"
+    module = getattr(codec, "__module__", None) or ""
+    if callable(codec) and module.startswith("jaxcomp._src.codecs"):
+        return f" {codec.__name__}: a codec factory, call it (jc.{codec.__name__}(...))"
+    return ""
 
 
 def check_pair(codec: Codec, strategy: str) -> None:

@@ -537,7 +537,10 @@ def sharded_init(
         (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others, or
         ``optax.MultiSteps`` around a jaxcomp transform (its ``acc_grads`` differ per device:
         ``jc.accumulate(tx, every_k)``).
+      TypeError: ``tx`` not an optax transform, or ``mesh`` not a ``jax.sharding.Mesh``
+        (the arguments swapped: the message names the argument and their order).
     """
+    check_init_arguments(tx, mesh)
     state = init_state(tx, params, mesh, axis_name, param_specs)
     if param_specs is not None:
         specs = _param_context(param_specs, params, mesh)[1]
@@ -549,6 +552,23 @@ def sharded_init(
     multisteps.check_not_around_exchange(state, "tx")
     check_same_on_every_process(state)
     return state
+
+
+def check_init_arguments(tx: Any, mesh: Any) -> None:
+    """A TypeError naming ``tx`` or ``mesh`` where :func:`sharded_init` got something else
+    (its arguments swapped, a mesh axis's name for the mesh): jax's own error would be an
+    AttributeError deep inside, naming neither."""
+    order = "the arguments are (tx, params, mesh, axis_name)"
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"`tx` must be an optax GradientTransformation (init and update), got "
+            f"{type(tx).__name__}: {order}"
+        )
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (jax.make_mesh(...)), got "
+            f"{type(mesh).__name__} {mesh!r:.80}: {order}"
+        )
 
 
 def init_state(

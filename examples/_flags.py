@@ -20,3 +20,8 @@ def bounded(kind: type, low: float, open_low: bool = False):
 
     parse.__name__ = kind.__name__  # argparse says "invalid int value: 'x'"
     return parse
+
+
+class WithDefaults(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each flag's default after its help, and the description and
+    epilog as written."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -158,12 +158,17 @@ def train(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=bounded(int, 1), default=400)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=WithDefaults)
+    ap.add_argument("--steps", type=bounded(int, 1), default=400, help="training steps")
     ap.add_argument(
         "--sync-every", type=bounded(int, 1), default=20, help="H: inner steps per outer step"
     )
-    ap.add_argument("--codec", default="int4", choices=["none", *sorted(jc.CODECS)])
+    ap.add_argument(
+        "--codec",
+        default="int4",
+        choices=["none", *sorted(jc.CODECS)],
+        help="pseudo-gradient codec (none: float32)",
+    )
     ap.add_argument(
         "--fragments", type=bounded(int, 1), default=1, help="Streaming DiLoCo fragments"
     )

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -382,8 +382,10 @@ def check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace, devi
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=bounded(int, 1), default=200)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=WithDefaults
+    )
+    parser.add_argument("--steps", type=bounded(int, 1), default=200, help="training steps")
     codecs = ["none", *sorted(jc.CODECS)]
     parser.add_argument("--weights", default="int8", choices=codecs, help="weight codec")
     parser.add_argument("--grads", default="int4", choices=codecs, help="gradient codec")
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sync-every", type=bounded(int, 1), default=10, help="steps between syncs (diloco)"
     )
-    parser.add_argument("--d-model", type=bounded(int, 1), default=128)
+    parser.add_argument("--d-model", type=bounded(int, 1), default=128, help="model width")
     parser.add_argument("--layers", type=bounded(int, 1), default=2, help="decoder blocks")
     parser.add_argument(
         "--devices", type=bounded(int, 1), default=8, help="CPU devices (one process)"

@@ -19,7 +19,7 @@ import argparse
 import math
 import sys
 
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import use_cpu_devices
@@ -117,10 +117,12 @@ def compare(sent: float, pmean: float) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--topology", choices=jc.TOPOLOGIES, default="ring")
-    ap.add_argument("--codec", choices=list(CODECS), default="int8")
-    ap.add_argument("--steps", type=bounded(int, 1), default=300)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=WithDefaults)
+    ap.add_argument("--topology", choices=jc.TOPOLOGIES, default="ring", help="who mixes with whom")
+    ap.add_argument(
+        "--codec", choices=list(CODECS), default="int8", help="what the differences are sent in"
+    )
+    ap.add_argument("--steps", type=bounded(int, 1), default=300, help="training steps")
     args = ap.parse_args(argv)
     accuracy, distance, sent, pmean = train(args.topology, args.codec, args.steps)
     t = jc.topology(args.topology, jax.device_count())

@@ -205,7 +205,7 @@ def train(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--variant", default="ef", choices=VARIANTS, help="how jaxcomp enters")

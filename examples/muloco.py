@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import use_cpu_devices
@@ -62,8 +62,8 @@ def train(method: str, args) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=bounded(int, 1), default=300)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=WithDefaults)
+    ap.add_argument("--steps", type=bounded(int, 1), default=300, help="training steps")
     ap.add_argument("--sync-every", type=bounded(int, 1), default=30, help="H: inner Muon steps")
     ap.add_argument(
         "--lr",

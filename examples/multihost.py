@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -95,16 +95,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         epilog=HOW_TO_LAUNCH,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=WithDefaults,
     )
-    ap.add_argument("--codec", default="sign", choices=sorted(jc.CODECS))
-    ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES)
-    ap.add_argument("--steps", type=bounded(int, 1), default=100)
+    ap.add_argument("--codec", default="sign", choices=sorted(jc.CODECS), help="gradient codec")
+    ap.add_argument("--strategy", default="auto", choices=jc.STRATEGIES, help="the exchange")
+    ap.add_argument("--steps", type=bounded(int, 1), default=100, help="training steps")
     ap.add_argument(
         "--batch", type=bounded(int, 1), default=256, help="global batch, over all processes"
     )
-    ap.add_argument("--hidden", type=bounded(int, 1), default=128)
-    ap.add_argument("--lr", type=bounded(float, 0, open_low=True), default=0.05)
+    ap.add_argument("--hidden", type=bounded(int, 1), default=128, help="MLP hidden width")
+    ap.add_argument(
+        "--lr", type=bounded(float, 0, open_low=True), default=0.05, help="SGD learning rate"
+    )
     ap.add_argument("--no-report", action="store_true", help="skip comm_report (one compile less)")
     args = ap.parse_args(argv)
     join()

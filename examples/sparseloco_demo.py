@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from _flags import bounded  # examples/_flags.py
+from _flags import WithDefaults, bounded  # examples/_flags.py
 
 import jaxcomp as jc
 from jaxcomp.cpu import blocking, use_cpu_devices
@@ -156,12 +156,17 @@ def run(tx, kind: str, steps: int, sync_every: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=bounded(int, 1), default=300)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=WithDefaults)
+    ap.add_argument("--steps", type=bounded(int, 1), default=300, help="training steps")
     ap.add_argument(
         "--sync-every", type=bounded(int, 1), default=10, help="H: SparseLoCo's inner steps"
     )
-    ap.add_argument("--averaging", default="senders", choices=("all", "senders"))
+    ap.add_argument(
+        "--averaging",
+        default="senders",
+        choices=("all", "senders"),
+        help="SparseLoCo's mean of a coordinate: over the devices that sent it, or over all",
+    )
     ap.add_argument(
         "--lr",
         type=bounded(float, 0, open_low=True),

@@ -1739,3 +1739,29 @@ def test_restore_template_refuses_a_field_with_no_default_naming_it(tmp_path):
     ckpt = _save_old(tmp_path / "today", state)
     assert jax.tree.structure(jc.restore_template(fresh, state)) == jax.tree.structure(fresh)
     _assert_same(_restore_older(ckpt, tmp_path / "today", fresh), state)
+
+
+def test_complete_state_restores_fields_missing_at_two_depths(tmp_path):
+    """A ``jc.diloco(delay=1, codec=int8)`` state as written before 2026-11-27: no ``taken``
+    in the DiLoCo state and no ``server_grid`` / ``server_chunk`` in its exchange's state
+    (nested in a tuple, one per fragment): ``taken`` None, the exchange's fields fresh, every
+    saved array back."""
+    import jax
+    import optax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = jc.diloco(optax.sgd(0.1), "data", 4, delay=1, codec=jc.int_quant(8), min_size=0)
+    fresh = jc.sharded_init(tx, {"w": np.zeros((16, 32), np.float32)}, mesh(), "data")
+    added = ("server_grid", "server_chunk")
+    moved = jax.tree.map(lambda a: a + 1, fresh)  # the saved values: fresh ones plus 1
+    kept = [
+        e._replace(**{f: getattr(f0, f) for f in added})
+        for e, f0 in zip(moved.exchange, fresh.exchange, strict=True)
+    ]
+    state = moved._replace(exchange=tuple(kept), taken=None)
+    assert any(e.server_chunk is not None for e in fresh.exchange)
+    exchange = tuple(_without(e, *added) for e in moved.exchange)
+    ckpt = _save_old(tmp_path / "c", {**_without(state, "taken"), "exchange": exchange})
+    _assert_same(_restore_older(ckpt, tmp_path / "c", fresh), state)

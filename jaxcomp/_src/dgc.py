@@ -40,6 +40,7 @@ from jaxcomp._src.codecs.base import (
     scaled_global_norm_parts,
 )
 from jaxcomp._src.codecs.sparse import check_ratio, top_k
+from jaxcomp._src.older_states import FRESH
 
 
 class DGCState(NamedTuple):
@@ -56,6 +57,12 @@ class DGCState(NamedTuple):
       momentum: identical on every device, f32[*leaf.shape] per plain leaf
       key: uint32[2], identical on every device; split every step
       count: int32[]: number of updates applied
+      server_chunk: per device, int32[1]: the index along ``axis_name`` of the chunk whose
+        residual this device's row of ``server_residual`` holds (-1 built outside the mesh,
+        not checked), where ``server_residual`` is kept (else None); a row stepped on
+        another device (a flat exchange over a tuple of axes stepped in the other order)
+        flags the step as a non-finite gradient does, whole state kept
+        (:func:`jaxcomp._src.server.stamp`)
     """
 
     velocity: Any
@@ -64,8 +71,13 @@ class DGCState(NamedTuple):
     momentum: Any
     key: chex.PRNGKey
     count: jax.Array
+    server_chunk: Any = None
 
-    PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual")
+    PER_DEVICE_FIELDS = ("velocity", "accumulation", "server_residual", "server_chunk")
+    #: Fields added since the first release, and what a state saved without them gets
+    #: (:func:`jaxcomp.complete_state`): the stamps of a fresh state, which say that each
+    #: row is where it was saved (restore only into the layout it was saved from).
+    ADDED_FIELDS = {"server_chunk": FRESH}
 
 
 def _matrix_mask(tree: Any) -> Any:
@@ -252,13 +264,14 @@ def _saturate(x: jax.Array) -> jax.Array:
     return jnp.clip(x, -F32_MAX, F32_MAX)
 
 
-def _checked(g: list, plain_bad: Any, axis_name: Any) -> jax.Array:
+def _checked(g: list, plain_bad: Any, axis_name: Any, misplaced: Any = None) -> jax.Array:
     """The step's non-finite flag, identical on every device, from its inputs before any
     state is written: some device's compressed gradient ``g`` holds a NaN or inf, or the
-    plain leaves' means do (``plain_bad``): :func:`collectives.inputs_nonfinite`. Saturated
-    sums keep a finite step's velocity and accumulation finite, so nothing later can raise
-    it."""
-    return collectives.inputs_nonfinite(g, plain_bad, axis_name)
+    plain leaves' means do (``plain_bad``), or some device's row of the server residual is
+    another device's (``misplaced``, :func:`jaxcomp._src.server.misplaced`; or-ed into the
+    same scalar ``psum``): :func:`collectives.inputs_nonfinite`. Saturated sums keep a
+    finite step's velocity and accumulation finite, so nothing later can raise it."""
+    return collectives.inputs_nonfinite(g, plain_bad, axis_name, misplaced)
 
 
 def _plain_momentum(momentum, nesterov: bool, traces: list, means: list) -> tuple[list, list]:
@@ -490,6 +503,7 @@ def dgc(
             "velocity": skeleton.zeros_like_compressed(layout) if some else None,
             "accumulation": skeleton.zeros_like_compressed(layout) if some else None,
             "server_residual": server.zeros(layout, chunks(layout), False, use_server and some),
+            "server_chunk": server.stamp(axis_name, None, use_server and some),
             "momentum": layouts.like_plain(layout, plain) if plain else None,
         }
 
@@ -515,14 +529,14 @@ def dgc(
             _check_whole_params(params, clip_norm, axis_name, inner_axis_name)
             g, p = _clip_local(g, p, clip_norm / math.sqrt(n))
         plain_mean, plain_bad = skeleton.plain_means(p, axis_name, buckets.BUCKET_BYTES)
-        bad = _checked(g, plain_bad, axis_name)
+        owner = server.Owner(axis_name, None)
+        bad = _checked(g, plain_bad, axis_name, server.misplaced(state, owner))
         ok = ~bad
         velocity, accumulation = map(layouts.field_leaves, (state.velocity, state.accumulation))
         u, v = _correct(momentum, nesterov, velocity, accumulation, g, ok)
         key, step_key = jax.random.split(state.key)
         plan = collectives.segments_for([a.size for a in v], "leaf")
         owned = chunks(layout) if g and use_server else None
-        owner = server.Owner(axis_name, None)
         servers = (
             None
             if owned is None
@@ -583,6 +597,7 @@ def dgc(
             momentum=layouts.like_plain(layout, traces) if traces else None,
             key=key,
             count=state.count + 1,
+            server_chunk=state.server_chunk,
         )
         small = skeleton.freeze(bad, state._replace(velocity=None, accumulation=None), small)
         new_state = small._replace(

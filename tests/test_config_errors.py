@@ -40,6 +40,7 @@ _W = {"w": np.zeros(64, np.float32)}
 
 
 _WB = {"w": np.zeros((4, 3), np.float32), "b": np.zeros(3, np.float32)}
+_SGD_SIGN = jc.sgd(0.1, jc.sign(), "data")  # per-device fields: memory, momentum
 # A model of a matrix and a bias for the byte-budget helpers (shapes only: nothing runs).
 _BIG = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32), "b": np.zeros(512, np.float32)}
 _ALL_BUDGETS = "sparseloco_density, sparseloco_ratio, demo_ratio, demo_topk"
@@ -1217,6 +1218,7 @@ CHECKS = [
         ValueError,
     ),
     ("state_specs", "state", lambda: jc.state_specs(_nnx_split_state(), "data"), ValueError),
+    ("state_specs", "state", lambda: jc.state_specs(_SGD_SIGN.init(_W), "data"), ValueError),
     (
         "sharded_init, state_specs",
         "param_specs",
@@ -1524,6 +1526,27 @@ def test_sharded_init_with_its_arguments_swapped_names_the_argument_and_the_orde
         jc.sharded_init(_W, SGD, mesh(), "data")
     with pytest.raises(TypeError, match=r"`mesh` must be a jax.sharding.Mesh .* got str 'data'"):
         jc.sharded_init(SGD, _W, "data", mesh())
+
+
+def test_state_specs_of_a_plain_init_names_sharded_init():
+    """A state from ``tx.init(params)`` (one slot, ``(1, ...)``, per per-device field) given
+    to ``jc.state_specs``: until 2026-11-27 its specs were made, and the step's shard_map
+    refused the call ("8 does not evenly divide 1"), naming neither the state nor
+    ``jc.sharded_init``. Refused for host and for replicated params; ``jc.sharded_init``'s
+    state (8 devices, or a mesh of one of them) and ``jax.eval_shape``'s are not."""
+    m = mesh()
+    placed = jax.device_put(_W, NamedSharding(m, P()))
+    diloco = jc.diloco(optax.adamw(1e-3), "data", 2)
+    for tx, params in ((_SGD_SIGN, _W), (_SGD_SIGN, placed), (diloco, placed)):
+        with pytest.raises(ValueError, match=r"a state from tx.init\(params\).*jc.sharded_init"):
+            jc.state_specs(tx.init(params), "data")
+    specs = jc.state_specs(jc.sharded_init(_SGD_SIGN, placed, m, "data"), "data")
+    assert specs[0].momentum["w"] == P("data")
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    assert jc.state_specs(jc.sharded_init(diloco, _W, one, "data"), "data").inner[0].mu["w"] == P(
+        "data"
+    )
+    assert jc.state_specs(jax.eval_shape(_SGD_SIGN.init, _W), "data")[0].momentum["w"] == P("data")
 
 
 def _id(row):

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import fragments, multisteps, replicas, whole_leaf, whole_leaf_in_step
+from jaxcomp._src import fragments, multisteps, plain_init, replicas, whole_leaf, whole_leaf_in_step
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -261,7 +261,9 @@ def state_specs(
         several fragments and ``param_specs`` shard a leaf (its fragments were cut by each
         device's block sizes; the message names the argument; the rules: docs/errors.md);
         ``state`` holding ``optax.MultiSteps`` around a jaxcomp transform, whose
-        ``acc_grads`` differ per device (``jaxcomp._src.multisteps``; ``jc.accumulate``).
+        ``acc_grads`` differ per device (``jaxcomp._src.multisteps``; ``jc.accumulate``);
+        ``state`` from ``tx.init(params)``, its per-device fields one slot on one device
+        (``jaxcomp._src.plain_init``; build it with :func:`sharded_init`).
     """
     check_axis_name(axis_name)  # None or a non-str: named
     if mesh is not None:
@@ -273,7 +275,9 @@ def state_specs(
         return nnx_state_specs(state, axis_name, param_specs, params, mesh)
     state = _unwrap_nnx(state, axis_name)
     multisteps.check_not_around_exchange(state, "state")
-    return specs_of_state(state, axis_name, param_specs, params, mesh)
+    specs = specs_of_state(state, axis_name, param_specs, params, mesh)
+    plain_init.check_not_plain_init(state, specs, axis_name)
+    return specs
 
 
 def specs_of_state(

@@ -1196,6 +1196,7 @@ CHECKS = [
         ValueError,
     ),
     ("sharded_init", "axis_name", lambda: jc.sharded_init(SGD, _W, mesh(), "batch"), ValueError),
+    ("comm_report", "fn", lambda: jc.comm_report(jax.jit(jnp.sin).lower(1.0), 1.0), TypeError),
     ("sharded_init", "tx", lambda: jc.sharded_init(_W, SGD, mesh(), "data"), TypeError),
     ("sharded_init", "mesh", lambda: jc.sharded_init(SGD, _W, "data", mesh()), TypeError),
     ("sharded_init", "tx", lambda: _abstract_init(_LR_AFTER_LOCAL_SGD), ValueError),
@@ -1547,6 +1548,19 @@ def test_state_specs_of_a_plain_init_names_sharded_init():
         "data"
     )
     assert jc.state_specs(jax.eval_shape(_SGD_SIGN.init, _W), "data")[0].momentum["w"] == P("data")
+
+
+def test_comm_report_of_a_lowered_or_compiled_step_names_fn():
+    """Until 2026-11-27 ``jc.comm_report(step.lower(x).compile(), x)`` raised jax's
+    "Cannot apply JAX transformations to a function lowered and compiled", naming no
+    argument; the step itself is reported as before."""
+    step = jax.jit(jnp.sin)
+    for staged in (step.lower(1.0), step.lower(1.0).compile()):
+        with pytest.raises(
+            TypeError, match=r"`fn` must be the step itself .* got a (Lowered|Compiled)"
+        ):
+            jc.comm_report(staged, 1.0)
+    assert jc.comm_report(step, 1.0).bytes_per_device == 0
 
 
 def _id(row):

@@ -1165,6 +1165,11 @@ def at_count(state: Any, count: int) -> Any:
 
 
 def _lower(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if isinstance(fn, jax.stages.Lowered | jax.stages.Compiled):  # jax: "Cannot apply JAX
+        raise TypeError(  # transformations to a function lowered and compiled ..."
+            f"`fn` must be the step itself (jitted or not), got a {type(fn).__name__}: "
+            "jc.comm_report(step, *args) lowers and compiles it with the step's own arguments"
+        )
     lower = getattr(fn, "lower", None)
     if lower is None:
         return jax.jit(fn).lower(*args, **kwargs)
@@ -1196,6 +1201,10 @@ def comm_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> CommReport
 
     Returns:
       A :class:`CommReport`.
+
+    Raises:
+      TypeError: ``fn`` a ``jax.stages.Lowered`` or ``Compiled`` (``step.lower(...)``,
+        ``.compile()``): pass the step itself.
 
     Example::
 

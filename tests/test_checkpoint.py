@@ -1627,65 +1627,6 @@ def _without(state, *fields):
     return {k: v for k, v in state._asdict().items() if k not in fields}
 
 
-def test_complete_state_restores_a_shared_mask_state_saved_without_its_key(tmp_path):
-    """SparseLoCo (mask="previous", seed 3), its exchange saved without ``key``: every
-    saved array back (the memories and count moved off the fresh values), the fresh key."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from helpers import mesh
-
-    import jaxcomp as jc
-
-    tx = jc.sparseloco(optax.sgd(0.1), "data", 2, mask="previous", min_size=0, seed=3)
-    fresh = jc.sharded_init(tx, {"w": jnp.ones((16, 32))}, mesh(), "data")
-    e = fresh.exchange[0]
-    state = fresh._replace(
-        exchange=(e._replace(memory=jax.tree.map(lambda a: a + 1, e.memory), count=e.count + 2),)
-    )
-    ckpt = _save_old(tmp_path / "c", state._replace(exchange=(_without(state.exchange[0], "key"),)))
-    _assert_same(_restore_older(ckpt, tmp_path / "c", fresh), state)
-
-
-@pytest.mark.parametrize("kind", ["diloco", "gossip"])
-def test_complete_state_restores_taken_or_topology_as_none(kind, tmp_path):
-    """A delayed DiLoCo / CHOCO gossip state saved without ``taken`` / ``topology``: the
-    saved arrays back, the field None (the layout that runs as before the field)."""
-    import jax
-    import optax
-    from helpers import mesh
-
-    import jaxcomp as jc
-
-    if kind == "diloco":
-        tx, field = jc.diloco(optax.sgd(0.1), "data", 4, delay=1), "taken"
-    else:
-        tx, field = jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8)), "topology"
-    fresh = jc.sharded_init(tx, {"w": np.zeros((8, 16), np.float32)}, mesh(), "data")
-    state = jax.tree.map(lambda a: a + 1, fresh)
-    ckpt = _save_old(tmp_path / "c", _without(state, field))
-    got = _restore_older(ckpt, tmp_path / "c", fresh)
-    assert getattr(got, field) is None
-    _assert_same(got, state._replace(**{field: None}))
-
-
-def test_complete_state_restores_a_onebit_adam_chain_saved_without_its_levels(tmp_path):
-    """``jc.onebit_adam`` (a chain: the state a tuple, a list in orbax's metadata) saved
-    without ``level`` / ``level_ref``: the saved arrays back, the fresh zero levels."""
-    import jax
-    from helpers import mesh
-
-    import jaxcomp as jc
-
-    tx = jc.onebit_adam(1e-3, "data", freeze_step=2, min_size=64)
-    params = {"w": np.zeros((16, 32), np.float32), "b": np.zeros((32,), np.float32)}
-    fresh = jc.sharded_init(tx, params, mesh(), "data")
-    moved = jax.tree.map(lambda a: a + 1, fresh[0])
-    state = (moved._replace(level=fresh[0].level, level_ref=fresh[0].level_ref), *fresh[1:])
-    ckpt = _save_old(tmp_path / "c", (_without(moved, "level", "level_ref"), *fresh[1:]))
-    _assert_same(_restore_older(ckpt, tmp_path / "c", fresh), state)
-
-
 def test_complete_state_restores_a_hierarchical_state_saved_without_grid_and_stamps(tmp_path):
     """A 2 x 4 sign two-phase state stepped once, saved without ``server_grid`` and
     ``server_chunk``: the same arrays as saved, and the next output bit for bit."""
@@ -1867,3 +1808,230 @@ def test_a_hierarchical_dgc_state_with_its_axes_swapped_steps_in_place():
     before = _dgc_held(state)
     moved_back = np.asarray(out["w"], np.float64) + _dgc_held(after)
     assert np.linalg.norm(moved_back - before) <= 1e-6 * np.linalg.norm(before)
+
+
+# ------------------------------------------------- every field a state type gained, restored
+#
+# Each field a public state type gained after it first appeared (its git history: a field
+# counts as added where an earlier commit's definition lacked it), with the transform whose
+# state holds it (an array, or a state: not None): docs/checkpoints.md's table. A row per
+# field: the state stepped once, saved with the field dropped where its type appears, restored
+# through jc.restore_template / jc.complete_state, stepped again.
+
+ADDED_SINCE = {
+    # (state type, field): (the case holding it, commit, date)
+    ("CompressedAllreduceState", "momentum"): ("allreduce", "9dff8a4", "2026-11-22"),
+    ("CompressedAllreduceState", "adaptive"): ("allreduce", "53b732b", "2026-11-23"),
+    ("CompressedAllreduceState", "server_grid"): ("allreduce", "9f2ab0b", "2026-11-27"),
+    ("CompressedAllreduceState", "server_chunk"): ("allreduce", "0f39123", "2026-11-27"),
+    ("DGCState", "server_chunk"): ("dgc", "7760a16", "2026-11-27"),
+    ("OneBitAdamState", "level"): ("onebit_adam", "c0b9bbd", "2026-11-25"),
+    ("OneBitAdamState", "level_ref"): ("onebit_adam", "c0b9bbd", "2026-11-25"),
+    ("ZeroOneAdamState", "level"): ("zero_one_adam", "c0b9bbd", "2026-11-25"),
+    ("ZeroOneAdamState", "level_ref"): ("zero_one_adam", "c0b9bbd", "2026-11-25"),
+    ("ZeroOneAdamState", "variance_step"): ("zero_one_adam", "f2b54c8", "2026-11-25"),
+    ("SharedMaskState", "key"): ("sparseloco", "8441e58", "2026-11-27"),
+    ("DiLoCoState", "taken"): ("diloco", "dcc244a", "2026-11-27"),
+    ("GossipState", "topology"): ("gossip", "dcc244a", "2026-11-27"),
+}
+
+
+def _older_transform(case):
+    """(tx, mesh, the state's axes, per-device params?) of one case of ``ADDED_SINCE``."""
+    import jax
+    import optax
+    from helpers import mesh
+    from jax.sharding import AxisType
+
+    import jaxcomp as jc
+
+    if case == "allreduce":  # every added field an array or a state: hierarchical two-phase
+        axes = ("data", "local")
+        m = jax.make_mesh((2, 4), axes, axis_types=(AxisType.Explicit,) * 2)
+        tx = jc.compressed_allreduce(
+            jc.sign(), "data", strategy="two_phase", inner_axis_name="local", min_size=1,
+            worker_momentum=0.9, adaptive=jc.accordion(jc.int_quant(8), interval=2),
+        )  # fmt: skip
+        return tx, m, axes, False
+    small = {"min_size": 64}
+    make = {
+        "dgc": lambda: (jc.dgc(0.05, "data", strategy="two_phase", **small), False),
+        "onebit_adam": lambda: (jc.onebit_adam(1e-3, "data", freeze_step=2, **small), False),
+        "zero_one_adam": lambda: (
+            jc.zero_one_adam(1e-3, "data", var_freeze_step=2, **small),
+            False,
+        ),
+        "sparseloco": lambda: (
+            jc.sparseloco(optax.sgd(0.1), "data", 2, mask="previous", seed=3, **small),
+            True,
+        ),
+        "diloco": lambda: (jc.diloco(optax.sgd(0.1), "data", 2, delay=1), True),
+        "gossip": lambda: (jc.gossip(optax.sgd(0.1), "data", codec=jc.int_quant(8)), True),
+    }
+    tx, replicas = make[case]()
+    return tx, mesh(), "data", replicas
+
+
+@functools.cache
+def _older_case(case):
+    """(params, the fresh state, the state after one step from it, the gradients of that
+    step, steps: the step of each state tree) for one case of ``ADDED_SINCE``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    tx, m, axes, replicas = _older_transform(case)
+    rng = np.random.default_rng(0)
+    params = {"w": (0.1 * rng.standard_normal((16, 32))).astype(np.float32)}
+    fresh = jc.sharded_init(tx, params, m, axes)
+    g = jax.device_put(
+        {"w": rng.standard_normal((8, 16, 32)).astype(np.float32)}, NamedSharding(m, P(axes))
+    )
+    if replicas:
+        params = jc.replica_params(params, m, axes)
+    else:
+        params = jax.device_put(params, NamedSharding(m, P()))
+    steps = _OlderSteps(tx, m, axes, replicas)
+    _, state = steps(params, fresh, g)
+    return params, fresh, state, g, steps
+
+
+class _OlderSteps:
+    """The blocking jitted shard_map step ``(params, state, grads) -> (params, state)``
+    through ``tx``, built once per state tree (a field None changes the state's specs)."""
+
+    def __init__(self, tx, m, axes, replicas):
+        self.tx, self.m, self.axes, self.replicas = tx, m, axes, replicas
+        self.built = {}
+
+    def step(self, p, s, g):
+        import optax
+
+        import jaxcomp as jc
+
+        p = jc.own(p) if self.replicas else p
+        u, s = self.tx.update(jc.own(g), s, p)
+        p = optax.apply_updates(p, u)
+        return (jc.slot(p) if self.replicas else p), s
+
+    def __call__(self, p, s, g):
+        import jax
+        from helpers import Blocking
+        from jax.sharding import PartitionSpec as P
+
+        import jaxcomp as jc
+
+        tree = jax.tree.structure(s)
+        if tree not in self.built:
+            specs = jc.state_specs(s, self.axes)
+            pspecs = jc.replica_specs(p, self.axes) if self.replicas else P()
+            fn = jax.shard_map(
+                self.step,
+                mesh=self.m,
+                in_specs=(pspecs, specs, P(self.axes)),
+                out_specs=(pspecs, specs),
+            )
+            self.built[tree] = Blocking(jax.jit(fn))
+        return self.built[tree](p, s, g)
+
+
+def _at(tree, kind, fn, other=None):
+    """``tree`` with each NamedTuple of type ``kind`` in it (a state, a chain's tuple, a
+    state's field) replaced by ``fn(node, other's node)``; ``other``: a tree of the same
+    layout walked alongside (or None)."""
+    if type(tree).__name__ == kind:
+        return fn(tree, other)
+    if isinstance(tree, (tuple, list)):
+        others = other if other is not None else [None] * len(tree)
+        parts = [_at(a, kind, fn, b) for a, b in zip(tree, others, strict=True)]
+        return type(tree)(*parts) if hasattr(tree, "_fields") else type(tree)(parts)
+    return tree
+
+
+def _nodes(tree, kind) -> list:
+    """Every NamedTuple of type ``kind`` in ``tree``."""
+    found = []
+    _at(tree, kind, lambda node, _: found.append(node))
+    return found
+
+
+@pytest.mark.parametrize("kind, field", sorted(ADDED_SINCE))
+def test_complete_state_restores_each_added_field_and_steps(kind, field, tmp_path):
+    """The state stepped once, saved without ``field`` (each ``kind`` in it a dict of its
+    other fields), restored through the two functions: every saved array back with its dtype
+    and sharding, the field the declared default (the fresh state's, or None); one more step
+    finite. A field with no default is refused naming it."""
+    import jax
+
+    import jaxcomp as jc
+    from jaxcomp._src.older_states import FRESH, NONE, NoDefault
+
+    params, fresh, state, g, steps = _older_case(ADDED_SINCE[kind, field][0])
+    held = _nodes(fresh, kind)
+    assert held and all(getattr(s, field) is not None for s in held)  # an array or a state
+    default = type(held[0]).ADDED_FIELDS[field]
+    ckpt = _save_old(tmp_path / "c", _at(state, kind, lambda s, _: _without(s, field)))
+    if isinstance(default, NoDefault):
+        saved = ckpt.metadata(tmp_path / "c").item_metadata["opt_state"]
+        with pytest.raises(ValueError, match=rf"`{kind}\.{field}`.*no safe default"):
+            jc.restore_template(fresh, saved)
+        return
+    assert default in (FRESH, NONE)
+
+    def filled(saved, new):
+        return saved._replace(**{field: getattr(new, field) if default == FRESH else None})
+
+    want = _at(state, kind, filled, fresh)
+    got = _restore_older(ckpt, tmp_path / "c", fresh)
+    _assert_same(got, want)
+    assert [a.dtype for a in jax.tree.leaves(got)] == [a.dtype for a in jax.tree.leaves(want)]
+    out = jax.tree.leaves(steps(params, got, g))
+    assert all(np.isfinite(np.asarray(a)).all() for a in out if a.dtype.kind == "f")
+
+
+def test_every_added_field_is_declared_and_restored():
+    """``ADDED_SINCE`` (the git history) and the state types' ``ADDED_FIELDS`` name the same
+    fields, and docs/checkpoints.md's table lists each with its default."""
+    import sys
+
+    import jaxcomp  # noqa: F401
+    from jaxcomp._src.older_states import FRESH, NoDefault
+
+    declared = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("jaxcomp."):
+            for obj in vars(module).values():
+                if isinstance(obj, type) and "ADDED_FIELDS" in vars(obj):
+                    declared.update({(obj.__name__, f): d for f, d in obj.ADDED_FIELDS.items()})
+    assert set(declared) == set(ADDED_SINCE)
+    doc = (Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
+    for (kind, field), default in declared.items():
+        _, commit, date = ADDED_SINCE[kind, field]
+        word = (
+            "refused" if isinstance(default, NoDefault) else "fresh" if default == FRESH else "None"
+        )
+        row = f"| `{kind}` | `{field}` | {commit} | {date} | {word} |"
+        assert row in doc, row
+
+
+def test_a_checkpoint_holding_a_field_the_state_lacks_is_refused_naming_it(tmp_path):
+    """No state type has lost or renamed a field: a checkpoint whose state holds one today's
+    type lacks is of another transform, and both functions refuse it naming the field (orbax
+    refuses the template too, "Source: MISSING"; complete_state dropped it silently before)."""
+    import optax
+    from helpers import mesh
+
+    import jaxcomp as jc
+
+    tx = jc.diloco(optax.sgd(0.1), "data", 4, delay=1)
+    fresh = jc.sharded_init(tx, {"w": np.zeros((8, 16), np.float32)}, mesh(), "data")
+    old = {**fresh._asdict(), "old_field": fresh.count}
+    ckpt = _save_old(tmp_path / "c", old)
+    saved = ckpt.metadata(tmp_path / "c").item_metadata["opt_state"]
+    refusal = r"holds the field `DiLoCoState\.old_field` \(at `state\.old_field`\)"
+    with pytest.raises(ValueError, match=refusal):
+        jc.restore_template(fresh, saved)
+    with pytest.raises(ValueError, match=refusal.replace("holds", "`restored` holds")):
+        jc.complete_state(fresh, old)

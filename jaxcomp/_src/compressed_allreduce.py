@@ -67,9 +67,18 @@ class CompressedAllreduceState(NamedTuple):
 
     PER_DEVICE_FIELDS = ("memory", "server_residual", "momentum", "server_chunk")
     #: Fields added since the first release, and what a state saved without them gets
-    #: (:func:`jaxcomp.complete_state`): the grid and the stamps of a fresh state, which say
-    #: that each row is where it was saved (restore only into the layout it was saved from).
-    ADDED_FIELDS = {"server_grid": FRESH, "server_chunk": FRESH}
+    #: (:func:`jaxcomp.complete_state`), each the fresh state's: ``momentum`` (with
+    #: ``worker_momentum``) and ``adaptive`` (with ``adaptive=``) came with their arguments,
+    #: so the transform of that day is built without them and its fresh field is None, as
+    #: it ran (zeros / a fresh Accordion where they are turned on at the restore); the grid
+    #: and the stamps say that each row is where it was saved (restore only into the layout
+    #: it was saved from).
+    ADDED_FIELDS = {
+        "momentum": FRESH,
+        "adaptive": FRESH,
+        "server_grid": FRESH,
+        "server_chunk": FRESH,
+    }
 
 
 def _may_run_two_phase(codec: Codec, strategy: str) -> bool:

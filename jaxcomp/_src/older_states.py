@@ -13,7 +13,9 @@ orbax (0.12.8) restores a checkpoint only into a target of the tree it saved: to
 lacks nothing the checkpoint holds but holds fields it lacks, and orbax refuses it naming the
 first of them. :func:`restore_template` cuts those fields from a fresh state, guided by the
 checkpoint's metadata tree (``ckpt.metadata(path).item_metadata``), and
-:func:`complete_state` puts them back into what orbax restored, each with its default.
+:func:`complete_state` puts them back into what orbax restored, each with its default. No
+state type has lost or renamed a field (its git history): a checkpoint holding a field its
+type lacks is of another transform, and both refuse it, naming the field.
 Nothing here reads orbax: both walk pytrees (a NamedTuple state appears in orbax's metadata
 as a dict of its fields, a tuple as a list, an empty optax state as None).
 """
@@ -58,8 +60,26 @@ def _default(fresh: Any, field: str, path: str, name: str) -> Any:
     return getattr(fresh, field) if kind == FRESH else None
 
 
+def _check_no_extra(fresh: Any, saved: Mapping, path: str, name: str) -> None:
+    """Refuse a field ``saved`` holds that the state type of ``fresh`` lacks: no jaxcomp
+    state type has had a field removed or renamed, so it is not a state of this type (orbax
+    would refuse it too, "Source: MISSING", and dropping it could drop held-back error)."""
+    extra = [f for f in saved if f not in fresh._fields]
+    if extra:
+        kind = type(fresh).__name__
+        raise ValueError(
+            f"`{name}` holds the field `{kind}.{extra[0]}` (at `{path}.{extra[0]}`), which "
+            f"`{kind}` does not have (its fields: {', '.join(fresh._fields)}): no jaxcomp "
+            "release removed or renamed a field, so the checkpoint holds the state of another "
+            "transform or other arguments (or of a newer version of the library that defines "
+            "the type); build `fresh_state` with the transform and arguments that saved it"
+        )
+
+
 def _missing(fresh: Any, saved: Mapping, path: str) -> list[str]:
-    """The fields of the state ``fresh`` that ``saved`` lacks, each checked to have a default."""
+    """The fields of the state ``fresh`` that ``saved`` lacks, each checked to have a default;
+    a field ``saved`` holds that ``fresh`` lacks is refused."""
+    _check_no_extra(fresh, saved, path, "saved")
     missing = [f for f in fresh._fields if f not in saved]
     for field in missing:
         _default(fresh, field, path, "saved")
@@ -95,6 +115,7 @@ def _completed(fresh: Any, restored: Any, path: str) -> Any:
     """``restored`` with every field it lacks filled in (see :func:`complete_state`)."""
     fields = _fields_of(restored)
     if _is_state(fresh) and fields is not None:
+        _check_no_extra(fresh, fields, path, "restored")
         return type(fresh)(
             **{
                 f: _completed(getattr(fresh, f), fields[f], f"{path}.{f}")
@@ -156,7 +177,8 @@ def restore_template(fresh_state: Any, saved: Any) -> Any:
     Raises:
       TypeError: ``saved`` is not a tree of fields.
       ValueError: ``saved`` lacks a field that has no default (named), or one its type does
-        not declare as added (the checkpoint of another transform).
+        not declare as added (the checkpoint of another transform); or holds a field its
+        type does not have (named: no state type has lost or renamed a field).
     """
     saved = _tree(saved)
     _check_tree("saved", saved)
@@ -181,7 +203,7 @@ def complete_state(fresh_state: Any, restored: Any) -> Any:
     Raises:
       TypeError: ``restored`` is not a tree of fields.
       ValueError: ``restored`` lacks a field that has no default (named), or one its type
-        does not declare as added.
+        does not declare as added; or holds a field its type does not have (named).
     """
     _check_tree("restored", restored)
     return _completed(fresh_state, restored, "state")

@@ -1502,8 +1502,9 @@ def _update(grads):
 
 
 def test_a_codec_name_or_an_uncalled_factory_is_refused_saying_what_to_pass():
-    """Until 2026-11-27 ``jc.sgd(0.05, "sign", "data")`` and ``jc.sgd(0.05, jc.sign,
-    "data")`` said only "got str" / "got function"; now the message says what to pass."""
+    """Until 2026-11-27 ``jc.sgd(0.05, "sign", "data")``, ``jc.sgd(0.05, jc.sign, "data")``
+    and ``jc.sgd(jc.sign(), 0.05, "data")`` said only "got str" / "got function" / "got
+    float"; now the message says what to pass."""
     with pytest.raises(
         TypeError,
         match=re.escape("got str 'sign': pass a codec object, not its name (jc.CODECS['sign']())"),
@@ -1515,6 +1516,8 @@ def test_a_codec_name_or_an_uncalled_factory_is_refused_saying_what_to_pass():
         TypeError, match=re.escape("got function sign: a codec factory, call it (jc.sign(...))")
     ):
         jc.compressed_allreduce(jc.sign, "data")
+    with pytest.raises(TypeError, match=re.escape("got float 0.05: a number where the codec goes")):
+        jc.sgd(jc.sign(), 0.05, "data")  # swapped
     assert jc.CODECS["sign"]() == jc.sign()  # what the message suggests is a codec
 
 

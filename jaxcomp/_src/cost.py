@@ -42,12 +42,17 @@ def check_codec(codec: Any) -> Codec:
 
 def _codec_hint(codec: Any) -> str:
     """What a user who passed ``codec`` most likely meant: a codec's name from
-    ``jc.CODECS`` (``"sign"``), or a codec factory not called (``jc.sign``)."""
+    ``jc.CODECS`` (``"sign"``), a codec factory not called (``jc.sign``), or the arguments
+    swapped (a learning rate in the codec's place)."""
     from jaxcomp._src.codecs.registry import CODECS  # the registry imports the codecs
 
     if isinstance(codec, str):
         known = f"jc.CODECS[{codec!r}]()" if codec in CODECS else "jc.CODECS: the named presets"
         return f" {codec!r}: pass a codec object, not its name ({known})"
+    if isinstance(codec, int | float) and not isinstance(codec, bool):
+        return (
+            f" {codec!r}: a number where the codec goes (jc.sgd(learning_rate, codec, axis_name))"
+        )
     module = getattr(codec, "__module__", None) or ""
     if callable(codec) and module.startswith("jaxcomp._src.codecs"):
         return f" {codec.__name__}: a codec factory, call it (jc.{codec.__name__}(...))"

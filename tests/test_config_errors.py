@@ -1566,6 +1566,37 @@ def test_comm_report_of_a_lowered_or_compiled_step_names_fn():
     assert jc.comm_report(step, 1.0).bytes_per_device == 0
 
 
+def test_state_specs_takes_a_one_device_mesh_state_put_on_its_device():
+    """A counter-case of the refusal above: ``jc.sharded_init``'s state on a mesh of one
+    device, moved onto that device with ``jax.device_put(state, device)`` (a single-device
+    sharding, committed), has one slot for the one device there, and its step runs. eb74caa
+    refused it as ``tx.init``'s state (a process of 8 devices); a committed single-device
+    state is now let through (a wrong one meets jax's own check), an uncommitted one
+    (``tx.init`` of host params) is still refused."""
+    one = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+    tx = jc.sgd(0.1, jc.int_quant(8), "data", min_size=1)
+    params = {"w": jnp.zeros((256,), jnp.float32)}
+    state = jc.sharded_init(tx, params, one, "data")
+    moved = jax.device_put(state, jax.devices()[0])
+    specs = jc.state_specs(moved, "data")
+    assert specs == jc.state_specs(state, "data")
+
+    def step(g, s):
+        u, s = tx.update({"w": g[0]}, s, params)
+        return u["w"][None], s
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=one, in_specs=(P("data"), specs), out_specs=(P("data"), specs))
+    )
+    g = jax.device_put(
+        np.linspace(-1, 1, 256, dtype=np.float32)[None], NamedSharding(one, P("data"))
+    )
+    ours, _ = jax.block_until_ready(f(g, moved))
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(f(g, state)[0]))
+    with pytest.raises(ValueError, match=r"a state from tx.init\(params\)"):
+        jc.state_specs(tx.init(params), "data")
+
+
 def _id(row):
     return f"{row[0]}-{row[1]}"
 

@@ -8,10 +8,12 @@ on an axis of size 1, and ``jax.shard_map`` then refuses the call with "8 does n
 divide 1", naming neither the state's origin nor the fix.
 
 Told apart without the mesh: every per-device leaf a concrete array of leading size 1,
-held by a single device in a process of several devices (``tx.init`` of host or
-uncommitted params), or laid out on a mesh whose data axis holds several devices
+held uncommitted by a single device in a process of several devices (``tx.init`` of host
+or uncommitted params), or laid out on a mesh whose data axis holds several devices
 (``tx.init`` of params placed replicated, ``P()``). ``jc.sharded_init``'s arrays over an
-axis of one device and ``jax.eval_shape``'s (no sharding to read) are not refused.
+axis of one device, the same moved onto that device (``jax.device_put(state, device)``:
+committed, a one-device mesh's state as well as a misplaced one, which jax's own check
+meets at the step) and ``jax.eval_shape``'s (no sharding to read) are not refused.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def _one_slot(leaf: Any, names: tuple) -> bool:
     if leaf.ndim == 0 or leaf.shape[0] != 1:
         return False
     sharding = leaf.sharding
-    if isinstance(sharding, SingleDeviceSharding):
-        return jax.device_count() > 1
+    if isinstance(sharding, SingleDeviceSharding):  # placed on purpose: maybe a one-device mesh's
+        return jax.device_count() > 1 and not leaf.committed
     if isinstance(sharding, NamedSharding) and all(n in sharding.mesh.shape for n in names):
         return math.prod(sharding.mesh.shape[n] for n in names) > 1
     return False

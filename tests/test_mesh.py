@@ -5,6 +5,7 @@ gradient-sized float32 collective crosses the model axis and a device sends abou
 what it sends with the same params replicated over "model".
 """
 
+import re
 import warnings
 
 import jax
@@ -206,3 +207,71 @@ def test_fused_residuals_on_model_sharded_params_give_the_same_bits():
     for before, nan_step in zip(memory[0], memory[1], strict=True):
         np.testing.assert_array_equal(before, nan_step)
     assert all(np.isfinite(m).all() for m in memory[2])
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.sm3(0.02), optax.adafactor(0.01, min_dim_size_to_factor=8)],
+    ids=["sm3", "adafactor_factored"],
+)
+def test_optax_statistics_of_one_dimension_are_laid_out_as_the_step_reads_them(inner):
+    """SM3's per-dimension accumulators and Adafactor's factored row / column means after
+    the exchange, on model-sharded params: each array is laid out as ``tx.init`` of the
+    global params builds it (the step, manual over "data" only, reads it whole over the Auto
+    model axis): the accumulator of a sharded dimension ``P("model")``, of an unsharded one
+    ``P()``. Until 2026-11-27 ``jc.sharded_init`` gave them ``P()`` and failed in jax's
+    out_specs check ("mu['w0'][1] is P() ... varying over {model}"). Through the lossless
+    exchange, 3 steps give the params of the same run with the params replicated."""
+    mesh = _mesh()
+    fn, (params, state, x, y) = _step(mesh, jc.identity(), True, inner=inner)
+    ref_fn, (ref_params, ref_state, _, _) = _step(mesh, jc.identity(), False, inner=inner)
+    shapes = lambda s: jax.tree.map(jnp.shape, s[1])  # noqa: E731
+    assert shapes(state) == shapes(ref_state)
+    first = state[1][0]
+    laid = lambda a, spec: a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim)  # noqa: E731
+    if hasattr(first, "mu"):  # SM3: an accumulator per dimension
+        assert laid(first.mu["w0"][0], P()) and laid(first.mu["w0"][1], P("model"))
+        assert laid(first.mu["w1"][0], P("model")) and laid(first.mu["w1"][1], P())
+    else:  # the row / column means of w0 and w1: of the hidden dimension (1024) sharded
+        means = [first.v_row["w0"], first.v_col["w0"], first.v_row["w1"], first.v_col["w1"]]
+        assert sorted(a.shape for a in means) == [(256,), (256,), (1024,), (1024,)]
+        assert all(laid(a, P("model") if a.shape == (1024,) else P()) for a in means)
+    for _ in range(3):
+        params, state = jax.block_until_ready(fn(params, state, x, y))
+        ref_params, ref_state = jax.block_until_ready(ref_fn(ref_params, ref_state, x, y))
+    for k in params:
+        np.testing.assert_allclose(np.asarray(params[k]), np.asarray(ref_params[k]), atol=1e-6)
+
+
+def _per_param_init(make):
+    """An optax transform whose state is ``make(param)`` per 2-D param (0 elsewhere)."""
+
+    def init(params):
+        return jax.tree.map(lambda p: make(p) if p.ndim == 2 else jnp.zeros(()), params)
+
+    return optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: p.reshape(-1), r"dimension of 262144 \(131072 in a block\) is no param"),
+        (lambda p: p.sum(axis=1), r"gave the blocks of one param different values"),
+    ],
+    ids=["no_param_dimension", "blocks_differ"],
+)
+def test_an_optax_state_array_with_no_layout_is_refused_naming_tx(make, match):
+    """An optax state array built from each device's block that no spec lays out as the
+    global init builds it: a dimension of the raveled param (no param dimension of those
+    sizes), or a replicated shape whose blocks hold different values (a row sum of a
+    column-sharded param: taking one device's would silently drop the others'). Refused
+    naming ``tx`` and the array, where jax's out_specs check (or nothing) spoke before."""
+    mesh = _mesh()
+    params, specs = _params(mesh, True)
+    tx = optax.chain(
+        jc.compressed_allreduce(jc.identity(), "data", min_size=512, param_specs=specs),
+        _per_param_init(make),
+    )
+    with pytest.raises(ValueError, match=r"`tx`'s state array at \[1\]\['w0'\]") as got:
+        jc.sharded_init(tx, params, mesh, "data", param_specs=specs)
+    assert re.search(match, str(got.value)), str(got.value)

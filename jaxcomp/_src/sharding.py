@@ -29,7 +29,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp._src import fragments, multisteps, plain_init, replicas, whole_leaf, whole_leaf_in_step
+from jaxcomp._src import (
+    fragments,
+    multisteps,
+    optax_leaf_specs,
+    plain_init,
+    replicas,
+    whole_leaf,
+    whole_leaf_in_step,
+)
 from jaxcomp._src.axes import check_axis_name
 
 
@@ -504,7 +512,10 @@ def sharded_init(
     ``jax.shard_map(..., axis_names={axis_name})``, the model axis ``AxisType.Auto``): each
     device then inits the state of its own block of every param, and every state array is
     laid out over the mesh by :func:`state_specs` with those ``param_specs``: memories
-    ``P(axis_name, *param_spec)``, so no device holds more than its block. The step's
+    ``P(axis_name, *param_spec)``, so no device holds more than its block. An optax array
+    of another shape than its param (SM3's per-dimension accumulators, Adafactor's factored
+    means) is laid out as ``tx.init`` of the whole params builds it
+    (:mod:`jaxcomp._src.optax_leaf_specs`). The step's
     ``shard_map`` specs are still ``state_specs(state, axis_name)`` (the manual axis only;
     the arrays carry their model sharding).
 
@@ -540,7 +551,9 @@ def sharded_init(
         ``jc.local_sgd`` / ``jc.diloco`` / ``jc.sparseloco`` on some float params only
         (``optax.masked``, ``optax.multi_transform``) and nothing averaging the others, or
         ``optax.MultiSteps`` around a jaxcomp transform (its ``acc_grads`` differ per device:
-        ``jc.accumulate(tx, every_k)``).
+        ``jc.accumulate(tx, every_k)``); with ``param_specs`` that shard a leaf, an optax
+        state array of ``tx`` that no spec lays out as the whole params' init builds it (a
+        dimension of no param's sizes; a replicated shape the blocks filled differently).
       TypeError: ``tx`` not an optax transform, or ``mesh`` not a ``jax.sharding.Mesh``
         (the arguments swapped: the message names the argument and their order).
     """
@@ -587,7 +600,12 @@ def init_state(
     run no collective a failed process would not enter)."""
     program, operands = init_program(tx, params, mesh, axis_name, param_specs)
     with whole_leaf_in_step.quiet():  # manual over Auto axes too: read from the specs
-        return program(*operands)
+        state = program(*operands)
+    if param_specs is None:
+        return state
+    state, differs = state
+    optax_leaf_specs.check_agreed(differs, state, is_sharded_state)
+    return state
 
 
 def init_program(
@@ -599,7 +617,9 @@ def init_program(
 ) -> tuple:
     """``(program, operands)``: :func:`init_state` is ``program(*operands)``, a jitted
     ``shard_map`` of ``tx.init`` over ``mesh`` and the params placed on it, with no
-    zero-element array among the operands (:func:`without_empty`)."""
+    zero-element array among the operands (:func:`without_empty`). With ``param_specs``
+    the program returns ``(state, differs)``: the flags of
+    :func:`jaxcomp._src.optax_leaf_specs.agreed`, which :func:`init_state` checks."""
     names = _names(axis_name)
     check_mesh_axes(mesh, axis_name, "axis_name")
     if param_specs is None:
@@ -625,6 +645,10 @@ def init_program(
     )
     abstract = abstract_init(tx, blocks, mesh, axis_name)
     full = specs_of_state(abstract, axis_name, param_specs, params, mesh)
+    whole = abstract_init(tx, _abstract(params), mesh, axis_name)
+    full = optax_leaf_specs.refine(
+        full, abstract, whole, (treedef, specs, shapes), is_sharded_state
+    )
     placed = jax.tree.map(
         lambda p, x: x if _is_none(x) else jax.device_put(x, NamedSharding(mesh, p)),
         spec_tree,
@@ -632,8 +656,21 @@ def init_program(
         is_leaf=_is_spec,
     )
     fill, operands = without_empty(tx.init, (placed,))
-    init = jax.shard_map(fill, mesh=mesh, in_specs=(spec_tree,), out_specs=full)
+
+    def agreeing(*given: Any) -> tuple:  # replicated optax arrays: one value, checked
+        return optax_leaf_specs.agreed(fill(*given), full, is_sharded_state)
+
+    init = jax.shard_map(agreeing, mesh=mesh, in_specs=(spec_tree,), out_specs=(full, P()))
     return jax.jit(init), operands
+
+
+def _abstract(params: Any) -> Any:
+    """``params`` as ``jax.ShapeDtypeStruct`` of their global shapes (None slots kept)."""
+    return jax.tree.map(
+        lambda x: x if _is_none(x) else jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+        params,
+        is_leaf=_is_none,
+    )
 
 
 def _is_empty(x: Any) -> bool:

@@ -889,6 +889,11 @@ CHECKS = [
     ("demo", "decay", lambda: jc.demo(0.1, "d", decay="0.9"), TypeError),
     ("demo", "weight_decay", lambda: jc.demo(0.1, "d", weight_decay=-0.1), ValueError),
     ("demo", "weight_decay", lambda: jc.demo(0.1, "d", weight_decay="0.1"), TypeError),
+    # arrays (optax.inject_hyperparams): 0-d int or float, in range where concrete
+    ("demo", "decay", lambda: jc.demo(0.1, "d", decay=jnp.asarray(1.5)), ValueError),
+    ("demo", "decay", lambda: jc.demo(0.1, "d", decay=np.array(False)), TypeError),
+    ("demo", "weight_decay", lambda: jc.demo(0.1, "d", weight_decay=jnp.asarray(-0.1)), ValueError),
+    ("demo", "weight_decay", lambda: jc.demo(0.1, "d", weight_decay=jnp.zeros(3)), TypeError),
     ("demo", "sign", lambda: jc.demo(0.1, "d", sign=1), TypeError),
     ("demo", "bits", lambda: jc.demo(0.1, "d", bits=9), ValueError),
     ("scale_by_demo", "chunk", lambda: jc.scale_by_demo("d", chunk=0), ValueError),

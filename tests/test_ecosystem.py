@@ -153,6 +153,26 @@ def test_inject_hyperparams_worker_momentum_with_the_docstrings_static_args():
         np.testing.assert_allclose(a["w"], b["w"], rtol=1e-5, atol=1e-6)
 
 
+DEMO_PARAMS = {"w": 0.1 * stacked_normal(7, (40, 50))[0], "b": stacked_normal(8, (50,))[0]}
+
+
+def test_inject_hyperparams_demo_decay_and_weight_decay_are_the_numbers():
+    """jc.demo's ``decay`` and ``weight_decay`` as injected 0-d arrays (only the shape
+    arguments static) give the bits of jc.demo given the Python floats, for two steps.
+    Until 2026-11-27 init refused them ("`weight_decay` must be a number >= 0, got
+    JitTracer(float32[])"): both had to be in ``static_args``."""
+    kw = dict(axis_name="data", chunk=64, topk=8, min_size=100)
+    static = ("chunk", "topk", "bits", "min_size")
+    injected = optax.inject_hyperparams(jc.demo, static_args=static)(
+        learning_rate=0.01, decay=0.9, weight_decay=0.1, **kw
+    )
+    outs, state = run(injected, steps=2, params=DEMO_PARAMS)
+    ref, _ = run(jc.demo(0.01, decay=0.9, weight_decay=0.1, **kw), steps=2, params=DEMO_PARAMS)
+    assert float(state.hyperparams["weight_decay"]) == np.float32(0.1)
+    assert np.any(np.asarray(ref[1]["w"]) != 0)
+    same_bits(outs, ref)
+
+
 # --------------------------------------------------------------------------- apply_if_finite
 
 

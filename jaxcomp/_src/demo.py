@@ -18,7 +18,13 @@ import numpy as np
 import optax
 
 from jaxcomp._src import shards, skeleton, sparse_exchange
-from jaxcomp._src.codecs.base import ceil_div, check_fraction, check_int, is_number
+from jaxcomp._src.codecs.base import (
+    ceil_div,
+    check_fraction,
+    check_int,
+    check_scalar_array,
+    is_number,
+)
 from jaxcomp._src.codecs.chunked import chunked_top_k
 
 F32 = jnp.float32
@@ -188,7 +194,8 @@ def scale_by_demo(
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       chunk: the target block side, in [1, 4096] (as :func:`demo`).
       topk: components sent per ``chunk x chunk`` block, in [1, chunk^2].
-      decay: the momentum's decay, in [0, 1].
+      decay: the momentum's decay, in [0, 1]: a number, or a 0-d float array (a
+        hyperparameter ``optax.inject_hyperparams`` passes; checked where concrete).
       sign: output ``sign(q)`` (DeMo) or ``q`` itself.
       bits: bits per sent value, in [1, 8], or None for float32 values.
       min_size: leaves with fewer values are averaged exactly, >= 0.
@@ -255,13 +262,46 @@ def check_demo(chunk: Any, topk: Any, decay: Any, bits: Any, min_size: Any) -> t
     """The arguments of :func:`demo` checked, each error naming its argument."""
     chunk = check_int("chunk", chunk, 1, 4096)
     topk = check_int("topk", topk, 1, chunk * chunk)
-    if is_number(decay) and decay == 1:
-        decay = 1.0  # plain accumulation: nothing is lost (what the contract tests check)
-    else:
-        decay = check_fraction("decay", decay)
+    decay = check_decay(decay)
     if bits is not None:
         bits = check_int("bits", bits, 1, 8)
     return chunk, topk, decay, bits, check_int("min_size", min_size, 0)
+
+
+def _is_array(value: Any) -> bool:
+    """An array given for a number: a hyperparameter ``optax.inject_hyperparams`` passes
+    (concrete to ``init``, traced to ``update``)."""
+    return isinstance(value, jax.Array | np.ndarray)
+
+
+def check_decay(decay: Any) -> Any:
+    """``decay`` in [0, 1] (1: plain accumulation, nothing lost), as a float; or a 0-d int
+    or float array returned as it is, checked in [0, 1] where concrete."""
+    if _is_array(decay):
+        check_scalar_array("decay", decay)
+        if not isinstance(decay, jax.core.Tracer):
+            check_decay(float(decay))
+        return decay
+    if is_number(decay) and decay == 1:
+        return 1.0  # plain accumulation: nothing is lost (what the contract tests check)
+    return check_fraction("decay", decay)
+
+
+def weight_decay_step(weight_decay: Any) -> optax.GradientTransformation:
+    """``optax.add_decayed_weights(weight_decay)``, or ``optax.identity()`` for a Python zero.
+    Checks ``weight_decay`` >= 0 and finite, naming it. An array (``optax.inject_hyperparams``:
+    concrete to ``init``, traced to ``update``) always gets the decay, even a zero: both then
+    build the same chain, whose states must match (``g + 0 theta`` is ``g``, bit for bit)."""
+    if _is_array(weight_decay):
+        check_scalar_array("weight_decay", weight_decay)
+        if not isinstance(weight_decay, jax.core.Tracer):
+            weight_decay_step(float(weight_decay))
+        return optax.add_decayed_weights(weight_decay)
+    if not is_number(weight_decay):
+        raise TypeError(f"`weight_decay` must be a number >= 0, got {weight_decay!r}")
+    if not weight_decay >= 0 or not math.isfinite(weight_decay):
+        raise ValueError(f"`weight_decay` must be >= 0 and finite, got {weight_decay}")
+    return optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity()
 
 
 def demo(
@@ -321,9 +361,10 @@ def demo(
         by it: ``3e-3 x 128 / d_model`` on the LM benchmark's models (found on widths 64 and
         128, confirmed on 192), with a warm-up over 2% of the steps (docs, "Training
         language models over slow links"). Under ``optax.inject_hyperparams`` (a schedule
-        held in the state) the other numbers stay static configuration (an array of one is
-        refused, naming it): ``optax.inject_hyperparams(jc.demo, static_args=("chunk",
-        "topk", "decay", "weight_decay", "bits", "min_size"))``.
+        held in the state) ``decay`` and ``weight_decay`` may be scheduled too; the other
+        numbers stay static configuration (an array of one is refused, naming it):
+        ``optax.inject_hyperparams(jc.demo, static_args=("chunk", "topk", "bits",
+        "min_size"))``.
       axis_name: the data-parallel mesh axis (bound by ``shard_map`` or ``pmap``).
       chunk: the target block side, in [1, 4096] (DeMo: 64): a dimension that is not a
         multiple of it is cut by a divisor near it (:func:`block_side`).
@@ -335,8 +376,11 @@ def demo(
         for a ratio of bytes on given params, :func:`jaxcomp.demo_ratio` gives its ratio.
       decay: the momentum's decay, in [0, 1] (DeMo: 0.999; 1: plain accumulation). The
         unsent momentum lives about ``1 / (1 - decay)`` steps: on runs of hundreds of steps
-        a shorter memory (0.9-0.95) did better on the LM benchmark than DeMo's 0.999.
-      weight_decay: decoupled weight decay (as ``optax.adamw``), >= 0.
+        a shorter memory (0.9-0.95) did better on the LM benchmark than DeMo's 0.999. A
+        number, or a 0-d float array (what ``optax.inject_hyperparams`` passes; checked in
+        [0, 1] where concrete).
+      weight_decay: decoupled weight decay (as ``optax.adamw``), >= 0: a number, or a 0-d
+        float array (checked where concrete; an array always chains the decay, a zero too).
       sign: apply ``sign(q)`` (DeMo) or ``q`` itself.
       bits: bits per sent value, in [1, 8] (default 8), or None for float32 values.
       min_size: leaves with fewer values are averaged exactly, >= 0 (default 0: none; on the
@@ -380,10 +424,7 @@ def demo(
       Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870,
       2024; Loshchilov, Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
-    if not is_number(weight_decay):
-        raise TypeError(f"`weight_decay` must be a number >= 0, got {weight_decay!r}")
-    if not weight_decay >= 0 or not math.isfinite(weight_decay):
-        raise ValueError(f"`weight_decay` must be >= 0 and finite, got {weight_decay}")
+    decay_step = weight_decay_step(weight_decay)
     return optax.chain(  # scale_by_demo checks the other arguments
         scale_by_demo(
             axis_name,
@@ -395,7 +436,7 @@ def demo(
             min_size=min_size,
             shard_axis=shard_axis,
         ),
-        optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+        decay_step,
         optax.scale_by_learning_rate(learning_rate),
     )
 

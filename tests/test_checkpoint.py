@@ -1526,15 +1526,21 @@ def test_a_state_restored_with_its_rows_on_other_devices_flags_the_step(case, tm
     (what was held back kept, for a restore into the right layout), where until 2026-11-27
     the step ran on with each row added to another chunk's values. A fresh state of the
     other layout steps finite."""
+    _flags_rows_elsewhere(*ROWS_ELSEWHERE[case], tmp_path)
+
+
+def _flags_rows_elsewhere(saved_layout, other_layout, tmp_path, make=None):
+    """A state of ``saved_layout`` (:func:`_layout`'s arguments; ``make`` its transform)
+    stepped once, saved, restored by orbax into ``other_layout``'s target and stepped there:
+    every output NaN and the state returned as it came; a fresh state there steps finite."""
     import jax
     import orbax.checkpoint as ocp
 
-    saved_layout, other_layout = ROWS_ELSEWHERE[case]
-    state, step, put, _ = _layout(*saved_layout)
+    state, step, put, _ = _layout(*saved_layout, make=make)
     n = int(np.prod(saved_layout[0]))
     g = {"w": np.random.default_rng(2).standard_normal((n, 16, 32)).astype(np.float32)}
     _, state = jax.block_until_ready(step(state, put(g)))
-    fresh, other_step, other_put, _ = _layout(*other_layout)
+    fresh, other_step, other_put, _ = _layout(*other_layout, make=make)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", {"opt_state": state})
         ckpt.wait_until_finished()
@@ -1760,25 +1766,8 @@ def test_a_dgc_state_restored_with_its_rows_on_other_devices_flags_the_step(tmp_
     "local")`` saved after one step, restored into the target of ``("local", "host")`` and
     stepped with its specs: every output NaN and the state returned as it came (until
     2026-11-27 the step ran on, finite). A fresh state of that layout steps finite."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    axes = ("host", "local")
-    state, step, put, _ = _layout((2, 4), axes, None, axes, make=_dgc_two_phase)
-    g = {"w": np.random.default_rng(2).standard_normal((8, 16, 32)).astype(np.float32)}
-    _, state = jax.block_until_ready(step(state, put(g)))
-    fresh, other_step, other_put, _ = _layout((2, 4), axes, None, axes[::-1], make=_dgc_two_phase)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(tmp_path / "ckpt", {"opt_state": state})
-        ckpt.wait_until_finished()
-        like = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"opt_state": fresh})
-        got = ckpt.restore(tmp_path / "ckpt", like)["opt_state"]
-    out, after = jax.block_until_ready(other_step(got, other_put(g)))
-    assert np.isnan(np.asarray(out["w"])).all()
-    for kept, came in zip(jax.tree.leaves(after), jax.tree.leaves(got), strict=True):
-        np.testing.assert_array_equal(np.asarray(kept), np.asarray(came))
-    out, _ = jax.block_until_ready(other_step(fresh, other_put(g)))
-    assert np.isfinite(np.asarray(out["w"])).all()
+    saved_layout, other_layout = ROWS_ELSEWHERE["flat_two_axes_swapped"]
+    _flags_rows_elsewhere(saved_layout, other_layout, tmp_path, make=_dgc_two_phase)
 
 
 def _dgc_held(state) -> np.ndarray:

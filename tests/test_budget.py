@@ -210,8 +210,9 @@ def test_sub_chunk_density_meets_the_ratio_on_the_lowered_step(name):
 def test_sub_chunk_density_on_the_lm_models():
     """docs/lm-byte-budgets.md's sub-chunk rows: at 3000x, ``H = 30``, 2 replicas of 4 (every
     leaf, 1-bit values) chunks of 1024 keep 47 of each 1024 on the held-out pair's model (3
-    layers of 64; 3029x) and sub-chunks of 128 keep 8 of each 128, 64 of each 1024 (3057x;
-    3128x on the benchmark's model, 2 layers of 128)."""
+    layers of 64; 3029x), sub-chunks of 128 keep 8 of each 128, 64 of each 1024 (3057x;
+    3128x on the benchmark's model, 2 layers of 128), and sub-chunks of 24 (5-bit indices)
+    under one scale per 1536 keep 2 of each 24, 85 of each 1024 (3103x; 3184x)."""
     from benchmarks.budget_bytes import Model, params_of
 
     held_out, bench = params_of(Model(64, 3)), params_of(Model(128, 2))
@@ -221,3 +222,8 @@ def test_sub_chunk_density_on_the_lm_models():
     sub = dict(density=8 / 128, sub_chunk=128, **kw)
     assert jc.sparseloco_ratio(held_out, H, 2, **sub) == pytest.approx(3057, abs=1)
     assert jc.sparseloco_ratio(bench, H, 2, **sub) == pytest.approx(3128, abs=1)
+    kw24 = {**kw, "chunk": 1536, "sub_chunk": 24}
+    assert jc.sparseloco_density(held_out, 3000, H, 2, **kw24) == 2 / 24
+    assert jc.sparseloco_density(bench, 3000, H, 2, **kw24) == 2 / 24
+    assert jc.sparseloco_ratio(held_out, H, 2, density=2 / 24, **kw24) == pytest.approx(3103, abs=1)
+    assert jc.sparseloco_ratio(bench, H, 2, density=2 / 24, **kw24) == pytest.approx(3184, abs=1)

@@ -6,6 +6,7 @@ frozen memory, bytes on the wire, how often the communicating update really runs
 """
 
 import collections
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -449,6 +450,32 @@ def test_accumulate_communicates_only_on_the_applying_step():
     multi = optax.MultiSteps(counted(optax.chain(compress(), optax.sgd(0.1)), theirs), k)
     run(multi.gradient_transformation(), steps=steps, specs=multi_steps_specs(multi, P("data")))
     assert theirs == {i: steps for i in range(N)}
+
+
+def _pmap_step(tx):
+    """``tx.update`` under ``jax.pmap`` over "data", its state from ``jax.pmap(tx.init)``."""
+    rep = jax.tree.map(lambda x: jnp.broadcast_to(x, (N, *x.shape)), PARAMS)
+    state = jax.pmap(tx.init)(rep)
+    return jax.pmap(tx.update, axis_name="data"), grads(0), state, rep
+
+
+def test_multisteps_around_an_exchange_under_pmap_warns_of_k_times_the_bytes():
+    """``optax.MultiSteps(tx, 4)`` under ``jax.pmap`` (where no ``jc.sharded_init`` refuses
+    it) runs the exchange on every micro-step: its compiled step sends what the bare step
+    sends, per call, in no branch (4 times the bytes of one applied update), as under
+    shard_map (test_accumulate_communicates_only_on_the_applying_step). ``jc.accumulate``
+    sends it in one branch of two, and does not warn. Until 2026-11-27 nothing said so."""
+    base = optax.chain(compress(), optax.sgd(0.1))
+    step = _pmap_step(optax.MultiSteps(base, 4).gradient_transformation())
+    with pytest.warns(UserWarning, match=r"optax\.MultiSteps.*jc\.accumulate\(tx, every_k\)"):
+        multi = jc.comm_report(*step)
+    bare = jc.comm_report(*_pmap_step(base))
+    assert bare.bytes_per_device > 0 and not bare.conditionals and not multi.conditionals
+    assert multi.bytes_per_device == bare.bytes_per_device
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc = jc.comm_report(*_pmap_step(jc.accumulate(base, 4)))
+    assert sorted(acc.branch_bytes().values())[-2:] == [0.0, bare.bytes_per_device]
 
 
 def multi_steps_specs(multi, acc_spec):

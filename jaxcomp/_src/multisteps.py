@@ -18,14 +18,26 @@ read or a reshard between two applying calls keeps device 0's ``a_0`` for every 
 the next update drops the other devices' micro-batches. ``jc.accumulate(tx, k)`` is the same
 accumulation with its accumulator per device and one exchange per update (MultiSteps runs
 ``tx``, the exchange included, on every call: ``k`` times the bytes).
+
+:func:`warn_inside` says so at trace time, under ``jax.pmap`` too, where no
+``jc.sharded_init`` refuses the state. MultiSteps' ``lax.cond`` chooses between skipping a
+micro-step (its ``should_skip_update_fn``; the default never skips, and the cond folds away)
+and running the inner update, not between accumulating and applying: the inner update and
+its collectives run on every micro-step, ``pmap`` and ``shard_map`` alike.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+import warnings
 from typing import Any
 
 import jax
 import optax
+from optax.transforms import _accumulation
+
+_MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
 
 
 def _is_multisteps(node: Any) -> bool:
@@ -62,4 +74,30 @@ def check_not_around_exchange(state: Any, argument: str) -> None:
             "next update drops the other devices' micro-batches. MultiSteps also runs the "
             "exchange on every call (every_k times the bytes). Use jc.accumulate(tx, every_k): "
             "the same updates, its accumulator per device, one exchange per update."
+        )
+
+
+def _inside_multisteps() -> bool:
+    """Whether this trace runs inside ``optax.MultiSteps.update`` (a frame of optax's)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "update" and code.co_filename == _MULTI_STEPS_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def warn_inside(name: str) -> None:
+    """Warn (at trace time) where ``jc.<name>``'s update runs inside ``optax.MultiSteps``:
+    MultiSteps calls it on every micro-step and keeps the result of every ``k``-th, so its
+    exchange sends ``k`` times the bytes of one update (module docstring)."""
+    if _inside_multisteps():
+        warnings.warn(
+            f"jc.{name} is the inner transform of optax.MultiSteps, which runs its update, "
+            "the exchange included, on every micro-step and keeps every every_k-th: every_k "
+            "times the bytes of one update (under jax.pmap and jax.shard_map alike). Use "
+            "jc.accumulate(tx, every_k): the same updates, one exchange per applied update.",
+            UserWarning,
+            stacklevel=3,
         )

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._src import collectives, finite, server
+from jaxcomp._src import collectives, finite, multisteps, server
 from jaxcomp._src import layout as layouts
 from jaxcomp._src.axes import (  # noqa: F401  (tracks_variance, varying_axes: re-exported)
     manual_axes,
@@ -36,6 +36,7 @@ from jaxcomp._src.axes import (  # noqa: F401  (tracks_variance, varying_axes: r
 def begin(name: str, updates: Any, params: Any, axis_name: Any, inner_axis_name: Any = None) -> int:
     """Trace-time checks every update does first; returns the size of ``axis_name``."""
     finite.refuse_optax_skip(name, axis_name)
+    multisteps.warn_inside(name)
     layouts.check_like_params(updates, params, name)
     n = collectives.axis_size(axis_name)
     collectives.check_inner_axis(axis_name, inner_axis_name)

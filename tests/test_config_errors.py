@@ -818,6 +818,18 @@ CHECKS = [
     ("sparseloco", "bits", lambda: jc.sparseloco(SGD, "d", 4, bits="2"), TypeError),
     ("sparseloco", "ef_decay", lambda: jc.sparseloco(SGD, "d", 4, ef_decay=1.5), ValueError),
     ("sparseloco", "ef_decay", lambda: jc.sparseloco(SGD, "d", 4, ef_decay="0.9"), TypeError),
+    (
+        "sparseloco",
+        "ef_decay",
+        lambda: jc.sparseloco(SGD, "d", 4, ef_decay=jnp.asarray(1.5)),
+        ValueError,
+    ),
+    (
+        "sparseloco",
+        "ef_decay",
+        lambda: jc.sparseloco(SGD, "d", 4, ef_decay=jnp.zeros(3)),
+        TypeError,
+    ),
     ("sparseloco", "averaging", lambda: jc.sparseloco(SGD, "d", 4, averaging="mean"), ValueError),
     ("sparseloco", "min_size", lambda: jc.sparseloco(SGD, "d", 4, min_size=-1), ValueError),
     ("sparseloco", "min_size", lambda: jc.sparseloco(SGD, "d", 4, min_size=1.0), TypeError),

@@ -174,6 +174,43 @@ def test_inject_hyperparams_demo_decay_and_weight_decay_are_the_numbers():
     same_bits(outs, ref)
 
 
+def _replica_steps(tx, steps=2):
+    """``steps`` updates of ``tx`` (one model per device: updates ``P("data")``) from
+    DEMO_PARAMS on ``grads(t)``: the updates and the last state."""
+    p = shard(DEMO_PARAMS, spec=P())
+    state = jc.sharded_init(tx, DEMO_PARAMS, mesh(), "data")
+    specs = jc.state_specs(state, "data")
+
+    def update(g, s, p):
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        return jax.tree.map(lambda a: a[None], u), s
+
+    fn = per_device(update, (P("data"), specs, P()), (P("data"), specs))
+    outs = []
+    for t in range(steps):
+        out, state = fn(shard(grads(t)), state, p)
+        outs.append(out)
+    return outs, state
+
+
+def test_inject_hyperparams_sparseloco_ef_decay_is_the_number():
+    """jc.sparseloco's ``ef_decay`` as an injected 0-d array gives the bits of the Python
+    float (updates and error-feedback memory), syncing every step. Until 2026-11-27 init
+    refused it ("`ef_decay` must be a number, got DynamicJaxprTracer JitTracer(float32[])")."""
+    kw = dict(axis_name="data", sync_every=1, density=0.25, chunk=16, min_size=100)
+    static = ("sync_every", "density", "chunk", "bits", "min_size", "seed")
+    injected = optax.inject_hyperparams(jc.sparseloco, static_args=static)(
+        inner=optax.sgd(0.1), ef_decay=0.5, **kw
+    )
+    outs, state = _replica_steps(injected)
+    ref, ref_state = _replica_steps(jc.sparseloco(optax.sgd(0.1), ef_decay=0.5, **kw))
+    assert float(state.hyperparams["ef_decay"]) == 0.5
+    assert np.any(np.asarray(ref[1]["w"]) != 0)
+    same_bits(outs, ref)
+    assert np.any(np.asarray(jax.tree.leaves(ref_state.exchange)[0]) != 0)  # memory kept
+    same_bits(state.inner_state.exchange, ref_state.exchange)
+
+
 # --------------------------------------------------------------------------- apply_if_finite
 
 

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxcomp._src import periodic, shards, shared_mask, skeleton, sparse_exchange
@@ -22,6 +23,7 @@ from jaxcomp._src.codecs.base import (
     check_fraction,
     check_int,
     check_positive_float,
+    check_scalar_array,
     is_number,
     scaled_global_norm_parts,
 )
@@ -156,7 +158,7 @@ def decayed(
     ``D + (beta - 1) e``, so it sends ``C(beta e + D)`` and keeps ``beta e + D - C(...)``."""
 
     def update_fn(deltas, state, params=None):
-        if ef_decay != 1.0:
+        if _is_array(ef_decay) or ef_decay != 1.0:  # an array of 1: ``D + 0 e``, bit for bit
             deltas = [
                 d if isinstance(m, optax.MaskedNode) or m is None else d + (ef_decay - 1.0) * m[0]
                 for d, m in zip(deltas, state.memory, strict=True)
@@ -184,8 +186,19 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
-def check_decay(ef_decay: Any) -> float:
-    """``ef_decay`` in [0, 1] (1: the plain residual error feedback), else an error naming it."""
+def _is_array(value: Any) -> bool:
+    return isinstance(value, jax.Array | np.ndarray)
+
+
+def check_decay(ef_decay: Any) -> Any:
+    """``ef_decay`` in [0, 1] (1: the plain residual error feedback), else an error naming it;
+    or a 0-d int or float array (``optax.inject_hyperparams``: concrete to ``init``, traced
+    to ``update``) returned as it is, checked in [0, 1] where concrete."""
+    if _is_array(ef_decay):
+        check_scalar_array("ef_decay", ef_decay)
+        if not isinstance(ef_decay, jax.core.Tracer):
+            check_decay(float(ef_decay))
+        return ef_decay
     if is_number(ef_decay) and ef_decay == 1:
         return 1.0
     return check_fraction("ef_decay", ef_decay)
@@ -501,7 +514,8 @@ def sparseloco(
       chunk: values per chunk (default 4096 = 64 x 64; indices take ``ceil(log2 chunk)`` bits).
       bits: bits per sent value, in [1, 8] (default 2), or None for float32 values.
       ef_decay: ``beta`` in [0, 1], the error feedback's decay (default 0.5; 1: plain
-        residual error feedback, nothing lost; SparseLoCo's paper and Templar: 0.95). What a
+        residual error feedback, nothing lost; SparseLoCo's paper and Templar: 0.95); a
+        number, or a 0-d float array (``optax.inject_hyperparams``; checked where concrete). What a
         device does not send stays in its memory for about ``1 / (1 - beta)`` syncs: 2 at
         0.5, 20 at 0.95. On runs of tens of outer steps the pseudo-gradients shrink several
         times over the run, and a long memory makes the largest entries it sends stale

@@ -1273,6 +1273,14 @@ def _fragments_without_mesh():
     return jc.state_specs(tx.init(params), "data", param_specs=specs, params=params)
 
 
+def _replicated_params_update(x, make):
+    """A periodic transform's update given params typed the same on every device (made
+    inside the step), as the per-step recipes' step passes them (``P()``)."""
+    tx = make()
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
+    return tx.update(x, tx.init(params), params)[0]
+
+
 def _gossip_update(x, axis_name, params):
     tx = jc.gossip(SGD, axis_name)
     return tx.update(x, tx.init(x), params)[0]
@@ -1417,6 +1425,19 @@ TRACE_CHECKS = [
     ("fsdp_gather", "skip_axis", lambda x: jc.fsdp_gather(x, "data", skip_axis=1), TypeError),
     ("fsdp_residual", "axis_name", lambda x: jc.fsdp_residual(x, "model"), ValueError),
     ("gossip (update)", "params", lambda x: _gossip_update(x, "data", None), ValueError),
+    *[
+        (
+            "local_sgd, diloco, sparseloco (update)",
+            "params",
+            lambda x, make=make: _replicated_params_update(x, make),
+            ValueError,
+        )
+        for make in (
+            lambda: jc.local_sgd(SGD, "data", 2),
+            lambda: jc.diloco(SGD, "data", 2),
+            lambda: jc.sparseloco(SGD, "data", 2, min_size=0),
+        )
+    ],
     ("gossip (update)", "axis_name", lambda x: _gossip_update(x, "model", x), ValueError),
     (
         "psum",

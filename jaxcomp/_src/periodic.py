@@ -425,6 +425,29 @@ def _check_update(cfg: Config, updates: Any, state: Any, params: Any, init_fn: A
     skeleton.check_fields(cfg.name, state, want, cfg.axis_name, updates)
 
 
+def check_params_are_replicas(name: str, params: Any, axis_name: Any) -> None:
+    """Refuse ``params`` typed the same on every device of ``axis_name`` (``check_vma=True``).
+
+    A periodic transform keeps one model per device between syncs: its updates differ per
+    device, so params that entered the step replicated (``P()``, the per-step recipes'
+    step) would leave it differing per device, and jax refuses that step later ("out_specs
+    ... can't be statically inferred"), naming neither the params nor the fix.
+    """
+    if not skeleton.tracks_variance(axis_name):
+        return
+    bad = skeleton.invariant_leaves(params, collectives.axis_names(axis_name))
+    if bad:
+        raise ValueError(
+            f"{name}: `params` at {bad[:4]} entered the step replicated over {axis_name!r}: "
+            f"{name} keeps one model per device between syncs, so they would leave it "
+            "differing per device. Place them with "
+            f"jc.replica_params(params, mesh, {axis_name!r}) and jc.replica_specs(params, "
+            f"{axis_name!r}) as their specs, and in the step take this device's copy with "
+            "jc.own and give it back with jc.slot (docs/local-sgd-diloco.md, Params per "
+            "device)"
+        )
+
+
 def _fields_of(state: Any) -> dict[str, Any]:
     """The per-fragment fields of ``state`` as mutable lists (None where absent)."""
     get = lambda k: getattr(state, k, None)  # noqa: E731
@@ -507,6 +530,7 @@ def make(cfg: Config) -> optax.GradientTransformationExtraArgs:
         floats = [x for x, p in zip(u_leaves, p_leaves, strict=True) if is_float(p)]
         local_bad = shards.any_shard(_nonfinite(floats), keep=cfg.axes, shard_axis=cfg.shard_axis)
         out, anchor, parts, bad = _sync_fragments(ex, state, treedef, p_leaves, u_leaves)
+        check_params_are_replicas(cfg.name, params, cfg.axis_name)  # after the state's checks
         # A device's non-finite inner update freezes its inner state only. Its delayed
         # pseudo-gradient snapshot (``pending``) is the message the next landing exchanges:
         # taken as it is, non-finite, so that the landing's mean is flagged on every device.

@@ -20,9 +20,10 @@ import optax
 from jaxcomp._src import shards, skeleton, sparse_exchange
 from jaxcomp._src.codecs.base import (
     ceil_div,
-    check_fraction,
+    check_decay,
     check_int,
     check_scalar_array,
+    is_array,
     is_number,
 )
 from jaxcomp._src.codecs.chunked import chunked_top_k
@@ -262,29 +263,10 @@ def check_demo(chunk: Any, topk: Any, decay: Any, bits: Any, min_size: Any) -> t
     """The arguments of :func:`demo` checked, each error naming its argument."""
     chunk = check_int("chunk", chunk, 1, 4096)
     topk = check_int("topk", topk, 1, chunk * chunk)
-    decay = check_decay(decay)
+    decay = check_decay("decay", decay)  # 1: plain accumulation, nothing lost
     if bits is not None:
         bits = check_int("bits", bits, 1, 8)
     return chunk, topk, decay, bits, check_int("min_size", min_size, 0)
-
-
-def _is_array(value: Any) -> bool:
-    """An array given for a number: a hyperparameter ``optax.inject_hyperparams`` passes
-    (concrete to ``init``, traced to ``update``)."""
-    return isinstance(value, jax.Array | np.ndarray)
-
-
-def check_decay(decay: Any) -> Any:
-    """``decay`` in [0, 1] (1: plain accumulation, nothing lost), as a float; or a 0-d int
-    or float array returned as it is, checked in [0, 1] where concrete."""
-    if _is_array(decay):
-        check_scalar_array("decay", decay)
-        if not isinstance(decay, jax.core.Tracer):
-            check_decay(float(decay))
-        return decay
-    if is_number(decay) and decay == 1:
-        return 1.0  # plain accumulation: nothing is lost (what the contract tests check)
-    return check_fraction("decay", decay)
 
 
 def weight_decay_step(weight_decay: Any) -> optax.GradientTransformation:
@@ -292,7 +274,7 @@ def weight_decay_step(weight_decay: Any) -> optax.GradientTransformation:
     Checks ``weight_decay`` >= 0 and finite, naming it. An array (``optax.inject_hyperparams``:
     concrete to ``init``, traced to ``update``) always gets the decay, even a zero: both then
     build the same chain, whose states must match (``g + 0 theta`` is ``g``, bit for bit)."""
-    if _is_array(weight_decay):
+    if is_array(weight_decay):
         check_scalar_array("weight_decay", weight_decay)
         if not isinstance(weight_decay, jax.core.Tracer):
             weight_decay_step(float(weight_decay))

@@ -14,16 +14,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxcomp._src import periodic, shards, shared_mask, skeleton, sparse_exchange
 from jaxcomp._src.codecs.base import (
     Codec,
+    check_decay,
     check_fraction,
     check_int,
     check_positive_float,
-    check_scalar_array,
+    is_array,
     is_number,
     scaled_global_norm_parts,
 )
@@ -158,7 +158,7 @@ def decayed(
     ``D + (beta - 1) e``, so it sends ``C(beta e + D)`` and keeps ``beta e + D - C(...)``."""
 
     def update_fn(deltas, state, params=None):
-        if _is_array(ef_decay) or ef_decay != 1.0:  # an array of 1: ``D + 0 e``, bit for bit
+        if is_array(ef_decay) or ef_decay != 1.0:  # an array of 1: ``D + 0 e``, bit for bit
             deltas = [
                 d if isinstance(m, optax.MaskedNode) or m is None else d + (ef_decay - 1.0) * m[0]
                 for d, m in zip(deltas, state.memory, strict=True)
@@ -184,24 +184,6 @@ def _brief(value: Any) -> str:
         return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = repr(value)
     return text if len(text) <= 80 else text[:80] + "..."
-
-
-def _is_array(value: Any) -> bool:
-    return isinstance(value, jax.Array | np.ndarray)
-
-
-def check_decay(ef_decay: Any) -> Any:
-    """``ef_decay`` in [0, 1] (1: the plain residual error feedback), else an error naming it;
-    or a 0-d int or float array (``optax.inject_hyperparams``: concrete to ``init``, traced
-    to ``update``) returned as it is, checked in [0, 1] where concrete."""
-    if _is_array(ef_decay):
-        check_scalar_array("ef_decay", ef_decay)
-        if not isinstance(ef_decay, jax.core.Tracer):
-            check_decay(float(ef_decay))
-        return ef_decay
-    if is_number(ef_decay) and ef_decay == 1:
-        return 1.0
-    return check_fraction("ef_decay", ef_decay)
 
 
 def check_density(density: Any, chunk: int) -> int:
@@ -345,7 +327,7 @@ def topk_feedback(
     if value_scale == "mean" and bits != 1:
         raise ValueError(f"`value_scale`='mean' needs `bits`=1, got {bits!r}")
     codec = density_codec(density, chunk, bits, value_scale, sub_chunk)
-    ef_decay = check_decay(ef_decay)
+    ef_decay = check_decay("ef_decay", ef_decay)  # 1: plain residual feedback
     averaging = resolve_averaging(averaging, strategy)
     min_size = check_int("min_size", min_size, 0)
     if not isinstance(clip, bool):
@@ -400,7 +382,7 @@ def masked_feedback(
     (:func:`jaxcomp._src.shared_mask.shared_mask_feedback`) and its value codec, after
     checking the arguments (errors naming each)."""
     density = check_positive_float("density", density, upper=1.0)
-    ef_decay = check_decay(ef_decay)
+    ef_decay = check_decay("ef_decay", ef_decay)  # 1: plain residual feedback
     min_size = check_int("min_size", min_size, 0)
     if averaging not in (None, "all"):
         raise ValueError(

@@ -375,6 +375,26 @@ def check_fraction_array(name: str, value: Any) -> Any:
     return value
 
 
+def is_array(value: Any) -> bool:
+    """An array given for a number: a hyperparameter ``optax.inject_hyperparams`` passes
+    (concrete to ``init``, traced to ``update``)."""
+    return isinstance(value, jax.Array | np.ndarray)
+
+
+def check_decay(name: str, value: Any) -> Any:
+    """A decay ``value`` in ``[0, 1]`` as a float (1: nothing decays, nothing is lost), else
+    an error naming ``name``; or a 0-d int or float array (:func:`is_array`) returned as it
+    is, checked in ``[0, 1]`` where concrete (:func:`check_scalar_array`)."""
+    if is_array(value):
+        check_scalar_array(name, value)
+        if not isinstance(value, jax.core.Tracer):
+            check_decay(name, float(value))
+        return value
+    if is_number(value) and value == 1:
+        return 1.0
+    return check_fraction(name, value)
+
+
 def check_positive_float(name: str, value: Any, *, upper: float | None = None) -> float:
     if not is_number(value):
         raise TypeError(f"`{name}` must be a number, got {type(value).__name__} {value!r}")

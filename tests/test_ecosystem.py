@@ -174,18 +174,23 @@ def test_inject_hyperparams_demo_decay_and_weight_decay_are_the_numbers():
     same_bits(outs, ref)
 
 
-def _replica_steps(tx, steps=2):
+def _replica_steps(tx, steps=2, replicas=False):
     """``steps`` updates of ``tx`` (one model per device: updates ``P("data")``) from
-    DEMO_PARAMS on ``grads(t)``: the updates and the last state."""
+    DEMO_PARAMS on ``grads(t)``: the updates and the last state. ``replicas``: the params
+    per device (``jc.replica_params``, ``jc.own``), as jc.sparseloco takes them."""
     p = shard(DEMO_PARAMS, spec=P())
+    p_spec = P()
+    if replicas:
+        p = jc.replica_params(DEMO_PARAMS, mesh(), "data")
+        p_spec = jc.replica_specs(DEMO_PARAMS, "data")
     state = jc.sharded_init(tx, DEMO_PARAMS, mesh(), "data")
     specs = jc.state_specs(state, "data")
 
     def update(g, s, p):
-        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, jc.own(p) if replicas else p)
         return jax.tree.map(lambda a: a[None], u), s
 
-    fn = per_device(update, (P("data"), specs, P()), (P("data"), specs))
+    fn = per_device(update, (P("data"), specs, p_spec), (P("data"), specs))
     outs = []
     for t in range(steps):
         out, state = fn(shard(grads(t)), state, p)
@@ -202,8 +207,10 @@ def test_inject_hyperparams_sparseloco_ef_decay_is_the_number():
     injected = optax.inject_hyperparams(jc.sparseloco, static_args=static)(
         inner=optax.sgd(0.1), ef_decay=0.5, **kw
     )
-    outs, state = _replica_steps(injected)
-    ref, ref_state = _replica_steps(jc.sparseloco(optax.sgd(0.1), ef_decay=0.5, **kw))
+    outs, state = _replica_steps(injected, replicas=True)
+    ref, ref_state = _replica_steps(
+        jc.sparseloco(optax.sgd(0.1), ef_decay=0.5, **kw), replicas=True
+    )
     assert float(state.hyperparams["ef_decay"]) == 0.5
     assert np.any(np.asarray(ref[1]["w"]) != 0)
     same_bits(outs, ref)

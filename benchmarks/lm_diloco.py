@@ -602,6 +602,19 @@ RECIPES: dict[str, lm.Recipe] = {
     "sparseloco-H30-muon-innerwsd-d21-b1mean-min0-outer1.5": _sparse_wsd(21 / 4096),
     "sparseloco-H30-muon-innerwsd-d17-b1mean-min0-outer1.5": _sparse_wsd(17 / 4096),
     "sparseloco-H30-muon-innerwsd-d19-b1mean-min0-outer1.5": _sparse_wsd(19 / 4096),
+    # ... the top-k inside sub-chunks of 1024 under the chunk's one scale per 4096 (10-bit
+    # indices for 12): 6 of each 1024, 24 of each 4096 where the row sends 21, what
+    # jc.sparseloco_density(params, 3000, 30, 8, chunk=4096, sub_chunk=1024, bits=1,
+    # min_size=0, other_bytes=7) gives on the benchmark's model (3154x); sub-chunks of 24 are
+    # out of reach on 8 replicas (one of each 24 gives 874x) (slice L14).
+    "sparseloco-H30-muon-innerwsd-c4096-s1024-d24-b1mean-min0-outer1.5": _sparse_wsd(
+        6 / 1024, chunk=4096, sub_chunk=1024
+    ),
+    # ... sub-chunks of 512 under one scale per 2048 (9-bit indices): 3 of each 512, 24 of
+    # each 4096 again (3074x).
+    "sparseloco-H30-muon-innerwsd-c2048-s512-d24-b1mean-min0-outer1.5": _sparse_wsd(
+        3 / 512, chunk=2048, sub_chunk=512
+    ),
     # Slice L11's screens of the WSD row at the same bytes (3000x), one change each: H = 60
     # with the density jc.sparseloco_density gives there (46 of 4096 on the benchmark's
     # model, 42 on the held-out pair's, 43 on the fourth's: more than twice 30's, the chunks'

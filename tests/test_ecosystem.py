@@ -480,6 +480,9 @@ def counted(tx, counter):
     return optax.GradientTransformation(tx.init, update)
 
 
+@pytest.mark.filterwarnings(
+    r"ignore:jc\.\w+ is the inner transform of optax\.MultiSteps:UserWarning"
+)
 def test_accumulate_communicates_only_on_the_applying_step():
     k, steps = 4, 8
     ours, theirs = collections.Counter(), collections.Counter()
@@ -533,6 +536,9 @@ def multi_steps_specs(multi, acc_spec):
     )
 
 
+@pytest.mark.filterwarnings(
+    r"ignore:jc\.\w+ is the inner transform of optax\.MultiSteps:UserWarning"
+)
 def test_multisteps_with_its_accumulator_replicated_names_jc_accumulate():
     """``optax.MultiSteps(jc.sgd(...))`` with ``acc_grads`` passed replicated (``P()``) is
     refused at trace time; the message named only a missing ``pcast`` of the params, which

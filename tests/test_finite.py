@@ -200,6 +200,9 @@ def _multi_steps(rule):
     return optax.MultiSteps(sgd(), 2, should_skip_update_fn=rule).gradient_transformation()
 
 
+@pytest.mark.filterwarnings(
+    r"ignore:jc\.\w+ is the inner transform of optax\.MultiSteps:UserWarning"
+)
 def test_a_multisteps_skip_rule_of_ones_own_is_refused_unless_typed_the_same_everywhere():
     """``optax.MultiSteps(jc.sgd(...), 2, should_skip_update_fn=rule)`` with a rule of the
     user's own: only optax's ``skip_not_finite`` / ``skip_large_updates`` were refused until
@@ -224,6 +227,9 @@ def test_a_multisteps_skip_rule_of_ones_own_is_refused_unless_typed_the_same_eve
     _eval_step(_multi_steps(None), "shard_map")  # optax's default rule: never skips
 
 
+@pytest.mark.filterwarnings(
+    r"ignore:jc\.\w+ is the inner transform of optax\.MultiSteps:UserWarning"
+)
 def test_a_multisteps_skip_rule_reduced_over_the_data_axis_only_is_refused_beside_shards():
     """On a 4 x 2 mesh of ``"data"`` and FSDP shards over ``"model"`` (``shard_axis``: the
     exchange sums its non-finite flag over ``"model"`` too), a rule whose verdict is the mean

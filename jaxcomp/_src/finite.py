@@ -19,14 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from optax.transforms import _accumulation, _conditionality
+from optax.transforms import _conditionality
 
-from jaxcomp._src import collectives, shards
+from jaxcomp._src import collectives, multisteps, shards
 from jaxcomp._src.axes import tracks_variance, varying_axes
 from jaxcomp._src.codecs.base import check_int
 
 _OPTAX_SKIP_FILE = inspect.getsourcefile(_conditionality)
-_MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
 # optax's skip rules for MultiSteps, each decided from this device's own gradients
 _PER_DEVICE_SKIPS = (optax.skip_not_finite, optax.skip_large_updates)
 
@@ -42,7 +41,7 @@ def _is_optax_default(rule: Any) -> bool:
     code = getattr(rule, "__code__", None)
     return (
         code is not None
-        and code.co_filename == _MULTI_STEPS_FILE
+        and code.co_filename == multisteps.MULTI_STEPS_FILE
         and code.co_name == "should_skip_update_fn"
     )
 
@@ -81,7 +80,7 @@ def _skips_per_device(frame: Any, axis_name: Any = None) -> str | None:
     code = frame.f_code
     if code.co_name == "do_update" and code.co_filename == _OPTAX_SKIP_FILE:
         return "optax.apply_if_finite"
-    if code.co_name == "update" and code.co_filename == _MULTI_STEPS_FILE:
+    if multisteps.is_multisteps_update(code):
         return _multi_steps_skips(frame, axis_name)
     return None
 

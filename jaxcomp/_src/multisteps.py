@@ -37,7 +37,12 @@ import jax
 import optax
 from optax.transforms import _accumulation
 
-_MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
+MULTI_STEPS_FILE = inspect.getsourcefile(_accumulation)
+
+
+def is_multisteps_update(code: Any) -> bool:
+    """Whether ``code`` (a frame's ``f_code``) is ``optax.MultiSteps.update``."""
+    return code.co_name == "update" and code.co_filename == MULTI_STEPS_FILE
 
 
 def _is_multisteps(node: Any) -> bool:
@@ -81,8 +86,7 @@ def _inside_multisteps() -> bool:
     """Whether this trace runs inside ``optax.MultiSteps.update`` (a frame of optax's)."""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "update" and code.co_filename == _MULTI_STEPS_FILE:
+        if is_multisteps_update(frame.f_code):
             return True
         frame = frame.f_back
     return False

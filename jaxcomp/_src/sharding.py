@@ -576,9 +576,9 @@ def check_init_arguments(tx: Any, mesh: Any) -> None:
     (its arguments swapped, a mesh axis's name for the mesh): jax's own error would be an
     AttributeError deep inside, naming neither."""
     order = "the arguments are (tx, params, mesh, axis_name)"
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+    if not callable(getattr(tx, "init", None)):  # only tx.init runs here
         raise TypeError(
-            f"`tx` must be an optax GradientTransformation (init and update), got "
+            f"`tx` must be an optax GradientTransformation (its init builds the state), got "
             f"{type(tx).__name__}: {order}"
         )
     if not isinstance(mesh, jax.sharding.Mesh):

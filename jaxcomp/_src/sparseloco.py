@@ -572,10 +572,12 @@ def sparseloco(
       sub_chunk: None (the default: the top-k over each chunk) or the values of each
         sub-chunk the top-k runs in, a divisor of ``chunk``: ``ceil(density * sub_chunk)``
         kept in each, indices in ``ceil(log2 sub_chunk)`` bits, one scale per chunk still
-        (:func:`jaxcomp.chunked_top_k`'s ``sub_chunk``). At ``chunk=1024`` and 1-bit values
-        a sent value costs 8 bits and ``32 / k`` of a scale with ``sub_chunk=128`` where it
-        costs 11 without: more values for the same bytes (size ``density`` with
-        :func:`jaxcomp.sparseloco_density` given the same ``sub_chunk``).
+        (:func:`jaxcomp.chunked_top_k`'s ``sub_chunk``). With 1-bit values a sent value
+        costs ``ceil(log2 sub_chunk) + 1 + 32 / k`` bits: ``chunk=1536, sub_chunk=24,
+        density=2 / 24`` (``k = 128``) 5 + 1 + 0.25 = 6.25, where ``chunk=1024`` without
+        costs 10 + 1 + 32 / 47 = 11.7 at ``k = 47``, so about the same bytes send 85 of each
+        1024 values instead of 47 (size ``density`` with :func:`jaxcomp.sparseloco_density`
+        given the same ``chunk`` and ``sub_chunk``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; its state is a :class:`SparseLoCoState`.

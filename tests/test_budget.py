@@ -212,7 +212,8 @@ def test_sub_chunk_density_on_the_lm_models():
     leaf, 1-bit values) chunks of 1024 keep 47 of each 1024 on the held-out pair's model (3
     layers of 64; 3029x), sub-chunks of 128 keep 8 of each 128, 64 of each 1024 (3057x;
     3128x on the benchmark's model, 2 layers of 128), and sub-chunks of 24 (5-bit indices)
-    under one scale per 1536 keep 2 of each 24, 85 of each 1024 (3103x; 3184x)."""
+    under one scale per 1536 keep 2 of each 24, 85 of each 1024 (3103x; 3184x; on the third,
+    fourth and fifth pairs' models 3161x, 3171x, 3196x)."""
     from benchmarks.budget_bytes import Model, params_of
 
     held_out, bench = params_of(Model(64, 3)), params_of(Model(128, 2))
@@ -227,3 +228,11 @@ def test_sub_chunk_density_on_the_lm_models():
     assert jc.sparseloco_density(bench, 3000, H, 2, **kw24) == 2 / 24
     assert jc.sparseloco_ratio(held_out, H, 2, density=2 / 24, **kw24) == pytest.approx(3103, abs=1)
     assert jc.sparseloco_ratio(bench, H, 2, density=2 / 24, **kw24) == pytest.approx(3184, abs=1)
+    # the same setting on the other pairs' models (docs/lm.md's row): third (2 layers of 96),
+    # fourth (3 of 96), fifth (2 of 160): 3161x, 3171x, 3196x
+    for model, ratio in ((Model(96, 2), 3161), (Model(96, 3), 3171), (Model(160, 2), 3196)):
+        other = params_of(model)
+        assert jc.sparseloco_density(other, 3000, H, 2, **kw24) == 2 / 24
+        assert jc.sparseloco_ratio(other, H, 2, density=2 / 24, **kw24) == pytest.approx(
+            ratio, abs=1
+        )

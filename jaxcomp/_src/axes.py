@@ -40,6 +40,14 @@ def manual_axes() -> frozenset:
     return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
 
 
+def split_over(x: Any, excluded: Any) -> tuple:
+    """The manual axes of size > 1, not in ``excluded``, that ``x`` is typed as differing
+    over (sorted): where each device holds a block or a value of its own."""
+    found = varying_axes(x) - set(excluded)
+    manual = manual_axes()
+    return tuple(sorted(a for a in found if a in manual and int(jax.lax.axis_size(a)) > 1))
+
+
 def check_not_mixed(axis_name: Any, name: str = "axis_name") -> None:
     """Refuse a tuple ``axis_name`` that mixes axes bound by ``jax.vmap(..., axis_name=...)``
     with manual ``jax.shard_map`` axes under ``check_vma=True`` (trace time).

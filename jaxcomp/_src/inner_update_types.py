@@ -24,9 +24,7 @@ from jaxcomp._src import axes
 
 def _extra_axes(u: Any, p: Any, own: tuple) -> tuple:
     """The manual axes of size > 1 outside ``own`` that ``u`` differs over and ``p`` not."""
-    found = axes.varying_axes(u) - axes.varying_axes(p) - set(own)
-    manual = axes.manual_axes()
-    return tuple(sorted(a for a in found if a in manual and int(jax.lax.axis_size(a)) > 1))
+    return axes.split_over(u, axes.varying_axes(p) | set(own))
 
 
 def check_inner_update(name: str, updates: Any, params: Any, own: tuple) -> None:

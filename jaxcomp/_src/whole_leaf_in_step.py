@@ -46,13 +46,6 @@ def quiet():
         _QUIET.reset(token)
 
 
-def _split_axes(x: Any, own: tuple) -> tuple:
-    """The manual axes of size > 1 outside ``own`` that ``x`` is typed as differing over."""
-    found = axes.varying_axes(x) - set(own)
-    manual = axes.manual_axes()
-    return tuple(sorted(a for a in found if a in manual and int(jax.lax.axis_size(a)) > 1))
-
-
 def _is_empty(x: Any) -> bool:
     """An empty slot of the params or of a per-leaf state field."""
     return x is None or isinstance(x, optax.MaskedNode)
@@ -65,7 +58,7 @@ def split_inner_leaves(inner_state: Any, params: Any, own: tuple) -> list:
     readers = whole_leaf_readers(inner_state, params, _is_empty)
     split = []
     for (path, x), names in zip(paths, readers, strict=True):
-        found = () if _is_empty(x) or not names else _split_axes(x, own)
+        found = () if _is_empty(x) or not names else axes.split_over(x, own)
         if found:
             split.append((jax.tree_util.keystr(path), found, names))
     return sorted(split)
